@@ -1,0 +1,178 @@
+//! kernelbot's `FullResult`, field for field.
+//!
+//! kernelbot rebuilds results with `Dataclass(**dict)` on every level, so a missing or an
+//! extra field is a crash on their side: every struct here denies unknown fields and has no
+//! defaults, and `Option` fields serialize as `null` (never omitted).
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use indexmap::IndexMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The whole result of a job: `result.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FullResult {
+    /// Did the runner itself work (not: did the tests pass).
+    pub success: bool,
+    /// Why not, when `success` is false; empty otherwise (kernelbot writes `""`).
+    pub error: String,
+    pub system: SystemInfo,
+    /// `test`, `benchmark`, `leaderboard`, `profile`, in the order they ran.
+    pub runs: IndexMap<String, EvalResult>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SystemInfo {
+    pub gpu: String,
+    pub device_count: u32,
+    pub cpu: String,
+    /// `CUDA`, `ROCm` or empty.
+    pub runtime: String,
+    pub platform: String,
+    pub torch: String,
+    pub hostname: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalResult {
+    pub start: Timestamp,
+    pub end: Timestamp,
+    pub compilation: Option<CompileResult>,
+    pub run: Option<RunResult>,
+    pub profile: Option<ProfileResult>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompileResult {
+    pub nvcc_found: bool,
+    pub nvcc_version: String,
+    pub success: bool,
+    pub command: String,
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunResult {
+    /// Exit code 0 or 112 (validation failed is still a successful run).
+    pub success: bool,
+    /// The harness wrote `check: pass`.
+    pub passed: bool,
+    pub command: String,
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+    /// Wall time of the run, seconds.
+    pub duration: f64,
+    /// `key: value` lines the harness wrote to the POPCORN pipe.
+    pub result: IndexMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileResult {
+    pub profiler: String,
+    pub trace: Option<String>,
+    pub download_url: Option<String>,
+}
+
+/// kernelbot's exit codes for the harness process.
+pub mod exit_code {
+    pub const SUCCESS: i32 = 0;
+    pub const CUDA_FAIL: i32 = 110;
+    pub const PIPE_FAILED: i32 = 111;
+    pub const VALIDATE_FAIL: i32 = 112;
+    pub const TEST_SPEC: i32 = 113;
+    pub const TIMEOUT_EXPIRED: i32 = 114;
+}
+
+/// A point in time, written as ISO 8601 with microseconds and an explicit UTC offset
+/// (`2026-11-22T10:40:00.123456+00:00`), which Python's `datetime.fromisoformat` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Timestamp(pub DateTime<Utc>);
+
+impl Timestamp {
+    pub fn now() -> Timestamp {
+        Timestamp(Utc::now())
+    }
+}
+
+impl Serialize for Timestamp {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.to_rfc3339_opts(SecondsFormat::Micros, false))
+    }
+}
+
+impl<'de> Deserialize<'de> for Timestamp {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Timestamp, D::Error> {
+        let s = String::deserialize(d)?;
+        // Python's isoformat() of a naive datetime has no offset; read it as UTC.
+        DateTime::parse_from_rfc3339(&s)
+            .map(|t| Timestamp(t.with_timezone(&Utc)))
+            .or_else(|_| {
+                chrono::NaiveDateTime::parse_from_str(&s, "%Y-%m-%dT%H:%M:%S%.f")
+                    .map(|n| Timestamp(n.and_utc()))
+            })
+            .map_err(|e| serde::de::Error::custom(format!("bad timestamp {s:?}: {e}")))
+    }
+}
+
+impl FullResult {
+    /// The result written when the runner could not evaluate at all (bad payload, no GPU):
+    /// kernelbot still gets a well-formed `result.json` saying why.
+    pub fn failure(error: impl Into<String>, system: SystemInfo) -> FullResult {
+        FullResult {
+            success: false,
+            error: error.into(),
+            system,
+            runs: IndexMap::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn missing_or_extra_fields_are_refused() {
+        let good = json!({"success": true, "error": "", "runs": {},
+            "system": {"gpu": "", "device_count": 1, "cpu": "", "runtime": "", "platform": "", "torch": "", "hostname": "h"}});
+        assert!(serde_json::from_value::<FullResult>(good.clone()).is_ok());
+        let mut extra = good.clone();
+        extra["system"]["kernel"] = json!("6.1");
+        assert!(serde_json::from_value::<FullResult>(extra).is_err());
+        let mut missing = good;
+        missing["system"].as_object_mut().unwrap().remove("hostname");
+        assert!(serde_json::from_value::<FullResult>(missing).is_err());
+    }
+
+    #[test]
+    fn timestamps_are_iso8601_with_offset_and_read_python_naive() {
+        let t: Timestamp = serde_json::from_value(json!("2025-01-02T03:04:05.123456")).unwrap();
+        assert_eq!(
+            serde_json::to_value(t).unwrap(),
+            json!("2025-01-02T03:04:05.123456+00:00")
+        );
+    }
+
+    #[test]
+    fn none_fields_serialize_as_null() {
+        let r = EvalResult {
+            start: Timestamp::now(),
+            end: Timestamp::now(),
+            compilation: None,
+            run: None,
+            profile: None,
+        };
+        let v = serde_json::to_value(r).unwrap();
+        assert!(v["compilation"].is_null() && v["run"].is_null() && v["profile"].is_null());
+        assert!(v.as_object().unwrap().contains_key("profile"));
+    }
+}
