@@ -27,7 +27,7 @@ pub enum Lang {
 }
 
 /// Evaluation mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     Test,
@@ -146,7 +146,9 @@ pub enum ConfigError {
         name: String,
         reason: &'static str,
     },
-    #[error("define name {0:?} is not a C identifier (letters, digits, '_', not starting with a digit)")]
+    #[error(
+        "define name {0:?} is not a C identifier (letters, digits, '_', not starting with a digit)"
+    )]
     BadDefineName(String),
     #[error("define {0:?} has a value that is not a string, number, boolean or null")]
     BadDefineValue(String),
@@ -163,7 +165,9 @@ pub enum ConfigError {
     BadArch(String),
     #[error("`ranking_by` {0:?} is not supported; kernelbot's runner supports \"last\"")]
     BadRanking(String),
-    #[error("`{0}` must not contain a newline in key or value (each case is one line `k: v; k: v`)")]
+    #[error(
+        "`{0}` must not contain a newline in key or value (each case is one line `k: v; k: v`)"
+    )]
     BadCase(&'static str),
     #[error("mode {0:?} needs at least one entry in `benchmarks`")]
     NoBenchmarks(&'static str),
@@ -174,8 +178,16 @@ pub enum ConfigError {
 impl RunConfig {
     /// Parses and validates a config from JSON.
     pub fn from_json(value: Value) -> Result<RunConfig, ConfigError> {
-        let cfg: RunConfig =
-            serde_json::from_value(value).map_err(|e| ConfigError::Shape(e.to_string()))?;
+        // The path names the offending field (`test_timeout: invalid type ...`).
+        let cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "." {
+                ConfigError::Shape(inner.to_string())
+            } else {
+                ConfigError::Shape(format!("{path}: {inner}"))
+            }
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -196,7 +208,10 @@ impl RunConfig {
             let main = self.main.as_deref().ok_or(ConfigError::MissingMain)?;
             if !self.sources.contains_key(main) {
                 let names: Vec<&str> = self.sources.keys().map(String::as_str).collect();
-                return Err(ConfigError::MainNotInSources(main.to_string(), names.join(", ")));
+                return Err(ConfigError::MainNotInSources(
+                    main.to_string(),
+                    names.join(", "),
+                ));
             }
         }
         for (name, value) in &self.defines {
@@ -336,9 +351,7 @@ fn check_file_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
             Component::Normal(_) => {}
             Component::ParentDir => return Err(bad("it contains '..'")),
             Component::CurDir => return Err(bad("it contains '.' components")),
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(bad("it is an absolute path"))
-            }
+            Component::RootDir | Component::Prefix(_) => return Err(bad("it is an absolute path")),
         }
     }
     if name.ends_with('/') {
@@ -386,22 +399,54 @@ mod tests {
             (json!({"main": null}), "`main` is required"),
             (json!({"main": "x.py"}), "not among `sources`"),
             (json!({"sources": {}}), "`sources` is empty"),
-            (json!({"sources": {"/etc/passwd": "", "eval.py": ""}}), "absolute path"),
-            (json!({"sources": {"../x": "", "eval.py": ""}}), "contains '..'"),
-            (json!({"sources": {"a/../../x": "", "eval.py": ""}}), "contains '..'"),
-            (json!({"lang": "cu", "defines": {"A-B": "1"}}), "not a C identifier"),
-            (json!({"lang": "cu", "flags": ["O3"]}), "must start with '-'"),
+            (
+                json!({"sources": {"/etc/passwd": "", "eval.py": ""}}),
+                "absolute path",
+            ),
+            (
+                json!({"sources": {"../x": "", "eval.py": ""}}),
+                "contains '..'",
+            ),
+            (
+                json!({"sources": {"a/../../x": "", "eval.py": ""}}),
+                "contains '..'",
+            ),
+            (
+                json!({"lang": "cu", "defines": {"A-B": "1"}}),
+                "not a C identifier",
+            ),
+            (
+                json!({"lang": "cu", "flags": ["O3"]}),
+                "must start with '-'",
+            ),
             (json!({"test_timeout": 0}), "outside the allowed range"),
-            (json!({"ranked_timeout": 100000}), "outside the allowed range"),
-            (json!({"test_timeout": -5}), "not a valid kernelbot run config"),
-            (json!({"lang": "cu", "arch": "sm_90; rm"}), "not a CUDA architecture"),
+            (
+                json!({"ranked_timeout": 100000}),
+                "outside the allowed range",
+            ),
+            (
+                json!({"test_timeout": -5}),
+                "not a valid kernelbot run config",
+            ),
+            (
+                json!({"lang": "cu", "arch": "sm_90; rm"}),
+                "not a CUDA architecture",
+            ),
             (json!({"ranking_by": "mean"}), "supports \"last\""),
             (json!({"tests": []}), "needs at least one entry in `tests`"),
-            (json!({"tests": [{"a": "x\ny"}]}), "must not contain a newline"),
-            (json!({"sources": "nope"}), "not a valid kernelbot run config"),
+            (
+                json!({"tests": [{"a": "x\ny"}]}),
+                "must not contain a newline",
+            ),
+            (
+                json!({"sources": "nope"}),
+                "not a valid kernelbot run config",
+            ),
         ];
         for (patch, want) in cases {
-            let err = with(patch.clone()).expect_err(&patch.to_string()).to_string();
+            let err = with(patch.clone())
+                .expect_err(&patch.to_string())
+                .to_string();
             assert!(err.contains(want), "{patch}: {err}");
         }
     }

@@ -42,7 +42,9 @@ pub const MAX_DECODED_BYTES: u64 = 256 * 1024 * 1024;
 /// What can be wrong with a payload. Each message says what to check.
 #[derive(Debug, thiserror::Error)]
 pub enum PayloadError {
-    #[error("payload is not valid base64 ({0}); it must be base64(zlib(JSON)) as kernelbot writes it")]
+    #[error(
+        "payload is not valid base64 ({0}); it must be base64(zlib(JSON)) as kernelbot writes it"
+    )]
     Base64(#[from] base64::DecodeError),
     #[error("payload is base64 but not zlib data ({0}); it must be base64(zlib(JSON))")]
     Zlib(std::io::Error),
@@ -109,7 +111,10 @@ pub fn to_env(payload: &str) -> Vec<(String, String)> {
         .collect();
     let mut vars = vec![
         (ENV_CHUNKS.to_string(), chunks.len().to_string()),
-        (ENV_SHA256.to_string(), hex::encode(Sha256::digest(payload.as_bytes()))),
+        (
+            ENV_SHA256.to_string(),
+            hex::encode(Sha256::digest(payload.as_bytes())),
+        ),
     ];
     for (i, c) in chunks.iter().enumerate() {
         vars.push((format!("{ENV_PAYLOAD}_{i}"), (*c).to_string()));
@@ -132,7 +137,9 @@ pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<String, PayloadE
         let mut joined = String::new();
         for i in 0..n {
             let part = get(&format!("{ENV_PAYLOAD}_{i}")).ok_or_else(|| {
-                PayloadError::Chunks(format!("{ENV_PAYLOAD}_{i} is missing ({n} chunks announced)"))
+                PayloadError::Chunks(format!(
+                    "{ENV_PAYLOAD}_{i} is missing ({n} chunks announced)"
+                ))
             })?;
             joined.push_str(part.trim());
         }
@@ -158,14 +165,22 @@ pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<String, PayloadE
 struct PythonFormatter;
 
 impl serde_json::ser::Formatter for PythonFormatter {
-    fn begin_array_value<W: ?Sized + Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             w.write_all(b", ")
         }
     }
-    fn begin_object_key<W: ?Sized + Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
@@ -175,7 +190,11 @@ impl serde_json::ser::Formatter for PythonFormatter {
     fn begin_object_value<W: ?Sized + Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
     }
-    fn write_string_fragment<W: ?Sized + Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
+    fn write_string_fragment<W: ?Sized + Write>(
+        &mut self,
+        w: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
         // ensure_ascii: everything outside printable ASCII is \uXXXX (UTF-16 units, lower hex).
         let mut start = 0;
         for (i, ch) in fragment.char_indices() {
@@ -217,7 +236,11 @@ fn python_float_repr(v: f64) -> String {
     let digits: String = mant.chars().filter(|c| *c != '.').collect();
     if !(-4..16).contains(&exp) {
         let (first, rest) = digits.split_at(1);
-        let frac = if rest.is_empty() { String::new() } else { format!(".{rest}") };
+        let frac = if rest.is_empty() {
+            String::new()
+        } else {
+            format!(".{rest}")
+        };
         let esign = if exp < 0 { '-' } else { '+' };
         return format!("{sign}{first}{frac}e{esign}{:02}", exp.abs());
     }
@@ -225,7 +248,10 @@ fn python_float_repr(v: f64) -> String {
     if point <= 0 {
         format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
     } else if point as usize >= digits.len() {
-        format!("{sign}{digits}{}.0", "0".repeat(point as usize - digits.len()))
+        format!(
+            "{sign}{digits}{}.0",
+            "0".repeat(point as usize - digits.len())
+        )
     } else {
         let (a, b) = digits.split_at(point as usize);
         format!("{sign}{a}.{b}")
@@ -290,7 +316,9 @@ mod tests {
 
     #[test]
     fn chunked_carrier_detects_missing_and_reordered_chunks() {
-        let big: String = (0..300_000).map(|i| char::from(b'A' + (i % 26) as u8)).collect();
+        let big: String = (0..300_000)
+            .map(|i| char::from(b'A' + (i % 26) as u8))
+            .collect();
         let vars = to_env(&big);
         assert!(vars.iter().all(|(k, v)| k.len() + v.len() + 2 <= 131_072));
         let map: std::collections::HashMap<_, _> = vars.into_iter().collect();
@@ -301,11 +329,16 @@ mod tests {
         let b = swapped[&format!("{ENV_PAYLOAD}_1")].clone();
         swapped.insert(format!("{ENV_PAYLOAD}_0"), b);
         swapped.insert(format!("{ENV_PAYLOAD}_1"), a);
-        assert!(matches!(from_env(|k| swapped.get(k).cloned()), Err(PayloadError::Chunks(_))));
+        assert!(matches!(
+            from_env(|k| swapped.get(k).cloned()),
+            Err(PayloadError::Chunks(_))
+        ));
 
         let mut missing = map.clone();
         missing.remove(&format!("{ENV_PAYLOAD}_2"));
-        let err = from_env(|k| missing.get(k).cloned()).unwrap_err().to_string();
+        let err = from_env(|k| missing.get(k).cloned())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("KERNELBOT_PAYLOAD_2 is missing"), "{err}");
 
         assert!(matches!(from_env(|_| None), Err(PayloadError::Missing)));
@@ -313,7 +346,10 @@ mod tests {
 
     #[test]
     fn small_payload_uses_single_variable() {
-        assert_eq!(to_env("abc"), vec![(ENV_PAYLOAD.to_string(), "abc".to_string())]);
+        assert_eq!(
+            to_env("abc"),
+            vec![(ENV_PAYLOAD.to_string(), "abc".to_string())]
+        );
     }
 
     fn arb_json() -> impl Strategy<Value = serde_json::Value> {

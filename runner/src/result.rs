@@ -149,7 +149,10 @@ mod tests {
         extra["system"]["kernel"] = json!("6.1");
         assert!(serde_json::from_value::<FullResult>(extra).is_err());
         let mut missing = good;
-        missing["system"].as_object_mut().unwrap().remove("hostname");
+        missing["system"]
+            .as_object_mut()
+            .unwrap()
+            .remove("hostname");
         assert!(serde_json::from_value::<FullResult>(missing).is_err());
     }
 

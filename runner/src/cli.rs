@@ -1,0 +1,411 @@
+//! The `kernelkite-runner` command line.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::config::{Mode, RunConfig};
+use crate::eval::{self, Evaluation, Failure, FailureKind, Options};
+use crate::result::{FullResult, RunResult};
+use crate::sysinfo::{Probe, TorchProbe};
+use crate::{example, payload, process, sysinfo};
+
+/// The evaluation ran and `result.json` was written, whatever the tests said.
+pub const EXIT_OK: u8 = 0;
+/// Something unexpected (a bug in the runner); `result.json` says so when it can.
+pub const EXIT_UNEXPECTED: u8 = 1;
+/// The payload or config is wrong (not base64/zlib/JSON, invalid config, unsafe file
+/// names). `result.json` was written with `success: false`. Retrying will not help.
+pub const EXIT_BAD_PAYLOAD: u8 = 2;
+/// The node could not do the job: no GPU when one is required, no nvcc for a CUDA job, no
+/// profiler for profile mode, no Python, a missing include directory, a work directory or
+/// `result.json` that cannot be written, or the job was cancelled by a signal. Retrying (on
+/// another node) may help.
+pub const EXIT_INFRASTRUCTURE: u8 = 3;
+
+const AFTER_HELP: &str = "\
+PAYLOAD CARRIERS (first found wins):
+  1. --payload-file PATH: a file holding base64(zlib(JSON config)), as kernelbot makes it.
+  2. KERNELBOT_PAYLOAD_CHUNKS=N with KERNELBOT_PAYLOAD_0 .. KERNELBOT_PAYLOAD_{N-1} and
+     KERNELBOT_PAYLOAD_SHA256 (hex SHA-256 of the joined chunks), for payloads over Linux's
+     128 KiB limit on one environment string.
+  3. KERNELBOT_PAYLOAD: the whole payload in one variable.
+  The payload variables and credentials (BUILDKITE_AGENT_ACCESS_TOKEN, the job API,
+  *_TOKEN, *_SECRET, *_PASSWORD, *_API_KEY) are removed from the harness's environment,
+  and neither the payload nor the seed is ever logged.
+
+EXIT CODES:
+  0  the evaluation ran and result.json was written (whatever the tests said)
+  1  unexpected runner error (a bug); result.json says so when it can be written
+  2  bad payload or config; result.json was written with success=false and the reason
+  3  infrastructure failure (no GPU when required, no nvcc, no profiler, no python,
+     work directory or result.json not writable, cancelled by SIGTERM/SIGINT/SIGHUP);
+     safe to retry on another node
+
+EXAMPLE:
+  kernelkite-runner --example                 # evaluate the built-in vector-add task
+  kernelkite-runner --example --print-payload > payload.txt
+  kernelkite-runner --payload-file payload.txt --output result.json";
+
+/// Evaluates a kernelbot submission (payload = base64(zlib(JSON run config))) over the
+/// POPCORN protocol and writes kernelbot's result.json.
+#[derive(Debug, Parser)]
+#[command(name = "kernelkite-runner", version, after_help = AFTER_HELP)]
+pub struct Args {
+    /// Read the payload from this file instead of the environment.
+    #[arg(long, env = "KERNELKITE_PAYLOAD_FILE", value_name = "PATH")]
+    pub payload_file: Option<PathBuf>,
+    /// Directory the submission is written to and run in; created if missing, should be
+    /// empty. Default: a fresh temporary directory, removed afterwards.
+    #[arg(long, env = "KERNELKITE_WORKDIR", value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
+    /// Where to write result.json.
+    #[arg(
+        long,
+        env = "KERNELKITE_OUTPUT",
+        value_name = "PATH",
+        default_value = "result.json"
+    )]
+    pub output: PathBuf,
+    /// Python interpreter for py submissions (kernelbot runs `python3`).
+    #[arg(
+        long,
+        env = "KERNELKITE_PYTHON",
+        value_name = "CMD",
+        default_value = "python3"
+    )]
+    pub python: String,
+    /// nvcc to use instead of searching PATH, $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin.
+    #[arg(long, env = "KERNELKITE_NVCC", value_name = "PATH")]
+    pub nvcc: Option<PathBuf>,
+    /// Fail with exit code 3 when no GPU is detected (set this on GPU nodes).
+    #[arg(long, env = "KERNELKITE_REQUIRE_GPU", value_parser = clap::builder::BoolishValueParser::new())]
+    pub require_gpu: bool,
+    /// How to find the torch version for system info.
+    #[arg(
+        long,
+        env = "KERNELKITE_TORCH_PROBE",
+        value_enum,
+        default_value = "files"
+    )]
+    pub torch_probe: TorchProbe,
+    /// Evaluate the built-in example task (a CPU-only vector add) instead of a payload.
+    #[arg(long)]
+    pub example: bool,
+    /// Mode for --example.
+    #[arg(long, value_enum, default_value = "leaderboard", requires = "example")]
+    pub example_mode: Mode,
+    /// With --example: print the example's payload (for --payload-file) and exit.
+    #[arg(long, requires = "example")]
+    pub print_payload: bool,
+}
+
+pub fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::from(EXIT_UNEXPECTED)
+        }
+    }
+}
+
+/// The whole command; returns the exit code.
+pub fn run(args: &Args) -> anyhow::Result<u8> {
+    if args.example && args.print_payload {
+        println!("{}", payload::encode(&example::config(args.example_mode))?);
+        return Ok(EXIT_OK);
+    }
+    let probe = Probe {
+        python: args.python.clone(),
+        torch: args.torch_probe,
+        ..Probe::default()
+    };
+    let system = sysinfo::collect(&probe);
+
+    let (evaluation, secrets) = match load_config(args) {
+        Err((failure, secrets)) => (
+            Evaluation {
+                result: FullResult::failure(failure.message.clone(), system),
+                failure: Some(failure),
+            },
+            secrets,
+        ),
+        Ok((cfg, secrets)) => {
+            for w in cfg.validate().unwrap_or_default() {
+                tracing::warn!("{w}");
+            }
+            // A bug in the runner must still leave kernelbot a result.json saying so.
+            let fallback = system.clone();
+            let evaluated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                evaluate_in_workdir(args, &cfg, system)
+            }));
+            match evaluated {
+                Ok(ev) => (ev, secrets),
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".into());
+                    let message = format!("internal runner error (a bug, please report): {what}");
+                    let result = FullResult::failure(message, fallback);
+                    let _ = write_result(&args.output, &result);
+                    return Ok(EXIT_UNEXPECTED);
+                }
+            }
+        }
+    };
+    let redact = |s: &str| {
+        secrets.iter().fold(s.to_string(), |acc, sec| {
+            acc.replace(sec.as_str(), "<redacted>")
+        })
+    };
+
+    let written = write_result(&args.output, &evaluation.result);
+    // A closed stdout must not turn a finished evaluation into a panic.
+    let mut stdout = std::io::stdout().lock();
+    let _ = write!(stdout, "{}", redact(&summary(&evaluation, &args.output)));
+    let _ = stdout.flush();
+    if let Err(e) = written {
+        tracing::error!(
+            "cannot write {}: {e}; check the path and permissions",
+            args.output.display()
+        );
+        return Ok(EXIT_INFRASTRUCTURE);
+    }
+    Ok(match evaluation.failure.map(|f| f.kind) {
+        None => EXIT_OK,
+        Some(FailureKind::BadConfig) => EXIT_BAD_PAYLOAD,
+        Some(FailureKind::Infrastructure) => EXIT_INFRASTRUCTURE,
+    })
+}
+
+/// The config, and the strings that must never be printed (the seed, in every spelling the
+/// config gives it; seeds under three characters would redact ordinary numbers and are no
+/// secret anyway).
+fn load_config(args: &Args) -> Result<(RunConfig, Vec<String>), (Failure, Vec<String>)> {
+    let json = if args.example {
+        example::config(args.example_mode)
+    } else {
+        let text = match &args.payload_file {
+            Some(path) => std::fs::read_to_string(path).map_err(|e| {
+                Failure::bad_config(format!(
+                    "cannot read the payload file {}: {e}",
+                    path.display()
+                ))
+            }),
+            None => payload::from_env(|k| std::env::var(k).ok())
+                .map_err(|e| Failure::bad_config(e.to_string())),
+        };
+        let decoded =
+            text.and_then(|t| payload::decode(&t).map_err(|e| Failure::bad_config(e.to_string())));
+        decoded.map_err(|f| (f, Vec::new()))?
+    };
+    let secrets = secrets_of(&json);
+    match RunConfig::from_json(json) {
+        Ok(cfg) => Ok((cfg, secrets)),
+        Err(e) => Err((Failure::bad_config(e.to_string()), secrets)),
+    }
+}
+
+fn secrets_of(json: &serde_json::Value) -> Vec<String> {
+    match json.get("seed") {
+        Some(serde_json::Value::Null) | None => Vec::new(),
+        Some(serde_json::Value::String(s)) if !s.is_empty() => vec![s.clone()],
+        Some(v) => vec![v.to_string()],
+    }
+    .into_iter()
+    .filter(|s| s.len() >= 3)
+    .collect()
+}
+
+fn evaluate_in_workdir(
+    args: &Args,
+    cfg: &RunConfig,
+    system: crate::result::SystemInfo,
+) -> Evaluation {
+    let fail = |f: Failure, system| Evaluation {
+        result: FullResult::failure(f.message.clone(), system),
+        failure: Some(f),
+    };
+    // The temporary directory lives until the evaluation is over.
+    let (dir, _guard) = match &args.workdir {
+        Some(d) => {
+            if let Err(e) = std::fs::create_dir_all(d) {
+                return fail(
+                    Failure::infrastructure(format!(
+                        "cannot create work directory {}: {e}",
+                        d.display()
+                    )),
+                    system,
+                );
+            }
+            (d.clone(), None)
+        }
+        None => match tempfile::Builder::new().prefix("kernelkite-").tempdir() {
+            Ok(t) => (t.path().to_path_buf(), Some(t)),
+            Err(e) => {
+                return fail(
+                    Failure::infrastructure(format!(
+                        "cannot create a temporary work directory in {}: {e}",
+                        std::env::temp_dir().display()
+                    )),
+                    system,
+                )
+            }
+        },
+    };
+    if let Err(f) = eval::check_workdir(&dir) {
+        return fail(f, system);
+    }
+    process::install_cancel_handlers();
+    let reap_orphans = match process::become_subreaper() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!("cannot become a child subreaper ({e}); descendants that escape the process group may outlive the job");
+            false
+        }
+    };
+    let opts = Options {
+        python: args.python.clone(),
+        system: Some(system),
+        require_gpu: args.require_gpu,
+        reap_orphans,
+        nvcc: args.nvcc.clone(),
+        ..Options::new(dir)
+    };
+    eval::evaluate(cfg, &opts)
+}
+
+/// Writes `result.json` atomically (a reader never sees half a file). No fsync: the agent
+/// uploads it from the same machine's page cache right after, and a crash loses the job anyway.
+pub fn write_result(path: &Path, result: &FullResult) -> std::io::Result<()> {
+    let json = serde_json::to_vec_pretty(result)?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".result-")
+        .tempfile_in(&dir)?;
+    tmp.write_all(&json)?;
+    tmp.write_all(b"\n")?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+fn describe_run(run: &RunResult) -> String {
+    let verdict = if run.exit_code == crate::result::exit_code::TIMEOUT_EXPIRED && !run.success {
+        "timed out".to_string()
+    } else if run.passed {
+        "passed".to_string()
+    } else if run.success {
+        "did not pass".to_string()
+    } else {
+        "crashed".to_string()
+    };
+    format!(
+        "{verdict} (exit {}, {:.3} s, {} result lines)",
+        run.exit_code,
+        run.duration,
+        run.result.len()
+    )
+}
+
+/// The human summary for the build log, in Buildkite sections. Never includes the payload,
+/// the seed or the submission's output.
+pub fn summary(ev: &Evaluation, output: &Path) -> String {
+    let r = &ev.result;
+    let s = &r.system;
+    let mut out = String::new();
+    out.push_str("--- kernelkite-runner: system\n");
+    out.push_str(&format!(
+        "gpu: {} x{} ({}), cpu: {}, torch: {}, host: {}\n",
+        if s.gpu.is_empty() { "none" } else { &s.gpu },
+        s.device_count,
+        if s.runtime.is_empty() {
+            "no GPU runtime"
+        } else {
+            &s.runtime
+        },
+        s.cpu,
+        if s.torch.is_empty() { "-" } else { &s.torch },
+        s.hostname
+    ));
+    for (name, run) in &r.runs {
+        let mut line = String::new();
+        if let Some(c) = &run.compilation {
+            line.push_str(&format!(
+                "compile: {} (exit {}){}; ",
+                if c.success { "ok" } else { "failed" },
+                c.exit_code,
+                if c.nvcc_found { "" } else { ", nvcc not found" }
+            ));
+        }
+        match &run.run {
+            Some(x) => line.push_str(&format!("run: {}", describe_run(x))),
+            None => line.push_str("run: not started"),
+        }
+        if let Some(p) = &run.profile {
+            line.push_str(&format!("; profile: {}", p.profiler));
+        }
+        out.push_str(&format!("--- {name}: {line}\n"));
+    }
+    match &ev.failure {
+        None => out.push_str(&format!(
+            "--- result: evaluation complete, written to {}\n",
+            output.display()
+        )),
+        Some(f) => {
+            let what = match f.kind {
+                FailureKind::BadConfig => "bad payload or config",
+                FailureKind::Infrastructure => "infrastructure failure",
+            };
+            out.push_str(&format!("+++ result: {what}: {}\n", f.message));
+            out.push_str(&format!(
+                "result.json written to {} with success=false\n",
+                output.display()
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn help_documents_carriers_and_exit_codes() {
+        let help = Args::command().render_long_help().to_string();
+        for want in [
+            "KERNELBOT_PAYLOAD_CHUNKS",
+            "--payload-file",
+            "EXIT CODES",
+            "infrastructure failure",
+            "KERNELKITE_PYTHON",
+        ] {
+            assert!(help.contains(want), "{want} missing from --help");
+        }
+    }
+
+    #[test]
+    fn seeds_are_collected_for_redaction() {
+        assert_eq!(secrets_of(&serde_json::json!({"seed": 123})), ["123"]);
+        assert_eq!(secrets_of(&serde_json::json!({"seed": "7777"})), ["7777"]);
+        assert!(secrets_of(&serde_json::json!({"seed": null})).is_empty());
+    }
+}

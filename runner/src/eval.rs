@@ -1,0 +1,729 @@
+//! The evaluation: kernelbot's `run_config`, in process.
+//!
+//! Semantics follow kernelbot: `test`/`benchmark` run once, `leaderboard`/`private` run test
+//! → benchmark → leaderboard and stop at the first run that did not pass, `profile` runs every
+//! benchmark line under the profiler as `profile.0`, `profile.1`, ... Python submissions get
+//! the `python3 submission.py` "compile" pre-run; CUDA submissions are compiled with nvcc and
+//! their sources removed before the binary runs.
+//!
+//! Where kernelbot would raise (no nvcc, no profiler, a missing include directory), the
+//! runner returns a well-formed [`FullResult`] with `success: false` and a [`Failure`] that
+//! says whether the job or the node is at fault.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine as _;
+use indexmap::IndexMap;
+
+use crate::config::{cases_text, Lang, Mode, RankingBy, RunConfig, COMPILE_TIMEOUT_S};
+use crate::cuda;
+use crate::process::{self, Outcome, Spec};
+use crate::profile::{self, python_splitlines, Profiler};
+use crate::result::{
+    exit_code, CompileResult, EvalResult, FullResult, ProfileResult, RunResult, SystemInfo,
+    Timestamp,
+};
+use crate::sysinfo::{self, Probe};
+use crate::text::{limit_length, shell_join, MAX_OUTPUT_CHARS};
+use crate::workdir::{self, WriteError};
+
+/// How to evaluate. [`Options::new`] gives the defaults the CLI uses.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Existing directory the submission's files are written to and run in.
+    pub workdir: PathBuf,
+    /// The Python interpreter (`python3` on PATH by default).
+    pub python: String,
+    /// System probing; ignored when `system` is given.
+    pub probe: Probe,
+    /// Use this instead of probing (tests, callers that probed already).
+    pub system: Option<SystemInfo>,
+    /// Refuse to run when no GPU is detected (an infrastructure failure).
+    pub require_gpu: bool,
+    /// Kill descendants that escaped the process group (see [`process::Spec::reap_orphans`]).
+    pub reap_orphans: bool,
+    /// nvcc to use instead of searching.
+    pub nvcc: Option<PathBuf>,
+    /// CUDA installs searched for `bin/nvcc` after PATH, `$CUDA_HOME` and `$CUDA_PATH`.
+    pub cuda_fallbacks: Vec<PathBuf>,
+    pub compile_timeout: Duration,
+}
+
+impl Options {
+    pub fn new(workdir: impl Into<PathBuf>) -> Options {
+        Options {
+            workdir: workdir.into(),
+            python: "python3".into(),
+            probe: Probe::default(),
+            system: None,
+            require_gpu: false,
+            reap_orphans: false,
+            nvcc: None,
+            cuda_fallbacks: vec![PathBuf::from("/usr/local/cuda")],
+            compile_timeout: Duration::from_secs(COMPILE_TIMEOUT_S),
+        }
+    }
+}
+
+/// Whose fault a failed evaluation is; the CLI maps these to exit codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The payload or config is wrong; retrying will not help.
+    BadConfig,
+    /// The node cannot run the job (no GPU, no nvcc, no profiler, no Python, disk); another
+    /// node or a retry may.
+    Infrastructure,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn bad_config(message: impl Into<String>) -> Failure {
+        Failure {
+            kind: FailureKind::BadConfig,
+            message: message.into(),
+        }
+    }
+    pub fn infrastructure(message: impl Into<String>) -> Failure {
+        Failure {
+            kind: FailureKind::Infrastructure,
+            message: message.into(),
+        }
+    }
+}
+
+/// The result, and why it is a failure if it is one. `result.success` is false exactly when
+/// `failure` is set, and then `result.error` is its message.
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    pub result: FullResult,
+    pub failure: Option<Failure>,
+}
+
+/// kernelbot's `run_config`: evaluates `cfg` and returns `result.json`'s content.
+pub fn run_config(cfg: &RunConfig, opts: &Options) -> FullResult {
+    evaluate(cfg, opts).result
+}
+
+/// [`run_config`] with the failure classified.
+pub fn evaluate(cfg: &RunConfig, opts: &Options) -> Evaluation {
+    let system = opts
+        .system
+        .clone()
+        .unwrap_or_else(|| sysinfo::collect(&opts.probe));
+    let mut runs = IndexMap::new();
+    let failure = evaluate_into(cfg, opts, &system, &mut runs).err();
+    Evaluation {
+        result: FullResult {
+            success: failure.is_none(),
+            error: failure
+                .as_ref()
+                .map(|f| f.message.clone())
+                .unwrap_or_default(),
+            system,
+            runs,
+        },
+        failure,
+    }
+}
+
+fn evaluate_into(
+    cfg: &RunConfig,
+    opts: &Options,
+    system: &SystemInfo,
+    runs: &mut IndexMap<String, EvalResult>,
+) -> Result<(), Failure> {
+    cfg.validate()
+        .map_err(|e| Failure::bad_config(e.to_string()))?;
+    if opts.require_gpu && system.device_count == 0 {
+        return Err(Failure::infrastructure(
+            "no GPU found (NVML, nvidia-smi and rocm-smi saw none) but a GPU is required; check the node's driver and the job's device request",
+        ));
+    }
+    if cfg.multi_gpu && system.device_count == 0 {
+        return Err(Failure::infrastructure(
+            "the config sets multi_gpu, which needs the GPU count for POPCORN_GPUS, but no GPU was found",
+        ));
+    }
+    let profiler = match cfg.mode {
+        Mode::Profile => Some(profile::select(&system.runtime).map_err(Failure::infrastructure)?),
+        _ => None,
+    };
+    let job = Job {
+        cfg,
+        opts,
+        system,
+        profiler,
+        nvcc: None,
+    };
+    let job = match cfg.lang {
+        Lang::Cuda => {
+            let Some(nvcc) = cuda::find_nvcc(opts.nvcc.as_deref(), &opts.cuda_fallbacks) else {
+                // kernelbot's record of a failed `which nvcc`, plus the reason for the node.
+                let first = match cfg.mode {
+                    Mode::Leaderboard | Mode::Private => "test".to_string(),
+                    Mode::Profile => "profile.0".to_string(),
+                    m => m.as_str().to_string(),
+                };
+                let now = Timestamp::now();
+                runs.insert(
+                    first,
+                    EvalResult {
+                        start: now,
+                        end: now,
+                        compilation: Some(CompileResult {
+                            nvcc_found: false,
+                            nvcc_version: String::new(),
+                            success: false,
+                            command: "which nvcc".into(),
+                            stdout: String::new(),
+                            stderr: String::new(),
+                            exit_code: 1,
+                        }),
+                        run: None,
+                        profile: None,
+                    },
+                );
+                return Err(Failure::infrastructure(
+                    "nvcc not found (looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin and /usr/local/cuda/bin); install the CUDA toolkit on the node or pass --nvcc",
+                ));
+            };
+            cuda::check_include_dirs(&cfg.include_dirs).map_err(Failure::infrastructure)?;
+            Job {
+                nvcc: Some(nvcc),
+                ..job
+            }
+        }
+        Lang::Python => job,
+    };
+
+    match cfg.mode {
+        Mode::Test | Mode::Benchmark => {
+            let r = job.run_mode(cfg.mode.as_str(), &job.benchmark_lines())?;
+            runs.insert(cfg.mode.as_str().to_string(), r);
+            check_cancelled()?;
+        }
+        Mode::Profile => {
+            for (i, line) in python_splitlines(&job.benchmark_lines())
+                .into_iter()
+                .enumerate()
+            {
+                let r = job.run_mode("profile", &format!("{line}\n"))?;
+                runs.insert(format!("profile.{i}"), r);
+                check_cancelled()?;
+            }
+        }
+        Mode::Leaderboard | Mode::Private => {
+            for mode in ["test", "benchmark", "leaderboard"] {
+                let r = job.run_mode(mode, &job.benchmark_lines())?;
+                let passed = r.run.as_ref().is_some_and(|run| run.passed);
+                runs.insert(mode.to_string(), r);
+                check_cancelled()?;
+                if !passed {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A cancelled job stops after the run that was killed (kept in `runs` for the record).
+fn check_cancelled() -> Result<(), Failure> {
+    if process::cancelled() {
+        Err(Failure::infrastructure(
+            "cancelled: the runner received SIGTERM/SIGINT/SIGHUP and killed the running process group",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+struct Job<'a> {
+    cfg: &'a RunConfig,
+    opts: &'a Options,
+    system: &'a SystemInfo,
+    profiler: Option<Profiler>,
+    nvcc: Option<PathBuf>,
+}
+
+impl Job<'_> {
+    fn benchmark_lines(&self) -> String {
+        cases_text(&self.cfg.benchmarks)
+    }
+
+    /// One kernelbot runner call (`run_pytorch_script` / `run_cuda_script`) for `mode`.
+    fn run_mode(&self, mode: &str, benchmarks: &str) -> Result<EvalResult, Failure> {
+        check_cancelled()?;
+        let start = Timestamp::now();
+        let (compilation, call) = match self.cfg.lang {
+            Lang::Python => {
+                self.write_files(self.cfg.sources.iter())?;
+                let outcome = self.python_eval(mode, benchmarks);
+                self.remove_files(self.cfg.sources.keys());
+                let (compilation, run, profile) = outcome?;
+                return Ok(EvalResult {
+                    start,
+                    end: Timestamp::now(),
+                    compilation,
+                    run: Some(run),
+                    profile,
+                });
+            }
+            Lang::Cuda => {
+                self.write_files(self.cfg.sources.iter().chain(self.cfg.headers.iter()))?;
+                let compiled = self.compile();
+                // kernelbot removes the sources before the user's binary runs, whatever happened.
+                self.remove_files(self.cfg.sources.keys().chain(self.cfg.headers.keys()));
+                let compiled = compiled?;
+                if !compiled.success {
+                    return Ok(EvalResult {
+                        start,
+                        end: Timestamp::now(),
+                        compilation: Some(compiled),
+                        run: None,
+                        profile: None,
+                    });
+                }
+                (Some(compiled), vec![format!("./{}", cuda::OUTPUT_BINARY)])
+            }
+        };
+        let (run, profile) = self.single_evaluation(call, mode, benchmarks)?;
+        Ok(EvalResult {
+            start,
+            end: Timestamp::now(),
+            compilation,
+            run: Some(run),
+            profile,
+        })
+    }
+
+    fn python_eval(
+        &self,
+        mode: &str,
+        benchmarks: &str,
+    ) -> Result<(Option<CompileResult>, RunResult, Option<ProfileResult>), Failure> {
+        // kernelbot's "compile" step: run the submission once to fill load_inline's cache. It
+        // names `submission.py`; without such a file there is nothing to warm up.
+        let compilation = if self.cfg.sources.contains_key("submission.py") {
+            let call = vec![self.opts.python.clone(), "submission.py".into()];
+            let pre = self.run_program(&call, Some(1), self.opts.compile_timeout, &[])?;
+            pre.stdout
+                .contains("-DTORCH_EXTENSION_NAME")
+                .then(|| CompileResult {
+                    nvcc_found: true,
+                    nvcc_version: String::new(),
+                    success: true,
+                    command: pre.command.clone(),
+                    stdout: pre.stdout.clone(),
+                    stderr: pre.stderr.clone(),
+                    exit_code: pre.exit_code,
+                })
+        } else {
+            None
+        };
+        let main = self.cfg.main.clone().unwrap_or_default();
+        let (run, profile) =
+            self.single_evaluation(vec![self.opts.python.clone(), main], mode, benchmarks)?;
+        Ok((compilation, run, profile))
+    }
+
+    fn write_files<'b>(
+        &self,
+        files: impl Iterator<Item = (&'b String, &'b String)>,
+    ) -> Result<(), Failure> {
+        let mut written: Vec<&String> = Vec::new();
+        for (name, content) in files {
+            // A previous mode's run may have left a file of that name; kernelbot overwrites.
+            let result = workdir::remove_file(&self.opts.workdir, name)
+                .and_then(|()| workdir::write_file(&self.opts.workdir, name, content.as_bytes()));
+            if let Err(e) = result {
+                // Leave no half-written submission behind.
+                self.remove_files(written.into_iter());
+                return Err(write_failure(e));
+            }
+            written.push(name);
+        }
+        Ok(())
+    }
+
+    fn remove_files<'b>(&self, names: impl Iterator<Item = &'b String>) {
+        for name in names {
+            if let Err(e) = workdir::remove_file(&self.opts.workdir, name) {
+                tracing::warn!("could not remove {name:?} from the work directory: {e}");
+            }
+        }
+    }
+
+    fn compile(&self) -> Result<CompileResult, Failure> {
+        let nvcc = self.nvcc.clone().unwrap_or_default();
+        let nvcc_str = nvcc.to_string_lossy().into_owned();
+        let version = self.tool(
+            &nvcc_str,
+            &["--version".to_string()],
+            Duration::from_secs(30),
+        )?;
+        if version.exit_code != 0 || version.timed_out {
+            return Ok(CompileResult {
+                nvcc_found: false,
+                nvcc_version: String::new(),
+                success: false,
+                command: shell_join(&["nvcc", "--version"]),
+                stdout: version.stdout.finish(),
+                stderr: version.stderr.finish(),
+                exit_code: version.exit_code,
+            });
+        }
+        // kernelbot keeps the whole `nvcc --version` text.
+        let nvcc_version = version.stdout.finish();
+        let mut command = vec![nvcc_str.clone()];
+        command.extend(cuda::compile_args(self.cfg));
+        tracing::info!("compiling with nvcc ({} sources)", self.cfg.sources.len());
+        let out = self.tool(&nvcc_str, &command[1..], self.opts.compile_timeout)?;
+        let mut stderr = out.stderr.finish();
+        if out.timed_out {
+            stderr.push_str(&format!(
+                "\nnvcc did not finish within {} s and was killed",
+                self.opts.compile_timeout.as_secs()
+            ));
+            stderr = limit_length(&stderr, MAX_OUTPUT_CHARS);
+        }
+        Ok(CompileResult {
+            nvcc_found: true,
+            nvcc_version,
+            success: out.exit_code == 0 && !out.timed_out,
+            command: shell_join(&command),
+            stdout: out.stdout.finish(),
+            stderr,
+            exit_code: if out.timed_out {
+                exit_code::TIMEOUT_EXPIRED
+            } else {
+                out.exit_code
+            },
+        })
+    }
+
+    /// Runs a tool (nvcc, ncu) in the work directory without the POPCORN pipe.
+    fn tool(&self, program: &str, args: &[String], timeout: Duration) -> Result<Outcome, Failure> {
+        let spec = Spec {
+            program: program.into(),
+            args: args.iter().map(OsString::from).collect(),
+            cwd: self.opts.workdir.clone(),
+            env: vec![],
+            env_remove: payload_vars(),
+            timeout,
+            popcorn: false,
+            reap_orphans: self.opts.reap_orphans,
+        };
+        process::run(&spec)
+            .map_err(|e| Failure::infrastructure(format!("could not start {program}: {e}")))
+    }
+
+    /// kernelbot's `run_single_evaluation`: the cases file, the timeout, the mode argument.
+    fn single_evaluation(
+        &self,
+        mut call: Vec<String>,
+        mode: &str,
+        benchmarks: &str,
+    ) -> Result<(RunResult, Option<ProfileResult>), Failure> {
+        let (cases, timeout) = match mode {
+            "test" => (cases_text(&self.cfg.tests), self.cfg.test_timeout),
+            "leaderboard" => (
+                pick(benchmarks, &self.cfg.ranking_by),
+                self.cfg.ranked_timeout,
+            ),
+            _ => (
+                pick(benchmarks, &self.cfg.ranking_by),
+                self.cfg.benchmark_timeout,
+            ),
+        };
+        let mut file = tempfile::Builder::new()
+            .prefix("kernelkite-cases-")
+            .tempfile()
+            .map_err(|e| {
+                Failure::infrastructure(format!(
+                    "cannot create the cases file in {}: {e}",
+                    std::env::temp_dir().display()
+                ))
+            })?;
+        std::io::Write::write_all(&mut file, cases.as_bytes())
+            .map_err(|e| Failure::infrastructure(format!("cannot write the cases file: {e}")))?;
+        call.push(mode.to_string());
+        call.push(file.path().to_string_lossy().into_owned());
+        let timeout = Duration::from_secs(timeout);
+        match (&self.profiler, mode) {
+            (Some(p), "profile") => self.profile_run(p, &call, timeout),
+            _ => Ok((self.run_program(&call, self.cfg.seed, timeout, &[])?, None)),
+        }
+    }
+
+    fn profile_run(
+        &self,
+        profiler: &Profiler,
+        call: &[String],
+        timeout: Duration,
+    ) -> Result<(RunResult, Option<ProfileResult>), Failure> {
+        let tmp = tempfile::Builder::new()
+            .prefix("kernelkite-profile-")
+            .tempdir_in(&self.opts.workdir)
+            .map_err(|e| {
+                Failure::infrastructure(format!("cannot create the profile directory: {e}"))
+            })?;
+        let out_dir = tmp.path().join("profile_data");
+        std::fs::create_dir(&out_dir).map_err(|e| {
+            Failure::infrastructure(format!("cannot create {}: {e}", out_dir.display()))
+        })?;
+        let (program, args, env) = profiler.wrap(&out_dir, call);
+        let mut full = vec![program];
+        full.extend(args);
+        let mut run = self.run_program(&full, self.cfg.seed, timeout, &env)?;
+        if let Profiler::Ncu(ncu) = profiler {
+            let rep = format!("{}/profile.ncu-rep", out_dir.display());
+            let args = [
+                "--import".to_string(),
+                rep,
+                "--print-details".into(),
+                "body".into(),
+            ];
+            if let Ok(o) = self.tool(&ncu.to_string_lossy(), &args, timeout) {
+                if o.exit_code == 0 && !o.timed_out {
+                    let report =
+                        profile::filter_ncu_report(&o.stdout.finish(), &profile::NCU_TABLES);
+                    let encoded =
+                        base64::engine::general_purpose::STANDARD.encode(report.as_bytes());
+                    run.result.insert("benchmark.0.report".into(), encoded);
+                }
+            }
+        }
+        if !run.success {
+            return Ok((run, None));
+        }
+        if let Profiler::Rocprof(_) = profiler {
+            if let Err(e) = profile::merge_rocprof_traces(&out_dir, &self.opts.workdir) {
+                tracing::warn!("could not merge rocprofv3 traces: {e}");
+            }
+        }
+        let zip = crate::ziparchive::zip_dir(&out_dir).map_err(|e| {
+            Failure::infrastructure(format!("cannot archive the profile data: {e}"))
+        })?;
+        Ok((
+            run,
+            Some(ProfileResult {
+                profiler: profiler.name().to_string(),
+                trace: Some(base64::engine::general_purpose::STANDARD.encode(zip)),
+                download_url: None,
+            }),
+        ))
+    }
+
+    /// kernelbot's `run_program`.
+    fn run_program(
+        &self,
+        call: &[String],
+        seed: Option<i64>,
+        timeout: Duration,
+        extra_env: &[(String, String)],
+    ) -> Result<RunResult, Failure> {
+        let mut env: Vec<(OsString, OsString)> = extra_env
+            .iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        if let Some(s) = seed {
+            env.push(("POPCORN_SEED".into(), s.to_string().into()));
+        }
+        if self.cfg.multi_gpu {
+            env.push((
+                "POPCORN_GPUS".into(),
+                self.system.device_count.to_string().into(),
+            ));
+        }
+        let spec = Spec {
+            program: call[0].clone().into(),
+            args: call[1..].iter().map(OsString::from).collect(),
+            cwd: self.opts.workdir.clone(),
+            env,
+            env_remove: payload_vars(),
+            timeout,
+            popcorn: true,
+            reap_orphans: self.opts.reap_orphans,
+        };
+        let out = process::run(&spec).map_err(|e| spawn_failure(&call[0], e))?;
+        if out.popcorn_truncated {
+            tracing::warn!(
+                "the POPCORN pipe carried more than {} bytes; the rest was dropped",
+                process::MAX_POPCORN_BYTES
+            );
+        }
+        Ok(run_result(call, &out, timeout))
+    }
+}
+
+/// `RunResult` from a finished (or timed-out) process, as kernelbot builds it.
+pub fn run_result(call: &[String], out: &Outcome, timeout: Duration) -> RunResult {
+    if out.timed_out {
+        return RunResult {
+            success: false,
+            passed: false,
+            command: shell_join(call),
+            stdout: out.stdout.finish(),
+            stderr: out.stderr.finish(),
+            exit_code: exit_code::TIMEOUT_EXPIRED,
+            duration: timeout.as_secs_f64(),
+            result: IndexMap::new(),
+        };
+    }
+    let result = parse_popcorn(&out.popcorn);
+    RunResult {
+        success: out.exit_code == exit_code::SUCCESS || out.exit_code == exit_code::VALIDATE_FAIL,
+        passed: result.get("check").is_some_and(|v| v == "pass"),
+        command: shell_join(call),
+        stdout: out.stdout.finish(),
+        stderr: out.stderr.finish(),
+        exit_code: out.exit_code,
+        duration: out.duration.as_secs_f64(),
+        result,
+    }
+}
+
+/// kernelbot's reading of the POPCORN pipe: every line is `key: value` (split at the first
+/// colon, both stripped); a line that is empty on both sides is skipped; a repeated key
+/// keeps its first position and its last value.
+pub fn parse_popcorn(raw: &[u8]) -> IndexMap<String, String> {
+    let text = crate::text::universal_newlines(&String::from_utf8_lossy(raw));
+    let mut out = IndexMap::new();
+    for line in python_splitlines(&text) {
+        let (k, v) = line.split_once(':').unwrap_or((line, ""));
+        if !k.is_empty() || !v.is_empty() {
+            out.insert(k.trim().to_string(), v.trim().to_string());
+        }
+    }
+    out
+}
+
+/// kernelbot's `ranking_by == "last"`: only the last benchmark line.
+fn pick(benchmarks: &str, ranking: &RankingBy) -> String {
+    match ranking {
+        RankingBy::Last => {
+            let last = benchmarks
+                .split_inclusive('\n')
+                .next_back()
+                .unwrap_or_default();
+            last.to_string()
+        }
+        RankingBy::Other(_) => benchmarks.to_string(),
+    }
+}
+
+/// Variables never passed to the submission or the tools: the payload carriers (the config
+/// holds the seed of secret leaderboard runs) and credentials, above all the Buildkite
+/// agent's, with which a submission could upload a forged `result.json` artifact.
+fn payload_vars() -> Vec<OsString> {
+    scrubbed_vars(std::env::vars_os().map(|(k, _)| k))
+}
+
+/// Which of `names` [`payload_vars`] removes.
+pub fn scrubbed_vars(names: impl Iterator<Item = OsString>) -> Vec<OsString> {
+    names
+        .filter(|k| is_sensitive(&k.to_string_lossy()))
+        .collect()
+}
+
+fn is_sensitive(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    upper == crate::payload::ENV_PAYLOAD
+        || upper.starts_with("KERNELBOT_PAYLOAD_")
+        || upper.starts_with("BUILDKITE_AGENT_ACCESS_TOKEN")
+        || upper.starts_with("BUILDKITE_AGENT_JOB_API_")
+        || ["TOKEN", "SECRET", "PASSWORD", "API_KEY", "PRIVATE_KEY"]
+            .iter()
+            .any(|w| upper.ends_with(w))
+}
+
+fn spawn_failure(program: &str, e: std::io::Error) -> Failure {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Failure::infrastructure(format!("cannot run {program:?}: not found; install it on the node or point the runner at it (--python)"))
+    } else {
+        Failure::infrastructure(format!("cannot run {program:?}: {e}"))
+    }
+}
+
+fn write_failure(e: WriteError) -> Failure {
+    match e {
+        WriteError::Refused { .. } => Failure::bad_config(e.to_string()),
+        WriteError::Io { .. } => Failure::infrastructure(e.to_string()),
+    }
+}
+
+/// Checks that `dir` can serve as a work directory.
+pub fn check_workdir(dir: &Path) -> Result<(), Failure> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Failure::infrastructure(format!(
+            "work directory {} is not a directory",
+            dir.display()
+        ))),
+        Err(e) => Err(Failure::infrastructure(format!(
+            "work directory {} is not usable: {e}",
+            dir.display()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn popcorn_lines_parse_like_kernelbot() {
+        let r = parse_popcorn(
+            b"check: pass\ngarbage line\n\n: \nk: a: b\ncheck: fail\n  spaced  :  v  \r\nx:1",
+        );
+        let got: Vec<(&str, &str)> = r.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                ("check", "fail"),
+                ("garbage line", ""),
+                ("", ""),
+                ("k", "a: b"),
+                ("spaced", "v"),
+                ("x", "1")
+            ]
+        );
+    }
+
+    #[test]
+    fn credentials_and_payload_are_scrubbed() {
+        let names = [
+            "KERNELBOT_PAYLOAD",
+            "KERNELBOT_PAYLOAD_0",
+            "KERNELBOT_PAYLOAD_SHA256",
+            "BUILDKITE_AGENT_ACCESS_TOKEN",
+            "BUILDKITE_AGENT_JOB_API_SOCKET",
+            "GITHUB_TOKEN",
+            "aws_secret",
+            "PATH",
+            "KERNELBOT_RUN_ID",
+            "BUILDKITE_JOB_ID",
+            "CUDA_VISIBLE_DEVICES",
+            "HOME",
+        ];
+        let kept: Vec<OsString> = scrubbed_vars(names.iter().map(OsString::from));
+        assert_eq!(
+            kept,
+            names[..7].iter().map(OsString::from).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn ranking_last_takes_the_last_line() {
+        assert_eq!(pick("a: 1\nb: 2\n", &RankingBy::Last), "b: 2\n");
+        assert_eq!(pick("", &RankingBy::Last), "");
+    }
+}

@@ -1,0 +1,615 @@
+//! Running one child process the way kernelbot's `run_program` does, without its ways to hang.
+//!
+//! * The child starts in a new session (so a new process group) and inherits exactly one
+//!   extra descriptor: the write end of the POPCORN pipe, at fd [`POPCORN_FD`].
+//! * stdout, stderr and the pipe are read together with `poll`, into bounded buffers.
+//! * On timeout the whole group is killed with SIGKILL. Once the child is gone, whatever is
+//!   left in its group is killed too, and, when the caller is a child subreaper, so are
+//!   descendants that escaped the group (`setsid` daemons), which were reparented to us.
+//! * Pipes still held open by something we could not kill are abandoned after a short grace
+//!   period instead of being waited for.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::text::{Capture, MAX_OUTPUT_CHARS};
+
+/// The descriptor number the harness finds the POPCORN pipe at (`POPCORN_FD`).
+pub const POPCORN_FD: RawFd = 3;
+/// Most bytes read from the POPCORN pipe; the rest is drained and dropped.
+pub const MAX_POPCORN_BYTES: usize = 16 * 1024 * 1024;
+/// How long output pipes are still read after the child is gone.
+const PIPE_GRACE: Duration = Duration::from_millis(500);
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    pub cwd: PathBuf,
+    /// Variables set on top of the inherited environment.
+    pub env: Vec<(OsString, OsString)>,
+    /// Variables removed from the inherited environment.
+    pub env_remove: Vec<OsString>,
+    pub timeout: Duration,
+    /// Open the POPCORN pipe and set `POPCORN_FD`.
+    pub popcorn: bool,
+    /// Kill descendants reparented to this process after the child ends (needs
+    /// [`become_subreaper`] to have been called; only safe when nothing else in this
+    /// process spawns children concurrently).
+    pub reap_orphans: bool,
+}
+
+/// How it went.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// kernelbot's `returncode`: the exit code, or minus the signal number.
+    pub exit_code: i32,
+    pub timed_out: bool,
+    pub duration: Duration,
+    pub stdout: Capture,
+    pub stderr: Capture,
+    /// Raw POPCORN pipe content (bounded by [`MAX_POPCORN_BYTES`]).
+    pub popcorn: Vec<u8>,
+    pub popcorn_truncated: bool,
+}
+
+/// Process group of the child being run, for the cancellation handler (0: none).
+static CURRENT_GROUP: AtomicI32 = AtomicI32::new(0);
+static CANCELLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_cancel(_sig: libc::c_int) {
+    CANCELLED.store(true, Ordering::SeqCst);
+    let group = CURRENT_GROUP.load(Ordering::SeqCst);
+    if group > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe {
+            libc::kill(-group, libc::SIGKILL);
+        }
+    }
+}
+
+/// On SIGTERM, SIGINT or SIGHUP (Buildkite cancelling the job signals the runner's process
+/// group, which the harness has left by `setsid`), kill the running child's group at once
+/// and mark the run cancelled; [`run`] returns and the caller sees [`cancelled`]. Meant for
+/// the CLI: the handler tracks one child at a time.
+pub fn install_cancel_handlers() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: installing a handler that only touches atomics and calls kill.
+        unsafe {
+            libc::signal(
+                sig,
+                on_cancel as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+/// Whether a cancellation signal has arrived.
+pub fn cancelled() -> bool {
+    CANCELLED.load(Ordering::SeqCst)
+}
+
+/// Makes this process the reaper of orphaned descendants, so a harness's `setsid` daemons
+/// are reparented here (not to init) and can be found and killed.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments has no memory effects.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds has room for the two descriptors pipe2 writes.
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 succeeded, so both are fresh descriptors we own.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // Started with stdio closed, the pipe could land on 0..2, where the child's stdio setup
+    // would overwrite it before POPCORN_FD is put in place: move it higher.
+    Ok((above_stdio(r)?, above_stdio(w)?))
+}
+
+fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own gives a new one we own.
+    let new = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 10) })?;
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) })?;
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+    Ok(())
+}
+
+/// Runs `spec` to completion (or timeout). `Err` only when the child could not be started.
+pub fn run(spec: &Spec) -> io::Result<Outcome> {
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .current_dir(&spec.cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for k in &spec.env_remove {
+        cmd.env_remove(k);
+    }
+    for (k, v) in &spec.env {
+        cmd.env(k, v);
+    }
+    let pipe = if spec.popcorn {
+        let (r, w) = pipe_cloexec()?;
+        cmd.env("POPCORN_FD", POPCORN_FD.to_string());
+        Some((r, w))
+    } else {
+        None
+    };
+    let write_fd: RawFd = pipe.as_ref().map_or(-1, |(_, w)| w.as_raw_fd());
+    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls
+    // (setsid, dup2, fcntl, syscall) on integers captured by value.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if write_fd >= 0 {
+                if write_fd == POPCORN_FD {
+                    cvt(libc::fcntl(POPCORN_FD, libc::F_SETFD, 0))?;
+                } else {
+                    cvt(libc::dup2(write_fd, POPCORN_FD))?;
+                }
+            }
+            // Nothing but stdio and the pipe crosses exec, even descriptors a parent of ours
+            // leaked without CLOEXEC. Marking (not closing) keeps std's own exec-error pipe
+            // working; kernels before 5.11 lack the flag, and ours are CLOEXEC regardless.
+            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+            let first = if write_fd >= 0 { POPCORN_FD + 1 } else { 3 };
+            libc::syscall(
+                libc::SYS_close_range,
+                first as libc::c_uint,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            );
+            Ok(())
+        });
+    }
+
+    let start = Instant::now();
+    let mut child = cmd.spawn()?;
+    let pid = child.id() as libc::pid_t;
+    CURRENT_GROUP.store(pid, Ordering::SeqCst);
+    let result = supervise(spec, &mut child, pid, start, pipe);
+    if result.is_err() {
+        // Never leave a child behind, whatever failed while watching it.
+        kill_group(pid);
+        let _ = child.wait();
+    }
+    CURRENT_GROUP.store(0, Ordering::SeqCst);
+    result
+}
+
+/// Reads the child's output until it is gone (or timed out / cancelled) and cleaned up.
+fn supervise(
+    spec: &Spec,
+    child: &mut std::process::Child,
+    pid: libc::pid_t,
+    start: Instant,
+    pipe: Option<(OwnedFd, OwnedFd)>,
+) -> io::Result<Outcome> {
+    let popcorn_read = pipe.map(|(r, w)| {
+        drop(w);
+        r
+    });
+
+    let mut streams: Vec<Stream> = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        streams.push(Stream::new(OwnedFd::from(out), Sink::Stdout));
+    }
+    if let Some(err) = child.stderr.take() {
+        streams.push(Stream::new(OwnedFd::from(err), Sink::Stderr));
+    }
+    if let Some(r) = popcorn_read {
+        streams.push(Stream::new(r, Sink::Popcorn));
+    }
+    for s in &streams {
+        set_nonblocking(s.fd.as_raw_fd())?;
+    }
+    let pidfd = open_pidfd(pid);
+
+    let mut out = Outcome {
+        exit_code: 0,
+        timed_out: false,
+        duration: Duration::ZERO,
+        stdout: Capture::new(MAX_OUTPUT_CHARS),
+        stderr: Capture::new(MAX_OUTPUT_CHARS),
+        popcorn: Vec::new(),
+        popcorn_truncated: false,
+    };
+    let deadline = start + spec.timeout;
+    let mut exited: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if exited.is_none() {
+            if let Some(status) = child.try_wait()? {
+                out.duration = now - start;
+                out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
+                exited = Some(now);
+                cleanup_after(pid, spec.reap_orphans);
+            } else if cancelled() {
+                // The handler already killed the group if it knew it; make sure.
+                kill_group(pid);
+                let status = child.wait()?;
+                out.duration = now - start;
+                out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
+                exited = Some(Instant::now());
+                cleanup_after(pid, spec.reap_orphans);
+            } else if now >= deadline {
+                out.timed_out = true;
+                out.duration = spec.timeout;
+                kill_group(pid);
+                let status = child.wait()?;
+                out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
+                let now = Instant::now();
+                exited = Some(now);
+                cleanup_after(pid, spec.reap_orphans);
+            }
+        }
+        streams.retain(|s| s.open);
+        if streams.is_empty() && exited.is_some() {
+            break;
+        }
+        let wait_until = match exited {
+            Some(t) => t + PIPE_GRACE,
+            None => deadline,
+        };
+        let now = Instant::now();
+        if now >= wait_until {
+            if exited.is_some() {
+                tracing::warn!(
+                    "output pipes still open {} ms after the process ended (an escaped descendant holds them); not waiting further",
+                    PIPE_GRACE.as_millis()
+                );
+                break;
+            }
+            continue;
+        }
+        poll_once(
+            &mut streams,
+            pidfd.as_ref(),
+            wait_until - now,
+            exited.is_none(),
+            &mut out,
+        )?;
+    }
+    Ok(out)
+}
+
+fn open_pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes integers and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        None
+    } else {
+        // SAFETY: a fresh descriptor we now own.
+        Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    }
+}
+
+/// Waits for output or the child's exit (through its pidfd; without one, checks every 5 ms).
+fn poll_once(
+    streams: &mut [Stream],
+    pidfd: Option<&OwnedFd>,
+    max_wait: Duration,
+    watch_exit: bool,
+    out: &mut Outcome,
+) -> io::Result<()> {
+    let mut fds: Vec<libc::pollfd> = streams
+        .iter()
+        .map(|s| libc::pollfd {
+            fd: s.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let mut wait = max_wait;
+    if watch_exit {
+        match pidfd {
+            Some(p) => fds.push(libc::pollfd {
+                fd: p.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }),
+            None => wait = wait.min(Duration::from_millis(5)),
+        }
+    }
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: fds is a valid array of pollfd of the given length.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok(())
+        } else {
+            Err(e)
+        };
+    }
+    for (s, p) in streams.iter_mut().zip(&fds) {
+        if p.revents != 0 {
+            s.drain(out);
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Sink {
+    Stdout,
+    Stderr,
+    Popcorn,
+}
+
+struct Stream {
+    fd: OwnedFd,
+    sink: Sink,
+    open: bool,
+}
+
+impl Stream {
+    fn new(fd: OwnedFd, sink: Sink) -> Stream {
+        Stream {
+            fd,
+            sink,
+            open: true,
+        }
+    }
+
+    /// Reads what is available without blocking.
+    fn drain(&mut self, out: &mut Outcome) {
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            // SAFETY: reading into a buffer we own, of the length given.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n == 0 {
+                self.open = false;
+                return;
+            }
+            if n < 0 {
+                match io::Error::last_os_error().kind() {
+                    io::ErrorKind::WouldBlock => return,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => {
+                        self.open = false;
+                        return;
+                    }
+                }
+            }
+            let data = &buf[..n as usize];
+            match self.sink {
+                Sink::Stdout => out.stdout.push(data),
+                Sink::Stderr => out.stderr.push(data),
+                Sink::Popcorn => {
+                    let room = MAX_POPCORN_BYTES.saturating_sub(out.popcorn.len());
+                    out.popcorn.extend_from_slice(&data[..data.len().min(room)]);
+                    out.popcorn_truncated |= data.len() > room;
+                }
+            }
+        }
+    }
+}
+
+/// SIGKILL to the child's process group (its pgid is its pid: it called setsid).
+fn kill_group(pid: libc::pid_t) {
+    // SAFETY: kill with integer arguments; ESRCH (group gone) is fine.
+    unsafe {
+        libc::kill(-pid, libc::SIGKILL);
+    }
+}
+
+/// After the child has been reaped: kill what it left in its group and, when we are the
+/// subreaper, descendants that left the group and were reparented to us.
+fn cleanup_after(pid: libc::pid_t, reap_orphans: bool) {
+    kill_group(pid);
+    if reap_orphans {
+        kill_orphans(std::path::Path::new("/proc"));
+    }
+}
+
+/// Kills and reaps every child of this process, repeatedly, as killing one reparents its
+/// own children to us. Bounded in time, so a fork bomb or a process stuck in the kernel
+/// (uninterruptible sleep in a driver) cannot keep the runner here.
+pub fn kill_orphans(proc_root: &std::path::Path) {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let kids = children_of(proc_root, me);
+        if kids.is_empty() {
+            return;
+        }
+        tracing::debug!("killing escaped descendants: {kids:?}");
+        for k in &kids {
+            // SAFETY: kill/waitpid with integer arguments on our own children.
+            unsafe {
+                libc::kill(-*k, libc::SIGKILL);
+                libc::kill(*k, libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        for k in &kids {
+            let mut status = 0;
+            // SAFETY: as above.
+            unsafe {
+                libc::waitpid(*k, &mut status, libc::WNOHANG);
+            }
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!("descendants {kids:?} did not die within 2 s of SIGKILL; leaving them");
+            return;
+        }
+    }
+}
+
+/// Pids whose parent is `parent`, from `/proc/*/stat`.
+pub fn children_of(proc_root: &std::path::Path, parent: libc::pid_t) -> Vec<libc::pid_t> {
+    let Ok(dir) = std::fs::read_dir(proc_root) else {
+        return Vec::new();
+    };
+    let mut kids = Vec::new();
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<libc::pid_t>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        if parse_ppid(&stat) == Some(parent) {
+            kids.push(pid);
+        }
+    }
+    kids
+}
+
+/// The ppid field of `/proc/PID/stat` (after the parenthesised command, which may itself
+/// contain spaces and parentheses).
+pub fn parse_ppid(stat: &str) -> Option<libc::pid_t> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let _state = fields.next()?;
+    fields.next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str, timeout_ms: u64) -> Outcome {
+        run(&Spec {
+            program: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            cwd: std::env::temp_dir(),
+            env: vec![],
+            env_remove: vec![],
+            timeout: Duration::from_millis(timeout_ms),
+            popcorn: true,
+            reap_orphans: false,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn captures_streams_pipe_and_exit_code() {
+        let o = sh(
+            "echo out; echo err >&2; echo 'check: pass' >&3; exit 112",
+            5000,
+        );
+        assert_eq!(o.stdout.finish(), "out\n");
+        assert_eq!(o.stderr.finish(), "err\n");
+        assert_eq!(o.popcorn, b"check: pass\n");
+        assert_eq!(o.exit_code, 112);
+        assert!(!o.timed_out);
+    }
+
+    #[test]
+    fn only_the_popcorn_fd_is_inherited() {
+        let o = sh("ls /proc/self/fd | sort -n | tr '\\n' ' '", 5000);
+        // 0,1,2, the pipe at 3, and the fd `ls` itself opened for the directory.
+        let fds: Vec<i32> = o
+            .stdout
+            .finish()
+            .split_whitespace()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        assert_eq!(&fds[..4], &[0, 1, 2, 3], "{fds:?}");
+        assert!(fds.len() <= 5, "{fds:?}");
+    }
+
+    #[test]
+    fn a_leaked_descriptor_does_not_reach_the_child() {
+        // F_DUPFD gives a descriptor without CLOEXEC, like one leaked by a careless parent.
+        let leaked = unsafe { libc::fcntl(2, libc::F_DUPFD, 10) };
+        assert!(leaked > 3);
+        let o = sh(
+            &format!("[ -e /proc/self/fd/{leaked} ] && echo leaked || echo clean"),
+            5000,
+        );
+        unsafe { libc::close(leaked) };
+        assert_eq!(o.stdout.finish(), "clean\n");
+    }
+
+    #[test]
+    fn an_escaped_descendant_holding_stdout_is_abandoned_after_the_grace() {
+        // Without the subreaper the setsid'd sleeper survives; the runner must not wait on it.
+        let t = Instant::now();
+        let o = sh("setsid sleep 5 & echo done", 5000);
+        assert_eq!(o.stdout.finish(), "done\n");
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn signal_gives_negative_code() {
+        let o = sh("kill -9 $$", 5000);
+        assert_eq!(o.exit_code, -9);
+    }
+
+    #[test]
+    fn timeout_kills_the_group_and_keeps_partial_output() {
+        let t = Instant::now();
+        let o = sh("echo partial; sleep 30 & sleep 30; echo never", 300);
+        assert!(o.timed_out);
+        assert_eq!(o.stdout.finish(), "partial\n");
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn background_child_holding_stdout_does_not_block() {
+        // The shell exits at once; its background child would keep stdout open for 30 s.
+        let t = Instant::now();
+        let o = sh("sleep 30 & echo done", 5000);
+        assert_eq!(o.exit_code, 0);
+        assert_eq!(o.stdout.finish(), "done\n");
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn missing_program_is_an_error() {
+        let e = run(&Spec {
+            program: "/nonexistent/prog".into(),
+            args: vec![],
+            cwd: std::env::temp_dir(),
+            env: vec![],
+            env_remove: vec![],
+            timeout: Duration::from_secs(1),
+            popcorn: true,
+            reap_orphans: false,
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn ppid_parsing_handles_odd_command_names() {
+        assert_eq!(parse_ppid("123 (a) b) c) S 77 123 123 0"), Some(77));
+        assert_eq!(parse_ppid("garbage"), None);
+    }
+}

@@ -1,0 +1,557 @@
+//! `SystemInfo`: what the job ran on.
+//!
+//! kernelbot asks torch; the runner must not pay a torch import (seconds) on every job, so:
+//! GPUs come from NVML when `libnvidia-ml.so.1` loads, else `nvidia-smi`, else `rocm-smi`,
+//! each external tool bounded in time; the CPU from `/proc/cpuinfo` (kernelbot's rule); the
+//! platform string as Python's `platform.platform()` writes it; and the torch version from
+//! torch's own `version.py` next to the interpreter (or, on request, by importing it).
+
+use std::ffi::{CStr, OsString};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::process::{self, Spec};
+use crate::result::SystemInfo;
+
+/// How to find the torch version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TorchProbe {
+    /// Read `torch/version.py` in the interpreter's site-packages (no Python start).
+    Files,
+    /// `python3 -c 'import torch'` with a time limit (exact, but costs the import).
+    Import,
+    /// Leave `torch` empty.
+    Off,
+}
+
+/// Where and how to look. Roots are injectable so the logic is testable.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub cpuinfo: PathBuf,
+    pub use_nvml: bool,
+    pub python: String,
+    pub torch: TorchProbe,
+    /// Limit for each external tool (`nvidia-smi`, `rocm-smi`, the torch import).
+    pub tool_timeout: Duration,
+}
+
+impl Default for Probe {
+    fn default() -> Probe {
+        Probe {
+            cpuinfo: PathBuf::from("/proc/cpuinfo"),
+            use_nvml: true,
+            python: "python3".into(),
+            torch: TorchProbe::Files,
+            tool_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// GPUs seen on this machine.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gpus {
+    pub name: String,
+    pub count: u32,
+    pub runtime: String,
+}
+
+/// Gathers everything. Never fails: what cannot be found stays empty (`device_count` 0).
+pub fn collect(probe: &Probe) -> SystemInfo {
+    let gpus = detect_gpus(probe);
+    SystemInfo {
+        gpu: gpus.name,
+        device_count: gpus.count,
+        cpu: std::fs::read_to_string(&probe.cpuinfo)
+            .map(|t| cpu_model(&t))
+            .unwrap_or_default(),
+        runtime: gpus.runtime,
+        platform: platform_string(),
+        torch: torch_version(probe),
+        hostname: hostname(),
+    }
+}
+
+pub fn detect_gpus(probe: &Probe) -> Gpus {
+    if probe.use_nvml {
+        if let Some(g) = nvml::gpus() {
+            return g;
+        }
+    }
+    if let Some(out) = tool_output(
+        "nvidia-smi",
+        &["--query-gpu=name", "--format=csv,noheader"],
+        probe.tool_timeout,
+    ) {
+        if let Some(g) = parse_nvidia_smi(&out) {
+            return g;
+        }
+    }
+    if let Some(out) = tool_output(
+        "rocm-smi",
+        &["--showproductname", "--json"],
+        probe.tool_timeout,
+    ) {
+        if let Some(g) = parse_rocm_smi(&out) {
+            return g;
+        }
+    }
+    Gpus::default()
+}
+
+/// Runs a tool with a time limit; its stdout when it exits 0.
+fn tool_output(program: &str, args: &[&str], timeout: Duration) -> Option<String> {
+    // Looking first saves a fork and exec per absent tool on every job.
+    find_on_path(program)?;
+    let spec = Spec {
+        program: program.into(),
+        args: args.iter().map(OsString::from).collect(),
+        cwd: std::env::temp_dir(),
+        env: vec![],
+        env_remove: vec![],
+        timeout,
+        popcorn: false,
+        reap_orphans: false,
+    };
+    let out = process::run(&spec).ok()?;
+    if out.exit_code != 0 || out.timed_out {
+        return None;
+    }
+    Some(out.stdout.finish())
+}
+
+/// `nvidia-smi --query-gpu=name --format=csv,noheader`: one name per line, honouring
+/// `CUDA_VISIBLE_DEVICES` as torch would.
+pub fn parse_nvidia_smi(out: &str) -> Option<Gpus> {
+    let names: Vec<&str> = out
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let first = *names.first()?;
+    let count = visible_count(
+        names.len() as u32,
+        std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+    );
+    Some(Gpus {
+        name: first.to_string(),
+        count,
+        runtime: "CUDA".into(),
+    })
+}
+
+/// `rocm-smi --showproductname --json`: `{"card0": {"Card Series": ...}, ...}`.
+pub fn parse_rocm_smi(out: &str) -> Option<Gpus> {
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(out).ok()?;
+    let cards: Vec<&serde_json::Value> = v
+        .iter()
+        .filter(|(k, _)| k.starts_with("card"))
+        .map(|(_, c)| c)
+        .collect();
+    let first = cards.first()?;
+    let name = first
+        .get("Card Series")
+        .and_then(|s| s.as_str())
+        .unwrap_or_default();
+    Some(Gpus {
+        name: name.to_string(),
+        count: cards.len() as u32,
+        runtime: "ROCm".into(),
+    })
+}
+
+/// How many of `total` devices a CUDA program sees under `CUDA_VISIBLE_DEVICES`.
+pub fn visible_count(total: u32, visible: Option<&str>) -> u32 {
+    match visible {
+        None => total,
+        Some(v) => {
+            let n = v
+                .split(',')
+                .map(str::trim)
+                .take_while(|s| !s.is_empty() && !s.starts_with('-'))
+                .count();
+            (n as u32).min(total)
+        }
+    }
+}
+
+/// kernelbot's CPU rule: the (last) `model name`, or `vendor_id` when that says `unknown`.
+pub fn cpu_model(cpuinfo: &str) -> String {
+    let mut model = String::new();
+    let mut vendor = String::new();
+    for line in cpuinfo.lines() {
+        let (k, v) = line.split_once(':').unwrap_or((line, ""));
+        match k.trim() {
+            "model name" => model = v.trim().to_string(),
+            "vendor_id" => vendor = v.trim().to_string(),
+            _ => {}
+        }
+    }
+    if model == "unknown" {
+        vendor
+    } else {
+        model
+    }
+}
+
+/// Python's `platform.platform()` on Linux: `Linux-<release>-<machine>-with-glibc<ver>`.
+pub fn platform_string() -> String {
+    // SAFETY: uname fills the zeroed struct we pass.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return String::new();
+    }
+    let field = |f: &[libc::c_char]| {
+        // SAFETY: uname NUL-terminates each field within its array.
+        unsafe { CStr::from_ptr(f.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let (system, release, machine) = (field(&u.sysname), field(&u.release), field(&u.machine));
+    format_platform(&system, &release, &machine, &glibc_version())
+}
+
+/// Joins like Python's `platform._platform`: non-empty parts with `-`, odd characters
+/// replaced, no doubled dashes.
+pub fn format_platform(system: &str, release: &str, machine: &str, libc: &str) -> String {
+    let mut parts = vec![system, release, machine];
+    if !libc.is_empty() {
+        parts.push("with");
+        parts.push(libc);
+    }
+    let mut s = parts
+        .iter()
+        .map(|p| p.trim())
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-");
+    for c in [' ', '/', '\\', ':', ';', '"', '(', ')'] {
+        s = s.replace(c, if c == ' ' { "_" } else { "-" });
+    }
+    s = s.replace("unknown", "");
+    while s.contains("--") {
+        s = s.replace("--", "-");
+    }
+    s.trim_end_matches('-').to_string()
+}
+
+#[cfg(target_env = "gnu")]
+fn glibc_version() -> String {
+    // SAFETY: returns a pointer to a static NUL-terminated string.
+    let v = unsafe { CStr::from_ptr(libc::gnu_get_libc_version()) };
+    format!("glibc{}", v.to_string_lossy())
+}
+
+#[cfg(not(target_env = "gnu"))]
+fn glibc_version() -> String {
+    String::new()
+}
+
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+pub fn torch_version(probe: &Probe) -> String {
+    match probe.torch {
+        TorchProbe::Off => String::new(),
+        TorchProbe::Files => {
+            torch_from_files(&probe.python, std::env::var_os("PYTHONPATH")).unwrap_or_default()
+        }
+        TorchProbe::Import => tool_output(
+            &probe.python,
+            &["-c", "import torch; print(torch.__version__)"],
+            probe.tool_timeout,
+        )
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default(),
+    }
+}
+
+/// Finds `torch/version.py` where `python` would import torch from and reads `__version__`.
+pub fn torch_from_files(python: &str, pythonpath: Option<OsString>) -> Option<String> {
+    let exe = find_on_path(python)?;
+    let mut dirs: Vec<PathBuf> = pythonpath.iter().flat_map(std::env::split_paths).collect();
+    let resolved = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
+    let version_dir = resolved
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("python3."));
+    // A venv's bin/python3 links to the base interpreter: look in both prefixes.
+    for prefix in [
+        exe.parent().and_then(Path::parent),
+        resolved.parent().and_then(Path::parent),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        dirs.extend(site_dirs(&prefix.join("lib"), version_dir.as_deref()));
+        dirs.extend(site_dirs(&prefix.join("local/lib"), version_dir.as_deref()));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        dirs.extend(site_dirs(
+            &PathBuf::from(home).join(".local/lib"),
+            version_dir.as_deref(),
+        ));
+    }
+    dirs.push(PathBuf::from("/usr/lib/python3/dist-packages"));
+    dirs.into_iter()
+        .find_map(|d| read_torch_version(&d.join("torch/version.py")))
+}
+
+fn site_dirs(lib: &Path, version_dir: Option<&str>) -> Vec<PathBuf> {
+    let mut names: Vec<String> = match version_dir {
+        Some(v) => vec![v.to_string()],
+        None => std::fs::read_dir(lib)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("python3"))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    };
+    names.sort();
+    names
+        .iter()
+        .flat_map(|n| {
+            [
+                lib.join(n).join("site-packages"),
+                lib.join(n).join("dist-packages"),
+            ]
+        })
+        .collect()
+}
+
+pub fn read_torch_version(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let rest = l
+            .strip_prefix("__version__")?
+            .trim_start()
+            .strip_prefix('=')?
+            .trim();
+        let q = rest.chars().next().filter(|c| *c == '\'' || *c == '"')?;
+        let inner = &rest[1..];
+        Some(inner[..inner.find(q)?].to_string())
+    })
+}
+
+/// `which`: the first executable `name` on `PATH` (or `name` itself when it has a slash).
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    if name.contains('/') {
+        let p = PathBuf::from(name);
+        return is_executable(&p).then_some(p);
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+pub fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// Whether NVML (`libnvidia-ml.so.1`) loads on this machine; when it does, it is the GPU source.
+pub fn nvml_available() -> bool {
+    nvml::loadable()
+}
+
+/// NVML through `dlopen`, so the runner has no link-time dependency on the driver.
+mod nvml {
+    use super::{visible_count, Gpus};
+    use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+
+    type Init = unsafe extern "C" fn() -> c_int;
+    type Count = unsafe extern "C" fn(*mut c_uint) -> c_int;
+    type Handle = unsafe extern "C" fn(c_uint, *mut *mut c_void) -> c_int;
+    type Name = unsafe extern "C" fn(*mut c_void, *mut c_char, c_uint) -> c_int;
+
+    unsafe fn sym<T: Copy>(lib: *mut c_void, name: &CStr) -> Option<T> {
+        let p = libc::dlsym(lib, name.as_ptr());
+        // SAFETY (caller): T is the function pointer type of this NVML entry point.
+        (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, T>(&p))
+    }
+
+    /// Whether the NVML library can be loaded at all.
+    pub fn loadable() -> bool {
+        // SAFETY: dlopen with a NUL-terminated name; the handle is kept (NVML stays loaded).
+        unsafe {
+            !libc::dlopen(
+                c"libnvidia-ml.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            )
+            .is_null()
+        }
+    }
+
+    pub fn gpus() -> Option<Gpus> {
+        // SAFETY: dlopen/dlsym with NUL-terminated names; the symbols are called with the
+        // signatures NVML documents; the library stays loaded for the process's life.
+        unsafe {
+            let lib = libc::dlopen(
+                c"libnvidia-ml.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            );
+            if lib.is_null() {
+                return None;
+            }
+            let init: Init = sym(lib, c"nvmlInit_v2")?;
+            let count: Count = sym(lib, c"nvmlDeviceGetCount_v2")?;
+            let handle: Handle = sym(lib, c"nvmlDeviceGetHandleByIndex_v2")?;
+            let name: Name = sym(lib, c"nvmlDeviceGetName")?;
+            let shutdown: Option<Init> = sym(lib, c"nvmlShutdown");
+            if init() != 0 {
+                return None;
+            }
+            let mut n: c_uint = 0;
+            let mut result = None;
+            if count(&mut n) == 0 && n > 0 {
+                let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+                let first = visible
+                    .as_deref()
+                    .and_then(|v| v.split(',').next())
+                    .and_then(|s| s.trim().parse::<c_uint>().ok())
+                    .filter(|i| *i < n)
+                    .unwrap_or(0);
+                let mut h: *mut c_void = std::ptr::null_mut();
+                let mut buf = [0 as c_char; 96];
+                let gpu = if handle(first, &mut h) == 0
+                    && name(h, buf.as_mut_ptr(), buf.len() as c_uint) == 0
+                {
+                    CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+                } else {
+                    String::new()
+                };
+                result = Some(Gpus {
+                    name: gpu,
+                    count: visible_count(n, visible.as_deref()),
+                    runtime: "CUDA".into(),
+                });
+            }
+            if let Some(s) = shutdown {
+                s();
+            }
+            result
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_rule_follows_kernelbot() {
+        assert_eq!(
+            cpu_model("vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654\n"),
+            "AMD EPYC 9654"
+        );
+        assert_eq!(
+            cpu_model("vendor_id : GenuineIntel\nmodel name : unknown\n"),
+            "GenuineIntel"
+        );
+        assert_eq!(cpu_model("processor : 0\n"), "");
+    }
+
+    #[test]
+    fn smi_outputs_parse() {
+        let g = parse_nvidia_smi("NVIDIA H100 80GB HBM3\nNVIDIA H100 80GB HBM3\n").unwrap();
+        assert_eq!(g.name, "NVIDIA H100 80GB HBM3");
+        assert_eq!(g.runtime, "CUDA");
+        assert!(parse_nvidia_smi("\n").is_none());
+        let r = parse_rocm_smi(r#"{"card0": {"Card Series": "AMD Instinct MI300X"}, "card1": {"Card Series": "AMD Instinct MI300X"}}"#).unwrap();
+        assert_eq!(
+            r,
+            Gpus {
+                name: "AMD Instinct MI300X".into(),
+                count: 2,
+                runtime: "ROCm".into()
+            }
+        );
+        assert!(parse_rocm_smi("not json").is_none());
+    }
+
+    #[test]
+    fn visible_devices_limit_the_count() {
+        assert_eq!(visible_count(8, None), 8);
+        assert_eq!(visible_count(8, Some("3")), 1);
+        assert_eq!(visible_count(8, Some("0,1")), 2);
+        assert_eq!(visible_count(8, Some("")), 0);
+        assert_eq!(visible_count(8, Some("0,-1,2")), 1);
+        assert_eq!(visible_count(1, Some("0,1,2")), 1);
+    }
+
+    #[test]
+    fn platform_matches_python_when_available() {
+        let Ok(out) = std::process::Command::new("python3")
+            .args(["-c", "import platform; print(platform.platform())"])
+            .output()
+        else {
+            eprintln!("skipping: python3 not available");
+            return;
+        };
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            platform_string()
+        );
+    }
+
+    #[test]
+    fn torch_version_is_read_from_site_packages() {
+        let d = tempfile::tempdir().unwrap();
+        let bin = d.path().join("bin");
+        let site = d.path().join("lib/python3.12/site-packages/torch");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(&site).unwrap();
+        let py = bin.join("python3");
+        std::fs::write(&py, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&py, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        std::fs::write(
+            site.join("version.py"),
+            "from typing import Optional\n__version__ = '2.5.1+cu124'\ncuda = '12.4'\n",
+        )
+        .unwrap();
+        assert_eq!(
+            torch_from_files(py.to_str().unwrap(), None).as_deref(),
+            Some("2.5.1+cu124")
+        );
+        std::fs::remove_file(site.join("version.py")).unwrap();
+        let pp = d.path().join("pp/torch");
+        std::fs::create_dir_all(&pp).unwrap();
+        std::fs::write(pp.join("version.py"), "__version__ = \"2.6.0\"\n").unwrap();
+        assert_eq!(
+            torch_from_files(
+                py.to_str().unwrap(),
+                Some(d.path().join("pp").into_os_string())
+            )
+            .as_deref(),
+            Some("2.6.0")
+        );
+    }
+
+    #[test]
+    fn collect_fills_cpu_platform_and_hostname() {
+        let dir = tempfile::tempdir().unwrap();
+        let cpuinfo = dir.path().join("cpuinfo");
+        std::fs::write(&cpuinfo, "model name : Test CPU 9000\n").unwrap();
+        let info = collect(&Probe {
+            cpuinfo,
+            use_nvml: false,
+            torch: TorchProbe::Off,
+            ..Probe::default()
+        });
+        assert_eq!(info.cpu, "Test CPU 9000");
+        assert!(info.platform.starts_with("Linux-"));
+        assert_eq!(info.hostname, hostname());
+        assert!(!info.hostname.is_empty());
+    }
+}

@@ -1,0 +1,185 @@
+//! Helpers shared by the runner's integration tests: the built binary, a real Python, the
+//! test harness, fake tools on PATH.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use serde_json::{json, Value};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-runner");
+
+pub fn harness_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/harness")
+}
+
+pub fn harness_source() -> String {
+    std::fs::read_to_string(harness_dir().join("popcorn_harness.py")).unwrap()
+}
+
+/// The real interpreter behind `python3` (not a shim), or None when there is no Python.
+pub fn python() -> Option<&'static str> {
+    static PY: OnceLock<Option<String>> = OnceLock::new();
+    PY.get_or_init(|| {
+        let out = Command::new("python3")
+            .args(["-c", "import sys; print(sys.executable)"])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    })
+    .as_deref()
+}
+
+/// Returns the interpreter, or prints why the test is skipped.
+pub fn need_python() -> Option<&'static str> {
+    let p = python();
+    if p.is_none() {
+        eprintln!("skipping: python3 is not available");
+    }
+    p
+}
+
+/// A py config running the test harness; `patch` overrides top-level keys.
+pub fn harness_config(mode: &str, behave: &str, patch: Value) -> Value {
+    let mut cfg = json!({
+        "lang": "py",
+        "mode": mode,
+        "sources": {"harness.py": harness_source()},
+        "main": "harness.py",
+        "tests": [{"behave": behave, "n": 1}, {"behave": behave, "n": 2}],
+        "benchmarks": [{"behave": behave, "n": 10}, {"behave": behave, "n": 11}],
+        "test_timeout": 20, "benchmark_timeout": 20, "ranked_timeout": 20,
+    });
+    for (k, v) in patch.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    cfg
+}
+
+pub struct Run {
+    pub code: i32,
+    pub result: Value,
+    pub stdout: String,
+    pub stderr: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Run {
+    pub fn result_path(&self) -> PathBuf {
+        self.dir.path().join("result.json")
+    }
+    pub fn run(&self, name: &str) -> &Value {
+        &self.result["runs"][name]["run"]
+    }
+    pub fn log(&self) -> String {
+        format!("{}\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// A minimal PATH: the fake-tool directory (if any), then the system's.
+pub fn path_with(fake: Option<&Path>) -> String {
+    match fake {
+        Some(d) => format!("{}:/usr/bin:/bin", d.display()),
+        None => "/usr/bin:/bin".into(),
+    }
+}
+
+/// Runs the CLI with `payload` (base64 text) in a payload file; `extra` args and `env` added.
+pub fn run_payload_text(payload: &str, extra: &[&str], env: &[(&str, &str)]) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let pfile = dir.path().join("payload.txt");
+    std::fs::write(&pfile, payload).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--payload-file")
+        .arg(&pfile)
+        .arg("--output")
+        .arg(dir.path().join("result.json"));
+    cmd.env_clear()
+        .env("PATH", path_with(None))
+        .env("RUST_LOG", "info");
+    if let (Some(py), false) = (python(), extra.contains(&"--python")) {
+        cmd.arg("--python").arg(py);
+    }
+    cmd.args(extra);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    finish(cmd, dir)
+}
+
+pub fn finish(mut cmd: Command, dir: tempfile::TempDir) -> Run {
+    let out = cmd.output().unwrap();
+    let result = std::fs::read_to_string(dir.path().join("result.json"))
+        .map(|t| serde_json::from_str(&t).unwrap())
+        .unwrap_or(Value::Null);
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        result,
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        dir,
+    }
+}
+
+pub fn run_config(cfg: &Value, extra: &[&str], env: &[(&str, &str)]) -> Run {
+    run_payload_text(
+        &kernelkite_runner::payload::encode(cfg).unwrap(),
+        extra,
+        env,
+    )
+}
+
+/// Writes an executable script into `dir`.
+pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, body).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+/// Runs the Dataclass(**dict) rebuild on result files; panics with its message on failure.
+pub fn assert_rebuilds(paths: &[PathBuf]) {
+    let Some(py) = python() else { return };
+    let out = Command::new(py)
+        .arg(harness_dir().join("rebuild_result.py"))
+        .args(paths)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kernelbot-style rebuild failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// True while `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                .unwrap_or("");
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `ms` for `pid` to be gone (reaping by init can lag a little).
+pub fn gone_within(pid: i32, ms: u64) -> bool {
+    let end = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+    while std::time::Instant::now() < end {
+        if !alive(pid) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    !alive(pid)
+}
