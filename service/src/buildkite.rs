@@ -1,0 +1,491 @@
+//! The Buildkite REST client: create, cancel, list artifacts, download.
+//!
+//! Every call goes through [`BuildkiteClient::send`], which retries connect errors and 5xx
+//! with exponential backoff, and on `429` waits for `RateLimit-Reset`. Nothing here logs a
+//! token, a request body or a payload: errors carry the method, path and status only.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use reqwest::{Method, StatusCode, Url};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, Secret};
+
+/// A build as the REST API returns it (the fields the service reads).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Build {
+    pub id: String,
+    pub number: u64,
+    pub state: String,
+    #[serde(default)]
+    pub web_url: String,
+    #[serde(default)]
+    pub url: String,
+}
+
+/// An artifact as listed by the REST API.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Artifact {
+    pub id: String,
+    #[serde(default)]
+    pub job_id: Option<String>,
+    #[serde(default)]
+    pub url: String,
+    pub download_url: String,
+    pub state: String,
+    pub path: String,
+    #[serde(default)]
+    pub filename: String,
+    #[serde(default)]
+    pub mime_type: Option<String>,
+    pub file_size: u64,
+    pub sha1sum: String,
+}
+
+/// Body of `POST .../builds`.
+#[derive(Debug, Clone, Serialize)]
+pub struct NewBuild {
+    pub commit: String,
+    pub branch: String,
+    pub message: String,
+    pub env: BTreeMap<String, String>,
+    pub meta_data: BTreeMap<String, String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildkiteError {
+    #[error("Buildkite answered {status} to {method} {path}: {message}")]
+    Status {
+        method: Method,
+        path: String,
+        status: StatusCode,
+        message: String,
+    },
+    #[error("could not reach Buildkite for {method} {path}: {reason}")]
+    Transport {
+        method: Method,
+        path: String,
+        reason: String,
+    },
+    #[error("Buildkite's answer to {method} {path} is not what the REST API documents: {reason}")]
+    Decode {
+        method: Method,
+        path: String,
+        reason: String,
+    },
+    #[error("artifact download URL {0:?} is not on the Buildkite API host; refusing to send the API token there")]
+    ForeignDownloadUrl(String),
+    #[error("artifact download answered {0} without a Location to the blob store")]
+    NoRedirect(StatusCode),
+    #[error("artifact is larger than the {0} bytes allowed (KERNELKITE_MAX_ARTIFACT_BYTES)")]
+    TooLarge(u64),
+}
+
+impl BuildkiteError {
+    pub fn status(&self) -> Option<StatusCode> {
+        match self {
+            BuildkiteError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// Retry schedule; injectable so tests run with millisecond backoffs.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub attempts: u32,
+    pub base: Duration,
+    pub max_backoff: Duration,
+    pub max_rate_limit_wait: Duration,
+}
+
+impl RetryPolicy {
+    /// Backoff before retry `n` (1-based): base·2^(n-1), capped, with ±25 % jitter so many
+    /// clients retrying together spread out.
+    pub fn backoff(&self, n: u32) -> Duration {
+        let exp = self
+            .base
+            .saturating_mul(1u32 << n.saturating_sub(1).min(16));
+        let d = exp.min(self.max_backoff);
+        d.mul_f64(0.75 + fastrand::f64() * 0.5)
+    }
+}
+
+/// Seconds to wait from a 429's `RateLimit-Reset` (seconds until the window resets).
+pub fn rate_limit_wait(headers: &reqwest::header::HeaderMap, cap: Duration) -> Duration {
+    let secs = headers
+        .get("ratelimit-reset")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(1);
+    Duration::from_secs(secs).min(cap)
+}
+
+#[derive(Clone)]
+pub struct BuildkiteClient {
+    http: reqwest::Client,
+    base: String,
+    builds_path: String,
+    token: Secret,
+    retry: RetryPolicy,
+    max_artifact_bytes: u64,
+}
+
+impl std::fmt::Debug for BuildkiteClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BuildkiteClient")
+            .field("base", &self.base)
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+impl BuildkiteClient {
+    pub fn new(cfg: &Config) -> Result<BuildkiteClient, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            // Redirects are followed by hand: the blob store must not see the API token.
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
+            .timeout(cfg.http_timeout())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()?;
+        Ok(BuildkiteClient {
+            http,
+            base: cfg.buildkite_api_url.trim_end_matches('/').to_string(),
+            builds_path: format!(
+                "/organizations/{}/pipelines/{}/builds",
+                cfg.buildkite_org, cfg.buildkite_pipeline
+            ),
+            token: cfg.buildkite_api_token.clone(),
+            retry: RetryPolicy {
+                attempts: cfg.retry_attempts.max(1),
+                base: Duration::from_millis(cfg.retry_base_ms),
+                max_backoff: Duration::from_secs(30),
+                max_rate_limit_wait: Duration::from_secs(cfg.rate_limit_max_wait_s),
+            },
+            max_artifact_bytes: cfg.max_artifact_bytes,
+        })
+    }
+
+    pub async fn create_build(&self, build: &NewBuild) -> Result<Build, BuildkiteError> {
+        let path = self.builds_path.clone();
+        let body = serde_json::to_vec(build).map_err(|e| BuildkiteError::Decode {
+            method: Method::POST,
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let resp = self.send(Method::POST, &path, Some(body)).await?;
+        decode(Method::POST, &path, resp).await
+    }
+
+    pub async fn get_build(&self, number: u64) -> Result<Build, BuildkiteError> {
+        let path = format!("{}/{number}", self.builds_path);
+        let resp = self.send(Method::GET, &path, None).await?;
+        decode(Method::GET, &path, resp).await
+    }
+
+    pub async fn cancel_build(&self, number: u64) -> Result<Build, BuildkiteError> {
+        let path = format!("{}/{number}/cancel", self.builds_path);
+        let resp = self.send(Method::PUT, &path, None).await?;
+        decode(Method::PUT, &path, resp).await
+    }
+
+    /// Artifacts of a build whose path is `path` (Buildkite filters server-side).
+    pub async fn list_artifacts(
+        &self,
+        number: u64,
+        path: &str,
+    ) -> Result<Vec<Artifact>, BuildkiteError> {
+        let p = format!(
+            "{}/{number}/artifacts?path={}",
+            self.builds_path,
+            encode_query(path)
+        );
+        let resp = self.send(Method::GET, &p, None).await?;
+        decode(Method::GET, &p, resp).await
+    }
+
+    /// Downloads an artifact: the API answers 302 to the blob store, which is fetched
+    /// without the Authorization header. At most `max_artifact_bytes` are read.
+    pub async fn download(&self, download_url: &str) -> Result<bytes::Bytes, BuildkiteError> {
+        let Some(path) = download_url
+            .strip_prefix(&self.base)
+            .filter(|p| p.starts_with('/'))
+        else {
+            return Err(BuildkiteError::ForeignDownloadUrl(download_url.to_string()));
+        };
+        let path = path.to_string();
+        let resp = self.send(Method::GET, &path, None).await?;
+        let resp = if resp.status().is_redirection() {
+            let status = resp.status();
+            let location = resp
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .ok_or(BuildkiteError::NoRedirect(status))?;
+            let blob = Url::parse(download_url)
+                .and_then(|u| u.join(location))
+                .map_err(|_| BuildkiteError::NoRedirect(status))?;
+            self.fetch_blob(blob).await?
+        } else {
+            resp
+        };
+        read_capped(resp, self.max_artifact_bytes).await
+    }
+
+    async fn fetch_blob(&self, url: Url) -> Result<reqwest::Response, BuildkiteError> {
+        let path = url.path().to_string();
+        let mut tries = Tries::default();
+        loop {
+            // A plain request: no Authorization header reaches the blob store.
+            let r = self.http.get(url.clone()).send().await;
+            match classify(r, &mut tries, &self.retry) {
+                Next::Done(resp) => {
+                    if resp.status().is_success() {
+                        return Ok(resp);
+                    }
+                    return Err(status_error(Method::GET, &path, resp).await);
+                }
+                Next::Fail(e) => return Err(transport(Method::GET, &path, e)),
+                Next::Retry(wait) => tokio::time::sleep(wait).await,
+            }
+        }
+    }
+
+    /// Sends one API request with retries. `path` is below the base URL.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<reqwest::Response, BuildkiteError> {
+        let url = format!("{}{path}", self.base);
+        let mut tries = Tries::default();
+        loop {
+            let mut req = self
+                .http
+                .request(method.clone(), &url)
+                .bearer_auth(self.token.expose());
+            if let Some(b) = &body {
+                req = req
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(b.clone());
+            }
+            match classify(req.send().await, &mut tries, &self.retry) {
+                Next::Done(resp) => {
+                    if resp.status().is_success() || resp.status().is_redirection() {
+                        return Ok(resp);
+                    }
+                    return Err(status_error(method, path, resp).await);
+                }
+                Next::Fail(e) => return Err(transport(method, path, e)),
+                Next::Retry(wait) => {
+                    tracing::debug!(%method, path, failures = tries.failures, rate_limited = tries.rate_limited, ?wait, "retrying Buildkite call");
+                    tokio::time::sleep(wait).await
+                }
+            }
+        }
+    }
+}
+
+enum Next {
+    Done(reqwest::Response),
+    Retry(Duration),
+    Fail(Failure),
+}
+
+enum Failure {
+    Transport(reqwest::Error),
+    Exhausted(StatusCode),
+}
+
+/// Counts tries of one call: failures (connect errors, 5xx) and rate-limit waits separately,
+/// because a 429 says nothing about Buildkite's health, only that the budget is spent.
+#[derive(Default)]
+struct Tries {
+    failures: u32,
+    rate_limited: u32,
+}
+
+/// Most `429` waits per call. With Buildkite's 60 s windows this rides out a half-hour
+/// backlog; a submission's own timeout usually ends the wait first.
+pub const MAX_RATE_LIMITED_RETRIES: u32 = 30;
+
+fn classify(
+    r: Result<reqwest::Response, reqwest::Error>,
+    tries: &mut Tries,
+    retry: &RetryPolicy,
+) -> Next {
+    match r {
+        Ok(resp) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
+            tries.rate_limited += 1;
+            if tries.rate_limited > MAX_RATE_LIMITED_RETRIES {
+                return Next::Fail(Failure::Exhausted(resp.status()));
+            }
+            let wait = rate_limit_wait(resp.headers(), retry.max_rate_limit_wait);
+            tracing::warn!(
+                ?wait,
+                "Buildkite rate limit reached (429); waiting for RateLimit-Reset"
+            );
+            Next::Retry(wait)
+        }
+        Ok(resp) if resp.status().is_server_error() => {
+            tries.failures += 1;
+            if tries.failures >= retry.attempts {
+                Next::Done(resp)
+            } else {
+                Next::Retry(retry.backoff(tries.failures))
+            }
+        }
+        Ok(resp) => Next::Done(resp),
+        // Connect errors never reached Buildkite, so a retry cannot duplicate a build.
+        Err(e) if e.is_connect() => {
+            tries.failures += 1;
+            if tries.failures >= retry.attempts {
+                Next::Fail(Failure::Transport(e))
+            } else {
+                Next::Retry(retry.backoff(tries.failures))
+            }
+        }
+        Err(e) => Next::Fail(Failure::Transport(e)),
+    }
+}
+
+fn transport(method: Method, path: &str, f: Failure) -> BuildkiteError {
+    let reason = match f {
+        // without_url: the URL is in `path` already; the error text never holds headers.
+        Failure::Transport(e) => e.without_url().to_string(),
+        Failure::Exhausted(s) => format!("still {s} after every retry"),
+    };
+    BuildkiteError::Transport {
+        method,
+        path: path.to_string(),
+        reason,
+    }
+}
+
+async fn status_error(method: Method, path: &str, resp: reqwest::Response) -> BuildkiteError {
+    let status = resp.status();
+    // Buildkite explains errors as {"message": "..."}; keep only that, never echo bodies.
+    let message = match resp.bytes().await {
+        Ok(b) => serde_json::from_slice::<serde_json::Value>(&b)
+            .ok()
+            .and_then(|v| {
+                v.get("message")
+                    .and_then(|m| m.as_str())
+                    .map(|m| m.chars().take(300).collect())
+            })
+            .unwrap_or_else(|| "no message".to_string()),
+        Err(_) => "no message".to_string(),
+    };
+    BuildkiteError::Status {
+        method,
+        path: path.to_string(),
+        status,
+        message,
+    }
+}
+
+async fn decode<T: serde::de::DeserializeOwned>(
+    method: Method,
+    path: &str,
+    resp: reqwest::Response,
+) -> Result<T, BuildkiteError> {
+    let bytes = resp.bytes().await.map_err(|e| BuildkiteError::Transport {
+        method: method.clone(),
+        path: path.to_string(),
+        reason: e.without_url().to_string(),
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| BuildkiteError::Decode {
+        method,
+        path: path.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+async fn read_capped(
+    mut resp: reqwest::Response,
+    cap: u64,
+) -> Result<bytes::Bytes, BuildkiteError> {
+    if resp.content_length().is_some_and(|n| n > cap) {
+        return Err(BuildkiteError::TooLarge(cap));
+    }
+    let mut out = bytes::BytesMut::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => {
+                if out.len() as u64 + c.len() as u64 > cap {
+                    return Err(BuildkiteError::TooLarge(cap));
+                }
+                out.extend_from_slice(&c);
+            }
+            Ok(None) => return Ok(out.freeze()),
+            Err(e) => {
+                return Err(BuildkiteError::Transport {
+                    method: Method::GET,
+                    path: "artifact blob".into(),
+                    reason: e.without_url().to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// Percent-encodes a query value (artifact paths are plain, but a `&` must not split it).
+fn encode_query(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let p = RetryPolicy {
+            attempts: 5,
+            base: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(500),
+            max_rate_limit_wait: Duration::from_secs(1),
+        };
+        assert!(
+            p.backoff(1) >= Duration::from_millis(75) && p.backoff(1) <= Duration::from_millis(125)
+        );
+        assert!(p.backoff(3) >= Duration::from_millis(300));
+        assert!(p.backoff(30) <= Duration::from_millis(625));
+    }
+
+    #[test]
+    fn rate_limit_reset_is_read_and_capped() {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert("RateLimit-Reset", "7".parse().unwrap());
+        assert_eq!(
+            rate_limit_wait(&h, Duration::from_secs(60)),
+            Duration::from_secs(7)
+        );
+        assert_eq!(
+            rate_limit_wait(&h, Duration::from_secs(2)),
+            Duration::from_secs(2)
+        );
+        h.insert("RateLimit-Reset", "soon".parse().unwrap());
+        assert_eq!(
+            rate_limit_wait(&h, Duration::from_secs(60)),
+            Duration::from_secs(1)
+        );
+    }
+
+    #[test]
+    fn query_values_are_encoded() {
+        assert_eq!(encode_query("result.json"), "result.json");
+        assert_eq!(encode_query("a b&c"), "a%20b%26c");
+    }
+}

@@ -1,0 +1,332 @@
+//! The service's configuration: flags, each with an environment fallback.
+//!
+//! Tokens are wrapped in [`Secret`], whose `Debug` and `Display` never show the value, so a
+//! config printed in a log or a panic message leaks nothing.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// A token. Printing it (Debug or Display) shows `<redacted>`; only [`Secret::expose`] reads it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+    /// The token itself; call it only where the value goes on the wire or into a MAC.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Compares `given` with the token in constant time. Both sides are MACed first, so
+    /// neither the content nor the length leaks through timing.
+    pub fn matches(&self, given: &[u8]) -> bool {
+        use hmac::{Hmac, Mac};
+        use subtle::ConstantTimeEq;
+        let mac = |v: &[u8]| {
+            Hmac::<sha2::Sha256>::new_from_slice(b"kernelkite secret compare")
+                .map(|m| m.chain_update(v).finalize().into_bytes())
+        };
+        match (mac(given), mac(self.0.as_bytes())) {
+            (Ok(a), Ok(b)) => bool::from(a.as_slice().ct_eq(b.as_slice())),
+            _ => false,
+        }
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Secret, Self::Err> {
+        Ok(Secret(s.to_string()))
+    }
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_API_URL: &str = "https://api.buildkite.com/v2";
+
+/// kernelkite-service: accepts kernelbot submissions, runs each as a Buildkite build, and answers
+/// when Buildkite's signed `build.finished` webhook says the build is done.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "kernelkite-service", version)]
+pub struct Config {
+    /// Address to listen on (HTTP).
+    #[arg(long, env = "KERNELKITE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Buildkite REST API base URL. Every Buildkite call goes through it (point it at a fake
+    /// or a local stand-in for tests).
+    #[arg(long, env = "BUILDKITE_API_URL", default_value = DEFAULT_API_URL)]
+    pub buildkite_api_url: String,
+
+    /// Buildkite organization slug.
+    #[arg(long, env = "BUILDKITE_ORG")]
+    pub buildkite_org: String,
+
+    /// Buildkite pipeline slug that runs submissions.
+    #[arg(long, env = "BUILDKITE_PIPELINE")]
+    pub buildkite_pipeline: String,
+
+    /// Buildkite API access token (scopes: read_builds, write_builds, read_artifacts).
+    #[arg(long, env = "BUILDKITE_API_TOKEN", hide_env_values = true)]
+    pub buildkite_api_token: Secret,
+
+    /// Token of the Buildkite webhook (notification service). `X-Buildkite-Signature` is
+    /// verified with it. Unset: every webhook is refused.
+    #[arg(long, env = "BUILDKITE_WEBHOOK_TOKEN", hide_env_values = true)]
+    pub buildkite_webhook_token: Option<Secret>,
+
+    /// Also accept webhooks that carry the token in plain text (`X-Buildkite-Token`). Off by
+    /// default: a plain token can be replayed forever by anyone who sees one request.
+    #[arg(
+        long,
+        env = "KERNELKITE_ALLOW_PLAIN_WEBHOOK_TOKEN",
+        default_value_t = false
+    )]
+    pub allow_plain_webhook_token: bool,
+
+    /// Bearer token required on /v1/*. Unset: only loopback clients are served.
+    #[arg(long, env = "KERNELKITE_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<Secret>,
+
+    /// Branch the builds run on.
+    #[arg(long, env = "KERNELKITE_BRANCH", default_value = "main")]
+    pub branch: String,
+
+    /// Commit the builds run at (`HEAD`: the branch's head).
+    #[arg(long, env = "KERNELKITE_COMMIT", default_value = "HEAD")]
+    pub commit: String,
+
+    /// Directory for service state: finished submissions are written there as
+    /// `submissions/<id>.json` and read back by GET after a restart.
+    #[arg(long, env = "KERNELKITE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// Public base URL of this service (e.g. `https://kite.example.org`); makes `status_url`
+    /// absolute. Unset: `status_url` is a path.
+    #[arg(long, env = "KERNELKITE_PUBLIC_URL")]
+    pub public_url: Option<String>,
+
+    /// Timeout of a submission when the request names none, seconds. On expiry the submission
+    /// becomes `timed_out` and its build is canceled.
+    #[arg(long, env = "KERNELKITE_DEFAULT_TIMEOUT_S", default_value_t = 1800)]
+    pub default_timeout_s: u64,
+
+    /// Largest `timeout_s` a request may ask for, seconds.
+    #[arg(long, env = "KERNELKITE_MAX_TIMEOUT_S", default_value_t = 86_400)]
+    pub max_timeout_s: u64,
+
+    /// Longest `?wait=` a long-poll may ask for, seconds (longer asks are cut to this).
+    #[arg(long, env = "KERNELKITE_MAX_WAIT_S", default_value_t = 600)]
+    pub max_wait_s: u64,
+
+    /// Largest submission request body, bytes.
+    #[arg(long, env = "KERNELKITE_MAX_SUBMISSION_BYTES", default_value_t = 16 << 20)]
+    pub max_submission_bytes: usize,
+
+    /// Largest webhook body, bytes. Buildkite's build object carries the build's env, which
+    /// holds the payload, so this must exceed the largest submission's payload.
+    #[arg(long, env = "KERNELKITE_WEBHOOK_MAX_BYTES", default_value_t = 16 << 20)]
+    pub webhook_max_bytes: usize,
+
+    /// A signed webhook older or newer than this (seconds) is refused as a replay.
+    #[arg(long, env = "KERNELKITE_WEBHOOK_WINDOW_S", default_value_t = 300)]
+    pub webhook_window_s: u64,
+
+    /// Largest result.json accepted, bytes.
+    #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = 64 << 20)]
+    pub max_artifact_bytes: u64,
+
+    /// Timeout of one Buildkite HTTP request, seconds.
+    #[arg(long, env = "KERNELKITE_HTTP_TIMEOUT_S", default_value_t = 30)]
+    pub http_timeout_s: u64,
+
+    /// Attempts per Buildkite call on connect errors and 5xx (first try included). A 429 is
+    /// not a failure: it waits for `RateLimit-Reset` and is counted apart (at most 30 waits).
+    #[arg(long, env = "KERNELKITE_RETRY_ATTEMPTS", default_value_t = 6)]
+    pub retry_attempts: u32,
+
+    /// First retry backoff, milliseconds; doubles per attempt (with jitter), capped at 30 s.
+    #[arg(long, env = "KERNELKITE_RETRY_BASE_MS", default_value_t = 250)]
+    pub retry_base_ms: u64,
+
+    /// Longest wait honoured from a 429's `RateLimit-Reset`, seconds.
+    #[arg(long, env = "KERNELKITE_RATE_LIMIT_MAX_WAIT_S", default_value_t = 60)]
+    pub rate_limit_max_wait_s: u64,
+
+    /// Artifact fetches running at once (the rest queue).
+    #[arg(long, env = "KERNELKITE_FETCH_CONCURRENCY", default_value_t = 32)]
+    pub fetch_concurrency: usize,
+
+    /// Webhooks for builds not yet known (their create call has not returned) are kept this
+    /// long, seconds.
+    #[arg(long, env = "KERNELKITE_EARLY_EVENT_TTL_S", default_value_t = 120)]
+    pub early_event_ttl_s: u64,
+
+    /// At most this many builds' early webhooks are kept.
+    #[arg(long, env = "KERNELKITE_EARLY_EVENT_MAX", default_value_t = 10_000)]
+    pub early_event_max: usize,
+
+    /// Attempts to POST a finished submission to its `callback_url`.
+    #[arg(long, env = "KERNELKITE_CALLBACK_ATTEMPTS", default_value_t = 5)]
+    pub callback_attempts: u32,
+
+    /// Finished submissions stay in memory this long, seconds (then GET reads them from
+    /// KERNELKITE_DATA_DIR, when set).
+    #[arg(long, env = "KERNELKITE_RETAIN_S", default_value_t = 86_400)]
+    pub retain_s: u64,
+}
+
+impl Config {
+    /// A config with every default, for the given Buildkite endpoint; used by tests, the
+    /// benchmark and embedders that do not parse flags. The environment is ignored, so a
+    /// stray `KERNELKITE_*` variable cannot change what a test runs with.
+    pub fn new(api_url: &str, org: &str, pipeline: &str, api_token: &str) -> Config {
+        use clap::{CommandFactory, FromArgMatches};
+        let cmd = Config::command().mut_args(|a| a.env(None));
+        let matches = cmd.get_matches_from([
+            "kernelkite-service",
+            "--buildkite-api-url",
+            api_url,
+            "--buildkite-org",
+            org,
+            "--buildkite-pipeline",
+            pipeline,
+            "--buildkite-api-token",
+            api_token,
+        ]);
+        match Config::from_arg_matches(&matches) {
+            Ok(c) => c,
+            Err(e) => e.exit(),
+        }
+    }
+
+    pub fn http_timeout(&self) -> Duration {
+        Duration::from_secs(self.http_timeout_s)
+    }
+
+    /// Checks what clap cannot: returns a message that says what to fix.
+    pub fn check(&self) -> Result<(), String> {
+        let url = reqwest::Url::parse(&self.buildkite_api_url).map_err(|e| {
+            format!(
+                "BUILDKITE_API_URL {:?} is not a URL: {e}",
+                self.buildkite_api_url
+            )
+        })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!(
+                "BUILDKITE_API_URL {:?} must be http(s)",
+                self.buildkite_api_url
+            ));
+        }
+        for (name, v) in [
+            ("BUILDKITE_ORG", &self.buildkite_org),
+            ("BUILDKITE_PIPELINE", &self.buildkite_pipeline),
+        ] {
+            if v.is_empty()
+                || !v
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(format!(
+                    "{name} {v:?} must be a Buildkite slug (letters, digits, '-', '_')"
+                ));
+            }
+        }
+        if self.buildkite_api_token.expose().is_empty() {
+            return Err("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts".into());
+        }
+        if self.retry_attempts == 0 {
+            return Err("KERNELKITE_RETRY_ATTEMPTS must be at least 1".into());
+        }
+        if self.fetch_concurrency == 0 {
+            return Err("KERNELKITE_FETCH_CONCURRENCY must be at least 1".into());
+        }
+        if self.default_timeout_s == 0 || self.default_timeout_s > self.max_timeout_s {
+            return Err(
+                "KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_redacts_every_token() {
+        let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "bk-api-SECRET-1");
+        c.buildkite_webhook_token = Some(Secret::new("wh-SECRET-2"));
+        c.api_token = Some(Secret::new("kk-SECRET-3"));
+        let shown = format!("{c:?} {c:#?}");
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert!(shown.contains("<redacted>"));
+        assert_eq!(c.buildkite_api_token.expose(), "bk-api-SECRET-1");
+    }
+
+    #[test]
+    fn defaults_match_the_issue() {
+        let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.branch, "main");
+        assert!(c.buildkite_webhook_token.is_none() && !c.allow_plain_webhook_token);
+        assert!(c.check().is_ok());
+        let d = Config::try_parse_from([
+            "x",
+            "--buildkite-org",
+            "o",
+            "--buildkite-pipeline",
+            "p",
+            "--buildkite-api-token",
+            "t",
+        ])
+        .unwrap();
+        assert_eq!(d.buildkite_api_url, "https://api.buildkite.com/v2");
+    }
+
+    #[test]
+    fn new_ignores_the_environment() {
+        // Set for this process only; no other test reads KERNELKITE_BRANCH.
+        std::env::set_var("KERNELKITE_BRANCH", "from-env");
+        let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        assert_eq!(c.branch, "main");
+        let d = Config::try_parse_from([
+            "x",
+            "--buildkite-org",
+            "o",
+            "--buildkite-pipeline",
+            "p",
+            "--buildkite-api-token",
+            "t",
+        ])
+        .unwrap();
+        assert_eq!(d.branch, "from-env");
+        std::env::remove_var("KERNELKITE_BRANCH");
+    }
+
+    #[test]
+    fn check_names_the_bad_setting() {
+        let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        c.buildkite_org = "a/b".into();
+        assert!(c.check().unwrap_err().contains("BUILDKITE_ORG"));
+        let c = Config::new("ftp://x", "org", "pipe", "t");
+        assert!(c.check().unwrap_err().contains("BUILDKITE_API_URL"));
+    }
+}

@@ -1,0 +1,391 @@
+//! The in-memory store: submissions by id, each behind a `watch` channel that is at once its
+//! current value and its waiter list, and a map from Buildkite build id to submission.
+//!
+//! The build map also holds *early* events: a webhook can arrive before the create-build call
+//! that made its build has returned, so the build id is not yet known. Such events wait here
+//! (bounded in number and age) and are handed over when the build is attached. The hand-over
+//! happens under the map's per-key lock, so an event is either routed or buffered-then-handed
+//! over, never lost in between.
+//!
+//! Everything a durable store must keep is the [`Submission`] value itself; the channels and
+//! the build map can be rebuilt from the submissions.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dashmap::mapref::entry::Entry;
+use dashmap::DashMap;
+use tokio::sync::watch;
+
+use crate::submission::{BuildInfo, State, Submission};
+use crate::webhook::BuildEvent;
+
+enum BuildSlot {
+    Known(String),
+    Early {
+        events: Vec<BuildEvent>,
+        since: Instant,
+    },
+}
+
+/// Where an event for a build went.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Routed {
+    /// To this submission.
+    Submission(String),
+    /// Kept until the build is attached (or the TTL passes).
+    Buffered,
+    /// The early-event buffer is full; the event was dropped.
+    Dropped,
+}
+
+pub struct Store {
+    subs: DashMap<String, watch::Sender<Submission>>,
+    builds: DashMap<String, BuildSlot>,
+    early: AtomicUsize,
+    early_max: usize,
+    early_ttl: Duration,
+}
+
+/// Most events kept per unknown build (a build sends a handful).
+const EARLY_EVENTS_PER_BUILD: usize = 8;
+
+impl Store {
+    pub fn new(early_max: usize, early_ttl: Duration) -> Store {
+        Store {
+            subs: DashMap::new(),
+            builds: DashMap::new(),
+            early: AtomicUsize::new(0),
+            early_max,
+            early_ttl,
+        }
+    }
+
+    pub fn insert(&self, sub: Submission) {
+        // Re-key the build (a durable store reloading submissions goes through here too).
+        if let Some(b) = &sub.build {
+            self.builds
+                .insert(b.id.clone(), BuildSlot::Known(sub.id.clone()));
+        }
+        let id = sub.id.clone();
+        let (tx, _) = watch::channel(sub);
+        self.subs.insert(id, tx);
+    }
+
+    /// How many receivers (long-polls, SSE streams, the timeout timer) watch a submission.
+    pub fn watchers(&self, id: &str) -> usize {
+        self.subs.get(id).map_or(0, |tx| tx.receiver_count())
+    }
+
+    pub fn len(&self) -> usize {
+        self.subs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.subs.is_empty()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Submission> {
+        self.subs.get(id).map(|tx| tx.borrow().clone())
+    }
+
+    pub fn state(&self, id: &str) -> Option<State> {
+        self.subs.get(id).map(|tx| tx.borrow().state)
+    }
+
+    /// A receiver that sees every later change (the waiter for long-polls and SSE).
+    pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Submission>> {
+        self.subs.get(id).map(|tx| tx.subscribe())
+    }
+
+    /// Applies `f`; when it reports a change, waiters are woken. Returns the change flag and
+    /// the value after `f`, or `None` for an unknown id.
+    pub fn update(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Submission) -> bool,
+    ) -> Option<(bool, Submission)> {
+        let tx = self.subs.get(id)?;
+        let mut after = None;
+        let changed = tx.send_if_modified(|s| {
+            let changed = f(s);
+            if changed {
+                after = Some(s.clone());
+            }
+            changed
+        });
+        let after = match after {
+            Some(s) => s,
+            None => tx.borrow().clone(),
+        };
+        Some((changed, after))
+    }
+
+    /// Like [`Store::update`] but returns only whether it changed: no clone on the hot path.
+    pub fn update_quiet(&self, id: &str, f: impl FnOnce(&mut Submission) -> bool) -> bool {
+        match self.subs.get(id) {
+            Some(tx) => tx.send_if_modified(f),
+            None => false,
+        }
+    }
+
+    /// Records the submission's build and returns the events that arrived for it early.
+    pub fn attach_build(&self, id: &str, build: BuildInfo) -> Vec<BuildEvent> {
+        let build_id = build.id.clone();
+        let now = chrono::Utc::now();
+        self.update_quiet(id, |s| s.attach_build(build, now));
+        match self.builds.entry(build_id) {
+            Entry::Occupied(mut e) => {
+                let old = std::mem::replace(e.get_mut(), BuildSlot::Known(id.to_string()));
+                match old {
+                    BuildSlot::Early { events, .. } => {
+                        self.early.fetch_sub(1, Ordering::Relaxed);
+                        events
+                    }
+                    BuildSlot::Known(_) => Vec::new(),
+                }
+            }
+            Entry::Vacant(e) => {
+                e.insert(BuildSlot::Known(id.to_string()));
+                Vec::new()
+            }
+        }
+    }
+
+    /// Finds the submission of `event`'s build, or keeps the event for a build not yet attached.
+    pub fn route(&self, event: &BuildEvent) -> Routed {
+        if let Some(slot) = self.builds.get(&event.build.id) {
+            if let BuildSlot::Known(id) = &*slot {
+                return Routed::Submission(id.clone());
+            }
+        }
+        match self.builds.entry(event.build.id.clone()) {
+            Entry::Occupied(mut e) => match e.get_mut() {
+                BuildSlot::Known(id) => Routed::Submission(id.clone()),
+                BuildSlot::Early { events, .. } => {
+                    if events.len() < EARLY_EVENTS_PER_BUILD {
+                        events.push(event.clone());
+                        Routed::Buffered
+                    } else {
+                        Routed::Dropped
+                    }
+                }
+            },
+            Entry::Vacant(e) => {
+                if self.early.load(Ordering::Relaxed) >= self.early_max {
+                    return Routed::Dropped;
+                }
+                self.early.fetch_add(1, Ordering::Relaxed);
+                e.insert(BuildSlot::Early {
+                    events: vec![event.clone()],
+                    since: Instant::now(),
+                });
+                Routed::Buffered
+            }
+        }
+    }
+
+    /// Forgets early events older than the TTL; returns how many builds' events went.
+    pub fn sweep_early(&self, now: Instant) -> usize {
+        let ttl = self.early_ttl;
+        let mut removed = 0;
+        self.builds.retain(|_, slot| match slot {
+            BuildSlot::Early { since, .. } if now.saturating_duration_since(*since) >= ttl => {
+                removed += 1;
+                false
+            }
+            _ => true,
+        });
+        self.early.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    pub fn early_len(&self) -> usize {
+        self.early.load(Ordering::Relaxed)
+    }
+
+    /// Drops finished submissions that ended before `cutoff` (they live on in the data dir).
+    pub fn evict_finished(&self, cutoff: chrono::DateTime<chrono::Utc>) -> usize {
+        let mut gone = Vec::new();
+        let mut evicted = 0;
+        self.subs.retain(|_, tx| {
+            let s = tx.borrow();
+            let old = s.finished_at.is_some_and(|t| t < cutoff);
+            if old {
+                evicted += 1;
+                if let Some(b) = &s.build {
+                    gone.push(b.id.clone());
+                }
+            }
+            !old
+        });
+        for b in &gone {
+            self.builds.remove(b);
+        }
+        evicted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::webhook::{BuildEventKind, BuildRef};
+
+    fn ev(build: &str, kind: BuildEventKind) -> BuildEvent {
+        BuildEvent {
+            kind,
+            build: BuildRef {
+                id: build.into(),
+                number: 1,
+                state: "running".into(),
+                web_url: String::new(),
+                blocked: false,
+            },
+        }
+    }
+
+    fn sub(id: &str) -> Submission {
+        Submission::new(id.into(), "q".into(), None, None, 60, chrono::Utc::now())
+    }
+
+    #[test]
+    fn early_events_are_handed_over_on_attach() {
+        let store = Store::new(10, Duration::from_secs(60));
+        store.insert(sub("s1"));
+        assert_eq!(
+            store.route(&ev("b1", BuildEventKind::Running)),
+            Routed::Buffered
+        );
+        assert_eq!(store.early_len(), 1);
+        let got = store.attach_build(
+            "s1",
+            BuildInfo {
+                id: "b1".into(),
+                number: 1,
+                web_url: "w".into(),
+            },
+        );
+        assert_eq!(got.len(), 1);
+        assert_eq!(store.early_len(), 0);
+        assert_eq!(
+            store.route(&ev("b1", BuildEventKind::Running)),
+            Routed::Submission("s1".into())
+        );
+        assert_eq!(store.get("s1").unwrap().state, State::Scheduled);
+    }
+
+    #[test]
+    fn early_buffer_is_bounded_and_expires() {
+        let store = Store::new(2, Duration::from_millis(0));
+        assert_eq!(
+            store.route(&ev("a", BuildEventKind::Running)),
+            Routed::Buffered
+        );
+        assert_eq!(
+            store.route(&ev("b", BuildEventKind::Running)),
+            Routed::Buffered
+        );
+        assert_eq!(
+            store.route(&ev("c", BuildEventKind::Running)),
+            Routed::Dropped
+        );
+        for _ in 0..EARLY_EVENTS_PER_BUILD - 1 {
+            assert_eq!(
+                store.route(&ev("a", BuildEventKind::Running)),
+                Routed::Buffered
+            );
+        }
+        assert_eq!(
+            store.route(&ev("a", BuildEventKind::Running)),
+            Routed::Dropped
+        );
+        assert_eq!(store.sweep_early(Instant::now()), 2);
+        assert_eq!(store.early_len(), 0);
+        assert_eq!(
+            store.route(&ev("c", BuildEventKind::Running)),
+            Routed::Buffered
+        );
+    }
+
+    #[test]
+    fn concurrent_route_and_attach_never_lose_an_event() {
+        // Race a webhook against the create-build response many times: the event must reach
+        // the submission exactly once, either directly or through the hand-over.
+        for i in 0..200 {
+            let store = std::sync::Arc::new(Store::new(100, Duration::from_secs(60)));
+            let sid = format!("s{i}");
+            store.insert(sub(&sid));
+            let s2 = store.clone();
+            let routed = std::thread::spawn(move || s2.route(&ev("b", BuildEventKind::Finished)));
+            let handed = store.attach_build(
+                &sid,
+                BuildInfo {
+                    id: "b".into(),
+                    number: 1,
+                    web_url: String::new(),
+                },
+            );
+            let routed = routed.join().unwrap();
+            let direct = matches!(routed, Routed::Submission(_));
+            assert!(
+                direct ^ (handed.len() == 1),
+                "routed={routed:?} handed={}",
+                handed.len()
+            );
+        }
+    }
+
+    #[test]
+    fn eviction_drops_only_old_finished_submissions() {
+        let store = Store::new(10, Duration::from_secs(60));
+        for id in ["done", "pending"] {
+            store.insert(sub(id));
+            store.attach_build(
+                id,
+                BuildInfo {
+                    id: format!("b-{id}"),
+                    number: 1,
+                    web_url: String::new(),
+                },
+            );
+        }
+        let rx = store.subscribe("done").unwrap();
+        store.update_quiet("done", |s| {
+            s.finish(
+                crate::submission::Outcome::Failed("x".into()),
+                chrono::Utc::now(),
+            )
+        });
+        assert_eq!(
+            store.evict_finished(chrono::Utc::now() - chrono::Duration::hours(1)),
+            0
+        );
+        assert_eq!(
+            store.evict_finished(chrono::Utc::now() + chrono::Duration::seconds(1)),
+            1
+        );
+        assert!(store.get("done").is_none() && store.get("pending").is_some());
+        assert!(rx.has_changed().is_err(), "waiters see the channel close");
+        // The evicted build is unknown again: its late events are only buffered.
+        assert_eq!(
+            store.route(&ev("b-done", BuildEventKind::Finished)),
+            Routed::Buffered
+        );
+        assert_eq!(
+            store.route(&ev("b-pending", BuildEventKind::Finished)),
+            Routed::Submission("pending".into())
+        );
+    }
+
+    #[test]
+    fn waiters_wake_on_change_only() {
+        let store = Store::new(1, Duration::from_secs(1));
+        store.insert(sub("s"));
+        let mut rx = store.subscribe("s").unwrap();
+        rx.borrow_and_update();
+        assert!(!store.update_quiet("s", |s| s.advance(State::Queued, chrono::Utc::now())));
+        assert!(!rx.has_changed().unwrap());
+        assert!(store.update_quiet("s", |s| s.advance(State::Running, chrono::Utc::now())));
+        assert!(rx.has_changed().unwrap());
+    }
+}

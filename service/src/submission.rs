@@ -1,0 +1,303 @@
+//! A submission's state machine, as a plain value: it serializes to the API's JSON and back,
+//! so a durable store can keep and reload it unchanged.
+//!
+//! States only move forward (`queued` → `scheduled` → `running` → `fetching` → terminal), and a
+//! terminal submission never changes again. That one rule is what makes duplicate and
+//! out-of-order webhooks harmless.
+
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
+use kernelkite_runner::result::FullResult;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// Accepted; the build is being created.
+    Queued,
+    /// Buildkite created the build; it waits for an agent.
+    Scheduled,
+    Running,
+    /// The build finished; result.json is being downloaded and checked.
+    Fetching,
+    Succeeded,
+    Failed,
+    /// Canceled through `DELETE /v1/submissions/{id}`.
+    Canceled,
+    TimedOut,
+}
+
+impl State {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            State::Succeeded | State::Failed | State::Canceled | State::TimedOut
+        )
+    }
+
+    fn rank(self) -> u8 {
+        match self {
+            State::Queued => 0,
+            State::Scheduled => 1,
+            State::Running => 2,
+            State::Fetching => 3,
+            State::Succeeded | State::Failed | State::Canceled | State::TimedOut => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Queued => "queued",
+            State::Scheduled => "scheduled",
+            State::Running => "running",
+            State::Fetching => "fetching",
+            State::Succeeded => "succeeded",
+            State::Failed => "failed",
+            State::Canceled => "canceled",
+            State::TimedOut => "timed_out",
+        }
+    }
+}
+
+/// The Buildkite build behind a submission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildInfo {
+    /// Buildkite's build UUID; webhooks are matched on it.
+    pub id: String,
+    pub number: u64,
+    pub web_url: String,
+}
+
+/// One state change, with the time it happened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transition {
+    pub state: State,
+    #[serde(with = "iso")]
+    pub at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Submission {
+    pub id: String,
+    pub state: State,
+    pub queue: String,
+    pub run_id: Option<String>,
+    pub callback_url: Option<String>,
+    pub timeout_s: u64,
+    pub build: Option<BuildInfo>,
+    pub result: Option<Box<FullResult>>,
+    pub error: Option<String>,
+    #[serde(with = "iso")]
+    pub created_at: DateTime<Utc>,
+    #[serde(with = "iso")]
+    pub updated_at: DateTime<Utc>,
+    #[serde(with = "iso_opt")]
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Every state this submission has been in, in order; SSE replays it.
+    pub history: Vec<Transition>,
+}
+
+/// How a submission ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Succeeded(Box<FullResult>),
+    Failed(String),
+    Canceled(String),
+    TimedOut(String),
+}
+
+impl Submission {
+    pub fn new(
+        id: String,
+        queue: String,
+        run_id: Option<String>,
+        callback_url: Option<String>,
+        timeout_s: u64,
+        now: DateTime<Utc>,
+    ) -> Submission {
+        let now = now.trunc_subsecs(6);
+        Submission {
+            id,
+            state: State::Queued,
+            queue,
+            run_id,
+            callback_url,
+            timeout_s,
+            build: None,
+            result: None,
+            error: None,
+            created_at: now,
+            updated_at: now,
+            finished_at: None,
+            history: vec![Transition {
+                state: State::Queued,
+                at: now,
+            }],
+        }
+    }
+
+    /// Moves to a non-terminal `to` if that is forward; returns whether anything changed.
+    pub fn advance(&mut self, to: State, now: DateTime<Utc>) -> bool {
+        if to.is_terminal() || self.state.is_terminal() || to.rank() <= self.state.rank() {
+            return false;
+        }
+        self.set_state(to, now);
+        true
+    }
+
+    /// Ends the submission; a no-op (false) when it already ended.
+    pub fn finish(&mut self, outcome: Outcome, now: DateTime<Utc>) -> bool {
+        if self.state.is_terminal() {
+            return false;
+        }
+        let (state, result, error) = match outcome {
+            Outcome::Succeeded(r) => (State::Succeeded, Some(r), None),
+            Outcome::Failed(e) => (State::Failed, None, Some(e)),
+            Outcome::Canceled(e) => (State::Canceled, None, Some(e)),
+            Outcome::TimedOut(e) => (State::TimedOut, None, Some(e)),
+        };
+        self.result = result;
+        self.error = error;
+        self.finished_at = Some(now.trunc_subsecs(6));
+        self.set_state(state, now);
+        true
+    }
+
+    /// Records the build once; a second, different build is refused (false).
+    pub fn attach_build(&mut self, build: BuildInfo, now: DateTime<Utc>) -> bool {
+        match &self.build {
+            Some(b) => b == &build,
+            None => {
+                self.build = Some(build);
+                self.updated_at = now.trunc_subsecs(6);
+                // The create response means Buildkite has the build; it is at least scheduled.
+                self.advance(State::Scheduled, now);
+                true
+            }
+        }
+    }
+
+    /// Times are kept to the microsecond, which is what the JSON form holds, so a value
+    /// survives a round trip through a store unchanged.
+    fn set_state(&mut self, state: State, now: DateTime<Utc>) {
+        let now = now.trunc_subsecs(6);
+        self.state = state;
+        self.updated_at = now;
+        self.history.push(Transition { state, at: now });
+    }
+}
+
+/// Timestamps as RFC 3339 with microseconds and `Z`.
+pub(crate) mod iso {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::Micros, true))
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        let s = String::deserialize(d)?;
+        DateTime::parse_from_rfc3339(&s)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+pub(crate) mod iso_opt {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(
+        t: &Option<DateTime<Utc>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => iso::serialize(t, s),
+            None => s.serialize_none(),
+        }
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<DateTime<Utc>>, D::Error> {
+        let s = Option::<String>::deserialize(d)?;
+        s.map(|s| {
+            DateTime::parse_from_rfc3339(&s)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(serde::de::Error::custom)
+        })
+        .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sub() -> Submission {
+        Submission::new("s".into(), "h100".into(), None, None, 60, Utc::now())
+    }
+
+    #[test]
+    fn states_only_move_forward() {
+        let mut s = sub();
+        assert!(s.advance(State::Running, Utc::now()));
+        assert!(
+            !s.advance(State::Scheduled, Utc::now()),
+            "a late build.scheduled must not move running back"
+        );
+        assert!(s.advance(State::Fetching, Utc::now()));
+        assert!(!s.advance(State::Fetching, Utc::now()));
+        assert_eq!(s.state, State::Fetching);
+    }
+
+    #[test]
+    fn terminal_never_changes() {
+        let mut s = sub();
+        assert!(s.finish(Outcome::Failed("boom".into()), Utc::now()));
+        assert!(!s.finish(Outcome::Canceled("late".into()), Utc::now()));
+        assert!(!s.advance(State::Running, Utc::now()));
+        assert_eq!((s.state, s.error.as_deref()), (State::Failed, Some("boom")));
+        assert_eq!(s.history.len(), 2);
+        assert!(s.finished_at.is_some());
+    }
+
+    #[test]
+    fn round_trips_as_json() {
+        let mut s = sub();
+        s.attach_build(
+            BuildInfo {
+                id: "b".into(),
+                number: 7,
+                web_url: "w".into(),
+            },
+            Utc::now(),
+        );
+        let json = serde_json::to_string(&s).unwrap();
+        let back: Submission = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["state"], "scheduled");
+        assert_eq!(v["build"]["number"], 7);
+        assert!(v["result"].is_null() && v["error"].is_null() && v["finished_at"].is_null());
+    }
+
+    fn arb_state() -> impl Strategy<Value = State> {
+        prop_oneof![
+            Just(State::Queued),
+            Just(State::Scheduled),
+            Just(State::Running),
+            Just(State::Fetching),
+        ]
+    }
+
+    proptest! {
+        /// Any interleaving of events leaves a history that never goes backwards and at most
+        /// one terminal entry, which is the last.
+        #[test]
+        fn any_event_order_keeps_history_monotonic(events in proptest::collection::vec((arb_state(), any::<bool>()), 0..20)) {
+            let mut s = sub();
+            for (st, fin) in events {
+                if fin { s.finish(Outcome::Failed("x".into()), Utc::now()); } else { s.advance(st, Utc::now()); }
+            }
+            let ranks: Vec<u8> = s.history.iter().map(|t| t.state.rank()).collect();
+            prop_assert!(ranks.windows(2).all(|w| w[0] < w[1]));
+            prop_assert_eq!(s.history.last().map(|t| t.state), Some(s.state));
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! The test harness shared by the integration tests: the service on loopback against the
+//! fake Buildkite.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kernelkite_service::config::Secret;
+use kernelkite_service::{App, Config};
+use kernelkite_tests::fake_buildkite::{
+    ArtifactSpec, FakeBuildkite, Signing, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
+};
+use kernelkite_tests::{sample_config, sample_result_json};
+use serde_json::{json, Value};
+
+pub const WEBHOOK_TOKEN: &str = "whsec-test-token";
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub struct Harness {
+    pub fake: FakeBuildkite,
+    pub app: Arc<App>,
+    pub base: String,
+    pub http: reqwest::Client,
+    pub _dir: tempfile::TempDir,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
+    let fake = FakeBuildkite::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
+    cfg.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
+    cfg.retry_base_ms = 5;
+    cfg.http_timeout_s = 5;
+    cfg.data_dir = Some(dir.path().to_path_buf());
+    tweak(&mut cfg);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = App::new(cfg).unwrap();
+    let serving = app.clone();
+    let server = tokio::spawn(async move {
+        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+    });
+    fake.set_webhook(
+        format!("http://{addr}/webhooks/buildkite"),
+        Signing::Hmac(WEBHOOK_TOKEN.into()),
+    );
+    Harness {
+        fake,
+        app,
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        _dir: dir,
+        server,
+    }
+}
+
+pub async fn harness() -> Harness {
+    harness_with(|_| {}).await
+}
+
+impl Harness {
+    pub async fn post(&self, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}/v1/submissions", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Submits the sample config and waits for its build; returns (submission id, build number).
+    pub async fn submit(&self) -> (String, u64) {
+        self.submit_body(json!({"config": sample_config(), "queue": "h100", "run_id": "run-1"}))
+            .await
+    }
+
+    pub async fn submit_body(&self, body: Value) -> (String, u64) {
+        let (status, v) = self.post(body).await;
+        assert_eq!(status, 202, "{v}");
+        let number = self.fake.next_created(WAIT).await.expect("build created");
+        (v["id"].as_str().unwrap().to_string(), number)
+    }
+
+    pub async fn get(&self, id: &str, query: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .get(format!("{}/v1/submissions/{id}{query}", self.base))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn wait_terminal(&self, id: &str) -> Value {
+        let (status, v) = self.get(id, "?wait=10").await;
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    /// Waits until the submission's build is attached (the create call returned).
+    pub async fn wait_build_attached(&self, id: &str) {
+        let mut rx = self.app.store.subscribe(id).unwrap();
+        tokio::time::timeout(WAIT, rx.wait_for(|s| s.build.is_some()))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    pub async fn state(&self, id: &str) -> String {
+        self.get(id, "").await.1["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+pub fn result_artifact() -> Option<ArtifactSpec> {
+    Some(ArtifactSpec::result_json(sample_result_json()))
+}
