@@ -1,6 +1,7 @@
 //! The `kernelkite-runner` command line.
 
 use std::io::Write as _;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -302,6 +303,9 @@ pub fn write_result(path: &Path, result: &FullResult) -> std::io::Result<()> {
         .tempfile_in(&dir)?;
     tmp.write_all(&json)?;
     tmp.write_all(b"\n")?;
+    // The temp file is created 0600; a result is meant to be read by whoever uploads or
+    // inspects it (often another user than the one the job ran as), like any file we write.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644))?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }
