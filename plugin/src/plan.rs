@@ -98,7 +98,12 @@ pub fn parse_cpu_list(input: &str) -> Result<Vec<u32>, CpuListError> {
         reason: reason.to_string(),
     };
     let mut out = Vec::new();
-    for part in input.trim().split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for part in input
+        .trim()
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
         match part.split_once('-') {
             Some((a, b)) => {
                 let a: u32 = a.trim().parse().map_err(|_| err("not a number"))?;

@@ -1,0 +1,62 @@
+#!/bin/bash
+# Finds the kernelkite-isolate binary for the plugin's hooks, in this order:
+#   1. $KERNELKITE_ISOLATE_BIN (must be executable),
+#   2. kernelkite-isolate on PATH,
+#   3. a build of this plugin checkout, made once with `cargo build --release --locked` and
+#      cached under $KERNELKITE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/kernelkite),
+#      keyed by the checkout's commit so a new plugin version builds afresh.
+# Prints the path; on failure prints why on stderr and returns 1.
+
+kernelkite_find_binary() {
+  local plugin_dir="$1"
+  if [[ -n "${KERNELKITE_ISOLATE_BIN:-}" ]]; then
+    if [[ -x "$KERNELKITE_ISOLATE_BIN" && ! -d "$KERNELKITE_ISOLATE_BIN" ]]; then
+      printf '%s\n' "$KERNELKITE_ISOLATE_BIN"
+      return 0
+    fi
+    echo "kernelkite: KERNELKITE_ISOLATE_BIN=$KERNELKITE_ISOLATE_BIN is not an executable file" >&2
+    return 1
+  fi
+  local on_path
+  if on_path="$(command -v kernelkite-isolate 2>/dev/null)" && [[ -n "$on_path" ]]; then
+    printf '%s\n' "$on_path"
+    return 0
+  fi
+
+  local cache="${KERNELKITE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/kernelkite}"
+  local key
+  key="$(git -C "$plugin_dir" rev-parse HEAD 2>/dev/null || true)"
+  if [[ -z "$key" ]]; then
+    # Not a git checkout: key on the sources' content instead.
+    key="src-$(cd "$plugin_dir/.." && find plugin/src plugin/Cargo.toml Cargo.lock -type f 2>/dev/null \
+      | LC_ALL=C sort | xargs cat 2>/dev/null | cksum | cut -d' ' -f1)"
+  fi
+  local bin="$cache/$key/kernelkite-isolate"
+  if [[ -x "$bin" ]]; then
+    printf '%s\n' "$bin"
+    return 0
+  fi
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "kernelkite: kernelkite-isolate is not on PATH, KERNELKITE_ISOLATE_BIN is not set, and cargo is not installed to build it; install the binary on the agent (see the plugin README)" >&2
+    return 1
+  fi
+  mkdir -p "$cache/$key" || return 1
+  echo "kernelkite: building kernelkite-isolate from the plugin checkout (once per plugin version) into $cache/$key" >&2
+  (
+    # Agents on one node share the cache: one builds, the others wait for it.
+    if command -v flock >/dev/null 2>&1; then
+      exec 9>"$cache/$key/.build.lock"
+      flock 9
+    fi
+    if [[ -x "$bin" ]]; then exit 0; fi
+    cargo build --release --locked --quiet \
+      --manifest-path "$plugin_dir/Cargo.toml" \
+      --bin kernelkite-isolate \
+      --target-dir "$cache/target" >&2 || exit 1
+    cp "$cache/target/release/kernelkite-isolate" "$bin.tmp.$$" && mv -f "$bin.tmp.$$" "$bin"
+  ) || {
+    echo "kernelkite: building kernelkite-isolate failed (see above)" >&2
+    return 1
+  }
+  printf '%s\n' "$bin"
+}

@@ -1,0 +1,451 @@
+//! Per-job cgroups: one interface over cgroup v2 (`<mount>/kernelkite/<job>`) and v1 (the same
+//! path in the cpuset, memory, pids and freezer hierarchies), chosen by what the machine mounts.
+//!
+//! Every path is under an injectable root (`fs_root`), so the same code runs against a fake
+//! cgroupfs tree of plain files in tests. Fake trees differ from cgroupfs in one way that
+//! matters: a directory with files in it cannot be `rmdir`ed, so removal falls back to a
+//! recursive delete when (and only when) the directory is not on a cgroup filesystem.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub mod v1;
+pub mod v2;
+
+/// The limits a job's cgroup enforces.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Limits {
+    pub cpus: Vec<u32>,
+    pub mems: Vec<u32>,
+    pub memory_bytes: u64,
+    pub pids: u32,
+    /// Character devices the job may not open (other jobs' GPUs).
+    pub deny_devices: Vec<CharDevice>,
+}
+
+/// A character device by number, as the devices controller names it (`c 195:3`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CharDevice {
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// The parent of every job cgroup, directly under each hierarchy's mount point.
+pub const PARENT: &str = "kernelkite";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("cannot write {path}: {error}; run the hooks as root or delegate {parent} to the agent's user (see README \"Cgroups\"), or set `allow-unenforced: true` to run without limits")]
+    NotWritable {
+        path: PathBuf,
+        parent: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("no usable cgroup hierarchy: {0}; mount cgroup v2 with the cpuset, memory and pids controllers (or v1 cpuset, memory and pids hierarchies), or set `allow-unenforced: true`")]
+    Unavailable(String),
+    #[error("job id {0:?} cannot name a cgroup (allowed: letters, digits, '-', '_', '.')")]
+    BadName(String),
+    #[error("processes {pids:?} in {path} survived being killed; check for processes stuck in uninterruptible sleep (D state)")]
+    Unkillable { path: PathBuf, pids: Vec<u32> },
+}
+
+pub(crate) fn io_err(path: &Path, error: std::io::Error) -> CgroupError {
+    if matches!(
+        error.kind(),
+        std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+    ) || error.raw_os_error() == Some(libc::EROFS)
+    {
+        let parent = path
+            .ancestors()
+            .find(|p| p.file_name().is_some_and(|n| n == PARENT))
+            .unwrap_or(path)
+            .to_path_buf();
+        return CgroupError::NotWritable {
+            path: path.to_path_buf(),
+            parent,
+            error,
+        };
+    }
+    CgroupError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
+}
+
+pub(crate) fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    std::fs::write(path, value).map_err(|e| io_err(path, e))
+}
+
+pub(crate) fn read(path: &Path) -> Result<String, CgroupError> {
+    std::fs::read_to_string(path).map_err(|e| io_err(path, e))
+}
+
+pub(crate) fn mkdir(path: &Path) -> Result<(), CgroupError> {
+    match std::fs::create_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io_err(path, e)),
+    }
+}
+
+/// Pids listed in a `cgroup.procs` file. The kernel lists only live processes; the filter
+/// gives fake trees (plain files in tests) the same meaning, so a stale pid written there is
+/// never signalled.
+pub(crate) fn read_pids(path: &Path) -> Vec<u32> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .filter(|pid: &u32| Path::new("/proc").join(pid.to_string()).exists())
+        .collect()
+}
+
+pub(crate) fn is_cgroupfs(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs fills a zeroed struct from a valid C string path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    let magic = st.f_type as i64;
+    magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
+}
+
+/// Removes a cgroup directory and any sub-cgroups the job made, deepest first.
+pub(crate) fn remove_tree(path: &Path) -> Result<(), CgroupError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path())?;
+            }
+        }
+    }
+    match std::fs::remove_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(_) if !is_cgroupfs(path) => std::fs::remove_dir_all(path).map_err(|e| io_err(path, e)),
+        Err(e) => Err(io_err(path, e)),
+    }
+}
+
+/// Sends SIGKILL to each pid, ignoring ones already gone.
+pub(crate) fn kill_pids(pids: &[u32]) {
+    for &pid in pids {
+        if let Ok(p) = i32::try_from(pid) {
+            if p > 0 {
+                // SAFETY: kill(2) with a positive pid read from the job's own cgroup.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+/// Polls `cond` until it holds or `limit` passes.
+pub(crate) fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(200);
+    loop {
+        if cond() {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// Checks a job id is safe as one path component.
+pub fn job_cgroup_name(job_id: &str) -> Result<String, CgroupError> {
+    let ok = !job_id.is_empty()
+        && job_id.len() <= 128
+        && job_id != "."
+        && job_id != ".."
+        && job_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(job_id.to_string())
+    } else {
+        Err(CgroupError::BadName(job_id.to_string()))
+    }
+}
+
+/// One mount from `/proc/self/mountinfo`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub mount_point: String,
+    pub fs_type: String,
+    /// Super options (for cgroup v1, the controllers: `rw,cpuset`).
+    pub super_options: Vec<String>,
+}
+
+/// Parses mountinfo; lines that do not parse are skipped.
+pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            let mount_point = pre.split_whitespace().nth(4)?;
+            let mut post = post.split_whitespace();
+            let fs_type = post.next()?.to_string();
+            let _source = post.next();
+            let super_options = post
+                .next()
+                .unwrap_or("")
+                .split(',')
+                .map(str::to_string)
+                .collect();
+            Some(Mount {
+                mount_point: unescape_octal(mount_point),
+                fs_type,
+                super_options,
+            })
+        })
+        .collect()
+}
+
+fn unescape_octal(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            if let Some(v) = s
+                .get(i + 1..i + 4)
+                .and_then(|o| u8::from_str_radix(o, 8).ok())
+            {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The machine's cgroups, whichever version.
+#[derive(Debug, Clone)]
+pub enum Cgroups {
+    V1(v1::V1),
+    V2(v2::V2),
+}
+
+/// What `pre-exit` found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Cleanup {
+    /// Pids that were still running and were killed.
+    pub killed: Vec<u32>,
+    /// Whether the cgroup existed and was removed.
+    pub removed: bool,
+}
+
+impl Cgroups {
+    /// Picks the hierarchy from `<fs_root>/proc/self/mountinfo`: cgroup v2 when it offers the
+    /// cpuset, memory and pids controllers, else v1 when all three are mounted.
+    pub fn detect(fs_root: &Path) -> Result<Cgroups, CgroupError> {
+        let path = fs_root.join("proc/self/mountinfo");
+        let text = read(&path)?;
+        let mounts = parse_mountinfo(&text);
+        let under = |m: &Mount| fs_root.join(m.mount_point.trim_start_matches('/'));
+        let mut v2_problem = "no cgroup2 mount".to_string();
+        for m in mounts.iter().filter(|m| m.fs_type == "cgroup2") {
+            let root = under(m);
+            let ctrls =
+                std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+            let have: Vec<&str> = ctrls.split_whitespace().collect();
+            let missing: Vec<&str> = v2::CONTROLLERS
+                .iter()
+                .copied()
+                .filter(|c| !have.contains(c))
+                .collect();
+            if missing.is_empty() {
+                return Ok(Cgroups::V2(v2::V2::new(root)));
+            }
+            v2_problem = format!("cgroup2 at {} lacks {}", root.display(), missing.join(", "));
+        }
+        let find = |ctrl: &str| {
+            mounts
+                .iter()
+                .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == ctrl))
+                .map(under)
+        };
+        match (find("cpuset"), find("memory"), find("pids")) {
+            (Some(cpuset), Some(memory), Some(pids)) => Ok(Cgroups::V1(v1::V1::new(
+                cpuset,
+                memory,
+                pids,
+                find("freezer"),
+                find("devices"),
+            ))),
+            _ => Err(CgroupError::Unavailable(format!(
+                "{v2_problem}, and cgroup v1 lacks one of the cpuset, memory, pids hierarchies"
+            ))),
+        }
+    }
+
+    pub fn version(&self) -> u8 {
+        match self {
+            Cgroups::V1(_) => 1,
+            Cgroups::V2(_) => 2,
+        }
+    }
+
+    /// Creates (or reuses) the job's cgroup with its limits; returns warnings worth printing.
+    pub fn create(&self, job: &str, limits: &Limits) -> Result<Vec<String>, CgroupError> {
+        let name = job_cgroup_name(job)?;
+        match self {
+            Cgroups::V1(c) => c.create(&name, limits),
+            Cgroups::V2(c) => c.create(&name, limits),
+        }
+    }
+
+    /// The files a process writes its pid into to join the job's cgroup(s).
+    pub fn procs_files(&self, job: &str) -> Result<Vec<PathBuf>, CgroupError> {
+        let name = job_cgroup_name(job)?;
+        Ok(match self {
+            Cgroups::V1(c) => c.procs_files(&name),
+            Cgroups::V2(c) => c.procs_files(&name),
+        })
+    }
+
+    /// Moves `pid` into the job's cgroup(s).
+    pub fn join(&self, job: &str, pid: u32) -> Result<(), CgroupError> {
+        for f in self.procs_files(job)? {
+            write(&f, &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The processes now in the job's cgroup.
+    pub fn pids(&self, job: &str) -> Result<Vec<u32>, CgroupError> {
+        let name = job_cgroup_name(job)?;
+        Ok(match self {
+            Cgroups::V1(c) => c.pids(&name),
+            Cgroups::V2(c) => c.pids(&name),
+        })
+    }
+
+    /// How many times the kernel's OOM killer killed a process of the job.
+    pub fn oom_kills(&self, job: &str) -> u64 {
+        let Ok(name) = job_cgroup_name(job) else {
+            return 0;
+        };
+        match self {
+            Cgroups::V1(c) => c.oom_kills(&name),
+            Cgroups::V2(c) => c.oom_kills(&name),
+        }
+    }
+
+    /// Kills everything left in the job's cgroup and removes it. Idempotent.
+    pub fn clean_up(&self, job: &str) -> Result<Cleanup, CgroupError> {
+        let name = job_cgroup_name(job)?;
+        match self {
+            Cgroups::V1(c) => c.clean_up(&name),
+            Cgroups::V2(c) => c.clean_up(&name),
+        }
+    }
+
+    /// Job cgroups that exist now (for finding orphans).
+    pub fn jobs(&self) -> Vec<String> {
+        let base = match self {
+            Cgroups::V1(c) => c.base_dirs(),
+            Cgroups::V2(c) => vec![c.base()],
+        };
+        let mut names: Vec<String> = base
+            .iter()
+            .filter_map(|b| std::fs::read_dir(b).ok())
+            .flat_map(|entries| entries.flatten())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTINFO_V1: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    #[test]
+    fn mountinfo_parses_types_and_controllers() {
+        let m = parse_mountinfo(MOUNTINFO_V1);
+        assert_eq!(m.len(), 7);
+        assert_eq!(m[2].mount_point, "/sys/fs/cgroup/cpuset");
+        assert_eq!(m[2].super_options, vec!["rw", "cpuset"]);
+        assert_eq!(m[6].fs_type, "cgroup2");
+        let esc = parse_mountinfo("1 2 0:1 / /mnt/a\\040b rw - ext4 /dev/x rw\n");
+        assert_eq!(esc[0].mount_point, "/mnt/a b");
+    }
+
+    #[test]
+    fn hybrid_machine_without_v2_controllers_uses_v1() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("proc/self")).unwrap();
+        std::fs::write(root.path().join("proc/self/mountinfo"), MOUNTINFO_V1).unwrap();
+        std::fs::create_dir_all(root.path().join("sys/fs/cgroup/unified")).unwrap();
+        std::fs::write(
+            root.path().join("sys/fs/cgroup/unified/cgroup.controllers"),
+            "\n",
+        )
+        .unwrap();
+        let c = Cgroups::detect(root.path()).unwrap();
+        assert_eq!(c.version(), 1);
+        // With the controllers offered, v2 wins.
+        std::fs::write(
+            root.path().join("sys/fs/cgroup/unified/cgroup.controllers"),
+            "cpuset cpu io memory hugetlb pids rdma misc\n",
+        )
+        .unwrap();
+        let c = Cgroups::detect(root.path()).unwrap();
+        assert_eq!(c.version(), 2);
+    }
+
+    #[test]
+    fn missing_hierarchies_say_what_is_missing() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("proc/self")).unwrap();
+        std::fs::write(
+            root.path().join("proc/self/mountinfo"),
+            "34 31 0:31 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n",
+        )
+        .unwrap();
+        let e = Cgroups::detect(root.path()).unwrap_err();
+        assert!(e.to_string().contains("no cgroup2 mount"), "{e}");
+    }
+
+    #[test]
+    fn job_names_are_single_path_components() {
+        assert!(job_cgroup_name("0190b8c2-1234-4d5e-9f00-aabbccddeeff").is_ok());
+        for bad in ["", "..", "a/b", "a b", "x\n"] {
+            assert!(job_cgroup_name(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! cgroup v1: the same `kernelkite/<job>` path in the cpuset, memory and pids hierarchies (and
+//! freezer, when mounted, to stop a fork loop while it is being killed).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{
+    kill_pids, mkdir, read, read_pids, remove_tree, wait_until, write, CgroupError, Cleanup,
+    Limits, PARENT,
+};
+use crate::plan::format_cpu_list;
+
+#[derive(Debug, Clone)]
+pub struct V1 {
+    cpuset: PathBuf,
+    memory: PathBuf,
+    pids: PathBuf,
+    freezer: Option<PathBuf>,
+    devices: Option<PathBuf>,
+}
+
+impl V1 {
+    /// Hierarchies mounted (or faked) at these paths.
+    pub fn new(
+        cpuset: PathBuf,
+        memory: PathBuf,
+        pids: PathBuf,
+        freezer: Option<PathBuf>,
+        devices: Option<PathBuf>,
+    ) -> V1 {
+        V1 {
+            cpuset,
+            memory,
+            pids,
+            freezer,
+            devices,
+        }
+    }
+
+    fn hierarchies(&self) -> Vec<&Path> {
+        let mut h = vec![
+            self.cpuset.as_path(),
+            self.memory.as_path(),
+            self.pids.as_path(),
+        ];
+        if let Some(f) = &self.freezer {
+            h.push(f.as_path());
+        }
+        if let Some(d) = &self.devices {
+            h.push(d.as_path());
+        }
+        h
+    }
+
+    pub fn base_dirs(&self) -> Vec<PathBuf> {
+        self.hierarchies().iter().map(|h| h.join(PARENT)).collect()
+    }
+
+    fn dir(hierarchy: &Path, name: &str) -> PathBuf {
+        hierarchy.join(PARENT).join(name)
+    }
+
+    /// A new v1 cpuset starts with empty `cpus`/`mems` and takes no tasks until both are
+    /// set, so the parent copies its own parent's before any job is made under it.
+    fn prepare_cpuset_parent(&self) -> Result<(), CgroupError> {
+        let base = self.cpuset.join(PARENT);
+        mkdir(&base)?;
+        for file in ["cpuset.cpus", "cpuset.mems"] {
+            let mine = std::fs::read_to_string(base.join(file)).unwrap_or_default();
+            if mine.trim().is_empty() {
+                let parent = read(&self.cpuset.join(file))?;
+                write(&base.join(file), parent.trim())?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn create(&self, name: &str, limits: &Limits) -> Result<Vec<String>, CgroupError> {
+        self.prepare_cpuset_parent()?;
+        for h in self.hierarchies() {
+            mkdir(&h.join(PARENT))?;
+            mkdir(&Self::dir(h, name))?;
+        }
+        let cs = Self::dir(&self.cpuset, name);
+        write(&cs.join("cpuset.cpus"), &format_cpu_list(&limits.cpus))?;
+        write(&cs.join("cpuset.mems"), &format_cpu_list(&limits.mems))?;
+        let mem = Self::dir(&self.memory, name);
+        // memsw must stay >= the memory limit, so the memory limit is written first.
+        write(
+            &mem.join("memory.limit_in_bytes"),
+            &limits.memory_bytes.to_string(),
+        )?;
+        let mut warnings = Vec::new();
+        let memsw = mem.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() || !super::is_cgroupfs(&mem) {
+            write(&memsw, &limits.memory_bytes.to_string())?;
+        } else {
+            let _ = write(&mem.join("memory.swappiness"), "0");
+            warnings.push(
+                "memory.memsw.limit_in_bytes is missing (boot with swapaccount=1): swap is only discouraged (swappiness 0), not forbidden"
+                    .into(),
+            );
+        }
+        write(
+            &Self::dir(&self.pids, name).join("pids.max"),
+            &limits.pids.to_string(),
+        )?;
+        if !limits.deny_devices.is_empty() {
+            match &self.devices {
+                // Each write adds one exception to the allow-all rule inherited from the root.
+                Some(d) => {
+                    let deny = Self::dir(d, name).join("devices.deny");
+                    for dev in &limits.deny_devices {
+                        write(&deny, &format!("c {}:{} rwm", dev.major, dev.minor))?;
+                    }
+                }
+                None => warnings.push(
+                    "the devices hierarchy is not mounted: other GPUs are hidden only by the exported variables"
+                        .into(),
+                ),
+            }
+        }
+        Ok(warnings)
+    }
+
+    /// The cpuset file goes first: a task that joins memory before cpuset would briefly run
+    /// on every CPU under the memory limit, which is harmless; the reverse order is too.
+    pub fn procs_files(&self, name: &str) -> Vec<PathBuf> {
+        self.hierarchies()
+            .iter()
+            .map(|h| Self::dir(h, name).join("cgroup.procs"))
+            .collect()
+    }
+
+    pub fn pids(&self, name: &str) -> Vec<u32> {
+        let mut all: Vec<u32> = self
+            .hierarchies()
+            .iter()
+            .flat_map(|h| read_pids(&Self::dir(h, name).join("cgroup.procs")))
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    pub fn oom_kills(&self, name: &str) -> u64 {
+        read(&Self::dir(&self.memory, name).join("memory.oom_control"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn set_frozen(&self, name: &str, frozen: bool) {
+        let Some(f) = &self.freezer else { return };
+        let state = Self::dir(f, name).join("freezer.state");
+        if !state.exists() {
+            return;
+        }
+        let want = if frozen { "FROZEN" } else { "THAWED" };
+        let _ = write(&state, want);
+        if frozen {
+            // FREEZING until every task has stopped; a task in D state can hold it there.
+            wait_until(Duration::from_millis(500), || {
+                read(&state).map(|s| s.trim() == want).unwrap_or(true)
+            });
+        }
+    }
+
+    /// Freeze, SIGKILL everything, thaw (so the kills are delivered), until empty.
+    pub fn clean_up(&self, name: &str) -> Result<Cleanup, CgroupError> {
+        let dirs: Vec<PathBuf> = self
+            .hierarchies()
+            .iter()
+            .map(|h| Self::dir(h, name))
+            .collect();
+        if !dirs.iter().any(|d| d.exists()) {
+            return Ok(Cleanup::default());
+        }
+        let mut killed: Vec<u32> = Vec::new();
+        for _ in 0..50 {
+            let left = self.pids(name);
+            if left.is_empty() {
+                break;
+            }
+            self.set_frozen(name, true);
+            let left = self.pids(name);
+            for p in &left {
+                if !killed.contains(p) {
+                    killed.push(*p);
+                }
+            }
+            kill_pids(&left);
+            self.set_frozen(name, false);
+            wait_until(Duration::from_millis(200), || self.pids(name).is_empty());
+        }
+        let left = self.pids(name);
+        if !left.is_empty() {
+            return Err(CgroupError::Unkillable {
+                path: Self::dir(&self.cpuset, name),
+                pids: left,
+            });
+        }
+        killed.sort_unstable();
+        for d in &dirs {
+            remove_tree(d)?;
+        }
+        Ok(Cleanup {
+            killed,
+            removed: true,
+        })
+    }
+}

@@ -1,0 +1,137 @@
+//! cgroup v2: `<root>/kernelkite/<job>` with the cpuset, memory and pids controllers.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{
+    kill_pids, mkdir, read, read_pids, remove_tree, wait_until, write, CgroupError, Cleanup,
+    Limits, PARENT,
+};
+use crate::plan::format_cpu_list;
+
+/// Controllers a job cgroup needs.
+pub const CONTROLLERS: &[&str] = &["cpuset", "memory", "pids"];
+
+#[derive(Debug, Clone)]
+pub struct V2 {
+    root: PathBuf,
+}
+
+impl V2 {
+    /// A v2 hierarchy mounted (or faked) at `root`.
+    pub fn new(root: PathBuf) -> V2 {
+        V2 { root }
+    }
+
+    pub fn base(&self) -> PathBuf {
+        self.root.join(PARENT)
+    }
+
+    fn dir(&self, name: &str) -> PathBuf {
+        self.base().join(name)
+    }
+
+    /// Turns on the controllers for children of `dir`, keeping what is already on.
+    fn enable_controllers(dir: &Path) -> Result<(), CgroupError> {
+        let path = dir.join("cgroup.subtree_control");
+        let on = std::fs::read_to_string(&path).unwrap_or_default();
+        let missing: Vec<String> = CONTROLLERS
+            .iter()
+            .filter(|c| !on.split_whitespace().any(|o| o == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        write(&path, &missing.join(" "))
+    }
+
+    pub fn create(&self, name: &str, limits: &Limits) -> Result<Vec<String>, CgroupError> {
+        Self::enable_controllers(&self.root)?;
+        mkdir(&self.base())?;
+        Self::enable_controllers(&self.base())?;
+        let dir = self.dir(name);
+        mkdir(&dir)?;
+        write(&dir.join("cpuset.cpus"), &format_cpu_list(&limits.cpus))?;
+        write(&dir.join("cpuset.mems"), &format_cpu_list(&limits.mems))?;
+        write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+        let mut warnings = Vec::new();
+        // memory.swap.max only exists with swap accounting; without it swap is not limited.
+        let swap = dir.join("memory.swap.max");
+        if swap.exists() || !super::is_cgroupfs(&dir) {
+            write(&swap, "0")?;
+        } else {
+            warnings
+                .push("memory.swap.max is missing (no swap accounting): the job may swap".into());
+        }
+        write(&dir.join("pids.max"), &limits.pids.to_string())?;
+        if !limits.deny_devices.is_empty() {
+            warnings.push(
+                "cgroup v2 restricts devices only through BPF, which kernelkite does not load: other GPUs are hidden only by the exported variables (use mode: docker to keep them out)".into(),
+            );
+        }
+        Ok(warnings)
+    }
+
+    pub fn procs_files(&self, name: &str) -> Vec<PathBuf> {
+        vec![self.dir(name).join("cgroup.procs")]
+    }
+
+    pub fn pids(&self, name: &str) -> Vec<u32> {
+        read_pids(&self.dir(name).join("cgroup.procs"))
+    }
+
+    pub fn oom_kills(&self, name: &str) -> u64 {
+        read(&self.dir(name).join("memory.events"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// `cgroup.kill` where the kernel has it (5.14+), else freeze, kill each, thaw, repeat.
+    pub fn clean_up(&self, name: &str) -> Result<Cleanup, CgroupError> {
+        let dir = self.dir(name);
+        if !dir.exists() {
+            return Ok(Cleanup::default());
+        }
+        let procs = dir.join("cgroup.procs");
+        let mut killed = read_pids(&procs);
+        let empty = || read_pids(&procs).is_empty();
+        let kill_file = dir.join("cgroup.kill");
+        if !killed.is_empty() {
+            if kill_file.exists() {
+                write(&kill_file, "1")?;
+            } else {
+                for _ in 0..20 {
+                    let freeze = dir.join("cgroup.freeze");
+                    let _ = write(&freeze, "1");
+                    let left = read_pids(&procs);
+                    if left.is_empty() {
+                        break;
+                    }
+                    for p in &left {
+                        if !killed.contains(p) {
+                            killed.push(*p);
+                        }
+                    }
+                    kill_pids(&left);
+                    let _ = write(&freeze, "0");
+                    wait_until(Duration::from_millis(100), empty);
+                }
+            }
+            if !wait_until(Duration::from_secs(5), empty) {
+                return Err(CgroupError::Unkillable {
+                    path: dir,
+                    pids: read_pids(&procs),
+                });
+            }
+        }
+        killed.sort_unstable();
+        remove_tree(&dir)?;
+        Ok(Cleanup {
+            killed,
+            removed: true,
+        })
+    }
+}

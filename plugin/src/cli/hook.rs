@@ -1,0 +1,225 @@
+//! Hook subcommands: `environment`, `command`, `pre-exit`.
+//!
+//! The same binary serves the plugin's shell shims (`kernelkite-isolate environment --export
+//! shell`, evaluated by the sourced hook) and agent-level hooks (links named `environment`,
+//! `command`, `pre-exit` in the agent's hooks-path, dispatched by [`subcommand_for_argv0`],
+//! exporting through the Job API).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+use crate::gpucheck::{GpuCheckError, GpuControl, Nvml};
+use crate::job::{self, Settings};
+use crate::jobapi::JobApi;
+
+/// Hook names the binary answers to when linked under that name.
+pub const HOOK_NAMES: &[&str] = &["environment", "command", "pre-exit"];
+
+#[derive(Debug, clap::Subcommand)]
+pub enum HookCommand {
+    /// The `environment` hook: clean up after lost jobs, lease the job's GPU(s), check them,
+    /// create the job's cgroup and export the slice (CUDA_VISIBLE_DEVICES, KERNELBOT_*, ...).
+    Environment(EnvironmentArgs),
+    /// The `command` hook: run $BUILDKITE_COMMAND in the job's cgroup (host mode) or in a
+    /// container holding only the job's GPU(s), CPUs and memory (docker mode).
+    Command(NodeArgs),
+    /// The `pre-exit` hook: kill what the job left running, remove its cgroup, reset clocks,
+    /// release its lease(s). Idempotent.
+    PreExit(NodeArgs),
+}
+
+/// Where things are on the node.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeArgs {
+    /// Directory for GPU leases and job state, shared by every agent on the node.
+    #[arg(long, env = "KERNELKITE_RUN_DIR", default_value = "/run/kernelkite")]
+    pub run_dir: PathBuf,
+    /// Plan written by node set-up (`kernelkite-isolate plan --json`); without it every job
+    /// plans the node from sysfs.
+    #[arg(long, env = "KERNELKITE_PLAN_FILE")]
+    pub plan_file: Option<PathBuf>,
+    /// Root of the sysfs/procfs tree to plan from (a fake tree in tests).
+    #[arg(long, env = "KERNELKITE_SYSFS_ROOT", default_value = "/")]
+    pub sysfs_root: PathBuf,
+    /// Root holding `proc/self/mountinfo` and the cgroup mounts (a fake tree in tests).
+    #[arg(long, env = "KERNELKITE_CGROUP_ROOT", default_value = "/")]
+    pub cgroup_root: PathBuf,
+    /// procfs used to tell whether a lease holder is still alive.
+    #[arg(long, env = "KERNELKITE_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+    /// The docker CLI (docker mode).
+    #[arg(long, env = "KERNELKITE_DOCKER", default_value = "docker")]
+    pub docker: PathBuf,
+    /// Process that lives as long as the job; default: the agent's bootstrap process found
+    /// among the hook's ancestors, else the hook's parent.
+    #[arg(long, env = "KERNELKITE_JOB_PID")]
+    pub job_pid: Option<u32>,
+}
+
+impl NodeArgs {
+    fn settings(&self) -> Settings {
+        Settings {
+            run_dir: self.run_dir.clone(),
+            sysfs_root: self.sysfs_root.clone(),
+            plan_file: self.plan_file.clone().filter(|p| !p.as_os_str().is_empty()),
+            cgroup_root: self.cgroup_root.clone(),
+            proc_root: self.proc_root.clone(),
+            docker: self.docker.clone(),
+            job_pid: self.job_pid,
+        }
+    }
+}
+
+/// How `environment` hands the variables to the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportVia {
+    /// Job API when BUILDKITE_AGENT_JOB_API_SOCKET is set, else shell.
+    Auto,
+    /// Print `export K='V'` lines on stdout for a sourced hook to evaluate.
+    Shell,
+    /// PATCH the job's environment through the agent's Job API.
+    JobApi,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct EnvironmentArgs {
+    #[command(flatten)]
+    pub node: NodeArgs,
+    /// How to export the job's variables.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub export: ExportVia,
+}
+
+/// When the binary is invoked through a link named after a hook, rewrite argv so clap sees the
+/// matching subcommand.
+pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
+    let name = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .and_then(|n| n.to_str())
+        .map(str::to_string);
+    if let Some(name) = name.filter(|n| HOOK_NAMES.contains(&n.as_str())) {
+        args[0] = OsString::from("kernelkite-isolate");
+        // An executed hook cannot export: its variables must go through the Job API.
+        if name == "environment" {
+            args.splice(
+                1..1,
+                ["environment", "--export", "job-api"].map(OsString::from),
+            );
+        } else {
+            args.insert(1, OsString::from(name));
+        }
+    }
+    args
+}
+
+fn open_nvml() -> Result<Box<dyn GpuControl>, GpuCheckError> {
+    Nvml::load().map(|n| Box::new(n) as Box<dyn GpuControl>)
+}
+
+fn job_env() -> BTreeMap<String, String> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
+pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
+    let env = job_env();
+    match cmd {
+        HookCommand::Environment(args) => {
+            let settings = args.node.settings();
+            let prepared = job::environment(&settings, &env, &mut open_nvml)?;
+            for n in &prepared.notices {
+                eprintln!("kernelkite: {n}");
+            }
+            let s = &prepared.state;
+            eprintln!(
+                "kernelkite: job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
+                s.job_id,
+                s.gpus,
+                crate::plan::format_cpu_list(&s.slice.cpus),
+                crate::plan::format_cpu_list(&s.slice.mems),
+                s.slice.memory_bytes,
+                match s.cgroup_version {
+                    Some(v) => format!(", cgroup v{v}"),
+                    None => String::new(),
+                }
+            );
+            let socket = env
+                .get("BUILDKITE_AGENT_JOB_API_SOCKET")
+                .filter(|v| !v.is_empty());
+            let via = match (args.export, socket) {
+                (ExportVia::Auto, Some(_)) => ExportVia::JobApi,
+                (ExportVia::Auto, None) => ExportVia::Shell,
+                (other, _) => other,
+            };
+            match via {
+                ExportVia::JobApi => {
+                    let export = || -> anyhow::Result<()> {
+                        let socket = socket.context(
+                            "BUILDKITE_AGENT_JOB_API_SOCKET is not set: the agent's Job API is off (agent < 3.64 or --no-job-api?); use the plugin's shell hooks instead",
+                        )?;
+                        let token = env
+                            .get("BUILDKITE_AGENT_JOB_API_TOKEN")
+                            .context("BUILDKITE_AGENT_JOB_API_TOKEN is not set")?;
+                        JobApi::new(std::path::Path::new(socket), token)
+                            .patch_env(&s.exports)
+                            .context("exporting the job's slice through the Job API")
+                    };
+                    if let Err(e) = export() {
+                        let cg = crate::cgroup::Cgroups::detect(&settings.cgroup_root).ok();
+                        let r = job::clean_job(&settings, &s.job_id, cg.as_ref(), &mut open_nvml);
+                        tracing::info!("undone: {}", r.summary());
+                        return Err(e);
+                    }
+                }
+                _ => print!("{}", job::export_lines(&s.exports)),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HookCommand::Command(args) => {
+            let outcome = job::command(&args.settings(), &env)?;
+            for n in &outcome.notices {
+                eprintln!("kernelkite: {n}");
+            }
+            Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
+        }
+        HookCommand::PreExit(args) => {
+            let report = job::pre_exit(&args.settings(), &env, &mut open_nvml)?;
+            println!("kernelkite: {}", report.summary());
+            if report.problems.is_empty() {
+                Ok(ExitCode::SUCCESS)
+            } else {
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hook_links_dispatch_on_their_name() {
+        let args: Vec<OsString> = vec!["/etc/buildkite-agent/hooks/pre-exit".into()];
+        assert_eq!(
+            subcommand_for_argv0(args),
+            vec![
+                OsString::from("kernelkite-isolate"),
+                OsString::from("pre-exit")
+            ]
+        );
+        let args: Vec<OsString> = vec!["environment".into()];
+        assert_eq!(
+            subcommand_for_argv0(args),
+            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+        );
+        let args: Vec<OsString> = vec!["kernelkite-isolate".into(), "plan".into()];
+        assert_eq!(subcommand_for_argv0(args.clone()), args);
+    }
+}

@@ -1,0 +1,66 @@
+//! Command-line front end of `kernelkite-isolate`.
+//!
+//! The binary is also installed as agent-level hooks: links named `environment`, `command`,
+//! `pre-exit`, ... point at it, and it dispatches on the name it was called by
+//! (see [`hook::subcommand_for_argv0`]).
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub mod doctor;
+pub mod fixture;
+pub mod hook;
+pub mod plan;
+
+/// Give each Buildkite job one GPU, NUMA-local whole CPU cores and a memory limit, enforced by
+/// the kernel, and clean up after it.
+#[derive(Debug, Parser)]
+#[command(name = "kernelkite-isolate", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan per-GPU slices of this node (or of a fake sysfs tree / an hwloc XML export).
+    Plan(plan::PlanArgs),
+    /// Check the live machine for everything isolation needs, one line each: ok / warn / fail.
+    Doctor(doctor::DoctorArgs),
+    /// Write a fake sysfs/procfs tree of a known machine (DGX H100, MI300X, ...) for trying
+    /// `plan` and the hooks without the hardware.
+    Fixture(fixture::FixtureArgs),
+    #[command(flatten)]
+    Hook(hook::HookCommand),
+}
+
+/// Entry point used by `main.rs`.
+pub fn main() -> ExitCode {
+    let args: Vec<OsString> = hook::subcommand_for_argv0(std::env::args_os().collect());
+    let cli = Cli::parse_from(args);
+    init_tracing();
+    let outcome = match cli.command {
+        Command::Plan(a) => plan::run(a),
+        Command::Doctor(a) => doctor::run(a),
+        Command::Fixture(a) => fixture::run(a),
+        Command::Hook(h) => hook::run(h),
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kernelkite-isolate: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KERNELKITE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

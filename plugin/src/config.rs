@@ -1,0 +1,473 @@
+//! The plugin's configuration: the step's `kernelkite#...` block, as the agent hands it over in
+//! `BUILDKITE_PLUGIN_CONFIGURATION` (JSON), parsed and checked against the same rules as the
+//! JSON Schema in `plugin.yml`.
+//!
+//! Validation is hand-written rather than driven by a schema engine so that the hook binary
+//! stays small and fast and every message names the key and says what would be accepted.
+//! `tests/hooks_config.rs` checks that the keys here and in `plugin.yml` agree.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Where the step's command runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// On the agent's host, inside a per-job cgroup.
+    #[default]
+    Host,
+    /// In a container started with only the job's GPU, CPUs and memory.
+    Docker,
+}
+
+/// Clock locking requested before the command (NVIDIA only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind", content = "mhz")]
+pub enum LockClocks {
+    /// Lock the graphics clock at the GPU's maximum.
+    Max,
+    /// Lock the graphics clock at this many MHz.
+    Mhz(u32),
+}
+
+/// Every key of the plugin's configuration, in `plugin.yml` order.
+pub const KEYS: &[&str] = &[
+    "gpus",
+    "mode",
+    "image",
+    "network",
+    "mount-checkout",
+    "workdir",
+    "environment",
+    "docker-args",
+    "memory",
+    "cpus-per-gpu",
+    "pids-limit",
+    "require-idle-gpu",
+    "idle-memory-mib",
+    "lock-clocks",
+    "lease-wait",
+    "allow-unenforced",
+];
+
+/// The parsed configuration, with defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginConfig {
+    /// GPUs the job gets (each with its slice of CPUs and memory).
+    pub gpus: u32,
+    pub mode: Mode,
+    /// Docker image (docker mode; required there).
+    pub image: Option<String>,
+    /// Whether the command may reach the network. `None`: the mode's default (host: yes,
+    /// docker: no).
+    pub network: Option<bool>,
+    /// Docker mode: mount the checkout at `workdir`.
+    pub mount_checkout: bool,
+    /// Docker mode: where the checkout is mounted and the command runs.
+    pub workdir: String,
+    /// Docker mode: further environment variable names passed into the container.
+    pub environment: Vec<String>,
+    /// Docker mode: extra `docker run` arguments (ones that would undo isolation are refused).
+    pub docker_args: Vec<String>,
+    /// Memory limit in bytes; may only lower the slice's.
+    pub memory_bytes: Option<u64>,
+    /// CPUs per GPU; may only lower the slice's.
+    pub cpus_per_gpu: Option<u32>,
+    pub pids_limit: u32,
+    pub require_idle_gpu: bool,
+    /// With `require-idle-gpu`: GPU memory already in use that still counts as idle.
+    pub idle_memory_mib: u64,
+    pub lock_clocks: Option<LockClocks>,
+    /// Seconds to wait for a held GPU before failing.
+    pub lease_wait_secs: u64,
+    /// Run without cgroup enforcement when cgroups are not writable (loud warning).
+    pub allow_unenforced: bool,
+}
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        PluginConfig {
+            gpus: 1,
+            mode: Mode::Host,
+            image: None,
+            network: None,
+            mount_checkout: true,
+            workdir: "/workdir".into(),
+            environment: Vec::new(),
+            docker_args: Vec::new(),
+            memory_bytes: None,
+            cpus_per_gpu: None,
+            pids_limit: 4096,
+            require_idle_gpu: false,
+            idle_memory_mib: 1024,
+            lock_clocks: None,
+            lease_wait_secs: 300,
+            allow_unenforced: false,
+        }
+    }
+}
+
+impl PluginConfig {
+    /// Whether the command may reach the network, after the mode's default.
+    pub fn network_allowed(&self) -> bool {
+        self.network.unwrap_or(self.mode == Mode::Host)
+    }
+}
+
+/// A configuration that does not match the schema; `key` is the JSON path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("plugin configuration is invalid: {key}: {message}")]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+fn bad(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+/// `docker run` flags a step may not pass: each would undo a guarantee the plugin gives.
+const FORBIDDEN_DOCKER_ARGS: &[&str] = &[
+    "--gpus",
+    "--privileged",
+    "--cpuset-cpus",
+    "--cpuset-mems",
+    "--cpus",
+    "--memory",
+    "-m",
+    "--memory-swap",
+    "--pids-limit",
+    "--network",
+    "--net",
+    "--device",
+    "--cgroup-parent",
+    "--cap-add",
+    "--pid",
+    "--ipc",
+    "--userns",
+    "--security-opt",
+    "--runtime",
+    "--volume",
+    "-v",
+    "--mount",
+];
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn want_u64(key: &str, v: &Value, min: u64, max: u64) -> Result<u64, ConfigError> {
+    let n = v.as_u64().ok_or_else(|| {
+        bad(
+            key,
+            format!("expected an integer, got {} {v}", type_name(v)),
+        )
+    })?;
+    if n < min || n > max {
+        return Err(bad(
+            key,
+            format!("must be between {min} and {max}, got {n}"),
+        ));
+    }
+    Ok(n)
+}
+
+fn want_bool(key: &str, v: &Value) -> Result<bool, ConfigError> {
+    v.as_bool().ok_or_else(|| {
+        bad(
+            key,
+            format!("expected true or false, got {} {v}", type_name(v)),
+        )
+    })
+}
+
+fn want_string(key: &str, v: &Value) -> Result<String, ConfigError> {
+    match v {
+        Value::String(s) if !s.trim().is_empty() => Ok(s.clone()),
+        Value::String(_) => Err(bad(key, "must not be empty")),
+        _ => Err(bad(
+            key,
+            format!("expected a string, got {} {v}", type_name(v)),
+        )),
+    }
+}
+
+fn want_strings(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let items = v.as_array().ok_or_else(|| {
+        bad(
+            key,
+            format!("expected a list of strings, got {} {v}", type_name(v)),
+        )
+    })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| want_string(&format!("{key}[{i}]"), item))
+        .collect()
+}
+
+/// Parses a memory size: bytes as an integer, or a string with a binary suffix
+/// (`512M`, `64G`, `64GiB`, `1T`).
+pub fn parse_memory_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits_end);
+    let n: u64 = num.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1u64 << shift)
+}
+
+fn want_memory(key: &str, v: &Value) -> Result<u64, ConfigError> {
+    let parsed = match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => parse_memory_size(s),
+        _ => None,
+    };
+    match parsed {
+        Some(n) if n >= 64 << 20 => Ok(n),
+        Some(n) => Err(bad(key, format!("{n} bytes is below the 64M minimum"))),
+        None => Err(bad(
+            key,
+            format!("expected a size like \"64G\", \"512M\" or a number of bytes, got {v}"),
+        )),
+    }
+}
+
+fn want_docker_args(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let args = want_strings(key, v)?;
+    for (i, arg) in args.iter().enumerate() {
+        let flag = arg.split('=').next().unwrap_or(arg);
+        if FORBIDDEN_DOCKER_ARGS.contains(&flag) {
+            return Err(bad(
+                &format!("{key}[{i}]"),
+                format!(
+                    "`{flag}` is set by the plugin from the job's slice and may not be overridden"
+                ),
+            ));
+        }
+    }
+    Ok(args)
+}
+
+fn want_lock_clocks(key: &str, v: &Value) -> Result<Option<LockClocks>, ConfigError> {
+    match v {
+        Value::Bool(false) => Ok(None),
+        Value::Bool(true) => Ok(Some(LockClocks::Max)),
+        Value::String(s) if s == "max" => Ok(Some(LockClocks::Max)),
+        Value::Number(_) => Ok(Some(LockClocks::Mhz(want_u64(key, v, 100, 10_000)? as u32))),
+        _ => Err(bad(
+            key,
+            format!(
+                "expected true, false, \"max\" or a clock in MHz, got {} {v}",
+                type_name(v)
+            ),
+        )),
+    }
+}
+
+/// Parses the configuration JSON (`BUILDKITE_PLUGIN_CONFIGURATION`); blank or `null` means all
+/// defaults.
+pub fn parse_config(json: &str) -> Result<PluginConfig, ConfigError> {
+    if json.trim().is_empty() {
+        return Ok(PluginConfig::default());
+    }
+    let value: Value =
+        serde_json::from_str(json).map_err(|e| bad("(root)", format!("not valid JSON: {e}")))?;
+    parse_config_value(&value)
+}
+
+/// Like [`parse_config`], from an already parsed value.
+pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
+    let map = match value {
+        Value::Null => return Ok(PluginConfig::default()),
+        Value::Object(map) => map,
+        other => {
+            return Err(bad(
+                "(root)",
+                format!(
+                    "expected a map of settings, got {} {other}",
+                    type_name(other)
+                ),
+            ))
+        }
+    };
+    let mut c = PluginConfig::default();
+    for (key, v) in map {
+        match key.as_str() {
+            "gpus" => c.gpus = want_u64(key, v, 1, 16)? as u32,
+            "mode" => {
+                c.mode = match v.as_str() {
+                    Some("host") => Mode::Host,
+                    Some("docker") => Mode::Docker,
+                    _ => {
+                        return Err(bad(
+                            key,
+                            format!("expected \"host\" or \"docker\", got {v}"),
+                        ))
+                    }
+                }
+            }
+            "image" => c.image = Some(want_string(key, v)?),
+            "network" => c.network = Some(want_bool(key, v)?),
+            "mount-checkout" => c.mount_checkout = want_bool(key, v)?,
+            "workdir" => {
+                let w = want_string(key, v)?;
+                if !w.starts_with('/') {
+                    return Err(bad(key, format!("must be an absolute path, got {w:?}")));
+                }
+                c.workdir = w;
+            }
+            "environment" => {
+                let names = want_strings(key, v)?;
+                for (i, n) in names.iter().enumerate() {
+                    if n.contains('=') || n.chars().any(char::is_whitespace) {
+                        return Err(bad(
+                            &format!("{key}[{i}]"),
+                            format!("expected a variable name (no `=` or spaces), got {n:?}"),
+                        ));
+                    }
+                }
+                c.environment = names;
+            }
+            "docker-args" => c.docker_args = want_docker_args(key, v)?,
+            "memory" => c.memory_bytes = Some(want_memory(key, v)?),
+            "cpus-per-gpu" => c.cpus_per_gpu = Some(want_u64(key, v, 1, 4096)? as u32),
+            "pids-limit" => c.pids_limit = want_u64(key, v, 16, 4_194_304)? as u32,
+            "require-idle-gpu" => c.require_idle_gpu = want_bool(key, v)?,
+            "idle-memory-mib" => c.idle_memory_mib = want_u64(key, v, 0, 1 << 24)?,
+            "lock-clocks" => c.lock_clocks = want_lock_clocks(key, v)?,
+            "lease-wait" => c.lease_wait_secs = want_u64(key, v, 0, 86_400)?,
+            "allow-unenforced" => c.allow_unenforced = want_bool(key, v)?,
+            other => {
+                return Err(bad(
+                    other,
+                    format!("unknown key; allowed keys are: {}", KEYS.join(", ")),
+                ))
+            }
+        }
+    }
+    if c.mode == Mode::Docker && c.image.is_none() {
+        return Err(bad("image", "required when mode is \"docker\""));
+    }
+    if c.mode == Mode::Host {
+        for (key, set) in [
+            ("image", c.image.is_some()),
+            ("docker-args", !c.docker_args.is_empty()),
+        ] {
+            if set {
+                return Err(bad(
+                    key,
+                    "only applies to mode \"docker\"; set `mode: docker` or drop it",
+                ));
+            }
+        }
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_and_null_mean_defaults() {
+        assert_eq!(parse_config("").unwrap(), PluginConfig::default());
+        assert_eq!(parse_config("null").unwrap(), PluginConfig::default());
+        assert_eq!(parse_config("{}").unwrap(), PluginConfig::default());
+    }
+
+    #[test]
+    fn full_docker_config_parses() {
+        let c = parse_config(
+            r#"{"gpus":2,"mode":"docker","image":"ghcr.io/x/y:1","network":true,
+                "memory":"64G","cpus-per-gpu":8,"pids-limit":1000,"require-idle-gpu":true,
+                "idle-memory-mib":512,"lock-clocks":1410,"lease-wait":30,
+                "environment":["HF_TOKEN"],"docker-args":["--shm-size=8g"],"workdir":"/w",
+                "mount-checkout":false,"allow-unenforced":true}"#,
+        )
+        .unwrap();
+        assert_eq!(c.gpus, 2);
+        assert_eq!(c.mode, Mode::Docker);
+        assert_eq!(c.memory_bytes, Some(64 << 30));
+        assert_eq!(c.lock_clocks, Some(LockClocks::Mhz(1410)));
+        assert_eq!(c.docker_args, vec!["--shm-size=8g"]);
+        assert!(c.network_allowed());
+    }
+
+    #[test]
+    fn unknown_keys_and_wrong_types_name_the_key() {
+        let e = parse_config(r#"{"gpu":1}"#).unwrap_err();
+        assert_eq!(e.key, "gpu");
+        assert!(e.to_string().contains("unknown key"), "{e}");
+        let e = parse_config(r#"{"gpus":"two"}"#).unwrap_err();
+        assert_eq!(e.key, "gpus");
+        assert!(e.message.contains("expected an integer"), "{e}");
+        let e = parse_config(r#"{"gpus":0}"#).unwrap_err();
+        assert_eq!(e.key, "gpus");
+        let e = parse_config(r#"{"mode":"vm"}"#).unwrap_err();
+        assert_eq!(e.key, "mode");
+        let e = parse_config(r#"{"memory":"lots"}"#).unwrap_err();
+        assert_eq!(e.key, "memory");
+        let e = parse_config(r#"[1]"#).unwrap_err();
+        assert_eq!(e.key, "(root)");
+        let e = parse_config(r#"{"environment":["A=B"]}"#).unwrap_err();
+        assert_eq!(e.key, "environment[0]");
+    }
+
+    #[test]
+    fn docker_needs_an_image_and_host_refuses_docker_keys() {
+        assert_eq!(
+            parse_config(r#"{"mode":"docker"}"#).unwrap_err().key,
+            "image"
+        );
+        assert_eq!(parse_config(r#"{"image":"x"}"#).unwrap_err().key, "image");
+    }
+
+    #[test]
+    fn isolation_breaking_docker_args_are_refused() {
+        for arg in [
+            "--gpus=all",
+            "--privileged",
+            "--network",
+            "-v",
+            "--memory-swap=-1",
+        ] {
+            let json = format!(r#"{{"mode":"docker","image":"x","docker-args":["{arg}"]}}"#);
+            let e = parse_config(&json).unwrap_err();
+            assert_eq!(e.key, "docker-args[0]", "{arg}");
+        }
+    }
+
+    #[test]
+    fn network_defaults_follow_the_mode() {
+        assert!(PluginConfig::default().network_allowed());
+        let c = parse_config(r#"{"mode":"docker","image":"x"}"#).unwrap();
+        assert!(!c.network_allowed());
+    }
+
+    #[test]
+    fn memory_sizes() {
+        assert_eq!(parse_memory_size("512M"), Some(512 << 20));
+        assert_eq!(parse_memory_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_memory_size("1024"), Some(1024));
+        assert_eq!(parse_memory_size("1.5G"), None);
+        assert_eq!(parse_memory_size("99999999999T"), None);
+    }
+}

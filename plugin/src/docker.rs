@@ -1,0 +1,263 @@
+//! Docker mode: the `docker run` argument vector that holds a container to the job's slice.
+//!
+//! GPUs are handed over as device requests (`--gpus device=<uuid>`), so other GPUs are not in
+//! the container at all; an environment variable inside it cannot bring them back. Variables
+//! are passed by name only (`--env NAME`), so values (tokens) never appear in a process list.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::plan::{format_cpu_list, Slice, SliceGpu, Vendor};
+
+/// Everything `docker run` needs to know about the job.
+#[derive(Debug, Clone)]
+pub struct DockerRun {
+    pub job_id: String,
+    pub image: String,
+    pub slice: Slice,
+    pub pids_limit: u32,
+    pub network: bool,
+    /// Host checkout mounted at `workdir`, when mounting is on.
+    pub checkout: Option<PathBuf>,
+    pub workdir: String,
+    /// Render nodes (`/dev/dri/renderD128`) of AMD GPUs, in slice order.
+    pub amd_render_nodes: Vec<PathBuf>,
+    /// Names of the variables passed into the container, sorted.
+    pub env_names: Vec<String>,
+    /// Values set inside the container that differ from the host's (device numbering).
+    pub env_overrides: BTreeMap<String, String>,
+    pub extra_args: Vec<String>,
+    /// The step's command (run with `/bin/sh -e -c`).
+    pub command: String,
+}
+
+/// The container's name, so `pre-exit` can remove a container the agent lost track of.
+pub fn container_name(job_id: &str) -> String {
+    format!("kernelkite-{job_id}")
+}
+
+/// All GPUs of a slice, first one first.
+pub fn slice_gpus(slice: &Slice) -> Vec<&SliceGpu> {
+    slice.gpu.iter().chain(slice.extra_gpus.iter()).collect()
+}
+
+/// The `--gpus` value: UUIDs where every GPU has one, else host indices. Several devices are
+/// quoted because the docker CLI parses the value as CSV.
+pub fn gpus_flag(gpus: &[&SliceGpu], host_indices: &[u32]) -> String {
+    let ids: Vec<String> = if gpus.iter().all(|g| g.uuid.is_some()) {
+        gpus.iter().filter_map(|g| g.uuid.clone()).collect()
+    } else {
+        host_indices.iter().map(u32::to_string).collect()
+    };
+    if ids.len() == 1 {
+        format!("device={}", ids[0])
+    } else {
+        format!("\"device={}\"", ids.join(","))
+    }
+}
+
+/// Variables never passed into the container: agent credentials, and NVIDIA runtime variables,
+/// which the NVIDIA container runtime reads to decide which GPUs to mount.
+pub fn is_withheld(name: &str) -> bool {
+    matches!(
+        name,
+        "BUILDKITE_AGENT_ACCESS_TOKEN"
+            | "BUILDKITE_AGENT_JOB_API_SOCKET"
+            | "BUILDKITE_AGENT_JOB_API_TOKEN"
+    ) || name.starts_with("NVIDIA_")
+}
+
+/// The names of the job's variables that go into the container: `BUILDKITE_*`, `KERNELBOT_*`,
+/// `KERNELKITE_*`, the device variables, and whatever the step lists in `environment`.
+pub fn pass_through_names(job_env: &BTreeMap<String, String>, extra: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = job_env
+        .keys()
+        .filter(|k| {
+            k.starts_with("BUILDKITE_")
+                || k.starts_with("KERNELBOT_")
+                || k.starts_with("KERNELKITE_")
+                || k.starts_with("POPCORN_")
+        })
+        .cloned()
+        .chain(extra.iter().filter(|n| job_env.contains_key(*n)).cloned())
+        .filter(|k| !is_withheld(k))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Device variables as seen from inside the container, where the job's GPUs are numbered from
+/// zero. UUIDs stay valid; indices do not.
+pub fn container_device_env(slice: &Slice) -> BTreeMap<String, String> {
+    let gpus = slice_gpus(slice);
+    let mut env = BTreeMap::new();
+    if gpus.is_empty() {
+        return env;
+    }
+    let local: Vec<String> = (0..gpus.len()).map(|i| i.to_string()).collect();
+    let local = local.join(",");
+    match gpus[0].vendor {
+        Vendor::Nvidia => {
+            let ids = if gpus.iter().all(|g| g.uuid.is_some()) {
+                gpus.iter()
+                    .filter_map(|g| g.uuid.clone())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            } else {
+                local
+            };
+            env.insert("CUDA_VISIBLE_DEVICES".into(), ids);
+            env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        }
+        Vendor::Amd => {
+            env.insert("ROCR_VISIBLE_DEVICES".into(), local.clone());
+            env.insert("HIP_VISIBLE_DEVICES".into(), local);
+        }
+    }
+    env
+}
+
+/// The AMD render node of a GPU: `<sysfs>/sys/bus/pci/devices/<bdf>/drm/renderD*`.
+pub fn amd_render_node(sysfs_root: &Path, bus_id: &str) -> Option<PathBuf> {
+    let drm = sysfs_root
+        .join("sys/bus/pci/devices")
+        .join(bus_id)
+        .join("drm");
+    let mut nodes: Vec<String> = std::fs::read_dir(drm)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with("renderD"))
+        .collect();
+    nodes.sort();
+    nodes.first().map(|n| Path::new("/dev/dri").join(n))
+}
+
+/// The argument vector after `docker`.
+pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
+    let s = |x: &str| x.to_string();
+    let mut a = vec![
+        s("run"),
+        s("--rm"),
+        s("--init"),
+        s("--name"),
+        container_name(&r.job_id),
+        s("--label"),
+        format!("kernelkite.job={}", r.job_id),
+    ];
+    let gpus = slice_gpus(&r.slice);
+    if let Some(first) = gpus.first() {
+        match first.vendor {
+            Vendor::Nvidia => {
+                a.push(s("--gpus"));
+                a.push(gpus_flag(&gpus, host_indices));
+            }
+            Vendor::Amd => {
+                a.push(s("--device"));
+                a.push(s("/dev/kfd"));
+                for node in &r.amd_render_nodes {
+                    a.push(s("--device"));
+                    a.push(node.display().to_string());
+                }
+                a.push(s("--group-add"));
+                a.push(s("video"));
+            }
+        }
+    }
+    let mem = r.slice.memory_bytes.to_string();
+    a.extend([
+        s("--cpuset-cpus"),
+        format_cpu_list(&r.slice.cpus),
+        s("--cpuset-mems"),
+        format_cpu_list(&r.slice.mems),
+        s("--memory"),
+        mem.clone(),
+        s("--memory-swap"),
+        mem,
+        s("--pids-limit"),
+        r.pids_limit.to_string(),
+    ]);
+    if !r.network {
+        a.push(s("--network"));
+        a.push(s("none"));
+    }
+    if let Some(checkout) = &r.checkout {
+        a.push(s("--volume"));
+        a.push(format!("{}:{}", checkout.display(), r.workdir));
+    }
+    a.push(s("--workdir"));
+    a.push(r.workdir.clone());
+    for name in &r.env_names {
+        if !r.env_overrides.contains_key(name) {
+            a.push(s("--env"));
+            a.push(name.clone());
+        }
+    }
+    for (k, v) in &r.env_overrides {
+        a.push(s("--env"));
+        a.push(format!("{k}={v}"));
+    }
+    a.extend(r.extra_args.iter().cloned());
+    a.push(r.image.clone());
+    a.extend([s("/bin/sh"), s("-e"), s("-c"), r.command.clone()]);
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(uuid: Option<&str>) -> SliceGpu {
+        SliceGpu {
+            vendor: Vendor::Nvidia,
+            pci_bus_id: "0000:18:00.0".into(),
+            uuid: uuid.map(str::to_string),
+            numa_node: Some(0),
+        }
+    }
+
+    #[test]
+    fn gpus_flag_prefers_uuids_and_quotes_lists() {
+        let a = gpu(Some("GPU-a"));
+        let b = gpu(Some("GPU-b"));
+        assert_eq!(gpus_flag(&[&a], &[3]), "device=GPU-a");
+        assert_eq!(gpus_flag(&[&a, &b], &[3, 4]), "\"device=GPU-a,GPU-b\"");
+        let n = gpu(None);
+        assert_eq!(gpus_flag(&[&a, &n], &[3, 4]), "\"device=3,4\"");
+    }
+
+    #[test]
+    fn credentials_and_runtime_variables_stay_out() {
+        let env: BTreeMap<String, String> = [
+            "BUILDKITE_JOB_ID",
+            "BUILDKITE_AGENT_ACCESS_TOKEN",
+            "BUILDKITE_AGENT_JOB_API_TOKEN",
+            "NVIDIA_VISIBLE_DEVICES",
+            "KERNELBOT_PAYLOAD",
+            "HOME",
+            "HF_TOKEN",
+        ]
+        .iter()
+        .map(|k| (k.to_string(), "v".to_string()))
+        .collect();
+        let names = pass_through_names(&env, &["HF_TOKEN".into(), "NOT_SET".into()]);
+        assert_eq!(
+            names,
+            vec!["BUILDKITE_JOB_ID", "HF_TOKEN", "KERNELBOT_PAYLOAD"]
+        );
+    }
+
+    #[test]
+    fn render_node_is_found_under_the_device() {
+        let root = tempfile::tempdir().unwrap();
+        let drm = root.path().join("sys/bus/pci/devices/0000:0c:00.0/drm");
+        std::fs::create_dir_all(drm.join("card1")).unwrap();
+        std::fs::create_dir_all(drm.join("renderD129")).unwrap();
+        assert_eq!(
+            amd_render_node(root.path(), "0000:0c:00.0"),
+            Some(PathBuf::from("/dev/dri/renderD129"))
+        );
+        assert_eq!(amd_render_node(root.path(), "0000:0d:00.0"), None);
+    }
+}

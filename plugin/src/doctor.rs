@@ -1,0 +1,824 @@
+//! `doctor`: checks a machine for everything isolation needs, one line per check.
+//!
+//! Every check reads from an injected root (sysfs/procfs) and asks an injected [`Host`] for
+//! programs, so the logic is tested on fake trees; [`LiveHost`] is the real machine.
+
+use std::fmt;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::planner::{plan, PlanError, Policy};
+use crate::topology::{Topology, Vendor};
+
+/// Outcome of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Fail => "fail",
+        })
+    }
+}
+
+/// One line of the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+    /// How to fix it, for warn and fail.
+    pub fix: Option<String>,
+}
+
+impl Check {
+    fn ok(name: &'static str, detail: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Status::Ok,
+            detail: detail.into(),
+            fix: None,
+        }
+    }
+    fn warn(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Status::Warn,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+    fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Status::Fail,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+}
+
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:<4}  {:<15} {}", self.status, self.name, self.detail)?;
+        if let Some(fix) = &self.fix {
+            write!(f, "\n      {:<15} fix: {fix}", "")?;
+        }
+        Ok(())
+    }
+}
+
+/// What the checks ask of the machine besides files.
+pub trait Host {
+    /// Full path of a program on `PATH`.
+    fn which(&self, program: &str) -> Option<PathBuf>;
+    /// Runs a program; its stdout when it exits 0 within a few seconds.
+    fn run(&self, program: &Path, args: &[&str]) -> Option<String>;
+    /// Number of GPUs NVML reports, or why it cannot be loaded.
+    fn nvml_gpus(&self) -> Result<usize, String>;
+}
+
+/// The real machine.
+pub struct LiveHost {
+    pub path: Option<std::ffi::OsString>,
+    pub timeout: Duration,
+}
+
+impl Default for LiveHost {
+    fn default() -> Self {
+        LiveHost {
+            path: std::env::var_os("PATH"),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Host for LiveHost {
+    fn which(&self, program: &str) -> Option<PathBuf> {
+        which_in(self.path.as_deref()?, program)
+    }
+
+    fn run(&self, program: &Path, args: &[&str]) -> Option<String> {
+        run_with_timeout(program, args, self.timeout)
+    }
+
+    fn nvml_gpus(&self) -> Result<usize, String> {
+        let nvml = crate::topology::nvml::Nvml::load().map_err(|e| e.to_string())?;
+        nvml.devices().map(|d| d.len()).map_err(|e| e.to_string())
+    }
+}
+
+/// Looks a program up in a `PATH`-style list, executables only.
+pub fn which_in(path: &std::ffi::OsStr, program: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(path)
+        .map(|d| d.join(program))
+        .find(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// A daemon that does not answer (`docker info` with a hung dockerd) must not hang `doctor`.
+fn run_with_timeout(program: &Path, args: &[&str], timeout: Duration) -> Option<String> {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let mut out = String::new();
+                child.stdout.take()?.read_to_string(&mut out).ok()?;
+                return status.success().then_some(out);
+            }
+            Ok(None) if start.elapsed() < timeout => std::thread::sleep(Duration::from_millis(10)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
+/// What to check.
+#[derive(Debug, Clone)]
+pub struct DoctorOptions {
+    /// sysfs/procfs root ("/" live).
+    pub root: PathBuf,
+    /// Check Docker and the NVIDIA container toolkit too.
+    pub docker: bool,
+}
+
+/// Runs every check.
+pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let mounts = std::fs::read_to_string(opts.root.join("proc/self/mountinfo")).unwrap_or_default();
+    checks.push(check_cgroups(&opts.root, &mounts));
+    let topo = Topology::discover(&opts.root);
+    checks.push(check_topology(topo.as_ref().map_err(|e| e.to_string())));
+    let gpus: Vec<Vendor> = topo
+        .as_ref()
+        .map(|t| t.gpus.iter().map(|g| g.vendor).collect())
+        .unwrap_or_default();
+    checks.extend(check_gpu_drivers(&opts.root, &gpus, host));
+    if opts.docker {
+        checks.extend(check_docker(&opts.root, &gpus, host));
+    }
+    checks.push(check_agent(host));
+    checks
+}
+
+/// A mount from `/proc/self/mountinfo`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub mount_point: String,
+    pub fstype: String,
+    pub read_only: bool,
+    /// Super options (cgroup v1 lists its controllers there).
+    pub super_options: Vec<String>,
+}
+
+/// Parses mountinfo lines: `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [TAGS...] - FSTYPE SOURCE SUPEROPTS`.
+pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let l: Vec<&str> = left.split_whitespace().collect();
+            let r: Vec<&str> = right.split_whitespace().collect();
+            let opts = l.get(5)?;
+            let super_options: Vec<String> = r
+                .get(2)
+                .map(|s| s.split(',').map(str::to_string).collect())
+                .unwrap_or_default();
+            let read_only =
+                opts.split(',').any(|o| o == "ro") || super_options.iter().any(|o| o == "ro");
+            Some(Mount {
+                mount_point: unescape_octal(l.get(4)?),
+                fstype: r.first()?.to_string(),
+                read_only,
+                super_options,
+            })
+        })
+        .collect()
+}
+
+/// mountinfo escapes spaces and friends as `\040`.
+fn unescape_octal(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+const NEEDED: [&str; 3] = ["cpuset", "memory", "pids"];
+
+/// Where the hooks create job cgroups under a hierarchy (see `cgroup::PARENT`).
+const JOB_PARENT: &str = "kernelkite";
+
+/// Whether this user may create job cgroups under `dir`: its `kernelkite/` subtree when it
+/// exists (it may have been delegated to the agent's user), else `dir` itself. `access(2)`
+/// honours read-only mounts and permissions; root passes unless the mount is read-only.
+pub fn cgroup_writable(dir: &Path) -> bool {
+    let parent = dir.join(JOB_PARENT);
+    let target = if parent.is_dir() {
+        parent
+    } else {
+        dir.to_path_buf()
+    };
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path; access(2) only reads it.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
+const DELEGATE_FIX: &str = "run the agent as root, or delegate the hierarchy's kernelkite/ subtree to the agent's user (systemd `Delegate=yes`, or `mkdir kernelkite && chown -R buildkite-agent kernelkite`)";
+
+fn under_root(root: &Path, mount_point: &str) -> PathBuf {
+    root.join(mount_point.trim_start_matches('/'))
+}
+
+/// cgroup v2 with cpuset, memory and pids available and writable, else v1 with each mounted rw.
+pub fn check_cgroups(root: &Path, mountinfo: &str) -> Check {
+    const NAME: &str = "cgroups";
+    let mounts = parse_mountinfo(mountinfo);
+    if mounts.is_empty() {
+        return Check::fail(
+            NAME,
+            "cannot read /proc/self/mountinfo",
+            "run doctor on the node itself, with /proc mounted",
+        );
+    }
+    let mut v2_note = String::new();
+    if let Some(m) = mounts.iter().find(|m| m.fstype == "cgroup2") {
+        let dir = under_root(root, &m.mount_point);
+        let controllers =
+            std::fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+        let have: Vec<&str> = controllers.split_whitespace().collect();
+        let missing: Vec<&str> = NEEDED
+            .iter()
+            .copied()
+            .filter(|c| !have.contains(c))
+            .collect();
+        if missing.is_empty() {
+            if m.read_only {
+                return Check::fail(
+                    NAME,
+                    format!("cgroup v2 at {} is mounted read-only", m.mount_point),
+                    "run the agent on the host or in a container with a writable cgroup namespace (docker --cgroupns=private, or mount cgroup2 rw)",
+                );
+            }
+            return Check::ok(
+                NAME,
+                format!("cgroup v2 at {} with cpuset, memory, pids", m.mount_point),
+            );
+        }
+        v2_note = format!(
+            "; cgroup2 at {} lacks {} (they are bound to v1)",
+            m.mount_point,
+            missing.join(", ")
+        );
+    }
+    let mut found = Vec::new();
+    let mut problems = Vec::new();
+    for c in NEEDED {
+        match mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup" && m.super_options.iter().any(|o| o == c))
+        {
+            Some(m) if m.read_only => {
+                problems.push(format!("{c} at {} is read-only", m.mount_point))
+            }
+            Some(m) if !under_root(root, &m.mount_point).is_dir() => {
+                problems.push(format!("{c} mount point {} is missing", m.mount_point))
+            }
+            Some(m) if !cgroup_writable(&under_root(root, &m.mount_point)) => problems.push(
+                format!("{c} at {} is not writable by this user", m.mount_point),
+            ),
+            Some(m) => found.push(format!("{c} at {}", m.mount_point)),
+            None => problems.push(format!("{c} is not mounted")),
+        }
+    }
+    if problems.is_empty() {
+        return Check::ok(NAME, format!("cgroup v1: {}{v2_note}", found.join(", ")));
+    }
+    if found.is_empty() && v2_note.is_empty() {
+        return Check::fail(
+            NAME,
+            "no cgroup filesystem with cpuset, memory and pids",
+            "boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2), or mount the cpuset, memory and pids v1 controllers",
+        );
+    }
+    if problems
+        .iter()
+        .all(|p| p.ends_with("not writable by this user"))
+    {
+        return Check::fail(
+            NAME,
+            format!("cgroup v1: {}", problems.join(", ")),
+            DELEGATE_FIX,
+        );
+    }
+    Check::fail(
+        NAME,
+        format!("cgroup v1: {}{v2_note}", problems.join(", ")),
+        "mount the missing controllers read-write (`mount -t cgroup -o cpuset cgroup /sys/fs/cgroup/cpuset`), or switch to cgroup v2 with systemd.unified_cgroup_hierarchy=1",
+    )
+}
+
+/// Topology readable and a default plan possible.
+pub fn check_topology(topo: Result<&Topology, String>) -> Check {
+    const NAME: &str = "topology";
+    let topo = match topo {
+        Ok(t) => t,
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                e,
+                "run doctor on the node, with /sys and /proc mounted",
+            )
+        }
+    };
+    let summary = format!(
+        "{} package(s), {} NUMA node(s), {} core(s), {} online CPU(s), {} GPU(s)",
+        topo.packages().len(),
+        topo.numa_nodes.len(),
+        topo.physical_cores().len(),
+        topo.online_cpus().len(),
+        topo.gpus.len()
+    );
+    match plan(topo, &Policy::default()) {
+        Ok(p) => Check::ok(NAME, format!("{summary}; default plan: {} slice(s)", p.slices.len())),
+        Err(PlanError::NoGpus) => Check::warn(
+            NAME,
+            format!("{summary}; no GPU, so only CPU-only slices can be planned"),
+            "plan with `kernelkite-isolate plan --cpu-only-slices N`, or check the GPUs are seated and visible in `lspci`",
+        ),
+        Err(e) => Check::fail(NAME, format!("{summary}; {e}"), "adjust the policy flags of `kernelkite-isolate plan`"),
+    }
+}
+
+/// NVIDIA driver and NVML for NVIDIA GPUs, amdgpu and ROCm for AMD ones.
+pub fn check_gpu_drivers(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<Check> {
+    let nvidia = gpus.iter().filter(|v| **v == Vendor::Nvidia).count();
+    let amd = gpus.iter().filter(|v| **v == Vendor::Amd).count();
+    let mut out = Vec::new();
+    if nvidia == 0 && amd == 0 {
+        let driver = std::fs::read_to_string(root.join("proc/driver/nvidia/version")).ok();
+        let detail = match driver {
+            Some(v) => format!(
+                "no GPU on the PCI bus, though an NVIDIA driver is loaded ({})",
+                v.lines().next().unwrap_or("").trim()
+            ),
+            None => "no GPU on the PCI bus, no NVIDIA driver, no ROCm".to_string(),
+        };
+        out.push(Check::warn(
+            "gpu driver",
+            detail,
+            "on a GPU node install the NVIDIA driver (with NVML) or ROCm; a CPU-only node needs nothing",
+        ));
+        return out;
+    }
+    if nvidia > 0 {
+        let version = std::fs::read_to_string(root.join("proc/driver/nvidia/version")).ok();
+        match (version, host.nvml_gpus()) {
+            (Some(v), Ok(n)) => out.push(Check::ok(
+                "nvidia driver",
+                format!(
+                    "{}; NVML sees {n} of {nvidia} GPU(s)",
+                    v.lines().next().unwrap_or("").trim()
+                ),
+            )),
+            (Some(v), Err(e)) => out.push(Check::warn(
+                "nvidia driver",
+                format!("{} but NVML failed: {e}", v.lines().next().unwrap_or("").trim()),
+                "install the driver's libnvidia-ml.so.1 (package libnvidia-ml or nvidia-utils) so UUIDs can be read",
+            )),
+            (None, _) => out.push(Check::fail(
+                "nvidia driver",
+                format!("{nvidia} NVIDIA GPU(s) on the PCI bus but no driver loaded (/proc/driver/nvidia/version missing)"),
+                "install the NVIDIA driver (e.g. `apt install nvidia-driver-550-server`) and reboot",
+            )),
+        }
+    }
+    if amd > 0 {
+        let kfd = root.join("dev/kfd").exists();
+        let amdgpu = root.join("sys/module/amdgpu").exists();
+        let rocm = host.which("rocm-smi").or_else(|| host.which("amd-smi"));
+        match (kfd && amdgpu, rocm) {
+            (true, Some(tool)) => out.push(Check::ok(
+                "rocm",
+                format!("amdgpu loaded, /dev/kfd present, {}", tool.display()),
+            )),
+            (true, None) => out.push(Check::warn(
+                "rocm",
+                "amdgpu loaded and /dev/kfd present, but neither rocm-smi nor amd-smi is on PATH",
+                "install ROCm (`apt install rocm`) so jobs and doctor can query the GPUs",
+            )),
+            (false, _) => out.push(Check::fail(
+                "rocm",
+                format!("{amd} AMD GPU(s) on the PCI bus but the amdgpu driver is not loaded (/dev/kfd or /sys/module/amdgpu missing)"),
+                "install amdgpu-dkms and ROCm (https://rocm.docs.amd.com), then `modprobe amdgpu`",
+            )),
+        }
+    }
+    out
+}
+
+/// Docker daemon reachable, and for NVIDIA GPUs the NVIDIA container toolkit.
+pub fn check_docker(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<Check> {
+    let mut out = Vec::new();
+    let Some(docker) = host.which("docker") else {
+        out.push(Check::fail(
+            "docker",
+            "docker is not on PATH",
+            "install Docker Engine (https://docs.docker.com/engine/install/) or use the plugin's process mode",
+        ));
+        return out;
+    };
+    match host.run(&docker, &["version", "--format", "{{.Server.Version}}"]) {
+        Some(v) if !v.trim().is_empty() => {
+            out.push(Check::ok("docker", format!("server {}", v.trim())))
+        }
+        _ => out.push(Check::fail(
+            "docker",
+            format!("{} cannot reach the daemon", docker.display()),
+            "start dockerd (`systemctl start docker`) and add the agent's user to the docker group",
+        )),
+    }
+    if gpus.contains(&Vendor::Nvidia) {
+        let cdi = [
+            "etc/cdi/nvidia.yaml",
+            "var/run/cdi/nvidia.yaml",
+            "etc/cdi/nvidia.json",
+        ]
+        .iter()
+        .any(|p| root.join(p).exists());
+        let tool = host
+            .which("nvidia-ctk")
+            .or_else(|| host.which("nvidia-container-runtime-hook"))
+            .or_else(|| host.which("nvidia-container-runtime"));
+        match tool {
+            Some(t) => out.push(Check::ok(
+                "nvidia toolkit",
+                format!("{}{}", t.display(), if cdi { ", CDI spec present" } else { "" }),
+            )),
+            None => out.push(Check::fail(
+                "nvidia toolkit",
+                "the NVIDIA container toolkit is not installed: `docker run --gpus` cannot pass a single GPU",
+                "install nvidia-container-toolkit and run `nvidia-ctk runtime configure --runtime=docker && systemctl restart docker`",
+            )),
+        }
+    }
+    out
+}
+
+/// `buildkite-agent version 3.108.0, build 11100` → (3, 108, 0).
+pub fn parse_agent_version(s: &str) -> Option<(u32, u32, u32)> {
+    let word = s
+        .split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()))?;
+    let word = word.trim_end_matches(',');
+    let mut it = word.split(['.', '-', '+']).map(|p| p.parse::<u32>().ok());
+    Some((
+        it.next()??,
+        it.next().flatten().unwrap_or(0),
+        it.next().flatten().unwrap_or(0),
+    ))
+}
+
+/// `buildkite-agent` installed and at least 3.108 (plugins in a repository subdirectory).
+pub fn check_agent(host: &dyn Host) -> Check {
+    const NAME: &str = "buildkite-agent";
+    let Some(agent) = host.which("buildkite-agent") else {
+        return Check::fail(
+            NAME,
+            "buildkite-agent is not on PATH",
+            "install buildkite-agent 3.108 or later (https://buildkite.com/docs/agent/v3/installation)",
+        );
+    };
+    let Some(out) = host.run(&agent, &["--version"]) else {
+        return Check::fail(
+            NAME,
+            format!("{} --version failed", agent.display()),
+            "reinstall buildkite-agent 3.108 or later",
+        );
+    };
+    match parse_agent_version(&out) {
+        Some(v) if v >= (3, 108, 0) => Check::ok(NAME, format!("version {}.{}.{}", v.0, v.1, v.2)),
+        Some(v) => Check::warn(
+            NAME,
+            format!("version {}.{}.{} is older than 3.108: it cannot load a plugin from a repository subdirectory", v.0, v.1, v.2),
+            "upgrade buildkite-agent to 3.108 or later, or vendor the plugin into each pipeline repository",
+        ),
+        None => Check::warn(
+            NAME,
+            format!("cannot read a version from {:?}", out.trim()),
+            "check `buildkite-agent --version` by hand; 3.108 or later is needed",
+        ),
+    }
+}
+
+/// Exit status for a report: 1 when any check failed, 0 otherwise (warnings do not fail).
+pub fn exit_code(checks: &[Check]) -> u8 {
+    u8::from(checks.iter().any(|c| c.status == Status::Fail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fakesys;
+    use std::collections::BTreeMap;
+
+    /// Programs on a pretend PATH, each with the stdout it answers (None = it fails).
+    #[derive(Default)]
+    struct FakeHost {
+        programs: BTreeMap<&'static str, Option<String>>,
+        nvml: Option<usize>,
+    }
+
+    impl FakeHost {
+        fn with(mut self, program: &'static str, out: Option<&str>) -> Self {
+            self.programs.insert(program, out.map(str::to_string));
+            self
+        }
+    }
+
+    impl Host for FakeHost {
+        fn which(&self, program: &str) -> Option<PathBuf> {
+            self.programs
+                .contains_key(program)
+                .then(|| PathBuf::from(format!("/usr/bin/{program}")))
+        }
+        fn run(&self, program: &Path, _args: &[&str]) -> Option<String> {
+            let name = program.file_name()?.to_str()?;
+            self.programs.get(name).cloned().flatten()
+        }
+        fn nvml_gpus(&self) -> Result<usize, String> {
+            self.nvml
+                .ok_or_else(|| "cannot load libnvidia-ml.so.1".to_string())
+        }
+    }
+
+    fn healthy() -> FakeHost {
+        FakeHost {
+            nvml: Some(8),
+            ..FakeHost::default()
+        }
+        .with(
+            "buildkite-agent",
+            Some("buildkite-agent version 3.110.0, build 11500"),
+        )
+        .with("docker", Some("27.3.1"))
+        .with("nvidia-ctk", Some(""))
+    }
+
+    const V1: &str = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+        34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n\
+        35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
+        39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n\
+        41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+
+    fn v1_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["cpuset", "memory", "pids", "unified"] {
+            std::fs::create_dir_all(dir.path().join("sys/fs/cgroup").join(d)).unwrap();
+        }
+        std::fs::write(
+            dir.path().join("sys/fs/cgroup/unified/cgroup.controllers"),
+            "hugetlb\n",
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn cgroup_v2_with_controllers_is_ok_and_read_only_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        fakesys::cpu_only().write_to(dir.path()).unwrap();
+        let mounts = std::fs::read_to_string(dir.path().join("proc/self/mountinfo")).unwrap();
+        let c = check_cgroups(dir.path(), &mounts);
+        assert_eq!(c.status, Status::Ok, "{c}");
+        assert!(c.detail.contains("cgroup v2"));
+        let ro = mounts.replace("/sys/fs/cgroup rw,", "/sys/fs/cgroup ro,");
+        let c = check_cgroups(dir.path(), &ro);
+        assert_eq!(c.status, Status::Fail, "{c}");
+        assert!(c.fix.unwrap().contains("cgroupns"));
+    }
+
+    #[test]
+    fn hybrid_hierarchy_falls_back_to_v1() {
+        let dir = v1_tree();
+        let c = check_cgroups(dir.path(), V1);
+        assert_eq!(c.status, Status::Ok, "{c}");
+        assert!(
+            c.detail.contains("cgroup v1") && c.detail.contains("lacks cpuset, memory, pids"),
+            "{c}"
+        );
+    }
+
+    #[test]
+    fn v1_missing_or_read_only_controllers_fail_by_name() {
+        let dir = v1_tree();
+        let no_pids: String = V1
+            .lines()
+            .filter(|l| !l.contains("pids"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let c = check_cgroups(dir.path(), &no_pids);
+        assert_eq!(c.status, Status::Fail);
+        assert!(c.detail.contains("pids is not mounted"), "{c}");
+        let ro = V1.replace("/sys/fs/cgroup/memory rw,", "/sys/fs/cgroup/memory ro,");
+        let c = check_cgroups(dir.path(), &ro);
+        assert!(
+            c.status == Status::Fail
+                && c.detail
+                    .contains("memory at /sys/fs/cgroup/memory is read-only"),
+            "{c}"
+        );
+        let c = check_cgroups(dir.path(), "22 1 0:5 / / rw - ext4 /dev/sda1 rw\n");
+        assert!(c.status == Status::Fail && c.fix.unwrap().contains("unified_cgroup_hierarchy"));
+        assert_eq!(check_cgroups(dir.path(), "").status, Status::Fail);
+    }
+
+    #[test]
+    fn agent_version_gate() {
+        let c = check_agent(&FakeHost::default());
+        assert_eq!(c.status, Status::Fail);
+        assert!(c.fix.unwrap().contains("3.108"));
+        let host = |out: Option<&str>| FakeHost::default().with("buildkite-agent", out);
+        assert_eq!(
+            check_agent(&host(Some("buildkite-agent version 3.108.0, build 1"))).status,
+            Status::Ok
+        );
+        let old = check_agent(&host(Some("buildkite-agent version 3.97.1, build 1")));
+        assert!(
+            old.status == Status::Warn && old.detail.contains("subdirectory"),
+            "{old}"
+        );
+        assert_eq!(check_agent(&host(Some("weird"))).status, Status::Warn);
+        assert_eq!(check_agent(&host(None)).status, Status::Fail);
+    }
+
+    #[test]
+    fn gpu_driver_checks() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let nv = [Vendor::Nvidia; 2];
+        let c = check_gpu_drivers(root, &nv, &healthy());
+        assert!(
+            c[0].status == Status::Fail && c[0].detail.contains("no driver"),
+            "{}",
+            c[0]
+        );
+        std::fs::create_dir_all(root.join("proc/driver/nvidia")).unwrap();
+        std::fs::write(
+            root.join("proc/driver/nvidia/version"),
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.90.07\n",
+        )
+        .unwrap();
+        let c = check_gpu_drivers(root, &nv, &healthy());
+        assert!(
+            c[0].status == Status::Ok && c[0].detail.contains("NVML sees 8"),
+            "{}",
+            c[0]
+        );
+        let c = check_gpu_drivers(root, &nv, &FakeHost::default());
+        assert!(
+            c[0].status == Status::Warn && c[0].detail.contains("NVML failed"),
+            "{}",
+            c[0]
+        );
+
+        let amd = [Vendor::Amd];
+        let c = check_gpu_drivers(root, &amd, &healthy());
+        assert_eq!(c[0].status, Status::Fail, "{}", c[0]);
+        std::fs::create_dir_all(root.join("dev")).unwrap();
+        std::fs::write(root.join("dev/kfd"), "").unwrap();
+        std::fs::create_dir_all(root.join("sys/module/amdgpu")).unwrap();
+        assert_eq!(
+            check_gpu_drivers(root, &amd, &healthy())[0].status,
+            Status::Warn
+        );
+        let c = check_gpu_drivers(root, &amd, &healthy().with("rocm-smi", Some("")));
+        assert_eq!(c[0].status, Status::Ok, "{}", c[0]);
+
+        let c = check_gpu_drivers(root, &[], &healthy());
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].status, Status::Warn);
+    }
+
+    #[test]
+    fn docker_and_the_nvidia_toolkit() {
+        let dir = tempfile::tempdir().unwrap();
+        let nv = [Vendor::Nvidia];
+        let c = check_docker(dir.path(), &nv, &FakeHost::default());
+        assert_eq!((c.len(), c[0].status), (1, Status::Fail));
+        let c = check_docker(dir.path(), &nv, &FakeHost::default().with("docker", None));
+        assert!(c[0].status == Status::Fail && c[0].detail.contains("daemon"));
+        assert!(c[1].status == Status::Fail && c[1].fix.as_deref().unwrap().contains("nvidia-ctk"));
+        let c = check_docker(dir.path(), &nv, &healthy());
+        assert!(c.iter().all(|x| x.status == Status::Ok), "{c:?}");
+        let c = check_docker(
+            dir.path(),
+            &[Vendor::Amd],
+            &FakeHost::default().with("docker", Some("27.0")),
+        );
+        assert_eq!(c.len(), 1, "AMD needs no NVIDIA toolkit");
+    }
+
+    #[test]
+    fn a_healthy_fixture_node_passes_and_exit_code_follows_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        fakesys::dgx_h100().write_to(dir.path()).unwrap();
+        let opts = DoctorOptions {
+            root: dir.path().to_path_buf(),
+            docker: true,
+        };
+        let checks = run_checks(&opts, &healthy());
+        assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
+        assert_eq!(checks.len(), 6);
+        assert_eq!(exit_code(&checks), 0);
+        let checks = run_checks(&opts, &FakeHost::default());
+        assert_eq!(exit_code(&checks), 1);
+        let warn_only = [Check::warn("x", "y", "z")];
+        assert_eq!(exit_code(&warn_only), 0);
+    }
+
+    #[test]
+    fn live_host_finds_programs_and_times_out_hung_ones() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let prog = dir.path().join("hang");
+        std::fs::write(&prog, "#!/bin/sh\nexec sleep 5\n").unwrap();
+        std::fs::set_permissions(&prog, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let plain = dir.path().join("not-executable");
+        std::fs::write(&plain, "").unwrap();
+        let host = LiveHost {
+            path: Some(dir.path().as_os_str().to_owned()),
+            timeout: Duration::from_millis(200),
+        };
+        assert_eq!(host.which("hang"), Some(prog.clone()));
+        assert_eq!(host.which("not-executable"), None);
+        let t = Instant::now();
+        assert_eq!(host.run(&prog, &[]), None);
+        assert!(t.elapsed() < Duration::from_secs(4));
+        assert_eq!(
+            host.run(Path::new("/bin/echo"), &["hi"]).as_deref(),
+            Some("hi\n")
+        );
+    }
+
+    #[test]
+    fn mountinfo_fields_and_escapes() {
+        let m = parse_mountinfo(
+            "34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n\
+             41 31 0:38 / /sys/fs/cgroup/un\\040ified ro,relatime shared:9 - cgroup2 cgroup2 rw\ngarbage\n",
+        );
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].super_options, vec!["rw", "cpuset"]);
+        assert!(!m[0].read_only);
+        assert_eq!(m[1].mount_point, "/sys/fs/cgroup/un ified");
+        assert!(m[1].read_only);
+    }
+
+    #[test]
+    fn agent_versions() {
+        assert_eq!(
+            parse_agent_version("buildkite-agent version 3.108.0, build 11100"),
+            Some((3, 108, 0))
+        );
+        assert_eq!(
+            parse_agent_version("buildkite-agent version 3.97.2+10088.abc"),
+            Some((3, 97, 2))
+        );
+        assert_eq!(parse_agent_version("nothing here"), None);
+    }
+}

@@ -1,0 +1,758 @@
+//! The slice planner: a pure function from a [`Topology`] and a [`Policy`] to a [`Plan`].
+//!
+//! Rules, in the order they are applied:
+//! 1. Only online CPUs the process may use (its cpuset) are planned; the unit handed out is a
+//!    whole physical core (its allowed SMT threads), so siblings are never split between slices.
+//! 2. Housekeeping: the lowest-numbered `housekeeping_cores_per_node` cores of every NUMA node
+//!    are kept for the OS and the agent (`reserved_cpus`).
+//! 3. Each slice gets `gpus_per_slice` GPUs, grouped within a NUMA node, and is numbered in PCI
+//!    bus order of its first GPU (so with one GPU per slice, slice N is nvidia-smi's GPU N).
+//!    A GPU without a NUMA node (firmware reports -1) is placed on the package, then node, with
+//!    the fewest GPUs, so such GPUs spread over the sockets instead of piling onto node 0.
+//! 4. Every slice gets the same number of cores: the most that every node can give each of its
+//!    slices from its own cores. Only when some node cannot give even one core per slice (or a
+//!    fixed `cores_per_slice` asks for more) are remote cores used, nearest package first, and
+//!    each such slice is named in a warning. Cores left over are reported, not given away.
+//! 5. Memory: `mems` is the GPU's node; the limit is that node's memory minus the host reserve,
+//!    split equally between the node's slices (or a fixed amount, checked to fit).
+//!
+//! Same input, same output: every choice breaks ties by the lowest id.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::plan::{format_cpu_list, Plan, Slice, SliceGpu};
+use crate::topology::{Gpu, Topology};
+
+/// What the operator can decide about slicing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// GPUs in each slice (default 1).
+    pub gpus_per_slice: u32,
+    /// Cores of each NUMA node kept for the OS and the agent (default 1).
+    pub housekeeping_cores_per_node: u32,
+    /// Percent of each node's memory kept for the host (default 10).
+    pub host_memory_reserve_percent: u32,
+    /// Fixed number of whole cores per slice instead of "as many as fit locally".
+    pub cores_per_slice: Option<u32>,
+    /// Fixed memory limit per slice in bytes instead of "the node's share".
+    pub memory_per_slice: Option<u64>,
+    /// Let slices share cores when there are more slices than cores, instead of failing.
+    pub allow_sharing: bool,
+    /// Number of CPU-only slices to plan on a node without GPUs.
+    pub cpu_only_slices: Option<u32>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            gpus_per_slice: 1,
+            housekeeping_cores_per_node: 1,
+            host_memory_reserve_percent: 10,
+            cores_per_slice: None,
+            memory_per_slice: None,
+            allow_sharing: false,
+            cpu_only_slices: None,
+        }
+    }
+}
+
+/// Why no plan could be made; each message says what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("invalid policy: {0}")]
+    InvalidPolicy(String),
+    #[error("no GPU found (NVIDIA 0x10de or AMD 0x1002 display/3D/accelerator PCI device); pass --cpu-only-slices N to plan CPU-only slices")]
+    NoGpus,
+    #[error("no usable CPU: {0}")]
+    NoUsableCpus(String),
+    #[error("{slices} slices but only {cores} free physical cores after housekeeping: pass --allow-sharing to let slices share cores, lower --housekeeping-cores, or raise --gpus-per-slice")]
+    TooFewCores { slices: usize, cores: usize },
+    #[error("--cores-per-slice {requested} needs {needed} cores for {slices} slices but only {available} are free after housekeeping: lower it or --housekeeping-cores")]
+    FixedCoresDoNotFit {
+        requested: u32,
+        slices: usize,
+        needed: usize,
+        available: usize,
+    },
+    #[error("--memory-per-slice {requested} bytes × {slices} slices on NUMA node {node} exceeds its {budget} bytes after the host reserve: lower it or --host-memory-reserve")]
+    MemoryDoesNotFit {
+        node: u32,
+        requested: u64,
+        slices: usize,
+        budget: u64,
+    },
+}
+
+/// A plan and the reasons behind it, for the human output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explained {
+    pub plan: Plan,
+    /// One line per decision, in the order they were made.
+    pub notes: Vec<String>,
+}
+
+/// Plans the node's slices.
+pub fn plan(topology: &Topology, policy: &Policy) -> Result<Plan, PlanError> {
+    plan_explained(topology, policy).map(|e| e.plan)
+}
+
+/// A core as the planner sees it: allowed threads only.
+#[derive(Debug, Clone)]
+struct Core {
+    key: u32,
+    package: Option<u32>,
+    node: u32,
+    cpus: Vec<u32>,
+}
+
+struct Unit<'a> {
+    gpus: Vec<&'a Gpu>,
+    /// NUMA node the slice's CPUs and memory limit come from: its first GPU's.
+    home: u32,
+    /// Memory nodes: the homes of all its GPUs.
+    mems: Vec<u32>,
+}
+
+/// Plans the node's slices and explains each choice.
+pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained, PlanError> {
+    validate(policy)?;
+    let mut notes = Vec::new();
+    let mut warnings = Vec::new();
+
+    let allowed: BTreeSet<u32> = topology.allowed_cpus.iter().copied().collect();
+    let online = topology.online_cpus();
+    let offline = topology.offline_cpus();
+    if !offline.is_empty() {
+        warnings.push(format!(
+            "CPUs {} are offline and were not planned; re-run `plan` after bringing them online",
+            format_cpu_list(&offline)
+        ));
+    }
+    let outside: Vec<u32> = online
+        .iter()
+        .copied()
+        .filter(|c| !allowed.contains(c))
+        .collect();
+    if !outside.is_empty() {
+        warnings.push(format!(
+            "CPUs {} are outside this process's cpuset and were not planned; run `plan` from the agent's cgroup or widen its cpuset",
+            format_cpu_list(&outside)
+        ));
+    }
+
+    let first_node = topology.numa_nodes.first().map_or(0, |n| n.id);
+    let cores: Vec<Core> = topology
+        .physical_cores()
+        .into_iter()
+        .filter_map(|c| {
+            let cpus: Vec<u32> = c.cpus.into_iter().filter(|x| allowed.contains(x)).collect();
+            (!cpus.is_empty()).then_some(Core {
+                key: c.key,
+                package: c.package,
+                node: c.numa_node.unwrap_or(first_node),
+                cpus,
+            })
+        })
+        .collect();
+    if cores.is_empty() {
+        return Err(PlanError::NoUsableCpus(format!(
+            "online {} ∩ allowed {} is empty; run `plan` inside the agent's cgroup",
+            format_cpu_list(&online),
+            format_cpu_list(&topology.allowed_cpus)
+        )));
+    }
+    let smt_partial = cores.iter().filter(|c| {
+        topology
+            .cpus
+            .iter()
+            .filter(|x| x.online && x.core == c.key)
+            .count()
+            > c.cpus.len()
+    });
+    let partial: Vec<u32> = smt_partial.flat_map(|c| c.cpus.iter().copied()).collect();
+    if !partial.is_empty() {
+        warnings.push(format!(
+            "the cpuset holds only some SMT threads of the cores of CPUs {}; their other threads may be used by processes outside the plan",
+            format_cpu_list(&partial)
+        ));
+    }
+
+    // Free cores per node, lowest key first, after housekeeping.
+    let mut free: BTreeMap<u32, Vec<Core>> = BTreeMap::new();
+    for core in &cores {
+        free.entry(core.node).or_default().push(core.clone());
+    }
+    let package_of: BTreeMap<u32, Option<u32>> =
+        free.iter().map(|(n, cs)| (*n, cs[0].package)).collect();
+    let mut reserved: Vec<u32> = Vec::new();
+    for (node, list) in free.iter_mut() {
+        let n = (policy.housekeeping_cores_per_node as usize).min(list.len());
+        let kept: Vec<Core> = list.drain(..n).collect();
+        if !kept.is_empty() {
+            let cpus: Vec<u32> = kept.iter().flat_map(|c| c.cpus.iter().copied()).collect();
+            notes.push(format!(
+                "housekeeping: NUMA node {node} keeps {} core(s) (CPUs {}) for the OS and the agent",
+                kept.len(),
+                format_cpu_list(&cpus)
+            ));
+            reserved.extend(cpus);
+        }
+    }
+    reserved.sort_unstable();
+
+    let units = make_units(
+        topology,
+        policy,
+        &free,
+        &package_of,
+        &mut notes,
+        &mut warnings,
+    )?;
+    let nslices = units.len();
+    if nslices == 0 {
+        return Err(PlanError::InvalidPolicy(format!(
+            "--gpus-per-slice {} leaves no slice: no vendor has that many GPUs on this node ({} GPU(s) found)",
+            policy.gpus_per_slice,
+            topology.gpus.len()
+        )));
+    }
+
+    // Slice size in cores.
+    let avail: BTreeMap<u32, usize> = free.iter().map(|(n, l)| (*n, l.len())).collect();
+    let total_avail: usize = avail.values().sum();
+    let mut demand: BTreeMap<u32, usize> = BTreeMap::new();
+    for u in &units {
+        *demand.entry(u.home).or_default() += 1;
+    }
+    let size = match policy.cores_per_slice {
+        Some(c) => {
+            let needed = c as usize * nslices;
+            if needed > total_avail {
+                return Err(PlanError::FixedCoresDoNotFit {
+                    requested: c,
+                    slices: nslices,
+                    needed,
+                    available: total_avail,
+                });
+            }
+            notes.push(format!(
+                "slice size: {c} core(s), fixed by --cores-per-slice"
+            ));
+            c as usize
+        }
+        None => {
+            let (local, node) = demand
+                .iter()
+                .map(|(n, d)| (avail.get(n).copied().unwrap_or(0) / d, *n))
+                .min()
+                .unwrap_or((0, first_node));
+            if local >= 1 {
+                notes.push(format!(
+                    "slice size: {local} core(s), the most NUMA node {node} can give each of its {} slice(s) from its {} free core(s)",
+                    demand.get(&node).copied().unwrap_or(0),
+                    avail.get(&node).copied().unwrap_or(0)
+                ));
+                local
+            } else if total_avail / nslices >= 1 {
+                let s = total_avail / nslices;
+                warnings.push(format!(
+                    "NUMA node {node} has fewer free cores than slices; every slice gets {s} core(s) and some take remote cores"
+                ));
+                notes.push(format!(
+                    "slice size: {s} core(s) = {total_avail} free cores / {nslices} slices (not enough local cores on node {node})"
+                ));
+                s
+            } else if policy.allow_sharing {
+                0
+            } else {
+                return Err(PlanError::TooFewCores {
+                    slices: nslices,
+                    cores: total_avail,
+                });
+            }
+        }
+    };
+
+    let mut slice_cores: Vec<Vec<Core>> = vec![Vec::new(); nslices];
+    if size == 0 {
+        share_cores(&units, &cores, &free, &mut slice_cores);
+        warnings.push(format!(
+            "{nslices} slices share {} core(s): slices are NOT isolated from each other (--allow-sharing)",
+            cores.len()
+        ));
+    } else {
+        // Local cores first, in slice order within each node.
+        for (i, u) in units.iter().enumerate() {
+            if let Some(list) = free.get_mut(&u.home) {
+                let take = size.min(list.len());
+                slice_cores[i].extend(list.drain(..take));
+            }
+        }
+        // Then remote cores for slices that are short, nearest package first.
+        for (i, u) in units.iter().enumerate() {
+            let short = size - slice_cores[i].len();
+            if short == 0 {
+                continue;
+            }
+            let home_pkg = package_of.get(&u.home).copied().flatten();
+            let mut order: Vec<u32> = free.keys().copied().filter(|n| *n != u.home).collect();
+            order.sort_by_key(|n| (package_of.get(n).copied().flatten() != home_pkg, *n));
+            let mut taken = 0;
+            let mut from = BTreeSet::new();
+            for n in order {
+                if taken == short {
+                    break;
+                }
+                if let Some(list) = free.get_mut(&n) {
+                    let take = (short - taken).min(list.len());
+                    if take > 0 {
+                        from.insert(n);
+                    }
+                    slice_cores[i].extend(list.drain(..take));
+                    taken += take;
+                }
+            }
+            warnings.push(format!(
+                "slice {i}: {short} of its {size} cores are on NUMA node(s) {} because node {} has too few free cores; they are remote to its GPU",
+                join(&from),
+                u.home
+            ));
+        }
+        let left: Vec<u32> = free
+            .values()
+            .flatten()
+            .flat_map(|c| c.cpus.iter().copied())
+            .collect();
+        if !left.is_empty() {
+            let ncores = free.values().map(Vec::len).sum::<usize>();
+            warnings.push(format!(
+                "{ncores} core(s) (CPUs {}) are in no slice, to keep slices equal; the host keeps them (use --cores-per-slice or --housekeeping-cores to change this)",
+                format_cpu_list(&left)
+            ));
+        }
+    }
+
+    // Memory per slice.
+    let budgets = memory_budgets(topology, policy, &free_nodes(&cores), &mut warnings);
+    let mut memory: Vec<u64> = Vec::with_capacity(nslices);
+    for u in &units {
+        let budget = budgets.get(&u.home).copied().unwrap_or(0);
+        let share = demand.get(&u.home).copied().unwrap_or(1).max(1);
+        let bytes = match policy.memory_per_slice {
+            Some(m) => {
+                if m.saturating_mul(share as u64) > budget {
+                    return Err(PlanError::MemoryDoesNotFit {
+                        node: u.home,
+                        requested: m,
+                        slices: share,
+                        budget,
+                    });
+                }
+                m
+            }
+            None => budget / share as u64,
+        };
+        memory.push(bytes);
+    }
+    for (node, share) in &demand {
+        let budget = budgets.get(node).copied().unwrap_or(0);
+        notes.push(match policy.memory_per_slice {
+            Some(m) => format!(
+                "memory: NUMA node {node}: {} per slice fixed by --memory-per-slice, {share} slice(s) within its {} after the {}% host reserve",
+                format_bytes(m),
+                format_bytes(budget),
+                policy.host_memory_reserve_percent
+            ),
+            None => format!(
+                "memory: NUMA node {node}: {} after the {}% host reserve, split between its {share} slice(s) = {} each",
+                format_bytes(budget),
+                policy.host_memory_reserve_percent,
+                format_bytes(budget / *share as u64)
+            ),
+        });
+    }
+
+    let mut slices = Vec::with_capacity(nslices);
+    for (i, u) in units.iter().enumerate() {
+        let mut cpus: Vec<u32> = slice_cores[i]
+            .iter()
+            .flat_map(|c| c.cpus.iter().copied())
+            .collect();
+        cpus.sort_unstable();
+        cpus.dedup();
+        let mems = u.mems.clone();
+        let outside: Vec<u32> = mems
+            .iter()
+            .copied()
+            .filter(|m| !topology.allowed_mems.is_empty() && !topology.allowed_mems.contains(m))
+            .collect();
+        if !outside.is_empty() {
+            warnings.push(format!(
+                "slice {i}: memory node(s) {} are outside this process's Mems_allowed; run `plan` from the agent's cgroup or widen its cpuset.mems",
+                join(&outside)
+            ));
+        }
+        let to_slice_gpu = |g: &&Gpu| SliceGpu {
+            vendor: g.vendor,
+            pci_bus_id: g.pci_bus_id.clone(),
+            uuid: g.uuid.clone(),
+            numa_node: g.numa_node,
+        };
+        let local = slice_cores[i].iter().filter(|c| c.node == u.home).count();
+        let what = match u.gpus.first() {
+            Some(g) => format!(
+                "GPU {} ({:?}) on NUMA node {}",
+                g.pci_bus_id,
+                g.vendor,
+                g.numa_node.map_or_else(
+                    || format!("{} (placed; firmware reports none)", u.home),
+                    |n| n.to_string()
+                )
+            ),
+            None => format!("CPU-only, NUMA node {}", u.home),
+        };
+        notes.push(format!(
+            "slice {i}: {what}; {} whole core(s), {local} local to node {}; CPUs {}; mems {}",
+            slice_cores[i].len(),
+            u.home,
+            format_cpu_list(&cpus),
+            join(&mems)
+        ));
+        slices.push(Slice {
+            index: i as u32,
+            gpu: u.gpus.first().map(to_slice_gpu),
+            extra_gpus: u.gpus.iter().skip(1).map(to_slice_gpu).collect(),
+            cpus,
+            mems,
+            memory_bytes: memory[i],
+        });
+    }
+
+    Ok(Explained {
+        plan: Plan {
+            slices,
+            reserved_cpus: reserved,
+            warnings,
+        },
+        notes,
+    })
+}
+
+fn validate(policy: &Policy) -> Result<(), PlanError> {
+    if policy.gpus_per_slice == 0 {
+        return Err(PlanError::InvalidPolicy(
+            "--gpus-per-slice must be at least 1".into(),
+        ));
+    }
+    if policy.host_memory_reserve_percent > 100 {
+        return Err(PlanError::InvalidPolicy(
+            "--host-memory-reserve is a percentage, 0 to 100".into(),
+        ));
+    }
+    if policy.cores_per_slice == Some(0) {
+        return Err(PlanError::InvalidPolicy(
+            "--cores-per-slice must be at least 1".into(),
+        ));
+    }
+    if policy.cpu_only_slices == Some(0) {
+        return Err(PlanError::InvalidPolicy(
+            "--cpu-only-slices must be at least 1".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn join(ids: impl IntoIterator<Item = impl std::borrow::Borrow<u32>>) -> String {
+    ids.into_iter()
+        .map(|i| i.borrow().to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn free_nodes(cores: &[Core]) -> BTreeSet<u32> {
+    cores.iter().map(|c| c.node).collect()
+}
+
+/// Decides the slices: which GPUs each gets and its home NUMA node, in final index order.
+fn make_units<'a>(
+    topology: &'a Topology,
+    policy: &Policy,
+    free: &BTreeMap<u32, Vec<Core>>,
+    package_of: &BTreeMap<u32, Option<u32>>,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Unit<'a>>, PlanError> {
+    let nodes: Vec<u32> = free.keys().copied().collect();
+    if topology.gpus.is_empty() {
+        let Some(n) = policy.cpu_only_slices else {
+            return Err(PlanError::NoGpus);
+        };
+        notes.push(format!(
+            "no GPU: {n} CPU-only slice(s) spread over NUMA node(s) {}",
+            join(&nodes)
+        ));
+        let k = nodes.len();
+        return Ok((0..n as usize)
+            .map(|i| {
+                let home = nodes[i * k / n as usize];
+                Unit {
+                    gpus: Vec::new(),
+                    home,
+                    mems: vec![home],
+                }
+            })
+            .collect());
+    }
+    if policy.cpu_only_slices.is_some() {
+        warnings.push("--cpu-only-slices is ignored: this node has GPUs".into());
+    }
+    let vendors: BTreeSet<_> = topology.gpus.iter().map(|g| g.vendor).collect();
+    if vendors.len() > 1 {
+        warnings.push(
+            "this node mixes NVIDIA and AMD GPUs: slice indexes follow the node-wide PCI bus order, not CUDA's or ROCm's device numbering; select devices by pci_bus_id".into(),
+        );
+    }
+
+    // Home node of every GPU: its own when it has CPUs, else placed to spread over packages.
+    let mut home: Vec<Option<u32>> = topology
+        .gpus
+        .iter()
+        .map(|g| g.numa_node.filter(|n| free.contains_key(n)))
+        .collect();
+    let mut per_node: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut per_pkg: BTreeMap<Option<u32>, usize> = BTreeMap::new();
+    for h in home.iter().flatten() {
+        *per_node.entry(*h).or_default() += 1;
+        *per_pkg
+            .entry(package_of.get(h).copied().flatten())
+            .or_default() += 1;
+    }
+    let online = topology.online_cpus();
+    let node_cpus: BTreeMap<u32, BTreeSet<u32>> = free
+        .keys()
+        .map(|n| {
+            let cpus = topology
+                .numa_node(*n)
+                .map(|x| x.cpus.iter().copied().collect())
+                .unwrap_or_default();
+            (*n, cpus)
+        })
+        .collect();
+    for (i, gpu) in topology.gpus.iter().enumerate() {
+        if home[i].is_some() {
+            continue;
+        }
+        // Local CPUs that are a proper subset of the machine still say which node(s) are near.
+        let informative = !gpu.local_cpus.is_empty() && gpu.local_cpus.len() < online.len();
+        let mut candidates: Vec<u32> = if informative {
+            nodes
+                .iter()
+                .copied()
+                .filter(|n| {
+                    node_cpus
+                        .get(n)
+                        .is_some_and(|cs| gpu.local_cpus.iter().any(|c| cs.contains(c)))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if candidates.is_empty() {
+            candidates = nodes.clone();
+        }
+        let Some(chosen) = candidates.iter().copied().min_by_key(|n| {
+            let pkg = package_of.get(n).copied().flatten();
+            (
+                per_pkg.get(&pkg).copied().unwrap_or(0),
+                per_node.get(n).copied().unwrap_or(0),
+                *n,
+            )
+        }) else {
+            return Err(PlanError::NoUsableCpus(
+                "no NUMA node has usable CPUs".into(),
+            ));
+        };
+        *per_node.entry(chosen).or_default() += 1;
+        *per_pkg
+            .entry(package_of.get(&chosen).copied().flatten())
+            .or_default() += 1;
+        home[i] = Some(chosen);
+        let why = match gpu.numa_node {
+            None => "the firmware reports no NUMA node (-1)".to_string(),
+            Some(n) => format!("its NUMA node {n} has no usable CPUs"),
+        };
+        warnings.push(format!(
+            "GPU {}: {why}; placed on NUMA node {chosen} (package {}) to spread GPUs over packages",
+            gpu.pci_bus_id,
+            package_of
+                .get(&chosen)
+                .copied()
+                .flatten()
+                .map_or_else(|| "?".into(), |p| p.to_string())
+        ));
+    }
+
+    // Group GPUs: within a node (and vendor) first, in bus order; remainders across nodes.
+    let g = policy.gpus_per_slice as usize;
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut by_key: BTreeMap<(u32, crate::plan::Vendor), Vec<usize>> = BTreeMap::new();
+    for (i, gpu) in topology.gpus.iter().enumerate() {
+        by_key
+            .entry((home[i].unwrap_or(0), gpu.vendor))
+            .or_default()
+            .push(i);
+    }
+    let mut rest: BTreeMap<crate::plan::Vendor, Vec<usize>> = BTreeMap::new();
+    for ((_, vendor), idx) in by_key {
+        let mut chunks = idx.chunks_exact(g);
+        for chunk in chunks.by_ref() {
+            groups.push(chunk.to_vec());
+        }
+        rest.entry(vendor)
+            .or_default()
+            .extend_from_slice(chunks.remainder());
+    }
+    for (_, mut idx) in rest {
+        idx.sort_unstable();
+        let mut chunks = idx.chunks_exact(g);
+        for chunk in chunks.by_ref() {
+            warnings.push(format!(
+                "a slice's GPUs {} sit on different NUMA nodes; its CPUs are local to the first",
+                chunk
+                    .iter()
+                    .map(|&i| topology.gpus[i].pci_bus_id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            groups.push(chunk.to_vec());
+        }
+        for &i in chunks.remainder() {
+            warnings.push(format!(
+                "GPU {} is in no slice: {} GPUs do not divide into slices of {g}",
+                topology.gpus[i].pci_bus_id,
+                topology.gpus.len()
+            ));
+        }
+    }
+    groups.sort_by_key(|grp| grp[0]);
+    Ok(groups
+        .into_iter()
+        .map(|grp| {
+            let mut mems: Vec<u32> = grp.iter().filter_map(|&i| home[i]).collect();
+            mems.sort_unstable();
+            mems.dedup();
+            Unit {
+                home: home[grp[0]].unwrap_or(0),
+                gpus: grp.iter().map(|&i| &topology.gpus[i]).collect(),
+                mems,
+            }
+        })
+        .collect())
+}
+
+/// With more slices than cores: each slice gets one core, local when possible, round-robin.
+fn share_cores(
+    units: &[Unit],
+    cores: &[Core],
+    free: &BTreeMap<u32, Vec<Core>>,
+    out: &mut [Vec<Core>],
+) {
+    let mut next: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut next_any = 0usize;
+    for (i, u) in units.iter().enumerate() {
+        match free.get(&u.home).filter(|l| !l.is_empty()) {
+            Some(list) => {
+                let k = next.entry(u.home).or_default();
+                out[i].push(list[*k % list.len()].clone());
+                *k += 1;
+            }
+            None => {
+                out[i].push(cores[next_any % cores.len()].clone());
+                next_any += 1;
+            }
+        }
+    }
+}
+
+/// Memory each node can give its slices: node memory minus the host reserve.
+fn memory_budgets(
+    topology: &Topology,
+    policy: &Policy,
+    nodes: &BTreeSet<u32>,
+    warnings: &mut Vec<String>,
+) -> BTreeMap<u32, u64> {
+    let keep = |bytes: u64| -> u64 {
+        let reserve =
+            (u128::from(bytes) * u128::from(policy.host_memory_reserve_percent)).div_ceil(100);
+        bytes.saturating_sub(reserve as u64)
+    };
+    let mut out = BTreeMap::new();
+    let unknown = nodes
+        .iter()
+        .filter(|n| !matches!(topology.numa_node(**n), Some(x) if x.memory_bytes > 0))
+        .count();
+    if unknown > 0 {
+        warnings.push(format!(
+            "{unknown} NUMA node(s) report no memory size; their slices get an equal share of the machine's total"
+        ));
+    }
+    for n in nodes {
+        let bytes = match topology.numa_node(*n).map(|x| x.memory_bytes) {
+            Some(b) if b > 0 => b,
+            _ => topology.total_memory_bytes / nodes.len().max(1) as u64,
+        };
+        out.insert(*n, keep(bytes));
+    }
+    out
+}
+
+/// `1.5 GiB`, for the human output.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(3 << 30), "3.0 GiB");
+        assert_eq!(format_bytes(1536 << 20), "1.5 GiB");
+    }
+
+    #[test]
+    fn invalid_policies_are_rejected_with_the_flag_named() {
+        let bad = [
+            Policy {
+                gpus_per_slice: 0,
+                ..Policy::default()
+            },
+            Policy {
+                host_memory_reserve_percent: 101,
+                ..Policy::default()
+            },
+            Policy {
+                cores_per_slice: Some(0),
+                ..Policy::default()
+            },
+        ];
+        for p in bad {
+            let e = validate(&p).unwrap_err().to_string();
+            assert!(e.contains("--"), "{e}");
+        }
+        assert!(validate(&Policy::default()).is_ok());
+    }
+}

@@ -1,0 +1,120 @@
+//! Processes as /proc sees them: whether a recorded holder is still the same live process, and
+//! which process stands for "the job" across its hooks.
+//!
+//! A pid alone is not an identity (pids are reused), so holders are recorded as pid plus the
+//! process start time from `/proc/<pid>/stat` (field 22, clock ticks since boot).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// A process, identified so that a reused pid does not look alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessId {
+    pub pid: u32,
+    pub start_time: u64,
+}
+
+/// Parses `/proc/<pid>/stat` into (comm, ppid, start time). The command name may contain
+/// spaces and parentheses, so fields are counted from the last `)`.
+pub fn parse_stat(stat: &str) -> Option<(String, u32, u64)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_string();
+    let rest: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+    // rest[0] is field 3 (state); ppid is field 4, starttime field 22.
+    let ppid = rest.get(1)?.parse().ok()?;
+    let start = rest.get(19)?.parse().ok()?;
+    Some((comm, ppid, start))
+}
+
+fn read_stat(proc_root: &Path, pid: u32) -> Option<(String, u32, u64)> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    parse_stat(&text)
+}
+
+/// The identity of a live process, or `None` when it is gone.
+pub fn identify(proc_root: &Path, pid: u32) -> Option<ProcessId> {
+    read_stat(proc_root, pid).map(|(_, _, start_time)| ProcessId { pid, start_time })
+}
+
+/// Whether the recorded process still runs (same pid, same start time, not a zombie).
+pub fn is_alive(proc_root: &Path, id: ProcessId) -> bool {
+    let Ok(text) = std::fs::read_to_string(proc_root.join(id.pid.to_string()).join("stat")) else {
+        return false;
+    };
+    let zombie = text
+        .rfind(')')
+        .and_then(|i| text.get(i + 1..))
+        .and_then(|rest| rest.split_whitespace().next())
+        .is_some_and(|state| state == "Z" || state == "X");
+    !zombie && parse_stat(&text).is_some_and(|(_, _, start)| start == id.start_time)
+}
+
+/// The process that lives as long as the job: `explicit` when given (the harness and
+/// unusual runners set `KERNELKITE_JOB_PID`), else the nearest ancestor named
+/// `buildkite-agent` (the agent's per-job bootstrap: binary hooks are its children, sourced
+/// shell hooks its grandchildren or deeper), else our parent.
+pub fn job_anchor(proc_root: &Path, me: u32, explicit: Option<u32>) -> Option<ProcessId> {
+    if let Some(pid) = explicit {
+        return identify(proc_root, pid);
+    }
+    let (_, parent, _) = read_stat(proc_root, me)?;
+    let mut pid = parent;
+    for _ in 0..32 {
+        if pid <= 1 {
+            break;
+        }
+        let (comm, ppid, start) = read_stat(proc_root, pid)?;
+        if comm == "buildkite-agent" {
+            return Some(ProcessId {
+                pid,
+                start_time: start,
+            });
+        }
+        pid = ppid;
+    }
+    identify(proc_root, parent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_odd_command_names() {
+        let s =
+            "1234 (a) b (c)) S 77 1234 1234 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 987654 1000 10";
+        let (comm, ppid, start) = parse_stat(s).unwrap();
+        assert_eq!(comm, "a) b (c)");
+        assert_eq!(ppid, 77);
+        assert_eq!(start, 987654);
+        assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn own_process_is_alive_and_a_changed_start_time_is_not() {
+        let proc_root = Path::new("/proc");
+        let me = identify(proc_root, std::process::id()).unwrap();
+        assert!(is_alive(proc_root, me));
+        assert!(!is_alive(
+            proc_root,
+            ProcessId {
+                pid: me.pid,
+                start_time: me.start_time + 1
+            }
+        ));
+    }
+
+    #[test]
+    fn anchor_falls_back_to_parent() {
+        let proc_root = Path::new("/proc");
+        let a = job_anchor(proc_root, std::process::id(), None).unwrap();
+        let ppid = std::os::unix::process::parent_id();
+        // Under a real Buildkite agent the anchor is the bootstrap further up.
+        let (comm, _, _) = read_stat(proc_root, a.pid).unwrap();
+        assert!(a.pid == ppid || comm == "buildkite-agent", "{a:?} {comm}");
+        let explicit = job_anchor(proc_root, std::process::id(), Some(std::process::id())).unwrap();
+        assert_eq!(explicit.pid, std::process::id());
+    }
+}

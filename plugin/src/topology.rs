@@ -1,0 +1,283 @@
+//! The node's topology: CPUs, physical cores, NUMA nodes, memory, the process's cpuset and GPUs.
+//!
+//! A [`Topology`] is a plain value. Two sources fill it: a sysfs/procfs tree
+//! ([`Topology::discover`], `/` on a live machine, a fake tree in tests) and an hwloc XML
+//! export ([`Topology::from_hwloc_xml`]), so a vendor can plan a machine from `lstopo --of xml`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+pub use crate::plan::Vendor;
+
+pub mod hwloc;
+pub mod nvml;
+pub mod sysfs;
+
+/// One logical CPU (a hardware thread, hwloc's "PU").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cpu {
+    pub id: u32,
+    /// Physical package (socket); `None` when the CPU is offline and sysfs hides its topology.
+    pub package: Option<u32>,
+    /// `core_id` as the kernel reports it; unique only within a package (or die).
+    pub core_id: Option<u32>,
+    /// Key of the physical core this thread belongs to: the lowest CPU id among its SMT
+    /// siblings. Unlike `core_id` it is unique machine-wide, so grouping by it never merges two
+    /// cores of different dies that share a `core_id`.
+    pub core: u32,
+    pub numa_node: Option<u32>,
+    pub online: bool,
+}
+
+/// A NUMA node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NumaNode {
+    pub id: u32,
+    /// Online CPUs of the node (may be empty for memory-only nodes such as HBM or CXL).
+    pub cpus: Vec<u32>,
+    /// Memory of the node in bytes (0 when unknown).
+    pub memory_bytes: u64,
+}
+
+/// A GPU found on the PCI bus.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Gpu {
+    pub vendor: Vendor,
+    /// Canonical `dddd:bb:dd.f`, lower-case hex.
+    pub pci_bus_id: String,
+    /// NUMA node the GPU hangs off; `None` when the firmware reports -1 or hwloc attaches the
+    /// device above several nodes.
+    pub numa_node: Option<u32>,
+    /// CPUs local to the GPU (`local_cpulist`); may be every CPU when the firmware knows nothing.
+    pub local_cpus: Vec<u32>,
+    /// `GPU-...` (NVIDIA) when the driver or NVML reports it.
+    pub uuid: Option<String>,
+    /// Device minor number: `/dev/nvidia<minor>` for NVIDIA.
+    pub minor: Option<u32>,
+    /// PCI device id.
+    pub device_id: Option<u16>,
+    /// Marketing name when a source gives one.
+    pub name: Option<String>,
+}
+
+/// A physical core: the unit the planner hands out, so SMT siblings are never split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PhysicalCore {
+    /// Lowest CPU id among the siblings (see [`Cpu::core`]).
+    pub key: u32,
+    pub package: Option<u32>,
+    pub numa_node: Option<u32>,
+    /// Online threads of the core, ascending.
+    pub cpus: Vec<u32>,
+}
+
+/// Everything the planner needs to know about a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Topology {
+    /// Every CPU the kernel knows (present), online or not, ascending by id.
+    pub cpus: Vec<Cpu>,
+    /// NUMA nodes, ascending by id. A machine without NUMA information has one node 0.
+    pub numa_nodes: Vec<NumaNode>,
+    pub total_memory_bytes: u64,
+    /// CPUs the current process may run on (its cpuset and affinity), ascending.
+    pub allowed_cpus: Vec<u32>,
+    /// Memory nodes the current process may use, ascending (empty when unknown: all).
+    pub allowed_mems: Vec<u32>,
+    /// GPUs in PCI bus order (the order of nvidia-smi and `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
+    pub gpus: Vec<Gpu>,
+}
+
+/// Why a topology could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("cannot read {path}: {source} (is the sysfs root right? pass --sysfs-root DIR or --topology-xml FILE)")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot parse {path}: {reason}")]
+    Parse { path: PathBuf, reason: String },
+    #[error("invalid hwloc XML: {0} (export it with `lstopo --of xml FILE`)")]
+    Xml(String),
+    #[error(
+        "no online CPU found under {0} (is it a sysfs/procfs root with sys/devices/system/cpu?)"
+    )]
+    NoCpus(PathBuf),
+}
+
+impl Topology {
+    /// Reads sysfs/procfs under `root` ("/" on a live machine).
+    ///
+    /// NVML is consulted only on a live machine (`root` is `/`), to fill NVIDIA UUIDs the
+    /// driver's `/proc` files did not give; its absence is normal and silently skipped.
+    pub fn discover(root: &Path) -> Result<Topology, TopologyError> {
+        let mut topo = sysfs::read(root)?;
+        if root == Path::new("/")
+            && topo
+                .gpus
+                .iter()
+                .any(|g| g.vendor == Vendor::Nvidia && g.uuid.is_none())
+        {
+            match nvml::Nvml::load() {
+                Ok(lib) => match lib.devices() {
+                    Ok(devs) => nvml::merge(&mut topo.gpus, &devs),
+                    Err(e) => tracing::warn!("NVML loaded but could not list GPUs: {e}"),
+                },
+                Err(e) => tracing::debug!("NVML not available: {e}"),
+            }
+        }
+        Ok(topo)
+    }
+
+    /// Parses an hwloc XML export (format 2.0 and 3.0).
+    pub fn from_hwloc_xml(xml: &str) -> Result<Topology, TopologyError> {
+        hwloc::parse(xml)
+    }
+
+    /// Online CPUs, ascending.
+    pub fn online_cpus(&self) -> Vec<u32> {
+        self.cpus
+            .iter()
+            .filter(|c| c.online)
+            .map(|c| c.id)
+            .collect()
+    }
+
+    /// Offline CPUs, ascending.
+    pub fn offline_cpus(&self) -> Vec<u32> {
+        self.cpus
+            .iter()
+            .filter(|c| !c.online)
+            .map(|c| c.id)
+            .collect()
+    }
+
+    /// Online CPUs grouped into physical cores, ascending by key.
+    pub fn physical_cores(&self) -> Vec<PhysicalCore> {
+        let mut cores: BTreeMap<u32, PhysicalCore> = BTreeMap::new();
+        for cpu in self.cpus.iter().filter(|c| c.online) {
+            let core = cores.entry(cpu.core).or_insert_with(|| PhysicalCore {
+                key: cpu.core,
+                package: cpu.package,
+                numa_node: cpu.numa_node,
+                cpus: Vec::new(),
+            });
+            core.cpus.push(cpu.id);
+        }
+        cores
+            .into_values()
+            .map(|mut c| {
+                c.cpus.sort_unstable();
+                c
+            })
+            .collect()
+    }
+
+    /// Threads per core of the most common core shape (1 without SMT, 2 with).
+    pub fn threads_per_core(&self) -> u32 {
+        let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
+        for core in self.physical_cores() {
+            *counts.entry(core.cpus.len()).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .max_by_key(|&(threads, n)| (n, threads))
+            .map_or(1, |(t, _)| t as u32)
+    }
+
+    /// The NUMA node with this id.
+    pub fn numa_node(&self, id: u32) -> Option<&NumaNode> {
+        self.numa_nodes.iter().find(|n| n.id == id)
+    }
+
+    /// Packages (sockets) that have online CPUs, ascending.
+    pub fn packages(&self) -> Vec<u32> {
+        let set: BTreeSet<u32> = self
+            .cpus
+            .iter()
+            .filter(|c| c.online)
+            .filter_map(|c| c.package)
+            .collect();
+        set.into_iter().collect()
+    }
+
+    /// Sorts GPUs into PCI bus order and canonicalises their bus ids; every source ends here.
+    pub(crate) fn normalise(&mut self) {
+        for gpu in &mut self.gpus {
+            gpu.pci_bus_id = canonical_bus_id(&gpu.pci_bus_id);
+            gpu.local_cpus.sort_unstable();
+            gpu.local_cpus.dedup();
+        }
+        self.gpus.sort_by(|a, b| a.pci_bus_id.cmp(&b.pci_bus_id));
+        self.cpus.sort_by_key(|c| c.id);
+        self.numa_nodes.sort_by_key(|n| n.id);
+        self.allowed_cpus.sort_unstable();
+        self.allowed_cpus.dedup();
+    }
+}
+
+/// Vendor of a PCI function that is a GPU, from its vendor id and 24-bit class code.
+///
+/// Display controllers (class 0x03: VGA, 3D, other) of NVIDIA (0x10de) and AMD (0x1002), plus
+/// AMD's processing accelerators (class 0x12): MI200/MI300 Instinct GPUs report that class,
+/// so a display-only filter would miss every GPU on an MI300X node.
+pub fn gpu_vendor(vendor_id: u16, class: u32) -> Option<Vendor> {
+    let base = (class >> 16) & 0xff;
+    match (vendor_id, base) {
+        (0x10de, 0x03) => Some(Vendor::Nvidia),
+        (0x1002, 0x03) | (0x1002, 0x12) => Some(Vendor::Amd),
+        _ => None,
+    }
+}
+
+/// `0000:18:00.0` from any of `18:00.0`, `00000000:18:00.0` (NVIDIA's 8-digit domain) or
+/// upper-case forms. Unrecognised input is returned lower-cased, unchanged otherwise.
+pub fn canonical_bus_id(id: &str) -> String {
+    let id = id.trim().to_ascii_lowercase();
+    let parts: Vec<&str> = id.split(':').collect();
+    let (domain, bus, devfn) = match parts.as_slice() {
+        [d, b, df] => (*d, *b, *df),
+        [b, df] => ("0", *b, *df),
+        _ => return id,
+    };
+    let Some((dev, func)) = devfn.split_once('.') else {
+        return id;
+    };
+    let parse = |s: &str| u32::from_str_radix(s, 16).ok();
+    match (parse(domain), parse(bus), parse(dev), parse(func)) {
+        (Some(d), Some(b), Some(v), Some(f)) if d <= 0xffff && b <= 0xff && v <= 0x1f && f <= 7 => {
+            format!("{d:04x}:{b:02x}:{v:02x}.{f:x}")
+        }
+        _ => id,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_are_canonicalised() {
+        assert_eq!(canonical_bus_id("00000000:18:00.0"), "0000:18:00.0");
+        assert_eq!(canonical_bus_id("1B:00.0"), "0000:1b:00.0");
+        assert_eq!(canonical_bus_id("0001:C1:00.1"), "0001:c1:00.1");
+        assert_eq!(canonical_bus_id("garbage"), "garbage");
+        assert_eq!(canonical_bus_id("0000:18:40.0"), "0000:18:40.0");
+    }
+
+    #[test]
+    fn only_gpu_classes_of_gpu_vendors_count() {
+        assert_eq!(gpu_vendor(0x10de, 0x030200), Some(Vendor::Nvidia));
+        assert_eq!(gpu_vendor(0x10de, 0x030000), Some(Vendor::Nvidia));
+        // NVSwitch bridges and the HDMI audio function are not GPUs.
+        assert_eq!(gpu_vendor(0x10de, 0x068000), None);
+        assert_eq!(gpu_vendor(0x10de, 0x040300), None);
+        assert_eq!(gpu_vendor(0x1002, 0x120000), Some(Vendor::Amd));
+        assert_eq!(gpu_vendor(0x1002, 0x038000), Some(Vendor::Amd));
+        assert_eq!(gpu_vendor(0x8086, 0x030000), None);
+        assert_eq!(gpu_vendor(0x1a03, 0x030000), None);
+    }
+}

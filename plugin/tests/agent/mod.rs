@@ -1,0 +1,500 @@
+//! A harness that plays the Buildkite agent for the plugin's hooks.
+//!
+//! It sets the `BUILDKITE_*` variables a real agent sets, serves the Job API on a unix socket
+//! (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise), runs hooks in the
+//! agent's order (`environment` → `command` → `pre-exit`), either as agent-level binary hooks
+//! (links named after the hook, exporting through the Job API) or as the plugin's shell shims
+//! (sourced by bash, their exports collected), and keeps a "bootstrap" process alive for the
+//! job's lifetime as the job's anchor.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-isolate");
+
+pub fn plugin_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Job API as the agent serves it.
+pub struct JobApiServer {
+    pub socket: PathBuf,
+    pub token: String,
+    pub env: Arc<Mutex<BTreeMap<String, String>>>,
+    pub requests: Arc<Mutex<Vec<String>>>,
+    _rt: tokio::runtime::Runtime,
+}
+
+#[derive(Clone)]
+struct ApiState {
+    token: String,
+    env: Arc<Mutex<BTreeMap<String, String>>>,
+    requests: Arc<Mutex<Vec<String>>>,
+}
+
+fn authorised(s: &ApiState, headers: &HeaderMap) -> bool {
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v == format!("Bearer {}", s.token))
+}
+
+fn unauthorised() -> (StatusCode, Json<Value>) {
+    (
+        StatusCode::UNAUTHORIZED,
+        Json(json!({"error": "invalid Authorization header"})),
+    )
+}
+
+async fn get_env(State(s): State<ApiState>, headers: HeaderMap) -> (StatusCode, Json<Value>) {
+    s.requests.lock().unwrap().push("GET".into());
+    if !authorised(&s, &headers) {
+        return unauthorised();
+    }
+    let env = s.env.lock().unwrap().clone();
+    (StatusCode::OK, Json(json!({ "env": env })))
+}
+
+async fn patch_env(
+    State(s): State<ApiState>,
+    headers: HeaderMap,
+    body: String,
+) -> (StatusCode, Json<Value>) {
+    s.requests.lock().unwrap().push("PATCH".into());
+    if !authorised(&s, &headers) {
+        return unauthorised();
+    }
+    let Ok(v) = serde_json::from_str::<Value>(&body) else {
+        return (StatusCode::BAD_REQUEST, Json(json!({"error": "bad JSON"})));
+    };
+    let Some(map) = v.get("env").and_then(Value::as_object) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "missing env"})),
+        );
+    };
+    let mut env = s.env.lock().unwrap();
+    let mut added = Vec::new();
+    for (k, v) in map {
+        let Some(v) = v.as_str() else {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": "values must be strings"})),
+            );
+        };
+        env.insert(k.clone(), v.to_string());
+        added.push(k.clone());
+    }
+    (
+        StatusCode::OK,
+        Json(json!({ "added": added, "updated": [] })),
+    )
+}
+
+async fn delete_env(
+    State(s): State<ApiState>,
+    headers: HeaderMap,
+    body: String,
+) -> (StatusCode, Json<Value>) {
+    s.requests.lock().unwrap().push("DELETE".into());
+    if !authorised(&s, &headers) {
+        return unauthorised();
+    }
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let keys: Vec<String> = v
+        .get("keys")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|k| k.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut env = s.env.lock().unwrap();
+    for k in &keys {
+        env.remove(k);
+    }
+    (StatusCode::OK, Json(json!({ "deleted": keys })))
+}
+
+impl JobApiServer {
+    pub fn start(dir: &Path, token: &str, env: BTreeMap<String, String>) -> JobApiServer {
+        let socket = dir.join("job-api.sock");
+        // A job id run again by the same agent gets a fresh socket, like a fresh job.
+        let _ = std::fs::remove_file(&socket);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let state = ApiState {
+            token: token.to_string(),
+            env: Arc::new(Mutex::new(env)),
+            requests: Arc::new(Mutex::new(Vec::new())),
+        };
+        let app = Router::new()
+            .route(
+                "/api/current-job/v0/env",
+                get(get_env).patch(patch_env).delete(delete_env),
+            )
+            .with_state(state.clone());
+        let listener = rt
+            .block_on(async { tokio::net::UnixListener::bind(&socket) })
+            .unwrap();
+        rt.spawn(async move { axum::serve(listener, app).await });
+        JobApiServer {
+            socket,
+            token: token.to_string(),
+            env: state.env,
+            requests: state.requests,
+            _rt: rt,
+        }
+    }
+
+    pub fn env(&self) -> BTreeMap<String, String> {
+        self.env.lock().unwrap().clone()
+    }
+}
+
+/// How the hooks are installed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Install {
+    /// Agent-level hooks: links named `environment`, `command`, `pre-exit` to the binary.
+    AgentBinary,
+    /// The plugin's `hooks/` shims, sourced by bash.
+    PluginShell,
+}
+
+/// One agent on a node (several may share a run dir, like agents on one machine).
+pub struct Agent {
+    pub name: String,
+    pub dir: PathBuf,
+    pub hooks_dir: PathBuf,
+    /// Environment the agent adds for every job (tags, node settings).
+    pub env: BTreeMap<String, String>,
+}
+
+/// A job in progress.
+pub struct Job {
+    pub id: String,
+    /// The job's environment as the next hook would see it.
+    pub env: BTreeMap<String, String>,
+    pub bootstrap: Child,
+    pub api: JobApiServer,
+    pub install: Install,
+    pub hooks_dir: PathBuf,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.bootstrap.kill();
+        let _ = self.bootstrap.wait();
+    }
+}
+
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+impl Agent {
+    /// An agent whose node state lives under `node_dir` (run dir, fake cgroups, plan).
+    pub fn new(node_dir: &Path, name: &str, node_env: &BTreeMap<String, String>) -> Agent {
+        let dir = node_dir.join(format!("agent-{name}"));
+        let hooks_dir = dir.join("hooks");
+        std::fs::create_dir_all(&hooks_dir).unwrap();
+        for hook in ["environment", "command", "pre-exit"] {
+            let link = hooks_dir.join(hook);
+            if !link.exists() {
+                std::os::unix::fs::symlink(BIN, &link).unwrap();
+            }
+        }
+        let mut env = node_env.clone();
+        env.insert("BUILDKITE_AGENT_NAME".into(), name.into());
+        Agent {
+            name: name.into(),
+            dir,
+            hooks_dir,
+            env,
+        }
+    }
+
+    /// Starts a job: the bootstrap process, the Job API and the job's environment.
+    pub fn start_job(
+        &self,
+        job_id: &str,
+        command: &str,
+        plugin_config: Option<&str>,
+        install: Install,
+    ) -> Job {
+        let job_dir = self.dir.join(job_id);
+        let checkout = job_dir.join("checkout");
+        std::fs::create_dir_all(&checkout).unwrap();
+        let bootstrap = Command::new("sleep").arg("600").spawn().unwrap();
+        let token = format!("token-{job_id}");
+        let mut env: BTreeMap<String, String> = BTreeMap::new();
+        for k in ["PATH", "HOME", "LANG"] {
+            if let Ok(v) = std::env::var(k) {
+                env.insert(k.into(), v);
+            }
+        }
+        env.extend(self.env.clone());
+        let api_env = env.clone();
+        let api = JobApiServer::start(&job_dir, &token, api_env);
+        let add = |env: &mut BTreeMap<String, String>, k: &str, v: &str| {
+            env.insert(k.to_string(), v.to_string());
+        };
+        add(&mut env, "BUILDKITE", "true");
+        add(&mut env, "CI", "true");
+        add(&mut env, "BUILDKITE_JOB_ID", job_id);
+        add(
+            &mut env,
+            "BUILDKITE_BUILD_ID",
+            "0190b8c2-0000-4000-8000-000000000001",
+        );
+        add(&mut env, "BUILDKITE_BUILD_NUMBER", "42");
+        add(&mut env, "BUILDKITE_PIPELINE_SLUG", "kernelbot");
+        add(&mut env, "BUILDKITE_ORGANIZATION_SLUG", "kernelkite");
+        add(
+            &mut env,
+            "BUILDKITE_AGENT_ID",
+            &format!("agent-id-{}", self.name),
+        );
+        add(
+            &mut env,
+            "BUILDKITE_AGENT_ACCESS_TOKEN",
+            "secret-agent-token",
+        );
+        add(&mut env, "BUILDKITE_COMMAND", command);
+        add(
+            &mut env,
+            "BUILDKITE_BUILD_CHECKOUT_PATH",
+            checkout.to_str().unwrap(),
+        );
+        add(&mut env, "BUILDKITE_SHELL", "/bin/bash -e -c");
+        add(&mut env, "BUILDKITE_BIN_PATH", "/usr/bin");
+        add(
+            &mut env,
+            "BUILDKITE_AGENT_JOB_API_SOCKET",
+            api.socket.to_str().unwrap(),
+        );
+        add(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
+        add(&mut env, "KERNELKITE_JOB_PID", &bootstrap.id().to_string());
+        if install == Install::PluginShell {
+            add(&mut env, "KERNELKITE_ISOLATE_BIN", BIN);
+        }
+        if let Some(cfg) = plugin_config {
+            add(&mut env, "BUILDKITE_PLUGIN_CONFIGURATION", cfg);
+            add(
+                &mut env,
+                "BUILDKITE_PLUGINS",
+                &json!([{ "github.com/kernelkite/kernelkite/plugin#v1.0.0": serde_json::from_str::<Value>(cfg).unwrap_or(Value::Null) }]).to_string(),
+            );
+            // The agent also flattens each top-level key.
+            if let Ok(Value::Object(map)) = serde_json::from_str::<Value>(cfg) {
+                for (k, v) in map {
+                    let key = format!(
+                        "BUILDKITE_PLUGIN_KERNELKITE_{}",
+                        k.to_uppercase().replace('-', "_")
+                    );
+                    let val = match v {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    env.insert(key, val);
+                }
+            }
+        }
+        let hooks_dir = match install {
+            Install::AgentBinary => self.hooks_dir.clone(),
+            Install::PluginShell => plugin_dir().join("hooks"),
+        };
+        // The Job API serves the job's environment as the agent knows it.
+        *api.env.lock().unwrap() = env.clone();
+        Job {
+            id: job_id.into(),
+            env,
+            bootstrap,
+            api,
+            install,
+            hooks_dir,
+        }
+    }
+}
+
+impl Job {
+    fn hook_command(&self, hook: &str, cwd: &Path) -> Command {
+        let path = self.hooks_dir.join(hook);
+        let mut cmd = match self.install {
+            Install::AgentBinary => Command::new(&path),
+            Install::PluginShell => {
+                // The agent sources shell hooks in a wrapper and captures the environment after.
+                let mut c = Command::new("bash");
+                c.arg("-c")
+                    .arg(r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#)
+                    .arg("kernelkite-hook-wrapper")
+                    .arg(&path)
+                    .arg(self.env_capture_path(hook));
+                c
+            }
+        };
+        cmd.env_clear().envs(&self.env).current_dir(cwd);
+        cmd
+    }
+
+    fn env_capture_path(&self, hook: &str) -> PathBuf {
+        self.api.socket.with_file_name(format!("env-after-{hook}"))
+    }
+
+    fn checkout(&self) -> PathBuf {
+        PathBuf::from(&self.env["BUILDKITE_BUILD_CHECKOUT_PATH"])
+    }
+
+    /// Runs one hook and applies its environment changes the way the agent does.
+    pub fn run_hook(&mut self, hook: &str) -> Output {
+        let out = self
+            .hook_command(hook, &self.checkout())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        if out.status.success() {
+            match self.install {
+                Install::AgentBinary => {
+                    self.env = self.api.env();
+                }
+                Install::PluginShell => {
+                    let raw = std::fs::read(self.env_capture_path(hook)).unwrap_or_default();
+                    let mut after = BTreeMap::new();
+                    for entry in raw.split(|b| *b == 0).filter(|e| !e.is_empty()) {
+                        let e = String::from_utf8_lossy(entry);
+                        if let Some((k, v)) = e.split_once('=') {
+                            after.insert(k.to_string(), v.to_string());
+                        }
+                    }
+                    // Only what the hook changed is carried over (shell internals are not).
+                    for (k, v) in after {
+                        if k.starts_with("BASH")
+                            || k == "SHLVL"
+                            || k == "_"
+                            || k == "PWD"
+                            || k == "OLDPWD"
+                        {
+                            continue;
+                        }
+                        if self.env.get(&k) != Some(&v) {
+                            self.env.insert(k, v);
+                        }
+                    }
+                    *self.api.env.lock().unwrap() = self.env.clone();
+                }
+            }
+        }
+        out
+    }
+
+    /// Runs the job to the end the way the agent does: `pre-exit` runs even when an earlier
+    /// hook failed. Returns the outputs of the hooks that ran.
+    pub fn run_all(&mut self) -> Vec<(String, Output)> {
+        let mut outs = Vec::new();
+        let env = self.run_hook("environment");
+        let ok = env.status.success();
+        outs.push(("environment".to_string(), env));
+        if ok {
+            outs.push(("command".to_string(), self.run_hook("command")));
+        }
+        outs.push(("pre-exit".to_string(), self.run_hook("pre-exit")));
+        outs
+    }
+}
+
+/// A fake cgroup v2 tree (mountinfo + controllers) under `root`.
+pub fn fake_cgroup_v2(root: &Path) {
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::fs::write(
+        root.join("proc/self/mountinfo"),
+        "30 23 0:27 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n",
+    )
+    .unwrap();
+    let cg = root.join("sys/fs/cgroup");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(
+        cg.join("cgroup.controllers"),
+        "cpuset cpu io memory hugetlb pids rdma misc\n",
+    )
+    .unwrap();
+    std::fs::write(cg.join("cgroup.subtree_control"), "").unwrap();
+}
+
+/// A plan with `n` single-GPU slices (NVIDIA, with UUIDs), one CPU each from `cpus`.
+pub fn plan_json(n: u32, cpus: &[u32]) -> String {
+    let slices: Vec<Value> = (0..n)
+        .map(|i| {
+            json!({
+                "index": i,
+                "gpu": {"vendor": "nvidia", "pci_bus_id": format!("0000:{:02x}:00.0", 0x18 + i),
+                        "uuid": format!("GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd"), "numa_node": 0},
+                "cpus": [cpus[i as usize % cpus.len()]],
+                "mems": [0],
+                "memory_bytes": 256u64 << 20,
+            })
+        })
+        .collect();
+    json!({"slices": slices, "reserved_cpus": [], "warnings": []}).to_string()
+}
+
+/// A node: run dir, plan file and fake cgroup v2 tree in a temp dir, and the variables that
+/// point the hooks at them.
+pub struct Node {
+    pub dir: tempfile::TempDir,
+    pub env: BTreeMap<String, String>,
+}
+
+impl Node {
+    pub fn new(gpus: u32) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        fake_cgroup_v2(&root.join("cgroot"));
+        std::fs::write(root.join("plan.json"), plan_json(gpus, &[0, 1])).unwrap();
+        let mut env = BTreeMap::new();
+        env.insert(
+            "KERNELKITE_RUN_DIR".into(),
+            root.join("run").display().to_string(),
+        );
+        env.insert(
+            "KERNELKITE_PLAN_FILE".into(),
+            root.join("plan.json").display().to_string(),
+        );
+        env.insert(
+            "KERNELKITE_CGROUP_ROOT".into(),
+            root.join("cgroot").display().to_string(),
+        );
+        Node { dir, env }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn agent(&self, name: &str) -> Agent {
+        Agent::new(self.path(), name, &self.env)
+    }
+
+    pub fn cgroup_dir(&self, job: &str) -> PathBuf {
+        self.path()
+            .join("cgroot/sys/fs/cgroup/kernelkite")
+            .join(job)
+    }
+}

@@ -1,0 +1,228 @@
+//! The `kernelkite-isolate` binary: `fixture`, `plan`, `doctor` as a user runs them.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use kernelkite_isolate::fakesys;
+use kernelkite_isolate::plan::Plan;
+use kernelkite_isolate::planner::{plan, Policy};
+use kernelkite_isolate::topology::Topology;
+
+/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
+/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("kernelkite-fake")
+        .tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .unwrap()
+}
+
+fn bin(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+        .args(args)
+        .env_remove("KERNELKITE_SYSFS_ROOT")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn fixture_then_plan_json_matches_the_library() {
+    let dir = scratch();
+    let root = dir.path().join("dgx");
+    let o = bin(&["fixture", "dgx-h100", "--out", root.to_str().unwrap()]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = bin(&["plan", "--sysfs-root", root.to_str().unwrap(), "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let parsed: Plan = serde_json::from_str(&out).unwrap();
+    let want = plan(&Topology::discover(&root).unwrap(), &Policy::default()).unwrap();
+    assert_eq!(parsed, want);
+    // The documented shape: these keys, in this order, on one line.
+    assert_eq!(out.lines().count(), 1);
+    assert!(out.starts_with(r#"{"slices":[{"index":0,"gpu":{"vendor":"nvidia","pci_bus_id":"0000:18:00.0","uuid":"GPU-"#), "{out}");
+    assert!(out.contains(r#""numa_node":0},"cpus":[1,2,"#));
+    assert!(out.contains(r#"],"reserved_cpus":[0,56,112,168],"warnings":["#));
+}
+
+#[test]
+fn plan_table_shows_ranges_and_reasons() {
+    let dir = scratch();
+    fakesys::dgx_h100().write_to(dir.path()).unwrap();
+    let o = bin(&[
+        "plan",
+        "--sysfs-root",
+        dir.path().to_str().unwrap(),
+        "--housekeeping-cores",
+        "0",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let first = out.lines().nth(1).unwrap();
+    for col in ["0", "nvidia", "0000:18:00.0", "0-13,112-125", "230.4 GiB"] {
+        assert!(first.contains(col), "{first}");
+    }
+    assert!(
+        out.contains("why:") && out.contains("slice size: 14 core(s)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn plan_flags_reach_the_policy() {
+    let dir = scratch();
+    fakesys::cpu_only().write_to(dir.path()).unwrap();
+    let root = dir.path().to_str().unwrap();
+    let o = bin(&["plan", "--sysfs-root", root]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("--cpu-only-slices"), "{err}");
+    let o = bin(&[
+        "plan",
+        "--sysfs-root",
+        root,
+        "--json",
+        "--cpu-only-slices",
+        "2",
+        "--memory-per-slice",
+        "8G",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let p: Plan = serde_json::from_str(&out).unwrap();
+    assert_eq!(p.slices.len(), 2);
+    assert!(p
+        .slices
+        .iter()
+        .all(|s| s.gpu.is_none() && s.memory_bytes == 8 << 30));
+    let o = bin(&["plan", "--sysfs-root", root, "--memory-per-slice", "lots"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("not a size"));
+}
+
+#[test]
+fn plan_from_an_hwloc_export() {
+    let xml = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/hwloc/32em64t-2n8c2t-pci-normalio.xml");
+    let o = bin(&["plan", "--topology-xml", xml.to_str().unwrap(), "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let p: Plan = serde_json::from_str(&out).unwrap();
+    assert_eq!(p.slices.len(), 4);
+    let o = bin(&["plan", "--topology-xml", "/nonexistent.xml"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("/nonexistent.xml"));
+}
+
+#[test]
+fn fixture_variants_reach_the_plan() {
+    let dir = scratch();
+    let root = dir.path().to_str().unwrap();
+    let o = bin(&[
+        "fixture",
+        "dgx-h100",
+        "--out",
+        root,
+        "--offline",
+        "1-2,113-114",
+        "--cpuset",
+        "0-55,112-167",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = bin(&["plan", "--sysfs-root", root, "--json"]);
+    let p: Plan = serde_json::from_str(&text(&o).0).unwrap();
+    assert!(p
+        .warnings
+        .iter()
+        .any(|w| w.contains("1-2,113-114") && w.contains("offline")));
+    assert!(p
+        .slices
+        .iter()
+        .flat_map(|s| &s.cpus)
+        .all(|c| *c < 56 || (112..168).contains(c)));
+    let o = bin(&["fixture", "dgx-h100", "--out", root, "--offline", "9-1"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).1.contains("range ends before it starts"),
+        "{:?}",
+        text(&o)
+    );
+}
+
+#[test]
+fn unknown_fixture_and_list() {
+    let o = bin(&["fixture", "--list"]);
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    for (name, _) in fakesys::FIXTURES {
+        assert!(out.contains(name));
+    }
+    let o = bin(&["fixture", "dgx-h200", "--out", "/tmp/never"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("fixture --list"));
+}
+
+#[test]
+fn plan_and_doctor_work_on_every_fixture() {
+    for (name, _) in fakesys::FIXTURES {
+        let dir = scratch();
+        let root = dir.path().to_str().unwrap();
+        assert!(bin(&["fixture", name, "--out", root]).status.success());
+        let o = bin(&["plan", "--sysfs-root", root, "--cpu-only-slices", "2"]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{name}: {err}");
+        assert!(out.starts_with("SLICE"), "{name}: {out}");
+        let o = bin(&["doctor", "--sysfs-root", root]);
+        let (out, _) = text(&o);
+        let line = |check: &str| out.lines().find(|l| l.contains(check)).map(str::to_string);
+        assert!(
+            line("cgroups").is_some_and(|l| l.starts_with("ok")),
+            "{name}: {out}"
+        );
+        let topo = line("topology").unwrap_or_default();
+        let want = if *name == "cpu-only" { "warn" } else { "ok" };
+        assert!(topo.starts_with(want), "{name}: {out}");
+        let failed = out.lines().any(|l| l.starts_with("fail"));
+        assert_eq!(o.status.code(), Some(i32::from(failed)), "{name}: {out}");
+    }
+}
+
+#[test]
+fn doctor_on_fixtures_and_the_live_machine() {
+    let dir = scratch();
+    fakesys::dgx_h100().write_to(dir.path()).unwrap();
+    let o = bin(&["doctor", "--sysfs-root", dir.path().to_str().unwrap()]);
+    let (out, _) = text(&o);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("ok") && l.contains("cgroup v2")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("ok") && l.contains("8 GPU(s)")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.contains("nvidia driver") && l.contains("550.90.07")),
+        "{out}"
+    );
+    // Exit status: 1 exactly when a line says fail.
+    let failed = out.lines().any(|l| l.starts_with("fail"));
+    assert_eq!(o.status.code(), Some(i32::from(failed)), "{out}");
+
+    let o = bin(&["doctor"]);
+    let (out, _) = text(&o);
+    assert!(out.lines().any(|l| l.contains("cgroups")), "{out}");
+    assert!(out.lines().any(|l| l.contains("buildkite-agent")), "{out}");
+    let failed = out.lines().any(|l| l.starts_with("fail"));
+    assert_eq!(o.status.code(), Some(i32::from(failed)), "{out}");
+}
