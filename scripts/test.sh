@@ -44,15 +44,26 @@ cargo fmt --all --check
 section "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
 section "cargo test"
-cargo test --workspace --locked
+cargo test --workspace --locked 2>&1 | tee "$log"
 
 section "bats (plugin hook shims)"
-bats plugin/tests/bats
+bats plugin/tests/bats 2>&1 | tee -a "$log"
 
 if [ "${KERNELKITE_SKIP_BENCH:-}" != 1 ]; then
   section "benchmarks (short mode)"
-  KERNELKITE_BENCH_SHORT=1 cargo bench --workspace --locked
+  # Only the bench targets (each prints its figures beside the baseline it names); the
+  # unit tests already ran above.
+  KERNELKITE_BENCH_SHORT=1 cargo bench --workspace --locked --bench '*'
 fi
 
+# One closing line over every runner above (cargo's per-binary lines, then bats' ok/not ok).
+passed=$(grep -hoE '^test result: .* ([0-9]+) passed' "$log" | grep -oE '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -hoE '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
+bats_ok=$(grep -cE '^ok [0-9]+' "$log" || true)
+bats_bad=$(grep -cE '^not ok [0-9]+' "$log" || true)
 section "all checks passed"
+echo "tests: $((passed + bats_ok)) passed, $((failed + bats_bad)) failed"
