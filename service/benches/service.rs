@@ -3,7 +3,7 @@
 //! every 10 s) run against the same fake Buildkite in the same process.
 //!
 //! `cargo bench -p kernelkite-service --bench service` (full); `KERNELKITE_BENCH_SHORT=1` for
-//! the CI-sized run. Figures are printed; docs/benchmarks/service.md records them.
+//! the CI-sized run. Figures are printed; docs/BENCHMARKS.md records them.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
