@@ -5,6 +5,8 @@
 //! `cargo bench -p kernelkite-service --bench service` (full); `KERNELKITE_BENCH_SHORT=1` for
 //! the CI-sized run. Figures are printed; docs/BENCHMARKS.md records them.
 
+use kernelkite_tests::harness as common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
@@ -12,11 +14,10 @@ use std::time::{Duration, Instant};
 
 use kernelkite_service::artifact;
 use kernelkite_service::buildkite::{BuildkiteClient, NewBuild};
-use kernelkite_service::config::Secret;
 use kernelkite_service::submission::{BuildInfo, State, Submission};
-use kernelkite_service::{App, Config};
+use kernelkite_service::Config;
 use kernelkite_tests::fake_buildkite::{
-    signature_header, unix_now, ArtifactSpec, FakeBuildkite, Signing, FAKE_API_TOKEN, FAKE_ORG,
+    signature_header, unix_now, ArtifactSpec, FakeBuildkite, FAKE_API_TOKEN, FAKE_ORG,
     FAKE_PIPELINE,
 };
 use kernelkite_tests::{sample_config, sample_result_json};
@@ -57,7 +58,6 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-const WEBHOOK_TOKEN: &str = "bench-webhook-token";
 /// The prototype polled every 10 s; the scaled run polls every 10 s / SCALE.
 const PROTOTYPE_POLL: Duration = Duration::from_secs(10);
 const SCALE: u32 = 100;
@@ -105,44 +105,12 @@ fn main() {
     rt.block_on(ingest(&sizes, Delivery::Loopback));
 }
 
-struct Service {
-    fake: FakeBuildkite,
-    app: Arc<App>,
-    base: String,
-    http: reqwest::Client,
-    server: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
-}
+/// The service on loopback against the fake, as the integration tests run it; without a data
+/// dir, so finished submissions are not written to disk inside the measured path.
+type Service = common::Harness;
 
 async fn service() -> Service {
-    let fake = FakeBuildkite::start().await;
-    let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
-    cfg.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let app = App::new(cfg).expect("app");
-    let serving = app.clone();
-    let server = tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
-    });
-    fake.set_webhook(
-        format!("http://{addr}/webhooks/buildkite"),
-        Signing::Hmac(WEBHOOK_TOKEN.into()),
-    );
-    Service {
-        fake,
-        app,
-        base: format!("http://{addr}"),
-        http: reqwest::Client::new(),
-        server,
-    }
+    common::harness_with(|cfg| cfg.data_dir = None).await
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -585,7 +553,7 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
             v["build"]["state"] = json!("passed");
             let body = serde_json::to_vec(&v).expect("body");
             (
-                signature_header(WEBHOOK_TOKEN, ts, &body),
+                signature_header(common::WEBHOOK_TOKEN, ts, &body),
                 bytes::Bytes::from(body),
             )
         })

@@ -20,11 +20,11 @@ use tokio::sync::Semaphore;
 
 use crate::archive::Archive;
 use crate::artifact::{self, ArtifactError};
-use crate::buildkite::{BuildkiteClient, NewBuild};
+use crate::buildkite::{Build, BuildkiteClient, NewBuild};
 use crate::config::Config;
 use crate::store::{Routed, Store};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
-use crate::webhook::{BuildEvent, BuildEventKind, BuildRef, Delivery, WebhookAuth};
+use crate::webhook::{BuildEvent, BuildEventKind, Delivery, WebhookAuth};
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Deserialize)]
@@ -270,7 +270,7 @@ impl App {
         }
     }
 
-    fn spawn_fetch(self: &Arc<Self>, id: String, build: BuildRef) {
+    fn spawn_fetch(self: &Arc<Self>, id: String, build: Build) {
         let app = self.clone();
         tokio::spawn(async move {
             let Ok(_slot) = app.fetch_slots.acquire().await else {

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Secret};
 
-/// A build as the REST API returns it (the fields the service reads).
+/// A build as the REST API returns it, and as webhooks carry it (the REST object without its
+/// jobs): the fields the service reads.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Build {
     pub id: String,
@@ -22,6 +23,9 @@ pub struct Build {
     pub web_url: String,
     #[serde(default)]
     pub url: String,
+    /// Stopped at a block step.
+    #[serde(default)]
+    pub blocked: bool,
 }
 
 /// An artifact as listed by the REST API.

@@ -229,16 +229,18 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::{BuildEventKind, BuildRef};
+    use crate::buildkite::Build;
+    use crate::webhook::BuildEventKind;
 
     fn ev(build: &str, kind: BuildEventKind) -> BuildEvent {
         BuildEvent {
             kind,
-            build: BuildRef {
+            build: Build {
                 id: build.into(),
                 number: 1,
                 state: "running".into(),
                 web_url: String::new(),
+                url: String::new(),
                 blocked: false,
             },
         }

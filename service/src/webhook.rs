@@ -10,6 +10,7 @@ use hmac::{Hmac, Mac};
 use serde::Deserialize;
 use sha2::Sha256;
 
+use crate::buildkite::Build;
 use crate::config::Secret;
 
 pub const HEADER_SIGNATURE: &str = "x-buildkite-signature";
@@ -128,18 +129,6 @@ impl WebhookAuth {
     }
 }
 
-/// The build fields the service acts on (the rest of Buildkite's build object is ignored).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct BuildRef {
-    pub id: String,
-    pub number: u64,
-    pub state: String,
-    #[serde(default)]
-    pub web_url: String,
-    #[serde(default)]
-    pub blocked: bool,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BuildEventKind {
     Scheduled,
@@ -151,7 +140,7 @@ pub enum BuildEventKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BuildEvent {
     pub kind: BuildEventKind,
-    pub build: BuildRef,
+    pub build: Build,
 }
 
 /// What a verified delivery says.
@@ -198,6 +187,8 @@ struct LooseBuild {
     #[serde(default)]
     web_url: Option<String>,
     #[serde(default)]
+    url: Option<String>,
+    #[serde(default)]
     blocked: Option<bool>,
 }
 
@@ -237,12 +228,14 @@ pub fn parse_delivery(
             number: Some(number),
             state: Some(state),
             web_url,
+            url,
             blocked,
-        }) => BuildRef {
+        }) => Build {
             id,
             number,
             state,
             web_url: web_url.unwrap_or_default(),
+            url: url.unwrap_or_default(),
             blocked: blocked.unwrap_or(false),
         },
         _ => return Err(ParseError::NoBuild(b.event)),

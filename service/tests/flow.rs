@@ -13,8 +13,8 @@ use kernelkite_tests::fake_buildkite::{
 use kernelkite_tests::{sample_config, sample_result_json};
 use serde_json::{json, Value};
 
-mod common;
 use common::*;
+use kernelkite_tests::harness as common;
 
 #[tokio::test]
 async fn happy_path_creates_the_build_and_returns_the_checked_result() {

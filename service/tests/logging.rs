@@ -2,8 +2,8 @@
 //! before anything logs, with no other test running in the process (a thread-local subscriber
 //! races with other threads' callsite registration).
 
-mod common;
 use common::*;
+use kernelkite_tests::harness as common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,9 @@
 //! Cross-crate end-to-end tests live in `tests/tests/`; this library holds what they and the
-//! service's tests and benchmark share: the fake Buildkite and sample kernelbot documents.
+//! service's tests and benchmark share: the fake Buildkite, the service on loopback against
+//! it, and sample kernelbot documents. None of it is in a product's path.
 
 pub mod fake_buildkite;
+pub mod harness;
 
 /// A valid kernelbot run config (Python, test mode).
 pub fn sample_config() -> serde_json::Value {

@@ -6,56 +6,12 @@
 //! passes the service's checks unchanged.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
 
 use kernelkite_runner::config::{Mode, RunConfig};
 use kernelkite_runner::{cli, eval, example, payload};
-use kernelkite_service::config::Secret;
-use kernelkite_service::{App, Config};
-use kernelkite_tests::fake_buildkite::{
-    ArtifactSpec, FakeBuildkite, Signing, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
-};
+use kernelkite_tests::fake_buildkite::ArtifactSpec;
+use kernelkite_tests::harness::{self, Harness, WAIT};
 use serde_json::{json, Value};
-
-const WEBHOOK_TOKEN: &str = "whsec-e2e";
-const WAIT: Duration = Duration::from_secs(30);
-
-struct Stack {
-    fake: FakeBuildkite,
-    base: String,
-    http: reqwest::Client,
-    _app: Arc<App>,
-    _data: tempfile::TempDir,
-}
-
-async fn stack() -> Stack {
-    let fake = FakeBuildkite::start().await;
-    let data = tempfile::tempdir().expect("tempdir");
-    let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
-    cfg.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
-    cfg.data_dir = Some(data.path().to_path_buf());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let app = App::new(cfg).expect("app");
-    let serving = app.clone();
-    tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
-    });
-    fake.set_webhook(
-        format!("http://{addr}/webhooks/buildkite"),
-        Signing::Hmac(WEBHOOK_TOKEN.into()),
-    );
-    Stack {
-        fake,
-        base: format!("http://{addr}"),
-        http: reqwest::Client::new(),
-        _app: app,
-        _data: data,
-    }
-}
 
 /// What the GPU agent does with a build: read the payload from the build's env exactly as
 /// the runner's CLI does, evaluate, and write `result.json` bytes.
@@ -86,7 +42,7 @@ fn python3_available() -> bool {
         .unwrap_or(false)
 }
 
-async fn submit_and_complete(stack: &Stack, config: Value) -> (Value, HashMap<String, String>) {
+async fn submit_and_complete(stack: &Harness, config: Value) -> (Value, HashMap<String, String>) {
     let r = stack
         .http
         .post(format!("{}/v1/submissions", stack.base))
@@ -160,7 +116,7 @@ async fn submission_runs_through_service_buildkite_and_runner() {
         eprintln!("skipping: python3 is not installed; the example task needs it");
         return;
     }
-    let stack = stack().await;
+    let stack = harness::harness().await;
     let (done, env) = submit_and_complete(&stack, example::config(Mode::Leaderboard)).await;
     assert!(
         env.contains_key("KERNELBOT_PAYLOAD"),
@@ -195,7 +151,7 @@ async fn large_payload_travels_in_chunks_and_evaluates() {
         .collect();
     let mut config = example::config(Mode::Test);
     config["sources"]["padding.txt"] = json!(pad);
-    let stack = stack().await;
+    let stack = harness::harness().await;
     let (done, env) = submit_and_complete(&stack, config).await;
     let chunks: usize = env
         .get("KERNELBOT_PAYLOAD_CHUNKS")

@@ -1,16 +1,15 @@
-//! The test harness shared by the integration tests: the service on loopback against the
-//! fake Buildkite.
-#![allow(dead_code)]
+//! The service on loopback against the fake Buildkite, as the service's integration tests,
+//! its benchmark and the end-to-end tests run it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kernelkite_service::config::Secret;
-use kernelkite_service::{App, Config};
-use kernelkite_tests::fake_buildkite::{
+use crate::fake_buildkite::{
     ArtifactSpec, FakeBuildkite, Signing, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
 };
-use kernelkite_tests::{sample_config, sample_result_json};
+use crate::{sample_config, sample_result_json};
+use kernelkite_service::config::Secret;
+use kernelkite_service::{App, Config};
 use serde_json::{json, Value};
 
 pub const WEBHOOK_TOKEN: &str = "whsec-test-token";
