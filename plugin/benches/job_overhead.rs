@@ -14,25 +14,8 @@ use std::time::{Duration, Instant};
 use kernelkite_isolate::cgroup::{Cgroups, Limits};
 use kernelkite_isolate::fakesys;
 
-struct Stats {
-    mean: Duration,
-    median: Duration,
-    p95: Duration,
-}
-
-fn stats(mut samples: Vec<Duration>) -> Stats {
-    samples.sort_unstable();
-    let n = samples.len();
-    Stats {
-        mean: samples.iter().sum::<Duration>() / n as u32,
-        median: samples[n / 2],
-        p95: samples[(n * 95 / 100).min(n - 1)],
-    }
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.3} ms", d.as_secs_f64() * 1e3)
-}
+mod common;
+use common::{ms, output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table};
 
 fn run(cmd: &mut Command) -> Duration {
     let t = Instant::now();
@@ -151,15 +134,10 @@ fn main() {
 
     // The live machine has fewer CPUs than the fixture: the job's cgroup gets one of ours, so
     // the plan file is the fixture's plan with CPUs folded onto this machine (same sizes).
-    let plan_out = Command::new(exe)
-        .args(["plan", "--json", "--sysfs-root"])
-        .arg(&sys)
-        .output()
-        .unwrap();
-    assert!(
-        plan_out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&plan_out.stderr)
+    let plan_out = output_ok(
+        Command::new(exe)
+            .args(["plan", "--json", "--sysfs-root"])
+            .arg(&sys),
     );
     let mut plan: serde_json::Value = serde_json::from_slice(&plan_out.stdout).unwrap();
     for s in plan["slices"].as_array_mut().unwrap() {
@@ -244,20 +222,7 @@ fn main() {
         .map(|_| run(Command::new("/bin/bash").args(["-e", "-c", "true"])))
         .collect();
 
-    let path_with_stub = {
-        let bin = dir.path().join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        std::fs::copy(
-            manifest.join("benches/stub-nvidia-smi"),
-            bin.join("nvidia-smi"),
-        )
-        .unwrap();
-        format!(
-            "{}:{}",
-            bin.display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
-    };
+    let path_with_stub = path_with(&stub_nvidia_smi_bin(dir.path()));
     let proto_hook = manifest.join("benches/prototype-environment-hook.sh");
     let proto: Vec<Duration> = (0..iterations + 3)
         .map(|_| {
@@ -273,15 +238,8 @@ fn main() {
     let total = stats(total);
     let bare = stats(bare);
     println!("job overhead benchmark: DGX H100 fixture (224 CPUs, 8 GPUs), host mode, {cg_kind}, {iterations} jobs");
-    println!("{:<58} {:>10} {:>10} {:>10}", "", "mean", "median", "p95");
-    let row = |name: &str, s: &Stats| {
-        println!(
-            "{name:<58} {:>10} {:>10} {:>10}",
-            ms(s.mean),
-            ms(s.median),
-            ms(s.p95)
-        );
-    };
+    let table = Table::new(58);
+    let row = |name: &str, s: &Stats| table.row(name, s);
     row(
         "environment, live plan from sysfs (process, fake cgroups)",
         &stats(env_live),

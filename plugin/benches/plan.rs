@@ -14,35 +14,8 @@ use kernelkite_isolate::fakesys;
 use kernelkite_isolate::planner::{plan, Policy};
 use kernelkite_isolate::topology::Topology;
 
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap()
-}
-
-struct Stats {
-    mean: Duration,
-    median: Duration,
-    p95: Duration,
-}
-
-fn stats(mut samples: Vec<Duration>) -> Stats {
-    samples.sort_unstable();
-    let n = samples.len();
-    Stats {
-        mean: samples.iter().sum::<Duration>() / n as u32,
-        median: samples[n / 2],
-        p95: samples[(n * 95 / 100).min(n - 1)],
-    }
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.3} ms", d.as_secs_f64() * 1e3)
-}
+mod common;
+use common::{output_ok, path_with, scratch, stats, stub_nvidia_smi_bin, Stats, Table};
 
 fn time_process(iterations: usize, mut make: impl FnMut() -> Command) -> Stats {
     let run = |cmd: &mut Command| {
@@ -74,39 +47,22 @@ fn main() {
     let dir = scratch();
     let root = dir.path().join("dgx-h100");
     fakesys::dgx_h100().write_to(&root).unwrap();
-    let bin_dir = dir.path().join("bin");
-    std::fs::create_dir_all(&bin_dir).unwrap();
-    std::fs::copy(
-        manifest.join("benches/stub-nvidia-smi"),
-        bin_dir.join("nvidia-smi"),
-    )
-    .unwrap();
-    let path = format!(
-        "{}:{}",
-        bin_dir.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
+    let path = path_with(&stub_nvidia_smi_bin(dir.path()));
     let exe = env!("CARGO_BIN_EXE_kernelkite-isolate");
     let hook = manifest.join("benches/prototype-environment-hook.sh");
 
     // Both must produce their answer before they are timed.
-    let out = Command::new(exe)
-        .args(["plan", "--json", "--sysfs-root"])
-        .arg(&root)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let out = Command::new("bash")
-        .arg(&hook)
-        .env("PATH", &path)
-        .env("KERNELKITE_PROTO_ROOT", &root)
-        .env("BUILDKITE_AGENT_NAME", "dgx-4")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    output_ok(
+        Command::new(exe)
+            .args(["plan", "--json", "--sysfs-root"])
+            .arg(&root),
+    );
+    output_ok(
+        Command::new("bash")
+            .arg(&hook)
+            .env("PATH", &path)
+            .env("KERNELKITE_PROTO_ROOT", &root)
+            .env("BUILDKITE_AGENT_NAME", "dgx-4"),
     );
 
     let ours = time_process(iterations, || {
@@ -151,15 +107,8 @@ fn main() {
         "plan benchmark: DGX H100 fixture (224 CPUs, 8 GPUs) in {}, {iterations} iterations each",
         root.display()
     );
-    println!("{:<46} {:>10} {:>10} {:>10}", "", "mean", "median", "p95");
-    let row = |name: &str, s: &Stats| {
-        println!(
-            "{name:<46} {:>10} {:>10} {:>10}",
-            ms(s.mean),
-            ms(s.median),
-            ms(s.p95)
-        );
-    };
+    let table = Table::new(46);
+    let row = |name: &str, s: &Stats| table.row(name, s);
     row("kernelkite-isolate plan --json (process)", &ours);
     row("prototype environment hook (bash, baseline)", &proto);
     row("/bin/true (process spawn floor)", &floor);

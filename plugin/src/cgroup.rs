@@ -9,6 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub use crate::mountinfo::{parse_mountinfo, Mount};
+
 pub mod v1;
 pub mod v2;
 
@@ -185,60 +187,6 @@ pub fn job_cgroup_name(job_id: &str) -> Result<String, CgroupError> {
     }
 }
 
-/// One mount from `/proc/self/mountinfo`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Mount {
-    pub mount_point: String,
-    pub fs_type: String,
-    /// Super options (for cgroup v1, the controllers: `rw,cpuset`).
-    pub super_options: Vec<String>,
-}
-
-/// Parses mountinfo; lines that do not parse are skipped.
-pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    text.lines()
-        .filter_map(|line| {
-            let (pre, post) = line.split_once(" - ")?;
-            let mount_point = pre.split_whitespace().nth(4)?;
-            let mut post = post.split_whitespace();
-            let fs_type = post.next()?.to_string();
-            let _source = post.next();
-            let super_options = post
-                .next()
-                .unwrap_or("")
-                .split(',')
-                .map(str::to_string)
-                .collect();
-            Some(Mount {
-                mount_point: unescape_octal(mount_point),
-                fs_type,
-                super_options,
-            })
-        })
-        .collect()
-}
-
-fn unescape_octal(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            if let Some(v) = s
-                .get(i + 1..i + 4)
-                .and_then(|o| u8::from_str_radix(o, 8).ok())
-            {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The machine's cgroups, whichever version.
 #[derive(Debug, Clone)]
 pub enum Cgroups {
@@ -383,27 +331,7 @@ impl Cgroups {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const MOUNTINFO_V1: &str = "\
-31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
-32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
-34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
-35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
-37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
-39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
-41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
-";
-
-    #[test]
-    fn mountinfo_parses_types_and_controllers() {
-        let m = parse_mountinfo(MOUNTINFO_V1);
-        assert_eq!(m.len(), 7);
-        assert_eq!(m[2].mount_point, "/sys/fs/cgroup/cpuset");
-        assert_eq!(m[2].super_options, vec!["rw", "cpuset"]);
-        assert_eq!(m[6].fs_type, "cgroup2");
-        let esc = parse_mountinfo("1 2 0:1 / /mnt/a\\040b rw - ext4 /dev/x rw\n");
-        assert_eq!(esc[0].mount_point, "/mnt/a b");
-    }
+    use crate::mountinfo::tests::MOUNTINFO_V1;
 
     #[test]
     fn hybrid_machine_without_v2_controllers_uses_v1() {

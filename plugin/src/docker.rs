@@ -44,11 +44,7 @@ pub fn slice_gpus(slice: &Slice) -> Vec<&SliceGpu> {
 /// The `--gpus` value: UUIDs where every GPU has one, else host indices. Several devices are
 /// quoted because the docker CLI parses the value as CSV.
 pub fn gpus_flag(gpus: &[&SliceGpu], host_indices: &[u32]) -> String {
-    let ids: Vec<String> = if gpus.iter().all(|g| g.uuid.is_some()) {
-        gpus.iter().filter_map(|g| g.uuid.clone()).collect()
-    } else {
-        host_indices.iter().map(u32::to_string).collect()
-    };
+    let ids = uuids_or_indices(gpus, host_indices);
     if ids.len() == 1 {
         format!("device={}", ids[0])
     } else {
@@ -87,35 +83,54 @@ pub fn pass_through_names(job_env: &BTreeMap<String, String>, extra: &[String]) 
     names
 }
 
-/// Device variables as seen from inside the container, where the job's GPUs are numbered from
-/// zero. UUIDs stay valid; indices do not.
-pub fn container_device_env(slice: &Slice) -> BTreeMap<String, String> {
-    let gpus = slice_gpus(slice);
-    let mut env = BTreeMap::new();
-    if gpus.is_empty() {
-        return env;
+/// GPU indices as the visibility variables list them: `2,3`.
+pub fn index_list(indices: &[u32]) -> String {
+    indices
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The GPUs' UUIDs when every one has one, else `indices`.
+fn uuids_or_indices(gpus: &[&SliceGpu], indices: &[u32]) -> Vec<String> {
+    if gpus.iter().all(|g| g.uuid.is_some()) {
+        gpus.iter().filter_map(|g| g.uuid.clone()).collect()
+    } else {
+        indices.iter().map(u32::to_string).collect()
     }
-    let local: Vec<String> = (0..gpus.len()).map(|i| i.to_string()).collect();
-    let local = local.join(",");
-    match gpus[0].vendor {
+}
+
+/// The variables that say which GPUs a job sees, by the first GPU's vendor: NVIDIA's
+/// `CUDA_VISIBLE_DEVICES` (UUIDs when every GPU has one, else `indices`) and
+/// `CUDA_DEVICE_ORDER`, or AMD's `ROCR_VISIBLE_DEVICES` and `HIP_VISIBLE_DEVICES` (`indices`).
+/// Empty without GPUs.
+pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    let Some(first) = gpus.first() else {
+        return env;
+    };
+    match first.vendor {
         Vendor::Nvidia => {
-            let ids = if gpus.iter().all(|g| g.uuid.is_some()) {
-                gpus.iter()
-                    .filter_map(|g| g.uuid.clone())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            } else {
-                local
-            };
+            let ids = uuids_or_indices(gpus, indices).join(",");
             env.insert("CUDA_VISIBLE_DEVICES".into(), ids);
             env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
         }
         Vendor::Amd => {
-            env.insert("ROCR_VISIBLE_DEVICES".into(), local.clone());
-            env.insert("HIP_VISIBLE_DEVICES".into(), local);
+            let idx = index_list(indices);
+            env.insert("ROCR_VISIBLE_DEVICES".into(), idx.clone());
+            env.insert("HIP_VISIBLE_DEVICES".into(), idx);
         }
     }
     env
+}
+
+/// Device variables as seen from inside the container, where the job's GPUs are numbered from
+/// zero. UUIDs stay valid; indices do not.
+pub fn container_device_env(slice: &Slice) -> BTreeMap<String, String> {
+    let gpus = slice_gpus(slice);
+    let local: Vec<u32> = (0..gpus.len() as u32).collect();
+    visible_devices_env(&gpus, &local)
 }
 
 /// The AMD render node of a GPU: `<sysfs>/sys/bus/pci/devices/<bdf>/drm/renderD*`.
@@ -225,6 +240,28 @@ mod tests {
         assert_eq!(gpus_flag(&[&a, &b], &[3, 4]), "\"device=GPU-a,GPU-b\"");
         let n = gpu(None);
         assert_eq!(gpus_flag(&[&a, &n], &[3, 4]), "\"device=3,4\"");
+    }
+
+    #[test]
+    fn visible_devices_fall_back_to_the_given_indices() {
+        let a = gpu(Some("GPU-a"));
+        let n = gpu(None);
+        let e = visible_devices_env(&[&a, &n], &[3, 4]);
+        assert_eq!(e["CUDA_VISIBLE_DEVICES"], "3,4");
+        assert_eq!(e["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+        assert_eq!(
+            visible_devices_env(&[&a], &[3])["CUDA_VISIBLE_DEVICES"],
+            "GPU-a"
+        );
+        let amd = SliceGpu {
+            vendor: Vendor::Amd,
+            ..gpu(Some("GPU-x"))
+        };
+        let e = visible_devices_env(&[&amd, &amd], &[0, 1]);
+        assert_eq!(e.len(), 2);
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "0,1");
+        assert_eq!(e["HIP_VISIBLE_DEVICES"], "0,1");
+        assert!(visible_devices_env(&[], &[0]).is_empty());
     }
 
     #[test]

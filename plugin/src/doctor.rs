@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub use crate::mountinfo::{parse_mountinfo, Mount};
 use crate::planner::{plan, PlanError, Policy};
 use crate::topology::{Topology, Vendor};
 
@@ -183,60 +184,6 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
     checks
 }
 
-/// A mount from `/proc/self/mountinfo`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Mount {
-    pub mount_point: String,
-    pub fstype: String,
-    pub read_only: bool,
-    /// Super options (cgroup v1 lists its controllers there).
-    pub super_options: Vec<String>,
-}
-
-/// Parses mountinfo lines: `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [TAGS...] - FSTYPE SOURCE SUPEROPTS`.
-pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    text.lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let l: Vec<&str> = left.split_whitespace().collect();
-            let r: Vec<&str> = right.split_whitespace().collect();
-            let opts = l.get(5)?;
-            let super_options: Vec<String> = r
-                .get(2)
-                .map(|s| s.split(',').map(str::to_string).collect())
-                .unwrap_or_default();
-            let read_only =
-                opts.split(',').any(|o| o == "ro") || super_options.iter().any(|o| o == "ro");
-            Some(Mount {
-                mount_point: unescape_octal(l.get(4)?),
-                fstype: r.first()?.to_string(),
-                read_only,
-                super_options,
-            })
-        })
-        .collect()
-}
-
-/// mountinfo escapes spaces and friends as `\040`.
-fn unescape_octal(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 const NEEDED: [&str; 3] = ["cpuset", "memory", "pids"];
 
 /// Where the hooks create job cgroups under a hierarchy (see `cgroup::PARENT`).
@@ -277,7 +224,7 @@ pub fn check_cgroups(root: &Path, mountinfo: &str) -> Check {
         );
     }
     let mut v2_note = String::new();
-    if let Some(m) = mounts.iter().find(|m| m.fstype == "cgroup2") {
+    if let Some(m) = mounts.iter().find(|m| m.fs_type == "cgroup2") {
         let dir = under_root(root, &m.mount_point);
         let controllers =
             std::fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
@@ -311,7 +258,7 @@ pub fn check_cgroups(root: &Path, mountinfo: &str) -> Check {
     for c in NEEDED {
         match mounts
             .iter()
-            .find(|m| m.fstype == "cgroup" && m.super_options.iter().any(|o| o == c))
+            .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == c))
         {
             Some(m) if m.read_only => {
                 problems.push(format!("{c} at {} is read-only", m.mount_point))
@@ -794,19 +741,6 @@ mod tests {
             host.run(Path::new("/bin/echo"), &["hi"]).as_deref(),
             Some("hi\n")
         );
-    }
-
-    #[test]
-    fn mountinfo_fields_and_escapes() {
-        let m = parse_mountinfo(
-            "34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n\
-             41 31 0:38 / /sys/fs/cgroup/un\\040ified ro,relatime shared:9 - cgroup2 cgroup2 rw\ngarbage\n",
-        );
-        assert_eq!(m.len(), 2);
-        assert_eq!(m[0].super_options, vec!["rw", "cpuset"]);
-        assert!(!m[0].read_only);
-        assert_eq!(m[1].mount_point, "/sys/fs/cgroup/un ified");
-        assert!(m[1].read_only);
     }
 
     #[test]

@@ -356,35 +356,12 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
 
 /// The variables exported to the job for its slice and host GPU indices.
 pub fn exports_for(slice: &Slice, indices: &[u32]) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::new();
-    let gpus = docker::slice_gpus(slice);
-    let idx = indices
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    if let Some(first) = gpus.first() {
-        match first.vendor {
-            Vendor::Nvidia => {
-                let ids = if gpus.iter().all(|g| g.uuid.is_some()) {
-                    gpus.iter()
-                        .filter_map(|g| g.uuid.clone())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                } else {
-                    idx.clone()
-                };
-                env.insert("NVIDIA_VISIBLE_DEVICES".into(), ids.clone());
-                env.insert("CUDA_VISIBLE_DEVICES".into(), ids);
-                env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
-            }
-            Vendor::Amd => {
-                env.insert("ROCR_VISIBLE_DEVICES".into(), idx.clone());
-                env.insert("HIP_VISIBLE_DEVICES".into(), idx.clone());
-            }
-        }
+    let mut env = docker::visible_devices_env(&docker::slice_gpus(slice), indices);
+    // The NVIDIA container runtime reads the same list under its own name.
+    if let Some(ids) = env.get("CUDA_VISIBLE_DEVICES").cloned() {
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), ids);
     }
-    env.insert("KERNELBOT_GPU_INDEX".into(), idx);
+    env.insert("KERNELBOT_GPU_INDEX".into(), docker::index_list(indices));
     env.insert("KERNELBOT_CPUSET".into(), format_cpu_list(&slice.cpus));
     env.insert("KERNELBOT_MEMORY".into(), docker_memory(slice.memory_bytes));
     env.insert(

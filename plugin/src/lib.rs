@@ -14,6 +14,7 @@ pub mod gpucheck;
 pub mod job;
 pub mod jobapi;
 pub mod lease;
+pub mod mountinfo;
 pub mod plan;
 pub mod planner;
 pub mod process;

@@ -1,12 +1,14 @@
 //! Real processes racing for pooled GPUs: 8 jobs, 4 GPUs, one run dir.
 
 mod agent;
+mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use agent::{Node, BIN};
+use common::output_ok;
 
 struct Racer {
     job: String,
@@ -140,14 +142,7 @@ fn eight_jobs_four_gpus_never_share_and_dead_holders_free_theirs() {
     }
     for &i in &winners[2..] {
         let r = &racers[i];
-        let out = hook(&node, &r.job, r.anchor.id(), "pre-exit")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        output_ok(&mut hook(&node, &r.job, r.anchor.id(), "pre-exit"));
     }
 
     let mut rest: Vec<Racer> = Vec::new();

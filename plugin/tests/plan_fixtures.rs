@@ -8,15 +8,8 @@ use kernelkite_isolate::plan::{parse_cpu_list, Plan, Vendor};
 use kernelkite_isolate::planner::{plan, plan_explained, PlanError, Policy};
 use kernelkite_isolate::topology::Topology;
 
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap()
-}
+mod common;
+use common::{assert_warns, scratch};
 
 const GIB: u64 = 1 << 30;
 
@@ -142,13 +135,7 @@ fn dgx_h100_plan_is_local_whole_cores_and_equal() {
         assert_eq!(s.memory_bytes, (node_mem - node_mem / 10) / 4);
     }
     // The 3 cores per socket that do not divide by 4 are reported, not given away.
-    assert!(
-        p.warnings
-            .iter()
-            .any(|w| w.contains("53-55,109-111,165-167,221-223")),
-        "{:?}",
-        p.warnings
-    );
+    assert_warns(&p, &["53-55,109-111,165-167,221-223"]);
 }
 
 #[test]
@@ -183,18 +170,8 @@ fn prototype_l40s_node_with_unknown_gpu_numa() {
         .slices
         .iter()
         .all(|s| s.mems == vec![0] && s.gpu.as_ref().unwrap().numa_node.is_none()));
-    assert!(
-        p.warnings
-            .iter()
-            .any(|w| w.contains("0000:01:00.0") && w.contains("-1")),
-        "{:?}",
-        p.warnings
-    );
-    assert!(
-        p.warnings.iter().any(|w| w.contains("7,15")),
-        "{:?}",
-        p.warnings
-    );
+    assert_warns(p, &["0000:01:00.0", "-1"]);
+    assert_warns(p, &["7,15"]);
     assert!(
         e.notes.iter().any(|n| n.contains("slice size: 3")),
         "{:?}",
@@ -267,10 +244,7 @@ fn mixed_vendors_follow_bus_order_and_warn() {
         vendors,
         [Vendor::Nvidia, Vendor::Amd, Vendor::Nvidia, Vendor::Amd]
     );
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("mixes NVIDIA and AMD")));
+    assert_warns(&p, &["mixes NVIDIA and AMD"]);
     // Two slices per node: 15 / 2 = 7 cores.
     assert!(p.slices.iter().all(|s| s.cpus.len() == 14));
 }
@@ -308,10 +282,7 @@ fn offline_cpus_are_skipped_and_their_siblings_stay_whole() {
     assert_eq!(topo.offline_cpus(), vec![30, 31, 122, 142, 143]);
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("30-31,122,142-143") && w.contains("offline")));
+    assert_warns(&p, &["30-31,122,142-143", "offline"]);
     // Node 0 now has 54 free cores: 13 each still.
     assert_eq!(p.slices[0].cpus.len(), 25, "core 10 has one online thread");
     assert!(p
@@ -327,15 +298,9 @@ fn restricted_cpuset_is_respected() {
     let topo = discover(&f);
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("outside this process's cpuset")));
+    assert_warns(&p, &["outside this process's cpuset"]);
     // Socket 1's GPUs have no usable local CPU; they are placed on node 0 and say so.
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("0000:9a:00.0") && w.contains("no usable CPUs")));
+    assert_warns(&p, &["0000:9a:00.0", "no usable CPUs"]);
     assert!(p
         .slices
         .iter()
@@ -365,10 +330,7 @@ fn a_cpuset_of_first_threads_only_still_plans_and_warns() {
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
     assert_eq!(p.slices[0].cpus, list("1-13"));
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("only some SMT threads")));
+    assert_warns(&p, &["only some SMT threads"]);
 }
 
 #[test]
@@ -398,7 +360,7 @@ fn more_gpus_than_cores_is_an_error_unless_sharing() {
     assert_eq!(p.slices.len(), 4);
     let cpus: Vec<Vec<u32>> = p.slices.iter().map(|s| s.cpus.clone()).collect();
     assert_eq!(cpus, [vec![1], vec![2], vec![1], vec![2]]);
-    assert!(p.warnings.iter().any(|w| w.contains("NOT isolated")));
+    assert_warns(&p, &["NOT isolated"]);
 }
 
 #[test]

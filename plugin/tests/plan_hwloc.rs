@@ -9,15 +9,8 @@ use kernelkite_isolate::plan::{parse_cpu_list, Plan, Vendor};
 use kernelkite_isolate::planner::{plan, Policy};
 use kernelkite_isolate::topology::Topology;
 
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap()
-}
+mod common;
+use common::scratch;
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/hwloc")

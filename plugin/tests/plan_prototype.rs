@@ -9,15 +9,8 @@ use kernelkite_isolate::plan::parse_cpu_list;
 use kernelkite_isolate::planner::{plan, Policy};
 use kernelkite_isolate::topology::Topology;
 
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap()
-}
+mod common;
+use common::{output_ok, path_with, scratch, stub_nvidia_smi_bin};
 
 /// The prototype: N = CPUs / GPUs, GPU g gets CPUs g*N .. g*N+N-1.
 fn contiguous_split(cpus: u32, gpus: u32) -> Vec<Vec<u32>> {
@@ -89,13 +82,7 @@ fn the_reconstructed_prototype_hook_exports_the_contiguous_split() {
     fakesys::dgx_h100()
         .write_to(&dir.path().join("root"))
         .unwrap();
-    let bin = dir.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::fs::copy(
-        manifest.join("benches/stub-nvidia-smi"),
-        bin.join("nvidia-smi"),
-    )
-    .unwrap();
+    let bin = stub_nvidia_smi_bin(dir.path());
     std::fs::write(bin.join("nproc"), "#!/bin/sh\necho 224\n").unwrap();
     let status = Command::new("chmod")
         .arg("+x")
@@ -103,22 +90,12 @@ fn the_reconstructed_prototype_hook_exports_the_contiguous_split() {
         .status()
         .unwrap();
     assert!(status.success());
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let out = Command::new("bash")
-        .arg(manifest.join("benches/prototype-environment-hook.sh"))
-        .env("PATH", path)
-        .env("KERNELKITE_PROTO_ROOT", dir.path().join("root"))
-        .env("BUILDKITE_AGENT_NAME", "dgx-h100-4")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = output_ok(
+        Command::new("bash")
+            .arg(manifest.join("benches/prototype-environment-hook.sh"))
+            .env("PATH", path_with(&bin))
+            .env("KERNELKITE_PROTO_ROOT", dir.path().join("root"))
+            .env("BUILDKITE_AGENT_NAME", "dgx-h100-4"),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
