@@ -15,6 +15,22 @@ pub enum Vendor {
     Amd,
 }
 
+impl Vendor {
+    /// The name used in the JSON plan and in human output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Vendor::Nvidia => "nvidia",
+            Vendor::Amd => "amd",
+        }
+    }
+}
+
+impl std::fmt::Display for Vendor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The GPU a slice owns, as other tools need to name it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SliceGpu {
@@ -134,6 +150,13 @@ mod tests {
         assert_eq!(format_cpu_list(&[0, 1, 2, 3, 112, 113, 5]), "0-3,5,112-113");
         assert_eq!(format_cpu_list(&[]), "");
         assert_eq!(format_cpu_list(&[7]), "7");
+    }
+
+    #[test]
+    fn vendor_display_matches_its_json_name() {
+        for v in [Vendor::Nvidia, Vendor::Amd] {
+            assert_eq!(serde_json::to_value(v).unwrap(), v.to_string());
+        }
     }
 
     #[test]

@@ -401,7 +401,7 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
         let local = slice_cores[i].iter().filter(|c| c.node == u.home).count();
         let what = match u.gpus.first() {
             Some(g) => format!(
-                "GPU {} ({:?}) on NUMA node {}",
+                "GPU {} ({}) on NUMA node {}",
                 g.pci_bus_id,
                 g.vendor,
                 g.numa_node.map_or_else(

@@ -152,10 +152,9 @@ pub fn render_table(plan: &Plan, notes: &[String]) -> String {
     ]];
     for s in &plan.slices {
         let gpus: Vec<_> = s.gpu.iter().chain(s.extra_gpus.iter()).collect();
-        let vendor = gpus.first().map_or_else(
-            || "-".to_string(),
-            |g| format!("{:?}", g.vendor).to_lowercase(),
-        );
+        let vendor = gpus
+            .first()
+            .map_or_else(|| "-".to_string(), |g| g.vendor.to_string());
         let gpu = match gpus.len() {
             0 | 1 => vendor,
             n => format!("{n}x {vendor}"),
