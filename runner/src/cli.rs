@@ -42,8 +42,8 @@ EXIT CODES:
   1  unexpected runner error (a bug); result.json says so when it can be written
   2  bad payload or config; result.json was written with success=false and the reason
   3  infrastructure failure (no GPU when required, no nvcc, no profiler, no python,
-     work directory or result.json not writable, cancelled by SIGTERM/SIGINT/SIGHUP);
-     safe to retry on another node
+     work directory or result.json not writable, cancelled by SIGTERM/SIGINT/SIGHUP,
+     a command-line or KERNELKITE_* usage error); safe to retry on another node
 
 EXAMPLE:
   kernelkite-runner --example                 # evaluate the built-in vector-add task
@@ -112,7 +112,10 @@ pub fn main() -> ExitCode {
         .with_target(false)
         .without_time()
         .init();
-    let args = Args::parse();
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => return usage_error(&e),
+    };
     match run(&args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -120,6 +123,76 @@ pub fn main() -> ExitCode {
             ExitCode::from(EXIT_UNEXPECTED)
         }
     }
+}
+
+/// `--help`/`--version` print and exit 0. A real usage error (an unknown flag, a bad
+/// `KERNELKITE_*` value in the agent's environment) is the node's or pipeline's fault, not
+/// the payload's, and may be specific to this node: exit 3 so it is retried elsewhere, and
+/// still leave kernelbot a `result.json` saying what is wrong, at the `--output` the
+/// command line or environment names (clap's own exit code 2 would read as "bad payload").
+fn usage_error(e: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        let _ = e.print();
+        return ExitCode::from(EXIT_OK);
+    }
+    let raw: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let message = format!(
+        "the runner was invoked wrongly (a pipeline or node configuration error): {}; see kernelkite-runner --help",
+        usage_problem(e, &raw)
+    );
+    tracing::error!("{message}");
+    let output = output_from_raw(&raw, std::env::var_os("KERNELKITE_OUTPUT"));
+    let system = sysinfo::collect(&Probe::default());
+    if let Err(err) = write_result(&output, &FullResult::failure(message, system)) {
+        tracing::error!(
+            "cannot write {}: {err}; check the path and permissions",
+            output.display()
+        );
+    }
+    ExitCode::from(EXIT_INFRASTRUCTURE)
+}
+
+/// clap's one-line description of a usage error. It quotes the offending argument; a long
+/// one may be a payload passed by mistake (even a minimal payload is over 64 characters),
+/// which must not reach the log, so then only the kind of error is given.
+fn usage_problem(e: &clap::Error, raw: &[std::ffi::OsString]) -> String {
+    let rendered = e.to_string();
+    let first = rendered.lines().next().unwrap_or_default();
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    let quotes_long_arg = raw
+        .iter()
+        .map(|a| a.to_string_lossy())
+        .any(|a| a.len() > 64 && first.contains(a.as_ref()));
+    if first.is_empty() || quotes_long_arg {
+        e.kind().to_string()
+    } else {
+        first.to_string()
+    }
+}
+
+/// Where `--output` points, read from raw arguments that clap refused: the last
+/// `--output X` / `--output=X` before `--`, else `$KERNELKITE_OUTPUT`, else the default.
+fn output_from_raw(args: &[std::ffi::OsString], env: Option<std::ffi::OsString>) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    let mut found: Option<PathBuf> = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let bytes = a.as_bytes();
+        if bytes == b"--" {
+            break;
+        }
+        if bytes == b"--output" {
+            if let Some(v) = it.next() {
+                found = Some(PathBuf::from(v));
+            }
+        } else if let Some(v) = bytes.strip_prefix(b"--output=") {
+            found = Some(PathBuf::from(std::ffi::OsStr::from_bytes(v)));
+        }
+    }
+    found
+        .or_else(|| env.filter(|v| !v.is_empty()).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("result.json"))
 }
 
 /// The whole command; returns the exit code.
@@ -404,6 +477,30 @@ mod tests {
         ] {
             assert!(help.contains(want), "{want} missing from --help");
         }
+    }
+
+    #[test]
+    fn output_is_found_in_refused_arguments() {
+        let os = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            output_from_raw(&os(&["--bogus", "--output", "/o/r.json"]), None),
+            PathBuf::from("/o/r.json")
+        );
+        assert_eq!(
+            output_from_raw(&os(&["--output=/a.json", "--output", "/b.json"]), None),
+            PathBuf::from("/b.json")
+        );
+        assert_eq!(
+            output_from_raw(
+                &os(&["--", "--output", "/x.json"]),
+                Some("/env.json".into())
+            ),
+            PathBuf::from("/env.json")
+        );
+        assert_eq!(
+            output_from_raw(&os(&["--output"]), None),
+            PathBuf::from("result.json")
+        );
     }
 
     #[test]

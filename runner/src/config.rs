@@ -166,7 +166,7 @@ pub enum ConfigError {
     #[error("`ranking_by` {0:?} is not supported; kernelbot's runner supports \"last\"")]
     BadRanking(String),
     #[error(
-        "`{0}` must not contain a newline in key or value (each case is one line `k: v; k: v`)"
+        "`{0}` must not contain a newline or other line break (\\r, \\v, \\f, U+2028, ...) in key or value (each case is one line `k: v; k: v`)"
     )]
     BadCase(&'static str),
     #[error("mode {0:?} needs at least one entry in `benchmarks`")]
@@ -258,7 +258,10 @@ impl RunConfig {
         for (field, cases) in [("tests", &self.tests), ("benchmarks", &self.benchmarks)] {
             for case in cases {
                 for (k, v) in case {
-                    if k.contains('\n') || case_value_text(v).contains('\n') {
+                    // Any break Python's splitlines() knows: kernelbot picks the last
+                    // benchmark line and splits profile runs with it, so a case holding one
+                    // would be cut in two there but not here.
+                    if k.contains(is_line_break) || case_value_text(v).contains(is_line_break) {
                         return Err(ConfigError::BadCase(field));
                     }
                 }
@@ -316,6 +319,22 @@ pub fn case_value_text(v: &Value) -> String {
         other => String::from_utf8(crate::payload::python_json(other).unwrap_or_default())
             .unwrap_or_default(),
     }
+}
+
+/// A line boundary of Python's `str.splitlines()`.
+fn is_line_break(c: char) -> bool {
+    matches!(
+        c,
+        '\n' | '\r'
+            | '\x0b'
+            | '\x0c'
+            | '\x1c'
+            | '\x1d'
+            | '\x1e'
+            | '\u{85}'
+            | '\u{2028}'
+            | '\u{2029}'
+    )
 }
 
 fn is_identifier(s: &str) -> bool {
@@ -436,6 +455,14 @@ mod tests {
             (json!({"tests": []}), "needs at least one entry in `tests`"),
             (
                 json!({"tests": [{"a": "x\ny"}]}),
+                "must not contain a newline",
+            ),
+            (
+                json!({"benchmarks": [{"a": "x\ry"}]}),
+                "must not contain a newline",
+            ),
+            (
+                json!({"benchmarks": [{"a\u{2028}b": 1}]}),
                 "must not contain a newline",
             ),
             (

@@ -313,7 +313,8 @@ impl Job<'_> {
         // names `submission.py`; without such a file there is nothing to warm up.
         let compilation = if self.cfg.sources.contains_key("submission.py") {
             let call = vec![self.opts.python.clone(), "submission.py".into()];
-            let pre = self.run_program(&call, Some(1), self.opts.compile_timeout, &[])?;
+            // kernelbot's pre-run passes seed 1 and nothing else: no POPCORN_GPUS.
+            let pre = self.run_program(&call, Some(1), false, self.opts.compile_timeout, &[])?;
             pre.stdout
                 .contains("-DTORCH_EXTENSION_NAME")
                 .then(|| CompileResult {
@@ -459,7 +460,10 @@ impl Job<'_> {
         let timeout = Duration::from_secs(timeout);
         match (&self.profiler, mode) {
             (Some(p), "profile") => self.profile_run(p, &call, timeout),
-            _ => Ok((self.run_program(&call, self.cfg.seed, timeout, &[])?, None)),
+            _ => Ok((
+                self.run_program(&call, self.cfg.seed, self.cfg.multi_gpu, timeout, &[])?,
+                None,
+            )),
         }
     }
 
@@ -482,7 +486,7 @@ impl Job<'_> {
         let (program, args, env) = profiler.wrap(&out_dir, call);
         let mut full = vec![program];
         full.extend(args);
-        let mut run = self.run_program(&full, self.cfg.seed, timeout, &env)?;
+        let mut run = self.run_program(&full, self.cfg.seed, self.cfg.multi_gpu, timeout, &env)?;
         if let Profiler::Ncu(ncu) = profiler {
             let rep = format!("{}/profile.ncu-rep", out_dir.display());
             let args = [
@@ -527,6 +531,7 @@ impl Job<'_> {
         &self,
         call: &[String],
         seed: Option<i64>,
+        multi_gpu: bool,
         timeout: Duration,
         extra_env: &[(String, String)],
     ) -> Result<RunResult, Failure> {
@@ -537,7 +542,7 @@ impl Job<'_> {
         if let Some(s) = seed {
             env.push(("POPCORN_SEED".into(), s.to_string().into()));
         }
-        if self.cfg.multi_gpu {
+        if multi_gpu {
             env.push((
                 "POPCORN_GPUS".into(),
                 self.system.device_count.to_string().into(),
@@ -571,8 +576,8 @@ pub fn run_result(call: &[String], out: &Outcome, timeout: Duration) -> RunResul
             success: false,
             passed: false,
             command: shell_join(call),
-            stdout: out.stdout.finish(),
-            stderr: out.stderr.finish(),
+            stdout: out.stdout.finish_raw(),
+            stderr: out.stderr.finish_raw(),
             exit_code: exit_code::TIMEOUT_EXPIRED,
             duration: timeout.as_secs_f64(),
             result: IndexMap::new(),
@@ -627,10 +632,15 @@ fn payload_vars() -> Vec<OsString> {
     scrubbed_vars(std::env::vars_os().map(|(k, _)| k))
 }
 
-/// Which of `names` [`payload_vars`] removes.
+/// Which of `names` [`payload_vars`] removes. Inherited `POPCORN_*` variables go too: the
+/// protocol's variables are the runner's to set, so a `POPCORN_SEED` or `POPCORN_GPUS` in
+/// the agent's environment must not reach a run whose config sets no seed or no multi_gpu.
 pub fn scrubbed_vars(names: impl Iterator<Item = OsString>) -> Vec<OsString> {
     names
-        .filter(|k| is_sensitive(&k.to_string_lossy()))
+        .filter(|k| {
+            let k = k.to_string_lossy();
+            is_sensitive(&k) || k.starts_with("POPCORN_")
+        })
         .collect()
 }
 
@@ -708,6 +718,8 @@ mod tests {
             "BUILDKITE_AGENT_JOB_API_SOCKET",
             "GITHUB_TOKEN",
             "aws_secret",
+            "POPCORN_SEED",
+            "POPCORN_GPUS",
             "PATH",
             "KERNELBOT_RUN_ID",
             "BUILDKITE_JOB_ID",
@@ -717,8 +729,34 @@ mod tests {
         let kept: Vec<OsString> = scrubbed_vars(names.iter().map(OsString::from));
         assert_eq!(
             kept,
-            names[..7].iter().map(OsString::from).collect::<Vec<_>>()
+            names[..9].iter().map(OsString::from).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn timed_out_output_is_reported_untranslated_like_kernelbot() {
+        let mut stdout = crate::text::Capture::new(MAX_OUTPUT_CHARS);
+        stdout.push(b"50%\r100%\r\n");
+        let mut out = Outcome {
+            exit_code: -9,
+            timed_out: true,
+            duration: Duration::from_secs(3),
+            stdout,
+            stderr: crate::text::Capture::new(MAX_OUTPUT_CHARS),
+            popcorn: b"check: pass\n".to_vec(),
+            popcorn_truncated: false,
+        };
+        let call = ["python3".to_string(), "eval.py".to_string()];
+        let r = run_result(&call, &out, Duration::from_secs(2));
+        assert_eq!(r.stdout, "50%\r100%\r\n");
+        assert_eq!((r.exit_code, r.success, r.passed), (114, false, false));
+        assert_eq!(r.duration, 2.0);
+        assert!(r.result.is_empty());
+        out.timed_out = false;
+        out.exit_code = 0;
+        let r = run_result(&call, &out, Duration::from_secs(2));
+        assert_eq!(r.stdout, "50%\n100%\n");
+        assert!(r.passed && r.success);
     }
 
     #[test]

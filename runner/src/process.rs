@@ -557,12 +557,55 @@ mod tests {
         assert_eq!(o.stdout.finish(), "clean\n");
     }
 
+    /// True while `pid` exists and is not a zombie (a killed orphan may wait for init's reaping).
+    fn alive(pid: libc::pid_t) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let rest = &stat[stat.rfind(')')? + 1..];
+                rest.split_whitespace().next().map(|s| s != "Z" && s != "X")
+            })
+            .unwrap_or(false)
+    }
+
+    fn gone_within(pid: libc::pid_t, within: Duration) -> bool {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if !alive(pid) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        !alive(pid)
+    }
+
+    /// The pid a script wrote as `pid: N` on the POPCORN pipe.
+    fn reported_pid(o: &Outcome) -> libc::pid_t {
+        let text = String::from_utf8_lossy(&o.popcorn);
+        text.lines()
+            .find_map(|l| l.strip_prefix("pid: "))
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no pid reported: {text:?}"))
+    }
+
     #[test]
     fn an_escaped_descendant_holding_stdout_is_abandoned_after_the_grace() {
         // Without the subreaper the setsid'd sleeper survives; the runner must not wait on it.
+        // The shell waits (through a fifo) until the daemon has left the group, so the daemon
+        // cannot be killed with the group by accident, which would make this test vacuous.
         let t = Instant::now();
-        let o = sh("setsid sleep 5 & echo done", 5000);
+        let o = sh(
+            "f=$(mktemp -u); mkfifo \"$f\"; \
+             setsid sh -c 'echo \"pid: $$\" >&3; echo up > \"$1\"; exec sleep 5' sh \"$f\" & \
+             read x < \"$f\"; rm -f \"$f\"; echo done",
+            5000,
+        );
+        let daemon = reported_pid(&o);
+        let survived = alive(daemon);
+        // SAFETY: killing the daemon this test started.
+        unsafe { libc::kill(daemon, libc::SIGKILL) };
         assert_eq!(o.stdout.finish(), "done\n");
+        assert!(survived, "the daemon should have escaped the group");
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     }
 
@@ -574,21 +617,37 @@ mod tests {
 
     #[test]
     fn timeout_kills_the_group_and_keeps_partial_output() {
+        // reap_orphans is off here (as for library callers): only the group kill can get the
+        // grandchild, which outlives the shell and so would be reparented away, not killed.
         let t = Instant::now();
-        let o = sh("echo partial; sleep 30 & sleep 30; echo never", 300);
+        let o = sh(
+            "echo partial; sleep 30 & echo \"pid: $!\" >&3; sleep 30; echo never",
+            300,
+        );
         assert!(o.timed_out);
         assert_eq!(o.stdout.finish(), "partial\n");
         assert!(t.elapsed() < Duration::from_secs(5));
+        let grandchild = reported_pid(&o);
+        assert!(
+            gone_within(grandchild, Duration::from_secs(2)),
+            "grandchild {grandchild} survived the timeout"
+        );
     }
 
     #[test]
     fn background_child_holding_stdout_does_not_block() {
         // The shell exits at once; its background child would keep stdout open for 30 s.
         let t = Instant::now();
-        let o = sh("sleep 30 & echo done", 5000);
+        let o = sh("sleep 30 & echo \"pid: $!\" >&3; echo done", 5000);
         assert_eq!(o.exit_code, 0);
         assert_eq!(o.stdout.finish(), "done\n");
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        // ...and it does not outlive the run either.
+        let grandchild = reported_pid(&o);
+        assert!(
+            gone_within(grandchild, Duration::from_secs(2)),
+            "background child {grandchild} survived the run"
+        );
     }
 
     #[test]

@@ -67,6 +67,8 @@ pub struct Capture {
     dropped: u64,
     /// Line breaks (after universal-newline translation) seen beyond `head`.
     dropped_breaks: u64,
+    /// `\n` bytes seen beyond `head` (the breaks of the untranslated text).
+    dropped_lf: u64,
     /// The last byte seen was `\r` (a following `\n` belongs to the same break).
     after_cr: bool,
 }
@@ -79,6 +81,7 @@ impl Capture {
             head: Vec::new(),
             dropped: 0,
             dropped_breaks: 0,
+            dropped_lf: 0,
             after_cr: false,
         }
     }
@@ -95,6 +98,7 @@ impl Capture {
         }
         self.dropped += data.len() as u64;
         for &b in data {
+            self.dropped_lf += u64::from(b == b'\n');
             match b {
                 b'\n' if self.after_cr => {}
                 b'\n' | b'\r' => self.dropped_breaks += 1,
@@ -109,18 +113,39 @@ impl Capture {
         self.head.len() as u64 + self.dropped
     }
 
-    /// The text kernelbot would report: decoded, newlines translated, cut.
+    /// The text kernelbot would report for a finished process: decoded, newlines
+    /// translated (`subprocess.run(text=True)`), cut.
     pub fn finish(&self) -> String {
-        let text = universal_newlines(&String::from_utf8_lossy(&self.head));
+        self.finish_with(true)
+    }
+
+    /// The text kernelbot reports for a timed-out process: `TimeoutExpired` carries the raw
+    /// bytes, which `_limit_length` decodes without translating `\r` or `\r\n`.
+    pub fn finish_raw(&self) -> String {
+        self.finish_with(false)
+    }
+
+    fn finish_with(&self, translate: bool) -> String {
+        let decoded = String::from_utf8_lossy(&self.head);
+        let text = if translate {
+            universal_newlines(&decoded)
+        } else {
+            decoded.into_owned()
+        };
         if self.dropped == 0 {
             return limit_length(&text, self.max_chars);
         }
         // The cut falls inside the prefix; only the number of lines after it needs the rest.
-        // A `\r` ending the prefix and a `\n` starting the rest are one break, counted once
-        // (in the prefix), which `push` arranges through `after_cr`.
+        // Translated, a `\r` ending the prefix and a `\n` starting the rest are one break,
+        // counted once (in the prefix), which `push` arranges through `after_cr`.
         let cut = limit_length(&text, self.max_chars);
         let prefix_lines = text.split('\n').count() as u64;
-        let total_lines = prefix_lines + self.dropped_breaks;
+        let rest_breaks = if translate {
+            self.dropped_breaks
+        } else {
+            self.dropped_lf
+        };
+        let total_lines = prefix_lines + rest_breaks;
         match cut.rfind("[...] ") {
             Some(at) if cut[at..].ends_with(" lines omitted") => {
                 let kept_lines = cut[..at].matches('\n').count() as u64;
@@ -166,6 +191,22 @@ mod tests {
     }
 
     #[test]
+    fn cut_boundary_is_exact() {
+        // One line of n characters costs n + 1; it stays while n + 1 + 100 <= 16384.
+        let fits = "x".repeat(16283);
+        assert_eq!(limit_length(&fits, 16384), fits);
+        assert_eq!(
+            limit_length(&"x".repeat(16284), 16384),
+            "[...] 1 lines omitted"
+        );
+        // The same boundary on a later line: the lines before it are kept.
+        let text = format!("ab\n{}\ntail", "y".repeat(16281));
+        assert_eq!(limit_length(&text, 16384), "ab\n[...] 2 lines omitted");
+        let text = format!("ab\n{}", "y".repeat(16280));
+        assert_eq!(limit_length(&text, 16384), text);
+    }
+
+    #[test]
     fn lengths_are_characters_not_bytes() {
         let text = "é".repeat(16000);
         assert_eq!(limit_length(&text, 16384), text);
@@ -180,6 +221,26 @@ mod tests {
         assert_eq!(
             shell_join(&["python3", "eval.py", "test", "/tmp/x y", "it's", ""]),
             "python3 eval.py test '/tmp/x y' 'it'\"'\"'s' ''"
+        );
+    }
+
+    #[test]
+    fn a_timed_out_stream_keeps_its_carriage_returns() {
+        let mut c = Capture::new(16384);
+        c.push(b"10%\r20%\r\ndone\n");
+        assert_eq!(c.finish(), "10%\n20%\ndone\n");
+        assert_eq!(c.finish_raw(), "10%\r20%\r\ndone\n");
+        // Progress bars redrawn with `\r` are one long line to kernelbot after a timeout.
+        let mut c = Capture::new(16384);
+        for i in 0..20_000 {
+            c.push(format!("{i:05}\r").as_bytes());
+        }
+        c.push(b"\nend");
+        assert_eq!(c.finish_raw(), "[...] 2 lines omitted");
+        assert!(
+            c.finish().ends_with("\n02713\n[...] 17287 lines omitted"),
+            "{}",
+            &c.finish()[16000..]
         );
     }
 
@@ -214,6 +275,8 @@ mod tests {
                 all.extend_from_slice(ch);
             }
             prop_assert_eq!(c.finish(), limit_length(&python_view(&all), max));
+            let raw = String::from_utf8_lossy(&all);
+            prop_assert_eq!(c.finish_raw(), limit_length(&raw, max));
         }
     }
 }

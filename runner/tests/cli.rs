@@ -790,3 +790,104 @@ exec "$@"
         .contains("--kernel-trace"));
     assert_rebuilds(&[r.result_path()]);
 }
+
+#[test]
+fn a_usage_error_still_writes_the_result_and_is_an_infrastructure_failure() {
+    // A bad flag, with --output given: the result lands there.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.json");
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .env("PATH", path_with(None))
+        .args(["--no-such-flag", "--output"])
+        .arg(&out);
+    let r = finish(cmd, tempfile::tempdir().unwrap());
+    assert_eq!(r.code, 3, "{}", r.log());
+    let result: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(result["success"], false);
+    let err = result["error"].as_str().unwrap();
+    assert!(
+        err.contains("--no-such-flag") && err.contains("--help"),
+        "{err}"
+    );
+    assert_eq!(result["runs"], json!({}));
+    assert_rebuilds(&[out]);
+
+    // A bad value in the agent's environment, the output named there too.
+    let out = dir.path().join("env.json");
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .env("PATH", path_with(None))
+        .env("KERNELKITE_TORCH_PROBE", "bogus")
+        .env("KERNELKITE_OUTPUT", &out);
+    let r = finish(cmd, tempfile::tempdir().unwrap());
+    assert_eq!(r.code, 3, "{}", r.log());
+    let result: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert!(
+        result["error"].as_str().unwrap().contains("bogus"),
+        "{result}"
+    );
+
+    // A payload passed as an argument by mistake is not echoed, however small; the default
+    // output is used.
+    let payload = kernelkite_runner::payload::encode(&json!({"lang": "py", "mode": "test",
+        "sources": {"a.py": ""}, "main": "a.py", "tests": [{"n": 1}], "seed": 918273645}))
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(dir.path())
+        .env_clear()
+        .env("PATH", path_with(None))
+        .arg(&payload);
+    let r = finish(cmd, dir);
+    assert_eq!(r.code, 3, "{}", r.log());
+    assert_eq!(r.result["success"], false);
+    let text = std::fs::read_to_string(r.result_path()).unwrap();
+    assert!(
+        !text.contains(&payload[..40]),
+        "payload in result.json: {text}"
+    );
+    assert!(!r.log().contains(&payload[..40]), "payload in the log");
+
+    // --help and --version are not errors.
+    for flag in ["--help", "--version"] {
+        let out = Command::new(BIN).arg(flag).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{flag}");
+    }
+}
+
+#[test]
+fn popcorn_variables_come_only_from_the_config() {
+    let Some(_) = need_python() else { return };
+    // Left in the agent's environment, they must not stand in for the config's.
+    let env = [("POPCORN_SEED", "4242"), ("POPCORN_GPUS", "8")];
+    let r = run_config(&harness_config("test", "pass", json!({})), &[], &env);
+    assert_eq!(r.code, 0, "{}", r.log());
+    assert_eq!(r.run("test")["result"]["seed"], "none");
+    assert_eq!(r.run("test")["result"]["gpus"], "none");
+    let r = run_config(
+        &harness_config("test", "pass", json!({"seed": 77})),
+        &[],
+        &env,
+    );
+    assert_eq!(r.run("test")["result"]["seed"], "77");
+}
+
+#[test]
+fn a_seed_quoted_in_a_config_error_is_redacted_from_the_log() {
+    // A seed of the wrong type makes the config error quote it; the log must not.
+    let cfg = harness_config("leaderboard", "pass", json!({"seed": "918273645"}));
+    let r = run_config(&cfg, &[], &[]);
+    assert_eq!(r.code, 2, "{}", r.log());
+    assert!(
+        r.result["error"].as_str().unwrap().contains("seed"),
+        "{}",
+        r.result
+    );
+    assert!(r.stdout.contains("<redacted>"), "{}", r.stdout);
+    assert!(
+        !r.log().contains("918273645"),
+        "the seed leaked into the log:\n{}",
+        r.log()
+    );
+}

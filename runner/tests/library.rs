@@ -61,6 +61,27 @@ fn multi_gpu_passes_the_gpu_count() {
 }
 
 #[test]
+fn the_python_pre_run_gets_seed_1_and_no_gpu_count() {
+    // kernelbot's "compile" pre-run is `run_program(..., seed=1)` without multi_gpu.
+    let Some(py) = need_python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let mut cfg = harness_config("test", "pass", json!({"multi_gpu": true, "seed": 5}));
+    cfg["sources"]["submission.py"] = json!(
+        "import os\nprint('-DTORCH_EXTENSION_NAME', os.environ.get('POPCORN_SEED'), os.environ.get('POPCORN_GPUS'))\n"
+    );
+    let cfg = RunConfig::from_json(cfg).unwrap();
+    let result = eval::run_config(&cfg, &opts(work.path(), py, gpus(4)));
+    let test = &result.runs["test"];
+    let comp = test.compilation.as_ref().expect("pre-run recorded");
+    assert_eq!(comp.stdout, "-DTORCH_EXTENSION_NAME 1 None\n");
+    let run = test.run.as_ref().unwrap();
+    assert_eq!(
+        (run.result["seed"].as_str(), run.result["gpus"].as_str()),
+        ("5", "4")
+    );
+}
+
+#[test]
 fn multi_gpu_without_gpus_is_an_infrastructure_failure() {
     let Some(py) = need_python() else { return };
     let work = tempfile::tempdir().unwrap();
