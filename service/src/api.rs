@@ -132,8 +132,9 @@ pub async fn get_submission(
     if wait > 0.0 {
         if let Some(mut rx) = app.store.subscribe(&id) {
             // Sleeps on the submission's channel: woken by the change itself, no polling.
+            // try_: a KERNELKITE_MAX_WAIT_S near u64::MAX lets `wait` exceed Duration's range.
             let _ = tokio::time::timeout(
-                Duration::from_secs_f64(wait),
+                Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX),
                 rx.wait_for(|s| s.state.is_terminal()),
             )
             .await;
@@ -152,7 +153,18 @@ pub async fn cancel_submission(
     AxState(app): AxState<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<Submission>, ApiError> {
-    app.cancel(&id).map(Json)
+    match app.cancel(&id) {
+        // Not in memory may still mean finished long ago (kept in the data dir only).
+        Err(e) if e.status == 404 => match app.lookup(&id).await {
+            Some(s) if s.state == crate::submission::State::Canceled => Ok(Json(s)),
+            Some(s) => Err(ApiError::new(
+                409,
+                format!("submission already ended: {}", s.state.as_str()),
+            )),
+            None => Err(e),
+        },
+        r => r.map(Json),
+    }
 }
 
 /// `GET /v1/submissions/{id}/events`: one SSE event per state change. `Last-Event-ID` resumes.
@@ -165,7 +177,8 @@ pub async fn submission_events(
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(0, |n| n + 1);
+        // Client-chosen: `usize::MAX` must not overflow (it means "after everything").
+        .map_or(0, |n| n.saturating_add(1));
     let source = match app.store.subscribe(&id) {
         Some(rx) => EventSource::Live(rx),
         None => match app.lookup(&id).await {

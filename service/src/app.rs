@@ -194,11 +194,12 @@ impl App {
                 for ev in early {
                     self.apply(&id, ev);
                 }
-                // Canceled or timed out while the create call was in flight: the build must
-                // not run for nobody.
+                // Canceled or timed out while the create call was in flight (and perhaps
+                // already evicted from memory, as a long 429 wait can outlast
+                // KERNELKITE_RETAIN_S): the build must not run for nobody.
                 if matches!(
                     self.store_state(&id),
-                    Some(State::Canceled | State::TimedOut)
+                    None | Some(State::Canceled | State::TimedOut)
                 ) {
                     self.spawn_cancel_build(b.number);
                 }
@@ -494,13 +495,22 @@ fn spawn_housekeeping(app: Weak<App>) {
             tick.tick().await;
             let Some(a) = app.upgrade() else { return };
             a.store.sweep_early(std::time::Instant::now());
-            if a.cfg.retain_s > 0 {
-                let cutoff = Utc::now()
-                    - chrono::Duration::seconds(a.cfg.retain_s.min(i64::MAX as u64) as i64);
+            if let Some(cutoff) = retention_cutoff(Utc::now(), a.cfg.retain_s) {
                 a.store.evict_finished(cutoff);
             }
         }
     });
+}
+
+/// Submissions that finished before the returned time leave memory. `None` (keep them all):
+/// `KERNELKITE_RETAIN_S=0`, or a retention longer than the calendar can express; computed
+/// without panicking, as a panic here would end housekeeping (and early-event expiry) for good.
+fn retention_cutoff(now: chrono::DateTime<Utc>, retain_s: u64) -> Option<chrono::DateTime<Utc>> {
+    if retain_s == 0 {
+        return None;
+    }
+    let keep = chrono::Duration::try_seconds(i64::try_from(retain_s).ok()?)?;
+    now.checked_sub_signed(keep)
 }
 
 /// The HTTP routes.
@@ -541,4 +551,27 @@ pub async fn serve(
     )
     .with_graceful_shutdown(shutdown)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_cutoff_never_panics() {
+        let now = Utc::now();
+        assert_eq!(
+            retention_cutoff(now, 60),
+            Some(now - chrono::Duration::seconds(60))
+        );
+        assert_eq!(retention_cutoff(now, 0), None);
+        // Past chrono's range (about 262,000 years): no cutoff rather than a panic.
+        for huge in [u64::MAX, i64::MAX as u64, i64::MAX as u64 / 1000] {
+            assert_eq!(retention_cutoff(now, huge), None, "{huge}");
+        }
+        assert!(
+            retention_cutoff(now, 1 << 40).is_some(),
+            "34,000 years is representable"
+        );
+    }
 }

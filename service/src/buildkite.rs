@@ -116,12 +116,30 @@ impl RetryPolicy {
     }
 }
 
-/// Seconds to wait from a 429's `RateLimit-Reset` (seconds until the window resets).
+/// How long to wait after a 429: the `RateLimit-Reset` (seconds until the window resets) of
+/// the limit that is spent. Buildkite counts the organization (`RateLimit-*`) and the token
+/// (`RateLimit-User-*`, 50/min, the one a busy service hits first) in windows that need not
+/// end together; waiting for the organization's reset when the token's budget is the one at 0
+/// would only earn another 429. A limit whose `Remaining` is 0 decides; when the answer does
+/// not say which, the later reset is used. No reset header at all: 1 s.
 pub fn rate_limit_wait(headers: &reqwest::header::HeaderMap, cap: Duration) -> Duration {
-    let secs = headers
-        .get("ratelimit-reset")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
+    let num = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let limits = [
+        (num("ratelimit-remaining"), num("ratelimit-reset")),
+        (num("ratelimit-user-remaining"), num("ratelimit-user-reset")),
+    ];
+    let spent = limits
+        .iter()
+        .filter(|(remaining, _)| *remaining == Some(0))
+        .filter_map(|(_, reset)| *reset)
+        .max();
+    let secs = spent
+        .or_else(|| limits.iter().filter_map(|(_, reset)| *reset).max())
         .unwrap_or(1);
     Duration::from_secs(secs).min(cap)
 }
@@ -244,7 +262,7 @@ impl BuildkiteClient {
         loop {
             // A plain request: no Authorization header reaches the blob store.
             let r = self.http.get(url.clone()).send().await;
-            match classify(r, &mut tries, &self.retry) {
+            match classify(r, true, &mut tries, &self.retry) {
                 Next::Done(resp) => {
                     if resp.status().is_success() {
                         return Ok(resp);
@@ -276,7 +294,9 @@ impl BuildkiteClient {
                     .header(reqwest::header::CONTENT_TYPE, "application/json")
                     .body(b.clone());
             }
-            match classify(req.send().await, &mut tries, &self.retry) {
+            // Only POST (create build) is unsafe to repeat after a request may have arrived.
+            let idempotent = method != Method::POST;
+            match classify(req.send().await, idempotent, &mut tries, &self.retry) {
                 Next::Done(resp) => {
                     if resp.status().is_success() || resp.status().is_redirection() {
                         return Ok(resp);
@@ -318,6 +338,7 @@ pub const MAX_RATE_LIMITED_RETRIES: u32 = 30;
 
 fn classify(
     r: Result<reqwest::Response, reqwest::Error>,
+    idempotent: bool,
     tries: &mut Tries,
     retry: &RetryPolicy,
 ) -> Next {
@@ -343,8 +364,14 @@ fn classify(
             }
         }
         Ok(resp) => Next::Done(resp),
-        // Connect errors never reached Buildkite, so a retry cannot duplicate a build.
-        Err(e) if e.is_connect() => {
+        // Connect errors never reached Buildkite, so a retry cannot duplicate a build. A
+        // timeout or a dropped connection may have: it is retried only where repeating is
+        // harmless (GET, PUT cancel, the blob), so a network blip while fetching a finished
+        // build's result.json does not fail the submission.
+        Err(e)
+            if e.is_connect()
+                || (idempotent && (e.is_timeout() || e.is_request() || e.is_body())) =>
+        {
             tries.failures += 1;
             if tries.failures >= retry.attempts {
                 Next::Fail(Failure::Transport(e))
@@ -485,6 +512,62 @@ mod tests {
             rate_limit_wait(&h, Duration::from_secs(60)),
             Duration::from_secs(1)
         );
+    }
+
+    #[test]
+    fn rate_limit_wait_follows_the_spent_limit() {
+        let headers = |pairs: &[(&'static str, &str)]| {
+            let mut h = reqwest::header::HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(*k, v.parse().unwrap());
+            }
+            h
+        };
+        let cap = Duration::from_secs(60);
+        // The token's 50/min is spent, the organization has room: wait for the token's window.
+        let user_spent = headers(&[
+            ("RateLimit-Remaining", "150"),
+            ("RateLimit-Reset", "5"),
+            ("RateLimit-User-Remaining", "0"),
+            ("RateLimit-User-Reset", "40"),
+        ]);
+        assert_eq!(rate_limit_wait(&user_spent, cap), Duration::from_secs(40));
+        // The organization's limit is spent: its reset decides, even if the token's is later.
+        let org_spent = headers(&[
+            ("RateLimit-Remaining", "0"),
+            ("RateLimit-Reset", "7"),
+            ("RateLimit-User-Remaining", "30"),
+            ("RateLimit-User-Reset", "40"),
+        ]);
+        assert_eq!(rate_limit_wait(&org_spent, cap), Duration::from_secs(7));
+        // Neither says which: the later reset, never an early retry.
+        let unknown = headers(&[("RateLimit-Reset", "3"), ("RateLimit-User-Reset", "9")]);
+        assert_eq!(rate_limit_wait(&unknown, cap), Duration::from_secs(9));
+        assert_eq!(
+            rate_limit_wait(&user_spent, Duration::from_secs(10)),
+            Duration::from_secs(10)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_token_only_goes_to_download_urls_below_the_api_base() {
+        // A base URL without a path, so only the '/' check stops a look-alike host.
+        let cfg = Config::new("http://127.0.0.1:9", "org", "pipe", "t");
+        let client = BuildkiteClient::new(&cfg).unwrap();
+        for foreign in [
+            "http://127.0.0.1:9.evil.example/artifacts/1/download",
+            "http://127.0.0.1:9@evil.example/artifacts/1/download",
+            "https://evil.example/v2/artifacts/1/download",
+            "",
+        ] {
+            assert!(
+                matches!(
+                    client.download(foreign).await,
+                    Err(BuildkiteError::ForeignDownloadUrl(_))
+                ),
+                "{foreign}"
+            );
+        }
     }
 
     #[test]

@@ -156,8 +156,9 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_HTTP_TIMEOUT_S", default_value_t = 30)]
     pub http_timeout_s: u64,
 
-    /// Attempts per Buildkite call on connect errors and 5xx (first try included). A 429 is
-    /// not a failure: it waits for `RateLimit-Reset` and is counted apart (at most 30 waits).
+    /// Attempts per Buildkite call on connect errors, 5xx, and timeouts of calls other than
+    /// create-build (first try included). A 429 is not a failure: it waits for
+    /// `RateLimit-Reset` and is counted apart (at most 30 waits).
     #[arg(long, env = "KERNELKITE_RETRY_ATTEMPTS", default_value_t = 6)]
     pub retry_attempts: u32,
 
@@ -187,7 +188,7 @@ pub struct Config {
     pub callback_attempts: u32,
 
     /// Finished submissions stay in memory this long, seconds (then GET reads them from
-    /// KERNELKITE_DATA_DIR, when set).
+    /// KERNELKITE_DATA_DIR, when set). 0: kept in memory until the process ends.
     #[arg(long, env = "KERNELKITE_RETAIN_S", default_value_t = 86_400)]
     pub retain_s: u64,
 }
@@ -250,6 +251,24 @@ impl Config {
         }
         if self.buildkite_api_token.expose().is_empty() {
             return Err("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts".into());
+        }
+        // A variable set to the empty string is not "unset": clap reads it as an empty token.
+        // An empty webhook key lets anyone sign webhooks, and an empty API token would admit
+        // any client sending `Authorization: Bearer `, while unset means loopback only. Both
+        // would fail open, so an empty value is refused instead.
+        if self
+            .buildkite_webhook_token
+            .as_ref()
+            .is_some_and(|t| t.expose().is_empty())
+        {
+            return Err("BUILDKITE_WEBHOOK_TOKEN is set but empty; set it to the webhook's token, or unset it to refuse every webhook".into());
+        }
+        if self
+            .api_token
+            .as_ref()
+            .is_some_and(|t| t.expose().is_empty())
+        {
+            return Err("KERNELKITE_API_TOKEN is set but empty; set a token (e.g. `openssl rand -hex 32`), or unset it to serve loopback clients only".into());
         }
         if self.retry_attempts == 0 {
             return Err("KERNELKITE_RETRY_ATTEMPTS must be at least 1".into());
@@ -328,5 +347,30 @@ mod tests {
         assert!(c.check().unwrap_err().contains("BUILDKITE_ORG"));
         let c = Config::new("ftp://x", "org", "pipe", "t");
         assert!(c.check().unwrap_err().contains("BUILDKITE_API_URL"));
+    }
+
+    #[test]
+    fn empty_tokens_are_refused_not_taken_as_keys() {
+        // `BUILDKITE_WEBHOOK_TOKEN=` in an env file parses as Some(""); an empty HMAC key is
+        // public, and an empty bearer token matches `Authorization: Bearer `.
+        let from_env = |flag: &str| {
+            Config::try_parse_from([
+                "x",
+                "--buildkite-org",
+                "o",
+                "--buildkite-pipeline",
+                "p",
+                "--buildkite-api-token",
+                "t",
+                flag,
+                "",
+            ])
+            .unwrap()
+        };
+        let c = from_env("--buildkite-webhook-token");
+        assert_eq!(c.buildkite_webhook_token, Some(Secret::new("")));
+        assert!(c.check().unwrap_err().contains("BUILDKITE_WEBHOOK_TOKEN"));
+        let c = from_env("--api-token");
+        assert!(c.check().unwrap_err().contains("KERNELKITE_API_TOKEN"));
     }
 }

@@ -133,6 +133,11 @@ impl Store {
     pub fn attach_build(&self, id: &str, build: BuildInfo) -> Vec<BuildEvent> {
         let build_id = build.id.clone();
         let now = chrono::Utc::now();
+        if !self.subs.contains_key(id) {
+            // Evicted while its create call was in flight: keying the build to it would leave
+            // an entry nothing ever removes.
+            return Vec::new();
+        }
         self.update_quiet(id, |s| s.attach_build(build, now));
         match self.builds.entry(build_id) {
             Entry::Occupied(mut e) => {
@@ -172,10 +177,17 @@ impl Store {
                 }
             },
             Entry::Vacant(e) => {
-                if self.early.load(Ordering::Relaxed) >= self.early_max {
+                // Check and take a slot in one step: a load then an add lets concurrent
+                // deliveries for different builds (different shards) all pass the check.
+                let max = self.early_max;
+                let reserved = self
+                    .early
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                        (n < max).then_some(n + 1)
+                    });
+                if reserved.is_err() {
                     return Routed::Dropped;
                 }
-                self.early.fetch_add(1, Ordering::Relaxed);
                 e.insert(BuildSlot::Early {
                     events: vec![event.clone()],
                     since: Instant::now(),
@@ -338,6 +350,31 @@ mod tests {
     }
 
     #[test]
+    fn the_early_bound_holds_under_concurrent_webhooks() {
+        // Many deliveries for distinct unknown builds at once: never more than early_max kept.
+        for round in 0..300 {
+            let store = std::sync::Arc::new(Store::new(2, Duration::from_secs(60)));
+            let start = std::sync::Arc::new(std::sync::Barrier::new(8));
+            let threads: Vec<_> = (0..8)
+                .map(|t| {
+                    let (store, start) = (store.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        (0..4)
+                            .filter(|i| {
+                                let ev = ev(&format!("b{t}-{i}"), BuildEventKind::Finished);
+                                store.route(&ev) == Routed::Buffered
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let kept: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+            assert_eq!((kept, store.early_len()), (2, 2), "round {round}");
+        }
+    }
+
+    #[test]
     fn eviction_drops_only_old_finished_submissions() {
         let store = Store::new(10, Duration::from_secs(60));
         for id in ["done", "pending"] {
@@ -376,6 +413,22 @@ mod tests {
         assert_eq!(
             store.route(&ev("b-pending", BuildEventKind::Finished)),
             Routed::Submission("pending".into())
+        );
+    }
+
+    #[test]
+    fn attaching_to_an_unknown_submission_keys_nothing() {
+        let store = Store::new(10, Duration::from_secs(60));
+        let info = BuildInfo {
+            id: "b".into(),
+            number: 1,
+            web_url: String::new(),
+        };
+        assert!(store.attach_build("gone", info).is_empty());
+        assert_eq!(
+            store.route(&ev("b", BuildEventKind::Finished)),
+            Routed::Buffered,
+            "no build entry points at a submission that does not exist"
         );
     }
 

@@ -97,7 +97,12 @@ pub struct WebhookAuth {
 impl WebhookAuth {
     /// Verifies a delivery. `now` is unix seconds (injected so tests can move the clock).
     pub fn verify(&self, headers: &HeaderMap, body: &[u8], now: i64) -> Result<(), AuthError> {
-        let token = self.token.as_ref().ok_or(AuthError::NotConfigured)?;
+        // An empty key is public: anyone could sign with it. Treated as no key (fail closed).
+        let token = self
+            .token
+            .as_ref()
+            .filter(|t| !t.expose().is_empty())
+            .ok_or(AuthError::NotConfigured)?;
         if let Some(sig) = headers.get(HEADER_SIGNATURE) {
             let sig = sig
                 .to_str()
@@ -351,6 +356,18 @@ mod tests {
         );
         assert_eq!(
             a.verify(&headers(HEADER_TOKEN, ""), body, 1),
+            Err(AuthError::NotConfigured)
+        );
+        let empty = WebhookAuth {
+            token: Some(Secret::new("")),
+            ..a
+        };
+        assert_eq!(
+            empty.verify(&headers(HEADER_SIGNATURE, &sign("", 1, body)), body, 1),
+            Err(AuthError::NotConfigured)
+        );
+        assert_eq!(
+            empty.verify(&headers(HEADER_TOKEN, ""), body, 1),
             Err(AuthError::NotConfigured)
         );
     }

@@ -468,6 +468,57 @@ async fn server_errors_are_retried() {
 }
 
 #[tokio::test]
+async fn a_timed_out_artifact_fetch_is_retried_but_a_timed_out_create_is_not() {
+    let h = harness_with(|c| c.http_timeout_s = 1).await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    // The first listing answers after the client gave up: GET is safe to repeat.
+    h.fake.inject(
+        Route::ListArtifacts,
+        Fault::Delay(Duration::from_millis(1500)),
+    );
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded", "{v}");
+    let lists = h
+        .fake
+        .api_calls_for(number)
+        .iter()
+        .filter(|c| c.route == Route::ListArtifacts)
+        .count();
+    assert_eq!(lists, 2, "the abandoned listing, then the retry");
+
+    // A create that timed out may have created the build: it fails instead of creating a
+    // second one (a retry would succeed here, and the submission would not fail).
+    h.fake.inject(
+        Route::CreateBuild,
+        Fault::Delay(Duration::from_millis(1500)),
+    );
+    h.fake.clear_requests();
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("could not reach Buildkite"),
+        "{v}"
+    );
+    let creates = h
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .count();
+    assert_eq!(creates, 1, "a create that may have arrived is not repeated");
+}
+
+#[tokio::test]
 async fn persistent_client_errors_fail_the_submission_with_buildkites_message() {
     let h = harness_with(|c| c.retry_attempts = 2).await;
     h.fake.inject(Route::CreateBuild, Fault::Status(500));
@@ -601,6 +652,44 @@ async fn unknown_builds_and_pings_are_acknowledged() {
 }
 
 #[tokio::test]
+async fn housekeeping_expires_early_events_and_evicts_finished_submissions() {
+    let h = harness_with(|c| {
+        c.early_event_ttl_s = 1;
+        c.retain_s = 1;
+    })
+    .await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let done = h.wait_terminal(&id).await;
+    let body = br#"{"event":"build.running","build":{"id":"00000000-0000-0000-0000-0000000000ee","number":77,"state":"running"},"pipeline":{},"sender":{}}"#.to_vec();
+    let headers = vec![(
+        "X-Buildkite-Signature",
+        signature_header(WEBHOOK_TOKEN, unix_now(), &body),
+    )];
+    assert_eq!(h.fake.post_webhook_raw(&headers, body).await, Some(200));
+    assert_eq!(h.app.store.early_len(), 1);
+    // The housekeeping task runs every second here; both must go within a few ticks.
+    let deadline = Instant::now() + WAIT;
+    while (h.app.store.early_len() > 0 || !h.app.store.is_empty()) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        h.app.store.early_len(),
+        0,
+        "early events outlived their TTL"
+    );
+    assert!(
+        h.app.store.is_empty(),
+        "finished submission kept past KERNELKITE_RETAIN_S"
+    );
+    // Gone from memory, still answered from the data dir.
+    assert_eq!(h.get(&id, "").await, (200, done));
+}
+
+#[tokio::test]
 async fn webhook_body_limit_applies() {
     let h = harness_with(|c| c.webhook_max_bytes = 1024).await;
     let body = vec![b' '; 4096];
@@ -682,6 +771,41 @@ async fn cancel_before_the_build_exists_cancels_it_once_created() {
     assert_eq!(r.json::<Value>().await.unwrap()["state"], "canceled");
     let number = h.fake.next_created(WAIT).await.unwrap();
     assert!(h.fake.wait_state(number, "canceled", WAIT).await);
+}
+
+#[tokio::test]
+async fn a_build_created_after_its_canceled_submission_was_evicted_is_canceled() {
+    // Housekeeping every second, finished submissions kept one second: the canceled
+    // submission leaves memory while its (slow) create call is still out.
+    let h = harness_with(|c| {
+        c.early_event_ttl_s = 2;
+        c.retain_s = 1;
+    })
+    .await;
+    h.fake.inject(
+        Route::CreateBuild,
+        Fault::Delay(Duration::from_millis(3500)),
+    );
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let id = v["id"].as_str().unwrap();
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let number = h.fake.next_created(WAIT).await.unwrap();
+    assert!(
+        h.app.store.get(id).is_none(),
+        "evicted before the create returned"
+    );
+    assert!(
+        h.fake.wait_state(number, "canceled", WAIT).await,
+        "the build runs for a submission nobody holds"
+    );
 }
 
 fn uuid_like() -> &'static str {
@@ -833,6 +957,62 @@ async fn sse_streams_every_state_change() {
 }
 
 #[tokio::test]
+async fn sse_resume_id_past_the_end_replays_nothing() {
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    h.wait_terminal(&id).await;
+    // A client-chosen Last-Event-ID: the largest number must not overflow (a panic drops the
+    // connection; a wrap would replay everything).
+    for last in ["4", "1000", &usize::MAX.to_string()] {
+        let r = h
+            .http
+            .get(format!("{}/v1/submissions/{id}/events", h.base))
+            .header("Last-Event-ID", last)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{last}");
+        let body = tokio::time::timeout(WAIT, r.text()).await.unwrap().unwrap();
+        assert!(!body.contains("event: "), "{last}: {body}");
+    }
+}
+
+#[tokio::test]
+async fn long_poll_on_a_finished_submission_returns_at_once() {
+    // The waiter must look at the current value before sleeping: a submission that ended
+    // before the request arrived (or between reading and subscribing) must not wait for a
+    // change that never comes.
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake.finish_build(number, "failed", None).await;
+    h.wait_terminal(&id).await;
+    let t = Instant::now();
+    let (status, v) = h.get(&id, "?wait=5").await;
+    assert_eq!((status, v["state"].as_str()), (200, Some("failed")));
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "waited {:?}",
+        t.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_huge_wait_under_a_huge_cap_does_not_panic() {
+    let h = harness_with(|c| c.max_wait_s = u64::MAX).await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake.finish_build(number, "failed", None).await;
+    h.wait_terminal(&id).await;
+    let (status, v) = h.get(&id, "?wait=1e300").await;
+    assert_eq!((status, v["state"].as_str()), (200, Some("failed")));
+}
+
+#[tokio::test]
 async fn callback_receives_the_final_submission() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
     let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -918,6 +1098,11 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
         .await
         .unwrap();
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap(), before);
+    // Cancelling it there is "already ended", not "no such submission".
+    let mut del = req(format!("/v1/submissions/{id}"));
+    *del.method_mut() = axum::http::Method::DELETE;
+    let r = router.clone().oneshot(del).await.unwrap();
+    assert_eq!(r.status().as_u16(), 409);
     let r = router
         .oneshot(req(format!("/v1/submissions/{id}/events")))
         .await

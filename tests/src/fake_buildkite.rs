@@ -68,7 +68,8 @@ pub enum Fault {
     RateLimited {
         reset_s: u64,
     },
-    /// Answer normally, but only after this long.
+    /// Answer normally, but only after this long. The request is recorded on arrival (with
+    /// the status it will get), so one the client abandons is still counted.
     Delay(Duration),
 }
 
@@ -610,6 +611,7 @@ async fn gate(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let mut resp = None;
+    let mut delay = None;
     match fault {
         Some(Fault::Status(s)) => {
             let status = StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -623,7 +625,7 @@ async fn gate(
                 .insert("RateLimit-Remaining", HeaderValue::from(0u64));
             resp = Some(r);
         }
-        Some(Fault::Delay(d)) => tokio::time::sleep(d).await,
+        Some(Fault::Delay(d)) => delay = Some(d),
         None => {}
     }
     if resp.is_none()
@@ -647,6 +649,11 @@ async fn gate(
             build,
             status: resp.as_ref().map_or(200, |r| r.status().as_u16()),
         });
+    }
+    // Recorded before the delay: a client that gives up drops this handler mid-sleep, and
+    // the request it sent must still be counted.
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
     }
     resp
 }
