@@ -153,7 +153,56 @@ const FORBIDDEN_DOCKER_ARGS: &[&str] = &[
     "--volume",
     "-v",
     "--mount",
+    // Lets the container open any matching device node it makes (CAP_MKNOD is a default
+    // capability): another job's /dev/nvidia<N>.
+    "--device-cgroup-rule",
+    // Mounts another container's volumes.
+    "--volumes-from",
+    // `pre-exit` finds a lost container by the name the plugin gives it.
+    "--name",
+    // A file of variables could set NVIDIA_VISIBLE_DEVICES (see `sets_nvidia_variable`).
+    "--env-file",
 ];
+
+/// Single-letter `docker run` flags that take a value (`-e X`, `-eX`); the rest of a
+/// `-abc` cluster after one of these is its value.
+const DOCKER_SHORT_WITH_VALUE: &str = "acehlpuw";
+/// Single-letter boolean `docker run` flags, which may be clustered (`-it`).
+const DOCKER_SHORT_BOOL: &str = "diPqt";
+
+/// Whether an `--env`/`-e` value sets one of the NVIDIA container runtime's variables, which
+/// decide which GPUs the runtime mounts into the container.
+fn sets_nvidia_variable(value: &str) -> bool {
+    value.trim_start().starts_with("NVIDIA_")
+}
+
+/// Why a `-xyz` argument is refused, if it is: docker reads `-v/:/host` as `-v /:/host`
+/// and `-tv/:/host` as `-t -v /:/host`, so the cluster is walked letter by letter.
+fn refused_short_cluster(arg: &str) -> Option<String> {
+    let cluster = arg.strip_prefix('-').filter(|c| !c.starts_with('-'))?;
+    for (i, c) in cluster.char_indices() {
+        if c == 'v' || c == 'm' {
+            return Some(format!(
+                "`-{c}` is set by the plugin from the job's slice and may not be overridden"
+            ));
+        }
+        if DOCKER_SHORT_WITH_VALUE.contains(c) {
+            let value = &cluster[i + c.len_utf8()..];
+            if c == 'e' && sets_nvidia_variable(value) {
+                return Some(
+                    "NVIDIA_* variables pick the container's GPUs and may not be set".into(),
+                );
+            }
+            return None;
+        }
+        if !DOCKER_SHORT_BOOL.contains(c) {
+            return Some(format!(
+                "`{arg}` is not a `docker run` flag the plugin can check; spell it out (`--flag=value`)"
+            ));
+        }
+    }
+    None
+}
 
 fn type_name(v: &Value) -> &'static str {
     match v {
@@ -253,13 +302,32 @@ fn want_memory(key: &str, v: &Value) -> Result<u64, ConfigError> {
 fn want_docker_args(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
     let args = want_strings(key, v)?;
     for (i, arg) in args.iter().enumerate() {
-        let flag = arg.split('=').next().unwrap_or(arg);
+        let at = format!("{key}[{i}]");
+        let (flag, value) = match arg.split_once('=') {
+            Some((f, v)) => (f, Some(v)),
+            None => (arg.as_str(), None),
+        };
         if FORBIDDEN_DOCKER_ARGS.contains(&flag) {
             return Err(bad(
-                &format!("{key}[{i}]"),
+                &at,
                 format!(
                     "`{flag}` is set by the plugin from the job's slice and may not be overridden"
                 ),
+            ));
+        }
+        if let Some(why) = refused_short_cluster(arg) {
+            return Err(bad(&at, why));
+        }
+        // `--env NAME=V` / `-e NAME=V` as two items, or `--env=NAME=V`.
+        let env_value = match (flag, value) {
+            ("--env", Some(v)) => Some(v),
+            ("--env" | "-e", None) => args.get(i + 1).map(String::as_str),
+            _ => None,
+        };
+        if env_value.is_some_and(sets_nvidia_variable) {
+            return Err(bad(
+                &at,
+                "NVIDIA_* variables pick the container's GPUs and may not be set",
             ));
         }
     }
@@ -324,7 +392,18 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
                     }
                 }
             }
-            "image" => c.image = Some(want_string(key, v)?),
+            "image" => {
+                let image = want_string(key, v)?;
+                // It goes into `docker run`'s argument vector, where a leading `-` would be
+                // read as a flag (`--privileged`) instead of the image.
+                if image.starts_with('-') || image.chars().any(char::is_whitespace) {
+                    return Err(bad(
+                        key,
+                        format!("expected an image reference like \"ghcr.io/org/image:tag\", got {image:?}"),
+                    ));
+                }
+                c.image = Some(image);
+            }
             "network" => c.network = Some(want_bool(key, v)?),
             "mount-checkout" => c.mount_checkout = want_bool(key, v)?,
             "workdir" => {
@@ -438,6 +517,10 @@ mod tests {
             "image"
         );
         assert_eq!(parse_config(r#"{"image":"x"}"#).unwrap_err().key, "image");
+        for image in ["--privileged", "-v", "ubuntu --privileged"] {
+            let json = serde_json::json!({"mode": "docker", "image": image}).to_string();
+            assert_eq!(parse_config(&json).unwrap_err().key, "image", "{image}");
+        }
     }
 
     #[test]
@@ -448,11 +531,33 @@ mod tests {
             "--network",
             "-v",
             "--memory-swap=-1",
+            // Short flags with their value attached, alone or after boolean flags.
+            "-v/:/host",
+            "-tv/:/host",
+            "-m64g",
+            "--device-cgroup-rule=c 195:* rwm",
+            "--volumes-from=other",
+            "--name=mine",
+            "--env-file=/tmp/e",
+            "--env=NVIDIA_VISIBLE_DEVICES=all",
+            "-eNVIDIA_VISIBLE_DEVICES=all",
+            "-Z",
         ] {
-            let json = format!(r#"{{"mode":"docker","image":"x","docker-args":["{arg}"]}}"#);
-            let e = parse_config(&json).unwrap_err();
+            let json = serde_json::json!({"mode":"docker","image":"x","docker-args":[arg]});
+            let e = parse_config(&json.to_string()).unwrap_err();
             assert_eq!(e.key, "docker-args[0]", "{arg}");
         }
+        let e = parse_config(
+            r#"{"mode":"docker","image":"x","docker-args":["-e","NVIDIA_VISIBLE_DEVICES=all"]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "docker-args[0]");
+        // Harmless flags still pass, including values that merely contain a `v` or `m`.
+        let ok = parse_config(
+            r#"{"mode":"docker","image":"x","docker-args":["-it","-eVERBOSE=1","--env","MODE=v","--shm-size=8g","-uvm"]}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.docker_args.len(), 6);
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub enum JobError {
     Config(#[from] ConfigError),
     #[error("{name} is not set; this hook must be run by the Buildkite agent for a job")]
     MissingEnv { name: &'static str },
-    #[error("{name}={value:?} is not a GPU index list like \"3\" or \"2,3\"; fix the agent's tags or name")]
+    #[error("{name}={value:?} is not a list of distinct GPU indices like \"3\" or \"2,3\"; fix the agent's tags or name")]
     BadGpuIndex { name: &'static str, value: String },
     #[error("cannot read the plan {path}: {reason}; regenerate it with `kernelkite-isolate plan --json > {path}`")]
     PlanFile { path: PathBuf, reason: String },
@@ -100,6 +100,10 @@ pub struct JobState {
     pub anchor: ProcessId,
     /// Leased GPU indices (slice numbers), ascending.
     pub gpus: Vec<u32>,
+    /// Host device numbers of the job's GPUs (see [`device_indices`]); empty in state
+    /// written by an older version, where the slice numbers stand in.
+    #[serde(default)]
+    pub device_indices: Vec<u32>,
     /// The job's slice (several planned slices merged when `gpus > 1`).
     pub slice: Slice,
     pub config: PluginConfig,
@@ -195,7 +199,12 @@ fn parse_index_list(name: &'static str, value: &str) -> Result<Vec<u32>, JobErro
         .split(',')
         .map(|p| p.trim().parse::<u32>().map_err(|_| bad()))
         .collect::<Result<_, _>>()?;
-    if list.is_empty() {
+    // "3,3" would pass the `gpus: 2` check with one GPU, and merging its slice twice would
+    // double the memory limit past the node's share.
+    let mut seen = list.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    if list.is_empty() || seen.len() != list.len() {
         return Err(bad());
     }
     Ok(list)
@@ -352,6 +361,33 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
     out.sort();
     out.dedup();
     out
+}
+
+/// Host device numbers of a slice's GPUs: each GPU's position among the plan's GPUs of its
+/// vendor in PCI bus order, the numbering nvidia-smi, `docker --gpus device=N`, CUDA (with
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`) and ROCm use. Not the slice number: with several GPUs per
+/// slice, or NVIDIA and AMD GPUs on one node, the two differ.
+pub fn device_indices(plan: &Plan, slice: &Slice) -> Vec<u32> {
+    let mut by_vendor: BTreeMap<Vendor, Vec<&str>> = BTreeMap::new();
+    for g in plan.slices.iter().flat_map(docker::slice_gpus) {
+        by_vendor
+            .entry(g.vendor)
+            .or_default()
+            .push(g.pci_bus_id.as_str());
+    }
+    for ids in by_vendor.values_mut() {
+        ids.sort_unstable();
+        ids.dedup();
+    }
+    docker::slice_gpus(slice)
+        .iter()
+        .map(|g| {
+            by_vendor
+                .get(&g.vendor)
+                .and_then(|ids| ids.iter().position(|id| *id == g.pci_bus_id))
+                .map_or(slice.index, |i| i as u32)
+        })
+        .collect()
 }
 
 /// The variables exported to the job for its slice and host GPU indices.
@@ -631,14 +667,26 @@ pub fn environment(
     let leases = leases(settings);
     let gpus = leases.acquire(&want, &me, Duration::from_secs(config.lease_wait_secs))?;
 
+    // Clocks locked before the state that records them is on disk must still be reset if
+    // writing it fails.
+    let mut locked_gpus: Vec<SliceGpu> = Vec::new();
     let prepared = prepare_leased(settings, &config, &plan, &gpus, gpu, &mut notices).and_then(
         |(slice, clocks_locked)| {
+            if clocks_locked {
+                locked_gpus = docker::slice_gpus(&slice).into_iter().cloned().collect();
+            }
+            // CPU-only slices have no devices; their slice numbers stand in, as before.
+            let mut devices = device_indices(&plan, &slice);
+            if devices.is_empty() {
+                devices = gpus.clone();
+            }
             let mut state = JobState {
                 job_id: job_id.clone(),
                 agent,
                 anchor,
-                exports: exports_for(&slice, &gpus),
+                exports: exports_for(&slice, &devices),
                 gpus: gpus.clone(),
+                device_indices: devices,
                 slice,
                 config: config.clone(),
                 cgroup_version: None,
@@ -665,6 +713,14 @@ pub fn environment(
         Ok(state) => Ok(Prepared { state, notices }),
         Err(e) => {
             let r = clean_job(settings, &job_id, cgroups.as_ref(), gpu);
+            if !r.clocks_reset && !locked_gpus.is_empty() {
+                if let Err(reset) =
+                    gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &locked_gpus))
+                {
+                    notices.push(format!("PROBLEM: could not reset GPU clocks: {reset}"));
+                    tracing::warn!("could not reset GPU clocks: {reset}");
+                }
+            }
             let _ = leases.release(&gpus, &job_id);
             tracing::info!("environment failed, undone: {}", r.summary());
             Err(e)
@@ -836,7 +892,12 @@ pub fn docker_run_for(
         extra_args: c.docker_args.clone(),
         command: command.to_string(),
     };
-    Ok(docker::run_args(&run, &state.gpus))
+    let devices = if state.device_indices.is_empty() {
+        &state.gpus
+    } else {
+        &state.device_indices
+    };
+    Ok(docker::run_args(&run, devices))
 }
 
 /// The `command` hook: run `BUILDKITE_COMMAND` held to the job's slice and report how it ended.
@@ -1016,6 +1077,7 @@ mod tests {
             None
         );
         assert!(agent_gpus(&env(&[("BUILDKITE_AGENT_META_DATA_GPU_INDEX", "one")])).is_err());
+        assert!(agent_gpus(&env(&[("BUILDKITE_AGENT_META_DATA_GPU_INDEX", "3,3")])).is_err());
     }
 
     #[test]
@@ -1070,6 +1132,53 @@ mod tests {
         assert_eq!(e["KERNELBOT_CPUSET"], "4-7");
         let back: Slice = serde_json::from_str(&e["KERNELKITE_SLICE"]).unwrap();
         assert_eq!(back, m);
+    }
+
+    #[test]
+    fn device_numbers_follow_each_vendor_s_bus_order_not_slice_numbers() {
+        let gpu = |vendor: Vendor, bus: &str| SliceGpu {
+            vendor,
+            pci_bus_id: bus.into(),
+            uuid: None,
+            numa_node: Some(0),
+        };
+        let slice = |index: u32, gpus: Vec<SliceGpu>| {
+            let mut g = gpus.into_iter();
+            Slice {
+                index,
+                gpu: g.next(),
+                extra_gpus: g.collect(),
+                cpus: vec![index],
+                mems: vec![0],
+                memory_bytes: 1,
+            }
+        };
+        // Two AMD GPUs per slice: slice 1 holds devices 2 and 3, not "1".
+        let amd = |b: &str| gpu(Vendor::Amd, b);
+        let plan = Plan {
+            slices: vec![
+                slice(0, vec![amd("0000:0c:00.0"), amd("0000:22:00.0")]),
+                slice(1, vec![amd("0000:38:00.0"), amd("0000:5c:00.0")]),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        assert_eq!(device_indices(&plan, &plan.slices[1]), vec![2, 3]);
+        let e = exports_for(&plan.slices[1], &device_indices(&plan, &plan.slices[1]));
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "2,3");
+        assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
+        // Mixed vendors: each vendor numbers its own GPUs.
+        let plan = Plan {
+            slices: vec![
+                slice(0, vec![gpu(Vendor::Nvidia, "0000:18:00.0")]),
+                slice(1, vec![amd("0000:20:00.0")]),
+                slice(2, vec![gpu(Vendor::Nvidia, "0000:30:00.0")]),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        assert_eq!(device_indices(&plan, &plan.slices[1]), vec![0]);
+        assert_eq!(device_indices(&plan, &plan.slices[2]), vec![1]);
     }
 
     /// A GPU driver double recording what the hooks asked of it.
@@ -1176,6 +1285,55 @@ mod tests {
             vec!["lock 0000:18:00.0 1410", "reset 0000:18:00.0"]
         );
         assert_eq!(report.released, vec![0]);
+    }
+
+    #[test]
+    fn pre_exit_releases_a_lease_taken_before_the_state_was_written() {
+        // `environment` killed between taking the lease and writing the state: the lease
+        // names the job but there is no state; pre-exit must still free the GPU.
+        let (_dir, settings) = fake_node();
+        let leases = Leases::new(&settings.run_dir, &settings.proc_root);
+        let me = Holder {
+            job_id: "job-half".into(),
+            agent: "a".into(),
+            anchor: process::identify(&settings.proc_root, std::process::id()).unwrap(),
+        };
+        leases
+            .acquire(&Want::Exactly(vec![0]), &me, Duration::ZERO)
+            .unwrap();
+        let mut open = || Err(GpuCheckError::NoNvml("no driver in tests".into()));
+        let report = pre_exit(
+            &settings,
+            &env(&[("BUILDKITE_JOB_ID", "job-half")]),
+            &mut open,
+        )
+        .unwrap();
+        assert_eq!(report.released, vec![0], "{report:?}");
+        assert!(leases.holder(0).unwrap().is_none());
+    }
+
+    #[test]
+    fn clocks_are_reset_when_the_state_cannot_be_written() {
+        let (_dir, settings) = fake_node();
+        // A directory where the state's temporary file goes: writing the state fails.
+        std::fs::create_dir_all(
+            jobs_dir(&settings).join(format!("job-nostate.json.{}", std::process::id())),
+        )
+        .unwrap();
+        let driver = FakeDriver::default();
+        let d = driver.clone();
+        let mut open = move || Ok(Box::new(d.clone()) as Box<dyn GpuControl>);
+        let e = env(&[
+            ("BUILDKITE_JOB_ID", "job-nostate"),
+            ("BUILDKITE_PLUGIN_CONFIGURATION", r#"{"lock-clocks":1410}"#),
+        ]);
+        assert!(environment(&settings, &e, &mut open).is_err());
+        assert_eq!(
+            *driver.log.lock().unwrap(),
+            vec!["lock 0000:18:00.0 1410", "reset 0000:18:00.0"]
+        );
+        let leases = Leases::new(&settings.run_dir, &settings.proc_root);
+        assert!(leases.holder(0).unwrap().is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! a millisecond.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -32,7 +32,16 @@ pub enum JobApiError {
     },
     #[error("Job API sent a malformed response: {0}")]
     Malformed(String),
+    #[error("the Job API refused BUILDKITE_AGENT_JOB_API_TOKEN (401 to {method} {path}): the hook must run inside the job whose socket and token it was given; do not set or copy these variables by hand")]
+    Unauthorized { method: String, path: String },
+    #[error("BUILDKITE_AGENT_JOB_API_TOKEN contains a control character; it must be the token the agent set for this job")]
+    BadToken,
 }
+
+/// The most a Job API response may hold (status line, each header line, and the body). The
+/// whole job environment comes back from GET; 64 MiB is far above any real one, and keeps a
+/// broken or hostile peer from making the hook allocate without bound.
+pub const MAX_RESPONSE_BYTES: u64 = 64 << 20;
 
 /// A connection target: socket path and token.
 #[derive(Debug, Clone)]
@@ -82,6 +91,10 @@ impl JobApi {
         path: &str,
         body: Option<&str>,
     ) -> Result<Vec<u8>, JobApiError> {
+        // A CR or LF would end the header early and inject others.
+        if self.token.chars().any(char::is_control) {
+            return Err(JobApiError::BadToken);
+        }
         let mut stream =
             UnixStream::connect(&self.socket).map_err(|error| JobApiError::Connect {
                 socket: self.socket.clone(),
@@ -104,6 +117,12 @@ impl JobApi {
         req.push_str(body);
         stream.write_all(req.as_bytes())?;
         let (status, resp) = read_response(BufReader::new(stream))?;
+        if status == 401 {
+            return Err(JobApiError::Unauthorized {
+                method: method.into(),
+                path: path.into(),
+            });
+        }
         if !(200..300).contains(&status) {
             return Err(JobApiError::Status {
                 status,
@@ -120,10 +139,32 @@ impl JobApi {
     }
 }
 
-/// Reads one HTTP/1.1 response: status and body (Content-Length, chunked, or to EOF).
+/// Reads one line of at most [`MAX_RESPONSE_BYTES`].
+fn read_line_bounded(r: &mut impl BufRead, line: &mut String) -> Result<usize, JobApiError> {
+    let n = r.by_ref().take(MAX_RESPONSE_BYTES).read_line(line)?;
+    if n as u64 >= MAX_RESPONSE_BYTES {
+        return Err(JobApiError::Malformed(format!(
+            "a line longer than {MAX_RESPONSE_BYTES} bytes"
+        )));
+    }
+    Ok(n)
+}
+
+/// Checks a declared body or chunk size against what is left of the response budget.
+fn within_budget(size: u64, used: usize) -> Result<usize, JobApiError> {
+    match usize::try_from(size) {
+        Ok(n) if (used as u64).saturating_add(size) <= MAX_RESPONSE_BYTES => Ok(n),
+        _ => Err(JobApiError::Malformed(format!(
+            "a body of {size} bytes (the limit is {MAX_RESPONSE_BYTES})"
+        ))),
+    }
+}
+
+/// Reads one HTTP/1.1 response: status and body (Content-Length, chunked, or to EOF), each
+/// part bounded by [`MAX_RESPONSE_BYTES`].
 pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError> {
     let mut line = String::new();
-    r.read_line(&mut line)?;
+    read_line_bounded(&mut r, &mut line)?;
     let status: u16 = line
         .split_whitespace()
         .nth(1)
@@ -133,7 +174,7 @@ pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError>
     let mut chunked = false;
     loop {
         let mut h = String::new();
-        if r.read_line(&mut h)? == 0 {
+        if read_line_bounded(&mut r, &mut h)? == 0 {
             return Err(JobApiError::Malformed("headers cut short".into()));
         }
         let h = h.trim_end();
@@ -143,10 +184,10 @@ pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError>
         if let Some((name, value)) = h.split_once(':') {
             let value = value.trim();
             if name.eq_ignore_ascii_case("content-length") {
-                length =
-                    Some(value.parse().map_err(|_| {
-                        JobApiError::Malformed(format!("Content-Length {value:?}"))
-                    })?);
+                let n: u64 = value
+                    .parse()
+                    .map_err(|_| JobApiError::Malformed(format!("Content-Length {value:?}")))?;
+                length = Some(within_budget(n, 0)?);
             } else if name.eq_ignore_ascii_case("transfer-encoding")
                 && value.to_ascii_lowercase().contains("chunked")
             {
@@ -158,13 +199,16 @@ pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError>
     if chunked {
         loop {
             let mut size_line = String::new();
-            r.read_line(&mut size_line)?;
+            if read_line_bounded(&mut r, &mut size_line)? == 0 {
+                return Err(JobApiError::Malformed("chunked body cut short".into()));
+            }
             let size_hex = size_line.trim().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size_hex, 16)
+            let size = u64::from_str_radix(size_hex, 16)
                 .map_err(|_| JobApiError::Malformed(format!("chunk size {size_hex:?}")))?;
             if size == 0 {
                 break;
             }
+            let size = within_budget(size, body.len())?;
             let start = body.len();
             body.resize(start + size, 0);
             r.read_exact(&mut body[start..])?;
@@ -175,7 +219,10 @@ pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError>
         body.resize(n, 0);
         r.read_exact(&mut body)?;
     } else {
-        r.read_to_end(&mut body)?;
+        r.by_ref()
+            .take(MAX_RESPONSE_BYTES + 1)
+            .read_to_end(&mut body)?;
+        within_budget(body.len() as u64, 0)?;
     }
     Ok((status, body))
 }
@@ -199,6 +246,35 @@ mod tests {
             read_response(&b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"[..])
                 .is_err()
         );
+    }
+
+    #[test]
+    fn oversized_or_endless_responses_are_refused_without_allocating() {
+        // A Content-Length or chunk size near usize::MAX must not be allocated (or overflow).
+        let huge = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{{}}",
+            u64::MAX
+        );
+        let e = read_response(huge.as_bytes()).unwrap_err();
+        assert!(matches!(e, JobApiError::Malformed(_)), "{e}");
+        let chunk = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nab";
+        let e = read_response(chunk.as_bytes()).unwrap_err();
+        assert!(matches!(e, JobApiError::Malformed(_)), "{e}");
+        // A body without a length that never ends is cut at the limit.
+        let endless =
+            std::io::BufReader::new((&b"HTTP/1.1 200 OK\r\n\r\n"[..]).chain(std::io::repeat(b'x')));
+        let e = read_response(endless).unwrap_err();
+        assert!(matches!(e, JobApiError::Malformed(_)), "{e}");
+        // So is a header line that never ends.
+        let endless =
+            std::io::BufReader::new((&b"HTTP/1.1 200 OK\r\nX: "[..]).chain(std::io::repeat(b'x')));
+        assert!(read_response(endless).is_err());
+    }
+
+    #[test]
+    fn a_token_that_would_inject_headers_is_refused() {
+        let api = JobApi::new(Path::new("/nonexistent/job-api.sock"), "t\r\nX-Evil: 1");
+        assert!(matches!(api.get_env(), Err(JobApiError::BadToken)));
     }
 
     #[test]

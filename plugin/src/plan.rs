@@ -82,7 +82,8 @@ pub fn format_cpu_list(cpus: &[u32]) -> String {
     while i < sorted.len() {
         let start = sorted[i];
         let mut end = start;
-        while i + 1 < sorted.len() && sorted[i + 1] == end + 1 {
+        // checked: a CPU id of u32::MAX (from a hand-edited plan) must not overflow.
+        while i + 1 < sorted.len() && end.checked_add(1) == Some(sorted[i + 1]) {
             i += 1;
             end = sorted[i];
         }
@@ -150,6 +151,10 @@ mod tests {
         assert_eq!(format_cpu_list(&[0, 1, 2, 3, 112, 113, 5]), "0-3,5,112-113");
         assert_eq!(format_cpu_list(&[]), "");
         assert_eq!(format_cpu_list(&[7]), "7");
+        assert_eq!(
+            format_cpu_list(&[u32::MAX - 1, u32::MAX]),
+            format!("{}-{}", u32::MAX - 1, u32::MAX)
+        );
     }
 
     #[test]

@@ -51,30 +51,45 @@ pub fn is_alive(proc_root: &Path, id: ProcessId) -> bool {
     !zombie && parse_stat(&text).is_some_and(|(_, _, start)| start == id.start_time)
 }
 
+/// Shells the agent runs hooks through; none of them outlives the hook.
+const SHELLS: &[&str] = &["bash", "sh", "dash", "zsh", "ksh", "mksh", "busybox"];
+
 /// The process that lives as long as the job: `explicit` when given (the harness and
 /// unusual runners set `KERNELKITE_JOB_PID`), else the nearest ancestor named
 /// `buildkite-agent` (the agent's per-job bootstrap: binary hooks are its children, sourced
-/// shell hooks its grandchildren or deeper), else our parent.
+/// shell hooks its grandchildren or deeper), else the nearest ancestor that is not a shell.
+///
+/// Not simply our parent: under the sourced shim the parent is the `$(...)` subshell, which
+/// exits with the hook. A lease anchored there would look dead, and free for another job,
+/// while this job still runs.
 pub fn job_anchor(proc_root: &Path, me: u32, explicit: Option<u32>) -> Option<ProcessId> {
     if let Some(pid) = explicit {
         return identify(proc_root, pid);
     }
     let (_, parent, _) = read_stat(proc_root, me)?;
     let mut pid = parent;
+    let mut first_non_shell: Option<ProcessId> = None;
     for _ in 0..32 {
         if pid <= 1 {
             break;
         }
-        let (comm, ppid, start) = read_stat(proc_root, pid)?;
+        // An ancestor that exited while we walked ends the walk, not the search.
+        let Some((comm, ppid, start)) = read_stat(proc_root, pid) else {
+            break;
+        };
+        let id = ProcessId {
+            pid,
+            start_time: start,
+        };
         if comm == "buildkite-agent" {
-            return Some(ProcessId {
-                pid,
-                start_time: start,
-            });
+            return Some(id);
+        }
+        if first_non_shell.is_none() && !SHELLS.contains(&comm.as_str()) {
+            first_non_shell = Some(id);
         }
         pid = ppid;
     }
-    identify(proc_root, parent)
+    first_non_shell.or_else(|| identify(proc_root, parent))
 }
 
 #[cfg(test)]
@@ -104,6 +119,79 @@ mod tests {
                 start_time: me.start_time + 1
             }
         ));
+    }
+
+    #[test]
+    fn a_zombie_anchor_is_dead() {
+        // A bootstrap that died but was not yet reaped by its agent must not hold a GPU.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let proc_root = Path::new("/proc");
+        let id = identify(proc_root, child.id());
+        let start = std::time::Instant::now();
+        let zombie = loop {
+            let stat =
+                std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap_or_default();
+            if stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+            {
+                break true;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(5) {
+                break false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        assert!(zombie, "the child never became a zombie");
+        let id = id.or_else(|| identify(proc_root, child.id())).unwrap();
+        assert!(!is_alive(proc_root, id));
+        child.wait().unwrap();
+    }
+
+    /// A fake `/proc` with the given (pid, comm, ppid) processes.
+    fn fake_proc(procs: &[(u32, &str, u32)]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for &(pid, comm, ppid) in procs {
+            let d = root.path().join(pid.to_string());
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(
+                d.join("stat"),
+                format!(
+                    "{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0",
+                    1000 + pid
+                ),
+            )
+            .unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn anchor_is_never_the_shim_s_short_lived_subshell() {
+        // hook binary 50 <- $(...) subshell 40 <- hook wrapper bash 30 <- runner 20 <- 10
+        let proc_root = fake_proc(&[
+            (50, "kernelkite-isol", 40),
+            (40, "bash", 30),
+            (30, "bash", 20),
+            (20, "agent-runner", 10),
+            (10, "systemd", 1),
+        ]);
+        let a = job_anchor(proc_root.path(), 50, None).unwrap();
+        assert_eq!(a.pid, 20);
+        // With the agent's bootstrap among the ancestors, it wins.
+        let proc_root = fake_proc(&[
+            (50, "kernelkite-isol", 40),
+            (40, "bash", 30),
+            (30, "buildkite-agent", 20),
+            (20, "agent-runner", 10),
+        ]);
+        assert_eq!(job_anchor(proc_root.path(), 50, None).unwrap().pid, 30);
+        // An ancestor gone mid-walk: the best found so far, not no anchor at all.
+        let proc_root = fake_proc(&[(50, "kernelkite-isol", 40), (40, "bash", 30)]);
+        assert_eq!(job_anchor(proc_root.path(), 50, None).unwrap().pid, 40);
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod agent;
 use std::collections::BTreeMap;
 
 use agent::{output_text, Install, Node};
+use serde_json::json;
 
 fn job_id(n: u32) -> String {
     format!("0190b8c2-0000-4000-8000-{n:012}")
@@ -496,11 +497,19 @@ fn job_api_client_against_the_agent_protocol() {
     assert_eq!(server.env()["B"], "two words");
     api.delete_env(&["A".to_string()]).unwrap();
     assert!(!server.env().contains_key("A"));
-    let e = JobApi::new(&server.socket, "wrong")
-        .get_env()
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("401"), "{e}");
+    let e = JobApi::new(&server.socket, "wrong").get_env().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kernelkite_isolate::jobapi::JobApiError::Unauthorized { .. }
+        ),
+        "{e}"
+    );
+    let e = e.to_string();
+    assert!(
+        e.contains("401") && e.contains("BUILDKITE_AGENT_JOB_API_TOKEN"),
+        "{e}"
+    );
     let e = JobApi::new(&server.socket, "")
         .patch_env(&BTreeMap::new())
         .unwrap_err()
@@ -550,4 +559,26 @@ fn a_step_without_a_command_runs_nothing_and_succeeds() {
         assert!(o.status.success(), "{hook}: {}", output_text(o));
     }
     assert!(String::from_utf8_lossy(&outs[1].1.stderr).contains("no command"));
+}
+
+#[test]
+fn a_slice_of_two_amd_gpus_exports_their_device_numbers_not_its_slice_number() {
+    let node = Node::new(1);
+    let gpu = |bus: &str| json!({"vendor": "amd", "pci_bus_id": bus, "uuid": null, "numa_node": 0});
+    let plan = json!({"slices": [
+        {"index": 0, "gpu": gpu("0000:0c:00.0"), "extra_gpus": [gpu("0000:22:00.0")],
+         "cpus": [0], "mems": [0], "memory_bytes": 256u64 << 20},
+        {"index": 1, "gpu": gpu("0000:38:00.0"), "extra_gpus": [gpu("0000:5c:00.0")],
+         "cpus": [1], "mems": [0], "memory_bytes": 256u64 << 20}],
+        "reserved_cpus": [], "warnings": []});
+    std::fs::write(node.path().join("plan.json"), plan.to_string()).unwrap();
+    let agent = node.agent("mi300x-gpu1");
+    let mut job = agent.start_job(&job_id(40), "true", None, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "2,3");
+    assert_eq!(job.env["HIP_VISIBLE_DEVICES"], "2,3");
+    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "2,3");
+    let out = job.run_hook("pre-exit");
+    assert!(out.status.success(), "{}", output_text(&out));
 }

@@ -49,12 +49,15 @@ fn fake_kernel(
         while !stop.load(Ordering::SeqCst) {
             let kill = std::fs::read_to_string(dir.join("cgroup.kill")).unwrap_or_default();
             if kill.trim() == "1" {
+                // Files first, then the kills: the code under test sees the cgroup empty as
+                // soon as the processes are gone and removes the directory, which must not
+                // race with this thread still writing into it.
+                let _ = std::fs::write(dir.join("cgroup.procs"), "");
+                let _ = std::fs::remove_file(dir.join("cgroup.kill"));
                 for c in &mut children {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
-                let _ = std::fs::write(dir.join("cgroup.procs"), "");
-                let _ = std::fs::remove_file(dir.join("cgroup.kill"));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -197,6 +200,16 @@ fn v1_copies_the_parent_cpuset_and_limits_swap() {
     )
     .unwrap();
     assert_eq!(c.oom_kills("job-4"), 1);
+    // CPUs 112-223 went offline and came back (SMT off and on): v1 left the parent without
+    // them; the next job's set-up gives them back before asking for them.
+    std::fs::write(
+        r.join("sys/fs/cgroup/cpuset/kernelkite/cpuset.cpus"),
+        "0-111",
+    )
+    .unwrap();
+    c.create("job-5", &l).unwrap();
+    assert_eq!(read("cpuset/kernelkite/cpuset.cpus"), "0-223");
+    c.clean_up("job-5").unwrap();
     let report = c.clean_up("job-4").unwrap();
     assert!(report.removed && report.killed.is_empty());
     for h in ["cpuset", "memory", "pids", "freezer", "devices"] {

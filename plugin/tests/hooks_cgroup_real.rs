@@ -10,7 +10,7 @@ use agent::{output_text, Agent, Install};
 use kernelkite_isolate::cgroup::Cgroups;
 use serde_json::json;
 
-/// Removes the test's job cgroups however the test ends.
+/// Removes the test's job cgroups (and any state claiming them) however the test ends.
 struct CgroupGuard(Vec<String>);
 
 impl Drop for CgroupGuard {
@@ -18,9 +18,44 @@ impl Drop for CgroupGuard {
         if let Ok(cg) = Cgroups::detect(Path::new("/")) {
             for job in &self.0 {
                 let _ = cg.clean_up(job);
+                let _ = std::fs::remove_file(state_file(job));
             }
         }
     }
+}
+
+fn state_file(job: &str) -> PathBuf {
+    shared_run_dir().join("jobs").join(format!("{job}.json"))
+}
+
+/// Records a live job for a cgroup a test creates directly (not through the hooks). Tests run
+/// in parallel and the `environment` hooks of the others clean every job cgroup that has no
+/// live state as an orphan, which would kill this test's processes mid-run.
+fn claim(job: &str) {
+    use kernelkite_isolate::job::JobState;
+    let state = JobState {
+        job_id: job.to_string(),
+        agent: "test".into(),
+        anchor: kernelkite_isolate::process::identify(Path::new("/proc"), std::process::id())
+            .unwrap(),
+        gpus: vec![],
+        device_indices: vec![],
+        slice: kernelkite_isolate::plan::Slice {
+            index: 0,
+            gpu: None,
+            extra_gpus: vec![],
+            cpus: vec![0],
+            mems: vec![0],
+            memory_bytes: 64 << 20,
+        },
+        config: Default::default(),
+        cgroup_version: None,
+        clocks_locked: false,
+        exports: Default::default(),
+    };
+    let path = state_file(job);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, serde_json::to_string(&state).unwrap()).unwrap();
 }
 
 fn real_cgroups() -> Option<Cgroups> {
@@ -37,6 +72,8 @@ fn real_cgroups() -> Option<Cgroups> {
         }
     };
     let probe = format!("kk-probe-{}", std::process::id());
+    let _guard = CgroupGuard(vec![probe.clone()]);
+    claim(&probe);
     let limits = kernelkite_isolate::cgroup::Limits {
         cpus: vec![0],
         mems: vec![0],
@@ -450,6 +487,7 @@ fn denied_devices_cannot_be_opened_on_v1() {
     }
     let name = unique("devices");
     let _guard = CgroupGuard(vec![name.clone()]);
+    claim(&name);
     // /dev/zero (c 1:5) stands in for another job's GPU, which this machine lacks.
     let limits = kernelkite_isolate::cgroup::Limits {
         cpus: vec![0],
@@ -480,4 +518,42 @@ fn denied_devices_cannot_be_opened_on_v1() {
         stdout.contains("urandom-ok"),
         "other devices must still work: {stdout} {stderr}"
     );
+}
+
+#[test]
+fn an_existing_job_cgroup_can_be_given_a_larger_or_smaller_memory_limit() {
+    let Some(cg) = real_cgroups() else { return };
+    let name = unique("resize");
+    let _guard = CgroupGuard(vec![name.clone()]);
+    claim(&name);
+    let limits = |memory_bytes: u64| kernelkite_isolate::cgroup::Limits {
+        cpus: vec![0],
+        mems: vec![0],
+        memory_bytes,
+        pids: 64,
+        deny_devices: vec![],
+    };
+    // On v1 the memory limit may never exceed memory+swap: growing must raise memsw first,
+    // shrinking must lower the memory limit first.
+    cg.create(&name, &limits(64 << 20)).unwrap();
+    cg.create(&name, &limits(256 << 20)).unwrap();
+    cg.create(&name, &limits(128 << 20)).unwrap();
+    let file = match cg.version() {
+        1 => "/sys/fs/cgroup/memory/kernelkite",
+        _ => "",
+    };
+    if !file.is_empty() {
+        let dir = Path::new(file).join(&name);
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        assert_eq!(
+            read("memory.limit_in_bytes").trim(),
+            (128u64 << 20).to_string()
+        );
+        if dir.join("memory.memsw.limit_in_bytes").exists() {
+            assert_eq!(
+                read("memory.memsw.limit_in_bytes").trim(),
+                (128u64 << 20).to_string()
+            );
+        }
+    }
 }

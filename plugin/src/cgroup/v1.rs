@@ -61,14 +61,17 @@ impl V1 {
     }
 
     /// A new v1 cpuset starts with empty `cpus`/`mems` and takes no tasks until both are
-    /// set, so the parent copies its own parent's before any job is made under it.
+    /// set, so the parent copies its own parent's (CPUs first, then memory nodes) before any
+    /// job is made under it. It is widened again whenever it lacks some of the root's: a v1
+    /// cpuset loses a CPU that goes offline and does not get it back when it returns (SMT
+    /// switched off and on), after which every job asking for that CPU would fail with EINVAL.
     fn prepare_cpuset_parent(&self) -> Result<(), CgroupError> {
         let base = self.cpuset.join(PARENT);
         mkdir(&base)?;
         for file in ["cpuset.cpus", "cpuset.mems"] {
             let mine = std::fs::read_to_string(base.join(file)).unwrap_or_default();
-            if mine.trim().is_empty() {
-                let parent = read(&self.cpuset.join(file))?;
+            let parent = read(&self.cpuset.join(file))?;
+            if mine.trim() != parent.trim() {
                 write(&base.join(file), parent.trim())?;
             }
         }
@@ -85,16 +88,28 @@ impl V1 {
         write(&cs.join("cpuset.cpus"), &format_cpu_list(&limits.cpus))?;
         write(&cs.join("cpuset.mems"), &format_cpu_list(&limits.mems))?;
         let mem = Self::dir(&self.memory, name);
-        // memsw must stay >= the memory limit, so the memory limit is written first.
-        write(
-            &mem.join("memory.limit_in_bytes"),
-            &limits.memory_bytes.to_string(),
-        )?;
-        let mut warnings = Vec::new();
+        let limit = mem.join("memory.limit_in_bytes");
         let memsw = mem.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() || !super::is_cgroupfs(&mem) {
-            write(&memsw, &limits.memory_bytes.to_string())?;
+        let value = limits.memory_bytes.to_string();
+        let mut warnings = Vec::new();
+        let has_memsw = memsw.exists() || !super::is_cgroupfs(&mem);
+        // The kernel keeps memory <= memory+swap at every write. A new cgroup has both
+        // unlimited, so the memory limit goes first; a reused one being raised needs memsw
+        // raised first.
+        let current = std::fs::read_to_string(&limit)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok());
+        let growing = current.is_some_and(|c| limits.memory_bytes > c);
+        if has_memsw && growing {
+            write(&memsw, &value)?;
+            write(&limit, &value)?;
         } else {
+            write(&limit, &value)?;
+            if has_memsw {
+                write(&memsw, &value)?;
+            }
+        }
+        if !has_memsw {
             let _ = write(&mem.join("memory.swappiness"), "0");
             warnings.push(
                 "memory.memsw.limit_in_bytes is missing (boot with swapaccount=1): swap is only discouraged (swappiness 0), not forbidden"

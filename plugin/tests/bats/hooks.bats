@@ -55,11 +55,42 @@ STUB
 
 @test "environment: a failing binary fails the hook with its message and exports nothing" {
   make_binary "$STUBS/kk" 1
+  # The agent's wrapper sources the hook and reads its status from `$?`.
   run env PATH="$BASE_PATH" KERNELKITE_ISOLATE_BIN="$STUBS/kk" bash -c \
-    "source '$PLUGIN/hooks/environment'; echo \"after gpu=\${KERNELBOT_GPU_INDEX:-none}\""
-  [ "$status" -ne 0 ]
+    "source '$PLUGIN/hooks/environment'; s=\$?; echo \"after gpu=\${KERNELBOT_GPU_INDEX:-none}\"; exit \$s"
+  [ "$status" -eq 1 ]
   [[ "$output" == *"unknown key"* ]]
-  [[ "$output" != *"after gpu=3"* ]]
+  [[ "$output" == *"after gpu=none"* ]]
+}
+
+@test "sourced hooks leave the shell's options, variables and functions as they were" {
+  make_binary "$STUBS/kk"
+  make_binary "$STUBS/kk-fails" 7
+  for hook in environment command pre-exit; do
+    for bin in kk kk-fails; do
+      run env PATH="$BASE_PATH" KERNELKITE_ISOLATE_BIN="$STUBS/$bin" bash -c "
+        before=\"\$(set +o; shopt -p)\"
+        source '$PLUGIN/hooks/$hook'
+        s=\$?
+        after=\"\$(set +o; shopt -p)\"
+        [[ \"\$before\" == \"\$after\" ]] || { echo \"options changed: \$(diff <(echo \"\$before\") <(echo \"\$after\"))\"; exit 99; }
+        leftovers=\"\$(compgen -v | grep -E '^_kk|^plugin_dir\$|^bin\$|^exports\$'; declare -F | grep -E '_kk_hook|kernelkite_find_binary')\"
+        [[ -z \"\$leftovers\" ]] || { echo \"left behind: \$leftovers\"; exit 98; }
+        echo \"status=\$s\""
+      [ "$status" -eq 0 ]
+      if [[ $bin == kk ]]; then
+        [[ "$output" == *"status=0"* ]]
+      else
+        [[ "$output" == *"status=7"* ]]
+      fi
+    done
+  done
+}
+
+@test "an executed (not sourced) hook exits with the binary's status" {
+  make_binary "$STUBS/kk" 5
+  run env PATH="$BASE_PATH" KERNELKITE_ISOLATE_BIN="$STUBS/kk" "$PLUGIN/hooks/pre-exit"
+  [ "$status" -eq 5 ]
 }
 
 @test "KERNELKITE_ISOLATE_BIN that is not executable is an error, not a fallback" {
