@@ -54,6 +54,8 @@ pub enum CgroupError {
     BadName(String),
     #[error("processes {pids:?} in {path} survived being killed; check for processes stuck in uninterruptible sleep (D state)")]
     Unkillable { path: PathBuf, pids: Vec<u32> },
+    #[error("the cgroup tree under {path} is {what}; clean-up gives up rather than walk it (remove it by hand)")]
+    TreeTooLarge { path: PathBuf, what: String },
 }
 
 pub(crate) fn io_err(path: &Path, error: std::io::Error) -> CgroupError {
@@ -123,24 +125,107 @@ pub(crate) fn is_cgroupfs(path: &Path) -> bool {
     magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
 }
 
-/// Removes a cgroup directory and any sub-cgroups the job made, deepest first.
-pub(crate) fn remove_tree(path: &Path) -> Result<(), CgroupError> {
-    if !path.exists() {
-        return Ok(());
+/// How deep clean-up follows sub-cgroups a job made under its cgroup.
+pub const MAX_TREE_DEPTH: usize = 32;
+/// How many sub-cgroups clean-up accepts under one job cgroup.
+pub const MAX_TREE_CGROUPS: usize = 10_000;
+
+/// Every cgroup directory of the tree rooted at `root`: `root` first, each parent before its
+/// children (so the reverse is deepest first). Symlinks are never followed, so the walk stays
+/// inside the tree; it is bounded by [`MAX_TREE_DEPTH`] and [`MAX_TREE_CGROUPS`], beyond which
+/// it is an error. Empty when `root` is not a directory.
+pub(crate) fn subtree(root: &Path) -> Result<Vec<PathBuf>, CgroupError> {
+    match bounded_subtree(root) {
+        (dirs, None) => Ok(dirs),
+        (_, Some(too_large)) => Err(too_large),
     }
-    if let Ok(entries) = std::fs::read_dir(path) {
+}
+
+/// The walk behind [`subtree`]: what lies within the bounds, and the error when the tree goes
+/// beyond them. Clean-up kills what it can see even in an oversized tree (a job must not be able
+/// to shield its processes by nesting cgroups deeper than the bound), then reports the error.
+fn bounded_subtree(root: &Path) -> (Vec<PathBuf>, Option<CgroupError>) {
+    if !std::fs::symlink_metadata(root).is_ok_and(|m| m.is_dir()) {
+        return (Vec::new(), None);
+    }
+    let too_large = |what: String| CgroupError::TreeTooLarge {
+        path: root.to_path_buf(),
+        what,
+    };
+    let mut out = vec![root.to_path_buf()];
+    let mut error = None;
+    let mut stack = vec![(root.to_path_buf(), 0usize)];
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for e in entries.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                remove_tree(&e.path())?;
+            // DirEntry::file_type does not follow symlinks.
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
             }
+            if depth + 1 > MAX_TREE_DEPTH {
+                error.get_or_insert_with(|| {
+                    too_large(format!(
+                        "deeper than {MAX_TREE_DEPTH} levels ({})",
+                        e.path().display()
+                    ))
+                });
+                continue;
+            }
+            if out.len() > MAX_TREE_CGROUPS {
+                return (
+                    out,
+                    Some(too_large(format!("more than {MAX_TREE_CGROUPS} cgroups"))),
+                );
+            }
+            out.push(e.path());
+            stack.push((e.path(), depth + 1));
         }
     }
-    match std::fs::remove_dir(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(_) if !is_cgroupfs(path) => std::fs::remove_dir_all(path).map_err(|e| io_err(path, e)),
-        Err(e) => Err(io_err(path, e)),
+    (out, error)
+}
+
+/// The live pids in every cgroup of the tree rooted at `root` that lies within the walk's
+/// bounds, sorted. An oversized tree still yields the pids it could see; [`remove_tree`]
+/// reports the size.
+pub(crate) fn tree_pids(root: &Path) -> Vec<u32> {
+    let mut all: Vec<u32> = bounded_subtree(root)
+        .0
+        .iter()
+        .flat_map(|d| read_pids(&d.join("cgroup.procs")))
+        .collect();
+    all.sort_unstable();
+    all.dedup();
+    all
+}
+
+/// Whether a v2 cgroup still has live processes in its subtree (`populated 1` in
+/// `cgroup.events`); v1 and fake cgroups without the file count as empty.
+pub(crate) fn populated(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("cgroup.events"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.trim() == "populated 1")
+}
+
+/// Removes a cgroup directory and any sub-cgroups the job made, deepest first; on v2 each waits
+/// (bounded) for its `cgroup.events` to say `populated 0`, as killed processes take a moment to
+/// leave.
+pub(crate) fn remove_tree(path: &Path) -> Result<(), CgroupError> {
+    for dir in subtree(path)?.iter().rev() {
+        wait_until(Duration::from_secs(2), || !populated(dir));
+        match std::fs::remove_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // remove_dir_all does not follow symlinks either.
+            Err(_) if !is_cgroupfs(dir) => {
+                std::fs::remove_dir_all(dir).map_err(|e| io_err(dir, e))?
+            }
+            Err(e) => return Err(io_err(dir, e)),
+        }
     }
+    Ok(())
 }
 
 /// Sends SIGKILL to each pid, ignoring ones already gone.

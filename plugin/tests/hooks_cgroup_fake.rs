@@ -222,3 +222,151 @@ fn v1_copies_the_parent_cpuset_and_limits_swap() {
         );
     }
 }
+
+/// A job that made `a/b` and `c` under its cgroup and moved processes there: the kill reaches
+/// all of them and the children go before the job cgroup.
+#[test]
+fn v2_clean_up_kills_and_removes_nested_child_cgroups() {
+    let root = tempfile::tempdir().unwrap();
+    let cg = v2_tree(root.path());
+    let c = Cgroups::detect(root.path()).unwrap();
+    c.create("job-6", &limits()).unwrap();
+    let dir = cg.join("kernelkite/job-6");
+    for sub in ["a/b", "c"] {
+        std::fs::create_dir_all(dir.join(sub)).unwrap();
+    }
+    // No cgroup.kill (kernel before 5.14): each process is killed by pid.
+    let mut kids = vec![sleeper(), sleeper()];
+    let mut pids: Vec<u32> = kids.iter().map(Child::id).collect();
+    std::fs::write(dir.join("a/b/cgroup.procs"), format!("{}\n", pids[0])).unwrap();
+    std::fs::write(dir.join("c/cgroup.procs"), format!("{}\n", pids[1])).unwrap();
+    pids.sort();
+    // Reapers, so the killed children do not linger as zombies listed in /proc.
+    let dir2 = dir.clone();
+    let reapers: Vec<_> = kids
+        .drain(..)
+        .map(|mut k| std::thread::spawn(move || k.wait().unwrap()))
+        .collect();
+    let report = c.clean_up("job-6").unwrap();
+    for r in reapers {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(r.join().unwrap().signal(), Some(libc::SIGKILL));
+    }
+    assert_eq!(report.killed, pids);
+    assert!(report.removed);
+    assert!(!dir2.exists());
+    let again = c.clean_up("job-6").unwrap();
+    assert!(again.killed.is_empty() && !again.removed);
+}
+
+/// With `cgroup.kill` the kernel kills the subtree; removal waits for each child to report
+/// `populated 0` and removes the deepest first.
+#[test]
+fn v2_removal_waits_for_nested_children_to_empty_deepest_first() {
+    let root = tempfile::tempdir().unwrap();
+    let cg = v2_tree(root.path());
+    let c = Cgroups::detect(root.path()).unwrap();
+    c.create("job-7", &limits()).unwrap();
+    let dir = cg.join("kernelkite/job-7");
+    let leaf = dir.join("x/y/z");
+    std::fs::create_dir_all(&leaf).unwrap();
+    let kid = sleeper();
+    let pid = kid.id();
+    std::fs::write(leaf.join("cgroup.procs"), format!("{pid}\n")).unwrap();
+    std::fs::write(dir.join("cgroup.kill"), "").unwrap();
+    for sub in ["", "x", "x/y", "x/y/z"] {
+        std::fs::write(
+            dir.join(sub).join("cgroup.events"),
+            "populated 1\nfrozen 0\n",
+        )
+        .unwrap();
+    }
+    // The "kernel": on cgroup.kill, empty the leaf and kill; then report the cgroups
+    // unpopulated one at a time, deepest first, with a pause, checking that nothing above a
+    // populated cgroup has been removed yet.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (d, s) = (dir.clone(), stop.clone());
+    let kernel = std::thread::spawn(move || {
+        let mut kid = kid;
+        while !s.load(Ordering::SeqCst) {
+            let kill = std::fs::read_to_string(d.join("cgroup.kill")).unwrap_or_default();
+            if kill.trim() == "1" {
+                let _ = std::fs::write(d.join("x/y/z/cgroup.procs"), "");
+                let _ = std::fs::remove_file(d.join("cgroup.kill"));
+                kid.kill().unwrap();
+                kid.wait().unwrap();
+                for sub in ["x/y/z", "x/y", "x", ""] {
+                    std::thread::sleep(Duration::from_millis(50));
+                    assert!(d.join(sub).exists(), "{sub} removed while populated");
+                    std::fs::write(d.join(sub).join("cgroup.events"), "populated 0\nfrozen 0\n")
+                        .unwrap();
+                }
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = kid.kill();
+        let _ = kid.wait();
+    });
+    let report = c.clean_up("job-7").unwrap();
+    stop.store(true, Ordering::SeqCst);
+    kernel.join().unwrap();
+    assert_eq!(report.killed, vec![pid]);
+    assert!(!dir.exists());
+}
+
+/// Nesting cgroups past the walk's bounds must not shield a job's processes: what the walk can
+/// see is killed, then the oversized tree is reported.
+#[test]
+fn an_oversized_tree_still_has_its_visible_processes_killed() {
+    let root = tempfile::tempdir().unwrap();
+    let cg = v2_tree(root.path());
+    let c = Cgroups::detect(root.path()).unwrap();
+    c.create("job-10", &limits()).unwrap();
+    let dir = cg.join("kernelkite/job-10");
+    let mut deep = dir.join("deep");
+    for _ in 0..40 {
+        deep.push("d");
+    }
+    std::fs::create_dir_all(&deep).unwrap();
+    std::fs::create_dir_all(dir.join("a")).unwrap();
+    let mut kid = sleeper();
+    std::fs::write(dir.join("a/cgroup.procs"), format!("{}\n", kid.id())).unwrap();
+    let reaper = std::thread::spawn(move || kid.wait().unwrap());
+    let e = c.clean_up("job-10").unwrap_err();
+    assert!(e.to_string().contains("deeper than 32"), "{e}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(reaper.join().unwrap().signal(), Some(libc::SIGKILL));
+}
+
+#[test]
+fn a_hostile_cgroup_tree_is_refused_not_walked_forever() {
+    let root = tempfile::tempdir().unwrap();
+    let cg = v2_tree(root.path());
+    let c = Cgroups::detect(root.path()).unwrap();
+    c.create("job-8", &limits()).unwrap();
+    let dir = cg.join("kernelkite/job-8");
+    let mut deep = dir.clone();
+    for _ in 0..40 {
+        deep.push("d");
+    }
+    std::fs::create_dir_all(&deep).unwrap();
+    let e = c.clean_up("job-8").unwrap_err();
+    assert!(e.to_string().contains("deeper than 32"), "{e}");
+    // A symlink out of the job's subtree is not followed: the target survives.
+    let outside = root.path().join("outside");
+    std::fs::create_dir_all(outside.join("keep")).unwrap();
+    std::fs::remove_dir_all(dir.join("d")).unwrap();
+    std::os::unix::fs::symlink(&outside, dir.join("link")).unwrap();
+    c.clean_up("job-8").unwrap();
+    assert!(outside.join("keep").exists());
+    assert!(!dir.exists());
+    // Too many cgroups.
+    c.create("job-9", &limits()).unwrap();
+    let dir = cg.join("kernelkite/job-9");
+    for i in 0..10_001 {
+        std::fs::create_dir_all(dir.join(format!("{}/{i}", i % 100))).unwrap();
+    }
+    let e = c.clean_up("job-9").unwrap_err();
+    assert!(e.to_string().contains("more than 10000"), "{e}");
+}

@@ -557,3 +557,229 @@ fn an_existing_job_cgroup_can_be_given_a_larger_or_smaller_memory_limit() {
         }
     }
 }
+
+#[test]
+fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
+    let Some(cg) = real_cgroups() else { return };
+    if cg.version() != 1 {
+        eprintln!("skipping: this machine's job cgroups are not cgroup v1");
+        return;
+    }
+    let root = Path::new("/sys/fs/cgroup");
+    let mut hierarchies = vec!["cpuset", "memory", "pids", "freezer"];
+    if root.join("devices/cgroup.procs").exists() {
+        hierarchies.push("devices");
+    }
+    if hierarchies
+        .iter()
+        .any(|h| !root.join(h).join("cgroup.procs").exists())
+    {
+        eprintln!("skipping: not every v1 hierarchy is mounted under /sys/fs/cgroup");
+        return;
+    }
+    let (dir, agent) = node(0, 5);
+    let id = unique("nested");
+    let _guard = CgroupGuard(vec![id.clone()]);
+    let pidfile: PathBuf = dir.path().join("daemon.pid");
+    // The job (root, host mode) makes `sub/deeper` under its cgroup in every hierarchy and a
+    // daemon moves itself there before the command returns.
+    let job_dirs: Vec<String> = hierarchies
+        .iter()
+        .map(|h| format!("{}/{h}/kernelkite/{id}", root.display()))
+        .collect();
+    let cs = &job_dirs[0];
+    let command = format!(
+        "set -e; for d in {dirs}; do mkdir -p $d/sub/deeper; done; \
+         for c in $(echo {cs}/sub {cs}/sub/deeper); do \
+           cat $(dirname $c)/cpuset.cpus > $c/cpuset.cpus; cat $(dirname $c)/cpuset.mems > $c/cpuset.mems; done; \
+         (setsid sh -c 'for d in {dirs}; do echo $$ > $d/sub/deeper/cgroup.procs; done; echo $$ > {pidfile}; exec sleep 300' </dev/null >/dev/null 2>&1 &); echo started",
+        dirs = job_dirs.join(" "),
+        pidfile = pidfile.display()
+    );
+    let mut job = agent.start_job(&id, &command, None, Install::AgentBinary);
+    assert!(job.run_hook("environment").status.success());
+    let cmd = job.run_hook("command");
+    assert!(cmd.status.success(), "{}", output_text(&cmd));
+    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    assert!(alive(pid), "the daemon should outlive the command");
+    assert!(
+        !cg.pids(&id).unwrap().contains(&pid),
+        "the daemon should have left the job cgroup itself for its child"
+    );
+    for d in &job_dirs {
+        let procs = std::fs::read_to_string(format!("{d}/sub/deeper/cgroup.procs")).unwrap();
+        assert!(
+            procs.lines().any(|l| l.trim() == pid.to_string()),
+            "{d}: {procs}"
+        );
+    }
+
+    let exit = job.run_hook("pre-exit");
+    assert!(exit.status.success(), "{}", output_text(&exit));
+    let report = String::from_utf8_lossy(&exit.stdout);
+    assert!(
+        report.contains("killed 1 leftover process(es)") && report.contains(&pid.to_string()),
+        "{}",
+        output_text(&exit)
+    );
+    let start = Instant::now();
+    while alive(pid) && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!alive(pid), "pre-exit left the daemon running");
+    for d in &job_dirs {
+        assert!(!Path::new(d).exists(), "pre-exit left {d}");
+    }
+    assert!(
+        cg.jobs().iter().all(|j| j != &id),
+        "pre-exit left the cgroup"
+    );
+    let again = job.run_hook("pre-exit");
+    assert!(
+        again.status.success()
+            && String::from_utf8_lossy(&again.stdout).contains("nothing to clean up"),
+        "{}",
+        output_text(&again)
+    );
+}
+
+/// A process hidden deeper than clean-up walks is still killed on v2: `cgroup.kill` covers the
+/// whole subtree, and is written whatever the walk saw.
+#[test]
+fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: real cgroup tests need root");
+        return;
+    }
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("skipping: no cgroup2 mount");
+        return;
+    };
+    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
+    let name = unique("v2hidden");
+    let dir = v2.base().join(&name);
+    let mut leaf = dir.clone();
+    for _ in 0..(kernelkite_isolate::cgroup::MAX_TREE_DEPTH + 2) {
+        leaf.push("d");
+    }
+    if std::fs::create_dir_all(&leaf).is_err() {
+        eprintln!("skipping: {} is not writable", mount.display());
+        return;
+    }
+    if !dir.join("cgroup.kill").exists() {
+        let _ = remove_bottom_up(&dir);
+        eprintln!("skipping: this kernel has no cgroup.kill");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let pidfile = tmp.path().join("pid");
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c").arg(format!(
+        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
+        pidfile.display()
+    ));
+    let confinement = kernelkite_isolate::confine::Confinement {
+        procs_files: vec![leaf.join("cgroup.procs")],
+        isolate_network: false,
+    };
+    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
+    assert!(child.wait().unwrap().success());
+    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    let outcome = v2.clean_up(&name);
+    let start = Instant::now();
+    while alive(pid) && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let survived = alive(pid);
+    // Leave nothing behind before asserting, whatever clean-up did.
+    if survived {
+        // SAFETY: kill(2) on the test's own daemon.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let _ = std::fs::write(dir.join("cgroup.kill"), "1");
+    remove_bottom_up(&dir).unwrap();
+    assert!(
+        !survived,
+        "a process below the walk bound survived clean-up"
+    );
+    let e = outcome.expect_err("an oversized tree is reported");
+    assert!(e.to_string().contains("deeper than"), "{e}");
+}
+
+/// Removes a test's deep cgroup tree, deepest first.
+fn remove_bottom_up(dir: &std::path::Path) -> std::io::Result<()> {
+    let mut dirs = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < dirs.len() {
+        for e in std::fs::read_dir(&dirs[i])?.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(e.path());
+            }
+        }
+        i += 1;
+    }
+    for d in dirs.iter().rev() {
+        let start = Instant::now();
+        while std::fs::remove_dir(d).is_err() && start.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    if dir.exists() {
+        return Err(std::io::Error::other(format!("{} remains", dir.display())));
+    }
+    Ok(())
+}
+
+#[test]
+fn real_cgroup_v2_kills_and_removes_nested_child_cgroups() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: real cgroup tests need root");
+        return;
+    }
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("skipping: no cgroup2 mount");
+        return;
+    };
+    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
+    let name = unique("v2nested");
+    let dir = v2.base().join(&name);
+    let leaf = dir.join("sub/deeper");
+    if std::fs::create_dir_all(&leaf).is_err() {
+        eprintln!("skipping: {} is not writable", mount.display());
+        return;
+    }
+    std::fs::create_dir_all(dir.join("other")).unwrap();
+    let _guard = scopeguard(v2.clone(), name.clone());
+    let tmp = tempfile::tempdir().unwrap();
+    let pidfile = tmp.path().join("pid");
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c").arg(format!(
+        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
+        pidfile.display()
+    ));
+    // The process starts in a grandchild cgroup of the job's, as if the job had moved it.
+    let confinement = kernelkite_isolate::confine::Confinement {
+        procs_files: vec![leaf.join("cgroup.procs")],
+        isolate_network: false,
+    };
+    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
+    assert!(child.wait().unwrap().success());
+    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    assert!(
+        v2.pids(&name).is_empty(),
+        "nothing in the job cgroup itself"
+    );
+    let report = v2.clean_up(&name).unwrap();
+    assert_eq!(report.killed, vec![pid]);
+    assert!(report.removed);
+    let start = Instant::now();
+    while alive(pid) && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!alive(pid));
+    assert!(!dir.exists());
+    let again = v2.clean_up(&name).unwrap();
+    assert!(again.killed.is_empty() && !again.removed);
+}

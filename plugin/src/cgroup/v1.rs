@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{
-    kill_pids, mkdir, read, read_pids, remove_tree, wait_until, write, CgroupError, Cleanup,
-    Limits, PARENT,
+    kill_pids, mkdir, read, read_pids, remove_tree, tree_pids, wait_until, write, CgroupError,
+    Cleanup, Limits, PARENT,
 };
 use crate::plan::format_cpu_list;
 
@@ -182,7 +182,20 @@ impl V1 {
         }
     }
 
-    /// Freeze, SIGKILL everything, thaw (so the kills are delivered), until empty.
+    /// The processes in the job's cgroup and every sub-cgroup under it, in every hierarchy.
+    fn tree_pids(&self, name: &str) -> Vec<u32> {
+        let mut all = Vec::new();
+        for h in self.hierarchies() {
+            all.extend(tree_pids(&Self::dir(h, name)));
+        }
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// Freeze, SIGKILL everything, thaw (so the kills are delivered), until empty. Covers the
+    /// sub-cgroups the job made under its cgroup in any hierarchy (the v1 freezer freezes a
+    /// frozen cgroup's descendants too).
     pub fn clean_up(&self, name: &str) -> Result<Cleanup, CgroupError> {
         let dirs: Vec<PathBuf> = self
             .hierarchies()
@@ -192,28 +205,30 @@ impl V1 {
         if !dirs.iter().any(|d| d.exists()) {
             return Ok(Cleanup::default());
         }
+        // A tree too large to walk whole still has what the walk sees killed; remove_tree then
+        // reports its size.
+        let left = || self.tree_pids(name);
         let mut killed: Vec<u32> = Vec::new();
         for _ in 0..50 {
-            let left = self.pids(name);
-            if left.is_empty() {
+            if left().is_empty() {
                 break;
             }
             self.set_frozen(name, true);
-            let left = self.pids(name);
-            for p in &left {
+            let now = left();
+            for p in &now {
                 if !killed.contains(p) {
                     killed.push(*p);
                 }
             }
-            kill_pids(&left);
+            kill_pids(&now);
             self.set_frozen(name, false);
-            wait_until(Duration::from_millis(200), || self.pids(name).is_empty());
+            wait_until(Duration::from_millis(200), || left().is_empty());
         }
-        let left = self.pids(name);
-        if !left.is_empty() {
+        let now = left();
+        if !now.is_empty() {
             return Err(CgroupError::Unkillable {
                 path: Self::dir(&self.cpuset, name),
-                pids: left,
+                pids: now,
             });
         }
         killed.sort_unstable();

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{
-    kill_pids, mkdir, read, read_pids, remove_tree, wait_until, write, CgroupError, Cleanup,
-    Limits, PARENT,
+    kill_pids, mkdir, populated, read, read_pids, remove_tree, tree_pids, wait_until, write,
+    CgroupError, Cleanup, Limits, PARENT,
 };
 use crate::plan::format_cpu_list;
 
@@ -90,42 +90,44 @@ impl V2 {
     }
 
     /// `cgroup.kill` where the kernel has it (5.14+), else freeze, kill each, thaw, repeat.
+    /// Both reach the whole subtree: sub-cgroups the job made under its cgroup included.
     pub fn clean_up(&self, name: &str) -> Result<Cleanup, CgroupError> {
         let dir = self.dir(name);
         if !dir.exists() {
             return Ok(Cleanup::default());
         }
-        let procs = dir.join("cgroup.procs");
-        let mut killed = read_pids(&procs);
-        let empty = || read_pids(&procs).is_empty();
+        let mut killed = tree_pids(&dir);
+        // `populated` covers the whole subtree, including cgroups past the walk's bounds.
+        let left = || tree_pids(&dir);
+        let empty = || left().is_empty() && !populated(&dir);
         let kill_file = dir.join("cgroup.kill");
-        if !killed.is_empty() {
-            if kill_file.exists() {
-                write(&kill_file, "1")?;
-            } else {
-                for _ in 0..20 {
-                    let freeze = dir.join("cgroup.freeze");
-                    let _ = write(&freeze, "1");
-                    let left = read_pids(&procs);
-                    if left.is_empty() {
-                        break;
-                    }
-                    for p in &left {
-                        if !killed.contains(p) {
-                            killed.push(*p);
-                        }
-                    }
-                    kill_pids(&left);
-                    let _ = write(&freeze, "0");
-                    wait_until(Duration::from_millis(100), empty);
+        if kill_file.exists() {
+            // Kills the whole subtree at any depth, so written whatever the walk saw.
+            write(&kill_file, "1")?;
+        } else if !killed.is_empty() {
+            for _ in 0..20 {
+                // Freezing a cgroup freezes its descendants too.
+                let freeze = dir.join("cgroup.freeze");
+                let _ = write(&freeze, "1");
+                let now = left();
+                if now.is_empty() {
+                    break;
                 }
+                for p in &now {
+                    if !killed.contains(p) {
+                        killed.push(*p);
+                    }
+                }
+                kill_pids(&now);
+                let _ = write(&freeze, "0");
+                wait_until(Duration::from_millis(100), empty);
             }
-            if !wait_until(Duration::from_secs(5), empty) {
-                return Err(CgroupError::Unkillable {
-                    path: dir,
-                    pids: read_pids(&procs),
-                });
-            }
+        }
+        if !wait_until(Duration::from_secs(5), empty) {
+            return Err(CgroupError::Unkillable {
+                path: dir.clone(),
+                pids: left(),
+            });
         }
         killed.sort_unstable();
         remove_tree(&dir)?;
