@@ -384,20 +384,7 @@ fn real_cgroup_v2_kills_a_daemonized_grandchild() {
         }
     }
     let _rm = Rm(v2.clone(), name.clone());
-    let tmp = tempfile::tempdir().unwrap();
-    let pidfile = tmp.path().join("pid");
-    let mut cmd = std::process::Command::new("/bin/sh");
-    cmd.arg("-c").arg(format!(
-        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
-        pidfile.display()
-    ));
-    let confinement = kernelkite_isolate::confine::Confinement {
-        procs_files: v2.procs_files(&name),
-        isolate_network: false,
-    };
-    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
-    assert!(child.wait().unwrap().success());
-    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    let pid = spawn_daemon_into(v2.procs_files(&name));
     assert!(
         v2.pids(&name).contains(&pid),
         "the grandchild left the v2 cgroup"
@@ -672,20 +659,7 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
         eprintln!("skipping: this kernel has no cgroup.kill");
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let pidfile = tmp.path().join("pid");
-    let mut cmd = std::process::Command::new("/bin/sh");
-    cmd.arg("-c").arg(format!(
-        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
-        pidfile.display()
-    ));
-    let confinement = kernelkite_isolate::confine::Confinement {
-        procs_files: vec![leaf.join("cgroup.procs")],
-        isolate_network: false,
-    };
-    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
-    assert!(child.wait().unwrap().success());
-    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    let pid = spawn_daemon_into(vec![leaf.join("cgroup.procs")]);
     let outcome = v2.clean_up(&name);
     let start = Instant::now();
     while alive(pid) && start.elapsed() < Duration::from_secs(2) {
@@ -705,6 +679,25 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
     );
     let e = outcome.expect_err("an oversized tree is reported");
     assert!(e.to_string().contains("deeper than"), "{e}");
+}
+
+/// Starts a `setsid` daemon (`sleep 300`) through `confine::spawn` with its first process written
+/// to `procs_files` (so the daemon starts in those cgroups), and returns the daemon's pid.
+fn spawn_daemon_into(procs_files: Vec<std::path::PathBuf>) -> u32 {
+    let tmp = tempfile::tempdir().unwrap();
+    let pidfile = tmp.path().join("pid");
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c").arg(format!(
+        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
+        pidfile.display()
+    ));
+    let confinement = kernelkite_isolate::confine::Confinement {
+        procs_files,
+        isolate_network: false,
+    };
+    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
+    assert!(child.wait().unwrap().success());
+    wait_for_file(&pidfile).trim().parse().unwrap()
 }
 
 /// Removes a test's deep cgroup tree, deepest first.
@@ -752,21 +745,8 @@ fn real_cgroup_v2_kills_and_removes_nested_child_cgroups() {
     }
     std::fs::create_dir_all(dir.join("other")).unwrap();
     let _guard = scopeguard(v2.clone(), name.clone());
-    let tmp = tempfile::tempdir().unwrap();
-    let pidfile = tmp.path().join("pid");
-    let mut cmd = std::process::Command::new("/bin/sh");
-    cmd.arg("-c").arg(format!(
-        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
-        pidfile.display()
-    ));
     // The process starts in a grandchild cgroup of the job's, as if the job had moved it.
-    let confinement = kernelkite_isolate::confine::Confinement {
-        procs_files: vec![leaf.join("cgroup.procs")],
-        isolate_network: false,
-    };
-    let mut child = kernelkite_isolate::confine::spawn(&mut cmd, &confinement).unwrap();
-    assert!(child.wait().unwrap().success());
-    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+    let pid = spawn_daemon_into(vec![leaf.join("cgroup.procs")]);
     assert!(
         v2.pids(&name).is_empty(),
         "nothing in the job cgroup itself"
