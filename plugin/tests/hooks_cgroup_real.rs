@@ -361,29 +361,10 @@ fn cgroup2_mount() -> Option<PathBuf> {
 
 #[test]
 fn real_cgroup_v2_kills_a_daemonized_grandchild() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
-        return;
-    }
-    let Some(mount) = cgroup2_mount() else {
-        eprintln!("skipping: no cgroup2 mount");
+    let Some((v2, name, dir)) = real_v2("v2", "") else {
         return;
     };
-    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
-    let name = unique("v2");
-    let dir = v2.base().join(&name);
-    if std::fs::create_dir_all(&dir).is_err() {
-        eprintln!("skipping: {} is not writable", mount.display());
-        return;
-    }
-    struct Rm(kernelkite_isolate::cgroup::v2::V2, String);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = self.0.clean_up(&self.1);
-        }
-    }
-    let _rm = Rm(v2.clone(), name.clone());
+    let _guard = scopeguard(v2.clone(), name.clone());
     let pid = spawn_daemon_into(v2.procs_files(&name));
     assert!(
         v2.pids(&name).contains(&pid),
@@ -401,22 +382,9 @@ fn real_cgroup_v2_kills_a_daemonized_grandchild() {
 
 #[test]
 fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
-        return;
-    }
-    let Some(mount) = cgroup2_mount() else {
-        eprintln!("skipping: no cgroup2 mount");
+    let Some((v2, name, dir)) = real_v2("clone3", "") else {
         return;
     };
-    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
-    let name = unique("clone3");
-    let dir = v2.base().join(&name);
-    if std::fs::create_dir_all(&dir).is_err() {
-        eprintln!("skipping: {} is not writable", mount.display());
-        return;
-    }
     let _guard = scopeguard(v2.clone(), name.clone());
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cgroup");
@@ -453,6 +421,36 @@ fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
     )
     .unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+}
+
+/// A fresh job cgroup on this machine's cgroup2 mount, with `sub` (a relative path, or "")
+/// created under it: (the v2 interface, the job's name, its directory). `None`, after saying
+/// why, where real cgroup v2 tests cannot run.
+fn real_v2(
+    prefix: &str,
+    sub: &str,
+) -> Option<(
+    kernelkite_isolate::cgroup::v2::V2,
+    String,
+    std::path::PathBuf,
+)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: real cgroup tests need root");
+        return None;
+    }
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("skipping: no cgroup2 mount");
+        return None;
+    };
+    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
+    let name = unique(prefix);
+    let dir = v2.base().join(&name);
+    if std::fs::create_dir_all(dir.join(sub)).is_err() {
+        eprintln!("skipping: {} is not writable", mount.display());
+        return None;
+    }
+    Some((v2, name, dir))
 }
 
 struct V2Guard(kernelkite_isolate::cgroup::v2::V2, String);
@@ -634,26 +632,11 @@ fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
 /// whole subtree, and is written whatever the walk saw.
 #[test]
 fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
-        return;
-    }
-    let Some(mount) = cgroup2_mount() else {
-        eprintln!("skipping: no cgroup2 mount");
+    let deep = vec!["d"; kernelkite_isolate::cgroup::MAX_TREE_DEPTH + 2].join("/");
+    let Some((v2, name, dir)) = real_v2("v2hidden", &deep) else {
         return;
     };
-    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
-    let name = unique("v2hidden");
-    let dir = v2.base().join(&name);
-    let mut leaf = dir.clone();
-    for _ in 0..(kernelkite_isolate::cgroup::MAX_TREE_DEPTH + 2) {
-        leaf.push("d");
-    }
-    if std::fs::create_dir_all(&leaf).is_err() {
-        eprintln!("skipping: {} is not writable", mount.display());
-        return;
-    }
+    let leaf = dir.join(&deep);
     if !dir.join("cgroup.kill").exists() {
         let _ = remove_bottom_up(&dir);
         eprintln!("skipping: this kernel has no cgroup.kill");
@@ -726,23 +709,10 @@ fn remove_bottom_up(dir: &std::path::Path) -> std::io::Result<()> {
 
 #[test]
 fn real_cgroup_v2_kills_and_removes_nested_child_cgroups() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
-        return;
-    }
-    let Some(mount) = cgroup2_mount() else {
-        eprintln!("skipping: no cgroup2 mount");
+    let Some((v2, name, dir)) = real_v2("v2nested", "sub/deeper") else {
         return;
     };
-    let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
-    let name = unique("v2nested");
-    let dir = v2.base().join(&name);
     let leaf = dir.join("sub/deeper");
-    if std::fs::create_dir_all(&leaf).is_err() {
-        eprintln!("skipping: {} is not writable", mount.display());
-        return;
-    }
     std::fs::create_dir_all(dir.join("other")).unwrap();
     let _guard = scopeguard(v2.clone(), name.clone());
     // The process starts in a grandchild cgroup of the job's, as if the job had moved it.
