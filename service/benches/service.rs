@@ -113,6 +113,29 @@ async fn service() -> Service {
     common::harness_with(|cfg| cfg.data_dir = None).await
 }
 
+/// Starts a client long-polling submission `id` and returns once the service has parked it
+/// (it watches the submission; the timeout timer is the first watcher). The task yields the
+/// moment the answer arrived and the answer.
+async fn park_long_poll(s: &Service, id: &str) -> tokio::task::JoinHandle<(Instant, Value)> {
+    let url = format!("{}/v1/submissions/{id}?wait=30", s.base);
+    let http = s.http.clone();
+    let waiter = tokio::spawn(async move {
+        let v: Value = http
+            .get(url)
+            .send()
+            .await
+            .expect("poll")
+            .json()
+            .await
+            .expect("json");
+        (Instant::now(), v)
+    });
+    while s.app.store.watchers(id) < 2 {
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
+    waiter
+}
+
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
     sorted[i]
@@ -154,23 +177,7 @@ async fn latency(sizes: &Sizes) {
         let (id, number) = submit(&s).await;
         numbers.push(number);
         s.fake.start_build(number).await;
-        let url = format!("{}/v1/submissions/{id}?wait=30", s.base);
-        let http = s.http.clone();
-        let waiter = tokio::spawn(async move {
-            let v: Value = http
-                .get(url)
-                .send()
-                .await
-                .expect("poll")
-                .json()
-                .await
-                .expect("json");
-            (Instant::now(), v)
-        });
-        // The long-poll is parked once it watches the submission (the timer is the first watcher).
-        while s.app.store.watchers(&id) < 2 {
-            tokio::time::sleep(Duration::from_micros(100)).await;
-        }
+        let waiter = park_long_poll(&s, &id).await;
         s.fake
             .add_artifact(number, ArtifactSpec::result_json(sample_result_json()));
         let t0 = Instant::now();
@@ -258,22 +265,7 @@ async fn burst_latency(s: &Service, k: usize) -> Vec<Duration> {
         s.fake.start_build(number).await;
         s.fake
             .add_artifact(number, ArtifactSpec::result_json(sample_result_json()));
-        let url = format!("{}/v1/submissions/{id}?wait=30", s.base);
-        let http = s.http.clone();
-        let waiter = tokio::spawn(async move {
-            let v: Value = http
-                .get(url)
-                .send()
-                .await
-                .expect("poll")
-                .json()
-                .await
-                .expect("json");
-            (Instant::now(), v)
-        });
-        while s.app.store.watchers(&id) < 2 {
-            tokio::time::sleep(Duration::from_micros(100)).await;
-        }
+        let waiter = park_long_poll(s, &id).await;
         waiting.push((number, waiter));
     }
     let t0 = Instant::now();
