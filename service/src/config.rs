@@ -300,14 +300,9 @@ mod tests {
         assert_eq!(c.buildkite_api_token.expose(), "bk-api-SECRET-1");
     }
 
-    #[test]
-    fn defaults_match_the_issue() {
-        let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
-        assert_eq!(c.branch, "main");
-        assert!(c.buildkite_webhook_token.is_none() && !c.allow_plain_webhook_token);
-        assert!(c.check().is_ok());
-        let d = Config::try_parse_from([
+    /// The fewest flags the service starts with; the rest from defaults and the environment.
+    fn parse_minimal() -> Config {
+        Config::try_parse_from([
             "x",
             "--buildkite-org",
             "o",
@@ -316,7 +311,17 @@ mod tests {
             "--buildkite-api-token",
             "t",
         ])
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_issue() {
+        let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.branch, "main");
+        assert!(c.buildkite_webhook_token.is_none() && !c.allow_plain_webhook_token);
+        assert!(c.check().is_ok());
+        let d = parse_minimal();
         assert_eq!(d.buildkite_api_url, "https://api.buildkite.com/v2");
     }
 
@@ -326,16 +331,7 @@ mod tests {
         std::env::set_var("KERNELKITE_BRANCH", "from-env");
         let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
         assert_eq!(c.branch, "main");
-        let d = Config::try_parse_from([
-            "x",
-            "--buildkite-org",
-            "o",
-            "--buildkite-pipeline",
-            "p",
-            "--buildkite-api-token",
-            "t",
-        ])
-        .unwrap();
+        let d = parse_minimal();
         assert_eq!(d.branch, "from-env");
         std::env::remove_var("KERNELKITE_BRANCH");
     }
