@@ -399,12 +399,12 @@ mod tests {
     #[test]
     fn nvml_absent_is_a_clear_error() {
         if std::path::Path::new("/dev/nvidiactl").exists() {
-            eprintln!("skipping: this machine has the NVIDIA driver");
+            kernelkite_tests::skip("this machine has the NVIDIA driver");
             return;
         }
         match Nvml::load() {
             Err(e) => assert!(e.to_string().contains("libnvidia-ml.so.1"), "{e}"),
-            Ok(_) => eprintln!("skipping: NVML loaded although no /dev/nvidiactl"),
+            Ok(_) => kernelkite_tests::skip("NVML loaded although no /dev/nvidiactl"),
         }
     }
 }

@@ -61,13 +61,13 @@ fn claim(job: &str) {
 fn real_cgroups() -> Option<Cgroups> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
+        kernelkite_tests::skip("real cgroup tests need root");
         return None;
     }
     let cg = match Cgroups::detect(Path::new("/")) {
         Ok(cg) => cg,
         Err(e) => {
-            eprintln!("skipping: no usable cgroups here: {e}");
+            kernelkite_tests::skip(format_args!("no usable cgroups here: {e}"));
             return None;
         }
     };
@@ -84,7 +84,7 @@ fn real_cgroups() -> Option<Cgroups> {
     let ok = cg.create(&probe, &limits);
     let _ = cg.clean_up(&probe);
     if let Err(e) = ok {
-        eprintln!("skipping: cgroups not writable here: {e}");
+        kernelkite_tests::skip(format_args!("cgroups not writable here: {e}"));
         return None;
     }
     eprintln!("using real cgroup v{}", cg.version());
@@ -400,7 +400,7 @@ fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
     )
     .unwrap();
     let Some(mut child) = started else {
-        eprintln!("skipping: this kernel has no clone3(CLONE_INTO_CGROUP)");
+        kernelkite_tests::skip("this kernel has no clone3(CLONE_INTO_CGROUP)");
         return;
     };
     assert!(child.wait().unwrap().success());
@@ -436,18 +436,18 @@ fn real_v2(
 )> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: real cgroup tests need root");
+        kernelkite_tests::skip("real cgroup tests need root");
         return None;
     }
     let Some(mount) = cgroup2_mount() else {
-        eprintln!("skipping: no cgroup2 mount");
+        kernelkite_tests::skip("no cgroup2 mount");
         return None;
     };
     let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
     let name = unique(prefix);
     let dir = v2.base().join(&name);
     if std::fs::create_dir_all(dir.join(sub)).is_err() {
-        eprintln!("skipping: {} is not writable", mount.display());
+        kernelkite_tests::skip(format_args!("{} is not writable", mount.display()));
         return None;
     }
     Some((v2, name, dir))
@@ -467,7 +467,7 @@ fn scopeguard(v2: kernelkite_isolate::cgroup::v2::V2, name: String) -> V2Guard {
 fn denied_devices_cannot_be_opened_on_v1() {
     let Some(cg) = real_cgroups() else { return };
     if cg.version() != 1 || !Path::new("/sys/fs/cgroup/devices/devices.deny").exists() {
-        eprintln!("skipping: no cgroup v1 devices hierarchy here");
+        kernelkite_tests::skip("no cgroup v1 devices hierarchy here");
         return;
     }
     let name = unique("devices");
@@ -547,7 +547,7 @@ fn an_existing_job_cgroup_can_be_given_a_larger_or_smaller_memory_limit() {
 fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
     let Some(cg) = real_cgroups() else { return };
     if cg.version() != 1 {
-        eprintln!("skipping: this machine's job cgroups are not cgroup v1");
+        kernelkite_tests::skip("this machine's job cgroups are not cgroup v1");
         return;
     }
     let root = Path::new("/sys/fs/cgroup");
@@ -559,7 +559,7 @@ fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
         .iter()
         .any(|h| !root.join(h).join("cgroup.procs").exists())
     {
-        eprintln!("skipping: not every v1 hierarchy is mounted under /sys/fs/cgroup");
+        kernelkite_tests::skip("not every v1 hierarchy is mounted under /sys/fs/cgroup");
         return;
     }
     let (dir, agent) = node(0, 5);
@@ -639,7 +639,7 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
     let leaf = dir.join(&deep);
     if !dir.join("cgroup.kill").exists() {
         let _ = remove_bottom_up(&dir);
-        eprintln!("skipping: this kernel has no cgroup.kill");
+        kernelkite_tests::skip("this kernel has no cgroup.kill");
         return;
     }
     let pid = spawn_daemon_into(vec![leaf.join("cgroup.procs")]);

@@ -103,7 +103,7 @@ fn plan_flags_reach_the_policy() {
 #[test]
 fn plan_from_an_hwloc_export() {
     let xml = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/hwloc/32em64t-2n8c2t-pci-normalio.xml");
+        .join("tests/data/hwloc/32em64t-2n8c2t-pci-normalio.xml");
     let o = bin(&["plan", "--topology-xml", xml.to_str().unwrap(), "--json"]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");

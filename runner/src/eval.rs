@@ -632,7 +632,7 @@ fn payload_vars() -> Vec<OsString> {
     scrubbed_vars(std::env::vars_os().map(|(k, _)| k))
 }
 
-/// Which of `names` [`payload_vars`] removes. Inherited `POPCORN_*` variables go too: the
+/// Which of `names` `payload_vars` removes. Inherited `POPCORN_*` variables go too: the
 /// protocol's variables are the runner's to set, so a `POPCORN_SEED` or `POPCORN_GPUS` in
 /// the agent's environment must not reach a run whose config sets no seed or no multi_gpu.
 pub fn scrubbed_vars(names: impl Iterator<Item = OsString>) -> Vec<OsString> {

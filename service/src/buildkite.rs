@@ -1,6 +1,6 @@
 //! The Buildkite REST client: create, cancel, list artifacts, download.
 //!
-//! Every call goes through [`BuildkiteClient::send`], which retries connect errors and 5xx
+//! Every call goes through `BuildkiteClient::send`, which retries connect errors and 5xx
 //! with exponential backoff, and on `429` waits for `RateLimit-Reset`. Nothing here logs a
 //! token, a request body or a payload: errors carry the method, path and status only.
 

@@ -1,6 +1,6 @@
 //! A fake Buildkite on loopback, for the service's tests and benchmark.
 //!
-//! It follows the REST API and webhook formats in `shared/DESIGN.md`: builds are created,
+//! It follows the REST API and webhook formats in `docs/DESIGN.md`: builds are created,
 //! read and canceled under `/v2/organizations/{org}/pipelines/{pipeline}/builds`; artifacts
 //! are listed with their real `file_size` and `sha1sum`; a download answers `302` to a blob
 //! endpoint that refuses any request carrying `Authorization`; webhooks are signed the way

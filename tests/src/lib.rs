@@ -1,9 +1,13 @@
 //! Cross-crate end-to-end tests live in `tests/tests/`; this library holds what they and the
 //! service's tests and benchmark share: the fake Buildkite, the service on loopback against
-//! it, and sample kernelbot documents. None of it is in a product's path.
+//! it, sample kernelbot documents, and [`skip()`], which every crate's tests use to report a
+//! test that could not run here as skipped. None of it is in a product's path.
 
 pub mod fake_buildkite;
 pub mod harness;
+pub mod skip;
+
+pub use skip::skip;
 
 /// A valid kernelbot run config (Python, test mode).
 pub fn sample_config() -> serde_json::Value {
