@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::app::{ApiError, App, SubmitRequest};
-use crate::submission::Submission;
+use crate::submission::{State, Submission};
 use crate::webhook::{parse_delivery, HEADER_EVENT};
 
 impl IntoResponse for ApiError {
@@ -220,20 +220,36 @@ enum EventSource {
 /// `event: <state>`, `id: <index in history>`, data `{"id","seq","state","at"}`; the terminal
 /// event's data also holds the whole submission (`"submission"`).
 fn state_event(s: &Submission, seq: usize) -> Event {
-    let t = &s.history[seq];
-    let mut data = json!({
-        "id": s.id,
-        "seq": seq,
-        "state": t.state,
-        "at": t.at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-    });
-    if t.state.is_terminal() {
-        data["submission"] = serde_json::to_value(s).unwrap_or(serde_json::Value::Null);
+    /// Serialized directly (never through `serde_json::Value`), so the result's JSON text is
+    /// written verbatim.
+    #[derive(serde::Serialize)]
+    struct StateEvent<'a> {
+        id: &'a str,
+        seq: usize,
+        state: State,
+        at: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        submission: Option<&'a Submission>,
     }
-    Event::default()
-        .event(t.state.as_str())
-        .id(seq.to_string())
-        .data(data.to_string())
+    let t = &s.history[seq];
+    let data = StateEvent {
+        id: &s.id,
+        seq,
+        state: t.state,
+        at: t.at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        submission: t.state.is_terminal().then_some(s),
+    };
+    let event = Event::default().event(t.state.as_str()).id(seq.to_string());
+    // `data` (not `json_data`, which drops line breaks): a result written with line breaks
+    // goes out as several `data:` lines, which clients join back with the same breaks.
+    match serde_json::to_string(&data) {
+        Ok(text) => event.data(text),
+        // Unreachable for these types; an event without data still marks the state.
+        Err(e) => {
+            tracing::error!("cannot encode the {} event: {e}", t.state.as_str());
+            event
+        }
+    }
 }
 
 /// `POST /webhooks/buildkite`: verify, then parse, then answer; the work runs in the background.

@@ -281,7 +281,7 @@ impl App {
                 return;
             }
             let outcome = match artifact::fetch_result(&app.buildkite, build.number).await {
-                Ok(r) => Outcome::Succeeded(Box::new(r)),
+                Ok(r) => Outcome::Succeeded(r),
                 Err(ArtifactError::Missing(why)) => Outcome::Failed(format!(
                     "build #{} finished with state {:?} without result.json{why}; see {}",
                     build.number, build.state, build.web_url

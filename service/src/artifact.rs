@@ -1,8 +1,15 @@
 //! Fetching a build's `result.json` and checking it before anyone trusts it: the listed
 //! artifact must be `finished`, the bytes must have the listed size and SHA-1, and they must
-//! parse as kernelbot's `FullResult` (no missing or extra fields).
+//! have the shape of kernelbot's `FullResult`.
+//!
+//! The result is then kept as the artifact's own JSON text ([`ResultJson`]), never re-encoded:
+//! when kernelbot adds a field and the nodes' runners write it before this service knows it,
+//! or a runner writes naive timestamps, the backend still gets exactly what the runner wrote.
 
-use kernelkite_runner::result::FullResult;
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use sha1::{Digest, Sha1};
 
 use crate::buildkite::{Artifact, BuildkiteClient, BuildkiteError};
@@ -23,6 +30,64 @@ pub enum ArtifactError {
     Parse(String),
 }
 
+/// A verified `result.json`, as the artifact's JSON text: serialized, it is written out
+/// verbatim, so GET, SSE, callbacks and the archive carry the runner's bytes unchanged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ResultJson(Box<RawValue>);
+
+impl ResultJson {
+    /// Parses `bytes` and checks the fields the service and kernelbot rely on; every other
+    /// field, known or not, is kept as it is.
+    pub fn parse(bytes: &[u8]) -> Result<ResultJson, ArtifactError> {
+        let parse = |e: serde_json::Error| ArtifactError::Parse(e.to_string());
+        let text = std::str::from_utf8(bytes).map_err(|e| ArtifactError::Parse(e.to_string()))?;
+        let raw: Box<RawValue> = serde_json::from_str(text).map_err(parse)?;
+        serde_json::from_str::<ResultShape>(raw.get()).map_err(parse)?;
+        Ok(ResultJson(raw))
+    }
+
+    /// The JSON text, exactly as the runner wrote it (without surrounding whitespace).
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The runner's own `success`: did the evaluation run (not: did the tests pass).
+    pub fn success(&self) -> bool {
+        serde_json::from_str::<ResultShape>(self.get()).is_ok_and(|r| r.success)
+    }
+}
+
+impl PartialEq for ResultJson {
+    fn eq(&self, other: &ResultJson) -> bool {
+        self.get() == other.get()
+    }
+}
+
+/// The part of `FullResult` a result must have: what kernelbot's `FullResult(**dict)` needs at
+/// the top level and in each run. Unknown fields are allowed at every depth (a newer runner may
+/// write them), and values are not reinterpreted (a naive timestamp is still a timestamp).
+#[derive(Deserialize)]
+struct ResultShape {
+    success: bool,
+    #[allow(dead_code)] // Checked for its type only.
+    error: String,
+    #[allow(dead_code)]
+    system: serde_json::Map<String, serde_json::Value>,
+    #[allow(dead_code)]
+    runs: BTreeMap<String, RunShape>,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)] // Checked for its shape only.
+struct RunShape {
+    start: String,
+    end: String,
+    compilation: Option<serde_json::Map<String, serde_json::Value>>,
+    run: Option<serde_json::Map<String, serde_json::Value>>,
+    profile: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
 /// Picks the artifact to use: a `finished` `result.json`; when a retried job uploaded more
 /// than one, the last listed (Buildkite lists newest last within a build's jobs).
 pub fn choose(artifacts: &[Artifact]) -> Result<&Artifact, ArtifactError> {
@@ -39,7 +104,7 @@ pub fn choose(artifacts: &[Artifact]) -> Result<&Artifact, ArtifactError> {
 }
 
 /// Checks downloaded bytes against the listing and parses them.
-pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<FullResult, ArtifactError> {
+pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<ResultJson, ArtifactError> {
     if bytes.len() as u64 != artifact.file_size {
         return Err(ArtifactError::SizeMismatch {
             want: artifact.file_size,
@@ -53,14 +118,14 @@ pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<FullResult, ArtifactE
             got,
         });
     }
-    serde_json::from_slice(bytes).map_err(|e| ArtifactError::Parse(e.to_string()))
+    ResultJson::parse(bytes)
 }
 
 /// Lists, downloads and checks the build's result.json: two API calls plus the blob fetch.
 pub async fn fetch_result(
     client: &BuildkiteClient,
     build_number: u64,
-) -> Result<FullResult, ArtifactError> {
+) -> Result<ResultJson, ArtifactError> {
     let listed = client.list_artifacts(build_number, RESULT_PATH).await?;
     let artifact = choose(&listed)?;
     let bytes = client.download(&artifact.download_url).await?;
@@ -102,7 +167,7 @@ mod tests {
     #[test]
     fn size_sha1_and_shape_are_checked() {
         let good = art("finished", RESULT.as_bytes());
-        assert!(verify(&good, RESULT.as_bytes()).unwrap().success);
+        assert!(verify(&good, RESULT.as_bytes()).unwrap().success());
         let mut short = good.clone();
         short.file_size -= 1;
         assert!(matches!(
@@ -115,10 +180,42 @@ mod tests {
             verify(&bad_sha, RESULT.as_bytes()),
             Err(ArtifactError::Sha1Mismatch { .. })
         ));
-        let extra = RESULT.replace("\"error\"", "\"extra\": 1, \"error\"");
-        assert!(matches!(
-            verify(&art("finished", extra.as_bytes()), extra.as_bytes()),
-            Err(ArtifactError::Parse(_))
-        ));
+        for not_a_result in [
+            "[]",
+            "{\"success\": true}",
+            &RESULT.replace("\"success\": true", "\"success\": \"yes\""),
+            &RESULT.replace("\"runs\": {}", "\"runs\": {\"test\": 1}"),
+            &RESULT.replace("\"runs\": {}", "\"runs\": {\"test\": {\"start\": \"t\"}}"),
+            "{\"success\": tru",
+        ] {
+            assert!(
+                matches!(
+                    verify(
+                        &art("finished", not_a_result.as_bytes()),
+                        not_a_result.as_bytes()
+                    ),
+                    Err(ArtifactError::Parse(_))
+                ),
+                "{not_a_result}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_result_is_kept_byte_for_byte() {
+        // A field this service does not know, at several depths, a naive timestamp, a float
+        // and an integer serde would write differently, and the runner's own spacing.
+        let text = r#"{"success": false, "error": "e", "new_top": {"a": [1.50, 1e400000]},
+  "system": {"gpu": "", "device_count": 1, "cpu": "", "runtime": "", "platform": "", "torch": "", "hostname": "h", "numa": 0},
+  "runs": {"test": {"start": "2026-11-22T10:40:00.123456", "end": "2026-11-22T10:40:03", "compilation": null,
+    "run": {"success": true, "passed": true, "command": "c", "stdout": "", "stderr": "", "exit_code": 0, "duration": 1.0,
+            "result": {"check": "pass"}, "new_in_run": 123456789012345678901234567890}, "profile": null, "new_in_eval": true}}}"#;
+        let r = verify(&art("finished", text.as_bytes()), text.as_bytes()).unwrap();
+        assert_eq!(r.get(), text);
+        assert!(!r.success());
+        // Serialized inside another document, the text is embedded verbatim.
+        let outer = serde_json::to_string(&serde_json::json!({"k": 1})).unwrap();
+        let embedded = serde_json::to_string(&(outer, &r)).unwrap();
+        assert!(embedded.contains(text), "{embedded}");
     }
 }

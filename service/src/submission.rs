@@ -6,8 +6,9 @@
 //! out-of-order webhooks harmless.
 
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
-use kernelkite_runner::result::FullResult;
 use serde::{Deserialize, Serialize};
+
+use crate::artifact::ResultJson;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -84,7 +85,8 @@ pub struct Submission {
     pub callback_url: Option<String>,
     pub timeout_s: u64,
     pub build: Option<BuildInfo>,
-    pub result: Option<Box<FullResult>>,
+    /// The runner's `result.json`, verbatim.
+    pub result: Option<ResultJson>,
     pub error: Option<String>,
     #[serde(with = "iso")]
     pub created_at: DateTime<Utc>,
@@ -99,7 +101,7 @@ pub struct Submission {
 /// How a submission ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    Succeeded(Box<FullResult>),
+    Succeeded(ResultJson),
     Failed(String),
     Canceled(String),
     TimedOut(String),

@@ -391,7 +391,8 @@ async fn corrupt_artifacts_are_refused() {
         ),
         (
             "not a kernelbot FullResult",
-            ArtifactSpec::result_json(good.replace("\"hostname\"", "\"host\"")),
+            // `runs` missing: not a result at all (an unknown field alone would be kept).
+            ArtifactSpec::result_json(good.replace("\"runs\"", "\"rungs\"")),
         ),
     ];
     for (want, spec) in cases {
