@@ -53,7 +53,7 @@ section "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 
 log=$(mktemp)
-# Tests that skip themselves append "<test>\t<reason>" here (kernelkite_tests::skip).
+# Tests that skip themselves append "<test>\t<reason>" here (kernelkite_testkit::skip).
 export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kernelkite_isolate::cgroup::{Cgroups, Limits};
-use kernelkite_isolate::fakesys;
+use kernelkite_topology::fakesys;
 
 mod common;
 use common::{ms, output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table};

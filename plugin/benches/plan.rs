@@ -10,12 +10,13 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kernelkite_isolate::fakesys;
-use kernelkite_isolate::planner::{plan, Policy};
-use kernelkite_isolate::topology::Topology;
+use kernelkite_topology::fakesys;
+use kernelkite_topology::planner::{plan, Policy};
+use kernelkite_topology::topology::Topology;
 
 mod common;
-use common::{output_ok, path_with, scratch, stats, stub_nvidia_smi_bin, Stats, Table};
+use common::{output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table};
+use kernelkite_testkit::scratch;
 
 fn time_process(iterations: usize, mut make: impl FnMut() -> Command) -> Stats {
     let run = |cmd: &mut Command| {

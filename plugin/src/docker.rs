@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::plan::{format_cpu_list, Slice, SliceGpu, Vendor};
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::{Slice, SliceGpu, Vendor};
 
 /// Everything `docker run` needs to know about the job.
 #[derive(Debug, Clone)]

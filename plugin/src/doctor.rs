@@ -10,8 +10,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub use crate::mountinfo::{parse_mountinfo, Mount};
-use crate::planner::{plan, PlanError, Policy};
-use crate::topology::{Topology, Vendor};
+use kernelkite_topology::planner::{plan, PlanError, Policy};
+use kernelkite_topology::topology::{Topology, Vendor};
 
 /// Outcome of one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -113,7 +113,7 @@ impl Host for LiveHost {
     }
 
     fn nvml_gpus(&self) -> Result<usize, String> {
-        let nvml = crate::topology::nvml::Nvml::load().map_err(|e| e.to_string())?;
+        let nvml = kernelkite_topology::topology::nvml::Nvml::load().map_err(|e| e.to_string())?;
         nvml.devices().map(|d| d.len()).map_err(|e| e.to_string())
     }
 }
@@ -501,7 +501,7 @@ pub fn exit_code(checks: &[Check]) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fakesys;
+    use kernelkite_topology::fakesys;
     use std::collections::BTreeMap;
 
     /// Programs on a pretend PATH, each with the stdout it answers (None = it fails).

@@ -5,7 +5,7 @@
 //! The policy (what counts as idle, what to lock) sits behind [`GpuControl`] so it is tested
 //! without a GPU.
 
-use crate::plan::{SliceGpu, Vendor};
+use kernelkite_topology::plan::{SliceGpu, Vendor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuCheckError {
@@ -126,7 +126,7 @@ pub use nvml::Nvml;
 
 mod nvml {
     use super::{GpuCheckError, GpuControl, GpuProcess};
-    use crate::plan::SliceGpu;
+    use kernelkite_topology::plan::SliceGpu;
     use std::ffi::{c_char, c_uint, c_void, CString};
 
     type Device = *mut c_void;
@@ -399,12 +399,12 @@ mod tests {
     #[test]
     fn nvml_absent_is_a_clear_error() {
         if std::path::Path::new("/dev/nvidiactl").exists() {
-            kernelkite_tests::skip("this machine has the NVIDIA driver");
+            kernelkite_testkit::skip("this machine has the NVIDIA driver");
             return;
         }
         match Nvml::load() {
             Err(e) => assert!(e.to_string().contains("libnvidia-ml.so.1"), "{e}"),
-            Ok(_) => kernelkite_tests::skip("NVML loaded although no /dev/nvidiactl"),
+            Ok(_) => kernelkite_testkit::skip("NVML loaded although no /dev/nvidiactl"),
         }
     }
 }

@@ -18,8 +18,9 @@ use crate::confine::{self, Confinement};
 use crate::docker;
 use crate::gpucheck::{self, GpuCheckError, GpuControl};
 use crate::lease::{Holder, LeaseError, Leases, Want};
-use crate::plan::{format_cpu_list, Plan, Slice, SliceGpu, Vendor};
 use crate::process::{self, ProcessId};
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::{Plan, Slice, SliceGpu, Vendor};
 
 /// Where things are on this node; every root is injectable for tests.
 #[derive(Debug, Clone)]
@@ -245,9 +246,9 @@ pub fn node_plan(settings: &Settings) -> Result<Plan, JobError> {
             reason: e.to_string(),
         });
     }
-    let topo = crate::topology::Topology::discover(&settings.sysfs_root)
+    let topo = kernelkite_topology::topology::Topology::discover(&settings.sysfs_root)
         .map_err(|e| JobError::Plan(e.to_string()))?;
-    crate::planner::plan(&topo, &crate::planner::Policy::default())
+    kernelkite_topology::planner::plan(&topo, &kernelkite_topology::planner::Policy::default())
         .map_err(|e| JobError::Plan(e.to_string()))
 }
 

@@ -1,7 +1,8 @@
 //! kernelkite-isolate: per-GPU slices of a node, and the Buildkite hooks that hold each job to one.
 //!
-//! The pure parts ([`topology`] values, the [`planner`]) never touch the machine; the thin
-//! layers that do take injected roots so they can be tested on fake trees.
+//! The node's topology and the pure planner live in `kernelkite-topology`; this crate holds
+//! what enforces a slice on a job (leases, cgroups, docker, the hooks) and the command line.
+//! The layers that touch the machine take injected roots so they can be tested on fake trees.
 
 pub mod cgroup;
 pub mod cli;
@@ -9,13 +10,9 @@ pub mod config;
 pub mod confine;
 pub mod docker;
 pub mod doctor;
-pub mod fakesys;
 pub mod gpucheck;
 pub mod job;
 pub mod jobapi;
 pub mod lease;
 pub mod mountinfo;
-pub mod plan;
-pub mod planner;
 pub mod process;
-pub mod topology;

@@ -292,7 +292,7 @@ fn orphaned_cgroup_without_state_is_removed() {
 #[test]
 fn gpu_checks_without_nvml_fail_at_environment_and_free_the_gpu() {
     if std::path::Path::new("/dev/nvidiactl").exists() {
-        kernelkite_tests::skip("this machine has the NVIDIA driver, NVML would load");
+        kernelkite_testkit::skip("this machine has the NVIDIA driver, NVML would load");
         return;
     }
     let node = Node::new(1);

@@ -40,7 +40,7 @@ fn claim(job: &str) {
             .unwrap(),
         gpus: vec![],
         device_indices: vec![],
-        slice: kernelkite_isolate::plan::Slice {
+        slice: kernelkite_topology::plan::Slice {
             index: 0,
             gpu: None,
             extra_gpus: vec![],
@@ -61,13 +61,13 @@ fn claim(job: &str) {
 fn real_cgroups() -> Option<Cgroups> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        kernelkite_tests::skip("real cgroup tests need root");
+        kernelkite_testkit::skip("real cgroup tests need root");
         return None;
     }
     let cg = match Cgroups::detect(Path::new("/")) {
         Ok(cg) => cg,
         Err(e) => {
-            kernelkite_tests::skip(format_args!("no usable cgroups here: {e}"));
+            kernelkite_testkit::skip(format_args!("no usable cgroups here: {e}"));
             return None;
         }
     };
@@ -84,7 +84,7 @@ fn real_cgroups() -> Option<Cgroups> {
     let ok = cg.create(&probe, &limits);
     let _ = cg.clean_up(&probe);
     if let Err(e) = ok {
-        kernelkite_tests::skip(format_args!("cgroups not writable here: {e}"));
+        kernelkite_testkit::skip(format_args!("cgroups not writable here: {e}"));
         return None;
     }
     eprintln!("using real cgroup v{}", cg.version());
@@ -138,7 +138,7 @@ fn node(cpu: u32, gpu: u32) -> (tempfile::TempDir, Agent) {
 
 fn online_cpus() -> Vec<u32> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
-    kernelkite_isolate::plan::parse_cpu_list(&text).unwrap_or_default()
+    kernelkite_topology::cpulist::parse_cpu_list(&text).unwrap_or_default()
 }
 
 fn alive(pid: u32) -> bool {
@@ -400,7 +400,7 @@ fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
     )
     .unwrap();
     let Some(mut child) = started else {
-        kernelkite_tests::skip("this kernel has no clone3(CLONE_INTO_CGROUP)");
+        kernelkite_testkit::skip("this kernel has no clone3(CLONE_INTO_CGROUP)");
         return;
     };
     assert!(child.wait().unwrap().success());
@@ -436,18 +436,18 @@ fn real_v2(
 )> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        kernelkite_tests::skip("real cgroup tests need root");
+        kernelkite_testkit::skip("real cgroup tests need root");
         return None;
     }
     let Some(mount) = cgroup2_mount() else {
-        kernelkite_tests::skip("no cgroup2 mount");
+        kernelkite_testkit::skip("no cgroup2 mount");
         return None;
     };
     let v2 = kernelkite_isolate::cgroup::v2::V2::new(mount.clone());
     let name = unique(prefix);
     let dir = v2.base().join(&name);
     if std::fs::create_dir_all(dir.join(sub)).is_err() {
-        kernelkite_tests::skip(format_args!("{} is not writable", mount.display()));
+        kernelkite_testkit::skip(format_args!("{} is not writable", mount.display()));
         return None;
     }
     Some((v2, name, dir))
@@ -467,7 +467,7 @@ fn scopeguard(v2: kernelkite_isolate::cgroup::v2::V2, name: String) -> V2Guard {
 fn denied_devices_cannot_be_opened_on_v1() {
     let Some(cg) = real_cgroups() else { return };
     if cg.version() != 1 || !Path::new("/sys/fs/cgroup/devices/devices.deny").exists() {
-        kernelkite_tests::skip("no cgroup v1 devices hierarchy here");
+        kernelkite_testkit::skip("no cgroup v1 devices hierarchy here");
         return;
     }
     let name = unique("devices");
@@ -547,7 +547,7 @@ fn an_existing_job_cgroup_can_be_given_a_larger_or_smaller_memory_limit() {
 fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
     let Some(cg) = real_cgroups() else { return };
     if cg.version() != 1 {
-        kernelkite_tests::skip("this machine's job cgroups are not cgroup v1");
+        kernelkite_testkit::skip("this machine's job cgroups are not cgroup v1");
         return;
     }
     let root = Path::new("/sys/fs/cgroup");
@@ -559,7 +559,7 @@ fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
         .iter()
         .any(|h| !root.join(h).join("cgroup.procs").exists())
     {
-        kernelkite_tests::skip("not every v1 hierarchy is mounted under /sys/fs/cgroup");
+        kernelkite_testkit::skip("not every v1 hierarchy is mounted under /sys/fs/cgroup");
         return;
     }
     let (dir, agent) = node(0, 5);
@@ -639,7 +639,7 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
     let leaf = dir.join(&deep);
     if !dir.join("cgroup.kill").exists() {
         let _ = remove_bottom_up(&dir);
-        kernelkite_tests::skip("this kernel has no cgroup.kill");
+        kernelkite_testkit::skip("this kernel has no cgroup.kill");
         return;
     }
     let pid = spawn_daemon_into(vec![leaf.join("cgroup.procs")]);

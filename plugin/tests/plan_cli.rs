@@ -3,13 +3,13 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use kernelkite_isolate::fakesys;
-use kernelkite_isolate::plan::Plan;
-use kernelkite_isolate::planner::{plan, Policy};
-use kernelkite_isolate::topology::Topology;
+use kernelkite_topology::fakesys;
+use kernelkite_topology::plan::Plan;
+use kernelkite_topology::planner::{plan, Policy};
+use kernelkite_topology::topology::Topology;
 
 mod common;
-use common::{assert_warns, scratch};
+use kernelkite_testkit::{assert_warns, scratch};
 
 fn bin(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
@@ -103,7 +103,7 @@ fn plan_flags_reach_the_policy() {
 #[test]
 fn plan_from_an_hwloc_export() {
     let xml = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/hwloc/32em64t-2n8c2t-pci-normalio.xml");
+        .join("../crates/topology/tests/data/hwloc/32em64t-2n8c2t-pci-normalio.xml");
     let o = bin(&["plan", "--topology-xml", xml.to_str().unwrap(), "--json"]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");

@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use kernelkite_isolate::fakesys;
-use kernelkite_isolate::plan::parse_cpu_list;
-use kernelkite_isolate::planner::{plan, Policy};
-use kernelkite_isolate::topology::Topology;
+use kernelkite_topology::cpulist::parse_cpu_list;
+use kernelkite_topology::fakesys;
+use kernelkite_topology::planner::{plan, Policy};
+use kernelkite_topology::topology::Topology;
 
 mod common;
-use common::{output_ok, path_with, scratch, stub_nvidia_smi_bin};
+use common::{output_ok, path_with, stub_nvidia_smi_bin};
+use kernelkite_testkit::scratch;
 
 /// The prototype: N = CPUs / GPUs, GPU g gets CPUs g*N .. g*N+N-1.
 fn contiguous_split(cpus: u32, gpus: u32) -> Vec<Vec<u32>> {

@@ -5,7 +5,7 @@
 //! `cargo bench -p kernelkite-service --bench service` (full); `KERNELKITE_BENCH_SHORT=1` for
 //! the CI-sized run. Figures are printed; docs/BENCHMARKS.md records them.
 
-use kernelkite_tests::harness as common;
+use kernelkite_testkit::harness as common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -16,11 +16,11 @@ use kernelkite_service::artifact;
 use kernelkite_service::buildkite::{BuildkiteClient, NewBuild};
 use kernelkite_service::submission::{BuildInfo, State, Submission};
 use kernelkite_service::Config;
-use kernelkite_tests::fake_buildkite::{
+use kernelkite_testkit::fake_buildkite::{
     signature_header, unix_now, ArtifactSpec, FakeBuildkite, FAKE_API_TOKEN, FAKE_ORG,
     FAKE_PIPELINE,
 };
-use kernelkite_tests::{sample_config, sample_result_json};
+use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::{json, Value};
 
 /// Counts live heap bytes, for memory per pending submission.

@@ -6,15 +6,15 @@ use std::time::{Duration, Instant};
 
 use kernelkite_service::config::Secret;
 use kernelkite_service::{App, Config};
-use kernelkite_tests::fake_buildkite::{
+use kernelkite_testkit::fake_buildkite::{
     signature_header, unix_now, ArtifactSpec, FakeBuildkite, Fault, FinishBeforeCreateResponse,
     Route, Signing, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
 };
-use kernelkite_tests::{sample_config, sample_result_json};
+use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::{json, Value};
 
 use common::*;
-use kernelkite_tests::harness as common;
+use kernelkite_testkit::harness as common;
 
 #[tokio::test]
 async fn happy_path_creates_the_build_and_returns_the_checked_result() {

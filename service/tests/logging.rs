@@ -3,13 +3,13 @@
 //! races with other threads' callsite registration).
 
 use common::*;
-use kernelkite_tests::harness as common;
+use kernelkite_testkit::harness as common;
 
 use std::sync::Arc;
 
 use kernelkite_service::config::Secret;
-use kernelkite_tests::fake_buildkite::{unix_now, ArtifactSpec, Fault, Route, FAKE_API_TOKEN};
-use kernelkite_tests::{sample_config, sample_result_json};
+use kernelkite_testkit::fake_buildkite::{unix_now, ArtifactSpec, Fault, Route, FAKE_API_TOKEN};
+use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::{json, Value};
 
 /// A `MakeWriter` that appends every log line to a shared buffer.

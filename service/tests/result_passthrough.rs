@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use kernelkite_tests::fake_buildkite::ArtifactSpec;
-use kernelkite_tests::harness::{harness, WAIT};
-use kernelkite_tests::sample_config;
+use kernelkite_testkit::fake_buildkite::ArtifactSpec;
+use kernelkite_testkit::harness::{harness, WAIT};
+use kernelkite_testkit::sample_config;
 use serde::Deserialize;
 use serde_json::json;
 use serde_json::value::RawValue;

@@ -1,13 +1,35 @@
-//! Cross-crate end-to-end tests live in `tests/tests/`; this library holds what they and the
-//! service's tests and benchmark share: the fake Buildkite, the service on loopback against
-//! it, sample kernelbot documents, and [`skip()`], which every crate's tests use to report a
-//! test that could not run here as skipped. None of it is in a product's path.
+//! kernelkite's test support. Cross-crate end-to-end tests live beside it in `tests/tests/`;
+//! this library holds what they and every crate's tests and benchmarks share: the fake
+//! Buildkite, the service on loopback against it, sample kernelbot documents, scratch trees,
+//! and [`skip()`], which reports a test that could not run here as skipped. None of it is in a
+//! product's path.
 
 pub mod fake_buildkite;
 pub mod harness;
 pub mod skip;
 
 pub use skip::skip;
+
+/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
+/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
+pub fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("kernelkite-fake")
+        .tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("a scratch directory in /dev/shm or the temp dir")
+}
+
+/// Fails, listing the plan's warnings, unless one warning contains every one of `parts`.
+pub fn assert_warns(p: &kernelkite_topology::plan::Plan, parts: &[&str]) {
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| parts.iter().all(|part| w.contains(part))),
+        "no warning with {parts:?}: {:?}",
+        p.warnings
+    );
+}
 
 /// A valid kernelbot run config (Python, test mode).
 pub fn sample_config() -> serde_json::Value {

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 
 use kernelkite_runner::config::{Mode, RunConfig};
 use kernelkite_runner::{cli, eval, example, payload};
-use kernelkite_tests::fake_buildkite::ArtifactSpec;
-use kernelkite_tests::harness::{self, Harness, WAIT};
+use kernelkite_testkit::fake_buildkite::ArtifactSpec;
+use kernelkite_testkit::harness::{self, Harness, WAIT};
 use serde_json::{json, Value};
 
 /// What the GPU agent does with a build: read the payload from the build's env exactly as

@@ -8,7 +8,7 @@ use super::{
     kill_pids, mkdir, read, read_pids, remove_tree, tree_pids, wait_until, write, CgroupError,
     Cleanup, Limits, PARENT,
 };
-use crate::plan::format_cpu_list;
+use kernelkite_topology::cpulist::format_cpu_list;
 
 #[derive(Debug, Clone)]
 pub struct V1 {

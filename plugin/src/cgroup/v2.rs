@@ -7,7 +7,7 @@ use super::{
     kill_pids, mkdir, populated, read, read_pids, remove_tree, tree_pids, wait_until, write,
     CgroupError, Cleanup, Limits, PARENT,
 };
-use crate::plan::format_cpu_list;
+use kernelkite_topology::cpulist::format_cpu_list;
 
 /// Controllers a job cgroup needs.
 pub const CONTROLLERS: &[&str] = &["cpuset", "memory", "pids"];

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::fakesys::{fixture, FIXTURES};
-use crate::plan::parse_cpu_list;
+use kernelkite_topology::cpulist::parse_cpu_list;
+use kernelkite_topology::fakesys::{fixture, FIXTURES};
 
 #[derive(Debug, clap::Args)]
 pub struct FixtureArgs {

@@ -141,8 +141,8 @@ pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
                 "kernelkite: job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
                 s.job_id,
                 s.gpus,
-                crate::plan::format_cpu_list(&s.slice.cpus),
-                crate::plan::format_cpu_list(&s.slice.mems),
+                kernelkite_topology::cpulist::format_cpu_list(&s.slice.cpus),
+                kernelkite_topology::cpulist::format_cpu_list(&s.slice.mems),
                 s.slice.memory_bytes,
                 match s.cgroup_version {
                     Some(v) => format!(", cgroup v{v}"),

@@ -4,9 +4,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::plan::{format_cpu_list, Plan};
-use crate::planner::{format_bytes, plan_explained, Policy};
-use crate::topology::Topology;
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::Plan;
+use kernelkite_topology::planner::{format_bytes, plan_explained, Policy};
+use kernelkite_topology::topology::Topology;
 
 /// Where the topology comes from, and the slicing policy.
 #[derive(Debug, clap::Args)]

@@ -5,18 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use kernelkite_isolate::plan::Plan;
-
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-pub fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap()
-}
-
 /// Runs `cmd` to completion and fails, showing its stderr, unless it succeeded.
 pub fn output_ok(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap();
@@ -48,15 +36,4 @@ pub fn path_with(bin: &Path) -> String {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     )
-}
-
-/// Fails, listing the warnings, unless one warning contains every one of `parts`.
-pub fn assert_warns(p: &Plan, parts: &[&str]) {
-    assert!(
-        p.warnings
-            .iter()
-            .any(|w| parts.iter().all(|part| w.contains(part))),
-        "no warning with {parts:?}: {:?}",
-        p.warnings
-    );
 }

@@ -20,7 +20,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::plan::{format_cpu_list, Plan, Slice, SliceGpu};
+use crate::cpulist::format_cpu_list;
+use crate::plan::{Plan, Slice, SliceGpu};
 use crate::topology::{Gpu, Topology};
 
 /// What the operator can decide about slicing.

@@ -3,13 +3,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, OnceLock};
 
-use kernelkite_isolate::fakesys::{self, FakeSys, SmtNumbering};
-use kernelkite_isolate::plan::{parse_cpu_list, Plan, Vendor};
-use kernelkite_isolate::planner::{plan, plan_explained, PlanError, Policy};
-use kernelkite_isolate::topology::Topology;
+use kernelkite_topology::cpulist::parse_cpu_list;
+use kernelkite_topology::fakesys::{self, FakeSys, SmtNumbering};
+use kernelkite_topology::plan::{Plan, Vendor};
+use kernelkite_topology::planner::{plan, plan_explained, PlanError, Policy};
+use kernelkite_topology::topology::Topology;
 
-mod common;
-use common::{assert_warns, scratch};
+use kernelkite_testkit::{assert_warns, scratch};
 
 const GIB: u64 = 1 << 30;
 

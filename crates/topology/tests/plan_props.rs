@@ -4,9 +4,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
-use kernelkite_isolate::plan::Vendor;
-use kernelkite_isolate::planner::{plan, PlanError, Policy};
-use kernelkite_isolate::topology::{Cpu, Gpu, NumaNode, Topology};
+use kernelkite_topology::plan::Vendor;
+use kernelkite_topology::planner::{plan, PlanError, Policy};
+use kernelkite_topology::topology::{Cpu, Gpu, NumaNode, Topology};
 
 /// A random machine: shape, SMT numbering, GPUs with (maybe unknown) nodes, offline CPUs and a
 /// cpuset that may leave things out.
@@ -269,6 +269,6 @@ proptest! {
         sorted.sort_unstable();
         prop_assert_eq!(firsts, sorted);
         // Same input, same output.
-        prop_assert_eq!(kernelkite_isolate::planner::plan(&topo, &p).ok(), Some(plan));
+        prop_assert_eq!(kernelkite_topology::planner::plan(&topo, &p).ok(), Some(plan));
     }
 }

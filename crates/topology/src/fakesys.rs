@@ -9,7 +9,8 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-use crate::plan::{format_cpu_list, Vendor};
+use crate::cpulist::format_cpu_list;
+use crate::plan::Vendor;
 
 const GIB: u64 = 1 << 30;
 

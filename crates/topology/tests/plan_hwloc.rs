@@ -4,13 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kernelkite_isolate::fakesys;
-use kernelkite_isolate::plan::{parse_cpu_list, Plan, Vendor};
-use kernelkite_isolate::planner::{plan, Policy};
-use kernelkite_isolate::topology::Topology;
+use kernelkite_topology::cpulist::parse_cpu_list;
+use kernelkite_topology::fakesys;
+use kernelkite_topology::plan::{Plan, Vendor};
+use kernelkite_topology::planner::{plan, Policy};
+use kernelkite_topology::topology::Topology;
 
-mod common;
-use common::scratch;
+use kernelkite_testkit::scratch;
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hwloc")
@@ -45,7 +45,7 @@ fn hwloc(tool: &str, args: &[&str]) -> Option<String> {
 fn have_hwloc() -> bool {
     let ok = Command::new("hwloc-calc").arg("--version").output().is_ok();
     if !ok {
-        kernelkite_tests::skip(
+        kernelkite_testkit::skip(
             "hwloc oracle checks not run: hwloc-calc not found (apt-get install hwloc)",
         );
     }

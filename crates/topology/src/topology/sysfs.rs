@@ -14,7 +14,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::{canonical_bus_id, gpu_vendor, Cpu, Gpu, NumaNode, Topology, TopologyError};
-use crate::plan::parse_cpu_list;
+use crate::cpulist::parse_cpu_list;
 
 pub(crate) fn read(root: &Path) -> Result<Topology, TopologyError> {
     let cpu_dir = root.join("sys/devices/system/cpu");
