@@ -198,8 +198,15 @@ fn output_from_raw(args: &[std::ffi::OsString], env: Option<std::ffi::OsString>)
 /// The whole command; returns the exit code.
 pub fn run(args: &Args) -> anyhow::Result<u8> {
     if args.example && args.print_payload {
-        println!("{}", payload::encode(&example::config(args.example_mode))?);
-        return Ok(EXIT_OK);
+        let text = payload::encode(&example::config(args.example_mode))?;
+        let mut stdout = std::io::stdout().lock();
+        return match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
+            Ok(()) => Ok(EXIT_OK),
+            // A reader that has seen enough (`| head -c 10`) closed the pipe: nothing is
+            // wrong, and nothing is left to say.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(EXIT_OK),
+            Err(e) => Err(anyhow::anyhow!("cannot print the payload: {e}")),
+        };
     }
     let probe = Probe {
         python: args.python.clone(),

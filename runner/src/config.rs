@@ -49,13 +49,27 @@ impl Mode {
     }
 }
 
-/// How benchmark lines are ranked; `last` (kernelbot's default) runs only the last line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// kernelbot's `RankCriterion`: how the leaderboard score is made from the benchmarks.
+/// `last` (the default) runs only the last benchmark line in `benchmark`, `leaderboard` and
+/// `profile` runs; `mean` and `geom` run all of them (the backend averages the results).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RankingBy {
     Last,
-    #[serde(untagged)]
-    Other(String),
+    Mean,
+    Geom,
+}
+
+impl RankingBy {
+    pub const ALL: [RankingBy; 3] = [RankingBy::Last, RankingBy::Mean, RankingBy::Geom];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RankingBy::Last => "last",
+            RankingBy::Mean => "mean",
+            RankingBy::Geom => "geom",
+        }
+    }
 }
 
 /// The run config as kernelbot sends it.
@@ -138,8 +152,16 @@ pub enum ConfigError {
     NoSources,
     #[error("`main` is required when lang is \"py\"; name the file to run (one of `sources`)")]
     MissingMain,
-    #[error("`main` is {0:?}, which is not among `sources` ({1})")]
+    #[error("`main` is {0:?}, which is not among `sources` ({1}); kernelbot requires `main` to be one of the keys of `sources`, spelled the same")]
     MainNotInSources(String, String),
+    #[error("{first:?} (in `{first_field}`) and {second:?} (in `{second_field}`) name the same file {path:?}; give each file once")]
+    DuplicateFile {
+        first_field: &'static str,
+        first: String,
+        second_field: &'static str,
+        second: String,
+        path: String,
+    },
     #[error("file name {name:?} in `{field}` is not allowed: {reason}; use a plain relative path inside the work directory")]
     BadFileName {
         field: &'static str,
@@ -163,21 +185,31 @@ pub enum ConfigError {
     },
     #[error("`arch` {0:?} is not a CUDA architecture like 90 or \"90a\"")]
     BadArch(String),
-    #[error("`ranking_by` {0:?} is not supported; kernelbot's runner supports \"last\"")]
+    #[error("`ranking_by` is {0}, which is not one of kernelbot's ranking criteria: \"last\", \"mean\" or \"geom\"")]
     BadRanking(String),
     #[error(
         "`{0}` must not contain a newline or other line break (\\r, \\v, \\f, U+2028, ...) in key or value (each case is one line `k: v; k: v`)"
     )]
     BadCase(&'static str),
-    #[error("mode {0:?} needs at least one entry in `benchmarks`")]
-    NoBenchmarks(&'static str),
-    #[error("mode \"test\" needs at least one entry in `tests`")]
-    NoTests,
+    #[error("the {0:?} run takes the last benchmark line (`ranking_by` is \"last\"), but `benchmarks` is empty; kernelbot fails here too (the last of no lines); add a benchmark or rank by \"mean\" or \"geom\"")]
+    LastOfNoBenchmarks(&'static str),
+    #[error("profile run {0} gets benchmark line {0}, which is empty (a case with no keys), and `ranking_by` \"last\" takes the last line of it; kernelbot fails here too (the last of no lines); give the case a key or rank by \"mean\" or \"geom\"")]
+    LastOfEmptyProfileLine(usize),
 }
 
 impl RunConfig {
     /// Parses and validates a config from JSON.
     pub fn from_json(value: Value) -> Result<RunConfig, ConfigError> {
+        // kernelbot turns `ranking_by` into its RankCriterion enum, which takes exactly these
+        // three strings; anything else (`null` included) is refused there, and here.
+        if let Some(r) = value.get("ranking_by") {
+            if !RankingBy::ALL
+                .iter()
+                .any(|k| r.as_str() == Some(k.as_str()))
+            {
+                return Err(ConfigError::BadRanking(r.to_string()));
+            }
+        }
         // The path names the offending field (`test_timeout: invalid type ...`).
         let cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
@@ -198,11 +230,26 @@ impl RunConfig {
         if self.sources.is_empty() {
             return Err(ConfigError::NoSources);
         }
-        for name in self.sources.keys() {
-            check_file_name("sources", name)?;
-        }
-        for name in self.headers.keys() {
-            check_file_name("headers", name)?;
+        // `./a.py` and `a.py` are one file to kernelbot (it writes both, the later wins); a
+        // config that gives a file twice is refused rather than one content silently lost.
+        // CUDA writes sources and headers into one directory; Python writes only sources.
+        let mut seen: IndexMap<String, (&'static str, &str)> = IndexMap::new();
+        let headers = self.headers.keys().map(|n| ("headers", n));
+        for (field, name) in self.sources.keys().map(|n| ("sources", n)).chain(headers) {
+            let path = work_path(field, name)?;
+            if field == "headers" && self.lang == Lang::Python {
+                continue;
+            }
+            if let Some(&(first_field, first)) = seen.get(&path) {
+                return Err(ConfigError::DuplicateFile {
+                    first_field,
+                    first: first.to_string(),
+                    second_field: field,
+                    second: name.clone(),
+                    path,
+                });
+            }
+            seen.insert(path, (field, name));
         }
         if self.lang == Lang::Python {
             let main = self.main.as_deref().ok_or(ConfigError::MissingMain)?;
@@ -252,9 +299,6 @@ impl RunConfig {
                 return Err(ConfigError::BadArch(s));
             }
         }
-        if let RankingBy::Other(other) = &self.ranking_by {
-            return Err(ConfigError::BadRanking(other.clone()));
-        }
         for (field, cases) in [("tests", &self.tests), ("benchmarks", &self.benchmarks)] {
             for case in cases {
                 for (k, v) in case {
@@ -267,19 +311,9 @@ impl RunConfig {
                 }
             }
         }
-        match self.mode {
-            Mode::Test if self.tests.is_empty() => return Err(ConfigError::NoTests),
-            Mode::Benchmark | Mode::Profile if self.benchmarks.is_empty() => {
-                return Err(ConfigError::NoBenchmarks(self.mode.as_str()))
-            }
-            Mode::Leaderboard | Mode::Private if self.tests.is_empty() => {
-                return Err(ConfigError::NoTests)
-            }
-            Mode::Leaderboard | Mode::Private if self.benchmarks.is_empty() => {
-                return Err(ConfigError::NoBenchmarks(self.mode.as_str()))
-            }
-            _ => {}
-        }
+        // Empty `tests` or `benchmarks` are not refused: kernelbot hands the harness an empty
+        // cases file (the harness decides), runs no profile at all, and only fails where it
+        // takes the last of no benchmark lines, which the evaluation reports when it gets there.
         Ok(self
             .extra
             .keys()
@@ -302,23 +336,9 @@ pub fn cases_text(cases: &[IndexMap<String, Value>]) -> String {
     out
 }
 
-/// Python's `str()` of a JSON value, for the scalar values cases hold.
+/// Python's `str()` of a value as `json.loads` gives it (see [`crate::pyrepr`]).
 pub fn case_value_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        Value::Null => "None".into(),
-        Value::Number(n) => match n.as_f64() {
-            Some(f) if !n.is_i64() && !n.is_u64() => {
-                String::from_utf8(crate::payload::python_json(&f).unwrap_or_default())
-                    .unwrap_or_default()
-            }
-            _ => n.to_string(),
-        },
-        other => String::from_utf8(crate::payload::python_json(other).unwrap_or_default())
-            .unwrap_or_default(),
-    }
+    crate::pyrepr::str_of(v)
 }
 
 /// A line boundary of Python's `str.splitlines()`.
@@ -343,10 +363,12 @@ fn is_identifier(s: &str) -> bool {
         && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
 }
 
-/// A file name must stay inside the work directory lexically: relative, made of plain
-/// components only. (Symlinks cannot be smuggled in: the runner writes into a fresh directory
-/// and refuses to follow links; see `workdir`.)
-fn check_file_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
+/// The file a name in `sources` or `headers` stands for, relative to the work directory,
+/// normalized as Python's `pathlib` does (kernelbot writes `Path(name)` in its working
+/// directory): `./a.py`, `a//b.py`, `a/./b.py` and `a/b.py/` are `a.py`, `a/b.py` and
+/// `a/b.py`. The name must stay inside lexically: relative, without `..`. (Symlinks cannot
+/// be smuggled in: the runner refuses to follow links; see `workdir`.)
+pub fn work_path(field: &'static str, name: &str) -> Result<String, ConfigError> {
     let bad = |reason| ConfigError::BadFileName {
         field,
         name: name.to_string(),
@@ -365,18 +387,19 @@ fn check_file_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
     if path.is_absolute() {
         return Err(bad("it is an absolute path"));
     }
+    let mut parts: Vec<&str> = Vec::new();
     for c in path.components() {
         match c {
-            Component::Normal(_) => {}
+            Component::Normal(part) => parts.push(part.to_str().unwrap_or_default()),
+            Component::CurDir => {}
             Component::ParentDir => return Err(bad("it contains '..'")),
-            Component::CurDir => return Err(bad("it contains '.' components")),
             Component::RootDir | Component::Prefix(_) => return Err(bad("it is an absolute path")),
         }
     }
-    if name.ends_with('/') {
-        return Err(bad("it names a directory"));
+    if parts.is_empty() {
+        return Err(bad("it names the work directory itself"));
     }
-    Ok(())
+    Ok(parts.join("/"))
 }
 
 #[cfg(test)]
@@ -451,8 +474,19 @@ mod tests {
                 json!({"lang": "cu", "arch": "sm_90; rm"}),
                 "not a CUDA architecture",
             ),
-            (json!({"ranking_by": "mean"}), "supports \"last\""),
-            (json!({"tests": []}), "needs at least one entry in `tests`"),
+            (
+                json!({"ranking_by": "WRONG"}),
+                "not one of kernelbot's ranking criteria",
+            ),
+            (
+                json!({"sources": {"eval.py": "", "./eval.py": ""}}),
+                "name the same file \"eval.py\"",
+            ),
+            (
+                json!({"sources": {"./../x.py": "", "eval.py": ""}}),
+                "contains '..'",
+            ),
+            (json!({"main": "./eval.py"}), "spelled the same"),
             (
                 json!({"tests": [{"a": "x\ny"}]}),
                 "must not contain a newline",
@@ -490,6 +524,61 @@ mod tests {
     }
 
     #[test]
+    fn ranking_by_takes_kernelbots_three_criteria_only() {
+        for r in RankingBy::ALL {
+            let c = with(json!({"ranking_by": r.as_str()})).unwrap();
+            assert_eq!(c.ranking_by, r);
+            assert_eq!(serde_json::to_value(&c).unwrap()["ranking_by"], r.as_str());
+        }
+        for bad in [
+            json!("LAST"),
+            json!("Mean"),
+            json!(""),
+            json!(1),
+            json!(["geom"]),
+        ] {
+            let err = with(json!({ "ranking_by": bad.clone() })).unwrap_err();
+            assert_eq!(err, ConfigError::BadRanking(bad.to_string()));
+        }
+        let mut v = base();
+        v["ranking_by"] = Value::Null;
+        let err = RunConfig::from_json(v).unwrap_err().to_string();
+        assert!(err.contains("`ranking_by` is null"), "{err}");
+    }
+
+    #[test]
+    fn empty_cases_are_left_to_the_harness() {
+        for mode in ["test", "benchmark", "leaderboard", "private", "profile"] {
+            let c = with(json!({"mode": mode, "tests": [], "benchmarks": []}));
+            assert!(c.is_ok(), "{mode}: {c:?}");
+        }
+    }
+
+    #[test]
+    fn file_names_are_normalized_like_pathlib() {
+        for (name, want) in [
+            ("a.py", "a.py"),
+            ("./a.py", "a.py"),
+            ("././a.py", "a.py"),
+            ("pkg/./b.py", "pkg/b.py"),
+            ("pkg//b.py", "pkg/b.py"),
+            ("pkg/b.py/", "pkg/b.py"),
+        ] {
+            assert_eq!(work_path("sources", name).unwrap(), want, "{name}");
+        }
+        for name in ["", ".", "./", "..", "a/../b", "/abs.py", "x\0y"] {
+            assert!(work_path("sources", name).is_err(), "{name:?}");
+        }
+        // `./main.py` runs as given when it is the key.
+        let c = with(json!({"sources": {"./eval.py": ""}, "main": "./eval.py"})).unwrap();
+        assert_eq!(c.main.as_deref(), Some("./eval.py"));
+        // A header of the same path clashes for CUDA, which writes both; Python ignores headers.
+        let cu = json!({"lang": "cu", "sources": {"k.cu": ""}, "headers": {"./k.cu": ""}});
+        assert!(matches!(with(cu), Err(ConfigError::DuplicateFile { .. })));
+        assert!(with(json!({"headers": {"./eval.py": ""}})).is_ok());
+    }
+
+    #[test]
     fn arch_accepts_number_and_suffix() {
         assert!(with(json!({"lang": "cu", "arch": 90})).is_ok());
         assert!(with(json!({"lang": "cu", "arch": "90a"})).is_ok());
@@ -497,14 +586,17 @@ mod tests {
 
     #[test]
     fn cases_text_matches_build_test_string() {
-        let cases: Vec<IndexMap<String, Value>> = serde_json::from_value(json!([
-            {"size": 128, "seed": 5, "scale": 0.5, "flag": true, "name": "a b"},
-            {"size": 1}
-        ]))
+        let cases: Vec<IndexMap<String, Value>> = serde_json::from_str(
+            r#"[{"size": 128, "seed": 5, "scale": 0.5, "flag": true, "name": "a b",
+                 "shape": [2, 3], "opts": {"k": "v", "n": null}, "big": 1180591620717411303424,
+                 "eps": 1e-7},
+                {"size": 1}]"#,
+        )
         .unwrap();
         assert_eq!(
             cases_text(&cases),
-            "size: 128; seed: 5; scale: 0.5; flag: True; name: a b\nsize: 1\n"
+            "size: 128; seed: 5; scale: 0.5; flag: True; name: a b; shape: [2, 3]; \
+             opts: {'k': 'v', 'n': None}; big: 1180591620717411303424; eps: 1e-07\nsize: 1\n"
         );
     }
 }

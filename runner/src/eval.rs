@@ -2,7 +2,8 @@
 //!
 //! Semantics follow kernelbot: `test`/`benchmark` run once, `leaderboard`/`private` run test
 //! → benchmark → leaderboard and stop at the first run that did not pass, `profile` runs every
-//! benchmark line under the profiler as `profile.0`, `profile.1`, ... Python submissions get
+//! benchmark line under the profiler as `profile.0`, `profile.1`, ... Which cases each run
+//! gets is [`select_cases`]. Python submissions get
 //! the `python3 submission.py` "compile" pre-run; CUDA submissions are compiled with nvcc and
 //! their sources removed before the binary runs.
 //!
@@ -17,10 +18,12 @@ use std::time::Duration;
 use base64::Engine as _;
 use indexmap::IndexMap;
 
-use crate::config::{cases_text, Lang, Mode, RankingBy, RunConfig, COMPILE_TIMEOUT_S};
+use crate::config::{
+    cases_text, work_path, ConfigError, Lang, Mode, RankingBy, RunConfig, COMPILE_TIMEOUT_S,
+};
 use crate::cuda;
 use crate::process::{self, Outcome, Spec};
-use crate::profile::{self, python_splitlines, Profiler};
+use crate::profile::{self, python_lines_keepends, python_splitlines, Profiler};
 use crate::result::{
     exit_code, CompileResult, EvalResult, FullResult, ProfileResult, RunResult, SystemInfo,
     Timestamp,
@@ -151,6 +154,11 @@ fn evaluate_into(
             "the config sets multi_gpu, which needs the GPU count for POPCORN_GPUS, but no GPU was found",
         ));
     }
+    if cfg.mode == Mode::Profile && cfg.benchmarks.is_empty() {
+        // kernelbot profiles each benchmark line; with none it runs nothing and needs
+        // neither a compiler nor a profiler: success with no runs.
+        return Ok(());
+    }
     let profiler = match cfg.mode {
         Mode::Profile => Some(profile::select(&system.runtime).map_err(Failure::infrastructure)?),
         _ => None,
@@ -203,25 +211,36 @@ fn evaluate_into(
         Lang::Python => job,
     };
 
+    let tests = cases_text(&cfg.tests);
+    let benchmarks = cases_text(&cfg.benchmarks);
+    let cases = |mode: &'static str, benchmarks: &str| {
+        select_cases(mode, cfg.ranking_by, &tests, benchmarks)
+            .ok_or_else(|| Failure::bad_config(ConfigError::LastOfNoBenchmarks(mode).to_string()))
+    };
     match cfg.mode {
         Mode::Test | Mode::Benchmark => {
-            let r = job.run_mode(cfg.mode.as_str(), &job.benchmark_lines())?;
-            runs.insert(cfg.mode.as_str().to_string(), r);
+            let mode = cfg.mode.as_str();
+            let r = job.run_mode(mode, &cases(mode, &benchmarks)?)?;
+            runs.insert(mode.to_string(), r);
             check_cancelled()?;
         }
         Mode::Profile => {
-            for (i, line) in python_splitlines(&job.benchmark_lines())
-                .into_iter()
-                .enumerate()
-            {
-                let r = job.run_mode("profile", &format!("{line}\n"))?;
+            // Each run gets one line, without its line break.
+            for (i, line) in python_splitlines(&benchmarks).into_iter().enumerate() {
+                let cases =
+                    select_cases("profile", cfg.ranking_by, &tests, line).ok_or_else(|| {
+                        Failure::bad_config(ConfigError::LastOfEmptyProfileLine(i).to_string())
+                    })?;
+                let r = job.run_mode("profile", &cases)?;
                 runs.insert(format!("profile.{i}"), r);
                 check_cancelled()?;
             }
         }
         Mode::Leaderboard | Mode::Private => {
             for mode in ["test", "benchmark", "leaderboard"] {
-                let r = job.run_mode(mode, &job.benchmark_lines())?;
+                // A failure here keeps the runs made so far (kernelbot's GitHub runner writes
+                // no result at all, its Modal runner one with no runs).
+                let r = job.run_mode(mode, &cases(mode, &benchmarks)?)?;
                 let passed = r.run.as_ref().is_some_and(|run| run.passed);
                 runs.insert(mode.to_string(), r);
                 check_cancelled()?;
@@ -253,19 +272,36 @@ struct Job<'a> {
     nvcc: Option<PathBuf>,
 }
 
-impl Job<'_> {
-    fn benchmark_lines(&self) -> String {
-        cases_text(&self.cfg.benchmarks)
+/// The cases file of one run, as kernelbot's `run_single_evaluation` writes it: `test` gets
+/// all of `tests`; `benchmark`, `leaderboard` and `profile` get all of `benchmarks`, or with
+/// `ranking_by` `last` only its last line (line break kept). `None` where kernelbot fails:
+/// `last` of no lines. Profile runs pass one benchmark line (without its break) as
+/// `benchmarks`, so they get that line either way.
+pub fn select_cases(
+    mode: &str,
+    ranking: RankingBy,
+    tests: &str,
+    benchmarks: &str,
+) -> Option<String> {
+    match (mode, ranking) {
+        ("test", _) => Some(tests.to_string()),
+        (_, RankingBy::Last) => python_lines_keepends(benchmarks)
+            .last()
+            .map(|l| l.to_string()),
+        (_, RankingBy::Mean | RankingBy::Geom) => Some(benchmarks.to_string()),
     }
+}
 
-    /// One kernelbot runner call (`run_pytorch_script` / `run_cuda_script`) for `mode`.
-    fn run_mode(&self, mode: &str, benchmarks: &str) -> Result<EvalResult, Failure> {
+impl Job<'_> {
+    /// One kernelbot runner call (`run_pytorch_script` / `run_cuda_script`) for `mode`, the
+    /// harness getting `cases`.
+    fn run_mode(&self, mode: &str, cases: &str) -> Result<EvalResult, Failure> {
         check_cancelled()?;
         let start = Timestamp::now();
         let (compilation, call) = match self.cfg.lang {
             Lang::Python => {
                 self.write_files(self.cfg.sources.iter())?;
-                let outcome = self.python_eval(mode, benchmarks);
+                let outcome = self.python_eval(mode, cases);
                 self.remove_files(self.cfg.sources.keys());
                 let (compilation, run, profile) = outcome?;
                 return Ok(EvalResult {
@@ -294,7 +330,7 @@ impl Job<'_> {
                 (Some(compiled), vec![format!("./{}", cuda::OUTPUT_BINARY)])
             }
         };
-        let (run, profile) = self.single_evaluation(call, mode, benchmarks)?;
+        let (run, profile) = self.single_evaluation(call, mode, cases)?;
         Ok(EvalResult {
             start,
             end: Timestamp::now(),
@@ -307,11 +343,16 @@ impl Job<'_> {
     fn python_eval(
         &self,
         mode: &str,
-        benchmarks: &str,
+        cases: &str,
     ) -> Result<(Option<CompileResult>, RunResult, Option<ProfileResult>), Failure> {
         // kernelbot's "compile" step: run the submission once to fill load_inline's cache. It
         // names `submission.py`; without such a file there is nothing to warm up.
-        let compilation = if self.cfg.sources.contains_key("submission.py") {
+        let has_submission = self
+            .cfg
+            .sources
+            .keys()
+            .any(|k| work_path("sources", k).is_ok_and(|p| p == "submission.py"));
+        let compilation = if has_submission {
             let call = vec![self.opts.python.clone(), "submission.py".into()];
             // kernelbot's pre-run passes seed 1 and nothing else: no POPCORN_GPUS.
             let pre = self.run_program(&call, Some(1), false, self.opts.compile_timeout, &[])?;
@@ -331,7 +372,7 @@ impl Job<'_> {
         };
         let main = self.cfg.main.clone().unwrap_or_default();
         let (run, profile) =
-            self.single_evaluation(vec![self.opts.python.clone(), main], mode, benchmarks)?;
+            self.single_evaluation(vec![self.opts.python.clone(), main], mode, cases)?;
         Ok((compilation, run, profile))
     }
 
@@ -426,23 +467,18 @@ impl Job<'_> {
             .map_err(|e| Failure::infrastructure(format!("could not start {program}: {e}")))
     }
 
-    /// kernelbot's `run_single_evaluation`: the cases file, the timeout, the mode argument.
+    /// kernelbot's `run_single_evaluation`: the cases file (see [`select_cases`]), the
+    /// timeout, the mode argument.
     fn single_evaluation(
         &self,
         mut call: Vec<String>,
         mode: &str,
-        benchmarks: &str,
+        cases: &str,
     ) -> Result<(RunResult, Option<ProfileResult>), Failure> {
-        let (cases, timeout) = match mode {
-            "test" => (cases_text(&self.cfg.tests), self.cfg.test_timeout),
-            "leaderboard" => (
-                pick(benchmarks, &self.cfg.ranking_by),
-                self.cfg.ranked_timeout,
-            ),
-            _ => (
-                pick(benchmarks, &self.cfg.ranking_by),
-                self.cfg.benchmark_timeout,
-            ),
+        let timeout = match mode {
+            "test" => self.cfg.test_timeout,
+            "leaderboard" => self.cfg.ranked_timeout,
+            _ => self.cfg.benchmark_timeout,
         };
         let mut file = tempfile::Builder::new()
             .prefix("kernelkite-cases-")
@@ -597,32 +633,21 @@ pub fn run_result(call: &[String], out: &Outcome, timeout: Duration) -> RunResul
 }
 
 /// kernelbot's reading of the POPCORN pipe: every line is `key: value` (split at the first
-/// colon, both stripped); a line that is empty on both sides is skipped; a repeated key
-/// keeps its first position and its last value.
+/// colon, both stripped by Python's `str.strip()`); a line that is empty on both sides is
+/// skipped; a repeated key keeps its first position and its last value.
 pub fn parse_popcorn(raw: &[u8]) -> IndexMap<String, String> {
     let text = crate::text::universal_newlines(&String::from_utf8_lossy(raw));
     let mut out = IndexMap::new();
     for line in python_splitlines(&text) {
         let (k, v) = line.split_once(':').unwrap_or((line, ""));
         if !k.is_empty() || !v.is_empty() {
-            out.insert(k.trim().to_string(), v.trim().to_string());
+            out.insert(
+                crate::pyrepr::strip(k).to_string(),
+                crate::pyrepr::strip(v).to_string(),
+            );
         }
     }
     out
-}
-
-/// kernelbot's `ranking_by == "last"`: only the last benchmark line.
-fn pick(benchmarks: &str, ranking: &RankingBy) -> String {
-    match ranking {
-        RankingBy::Last => {
-            let last = benchmarks
-                .split_inclusive('\n')
-                .next_back()
-                .unwrap_or_default();
-            last.to_string()
-        }
-        RankingBy::Other(_) => benchmarks.to_string(),
-    }
 }
 
 /// Variables never passed to the submission or the tools: the payload carriers (the config
@@ -760,8 +785,32 @@ mod tests {
     }
 
     #[test]
-    fn ranking_last_takes_the_last_line() {
-        assert_eq!(pick("a: 1\nb: 2\n", &RankingBy::Last), "b: 2\n");
-        assert_eq!(pick("", &RankingBy::Last), "");
+    fn cases_are_selected_like_run_single_evaluation() {
+        let (t, b) = ("t: 1\n", "a: 1\nb: 2\n");
+        for mode in ["benchmark", "leaderboard", "profile"] {
+            assert_eq!(select_cases(mode, RankingBy::Last, t, b).unwrap(), "b: 2\n");
+            assert_eq!(select_cases(mode, RankingBy::Mean, t, b).unwrap(), b);
+            assert_eq!(select_cases(mode, RankingBy::Geom, t, b).unwrap(), b);
+            assert_eq!(select_cases(mode, RankingBy::Last, t, ""), None);
+            assert_eq!(select_cases(mode, RankingBy::Mean, t, "").unwrap(), "");
+        }
+        for r in RankingBy::ALL {
+            assert_eq!(select_cases("test", r, t, b).unwrap(), t);
+            assert_eq!(select_cases("test", r, "", b).unwrap(), "");
+            // A profile run's single line has no break, and keeps none.
+            assert_eq!(select_cases("profile", r, t, "b: 2").unwrap(), "b: 2");
+        }
+        // A case with no keys is an empty line; `last` of it is its break alone.
+        assert_eq!(
+            select_cases("benchmark", RankingBy::Last, t, "a: 1\n\n").unwrap(),
+            "\n"
+        );
+        assert_eq!(select_cases("profile", RankingBy::Last, t, ""), None);
+    }
+
+    #[test]
+    fn popcorn_keys_and_values_are_stripped_of_pythons_whitespace() {
+        let r = parse_popcorn("\x1f\u{a0}key\u{3000}:\u{2003} value\x1f\n".as_bytes());
+        assert_eq!(r.get("key").map(String::as_str), Some("value"));
     }
 }

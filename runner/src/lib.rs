@@ -12,6 +12,7 @@ pub mod example;
 pub mod payload;
 pub mod process;
 pub mod profile;
+pub mod pyrepr;
 pub mod result;
 pub mod sysinfo;
 pub mod text;

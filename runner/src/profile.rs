@@ -145,7 +145,7 @@ pub fn filter_ncu_report(report: &str, tables: &[&str]) -> String {
             continue;
         }
         if let Some(at) = line.find("Table Name : ") {
-            let table = line[at + "Table Name :".len()..].trim();
+            let table = crate::pyrepr::strip(&line[at + "Table Name :".len()..]);
             if tables.contains(&table) {
                 result.push('\n');
                 collect = true;
@@ -153,7 +153,7 @@ pub fn filter_ncu_report(report: &str, tables: &[&str]) -> String {
                 collect = false;
             }
         }
-        if line.trim().is_empty() {
+        if crate::pyrepr::strip(line).is_empty() {
             collect = false;
         }
         if collect {
@@ -171,6 +171,15 @@ pub fn filter_ncu_report(report: &str, tables: &[&str]) -> String {
 
 /// Python's `str.splitlines()`: splits on every line boundary Python knows, drops them.
 pub fn python_splitlines(text: &str) -> Vec<&str> {
+    split_lines(text, false)
+}
+
+/// Python's `str.splitlines(keepends=True)`: the same lines, each with its line break.
+pub fn python_lines_keepends(text: &str) -> Vec<&str> {
+    split_lines(text, true)
+}
+
+fn split_lines(text: &str, keepends: bool) -> Vec<&str> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut iter = text.char_indices().peekable();
@@ -188,7 +197,6 @@ pub fn python_splitlines(text: &str) -> Vec<&str> {
                 | '\u{2029}'
         );
         if is_break {
-            out.push(&text[start..i]);
             let mut end = i + c.len_utf8();
             if c == '\r' {
                 if let Some(&(j, '\n')) = iter.peek() {
@@ -196,6 +204,7 @@ pub fn python_splitlines(text: &str) -> Vec<&str> {
                     end = j + 1;
                 }
             }
+            out.push(&text[start..if keepends { end } else { i }]);
             start = end;
         }
     }
@@ -217,6 +226,20 @@ mod tests {
         );
         assert_eq!(python_splitlines(""), Vec::<&str>::new());
         assert_eq!(python_splitlines("\n\nx"), ["", "", "x"]);
+        assert_eq!(
+            python_lines_keepends("a\nb\r\nc\rd\x0be\u{2028}f\n\ng"),
+            [
+                "a\n",
+                "b\r\n",
+                "c\r",
+                "d\x0b",
+                "e\u{2028}",
+                "f\n",
+                "\n",
+                "g"
+            ]
+        );
+        assert_eq!(python_lines_keepends(""), Vec::<&str>::new());
     }
 
     #[test]

@@ -180,9 +180,9 @@ pub fn cpu_model(cpuinfo: &str) -> String {
     let mut vendor = String::new();
     for line in cpuinfo.lines() {
         let (k, v) = line.split_once(':').unwrap_or((line, ""));
-        match k.trim() {
-            "model name" => model = v.trim().to_string(),
-            "vendor_id" => vendor = v.trim().to_string(),
+        match crate::pyrepr::strip(k) {
+            "model name" => model = crate::pyrepr::strip(v).to_string(),
+            "vendor_id" => vendor = crate::pyrepr::strip(v).to_string(),
             _ => {}
         }
     }

@@ -56,6 +56,8 @@ fn components(name: &str) -> Result<Vec<CString>, WriteError> {
             Component::Normal(s) => {
                 out.push(CString::new(s.as_bytes()).map_err(|_| refused("it contains a NUL byte"))?)
             }
+            // `./a.py` is `a.py` (see `config::work_path`).
+            Component::CurDir => {}
             _ => return Err(refused("it is not a plain relative path")),
         }
     }
@@ -169,6 +171,19 @@ mod tests {
         assert!(!d.path().join("a/b/c.py").exists());
         remove_file(d.path(), "a/b/c.py").unwrap();
         remove_file(d.path(), "no/such/dir.py").unwrap();
+    }
+
+    #[test]
+    fn dot_components_name_the_same_file() {
+        let d = tempfile::tempdir().unwrap();
+        write_file(d.path(), "./pkg/./a.py", b"x").unwrap();
+        assert_eq!(std::fs::read(d.path().join("pkg/a.py")).unwrap(), b"x");
+        assert!(matches!(
+            write_file(d.path(), "pkg/a.py", b"y"),
+            Err(WriteError::Refused { .. })
+        ));
+        remove_file(d.path(), "./pkg//a.py").unwrap();
+        assert!(!d.path().join("pkg/a.py").exists());
     }
 
     #[test]

@@ -303,28 +303,7 @@ fn profile_without_a_profiler_is_a_clear_infrastructure_error() {
 fn profile_runs_each_benchmark_under_a_fake_ncu() {
     let Some(_) = need_python() else { return };
     let tools = tempfile::tempdir().unwrap();
-    // Records its arguments, writes the report file, runs the wrapped command.
-    script(
-        tools.path(),
-        "ncu",
-        r#"#!/bin/sh
-if [ "$1" = "--import" ]; then
-  printf '  vector_add(float*) (1, 1, 1)x(128, 1, 1)\n    ---- Table Name : GPU Throughput\n    DRAM  %%  42\n\n'
-  exit 0
-fi
-out=""
-while [ "$#" -gt 0 ]; do
-  case "$1" in
-    -o) out="$2"; shift 2 ;;
-    --) shift; break ;;
-    *) shift ;;
-  esac
-done
-echo "fake report for $*" > "$out"
-[ "$POPCORN_NCU" = 1 ] || exit 99
-exec "$@"
-"#,
-    );
+    fake_ncu(tools.path());
     let path = path_with(Some(tools.path()));
     let r = run_config(
         &harness_config("profile", "pass", json!({})),
@@ -890,4 +869,26 @@ fn a_seed_quoted_in_a_config_error_is_redacted_from_the_log() {
         "the seed leaked into the log:\n{}",
         r.log()
     );
+}
+
+#[test]
+fn print_payload_into_a_closed_pipe_exits_quietly() {
+    // `kernelkite-runner --example --print-payload | head -c 10`: the reader may be gone
+    // before the payload is written. Closing the read end first makes that certain.
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe() fills in two new descriptors, owned below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors are fresh and owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(BIN)
+        .args(["--example", "--print-payload"])
+        .stdout(std::process::Stdio::from(write))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.is_empty(), "not quiet: {stderr}");
 }

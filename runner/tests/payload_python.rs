@@ -19,7 +19,8 @@ cfgs = [
     {"lang": "py", "mode": "test", "main": "eval.py",
      "sources": {"eval.py": "print('h\u00e9llo \u2603 \U0001F600')\n", "submission.py": "x = 1e-05\n"},
      "tests": [{"size": 128, "seed": 5, "eps": 1e-05, "big": 1e16, "ratio": 0.1, "neg": -2.5e-07,
-                "flag": True, "none": None, "name": "a \"quoted\" \\ name\t\u0001"}],
+                "flag": True, "none": None, "name": "a \"quoted\" \\ name\t\u0001",
+                "huge": 2**70, "neghuge": -10**30}],
      "benchmarks": [{"size": 1024, "nested": {"list": [1, 2.5, None, [], {}], "deep": {"x": [1e300, 123456789.0]}}}],
      "seed": None, "ranking_by": "last", "test_timeout": 180, "multi_gpu": False},
     {"lang": "cu", "mode": "leaderboard", "sources": {"eval.cu": "// \u4e2d\u6587\n" * 50},
@@ -76,6 +77,14 @@ fn payloads_encoded_here_decode_in_python_to_the_same_config() {
         serde_json::json!({"lang": "py", "mode": "test", "sources": {"é.py": "s = '😀'\n"}, "main": "é.py",
             "tests": [{"eps": 1e-05, "big": 1e16, "n": null, "t": true, "f": 0.30000000000000004}], "seed": -7}),
         kernelkite_runner::example::config(kernelkite_runner::config::Mode::Leaderboard),
+        // Literals as a backend may send them: Python reads 1E5 as a float and the big
+        // integers exactly, and writes them back as `100000.0` and the same digits.
+        serde_json::from_str(
+            r#"{"lang": "py", "mode": "test", "sources": {"a.py": ""}, "main": "a.py",
+                "tests": [{"huge": 1180591620717411303424, "neg": -98765432109876543210987654321,
+                           "e": 1E5, "z": -0, "f": 1.50}]}"#,
+        )
+        .unwrap(),
     ];
     let payloads: Vec<String> = configs
         .iter()

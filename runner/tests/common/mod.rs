@@ -141,6 +141,57 @@ pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     p
 }
 
+/// A fake `ncu` in `dir`: writes the report file it is asked for and runs the wrapped
+/// command (exit 99 without kernelbot's `POPCORN_NCU=1`); `--import` prints a report.
+pub fn fake_ncu(dir: &Path) -> PathBuf {
+    script(
+        dir,
+        "ncu",
+        r#"#!/bin/sh
+if [ "$1" = "--import" ]; then
+  printf '  vector_add(float*) (1, 1, 1)x(128, 1, 1)\n    ---- Table Name : GPU Throughput\n    DRAM  %%  42\n\n'
+  exit 0
+fi
+out=""
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift 2 ;;
+    --) shift; break ;;
+    *) shift ;;
+  esac
+done
+echo "fake report for $*" > "$out"
+[ "$POPCORN_NCU" = 1 ] || exit 99
+exec "$@"
+"#,
+    )
+}
+
+/// Runs `script` with python3, `stdin` fed in; panics with Python's stderr on failure.
+pub fn python_output(py: &str, script: &str, stdin: &[u8]) -> String {
+    use std::io::Write as _;
+    let mut child = Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .env("PYTHONIOENCODING", "utf-8")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let data = stdin.to_vec();
+    let feeder = std::thread::spawn(move || input.write_all(&data));
+    let out = child.wait_with_output().unwrap();
+    feeder.join().unwrap().unwrap();
+    assert!(
+        out.status.success(),
+        "python3 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// Runs the Dataclass(**dict) rebuild on result files; panics with its message on failure.
 pub fn assert_rebuilds(paths: &[PathBuf]) {
     let Some(py) = python() else { return };

@@ -3,9 +3,11 @@
 Run as `python3 popcorn_harness.py <mode> <cases-file>`; the first case line's `behave` key
 picks what it does, so one harness covers passing, failing, crashing, hanging, daemonizing,
 garbage on the pipe and floods of output. Every behaviour first reports what it was given
-(mode, seed, GPU count, open descriptors, payload variables) so tests can check the runner's
-side of the protocol.
+(mode, seed, GPU count, open descriptors, payload variables, the cases file's exact bytes as
+`cases-b64`) so tests can check the runner's side of the protocol; `raw` instead writes the
+bytes its case gives (base64) to the pipe and nothing else.
 """
+import base64
 import os
 import subprocess
 import sys
@@ -58,6 +60,14 @@ def main():
     mode, cases_file = sys.argv[1], sys.argv[2]
     cases = read_cases(cases_file)
     behave = cases[0].get("behave", "pass") if cases else "pass"
+    if behave == "raw":
+        out.flush()
+        data = base64.b64decode(cases[0]["raw"])
+        while data:
+            data = data[os.write(fd, data):]
+        sys.exit(0)
+    with open(cases_file, "rb") as f:
+        out.write(f"cases-b64: {base64.b64encode(f.read()).decode()}\n")
     out.write(f"mode: {mode}\n")
     out.write(f"cases: {len(cases)}\n")
     out.write(f"last-case: {cases[-1].get('n', '') if cases else ''}\n")
