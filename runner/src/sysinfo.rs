@@ -496,7 +496,7 @@ mod tests {
             .args(["-c", "import platform; print(platform.platform())"])
             .output()
         else {
-            eprintln!("skipping: python3 not available");
+            kernelkite_testkit::skip("python3 not available");
             return;
         };
         assert_eq!(

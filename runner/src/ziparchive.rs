@@ -116,7 +116,7 @@ mod tests {
             .arg(&zpath)
             .output()
         else {
-            eprintln!("skipping: python3 not available");
+            kernelkite_testkit::skip("python3 not available");
             return;
         };
         assert!(

@@ -138,7 +138,7 @@ fn a_compile_error_is_reported_and_stops_the_chain() {
 #[test]
 fn no_nvcc_is_an_infrastructure_failure_with_kernelbots_record() {
     if Path::new("/usr/local/cuda/bin/nvcc").exists() || Path::new("/usr/bin/nvcc").exists() {
-        eprintln!("skipping: a real nvcc is installed where the runner looks");
+        kernelkite_testkit::skip("a real nvcc is installed where the runner looks");
         return;
     }
     let r = run_config(&cu_config("test", "int main() {}\n"), &[], &[]);
@@ -250,14 +250,14 @@ int main(int argc, char** argv) {
 #[test]
 fn real_nvcc_and_gpu_when_present() {
     let Some(nvcc) = kernelkite_runner::cuda::find_nvcc(None, &["/usr/local/cuda".into()]) else {
-        eprintln!("skipping: no nvcc on this machine (PATH, $CUDA_HOME, /usr/local/cuda)");
+        kernelkite_testkit::skip("no nvcc on this machine (PATH, $CUDA_HOME, /usr/local/cuda)");
         return;
     };
     if !Path::new("/dev/nvidia0").exists() {
-        eprintln!(
-            "skipping: nvcc found at {} but no NVIDIA GPU (/dev/nvidia0)",
+        kernelkite_testkit::skip(format_args!(
+            "nvcc found at {} but no NVIDIA GPU (/dev/nvidia0)",
             nvcc.display()
-        );
+        ));
         return;
     }
     let cfg = json!({

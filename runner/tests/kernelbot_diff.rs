@@ -419,7 +419,7 @@ fn string_repr_is_pythons_for_every_code_point() {
         0x110000u32
     } else {
         eprintln!(
-            "skipping: python3 has Unicode {} and the printable table Unicode {}; only U+0000..U+00FF are compared",
+            "note: python3 has Unicode {} and the printable table Unicode {}; only U+0000..U+00FF are compared",
             version.trim(),
             pyrepr::UNICODE_VERSION
         );

@@ -38,7 +38,7 @@ pub fn python() -> Option<&'static str> {
 pub fn need_python() -> Option<&'static str> {
     let p = python();
     if p.is_none() {
-        eprintln!("skipping: python3 is not available");
+        kernelkite_testkit::skip("python3 is not available");
     }
     p
 }
