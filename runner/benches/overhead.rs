@@ -74,7 +74,7 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = json!({"lang": "py", "mode": "test", "main": "eval.py", "sources": {"eval.py": HARNESS},
                      "tests": [{"size": 1024, "seed": 1}]});
-    let payload = kernelkite_runner::payload::encode(&cfg).expect("encode");
+    let payload = kernelkite_kernelbot::payload::encode(&cfg).expect("encode");
     let pfile = dir.path().join("payload.txt");
     std::fs::write(&pfile, &payload).expect("payload");
     std::fs::write(dir.path().join("eval.py"), HARNESS).expect("harness");

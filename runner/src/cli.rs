@@ -7,11 +7,12 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::config::{Mode, RunConfig};
 use crate::eval::{self, Evaluation, Failure, FailureKind, Options};
-use crate::result::{FullResult, RunResult};
 use crate::sysinfo::{Probe, TorchProbe};
-use crate::{example, payload, process, sysinfo};
+use crate::{example, process, sysinfo};
+use kernelkite_kernelbot::config::{Mode, RunConfig};
+use kernelkite_kernelbot::payload;
+use kernelkite_kernelbot::result::{FullResult, RunResult};
 
 /// The evaluation ran and `result.json` was written, whatever the tests said.
 pub const EXIT_OK: u8 = 0;
@@ -315,7 +316,7 @@ fn secrets_of(json: &serde_json::Value) -> Vec<String> {
 fn evaluate_in_workdir(
     args: &Args,
     cfg: &RunConfig,
-    system: crate::result::SystemInfo,
+    system: kernelkite_kernelbot::result::SystemInfo,
 ) -> Evaluation {
     let fail = |f: Failure, system| Evaluation {
         result: FullResult::failure(f.message.clone(), system),
@@ -391,7 +392,9 @@ pub fn write_result(path: &Path, result: &FullResult) -> std::io::Result<()> {
 }
 
 fn describe_run(run: &RunResult) -> String {
-    let verdict = if run.exit_code == crate::result::exit_code::TIMEOUT_EXPIRED && !run.success {
+    let verdict = if run.exit_code == kernelkite_kernelbot::result::exit_code::TIMEOUT_EXPIRED
+        && !run.success
+    {
         "timed out".to_string()
     } else if run.passed {
         "passed".to_string()

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{case_value_text, Arch, RunConfig};
 use crate::sysinfo::{find_on_path, is_executable};
+use kernelkite_kernelbot::config::{case_value_text, Arch, RunConfig};
 
 /// kernelbot's `CUDA_FLAGS`, used when the config gives no `flags`.
 pub const CUDA_FLAGS: [&str; 11] = [

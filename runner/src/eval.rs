@@ -18,19 +18,19 @@ use std::time::Duration;
 use base64::Engine as _;
 use indexmap::IndexMap;
 
-use crate::config::{
-    cases_text, work_path, ConfigError, Lang, Mode, RankingBy, RunConfig, COMPILE_TIMEOUT_S,
-};
 use crate::cuda;
 use crate::process::{self, Outcome, Spec};
 use crate::profile::{self, python_lines_keepends, python_splitlines, Profiler};
-use crate::result::{
-    exit_code, CompileResult, EvalResult, FullResult, ProfileResult, RunResult, SystemInfo,
-    Timestamp,
-};
 use crate::sysinfo::{self, Probe};
 use crate::text::{limit_length, shell_join, MAX_OUTPUT_CHARS};
 use crate::workdir::{self, WriteError};
+use kernelkite_kernelbot::config::{
+    cases_text, work_path, ConfigError, Lang, Mode, RankingBy, RunConfig, COMPILE_TIMEOUT_S,
+};
+use kernelkite_kernelbot::result::{
+    exit_code, CompileResult, EvalResult, FullResult, ProfileResult, RunResult, SystemInfo,
+    Timestamp,
+};
 
 /// How to evaluate. [`Options::new`] gives the defaults the CLI uses.
 #[derive(Debug, Clone)]
@@ -642,8 +642,8 @@ pub fn parse_popcorn(raw: &[u8]) -> IndexMap<String, String> {
         let (k, v) = line.split_once(':').unwrap_or((line, ""));
         if !k.is_empty() || !v.is_empty() {
             out.insert(
-                crate::pyrepr::strip(k).to_string(),
-                crate::pyrepr::strip(v).to_string(),
+                kernelkite_kernelbot::pyrepr::strip(k).to_string(),
+                kernelkite_kernelbot::pyrepr::strip(v).to_string(),
             );
         }
     }
@@ -671,7 +671,7 @@ pub fn scrubbed_vars(names: impl Iterator<Item = OsString>) -> Vec<OsString> {
 
 fn is_sensitive(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
-    upper == crate::payload::ENV_PAYLOAD
+    upper == kernelkite_kernelbot::payload::ENV_PAYLOAD
         || upper.starts_with("KERNELBOT_PAYLOAD_")
         || upper.starts_with("BUILDKITE_AGENT_ACCESS_TOKEN")
         || upper.starts_with("BUILDKITE_AGENT_JOB_API_")

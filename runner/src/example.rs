@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use crate::config::Mode;
+use kernelkite_kernelbot::config::Mode;
 
 /// The harness (kernelbot's `eval.py` role).
 pub const HARNESS: &str = include_str!("example/eval.py");
@@ -30,7 +30,7 @@ pub fn config(mode: Mode) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RunConfig;
+    use kernelkite_kernelbot::config::RunConfig;
 
     #[test]
     fn example_configs_validate() {

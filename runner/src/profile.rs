@@ -145,7 +145,7 @@ pub fn filter_ncu_report(report: &str, tables: &[&str]) -> String {
             continue;
         }
         if let Some(at) = line.find("Table Name : ") {
-            let table = crate::pyrepr::strip(&line[at + "Table Name :".len()..]);
+            let table = kernelkite_kernelbot::pyrepr::strip(&line[at + "Table Name :".len()..]);
             if tables.contains(&table) {
                 result.push('\n');
                 collect = true;
@@ -153,7 +153,7 @@ pub fn filter_ncu_report(report: &str, tables: &[&str]) -> String {
                 collect = false;
             }
         }
-        if crate::pyrepr::strip(line).is_empty() {
+        if kernelkite_kernelbot::pyrepr::strip(line).is_empty() {
             collect = false;
         }
         if collect {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::process::{self, Spec};
-use crate::result::SystemInfo;
+use kernelkite_kernelbot::result::SystemInfo;
 
 /// How to find the torch version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -180,9 +180,9 @@ pub fn cpu_model(cpuinfo: &str) -> String {
     let mut vendor = String::new();
     for line in cpuinfo.lines() {
         let (k, v) = line.split_once(':').unwrap_or((line, ""));
-        match crate::pyrepr::strip(k) {
-            "model name" => model = crate::pyrepr::strip(v).to_string(),
-            "vendor_id" => vendor = crate::pyrepr::strip(v).to_string(),
+        match kernelkite_kernelbot::pyrepr::strip(k) {
+            "model name" => model = kernelkite_kernelbot::pyrepr::strip(v).to_string(),
+            "vendor_id" => vendor = kernelkite_kernelbot::pyrepr::strip(v).to_string(),
             _ => {}
         }
     }

@@ -1,6 +1,6 @@
 //! Writing submission files into the work directory without following symlinks.
 //!
-//! [`crate::config`] already refuses names that escape lexically (absolute, `..`). What is
+//! [`kernelkite_kernelbot::config`] already refuses names that escape lexically (absolute, `..`). What is
 //! left are symlink tricks: a link already in the directory (`lib -> /etc`) that a name like
 //! `lib/x` would walk through, or a dangling link at the very name being written. Every
 //! component is therefore opened relative to its parent with `O_NOFOLLOW`, directories are

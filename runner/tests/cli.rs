@@ -355,7 +355,7 @@ fn bad_payloads_write_a_result_with_the_reason_and_exit_2() {
         z.write_all(bytes).unwrap();
         b64(&z.finish().unwrap())
     };
-    let enc = |v: Value| kernelkite_runner::payload::encode(&v).unwrap();
+    let enc = |v: Value| kernelkite_kernelbot::payload::encode(&v).unwrap();
     let good = harness_config("test", "pass", json!({}));
     let mut traversal = good.clone();
     traversal["sources"] = json!({"../escape.py": "x", "harness.py": "x"});
@@ -503,7 +503,7 @@ fn unwritable_output_is_an_infrastructure_failure() {
     let pfile = dir.path().join("p.txt");
     std::fs::write(
         &pfile,
-        kernelkite_runner::payload::encode(&harness_config("test", "pass", json!({}))).unwrap(),
+        kernelkite_kernelbot::payload::encode(&harness_config("test", "pass", json!({}))).unwrap(),
     )
     .unwrap();
     let out = Command::new(BIN)
@@ -564,8 +564,8 @@ fn the_chunked_env_carrier_carries_a_large_payload() {
         .collect();
     let mut cfg = harness_config("test", "pass", json!({}));
     cfg["sources"]["blob.txt"] = json!(filler);
-    let payload = kernelkite_runner::payload::encode(&cfg).unwrap();
-    let vars = kernelkite_runner::payload::to_env(&payload);
+    let payload = kernelkite_kernelbot::payload::encode(&cfg).unwrap();
+    let vars = kernelkite_kernelbot::payload::to_env(&payload);
     assert!(vars.len() > 3, "payload should need chunks");
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(BIN);
@@ -591,7 +591,7 @@ fn example_runs_and_its_payload_round_trips_through_a_file() {
         .unwrap();
     assert!(out.status.success());
     let payload = String::from_utf8(out.stdout).unwrap();
-    let cfg = kernelkite_runner::payload::decode(&payload).unwrap();
+    let cfg = kernelkite_kernelbot::payload::decode(&payload).unwrap();
     assert_eq!(cfg["mode"], "leaderboard");
     let r = run_payload_text(&payload, &[], &[]);
     assert_eq!(r.code, 0, "{}", r.log());
@@ -632,7 +632,7 @@ fn sigterm_kills_the_harness_and_still_writes_the_result() {
     cfg["tests"] = json!([{"behave": "hang", "pidfile": pidfile.to_str().unwrap()}]);
     let dir = tempfile::tempdir().unwrap();
     let pfile = dir.path().join("payload.txt");
-    std::fs::write(&pfile, kernelkite_runner::payload::encode(&cfg).unwrap()).unwrap();
+    std::fs::write(&pfile, kernelkite_kernelbot::payload::encode(&cfg).unwrap()).unwrap();
     let mut child = Command::new(BIN)
         .args(["--python", py, "--payload-file"])
         .arg(&pfile)
@@ -809,7 +809,7 @@ fn a_usage_error_still_writes_the_result_and_is_an_infrastructure_failure() {
 
     // A payload passed as an argument by mistake is not echoed, however small; the default
     // output is used.
-    let payload = kernelkite_runner::payload::encode(&json!({"lang": "py", "mode": "test",
+    let payload = kernelkite_kernelbot::payload::encode(&json!({"lang": "py", "mode": "test",
         "sources": {"a.py": ""}, "main": "a.py", "tests": [{"n": 1}], "seed": 918273645}))
     .unwrap();
     let dir = tempfile::tempdir().unwrap();

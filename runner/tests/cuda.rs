@@ -8,9 +8,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kernelkite_runner::config::RunConfig;
+use kernelkite_kernelbot::config::RunConfig;
+use kernelkite_kernelbot::result::SystemInfo;
 use kernelkite_runner::eval::{self, FailureKind, Options};
-use kernelkite_runner::result::SystemInfo;
 use serde_json::{json, Value};
 
 /// A fake nvcc: `--version` like the real one; a compile logs its arguments, fails on

@@ -9,7 +9,8 @@ mod common;
 
 use base64::Engine as _;
 use common::*;
-use kernelkite_runner::{config, eval, pyrepr};
+use kernelkite_kernelbot::{config, pyrepr};
+use kernelkite_runner::eval;
 use serde_json::{json, Value};
 
 /// kernelbot's cases files for a payload: `json.loads` of the decoded payload, each case
@@ -112,7 +113,7 @@ fn run_names(r: &Run) -> Vec<String> {
 
 /// Runs the payload and checks every run's cases file against the oracle; returns the run.
 fn run_against_oracle(py: &str, cfg: &Value, env: &[(&str, &str)]) -> Run {
-    let payload = kernelkite_runner::payload::encode(cfg).unwrap();
+    let payload = kernelkite_kernelbot::payload::encode(cfg).unwrap();
     let want = expected_cases(py, &payload);
     let r = run_payload_text(&payload, &[], env);
     assert_eq!(r.code, 0, "{}", r.log());
@@ -181,7 +182,7 @@ fn profile_runs_get_one_line_without_a_line_break() {
     let r = run_against_oracle(py, &cfg, &env);
     assert_eq!(received_cases(&r, "profile.1"), "");
     cfg["ranking_by"] = json!("last");
-    let payload = kernelkite_runner::payload::encode(&cfg).unwrap();
+    let payload = kernelkite_kernelbot::payload::encode(&cfg).unwrap();
     let want = expected_cases(py, &payload);
     assert_eq!(want[1], ("profile.1".to_string(), None));
     let r = run_payload_text(&payload, &[], &env);
@@ -268,7 +269,7 @@ fn empty_benchmarks_are_handled_as_kernelbot_does() {
     // config, where kernelbot would (the oracle says which run).
     let mut cfg = harness_config("benchmark", "pass", json!({"ranking_by": "last"}));
     cfg["benchmarks"] = json!([]);
-    let payload = kernelkite_runner::payload::encode(&cfg).unwrap();
+    let payload = kernelkite_kernelbot::payload::encode(&cfg).unwrap();
     assert_eq!(
         expected_cases(py, &payload),
         [("benchmark".to_string(), None)]

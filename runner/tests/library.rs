@@ -4,9 +4,9 @@
 mod common;
 
 use common::*;
-use kernelkite_runner::config::RunConfig;
+use kernelkite_kernelbot::config::RunConfig;
+use kernelkite_kernelbot::result::SystemInfo;
 use kernelkite_runner::eval::{self, FailureKind, Options};
-use kernelkite_runner::result::SystemInfo;
 use serde_json::json;
 
 fn gpus(n: u32) -> SystemInfo {

@@ -290,12 +290,12 @@ fn bench_client(fake: &FakeBuildkite) -> BuildkiteClient {
 }
 
 fn new_build() -> NewBuild {
-    let payload = kernelkite_runner::payload::encode(&sample_config()).expect("encode");
+    let payload = kernelkite_kernelbot::payload::encode(&sample_config()).expect("encode");
     NewBuild {
         commit: "HEAD".into(),
         branch: "main".into(),
         message: "polling baseline".into(),
-        env: kernelkite_runner::payload::to_env(&payload)
+        env: kernelkite_kernelbot::payload::to_env(&payload)
             .into_iter()
             .collect(),
         meta_data: Default::default(),

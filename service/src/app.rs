@@ -14,7 +14,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 use chrono::Utc;
-use kernelkite_runner::config::RunConfig;
+use kernelkite_kernelbot::config::RunConfig;
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
@@ -127,7 +127,7 @@ impl App {
         RunConfig::from_json(req.config.clone()).map_err(|e| ApiError::new(422, e.to_string()))?;
         // The original JSON is encoded, not the parsed struct, so the runner sees exactly what
         // the backend sent (key order included).
-        let payload = kernelkite_runner::payload::encode(&req.config).map_err(|e| {
+        let payload = kernelkite_kernelbot::payload::encode(&req.config).map_err(|e| {
             ApiError::new(422, format!("config cannot be encoded as a payload: {e}"))
         })?;
         let id = uuid::Uuid::new_v4().to_string();
@@ -140,7 +140,7 @@ impl App {
             .unwrap_or("?")
             .to_string();
 
-        let mut env: BTreeMap<String, String> = kernelkite_runner::payload::to_env(&payload)
+        let mut env: BTreeMap<String, String> = kernelkite_kernelbot::payload::to_env(&payload)
             .into_iter()
             .collect();
         env.insert("KERNELBOT_RUN_ID".into(), run_id.clone());

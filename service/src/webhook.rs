@@ -487,7 +487,7 @@ mod tests {
 
         #[test]
         fn payload_decoder_never_panics(s in ".{0,300}") {
-            let _ = kernelkite_runner::payload::decode(&s);
+            let _ = kernelkite_kernelbot::payload::decode(&s);
         }
     }
 }

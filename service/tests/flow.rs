@@ -27,7 +27,7 @@ async fn happy_path_creates_the_build_and_returns_the_checked_result() {
     let env = &build["env"];
     let payload = env["KERNELBOT_PAYLOAD"].as_str().unwrap();
     assert_eq!(
-        kernelkite_runner::payload::decode(payload).unwrap(),
+        kernelkite_kernelbot::payload::decode(payload).unwrap(),
         sample_config()
     );
     assert_eq!(env["KERNELBOT_RUN_ID"], "run-1");
@@ -140,11 +140,11 @@ async fn large_payload_travels_in_chunks() {
             "{k} is over MAX_ARG_STRLEN"
         );
     }
-    let joined = kernelkite_runner::payload::from_env(|k| {
+    let joined = kernelkite_kernelbot::payload::from_env(|k| {
         env.get(k).and_then(|v| v.as_str()).map(str::to_string)
     })
     .unwrap();
-    assert_eq!(kernelkite_runner::payload::decode(&joined).unwrap(), cfg);
+    assert_eq!(kernelkite_kernelbot::payload::decode(&joined).unwrap(), cfg);
 }
 
 #[tokio::test]

@@ -10,6 +10,30 @@ pub mod skip;
 
 pub use skip::skip;
 
+/// The real interpreter behind `python3` (not a shim), or `None` when there is no Python.
+pub fn python() -> Option<&'static str> {
+    static PY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PY.get_or_init(|| {
+        let out = std::process::Command::new("python3")
+            .args(["-c", "import sys; print(sys.executable)"])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    })
+    .as_deref()
+}
+
+/// [`python()`], or `None` after recording that the test is skipped for want of it.
+pub fn need_python() -> Option<&'static str> {
+    let p = python();
+    if p.is_none() {
+        skip("python3 is not available");
+    }
+    p
+}
+
 /// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
 /// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
 pub fn scratch() -> tempfile::TempDir {

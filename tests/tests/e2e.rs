@@ -7,8 +7,9 @@
 
 use std::collections::HashMap;
 
-use kernelkite_runner::config::{Mode, RunConfig};
-use kernelkite_runner::{cli, eval, example, payload};
+use kernelkite_kernelbot::config::{Mode, RunConfig};
+use kernelkite_kernelbot::payload;
+use kernelkite_runner::{cli, eval, example};
 use kernelkite_testkit::fake_buildkite::ArtifactSpec;
 use kernelkite_testkit::harness::{self, Harness, WAIT};
 use serde_json::{json, Value};

@@ -5,7 +5,6 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::{json, Value};
 
@@ -19,29 +18,7 @@ pub fn harness_source() -> String {
     std::fs::read_to_string(harness_dir().join("popcorn_harness.py")).unwrap()
 }
 
-/// The real interpreter behind `python3` (not a shim), or None when there is no Python.
-pub fn python() -> Option<&'static str> {
-    static PY: OnceLock<Option<String>> = OnceLock::new();
-    PY.get_or_init(|| {
-        let out = Command::new("python3")
-            .args(["-c", "import sys; print(sys.executable)"])
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-    })
-    .as_deref()
-}
-
-/// Returns the interpreter, or prints why the test is skipped.
-pub fn need_python() -> Option<&'static str> {
-    let p = python();
-    if p.is_none() {
-        kernelkite_testkit::skip("python3 is not available");
-    }
-    p
-}
+pub use kernelkite_testkit::{need_python, python};
 
 /// A py config running the test harness; `patch` overrides top-level keys.
 pub fn harness_config(mode: &str, behave: &str, patch: Value) -> Value {
@@ -127,7 +104,7 @@ pub fn finish(mut cmd: Command, dir: tempfile::TempDir) -> Run {
 
 pub fn run_config(cfg: &Value, extra: &[&str], env: &[(&str, &str)]) -> Run {
     run_payload_text(
-        &kernelkite_runner::payload::encode(cfg).unwrap(),
+        &kernelkite_kernelbot::payload::encode(cfg).unwrap(),
         extra,
         env,
     )

@@ -1,14 +1,12 @@
 //! Byte identity with kernelbot's Python codec, both directions:
 //! `base64.b64encode(zlib.compress(json.dumps(cfg).encode()))`.
 
-mod common;
-
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 
-use common::need_python;
-use kernelkite_runner::config::RunConfig;
-use kernelkite_runner::payload;
+use kernelkite_kernelbot::config::RunConfig;
+use kernelkite_kernelbot::payload;
+use kernelkite_testkit::need_python;
 use serde_json::Value;
 
 /// Configs built in Python (so key order and float spelling are Python's own), printed as
@@ -76,7 +74,13 @@ fn payloads_encoded_here_decode_in_python_to_the_same_config() {
     let configs = [
         serde_json::json!({"lang": "py", "mode": "test", "sources": {"é.py": "s = '😀'\n"}, "main": "é.py",
             "tests": [{"eps": 1e-05, "big": 1e16, "n": null, "t": true, "f": 0.30000000000000004}], "seed": -7}),
-        kernelkite_runner::example::config(kernelkite_runner::config::Mode::Leaderboard),
+        // A task-sized config: several sources with newlines, quotes and tabs, nested cases.
+        serde_json::json!({"lang": "py", "mode": "leaderboard", "main": "eval.py",
+            "sources": {"eval.py": "import sys\n\tprint(\"it's\", sys.argv)\n", "submission.py": "def f(x):\n    return x\n",
+                        "reference.py": "X = [1, 2.5, 'a']\n"},
+            "tests": [{"size": 128, "seed": 5}, {"size": 4096, "seed": 6}],
+            "benchmarks": [{"size": 1048576, "seed": 7}], "ranking_by": "geom",
+            "test_timeout": 60, "benchmark_timeout": 120, "ranked_timeout": 180, "seed": 42}),
         // Literals as a backend may send them: Python reads 1E5 as a float and the big
         // integers exactly, and writes them back as `100000.0` and the same digits.
         serde_json::from_str(
