@@ -55,6 +55,7 @@ pub const KEYS: &[&str] = &[
 pub struct PluginConfig {
     /// GPUs the job gets (each with its slice of CPUs and memory).
     pub gpus: u32,
+    /// Where the command runs.
     pub mode: Mode,
     /// Docker image (docker mode; required there).
     pub image: Option<String>,
@@ -73,10 +74,13 @@ pub struct PluginConfig {
     pub memory_bytes: Option<u64>,
     /// CPUs per GPU; may only lower the slice's.
     pub cpus_per_gpu: Option<u32>,
+    /// Most tasks (processes and threads) in the job.
     pub pids_limit: u32,
+    /// Fail before the command unless the GPUs are idle.
     pub require_idle_gpu: bool,
     /// With `require-idle-gpu`: GPU memory already in use that still counts as idle.
     pub idle_memory_mib: u64,
+    /// Lock the graphics clock before the command; reset in `pre-exit`.
     pub lock_clocks: Option<LockClocks>,
     /// Seconds to wait for a held GPU before failing.
     pub lease_wait_secs: u64,
@@ -115,18 +119,31 @@ impl PluginConfig {
 }
 
 /// A configuration that does not match the schema; `key` is the JSON path.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 #[error("plugin configuration is invalid: {key}: {message}")]
 pub struct ConfigError {
+    /// Where: the key (`gpus`, `docker-args[0]`), or `(root)`.
     pub key: String,
+    /// What is wrong and what would be accepted.
     pub message: String,
+    /// The JSON parser's error, when the text is not JSON at all.
+    #[source]
+    pub source: Option<serde_json::Error>,
+}
+
+impl ConfigError {
+    /// A key whose value breaks a rule.
+    pub fn new(key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            key: key.to_string(),
+            message: message.into(),
+            source: None,
+        }
+    }
 }
 
 fn bad(key: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        key: key.to_string(),
-        message: message.into(),
-    }
+    ConfigError::new(key, message)
 }
 
 /// `docker run` flags a step may not pass: each would undo a guarantee the plugin gives.
@@ -356,8 +373,10 @@ pub fn parse_config(json: &str) -> Result<PluginConfig, ConfigError> {
     if json.trim().is_empty() {
         return Ok(PluginConfig::default());
     }
-    let value: Value =
-        serde_json::from_str(json).map_err(|e| bad("(root)", format!("not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_str(json).map_err(|e| ConfigError {
+        source: Some(e),
+        ..bad("(root)", "not valid JSON")
+    })?;
     parse_config_value(&value)
 }
 

@@ -13,13 +13,19 @@ use kernelkite_topology::plan::{Slice, SliceGpu, Vendor};
 /// Everything `docker run` needs to know about the job.
 #[derive(Debug, Clone)]
 pub struct DockerRun {
+    /// The job (names the container).
     pub job_id: String,
+    /// The step's image.
     pub image: String,
+    /// The job's slice: GPUs, CPUs, memory nodes, memory limit.
     pub slice: Slice,
+    /// `--pids-limit`.
     pub pids_limit: u32,
+    /// Whether the container may reach the network (else `--network none`).
     pub network: bool,
     /// Host checkout mounted at `workdir`, when mounting is on.
     pub checkout: Option<PathBuf>,
+    /// Where the checkout is mounted and the command runs.
     pub workdir: String,
     /// Render nodes (`/dev/dri/renderD128`) of AMD GPUs, in slice order.
     pub amd_render_nodes: Vec<PathBuf>,
@@ -27,6 +33,7 @@ pub struct DockerRun {
     pub env_names: Vec<String>,
     /// Values set inside the container that differ from the host's (device numbering).
     pub env_overrides: BTreeMap<String, String>,
+    /// The step's `docker-args` (already checked).
     pub extra_args: Vec<String>,
     /// The step's command (run with `/bin/sh -e -c`).
     pub command: String,

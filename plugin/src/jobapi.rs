@@ -1,9 +1,13 @@
 //! A client for the agent's Job API: HTTP/1.1 over the unix socket
 //! `$BUILDKITE_AGENT_JOB_API_SOCKET`, bearer `$BUILDKITE_AGENT_JOB_API_TOKEN`.
 //!
-//! Binary hooks cannot `export`; they change the job's environment here. The client is a few
-//! dozen lines of blocking I/O on purpose: no async runtime in a hook that must start in
-//! a millisecond.
+//! Binary hooks cannot `export`; they change the job's environment here. The client is
+//! blocking I/O on purpose: no async runtime in a hook that must start in a millisecond. The
+//! status line, headers and chunk sizes are parsed by `httparse`; what is left by hand is
+//! framing the one response of a `Connection: close` request (Content-Length, chunked or to
+//! the end) under a size bound. HTTP client crates either need an async runtime (hyper,
+//! reqwest) or cannot speak over a unix socket without a transport of our own (ureq), which
+//! would be more code than this framing.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -14,34 +18,72 @@ use std::time::Duration;
 /// Path of the environment endpoint.
 pub const ENV_PATH: &str = "/api/current-job/v0/env";
 
+/// Why a Job API request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum JobApiError {
-    #[error("cannot reach the Job API at {socket}: {error} (is the agent running with the Job API enabled?)")]
+    /// The socket cannot be connected to.
+    #[error(
+        "cannot reach the Job API at {socket} (is the agent running with the Job API enabled?)"
+    )]
     Connect {
+        /// `BUILDKITE_AGENT_JOB_API_SOCKET`.
         socket: PathBuf,
-        error: std::io::Error,
+        /// Why.
+        #[source]
+        source: std::io::Error,
     },
-    #[error("Job API I/O error: {0}")]
+    /// Reading or writing the connection failed.
+    #[error("I/O error talking to the Job API")]
     Io(#[from] std::io::Error),
+    /// The agent answered with an error status.
     #[error("Job API answered {status} to {method} {path}: {body}")]
     Status {
+        /// The HTTP status.
         status: u16,
+        /// The request's method.
         method: String,
+        /// The request's path.
         path: String,
+        /// The start of the response body (the agent's error message).
         body: String,
     },
+    /// The response is not HTTP/1.1 (status line, headers or chunk framing).
+    #[error("Job API sent a malformed response")]
+    Parse(#[source] httparse::Error),
+    /// The response breaks a rule of its own framing or is too large.
     #[error("Job API sent a malformed response: {0}")]
     Malformed(String),
+    /// The response body is not the JSON the endpoint documents.
+    #[error("Job API sent a malformed response to {method} {path}")]
+    Json {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+        /// Where the JSON goes wrong.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The agent refused the token.
     #[error("the Job API refused BUILDKITE_AGENT_JOB_API_TOKEN (401 to {method} {path}): the hook must run inside the job whose socket and token it was given; do not set or copy these variables by hand")]
-    Unauthorized { method: String, path: String },
+    Unauthorized {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The token would break the request's headers.
     #[error("BUILDKITE_AGENT_JOB_API_TOKEN contains a control character; it must be the token the agent set for this job")]
     BadToken,
 }
 
-/// The most a Job API response may hold (status line, each header line, and the body). The
-/// whole job environment comes back from GET; 64 MiB is far above any real one, and keeps a
-/// broken or hostile peer from making the hook allocate without bound.
+/// The most a Job API response may hold (the status line and headers together, each chunk
+/// size line, and the body). The whole job environment comes back from GET; 64 MiB is far above
+/// any real one, and keeps a broken or hostile peer from making the hook allocate without bound.
 pub const MAX_RESPONSE_BYTES: u64 = 64 << 20;
+
+/// Most headers a response may have; the agent sends a handful.
+const MAX_HEADERS: usize = 64;
 
 /// A connection target: socket path and token.
 #[derive(Debug, Clone)]
@@ -57,6 +99,7 @@ struct EnvBody {
 }
 
 impl JobApi {
+    /// The Job API at `socket`, authenticated with `token`; nothing is connected yet.
     pub fn new(socket: &Path, token: &str) -> JobApi {
         JobApi {
             socket: socket.to_path_buf(),
@@ -68,8 +111,12 @@ impl JobApi {
     /// The job's whole environment.
     pub fn get_env(&self) -> Result<BTreeMap<String, String>, JobApiError> {
         let body = self.request("GET", ENV_PATH, None)?;
-        let parsed: EnvBody = serde_json::from_slice(&body)
-            .map_err(|e| JobApiError::Malformed(format!("GET {ENV_PATH}: {e}")))?;
+        let parsed: EnvBody =
+            serde_json::from_slice(&body).map_err(|source| JobApiError::Json {
+                method: "GET".into(),
+                path: ENV_PATH.into(),
+                source,
+            })?;
         Ok(parsed.env)
     }
 
@@ -96,9 +143,9 @@ impl JobApi {
             return Err(JobApiError::BadToken);
         }
         let mut stream =
-            UnixStream::connect(&self.socket).map_err(|error| JobApiError::Connect {
+            UnixStream::connect(&self.socket).map_err(|source| JobApiError::Connect {
                 socket: self.socket.clone(),
-                error,
+                source,
             })?;
         stream.set_read_timeout(Some(self.timeout))?;
         stream.set_write_timeout(Some(self.timeout))?;
@@ -139,12 +186,17 @@ impl JobApi {
     }
 }
 
-/// Reads one line of at most [`MAX_RESPONSE_BYTES`].
-fn read_line_bounded(r: &mut impl BufRead, line: &mut String) -> Result<usize, JobApiError> {
-    let n = r.by_ref().take(MAX_RESPONSE_BYTES).read_line(line)?;
-    if n as u64 >= MAX_RESPONSE_BYTES {
+/// Appends one line (up to and including its `\n`) to `buf`, reading at most what is left of
+/// `budget` bytes; the line's length, 0 at the end of the input.
+fn read_line_bounded(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    budget: u64,
+) -> Result<usize, JobApiError> {
+    let n = r.by_ref().take(budget).read_until(b'\n', buf)?;
+    if n as u64 >= budget && buf.last() != Some(&b'\n') {
         return Err(JobApiError::Malformed(format!(
-            "a line longer than {MAX_RESPONSE_BYTES} bytes"
+            "a response head or line longer than {MAX_RESPONSE_BYTES} bytes"
         )));
     }
     Ok(n)
@@ -160,51 +212,85 @@ fn within_budget(size: u64, used: usize) -> Result<usize, JobApiError> {
     }
 }
 
+/// How the body of a response is delimited.
+enum Framing {
+    Length(usize),
+    Chunked,
+    ToEnd,
+}
+
+/// Reads the status line and headers (up to the empty line) and parses them with `httparse`.
+fn read_head(r: &mut impl BufRead) -> Result<(u16, Framing), JobApiError> {
+    let mut head = Vec::new();
+    loop {
+        let start = head.len();
+        let budget = MAX_RESPONSE_BYTES - start as u64;
+        if read_line_bounded(r, &mut head, budget)? == 0 {
+            return Err(JobApiError::Malformed("headers cut short".into()));
+        }
+        // The status line is never the end; an empty line (CRLF or a bare LF) is.
+        if start > 0 && matches!(&head[start..], b"\r\n" | b"\n") {
+            break;
+        }
+    }
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    match response.parse(&head).map_err(JobApiError::Parse)? {
+        httparse::Status::Complete(_) => {}
+        httparse::Status::Partial => {
+            return Err(JobApiError::Malformed("headers cut short".into()))
+        }
+    }
+    let status = response
+        .code
+        .ok_or_else(|| JobApiError::Malformed("no status code".into()))?;
+    let mut length = None;
+    let mut chunked = false;
+    for h in response.headers.iter() {
+        let value = String::from_utf8_lossy(h.value);
+        let value = value.trim();
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let n: u64 = value
+                .parse()
+                .map_err(|_| JobApiError::Malformed(format!("Content-Length {value:?}")))?;
+            length = Some(within_budget(n, 0)?);
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding")
+            && value.to_ascii_lowercase().contains("chunked")
+        {
+            chunked = true;
+        }
+    }
+    let framing = match (chunked, length) {
+        (true, _) => Framing::Chunked,
+        (false, Some(n)) => Framing::Length(n),
+        (false, None) => Framing::ToEnd,
+    };
+    Ok((status, framing))
+}
+
 /// Reads one HTTP/1.1 response: status and body (Content-Length, chunked, or to EOF), each
 /// part bounded by [`MAX_RESPONSE_BYTES`].
 pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError> {
-    let mut line = String::new();
-    read_line_bounded(&mut r, &mut line)?;
-    let status: u16 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| JobApiError::Malformed(format!("status line {:?}", line.trim())))?;
-    let mut length: Option<usize> = None;
-    let mut chunked = false;
-    loop {
-        let mut h = String::new();
-        if read_line_bounded(&mut r, &mut h)? == 0 {
-            return Err(JobApiError::Malformed("headers cut short".into()));
-        }
-        let h = h.trim_end();
-        if h.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = h.split_once(':') {
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                let n: u64 = value
-                    .parse()
-                    .map_err(|_| JobApiError::Malformed(format!("Content-Length {value:?}")))?;
-                length = Some(within_budget(n, 0)?);
-            } else if name.eq_ignore_ascii_case("transfer-encoding")
-                && value.to_ascii_lowercase().contains("chunked")
-            {
-                chunked = true;
-            }
-        }
-    }
+    let (status, framing) = read_head(&mut r)?;
     let mut body = Vec::new();
-    if chunked {
-        loop {
-            let mut size_line = String::new();
-            if read_line_bounded(&mut r, &mut size_line)? == 0 {
+    match framing {
+        Framing::Chunked => loop {
+            let mut size_line = Vec::new();
+            if read_line_bounded(&mut r, &mut size_line, MAX_RESPONSE_BYTES)? == 0 {
                 return Err(JobApiError::Malformed("chunked body cut short".into()));
             }
-            let size_hex = size_line.trim().split(';').next().unwrap_or("");
-            let size = u64::from_str_radix(size_hex, 16)
-                .map_err(|_| JobApiError::Malformed(format!("chunk size {size_hex:?}")))?;
+            let size = match httparse::parse_chunk_size(&size_line) {
+                Ok(httparse::Status::Complete((_, size))) => size,
+                Ok(httparse::Status::Partial) => {
+                    return Err(JobApiError::Malformed("chunked body cut short".into()))
+                }
+                Err(_) => {
+                    return Err(JobApiError::Malformed(format!(
+                        "chunk size {:?}",
+                        String::from_utf8_lossy(&size_line).trim()
+                    )))
+                }
+            };
             if size == 0 {
                 break;
             }
@@ -214,15 +300,17 @@ pub fn read_response(mut r: impl BufRead) -> Result<(u16, Vec<u8>), JobApiError>
             r.read_exact(&mut body[start..])?;
             let mut crlf = [0u8; 2];
             r.read_exact(&mut crlf)?;
+        },
+        Framing::Length(n) => {
+            body.resize(n, 0);
+            r.read_exact(&mut body)?;
         }
-    } else if let Some(n) = length {
-        body.resize(n, 0);
-        r.read_exact(&mut body)?;
-    } else {
-        r.by_ref()
-            .take(MAX_RESPONSE_BYTES + 1)
-            .read_to_end(&mut body)?;
-        within_budget(body.len() as u64, 0)?;
+        Framing::ToEnd => {
+            r.by_ref()
+                .take(MAX_RESPONSE_BYTES + 1)
+                .read_to_end(&mut body)?;
+            within_budget(body.len() as u64, 0)?;
+        }
     }
     Ok((status, body))
 }
@@ -282,5 +370,32 @@ mod tests {
         let api = JobApi::new(Path::new("/nonexistent/job-api.sock"), "t");
         let e = api.get_env().unwrap_err();
         assert!(e.to_string().contains("cannot reach the Job API"), "{e}");
+        // The socket's error is kept as the cause.
+        let cause = std::error::Error::source(&e)
+            .and_then(|c| c.downcast_ref::<std::io::Error>())
+            .map(std::io::Error::kind);
+        assert_eq!(cause, Some(std::io::ErrorKind::NotFound), "{e:?}");
+    }
+
+    #[test]
+    fn heads_are_parsed_by_httparse_with_its_error_kept() {
+        // Bare LF line endings and a status line without a reason phrase are HTTP/1.1 too.
+        let (s, b) = read_response(&b"HTTP/1.1 204\nContent-Length: 0\n\n"[..]).unwrap();
+        assert_eq!((s, b.len()), (204, 0));
+        // A header line without a colon is refused, and says why.
+        let e = read_response(&b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"[..]).unwrap_err();
+        let JobApiError::Parse(cause) = e else {
+            panic!("{e}")
+        };
+        assert_eq!(cause, httparse::Error::HeaderName);
+        // A stream that ends inside the head.
+        let e = read_response(&b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"[..]).unwrap_err();
+        assert!(matches!(e, JobApiError::Malformed(_)), "{e}");
+        // Chunked wins over a Content-Length sent beside it.
+        let (_, b) = read_response(
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"[..],
+        )
+        .unwrap();
+        assert_eq!(b, b"ok");
     }
 }

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use crate::doctor::{exit_code, run_checks, DoctorOptions, LiveHost};
 
+/// Arguments of `doctor`.
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "Exit status: 0 when no check failed (warnings allowed), 1 when any check failed."
@@ -22,6 +23,7 @@ pub struct DoctorArgs {
     pub docker: bool,
 }
 
+/// Runs every check and prints one line each; fails when any check fails.
 pub fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let checks = run_checks(
         &DoctorOptions {

@@ -7,6 +7,7 @@ use anyhow::Context;
 use kernelkite_topology::cpulist::parse_cpu_list;
 use kernelkite_topology::fakesys::{fixture, FIXTURES};
 
+/// Arguments of `fixture`.
 #[derive(Debug, clap::Args)]
 pub struct FixtureArgs {
     /// Fixture name (see --list).
@@ -26,6 +27,7 @@ pub struct FixtureArgs {
     pub list: bool,
 }
 
+/// Lists the fixtures, or writes one.
 pub fn run(args: FixtureArgs) -> anyhow::Result<ExitCode> {
     if args.list {
         for (name, what) in FIXTURES {

@@ -1,4 +1,5 @@
-//! Hook subcommands: `environment`, `command`, `pre-exit`.
+//! Hook subcommands: `environment`, `command`, `pre-exit`: the command-line edge of
+//! [`crate::job`], which does the work (undoing what fails included).
 //!
 //! The same binary serves the plugin's shell shims (`kernelkite-isolate environment --export
 //! shell`, evaluated by the sourced hook) and agent-level hooks (links named `environment`,
@@ -10,15 +11,15 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
+use kernelkite_topology::cpulist::format_cpu_list;
 
 use crate::gpucheck::{GpuCheckError, GpuControl, Nvml};
 use crate::job::{self, Settings};
-use crate::jobapi::JobApi;
 
 /// Hook names the binary answers to when linked under that name.
 pub const HOOK_NAMES: &[&str] = &["environment", "command", "pre-exit"];
 
+/// The hook subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum HookCommand {
     /// The `environment` hook: clean up after lost jobs, lease the job's GPU(s), check them,
@@ -85,8 +86,10 @@ pub enum ExportVia {
     JobApi,
 }
 
+/// Arguments of `environment`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct EnvironmentArgs {
+    /// Where things are on the node.
     #[command(flatten)]
     pub node: NodeArgs,
     /// How to export the job's variables.
@@ -121,18 +124,21 @@ fn open_nvml() -> Result<Box<dyn GpuControl>, GpuCheckError> {
     Nvml::load().map(|n| Box::new(n) as Box<dyn GpuControl>)
 }
 
+/// The hook's environment; variables that are not UTF-8 are not the agent's and are left out.
 fn job_env() -> BTreeMap<String, String> {
     std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect()
 }
 
+/// Runs a hook subcommand: its lines for the job log on stderr, `export` lines (sourced shell
+/// hook) or the `pre-exit` report on stdout.
 pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
     let env = job_env();
     match cmd {
         HookCommand::Environment(args) => {
             let settings = args.node.settings();
-            let prepared = job::environment(&settings, &env, &mut open_nvml)?;
+            let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;
             for n in &prepared.notices {
                 eprintln!("kernelkite: {n}");
             }
@@ -141,55 +147,36 @@ pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
                 "kernelkite: job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
                 s.job_id,
                 s.gpus,
-                kernelkite_topology::cpulist::format_cpu_list(&s.slice.cpus),
-                kernelkite_topology::cpulist::format_cpu_list(&s.slice.mems),
+                format_cpu_list(&s.slice.cpus),
+                format_cpu_list(&s.slice.mems),
                 s.slice.memory_bytes,
                 match s.cgroup_version {
                     Some(v) => format!(", cgroup v{v}"),
                     None => String::new(),
                 }
             );
-            let socket = env
-                .get("BUILDKITE_AGENT_JOB_API_SOCKET")
-                .filter(|v| !v.is_empty());
-            let via = match (args.export, socket) {
-                (ExportVia::Auto, Some(_)) => ExportVia::JobApi,
-                (ExportVia::Auto, None) => ExportVia::Shell,
-                (other, _) => other,
+            let via = match args.export {
+                ExportVia::Auto if job::env::job_api_socket(&env).is_some() => ExportVia::JobApi,
+                ExportVia::Auto => ExportVia::Shell,
+                other => other,
             };
             match via {
                 ExportVia::JobApi => {
-                    let export = || -> anyhow::Result<()> {
-                        let socket = socket.context(
-                            "BUILDKITE_AGENT_JOB_API_SOCKET is not set: the agent's Job API is off (agent < 3.64 or --no-job-api?); use the plugin's shell hooks instead",
-                        )?;
-                        let token = env
-                            .get("BUILDKITE_AGENT_JOB_API_TOKEN")
-                            .context("BUILDKITE_AGENT_JOB_API_TOKEN is not set")?;
-                        JobApi::new(std::path::Path::new(socket), token)
-                            .patch_env(&s.exports)
-                            .context("exporting the job's slice through the Job API")
-                    };
-                    if let Err(e) = export() {
-                        let cg = crate::cgroup::Cgroups::detect(&settings.cgroup_root).ok();
-                        let r = job::clean_job(&settings, &s.job_id, cg.as_ref(), &mut open_nvml);
-                        tracing::info!("undone: {}", r.summary());
-                        return Err(e);
-                    }
+                    job::environment::export_through_job_api(&settings, s, &env, &mut open_nvml)?
                 }
-                _ => print!("{}", job::export_lines(&s.exports)),
+                _ => print!("{}", job::exports::export_lines(&s.exports)),
             }
             Ok(ExitCode::SUCCESS)
         }
         HookCommand::Command(args) => {
-            let outcome = job::command(&args.settings(), &env)?;
+            let outcome = job::command::run(&args.settings(), &env)?;
             for n in &outcome.notices {
                 eprintln!("kernelkite: {n}");
             }
             Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
         HookCommand::PreExit(args) => {
-            let report = job::pre_exit(&args.settings(), &env, &mut open_nvml)?;
+            let report = job::pre_exit::run(&args.settings(), &env, &mut open_nvml)?;
             println!("kernelkite: {}", report.summary());
             if report.problems.is_empty() {
                 Ok(ExitCode::SUCCESS)

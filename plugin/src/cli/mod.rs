@@ -19,10 +19,12 @@ pub mod plan;
 #[derive(Debug, Parser)]
 #[command(name = "kernelkite-isolate", version, about, long_about = None)]
 pub struct Cli {
+    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// The subcommands: node tools, and the hooks.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Plan per-GPU slices of this node (or of a fake sysfs tree / an hwloc XML export).
@@ -32,6 +34,7 @@ pub enum Command {
     /// Write a fake sysfs/procfs tree of a known machine (DGX H100, MI300X, ...) for trying
     /// `plan` and the hooks without the hardware.
     Fixture(fixture::FixtureArgs),
+    /// The hooks (`environment`, `command`, `pre-exit`).
     #[command(flatten)]
     Hook(hook::HookCommand),
 }

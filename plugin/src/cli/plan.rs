@@ -31,6 +31,7 @@ pub struct PlanArgs {
     /// Print the plan as JSON (the stable shape documented in the README) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// How to slice.
     #[command(flatten)]
     pub policy: PolicyArgs,
 }
@@ -77,6 +78,7 @@ pub struct PolicyArgs {
 }
 
 impl PolicyArgs {
+    /// The planner's policy.
     pub fn to_policy(&self) -> Policy {
         Policy {
             gpus_per_slice: self.gpus_per_slice,
@@ -130,6 +132,7 @@ pub fn load_topology(
     }
 }
 
+/// Plans the node and prints the plan.
 pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     let topo = load_topology(&args.sysfs_root, args.topology_xml.as_deref())?;
     let explained = plan_explained(&topo, &args.policy.to_policy())?;

@@ -1,0 +1,180 @@
+//! Undoing a job: what `pre-exit` runs for its own job, `environment` for jobs whose process is
+//! gone (agent lost mid-run) and for its own half-done preparation. Idempotent, and it keeps
+//! going past failures, reporting each.
+
+use std::process::Command;
+
+use kernelkite_topology::plan::SliceGpu;
+use serde::Serialize;
+
+use super::error::Chain;
+use super::state::{listed_jobs, read_state, remove_state, state_path};
+use super::{GpuOpener, JobError, Settings};
+use crate::cgroup::Cgroups;
+use crate::config::Mode;
+use crate::docker;
+use crate::gpucheck;
+use crate::process;
+
+/// What `pre-exit` (or orphan clean-up) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CleanupReport {
+    /// The job cleaned up after.
+    pub job_id: String,
+    /// Processes killed (the job's leftovers).
+    pub killed: Vec<u32>,
+    /// The job's cgroup was removed.
+    pub cgroup_removed: bool,
+    /// GPU leases released.
+    pub released: Vec<u32>,
+    /// Locked GPU clocks were reset.
+    pub clocks_reset: bool,
+    /// The job's container was removed (docker mode).
+    pub container_removed: bool,
+    /// What could not be cleaned up, one sentence each.
+    pub problems: Vec<String>,
+}
+
+impl CleanupReport {
+    /// One line for the job log.
+    pub fn summary(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.killed.is_empty() {
+            let pids: Vec<String> = self.killed.iter().map(u32::to_string).collect();
+            parts.push(format!(
+                "killed {} leftover process(es): {}",
+                self.killed.len(),
+                pids.join(", ")
+            ));
+        }
+        if self.cgroup_removed {
+            parts.push("removed the job cgroup".into());
+        }
+        if !self.released.is_empty() {
+            parts.push(format!("released GPU lease(s) {:?}", self.released));
+        }
+        if self.clocks_reset {
+            parts.push("reset GPU clocks".into());
+        }
+        if self.container_removed {
+            parts.push("removed the job's container".into());
+        }
+        for p in &self.problems {
+            parts.push(format!("PROBLEM: {p}"));
+        }
+        if parts.is_empty() {
+            parts.push("nothing to clean up".into());
+        }
+        format!("job {}: {}", self.job_id, parts.join("; "))
+    }
+
+    fn problem(&mut self, e: &(dyn std::error::Error + 'static)) {
+        self.problems.push(Chain(e).to_string());
+    }
+}
+
+/// Undoes everything a job did to the node; idempotent, keeps going past failures and
+/// reports them. Works from the state file when there is one, else from the job id alone.
+pub fn clean_job(
+    settings: &Settings,
+    job_id: &str,
+    cgroups: Option<&Cgroups>,
+    gpu: GpuOpener<'_>,
+) -> CleanupReport {
+    let mut report = CleanupReport {
+        job_id: job_id.to_string(),
+        ..Default::default()
+    };
+    let state = match read_state(settings, job_id) {
+        Ok(s) => s,
+        Err(e) => {
+            report.problem(&e);
+            None
+        }
+    };
+    if state
+        .as_ref()
+        .is_some_and(|s| s.config.mode == Mode::Docker)
+    {
+        let out = Command::new(&settings.docker)
+            .args(["rm", "--force", &docker::container_name(job_id)])
+            .output();
+        match out {
+            Ok(o) if o.status.success() => report.container_removed = true,
+            Ok(o) => {
+                let err = String::from_utf8_lossy(&o.stderr);
+                if !err.contains("No such container") {
+                    report.problems.push(format!("docker rm: {}", err.trim()));
+                }
+            }
+            Err(e) => report
+                .problems
+                .push(format!("cannot run {}: {e}", settings.docker.display())),
+        }
+    }
+    if let Some(cg) = cgroups {
+        match cg.clean_up(job_id) {
+            Ok(c) => {
+                report.killed = c.killed;
+                report.cgroup_removed = c.removed;
+            }
+            Err(e) => report.problem(&e),
+        }
+    }
+    if let Some(s) = state.as_ref().filter(|s| s.clocks_locked) {
+        let gpus: Vec<SliceGpu> = docker::slice_gpus(&s.slice).into_iter().cloned().collect();
+        match gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &gpus)) {
+            Ok(()) => report.clocks_reset = true,
+            Err(e) => report.problem(&e),
+        }
+    }
+    let released = match &state {
+        Some(s) => settings.leases().release(&s.gpus, job_id),
+        None => settings.leases().release_all(job_id),
+    };
+    match released {
+        Ok(r) => report.released = r,
+        Err(e) => report.problem(&e),
+    }
+    // A job id that cannot name a state file has none to remove.
+    if let Err(e @ JobError::StateRemove { .. }) = remove_state(settings, job_id) {
+        report.problem(&e);
+    }
+    report
+}
+
+/// Cleans up after jobs whose process is gone: state files whose anchor died, and job
+/// cgroups with no state at all. `me` is never touched.
+pub fn clean_orphans(
+    settings: &Settings,
+    me: &str,
+    cgroups: Option<&Cgroups>,
+    gpu: GpuOpener<'_>,
+) -> Vec<CleanupReport> {
+    let mut reports = Vec::new();
+    let known = listed_jobs(settings);
+    for job in known.iter().filter(|j| *j != me) {
+        let orphaned = match read_state(settings, job) {
+            Ok(Some(s)) => !process::is_alive(&settings.proc_root, s.anchor),
+            Ok(None) => false,
+            // Unreadable state cannot belong to a job that could use it.
+            Err(_) => true,
+        };
+        if orphaned {
+            reports.push(clean_job(settings, job, cgroups, gpu));
+        }
+    }
+    if let Some(cg) = cgroups {
+        for job in cg.jobs() {
+            // A job writes its state before it creates its cgroup, so a state file that
+            // appeared since the listing above belongs to a job starting right now.
+            let has_state = state_path(settings, &job)
+                .map(|p| p.exists())
+                .unwrap_or(false);
+            if job != me && !known.contains(&job) && !has_state {
+                reports.push(clean_job(settings, &job, cgroups, gpu));
+            }
+        }
+    }
+    reports
+}

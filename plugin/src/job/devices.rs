@@ -1,0 +1,202 @@
+//! The node's GPUs as devices: the host numbers of the job's GPUs, and the device nodes of the
+//! others, which the job's cgroup denies.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kernelkite_topology::plan::{Plan, Slice, Vendor};
+
+use crate::cgroup::CharDevice;
+use crate::docker;
+
+/// Character devices of the node's GPUs outside `mine`, from the driver's files under
+/// `sysfs_root`: NVIDIA `/dev/nvidia<minor>` (major 195, minor from
+/// `/proc/driver/nvidia/gpus/<bdf>/information`), AMD `/dev/dri/{card,renderD}<n>` (major 226).
+/// GPUs whose numbers cannot be read are skipped.
+pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<CharDevice> {
+    let mine: Vec<&str> = docker::slice_gpus(mine)
+        .iter()
+        .map(|g| g.pci_bus_id.as_str())
+        .collect();
+    let mut out = Vec::new();
+    for s in &plan.slices {
+        for g in docker::slice_gpus(s) {
+            if mine.contains(&g.pci_bus_id.as_str()) {
+                continue;
+            }
+            match g.vendor {
+                Vendor::Nvidia => {
+                    let info = sysfs_root
+                        .join("proc/driver/nvidia/gpus")
+                        .join(&g.pci_bus_id)
+                        .join("information");
+                    let minor = std::fs::read_to_string(info).ok().and_then(|t| {
+                        t.lines()
+                            .find_map(|l| l.strip_prefix("Device Minor:")?.trim().parse().ok())
+                    });
+                    if let Some(minor) = minor {
+                        out.push(CharDevice { major: 195, minor });
+                    }
+                }
+                Vendor::Amd => {
+                    let drm = sysfs_root
+                        .join("sys/bus/pci/devices")
+                        .join(&g.pci_bus_id)
+                        .join("drm");
+                    for e in std::fs::read_dir(drm).into_iter().flatten().flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        let n = name
+                            .strip_prefix("renderD")
+                            .or_else(|| name.strip_prefix("card"))
+                            .and_then(|n| n.parse().ok());
+                        if let Some(minor) = n {
+                            out.push(CharDevice { major: 226, minor });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Host device numbers of a slice's GPUs: each GPU's position among the plan's GPUs of its
+/// vendor in PCI bus order, the numbering nvidia-smi, `docker --gpus device=N`, CUDA (with
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`) and ROCm use. Not the slice number: with several GPUs per
+/// slice, or NVIDIA and AMD GPUs on one node, the two differ.
+pub fn device_indices(plan: &Plan, slice: &Slice) -> Vec<u32> {
+    let mut by_vendor: BTreeMap<Vendor, Vec<&str>> = BTreeMap::new();
+    for g in plan.slices.iter().flat_map(docker::slice_gpus) {
+        by_vendor
+            .entry(g.vendor)
+            .or_default()
+            .push(g.pci_bus_id.as_str());
+    }
+    for ids in by_vendor.values_mut() {
+        ids.sort_unstable();
+        ids.dedup();
+    }
+    docker::slice_gpus(slice)
+        .iter()
+        .map(|g| {
+            by_vendor
+                .get(&g.vendor)
+                .and_then(|ids| ids.iter().position(|id| *id == g.pci_bus_id))
+                .map_or(slice.index, |i| i as u32)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::exports::exports_for;
+    use crate::job::test_support::nv;
+    use kernelkite_topology::plan::SliceGpu;
+
+    #[test]
+    fn device_numbers_follow_each_vendor_s_bus_order_not_slice_numbers() {
+        let gpu = |vendor: Vendor, bus: &str| SliceGpu {
+            vendor,
+            pci_bus_id: bus.into(),
+            uuid: None,
+            numa_node: Some(0),
+        };
+        let slice = |index: u32, gpus: Vec<SliceGpu>| {
+            let mut g = gpus.into_iter();
+            Slice {
+                index,
+                gpu: g.next(),
+                extra_gpus: g.collect(),
+                cpus: vec![index],
+                mems: vec![0],
+                memory_bytes: 1,
+            }
+        };
+        // Two AMD GPUs per slice: slice 1 holds devices 2 and 3, not "1".
+        let amd = |b: &str| gpu(Vendor::Amd, b);
+        let plan = Plan {
+            slices: vec![
+                slice(0, vec![amd("0000:0c:00.0"), amd("0000:22:00.0")]),
+                slice(1, vec![amd("0000:38:00.0"), amd("0000:5c:00.0")]),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        assert_eq!(device_indices(&plan, &plan.slices[1]), vec![2, 3]);
+        let e = exports_for(&plan.slices[1], &device_indices(&plan, &plan.slices[1]));
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "2,3");
+        assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
+        // Mixed vendors: each vendor numbers its own GPUs.
+        let plan = Plan {
+            slices: vec![
+                slice(0, vec![gpu(Vendor::Nvidia, "0000:18:00.0")]),
+                slice(1, vec![amd("0000:20:00.0")]),
+                slice(2, vec![gpu(Vendor::Nvidia, "0000:30:00.0")]),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        assert_eq!(device_indices(&plan, &plan.slices[1]), vec![0]);
+        assert_eq!(device_indices(&plan, &plan.slices[2]), vec![1]);
+    }
+
+    #[test]
+    fn other_gpus_devices_come_from_the_driver_files() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        for (bus, minor) in [("0000:18:00.0", 0), ("0000:2a:00.0", 1)] {
+            let d = r.join("proc/driver/nvidia/gpus").join(bus);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(
+                d.join("information"),
+                format!("Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 123\nDevice Minor: \t {minor}\n"),
+            )
+            .unwrap();
+        }
+        for n in ["card2", "renderD130"] {
+            std::fs::create_dir_all(r.join("sys/bus/pci/devices/0000:0c:00.0/drm").join(n))
+                .unwrap();
+        }
+        let slice = |i: u32, g: SliceGpu| Slice {
+            index: i,
+            gpu: Some(g),
+            extra_gpus: vec![],
+            cpus: vec![i],
+            mems: vec![0],
+            memory_bytes: 1,
+        };
+        let mut amd = nv("0000:0c:00.0", None);
+        amd.vendor = Vendor::Amd;
+        let plan = Plan {
+            slices: vec![
+                slice(0, nv("0000:18:00.0", None)),
+                slice(1, nv("0000:2a:00.0", None)),
+                slice(2, amd),
+                slice(3, nv("0000:ff:00.0", None)),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        let devs = other_gpu_devices(r, &plan, &plan.slices[0]);
+        assert_eq!(
+            devs,
+            vec![
+                CharDevice {
+                    major: 195,
+                    minor: 1
+                },
+                CharDevice {
+                    major: 226,
+                    minor: 2
+                },
+                CharDevice {
+                    major: 226,
+                    minor: 130
+                },
+            ]
+        );
+    }
+}

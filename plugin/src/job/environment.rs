@@ -1,0 +1,361 @@
+//! The `environment` hook: clean up after lost jobs, lease the job's GPU(s), check them, record
+//! the state, create the job's cgroup and hand the slice's variables to the job. Whatever fails
+//! after the lease is undone here, before the error goes back to the agent.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
+
+use super::cleanup::{clean_job, clean_orphans};
+use super::devices::{device_indices, other_gpu_devices};
+use super::env::{agent_gpus, job_api_socket, job_config, var};
+use super::error::Chain;
+use super::exports::exports_for;
+use super::slice::{job_slice, node_plan};
+use super::state::{read_state, write_state, JobState};
+use super::{GpuOpener, JobError, Settings};
+use crate::cgroup::{CgroupError, Cgroups, CharDevice, Limits};
+use crate::config::{LockClocks, Mode, PluginConfig};
+use crate::docker;
+use crate::gpucheck;
+use crate::jobapi::JobApi;
+use crate::lease::{Holder, Want};
+use crate::process;
+
+/// The result of the `environment` hook.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// What the job's later hooks will find.
+    pub state: JobState,
+    /// Lines for the job log (orphans cleaned, unenforced warnings, ...).
+    pub notices: Vec<String>,
+}
+
+/// The `environment` hook: clean orphans, lease GPU(s), check and prepare the slice, record
+/// the state. Every failure after the lease releases it.
+pub fn run(
+    settings: &Settings,
+    env: &BTreeMap<String, String>,
+    gpu: GpuOpener<'_>,
+) -> Result<Prepared, JobError> {
+    let config = job_config(env)?;
+    let job_id = var(env, "BUILDKITE_JOB_ID")?.to_string();
+    crate::cgroup::job_cgroup_name(&job_id)?;
+    let agent = env.get("BUILDKITE_AGENT_NAME").cloned().unwrap_or_default();
+    let mut notices = Vec::new();
+
+    // Decided before anything is held: a broken cgroup set-up fails the job up front.
+    let cgroups = match Cgroups::detect(&settings.cgroup_root) {
+        Ok(c) => Some(c),
+        Err(e) if config.mode == Mode::Host && !config.allow_unenforced => return Err(e.into()),
+        Err(e) => {
+            if config.mode == Mode::Host {
+                notices.push(format!("WARNING: {}", Chain(&e)));
+            }
+            None
+        }
+    };
+
+    for r in clean_orphans(settings, &job_id, cgroups.as_ref(), gpu) {
+        notices.push(format!("cleaned up after a lost job: {}", r.summary()));
+    }
+
+    // Hooks may run twice for one job (agent-level hook and plugin); the last config wins.
+    if let Some(prev) = read_state(settings, &job_id)? {
+        if prev.config == config {
+            return Ok(Prepared {
+                state: prev,
+                notices,
+            });
+        }
+        let r = clean_job(settings, &job_id, cgroups.as_ref(), gpu);
+        tracing::info!("replacing this job's earlier preparation: {}", r.summary());
+    }
+
+    let anchor = process::job_anchor(&settings.proc_root, std::process::id(), settings.job_pid)
+        .ok_or(JobError::NoAnchor)?;
+    let plan = node_plan(settings)?;
+    let want = wanted_gpus(env, &config, &plan)?;
+    let me = Holder {
+        job_id: job_id.clone(),
+        agent: agent.clone(),
+        anchor,
+    };
+    let leases = settings.leases();
+    let gpus = leases.acquire(&want, &me, Duration::from_secs(config.lease_wait_secs))?;
+
+    // Clocks locked before the state that records them is on disk must still be reset if
+    // writing it fails.
+    let mut locked_gpus: Vec<SliceGpu> = Vec::new();
+    let prepared = job_slice(&plan, &gpus, &config, &settings.sysfs_root)
+        .and_then(|slice| {
+            let locked = check_gpus(&config, &slice, gpu, &mut notices)?;
+            Ok((slice, locked))
+        })
+        .and_then(|(slice, clocks_locked)| {
+            if clocks_locked {
+                locked_gpus = docker::slice_gpus(&slice).into_iter().cloned().collect();
+            }
+            // CPU-only slices have no devices; their slice numbers stand in, as before.
+            let mut devices = device_indices(&plan, &slice);
+            if devices.is_empty() {
+                devices = gpus.clone();
+            }
+            let mut state = JobState {
+                job_id: job_id.clone(),
+                agent,
+                anchor,
+                exports: exports_for(&slice, &devices),
+                gpus: gpus.clone(),
+                device_indices: devices,
+                slice,
+                config: config.clone(),
+                cgroup_version: None,
+                clocks_locked,
+            };
+            // The state goes first: a job cgroup without state is an orphan to other jobs.
+            write_state(settings, &state)?;
+            if config.mode == Mode::Host {
+                let deny = other_gpu_devices(&settings.sysfs_root, &plan, &state.slice);
+                state.cgroup_version = create_cgroup(
+                    &job_id,
+                    &config,
+                    &state.slice,
+                    deny,
+                    cgroups.as_ref(),
+                    &mut notices,
+                )?;
+                write_state(settings, &state)?;
+            }
+            Ok(state)
+        });
+    match prepared {
+        Ok(state) => Ok(Prepared { state, notices }),
+        Err(e) => {
+            let r = clean_job(settings, &job_id, cgroups.as_ref(), gpu);
+            if !r.clocks_reset && !locked_gpus.is_empty() {
+                if let Err(reset) =
+                    gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &locked_gpus))
+                {
+                    notices.push(format!("PROBLEM: could not reset GPU clocks: {reset}"));
+                    tracing::warn!("could not reset GPU clocks: {reset}");
+                }
+            }
+            let _ = leases.release(&gpus, &job_id);
+            tracing::info!("environment failed, undone: {}", r.summary());
+            Err(e)
+        }
+    }
+}
+
+/// Hands the job's variables to it through the agent's Job API (binary hooks cannot
+/// `export`). A job that cannot be told its slice must not run: a failed export undoes
+/// everything [`run`] did.
+pub fn export_through_job_api(
+    settings: &Settings,
+    state: &JobState,
+    env: &BTreeMap<String, String>,
+    gpu: GpuOpener<'_>,
+) -> Result<(), JobError> {
+    let exported = job_api_socket(env)
+        .ok_or(JobError::NoJobApi)
+        .and_then(|socket| {
+            let token = env
+                .get("BUILDKITE_AGENT_JOB_API_TOKEN")
+                .ok_or(JobError::NoJobApiToken)?;
+            JobApi::new(Path::new(socket), token)
+                .patch_env(&state.exports)
+                .map_err(JobError::Export)
+        });
+    if exported.is_err() {
+        let cgroups = Cgroups::detect(&settings.cgroup_root).ok();
+        let r = clean_job(settings, &state.job_id, cgroups.as_ref(), gpu);
+        tracing::info!("undone: {}", r.summary());
+    }
+    exported
+}
+
+/// Which GPU(s) to lease: the ones the agent is bound to (their number must match `gpus`, and
+/// the plan must have them), else `gpus` of the node's pool.
+fn wanted_gpus(
+    env: &BTreeMap<String, String>,
+    config: &PluginConfig,
+    plan: &Plan,
+) -> Result<Want, JobError> {
+    let candidates: Vec<u32> = plan.slices.iter().map(|s| s.index).collect();
+    match agent_gpus(env)? {
+        Some(bound) if bound.len() as u32 != config.gpus => Err(JobError::GpuCountMismatch {
+            bound: bound.len(),
+            wanted: config.gpus,
+        }),
+        Some(bound) => {
+            if let Some(&missing) = bound.iter().find(|g| !candidates.contains(g)) {
+                return Err(JobError::NoSuchSlice { bound, missing });
+            }
+            Ok(Want::Exactly(bound))
+        }
+        None => Ok(Want::Pool {
+            count: config.gpus,
+            candidates,
+        }),
+    }
+}
+
+/// The step's GPU checks (`require-idle-gpu`) and clock locking (`lock-clocks`); true when
+/// clocks were locked. The driver is opened only when one of them is asked for.
+fn check_gpus(
+    config: &PluginConfig,
+    slice: &Slice,
+    gpu: GpuOpener<'_>,
+    notices: &mut Vec<String>,
+) -> Result<bool, JobError> {
+    if !config.require_idle_gpu && config.lock_clocks.is_none() {
+        return Ok(false);
+    }
+    let slice_gpus: Vec<SliceGpu> = docker::slice_gpus(slice).into_iter().cloned().collect();
+    let mut ctl = gpu()?;
+    if config.require_idle_gpu {
+        gpucheck::require_idle(ctl.as_mut(), &slice_gpus, config.idle_memory_mib)?;
+    }
+    let Some(lock) = config.lock_clocks else {
+        return Ok(false);
+    };
+    let mhz = match lock {
+        LockClocks::Max => None,
+        LockClocks::Mhz(m) => Some(m),
+    };
+    let set = gpucheck::lock_clocks(ctl.as_mut(), &slice_gpus, mhz)?;
+    notices.push(format!("locked graphics clocks at {set:?} MHz"));
+    Ok(true)
+}
+
+/// Creates the job's cgroup; with `allow-unenforced`, a failure becomes a loud warning.
+fn create_cgroup(
+    job_id: &str,
+    config: &PluginConfig,
+    slice: &Slice,
+    deny_devices: Vec<CharDevice>,
+    cgroups: Option<&Cgroups>,
+    notices: &mut Vec<String>,
+) -> Result<Option<u8>, JobError> {
+    let limits = Limits {
+        cpus: slice.cpus.clone(),
+        mems: slice.mems.clone(),
+        memory_bytes: slice.memory_bytes,
+        pids: config.pids_limit,
+        deny_devices,
+    };
+    let created = match cgroups {
+        Some(cg) => cg.create(job_id, &limits).map(|w| (cg.version(), w)),
+        None => Err(CgroupError::Unavailable("cgroups were not detected".into())),
+    };
+    match created {
+        Ok((version, warnings)) => {
+            notices.extend(warnings.into_iter().map(|w| format!("warning: {w}")));
+            Ok(Some(version))
+        }
+        Err(e) if config.allow_unenforced => {
+            if let Some(cg) = cgroups {
+                let _ = cg.clean_up(job_id);
+            }
+            notices.push(format!(
+                "WARNING: RUNNING UNENFORCED (allow-unenforced: true): no CPU, memory or pids limits for this job: {}",
+                Chain(&e)
+            ));
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpucheck::GpuControl;
+    use crate::job::state::jobs_dir;
+    use crate::job::test_support::{env, fake_node, FakeDriver};
+    use crate::lease::Leases;
+
+    #[test]
+    fn clocks_are_reset_when_the_state_cannot_be_written() {
+        let (_dir, settings) = fake_node();
+        // The jobs directory is a dangling link: there is no state to read, and none can be
+        // written.
+        std::fs::create_dir_all(&settings.run_dir).unwrap();
+        std::os::unix::fs::symlink(settings.run_dir.join("gone"), jobs_dir(&settings)).unwrap();
+        let driver = FakeDriver::default();
+        let d = driver.clone();
+        let mut open = move || Ok(Box::new(d.clone()) as Box<dyn GpuControl>);
+        let e = env(&[
+            ("BUILDKITE_JOB_ID", "job-nostate"),
+            ("BUILDKITE_PLUGIN_CONFIGURATION", r#"{"lock-clocks":1410}"#),
+        ]);
+        assert!(run(&settings, &e, &mut open).is_err());
+        assert_eq!(
+            *driver.log.lock().unwrap(),
+            vec!["lock 0000:18:00.0 1410", "reset 0000:18:00.0"]
+        );
+        let leases = Leases::new(&settings.run_dir, &settings.proc_root);
+        assert!(leases.holder(0).unwrap().is_none());
+    }
+
+    #[test]
+    fn busy_gpu_fails_the_job_and_releases_its_lease() {
+        let (_dir, settings) = fake_node();
+        let busy = FakeDriver {
+            busy_pid: Some(777),
+            ..Default::default()
+        };
+        let mut open = move || Ok(Box::new(busy.clone()) as Box<dyn GpuControl>);
+        let e = env(&[
+            ("BUILDKITE_JOB_ID", "job-busy"),
+            (
+                "BUILDKITE_PLUGIN_CONFIGURATION",
+                r#"{"require-idle-gpu":true}"#,
+            ),
+        ]);
+        let err = run(&settings, &e, &mut open).unwrap_err().to_string();
+        assert!(err.contains("pid 777"), "{err}");
+        let leases = Leases::new(&settings.run_dir, &settings.proc_root);
+        assert!(
+            leases.holder(0).unwrap().is_none(),
+            "the lease must be released"
+        );
+        assert!(read_state(&settings, "job-busy").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_job_that_cannot_be_told_its_slice_is_undone() {
+        let (_dir, settings) = fake_node();
+        let mut open = || Ok(Box::new(FakeDriver::default()) as Box<dyn GpuControl>);
+        let e = env(&[("BUILDKITE_JOB_ID", "job-export")]);
+        let prepared = run(&settings, &e, &mut open).unwrap();
+        let leases = Leases::new(&settings.run_dir, &settings.proc_root);
+        assert!(leases.holder(0).unwrap().is_some());
+        // No Job API: the export fails, and the lease and state are gone with it.
+        let err = export_through_job_api(&settings, &prepared.state, &e, &mut open).unwrap_err();
+        assert!(matches!(err, JobError::NoJobApi), "{err}");
+        assert!(leases.holder(0).unwrap().is_none());
+        assert!(read_state(&settings, "job-export").unwrap().is_none());
+        // A socket nobody serves: the connection error is kept as the cause.
+        run(&settings, &e, &mut open).unwrap();
+        let with_api = env(&[
+            ("BUILDKITE_JOB_ID", "job-export"),
+            (
+                "BUILDKITE_AGENT_JOB_API_SOCKET",
+                "/nonexistent/job-api.sock",
+            ),
+            ("BUILDKITE_AGENT_JOB_API_TOKEN", "t"),
+        ]);
+        let err =
+            export_through_job_api(&settings, &prepared.state, &with_api, &mut open).unwrap_err();
+        let text = Chain(&err).to_string();
+        assert!(
+            text.starts_with("cannot export the job's slice through the Job API: cannot reach the Job API at /nonexistent/job-api.sock"),
+            "{text}"
+        );
+        assert!(leases.holder(0).unwrap().is_none());
+    }
+}

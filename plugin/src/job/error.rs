@@ -1,0 +1,207 @@
+//! Why a hook failed, with its cause kept for the chain the CLI prints.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use kernelkite_topology::planner::PlanError;
+use kernelkite_topology::topology::TopologyError;
+
+use crate::cgroup::CgroupError;
+use crate::config::ConfigError;
+use crate::gpucheck::GpuCheckError;
+use crate::jobapi::JobApiError;
+use crate::lease::LeaseError;
+
+/// Why a hook could not do its part. Each message says what to change; the underlying error,
+/// where there is one, is the [`source`](std::error::Error::source) (printed after a `: ` by
+/// the CLI, and by [`Chain`]).
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The step's configuration does not match the schema.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A variable the agent sets for every job is missing.
+    #[error("{name} is not set; this hook must be run by the Buildkite agent for a job")]
+    MissingEnv {
+        /// The variable.
+        name: &'static str,
+    },
+    /// The agent's GPU binding (tag or name) is not a list of distinct indices.
+    #[error("{name}={value:?} is not a list of distinct GPU indices like \"3\" or \"2,3\"; fix the agent's tags or name")]
+    BadGpuIndex {
+        /// Where the binding came from.
+        name: &'static str,
+        /// What it said.
+        value: String,
+    },
+    /// The plan file cannot be read.
+    #[error("cannot read the plan {path} (regenerate it with `kernelkite-isolate plan --json > {path}`)")]
+    PlanRead {
+        /// `KERNELKITE_PLAN_FILE`.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The plan file is not a plan.
+    #[error("the plan {path} is not a kernelkite plan (regenerate it with `kernelkite-isolate plan --json > {path}`)")]
+    PlanParse {
+        /// `KERNELKITE_PLAN_FILE`.
+        path: PathBuf,
+        /// Where the JSON goes wrong.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The node's topology cannot be read (no plan file).
+    #[error("cannot plan this node (write a plan file with `kernelkite-isolate plan` and set KERNELKITE_PLAN_FILE)")]
+    Topology(#[source] TopologyError),
+    /// The planner cannot cut the node into slices (no plan file).
+    #[error("cannot plan this node (write a plan file with `kernelkite-isolate plan` and set KERNELKITE_PLAN_FILE)")]
+    Plan(#[source] PlanError),
+    /// The plan holds none of the job's slices.
+    #[error("the node's plan has no slices; regenerate it with `kernelkite-isolate plan --json` and check its warnings")]
+    EmptyPlan,
+    /// The agent is bound to a GPU the plan does not have.
+    #[error("the agent is bound to GPU(s) {bound:?} but the node's plan has no slice for GPU {missing}; check the agent's gpu-index tag against `kernelkite-isolate plan`")]
+    NoSuchSlice {
+        /// The agent's GPUs.
+        bound: Vec<u32>,
+        /// The first one the plan lacks.
+        missing: u32,
+    },
+    /// The agent's binding and the step's `gpus` disagree.
+    #[error("the agent is bound to {bound} GPU(s) but the step asks for `gpus: {wanted}`; run it on a pool agent or tag the agent gpu-index with {wanted} indices")]
+    GpuCountMismatch {
+        /// GPUs the agent is bound to.
+        bound: usize,
+        /// `gpus` of the step.
+        wanted: u32,
+    },
+    /// A setting asks for more than the slice has.
+    #[error("`{key}: {asked}` is more than the job's slice has ({has}); it can only lower the slice's share")]
+    OverSlice {
+        /// The configuration key.
+        key: &'static str,
+        /// Its value.
+        asked: String,
+        /// What the slice has.
+        has: String,
+    },
+    /// No GPU could be leased.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// The job's cgroup could not be made, found or used.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// A GPU check (idle, clocks) failed or the driver is missing.
+    #[error(transparent)]
+    Gpu(#[from] GpuCheckError),
+    /// A later hook found no state: `environment` did not run for this job.
+    #[error("no state for job {job_id} in {dir}: the plugin's `environment` hook did not run for this job (is the plugin or agent hook installed on every hook?)")]
+    NoState {
+        /// The job.
+        job_id: String,
+        /// Where its state would be.
+        dir: PathBuf,
+    },
+    /// The job's state file exists but cannot be read.
+    #[error("cannot read the job state {path}")]
+    StateRead {
+        /// The state file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The job's state file is not state this version writes.
+    #[error("the job state {path} is not valid (written by another version?); `pre-exit` removes it with the job's cgroup and leases")]
+    StateParse {
+        /// The state file.
+        path: PathBuf,
+        /// Where the JSON goes wrong.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The job's state could not be written.
+    #[error("cannot write the job state {path}; the run dir (KERNELKITE_RUN_DIR) must be writable by the hooks")]
+    StateWrite {
+        /// The state file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The job's state could not be removed.
+    #[error("cannot remove the job state {path}")]
+    StateRemove {
+        /// The state file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The process standing for the job cannot be found.
+    #[error("cannot find the job's process (KERNELKITE_JOB_PID or the agent's bootstrap); leases need it to know when the job is gone")]
+    NoAnchor,
+    /// A program could not be started.
+    #[error("cannot start {what}")]
+    Spawn {
+        /// The program, and what to check.
+        what: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The command was started but could not be waited for.
+    #[error("cannot wait for the command")]
+    Wait(#[source] std::io::Error),
+    /// A binary `environment` hook without the agent's Job API.
+    #[error("BUILDKITE_AGENT_JOB_API_SOCKET is not set: the agent's Job API is off (agent < 3.64 or --no-job-api?); use the plugin's shell hooks instead")]
+    NoJobApi,
+    /// The Job API socket without its token.
+    #[error("BUILDKITE_AGENT_JOB_API_TOKEN is not set; the agent sets it with BUILDKITE_AGENT_JOB_API_SOCKET for each job")]
+    NoJobApiToken,
+    /// The Job API refused or failed the export.
+    #[error("cannot export the job's slice through the Job API")]
+    Export(#[source] JobApiError),
+}
+
+/// An error followed by its causes, `: `-separated, as the CLI prints it: for report lines and
+/// log lines that hold one string.
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chain_shows_the_cause_after_the_advice() {
+        let e = JobError::StateRead {
+            path: "/run/kernelkite/jobs/j.json".into(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(
+            Chain(&e).to_string(),
+            "cannot read the job state /run/kernelkite/jobs/j.json: permission denied"
+        );
+        // Transparent variants add no link of their own.
+        let e = JobError::from(crate::config::parse_config("{").unwrap_err());
+        let text = Chain(&e).to_string();
+        assert!(
+            text.starts_with("plugin configuration is invalid: (root): not valid JSON: EOF"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,76 @@
+//! What the job sees: the variables `environment` exports for its slice, and the `export`
+//! lines a sourced shell hook evaluates.
+
+use std::collections::BTreeMap;
+
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::Slice;
+
+use crate::docker;
+
+/// The variables exported to the job for its slice and host GPU indices.
+pub fn exports_for(slice: &Slice, indices: &[u32]) -> BTreeMap<String, String> {
+    let mut env = docker::visible_devices_env(&docker::slice_gpus(slice), indices);
+    // The NVIDIA container runtime reads the same list under its own name.
+    if let Some(ids) = env.get("CUDA_VISIBLE_DEVICES").cloned() {
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), ids);
+    }
+    env.insert("KERNELBOT_GPU_INDEX".into(), docker::index_list(indices));
+    env.insert("KERNELBOT_CPUSET".into(), format_cpu_list(&slice.cpus));
+    env.insert("KERNELBOT_MEMORY".into(), docker_memory(slice.memory_bytes));
+    env.insert(
+        "KERNELKITE_SLICE".into(),
+        serde_json::to_string(slice).unwrap_or_default(),
+    );
+    env
+}
+
+/// A memory size the way the prototype exported it and `docker run --memory` reads it:
+/// `64g`, else `512m`, else bytes.
+pub fn docker_memory(bytes: u64) -> String {
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    if bytes > 0 && bytes.is_multiple_of(GIB) {
+        format!("{}g", bytes / GIB)
+    } else if bytes > 0 && bytes.is_multiple_of(MIB) {
+        format!("{}m", bytes / MIB)
+    } else {
+        bytes.to_string()
+    }
+}
+
+/// Single-quotes a value for `export K='v'` in bash.
+///
+/// Hand-written: single quotes make every byte but `'` literal in POSIX shells, so this one
+/// replacement is the whole job; `shell-escape`-style crates pick among quoting styles and
+/// would only make the output harder to predict.
+pub fn shell_quote(v: &str) -> String {
+    format!("'{}'", v.replace('\'', r"'\''"))
+}
+
+/// `export` lines for the sourced shell hook.
+pub fn export_lines(env: &BTreeMap<String, String>) -> String {
+    env.iter()
+        .map(|(k, v)| format!("export {k}={}\n", shell_quote(v)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::test_support::env;
+
+    #[test]
+    fn memory_is_exported_like_the_prototype() {
+        assert_eq!(docker_memory(64 << 30), "64g");
+        assert_eq!(docker_memory(1536 << 20), "1536m");
+        assert_eq!(docker_memory(1000), "1000");
+    }
+
+    #[test]
+    fn shell_quoting_survives_quotes() {
+        assert_eq!(shell_quote("a'b"), r"'a'\''b'");
+        let lines = export_lines(&env(&[("K", "v w"), ("J", "{\"x\":1}")]));
+        assert_eq!(lines, "export J='{\"x\":1}'\nexport K='v w'\n");
+    }
+}

@@ -1,0 +1,258 @@
+//! The job's slice: the node's plan, the planned slices of its leased GPUs merged, then
+//! narrowed to what the step asks for (`memory`, `cpus-per-gpu`).
+
+use std::path::Path;
+
+use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
+use kernelkite_topology::planner::{self, Policy};
+use kernelkite_topology::topology::Topology;
+
+use super::{JobError, Settings};
+use crate::config::PluginConfig;
+
+/// The node's plan: the plan file when configured, else planned now from sysfs with the
+/// default policy (every job plans the same way, so slices never overlap).
+pub fn node_plan(settings: &Settings) -> Result<Plan, JobError> {
+    if let Some(path) = &settings.plan_file {
+        let text = std::fs::read_to_string(path).map_err(|source| JobError::PlanRead {
+            path: path.clone(),
+            source,
+        })?;
+        return serde_json::from_str(&text).map_err(|source| JobError::PlanParse {
+            path: path.clone(),
+            source,
+        });
+    }
+    let topo = Topology::discover(&settings.sysfs_root).map_err(JobError::Topology)?;
+    planner::plan(&topo, &Policy::default()).map_err(JobError::Plan)
+}
+
+/// Merges the planned slices of the leased GPUs into the job's slice.
+pub fn merge_slices(slices: &[&Slice]) -> Option<Slice> {
+    let first = slices.first()?;
+    let mut gpus: Vec<SliceGpu> = Vec::new();
+    let mut cpus = Vec::new();
+    let mut mems = Vec::new();
+    let mut memory = 0u64;
+    for s in slices {
+        gpus.extend(s.gpu.iter().cloned());
+        gpus.extend(s.extra_gpus.iter().cloned());
+        cpus.extend(&s.cpus);
+        mems.extend(&s.mems);
+        memory = memory.saturating_add(s.memory_bytes);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    mems.sort_unstable();
+    mems.dedup();
+    let mut gpus = gpus.into_iter();
+    Some(Slice {
+        index: first.index,
+        gpu: gpus.next(),
+        extra_gpus: gpus.collect(),
+        cpus,
+        mems,
+        memory_bytes: memory,
+    })
+}
+
+/// Keeps `want` CPUs of `cpus`, whole cores first (SMT siblings grouped by the sysfs
+/// topology under `sysfs_root`), rounding up to a whole core.
+pub fn narrow_cpus(cpus: &[u32], want: usize, sysfs_root: &Path) -> Vec<u32> {
+    let core_of = |cpu: u32| -> Option<(String, String)> {
+        let dir = sysfs_root.join(format!("sys/devices/system/cpu/cpu{cpu}/topology"));
+        let pkg = std::fs::read_to_string(dir.join("physical_package_id")).ok()?;
+        let core = std::fs::read_to_string(dir.join("core_id")).ok()?;
+        Some((pkg.trim().to_string(), core.trim().to_string()))
+    };
+    // (package, core) → CPUs, in first-seen order.
+    type CoreKey = Option<(String, String)>;
+    let mut groups: Vec<(CoreKey, Vec<u32>)> = Vec::new();
+    for &cpu in cpus {
+        let key = core_of(cpu);
+        match groups.iter_mut().find(|(k, _)| key.is_some() && *k == key) {
+            Some((_, members)) => members.push(cpu),
+            None => groups.push((key, vec![cpu])),
+        }
+    }
+    let mut out = Vec::new();
+    for (_, members) in groups {
+        if out.len() >= want {
+            break;
+        }
+        out.extend(members);
+    }
+    out.sort_unstable();
+    out
+}
+
+/// The job's slice for the leased `gpus`: their planned slices merged, then lowered to the
+/// step's `memory` and `cpus-per-gpu`, which may only lower the slice's share.
+pub fn job_slice(
+    plan: &Plan,
+    gpus: &[u32],
+    config: &PluginConfig,
+    sysfs_root: &Path,
+) -> Result<Slice, JobError> {
+    let parts: Vec<&Slice> = gpus
+        .iter()
+        .filter_map(|g| plan.slices.iter().find(|s| s.index == *g))
+        .collect();
+    let mut slice = merge_slices(&parts).ok_or(JobError::EmptyPlan)?;
+    if let Some(mem) = config.memory_bytes {
+        if mem > slice.memory_bytes {
+            return Err(JobError::OverSlice {
+                key: "memory",
+                asked: mem.to_string(),
+                has: format!("{} bytes", slice.memory_bytes),
+            });
+        }
+        slice.memory_bytes = mem;
+    }
+    if let Some(per) = config.cpus_per_gpu {
+        let want = per as usize * gpus.len();
+        if want > slice.cpus.len() {
+            return Err(JobError::OverSlice {
+                key: "cpus-per-gpu",
+                asked: per.to_string(),
+                has: format!("{} CPUs for {} GPU(s)", slice.cpus.len(), gpus.len()),
+            });
+        }
+        slice.cpus = narrow_cpus(&slice.cpus, want, sysfs_root);
+    }
+    Ok(slice)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::exports::exports_for;
+    use crate::job::test_support::nv;
+
+    #[test]
+    fn merged_slices_union_resources() {
+        let a = Slice {
+            index: 2,
+            gpu: Some(nv("a", Some("GPU-a"))),
+            extra_gpus: vec![],
+            cpus: vec![4, 5],
+            mems: vec![0],
+            memory_bytes: 10,
+        };
+        let b = Slice {
+            index: 3,
+            gpu: Some(nv("b", Some("GPU-b"))),
+            extra_gpus: vec![],
+            cpus: vec![6, 7],
+            mems: vec![1],
+            memory_bytes: 20,
+        };
+        let m = merge_slices(&[&a, &b]).unwrap();
+        assert_eq!(m.cpus, vec![4, 5, 6, 7]);
+        assert_eq!(m.mems, vec![0, 1]);
+        assert_eq!(m.memory_bytes, 30);
+        assert_eq!(m.extra_gpus.len(), 1);
+        let e = exports_for(&m, &[2, 3]);
+        assert_eq!(e["CUDA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
+        assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
+        assert_eq!(e["KERNELBOT_CPUSET"], "4-7");
+        let back: Slice = serde_json::from_str(&e["KERNELKITE_SLICE"]).unwrap();
+        assert_eq!(back, m);
+    }
+
+    #[test]
+    fn narrowing_keeps_whole_cores() {
+        let root = tempfile::tempdir().unwrap();
+        // CPUs 0/4 and 1/5 are siblings.
+        for (cpu, core) in [(0, 0), (1, 1), (4, 0), (5, 1)] {
+            let d = root
+                .path()
+                .join(format!("sys/devices/system/cpu/cpu{cpu}/topology"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("physical_package_id"), "0\n").unwrap();
+            std::fs::write(d.join("core_id"), format!("{core}\n")).unwrap();
+        }
+        assert_eq!(narrow_cpus(&[0, 1, 4, 5], 2, root.path()), vec![0, 4]);
+        assert_eq!(narrow_cpus(&[0, 1, 4, 5], 3, root.path()), vec![0, 1, 4, 5]);
+        // Without topology each CPU counts alone.
+        assert_eq!(
+            narrow_cpus(&[0, 1, 4, 5], 2, Path::new("/nonexistent")),
+            vec![0, 1]
+        );
+    }
+
+    #[test]
+    fn the_step_may_lower_the_slice_but_never_raise_it() {
+        let plan = Plan {
+            slices: vec![Slice {
+                index: 0,
+                gpu: Some(nv("0000:18:00.0", None)),
+                extra_gpus: vec![],
+                cpus: vec![0, 1, 2, 3],
+                mems: vec![0],
+                memory_bytes: 1 << 30,
+            }],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        let none = Path::new("/nonexistent");
+        let lower = PluginConfig {
+            memory_bytes: Some(256 << 20),
+            cpus_per_gpu: Some(2),
+            ..PluginConfig::default()
+        };
+        let s = job_slice(&plan, &[0], &lower, none).unwrap();
+        assert_eq!((s.memory_bytes, s.cpus), (256 << 20, vec![0, 1]));
+        let more_memory = PluginConfig {
+            memory_bytes: Some(2 << 30),
+            ..PluginConfig::default()
+        };
+        let e = job_slice(&plan, &[0], &more_memory, none).unwrap_err();
+        assert!(
+            matches!(e, JobError::OverSlice { key: "memory", .. }),
+            "{e}"
+        );
+        let more_cpus = PluginConfig {
+            cpus_per_gpu: Some(5),
+            ..PluginConfig::default()
+        };
+        let e = job_slice(&plan, &[0], &more_cpus, none).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                JobError::OverSlice {
+                    key: "cpus-per-gpu",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(matches!(
+            job_slice(&plan, &[7], &PluginConfig::default(), none),
+            Err(JobError::EmptyPlan)
+        ));
+    }
+
+    #[test]
+    fn a_missing_or_broken_plan_file_keeps_its_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut settings = Settings {
+            plan_file: Some(dir.path().join("missing.json")),
+            ..Settings::default()
+        };
+        let e = node_plan(&settings).unwrap_err();
+        let JobError::PlanRead { source, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        assert!(
+            e.to_string().contains("kernelkite-isolate plan --json >"),
+            "{e}"
+        );
+        std::fs::write(dir.path().join("broken.json"), "{").unwrap();
+        settings.plan_file = Some(dir.path().join("broken.json"));
+        let e = node_plan(&settings).unwrap_err();
+        assert!(matches!(e, JobError::PlanParse { .. }), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
+    }
+}
