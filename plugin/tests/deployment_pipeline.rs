@@ -11,7 +11,7 @@ fn example_pipeline_plugin_config_is_accepted_by_the_parser() {
         "/../deployment/pipelines/kernelbot.yml"
     );
     let text = std::fs::read_to_string(path).expect("deployment/pipelines/kernelbot.yml");
-    let yaml: serde_yaml::Value = serde_yaml::from_str(&text).expect("pipeline is YAML");
+    let yaml: serde_norway::Value = serde_norway::from_str(&text).expect("pipeline is YAML");
     let pipeline: Value = serde_json::to_value(yaml).expect("YAML as JSON");
     let mut checked = 0;
     for step in pipeline["steps"].as_array().expect("steps") {

@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 fn schema() -> Value {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/plugin.yml")).unwrap();
-    let yaml: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let yaml: serde_norway::Value = serde_norway::from_str(&text).unwrap();
     serde_json::to_value(yaml).unwrap()
 }
 
