@@ -1,6 +1,6 @@
 //! The hooks as the agent runs them (see `agent/`): exports through the Job API and through
 //! sourced shims, leases by tag and pool, bad configuration, faults, clean-up. Cgroups here are
-//! a fake v2 tree; `hooks_cgroup_v1.rs` runs the same hooks against the real kernel.
+//! a fake v2 tree; `hooks_cgroup_real*.rs` run the same hooks against the real kernel.
 
 mod agent;
 

@@ -1,6 +1,6 @@
 //! cgroup v2 and v1 against fake cgroupfs trees (plain files), with a small "kernel" thread
 //! that acts on `cgroup.kill` / `cgroup.freeze` the way the real one does, and real processes
-//! to kill. The real kernel is exercised by `hooks_cgroup_real.rs`.
+//! to kill. The real kernel is exercised by `hooks_cgroup_real*.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};

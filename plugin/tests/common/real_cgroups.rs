@@ -1,0 +1,179 @@
+//! What the real-cgroup tests share (`hooks_cgroup_real*.rs`): a check that this machine's
+//! cgroups are usable (else the test is skipped with the reason), guards that remove a test's
+//! job cgroups however it ends, a run dir shared by every test of a binary (as every agent on
+//! a node shares one), and agents bound to one GPU of a plan whose slices sit on one CPU.
+//! Included with `#[path]` by test crates that also declare `mod agent;`.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::agent::Agent;
+use kernelkite_isolate::cgroup::Cgroups;
+use serde_json::json;
+
+/// Removes the test's job cgroups (and any state claiming them) however the test ends.
+pub struct CgroupGuard(pub Vec<String>);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        if let Ok(cg) = Cgroups::detect(Path::new("/")) {
+            for job in &self.0 {
+                let _ = cg.clean_up(job);
+                let _ = std::fs::remove_file(state_file(job));
+            }
+        }
+    }
+}
+
+/// Where the hooks keep `job`'s state in the shared run dir.
+pub fn state_file(job: &str) -> PathBuf {
+    shared_run_dir().join("jobs").join(format!("{job}.json"))
+}
+
+/// Records a live job for a cgroup a test creates directly (not through the hooks). Tests run
+/// in parallel and the `environment` hooks of the others clean every job cgroup that has no
+/// live state as an orphan, which would kill this test's processes mid-run.
+pub fn claim(job: &str) {
+    use kernelkite_isolate::job::JobState;
+    let state = JobState {
+        job_id: job.to_string(),
+        agent: "test".into(),
+        anchor: kernelkite_isolate::process::identify(Path::new("/proc"), std::process::id())
+            .unwrap(),
+        gpus: vec![],
+        device_indices: vec![],
+        slice: kernelkite_topology::plan::Slice {
+            index: 0,
+            gpu: None,
+            extra_gpus: vec![],
+            cpus: vec![0],
+            mems: vec![0],
+            memory_bytes: 64 << 20,
+        },
+        config: Default::default(),
+        cgroup_version: None,
+        clocks_locked: false,
+        exports: Default::default(),
+    };
+    let path = state_file(job);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, serde_json::to_string(&state).unwrap()).unwrap();
+}
+
+/// This machine's cgroups as the hooks will use them, once a probe cgroup could be created;
+/// `None`, after recording why the test is skipped, when not root or not writable.
+pub fn real_cgroups() -> Option<Cgroups> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        kernelkite_testkit::skip("real cgroup tests need root");
+        return None;
+    }
+    let cg = match Cgroups::detect(Path::new("/")) {
+        Ok(cg) => cg,
+        Err(e) => {
+            kernelkite_testkit::skip(format_args!("no usable cgroups here: {e}"));
+            return None;
+        }
+    };
+    // One probe per call: tests run in parallel, and one test removing a shared probe while
+    // another writes its limits would skip the other for no reason.
+    let probe = unique("probe");
+    let _guard = CgroupGuard(vec![probe.clone()]);
+    claim(&probe);
+    let limits = kernelkite_isolate::cgroup::Limits {
+        cpus: vec![0],
+        mems: vec![0],
+        memory_bytes: 64 << 20,
+        pids: 64,
+        deny_devices: vec![],
+    };
+    let ok = cg.create(&probe, &limits);
+    let _ = cg.clean_up(&probe);
+    if let Err(e) = ok {
+        kernelkite_testkit::skip(format_args!("cgroups not writable here: {e}"));
+        return None;
+    }
+    eprintln!("using real cgroup v{}", cg.version());
+    Some(cg)
+}
+
+/// A job id no other test (or run) uses.
+pub fn unique(tag: &str) -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    format!("kk-test-{tag}-{}-{n}", std::process::id())
+}
+
+/// All tests share one run dir, as every agent on a node must: the `environment` hook treats a
+/// job cgroup with no state in its run dir as orphaned.
+pub fn shared_run_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().unwrap())
+        .path()
+        .join("run")
+}
+
+/// An agent bound to GPU `gpu` of a node whose slices all sit on `cpu` with a 64 MiB limit.
+pub fn node(cpu: u32, gpu: u32) -> (tempfile::TempDir, Agent) {
+    let dir = tempfile::tempdir().unwrap();
+    let slices: Vec<serde_json::Value> = (0..8)
+        .map(|i| {
+            json!({"index": i, "gpu": {"vendor": "nvidia", "pci_bus_id": format!("0000:{:02x}:00.0", 0x18 + i),
+                     "uuid": null, "numa_node": 0},
+                   "cpus": [cpu], "mems": [0], "memory_bytes": 64u64 << 20})
+        })
+        .collect();
+    let plan = json!({"slices": slices, "reserved_cpus": [], "warnings": []});
+    std::fs::write(dir.path().join("plan.json"), plan.to_string()).unwrap();
+    let mut env = std::collections::BTreeMap::new();
+    env.insert(
+        "KERNELKITE_RUN_DIR".to_string(),
+        shared_run_dir().display().to_string(),
+    );
+    env.insert(
+        "KERNELKITE_PLAN_FILE".to_string(),
+        dir.path().join("plan.json").display().to_string(),
+    );
+    env.insert("KERNELKITE_CGROUP_ROOT".to_string(), "/".to_string());
+    env.insert(
+        "BUILDKITE_AGENT_META_DATA_GPU_INDEX".to_string(),
+        gpu.to_string(),
+    );
+    let agent = Agent::new(dir.path(), &format!("real-gpu{gpu}"), &env);
+    (dir, agent)
+}
+
+/// This machine's online CPUs.
+pub fn online_cpus() -> Vec<u32> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
+    kernelkite_topology::cpulist::parse_cpu_list(&text).unwrap_or_default()
+}
+
+/// Whether `pid` is running (a zombie is not).
+pub fn alive(pid: u32) -> bool {
+    // A zombie is dead for our purpose.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+/// The contents of `path` once it is written (a daemon's pid file); fails after 5 s.
+pub fn wait_for_file(path: &Path) -> String {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            if !s.trim().is_empty() {
+                return s;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{} never appeared", path.display());
+}
