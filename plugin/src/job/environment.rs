@@ -134,20 +134,41 @@ pub fn run(
     match prepared {
         Ok(state) => Ok(Prepared { state, notices }),
         Err(e) => {
-            let r = clean_job(settings, &job_id, cgroups.as_ref(), gpu);
-            if !r.clocks_reset && !locked_gpus.is_empty() {
-                if let Err(reset) =
-                    gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &locked_gpus))
-                {
-                    notices.push(format!("PROBLEM: could not reset GPU clocks: {reset}"));
-                    tracing::warn!("could not reset GPU clocks: {reset}");
-                }
-            }
-            let _ = leases.release(&gpus, &job_id);
-            tracing::info!("environment failed, undone: {}", r.summary());
+            undo_failed(
+                settings,
+                &job_id,
+                cgroups.as_ref(),
+                &gpus,
+                &locked_gpus,
+                gpu,
+            );
             Err(e)
         }
     }
+}
+
+/// Undoes a failed `environment` after the lease: what [`clean_job`] finds from the state,
+/// the clocks of `locked_gpus` (locked before a state could record them) and the lease of
+/// `gpus` itself.
+fn undo_failed(
+    settings: &Settings,
+    job_id: &str,
+    cgroups: Option<&Cgroups>,
+    gpus: &[u32],
+    locked_gpus: &[SliceGpu],
+    gpu: GpuOpener<'_>,
+) {
+    let r = clean_job(settings, job_id, cgroups, gpu);
+    if !r.clocks_reset && !locked_gpus.is_empty() {
+        if let Err(reset) =
+            gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), locked_gpus))
+        {
+            // The job fails with the error that stopped it; this goes to the log beside it.
+            tracing::warn!("could not reset GPU clocks: {reset}");
+        }
+    }
+    let _ = settings.leases().release(gpus, job_id);
+    tracing::info!("environment failed, undone: {}", r.summary());
 }
 
 /// Hands the job's variables to it through the agent's Job API (binary hooks cannot
