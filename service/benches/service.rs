@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kernelkite_service::artifact;
+use kernelkite_service::buildkite::artifact;
 use kernelkite_service::buildkite::{BuildkiteClient, NewBuild};
 use kernelkite_service::submission::{BuildInfo, State, Submission};
 use kernelkite_service::Config;
@@ -27,6 +27,8 @@ use serde_json::{json, Value};
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
+// SAFETY: every call is forwarded unchanged to the system allocator, which upholds
+// GlobalAlloc's contract; the counter only reads the layouts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         let p = System.alloc(l);

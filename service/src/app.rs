@@ -1,115 +1,155 @@
-//! The service's core: what happens on a submission, a webhook, a cancel, a timeout; and the
-//! router that exposes it.
+//! The service's core: what happens on a submission, a build event, a cancel, a timeout.
 //!
-//! Nothing here polls Buildkite. A submission waits on its `watch` channel; the webhook moves
+//! It speaks in submissions and domain errors ([`Error`]); requests, responses and status
+//! codes are the HTTP layer's (`crate::http`). Builds run on an [`Executor`]; submissions live
+//! in the [`Store`].
+//!
+//! Nothing here polls. A submission waits on its `watch` channel; the executor's events move
 //! it; a per-submission timer (a sleeping task that also ends when the submission does)
 //! enforces the timeout.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
-use axum::Router;
 use chrono::Utc;
 use kernelkite_kernelbot::config::RunConfig;
 use serde::Deserialize;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 
-use crate::archive::Archive;
-use crate::artifact::{self, ArtifactError};
-use crate::buildkite::{Build, BuildkiteClient, NewBuild};
-use crate::config::Config;
-use crate::store::{Routed, Store};
+use crate::buildkite::webhook::{WebhookAuth, WebhookReceiver};
+use crate::buildkite::BuildkiteExecutor;
+use crate::config::{Config, ConfigError};
+use crate::error::{Error, Invalid};
+use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job};
+use crate::report::report;
+use crate::store::{Archive, Durable, Routed, Store};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
-use crate::webhook::{BuildEvent, BuildEventKind, Delivery, WebhookAuth};
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitRequest {
+    /// kernelbot's run config.
     pub config: serde_json::Value,
+    /// Which machines run it (a Buildkite agent queue).
     pub queue: String,
+    /// The backend's id for the run (default: the submission id).
     #[serde(default)]
     pub run_id: Option<String>,
+    /// Where the finished submission is POSTed.
     #[serde(default)]
     pub callback_url: Option<String>,
+    /// Seconds until the submission times out (default: KERNELKITE_DEFAULT_TIMEOUT_S).
     #[serde(default)]
     pub timeout_s: Option<u64>,
-}
-
-/// A refusal, with the HTTP status it maps to.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(status: u16, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-        }
-    }
 }
 
 /// Unix seconds; injected so webhook-window tests can move the clock.
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
+/// The running service: configuration, submissions, the executor, and its background tasks.
 pub struct App {
+    /// The configuration it started with.
     pub cfg: Config,
+    /// Every submission, and its waiters.
     pub store: Store,
-    pub buildkite: BuildkiteClient,
-    pub webhook_auth: WebhookAuth,
-    pub archive: Option<Archive>,
+    /// Where builds run.
+    pub executor: Arc<dyn Executor>,
+    /// The receiving end of Buildkite's webhook.
+    pub webhooks: WebhookReceiver,
+    /// The time webhook signatures are checked against.
     pub clock: Clock,
-    /// Artifact fetches in flight. Holding permits pauses fetching (the ingest benchmark
+    /// Result collections in flight. Holding permits pauses collecting (the ingest benchmark
     /// does, to measure the webhook path alone).
     pub fetch_slots: Semaphore,
     callback_http: reqwest::Client,
 }
 
+/// Why the service cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("configuration: {0}")]
-    Config(String),
-    #[error("cannot build the HTTP client: {0}")]
+    /// A setting is wrong; the cause names it.
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    /// The HTTP client cannot be built (no TLS roots, ...).
+    #[error("cannot build the HTTP client")]
     Http(#[from] reqwest::Error),
-    #[error("cannot use KERNELKITE_DATA_DIR {0}: {1}; create it or point the variable at a writable directory")]
-    DataDir(String, std::io::Error),
+    /// The data dir cannot be created.
+    #[error("cannot use KERNELKITE_DATA_DIR {}; create it or point the variable at a writable directory", .dir.display())]
+    DataDir {
+        /// KERNELKITE_DATA_DIR.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What a client watches: a submission in memory (it sees every change), or one read from
+/// the durable store (it will not change again).
+pub enum Watch {
+    /// In memory: the receiver sees every later change.
+    Live(watch::Receiver<Submission>),
+    /// Finished and only in the durable store.
+    Done(Box<Submission>),
 }
 
 impl App {
-    /// Builds the service and starts its housekeeping task. Needs a tokio runtime.
+    /// Builds the service with Buildkite as the executor and starts its housekeeping task.
+    /// Needs a tokio runtime.
     pub fn new(cfg: Config) -> Result<Arc<App>, StartError> {
         let clock: Clock = Arc::new(|| Utc::now().timestamp());
         App::with_clock(cfg, clock)
     }
 
+    /// [`App::new`] with the clock webhook signatures are checked against.
     pub fn with_clock(cfg: Config, clock: Clock) -> Result<Arc<App>, StartError> {
-        cfg.check().map_err(StartError::Config)?;
-        let archive = match &cfg.data_dir {
-            Some(d) => Some(
-                Archive::open(d).map_err(|e| StartError::DataDir(d.display().to_string(), e))?,
-            ),
+        cfg.check()?;
+        let executor = Arc::new(BuildkiteExecutor::new(&cfg)?);
+        App::start(cfg, clock, executor)
+    }
+
+    /// Builds the service around another executor (one that runs builds on this machine, a
+    /// test's) and starts its housekeeping task.
+    pub fn with_executor(
+        cfg: Config,
+        clock: Clock,
+        executor: Arc<dyn Executor>,
+    ) -> Result<Arc<App>, StartError> {
+        cfg.check()?;
+        App::start(cfg, clock, executor)
+    }
+
+    fn start(
+        cfg: Config,
+        clock: Clock,
+        executor: Arc<dyn Executor>,
+    ) -> Result<Arc<App>, StartError> {
+        let durable: Option<Box<dyn Durable>> = match &cfg.data_dir {
+            Some(d) => Some(Box::new(Archive::open(d).map_err(|source| {
+                StartError::DataDir {
+                    dir: d.clone(),
+                    source,
+                }
+            })?)),
             None => None,
         };
         let app = Arc::new(App {
             store: Store::new(
                 cfg.early_event_max,
                 Duration::from_secs(cfg.early_event_ttl_s),
+                durable,
             ),
-            buildkite: BuildkiteClient::new(&cfg)?,
-            webhook_auth: WebhookAuth {
-                token: cfg.buildkite_webhook_token.clone(),
-                allow_plain_token: cfg.allow_plain_webhook_token,
-                window_s: cfg.webhook_window_s,
+            executor,
+            webhooks: WebhookReceiver {
+                auth: WebhookAuth {
+                    token: cfg.buildkite_webhook_token.clone(),
+                    allow_plain_token: cfg.allow_plain_webhook_token,
+                    window_s: cfg.webhook_window_s,
+                },
+                pipeline: cfg.buildkite_pipeline.clone(),
             },
-            archive,
             clock,
             fetch_slots: Semaphore::new(cfg.fetch_concurrency),
             callback_http: reqwest::Client::builder()
@@ -122,43 +162,27 @@ impl App {
     }
 
     /// Validates and accepts a submission; the build is created in the background.
-    pub fn submit(self: &Arc<Self>, req: SubmitRequest) -> Result<Submission, ApiError> {
+    pub fn submit(self: &Arc<Self>, req: SubmitRequest) -> Result<Submission, Error> {
         check_request(&req, &self.cfg)?;
-        RunConfig::from_json(req.config.clone()).map_err(|e| ApiError::new(422, e.to_string()))?;
+        RunConfig::from_json(req.config.clone()).map_err(Invalid::RunConfig)?;
         // The original JSON is encoded, not the parsed struct, so the runner sees exactly what
         // the backend sent (key order included).
-        let payload = kernelkite_kernelbot::payload::encode(&req.config).map_err(|e| {
-            ApiError::new(422, format!("config cannot be encoded as a payload: {e}"))
-        })?;
+        let payload =
+            kernelkite_kernelbot::payload::encode(&req.config).map_err(Invalid::Payload)?;
         let id = uuid::Uuid::new_v4().to_string();
         let timeout_s = req.timeout_s.unwrap_or(self.cfg.default_timeout_s);
-        let run_id = req.run_id.clone().unwrap_or_else(|| id.clone());
-        let mode = req
-            .config
-            .get("mode")
-            .and_then(|m| m.as_str())
-            .unwrap_or("?")
-            .to_string();
-
-        let mut env: BTreeMap<String, String> = kernelkite_kernelbot::payload::to_env(&payload)
-            .into_iter()
-            .collect();
-        env.insert("KERNELBOT_RUN_ID".into(), run_id.clone());
-        env.insert("KERNELBOT_QUEUE".into(), req.queue.clone());
-        env.insert("KERNELKITE_SUBMISSION_ID".into(), id.clone());
-        let meta_data = BTreeMap::from([
-            ("run_id".to_string(), run_id.clone()),
-            ("kernelkite_submission_id".to_string(), id.clone()),
-            ("queue".to_string(), req.queue.clone()),
-        ]);
-        let build = NewBuild {
-            commit: self.cfg.commit.clone(),
-            branch: self.cfg.branch.clone(),
-            message: format!("kernelkite {mode} run {run_id} on {}", req.queue),
-            env,
-            meta_data,
+        let job = Job {
+            submission_id: id.clone(),
+            run_id: req.run_id.clone().unwrap_or_else(|| id.clone()),
+            queue: req.queue.clone(),
+            mode: req
+                .config
+                .get("mode")
+                .and_then(|m| m.as_str())
+                .unwrap_or("?")
+                .to_string(),
+            payload,
         };
-
         let sub = Submission::new(
             id.clone(),
             req.queue,
@@ -170,24 +194,18 @@ impl App {
         self.store.insert(sub.clone());
         self.spawn_timeout(&id, timeout_s, Duration::from_secs(timeout_s));
         let app = self.clone();
-        tokio::spawn(async move { app.create_build(id, build).await });
+        tokio::spawn(async move { app.launch(id, job).await });
         tracing::info!(id = %sub.id, queue = %sub.queue, "submission accepted");
         Ok(sub)
     }
 
-    async fn create_build(self: Arc<Self>, id: String, build: NewBuild) {
-        match self.buildkite.create_build(&build).await {
-            Ok(b) => {
-                tracing::info!(%id, build = b.number, build_id = %b.id, "build created");
-                let early = self.store.attach_build(
-                    &id,
-                    BuildInfo {
-                        id: b.id.clone(),
-                        number: b.number,
-                        web_url: b.web_url.clone(),
-                    },
-                );
-                if b.state == "running" {
+    async fn launch(self: Arc<Self>, id: String, job: Job) {
+        match self.executor.launch(&job).await {
+            Ok(launched) => {
+                let build = launched.build;
+                tracing::info!(%id, build = build.number, build_id = %build.id, "build created");
+                let early = self.store.attach_build(&id, build.clone());
+                if launched.running {
                     self.store
                         .update_quiet(&id, |s| s.advance(State::Running, Utc::now()));
                 }
@@ -198,40 +216,37 @@ impl App {
                 // already evicted from memory, as a long 429 wait can outlast
                 // KERNELKITE_RETAIN_S): the build must not run for nobody.
                 if matches!(
-                    self.store_state(&id),
+                    self.store.state(&id),
                     None | Some(State::Canceled | State::TimedOut)
                 ) {
-                    self.spawn_cancel_build(b.number);
+                    self.spawn_cancel_build(build);
                 }
             }
             Err(e) => {
-                tracing::warn!(%id, error = %e, "build creation failed");
+                let why = report(&*e);
+                tracing::warn!(%id, error = %why, "build creation failed");
                 self.finish(
                     &id,
-                    Outcome::Failed(format!("could not create the Buildkite build: {e}")),
+                    Outcome::Failed(format!(
+                        "could not create the {} build: {why}",
+                        self.executor.name()
+                    )),
                 );
             }
         }
     }
 
-    fn store_state(&self, id: &str) -> Option<State> {
-        self.store.state(id)
-    }
-
-    /// Handles a verified webhook delivery. Cheap: the artifact fetch runs in the background.
-    pub fn on_delivery(self: &Arc<Self>, delivery: Delivery) {
-        match delivery {
-            Delivery::Ping => tracing::info!("webhook ping"),
-            Delivery::Ignored(event) => tracing::debug!(%event, "webhook event ignored"),
-            Delivery::Build(ev) => match self.store.route(&ev) {
-                Routed::Submission(id) => self.apply(&id, ev),
-                Routed::Buffered => {
-                    tracing::debug!(build_id = %ev.build.id, "event for an unknown build kept for a while")
-                }
-                Routed::Dropped => {
-                    tracing::warn!(build_id = %ev.build.id, "event for an unknown build dropped: early-event buffer full")
-                }
-            },
+    /// Acts on a build's progress, as its executor reported it. Cheap: collecting the result
+    /// of a finished build runs in the background.
+    pub fn on_event(self: &Arc<Self>, event: BuildEvent) {
+        match self.store.route(&event) {
+            Routed::Submission(id) => self.apply(&id, event),
+            Routed::Buffered => {
+                tracing::debug!(build_id = %event.build.id, "event for an unknown build kept for a while")
+            }
+            Routed::Dropped => {
+                tracing::warn!(build_id = %event.build.id, "event for an unknown build dropped: early-event buffer full")
+            }
         }
     }
 
@@ -250,8 +265,10 @@ impl App {
                 self.finish(
                     id,
                     Outcome::Failed(format!(
-                        "Buildkite skipped build #{}; see {}",
-                        ev.build.number, ev.build.web_url
+                        "{} skipped build #{}; see {}",
+                        self.executor.name(),
+                        ev.build.number,
+                        ev.build.web_url
                     )),
                 );
             }
@@ -265,32 +282,22 @@ impl App {
                     .store
                     .update_quiet(id, |s| s.advance(State::Fetching, now))
                 {
-                    self.spawn_fetch(id.to_string(), ev.build);
+                    self.spawn_collect(id.to_string(), ev.build);
                 }
             }
         }
     }
 
-    fn spawn_fetch(self: &Arc<Self>, id: String, build: Build) {
+    fn spawn_collect(self: &Arc<Self>, id: String, build: BuildStatus) {
         let app = self.clone();
         tokio::spawn(async move {
             let Ok(_slot) = app.fetch_slots.acquire().await else {
                 return;
             };
-            if !matches!(app.store_state(&id), Some(s) if !s.is_terminal()) {
+            if !matches!(app.store.state(&id), Some(s) if !s.is_terminal()) {
                 return;
             }
-            let outcome = match artifact::fetch_result(&app.buildkite, build.number).await {
-                Ok(r) => Outcome::Succeeded(r),
-                Err(ArtifactError::Missing(why)) => Outcome::Failed(format!(
-                    "build #{} finished with state {:?} without result.json{why}; see {}",
-                    build.number, build.state, build.web_url
-                )),
-                Err(e) => Outcome::Failed(format!(
-                    "build #{} finished with state {:?} but its result.json could not be used: {e}; see {}",
-                    build.number, build.state, build.web_url
-                )),
-            };
+            let outcome = app.executor.collect(&build).await;
             app.finish(&id, outcome);
         });
     }
@@ -306,22 +313,27 @@ impl App {
         Some((changed, after))
     }
 
-    /// `DELETE`: cancels the submission and its build.
-    pub fn cancel(self: &Arc<Self>, id: &str) -> Result<Submission, ApiError> {
-        let (changed, after) = self
-            .finish(id, Outcome::Canceled("canceled by request".into()))
-            .ok_or_else(|| ApiError::new(404, format!("no submission {id}")))?;
+    /// Cancels the submission and its build. Canceling a canceled submission is not an error;
+    /// one that ended otherwise is a conflict.
+    pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<Submission, Error> {
+        let Some((changed, after)) =
+            self.finish(id, Outcome::Canceled("canceled by request".into()))
+        else {
+            // Not in memory may still mean finished long ago (kept in the data dir only).
+            return match self.store.lookup(id).await {
+                Some(s) if s.state == State::Canceled => Ok(s),
+                Some(s) => Err(Error::Conflict { state: s.state }),
+                None => Err(Error::NotFound { id: id.to_string() }),
+            };
+        };
         if !changed {
             if after.state == State::Canceled {
                 return Ok(after);
             }
-            return Err(ApiError::new(
-                409,
-                format!("submission already ended: {}", after.state.as_str()),
-            ));
+            return Err(Error::Conflict { state: after.state });
         }
         if let Some(b) = &after.build {
-            self.spawn_cancel_build(b.number);
+            self.spawn_cancel_build(b.clone());
         }
         Ok(after)
     }
@@ -358,34 +370,33 @@ impl App {
             let msg = format!("no result within {timeout_s} s");
             if let Some((true, s)) = app.finish(&id, Outcome::TimedOut(msg)) {
                 if let Some(b) = s.build {
-                    app.spawn_cancel_build(b.number);
+                    app.spawn_cancel_build(b);
                 }
             }
         });
     }
 
-    fn spawn_cancel_build(self: &Arc<Self>, number: u64) {
+    fn spawn_cancel_build(self: &Arc<Self>, build: BuildInfo) {
         let app = self.clone();
         tokio::spawn(async move {
-            match app.buildkite.cancel_build(number).await {
-                Ok(_) => tracing::info!(build = number, "build canceled"),
-                // 422: it already finished; nothing to cancel.
-                Err(e) if e.status().is_some_and(|s| s.as_u16() == 422) => {}
-                Err(e) => tracing::warn!(build = number, error = %e, "could not cancel the build"),
+            match app.executor.cancel(&build).await {
+                Ok(true) => tracing::info!(build = build.number, "build canceled"),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(build = build.number, error = %report(&*e), "could not cancel the build")
+                }
             }
         });
     }
 
     fn spawn_terminal_effects(self: &Arc<Self>, sub: Submission) {
-        if self.archive.is_none() && sub.callback_url.is_none() {
+        if !self.store.is_durable() && sub.callback_url.is_none() {
             return;
         }
         let app = self.clone();
         tokio::spawn(async move {
-            if let Some(a) = &app.archive {
-                if let Err(e) = a.write(&sub).await {
-                    tracing::error!(id = %sub.id, error = %e, "could not write the finished submission to KERNELKITE_DATA_DIR");
-                }
+            if let Err(e) = app.store.keep_finished(&sub).await {
+                tracing::error!(id = %sub.id, error = %report(&*e), "could not write the finished submission to KERNELKITE_DATA_DIR");
             }
             if let Some(url) = &sub.callback_url {
                 app.post_callback(url, &sub).await;
@@ -410,7 +421,7 @@ impl App {
                     tracing::warn!(id = %sub.id, status = %r.status(), attempt, "callback failed")
                 }
                 Err(e) => {
-                    tracing::warn!(id = %sub.id, error = %e.without_url(), attempt, "callback failed")
+                    tracing::warn!(id = %sub.id, error = %report(&e.without_url()), attempt, "callback failed")
                 }
             }
             if attempt < attempts {
@@ -421,12 +432,32 @@ impl App {
 
     /// A submission from memory, else from the data dir.
     pub async fn lookup(&self, id: &str) -> Option<Submission> {
-        if let Some(s) = self.store.get(id) {
-            return Some(s);
+        self.store.lookup(id).await
+    }
+
+    /// The submission, once it ended or `wait` passed, whichever comes first; at once when
+    /// `wait` is zero. Sleeps on the submission's channel: woken by the change itself.
+    pub async fn get(&self, id: &str, wait: Duration) -> Result<Submission, Error> {
+        if !wait.is_zero() {
+            if let Some(mut rx) = self.store.subscribe(id) {
+                let _ = tokio::time::timeout(wait, rx.wait_for(|s| s.state.is_terminal())).await;
+                let s = rx.borrow().clone();
+                return Ok(s);
+            }
         }
-        match &self.archive {
-            Some(a) => a.read(id).await.ok().flatten(),
-            None => None,
+        self.lookup(id)
+            .await
+            .ok_or_else(|| Error::NotFound { id: id.to_string() })
+    }
+
+    /// The submission to follow, change by change.
+    pub async fn watch(&self, id: &str) -> Result<Watch, Error> {
+        if let Some(rx) = self.store.subscribe(id) {
+            return Ok(Watch::Live(rx));
+        }
+        match self.lookup(id).await {
+            Some(s) => Ok(Watch::Done(Box::new(s))),
+            None => Err(Error::NotFound { id: id.to_string() }),
         }
     }
 
@@ -439,8 +470,7 @@ impl App {
     }
 }
 
-fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), ApiError> {
-    let bad = |m: String| Err(ApiError::new(422, m));
+fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if req.queue.is_empty()
         || req.queue.len() > 64
         || !req
@@ -448,36 +478,33 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), ApiError> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
     {
-        return bad(format!(
-            "queue {:?} must be 1-64 letters, digits, '-', '_' or '.'",
-            req.queue
-        ));
+        return Err(Invalid::Queue(req.queue.clone()));
     }
     if let Some(r) = &req.run_id {
         if r.is_empty() || r.len() > 256 || r.chars().any(char::is_control) {
-            return bad("run_id must be 1-256 characters without control characters".into());
+            return Err(Invalid::RunId);
         }
     }
     if let Some(u) = &req.callback_url {
-        match reqwest::Url::parse(u) {
+        match url::Url::parse(u) {
             Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
-            _ => {
-                return bad(format!(
-                    "callback_url {u:?} must be an absolute http(s) URL"
-                ))
+            parsed => {
+                return Err(Invalid::CallbackUrl {
+                    url: u.clone(),
+                    source: parsed.err(),
+                })
             }
         }
     }
     if let Some(t) = req.timeout_s {
         if t == 0 || t > cfg.max_timeout_s {
-            return bad(format!(
-                "timeout_s must be in 1..={} (KERNELKITE_MAX_TIMEOUT_S)",
-                cfg.max_timeout_s
-            ));
+            return Err(Invalid::Timeout {
+                max: cfg.max_timeout_s,
+            });
         }
     }
     if !req.config.is_object() {
-        return bad("config must be a JSON object (kernelbot's run config)".into());
+        return Err(Invalid::ConfigNotObject);
     }
     Ok(())
 }
@@ -511,46 +538,6 @@ fn retention_cutoff(now: chrono::DateTime<Utc>, retain_s: u64) -> Option<chrono:
     }
     let keep = chrono::Duration::try_seconds(i64::try_from(retain_s).ok()?)?;
     now.checked_sub_signed(keep)
-}
-
-/// The HTTP routes.
-pub fn router(app: Arc<App>) -> Router {
-    use crate::api;
-    let v1 = Router::new()
-        .route("/v1/submissions", post(api::create_submission))
-        .route(
-            "/v1/submissions/{id}",
-            get(api::get_submission).delete(api::cancel_submission),
-        )
-        .route("/v1/submissions/{id}/events", get(api::submission_events))
-        .layer(DefaultBodyLimit::max(app.cfg.max_submission_bytes))
-        .route_layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            api::require_client,
-        ));
-    let hooks = Router::new()
-        .route("/webhooks/buildkite", post(api::buildkite_webhook))
-        .layer(DefaultBodyLimit::max(app.cfg.webhook_max_bytes));
-    Router::new()
-        .merge(v1)
-        .merge(hooks)
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/openapi.json", get(api::openapi))
-        .with_state(app)
-}
-
-/// Serves on `listener` until `shutdown` resolves.
-pub async fn serve(
-    app: Arc<App>,
-    listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router(app).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
 }
 
 #[cfg(test)]

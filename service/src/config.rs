@@ -14,6 +14,7 @@ use clap::Parser;
 pub struct Secret(String);
 
 impl Secret {
+    /// Wraps a token.
     pub fn new(value: impl Into<String>) -> Secret {
         Secret(value.into())
     }
@@ -57,8 +58,53 @@ impl std::str::FromStr for Secret {
     }
 }
 
+/// Where the service listens unless told otherwise: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// Buildkite's REST API.
 pub const DEFAULT_API_URL: &str = "https://api.buildkite.com/v2";
+
+/// A setting that cannot work. Each message names the variable to fix and how.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// BUILDKITE_API_URL does not parse.
+    #[error("BUILDKITE_API_URL {url:?} is not a URL")]
+    ApiUrl {
+        /// The value.
+        url: String,
+        /// Why it does not parse.
+        #[source]
+        source: url::ParseError,
+    },
+    /// BUILDKITE_API_URL is not http(s).
+    #[error("BUILDKITE_API_URL {0:?} must be http(s)")]
+    ApiUrlScheme(String),
+    /// An organization or pipeline slug with characters slugs do not have.
+    #[error("{name} {value:?} must be a Buildkite slug (letters, digits, '-', '_')")]
+    Slug {
+        /// The variable.
+        name: &'static str,
+        /// The value.
+        value: String,
+    },
+    /// BUILDKITE_API_TOKEN is empty.
+    #[error("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts")]
+    EmptyApiToken,
+    /// BUILDKITE_WEBHOOK_TOKEN is set to the empty string.
+    #[error("BUILDKITE_WEBHOOK_TOKEN is set but empty; set it to the webhook's token, or unset it to refuse every webhook")]
+    EmptyWebhookToken,
+    /// KERNELKITE_API_TOKEN is set to the empty string.
+    #[error("KERNELKITE_API_TOKEN is set but empty; set a token (e.g. `openssl rand -hex 32`), or unset it to serve loopback clients only")]
+    EmptyClientToken,
+    /// KERNELKITE_RETRY_ATTEMPTS is 0.
+    #[error("KERNELKITE_RETRY_ATTEMPTS must be at least 1")]
+    NoRetryAttempts,
+    /// KERNELKITE_FETCH_CONCURRENCY is 0.
+    #[error("KERNELKITE_FETCH_CONCURRENCY must be at least 1")]
+    NoFetchConcurrency,
+    /// KERNELKITE_DEFAULT_TIMEOUT_S is 0 or above KERNELKITE_MAX_TIMEOUT_S.
+    #[error("KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S")]
+    DefaultTimeout,
+}
 
 /// kernelkite-service: accepts kernelbot submissions, runs each as a Buildkite build, and answers
 /// when Buildkite's signed `build.finished` webhook says the build is done.
@@ -217,23 +263,20 @@ impl Config {
         }
     }
 
+    /// KERNELKITE_HTTP_TIMEOUT_S.
     pub fn http_timeout(&self) -> Duration {
         Duration::from_secs(self.http_timeout_s)
     }
 
-    /// Checks what clap cannot: returns a message that says what to fix.
-    pub fn check(&self) -> Result<(), String> {
-        let url = reqwest::Url::parse(&self.buildkite_api_url).map_err(|e| {
-            format!(
-                "BUILDKITE_API_URL {:?} is not a URL: {e}",
-                self.buildkite_api_url
-            )
-        })?;
+    /// Checks what clap cannot; the error says what to fix.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let url =
+            url::Url::parse(&self.buildkite_api_url).map_err(|source| ConfigError::ApiUrl {
+                url: self.buildkite_api_url.clone(),
+                source,
+            })?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!(
-                "BUILDKITE_API_URL {:?} must be http(s)",
-                self.buildkite_api_url
-            ));
+            return Err(ConfigError::ApiUrlScheme(self.buildkite_api_url.clone()));
         }
         for (name, v) in [
             ("BUILDKITE_ORG", &self.buildkite_org),
@@ -244,13 +287,14 @@ impl Config {
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
             {
-                return Err(format!(
-                    "{name} {v:?} must be a Buildkite slug (letters, digits, '-', '_')"
-                ));
+                return Err(ConfigError::Slug {
+                    name,
+                    value: v.clone(),
+                });
             }
         }
         if self.buildkite_api_token.expose().is_empty() {
-            return Err("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts".into());
+            return Err(ConfigError::EmptyApiToken);
         }
         // A variable set to the empty string is not "unset": clap reads it as an empty token.
         // An empty webhook key lets anyone sign webhooks, and an empty API token would admit
@@ -261,25 +305,23 @@ impl Config {
             .as_ref()
             .is_some_and(|t| t.expose().is_empty())
         {
-            return Err("BUILDKITE_WEBHOOK_TOKEN is set but empty; set it to the webhook's token, or unset it to refuse every webhook".into());
+            return Err(ConfigError::EmptyWebhookToken);
         }
         if self
             .api_token
             .as_ref()
             .is_some_and(|t| t.expose().is_empty())
         {
-            return Err("KERNELKITE_API_TOKEN is set but empty; set a token (e.g. `openssl rand -hex 32`), or unset it to serve loopback clients only".into());
+            return Err(ConfigError::EmptyClientToken);
         }
         if self.retry_attempts == 0 {
-            return Err("KERNELKITE_RETRY_ATTEMPTS must be at least 1".into());
+            return Err(ConfigError::NoRetryAttempts);
         }
         if self.fetch_concurrency == 0 {
-            return Err("KERNELKITE_FETCH_CONCURRENCY must be at least 1".into());
+            return Err(ConfigError::NoFetchConcurrency);
         }
         if self.default_timeout_s == 0 || self.default_timeout_s > self.max_timeout_s {
-            return Err(
-                "KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S".into(),
-            );
+            return Err(ConfigError::DefaultTimeout);
         }
         Ok(())
     }
@@ -340,9 +382,13 @@ mod tests {
     fn check_names_the_bad_setting() {
         let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
         c.buildkite_org = "a/b".into();
-        assert!(c.check().unwrap_err().contains("BUILDKITE_ORG"));
+        assert!(c.check().unwrap_err().to_string().contains("BUILDKITE_ORG"));
         let c = Config::new("ftp://x", "org", "pipe", "t");
-        assert!(c.check().unwrap_err().contains("BUILDKITE_API_URL"));
+        assert!(c
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("BUILDKITE_API_URL"));
     }
 
     #[test]
@@ -365,8 +411,16 @@ mod tests {
         };
         let c = from_env("--buildkite-webhook-token");
         assert_eq!(c.buildkite_webhook_token, Some(Secret::new("")));
-        assert!(c.check().unwrap_err().contains("BUILDKITE_WEBHOOK_TOKEN"));
+        assert!(c
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("BUILDKITE_WEBHOOK_TOKEN"));
         let c = from_env("--api-token");
-        assert!(c.check().unwrap_err().contains("KERNELKITE_API_TOKEN"));
+        assert!(c
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("KERNELKITE_API_TOKEN"));
     }
 }

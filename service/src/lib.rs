@@ -1,19 +1,36 @@
-//! kernelkite-service: submissions in, Buildkite builds out, signed webhooks wake the waiters.
+//! kernelkite-service: submissions in, builds out, the executor's events wake the waiters.
 //!
-//! Flow: `POST /v1/submissions` validates the run config with the runner's own types, creates a
-//! Buildkite build carrying the payload, and returns at once. Buildkite's signed `build.finished`
-//! webhook finds the submission by build id, the service downloads `result.json` (checking its
-//! size and SHA-1 and its shape), and every waiter (long-poll, SSE, callback) hears of it at once.
+//! Flow: `POST /v1/submissions` validates the run config with kernelbot's own types
+//! (`kernelkite-kernelbot`), hands the executor (Buildkite) a job, which becomes a build
+//! carrying the payload, and returns at once. Buildkite's signed `build.finished` webhook finds
+//! the submission by build id, the service downloads `result.json` (checking its size and
+//! SHA-1 and its shape), and every waiter (long-poll, SSE, callback) hears of it at once.
+//!
+//! Layout, from the edge in:
+//! - [`http`]: routes, handlers, the client guard, and the one error-to-status mapping.
+//! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types.
+//! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
+//!   (REST client, webhooks, artifacts).
+//! - [`store`]: submissions in memory with their waiters, and the durable store behind them
+//!   (today the [`store::archive`] of finished submissions).
+//! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
+//!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
+//!   people; [`config`]: flags and environment.
 
-pub mod api;
+#![deny(missing_docs)]
+
 pub mod app;
-pub mod archive;
-pub mod artifact;
 pub mod buildkite;
 pub mod config;
+pub mod error;
+pub mod executor;
+pub mod http;
+pub mod report;
+pub mod result;
 pub mod store;
 pub mod submission;
-pub mod webhook;
 
-pub use app::{router, serve, App, SubmitRequest};
+pub use app::{App, SubmitRequest};
 pub use config::Config;
+pub use error::Error;
+pub use http::{router, serve};

@@ -30,9 +30,7 @@ async fn run() -> anyhow::Result<()> {
         )
         .init();
     let cfg = Config::parse();
-    cfg.check()
-        .map_err(anyhow::Error::msg)
-        .context("invalid configuration")?;
+    cfg.check().context("invalid configuration")?;
     if cfg.buildkite_webhook_token.is_none() {
         tracing::warn!("BUILDKITE_WEBHOOK_TOKEN is not set: every webhook will be refused and no submission can finish");
     }

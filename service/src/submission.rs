@@ -8,8 +8,9 @@
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::artifact::ResultJson;
+use crate::result::ResultJson;
 
+/// Where a submission is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum State {
@@ -17,17 +18,22 @@ pub enum State {
     Queued,
     /// Buildkite created the build; it waits for an agent.
     Scheduled,
+    /// The build runs.
     Running,
     /// The build finished; result.json is being downloaded and checked.
     Fetching,
+    /// Ended with a checked result (which may itself report a failed evaluation).
     Succeeded,
+    /// Ended without a usable result; `error` says why.
     Failed,
     /// Canceled through `DELETE /v1/submissions/{id}`.
     Canceled,
+    /// No result within the submission's `timeout_s`; its build was canceled.
     TimedOut,
 }
 
 impl State {
+    /// Ended: the submission never changes again.
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -45,6 +51,7 @@ impl State {
         }
     }
 
+    /// The state's name in the API.
     pub fn as_str(self) -> &'static str {
         match self {
             State::Queued => "queued",
@@ -64,34 +71,50 @@ impl State {
 pub struct BuildInfo {
     /// Buildkite's build UUID; webhooks are matched on it.
     pub id: String,
+    /// The build's number, as people see it.
     pub number: u64,
+    /// Where people see the build.
     pub web_url: String,
 }
 
 /// One state change, with the time it happened.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
+    /// The state entered.
     pub state: State,
+    /// When.
     #[serde(with = "iso")]
     pub at: DateTime<Utc>,
 }
 
+/// A submission: what the API returns, and all a durable store must keep.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Submission {
+    /// Its id (a UUID).
     pub id: String,
+    /// Where it is.
     pub state: State,
+    /// The machines it runs on.
     pub queue: String,
+    /// The backend's run id, as given.
     pub run_id: Option<String>,
+    /// Where the finished submission is POSTed.
     pub callback_url: Option<String>,
+    /// Seconds it may take.
     pub timeout_s: u64,
+    /// Its build, once created.
     pub build: Option<BuildInfo>,
     /// The runner's `result.json`, verbatim.
     pub result: Option<ResultJson>,
+    /// Why it failed, was canceled or timed out.
     pub error: Option<String>,
+    /// When it was accepted.
     #[serde(with = "iso")]
     pub created_at: DateTime<Utc>,
+    /// When it last changed.
     #[serde(with = "iso")]
     pub updated_at: DateTime<Utc>,
+    /// When it ended.
     #[serde(with = "iso_opt")]
     pub finished_at: Option<DateTime<Utc>>,
     /// Every state this submission has been in, in order; SSE replays it.
@@ -101,13 +124,18 @@ pub struct Submission {
 /// How a submission ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
+    /// With this result.
     Succeeded(ResultJson),
+    /// Without a result, for this reason.
     Failed(String),
+    /// Canceled, for this reason.
     Canceled(String),
+    /// Out of time.
     TimedOut(String),
 }
 
 impl Submission {
+    /// A new submission, `queued`.
     pub fn new(
         id: String,
         queue: String,

@@ -29,12 +29,19 @@ use tokio::sync::{mpsc, Notify};
 /// The API routes, for fault injection and request counting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Route {
+    /// `POST .../builds`
     CreateBuild,
+    /// `GET .../builds/{number}`
     GetBuild,
+    /// `PUT .../builds/{number}/cancel`
     CancelBuild,
+    /// `GET .../builds/{number}/artifacts`
     ListArtifacts,
+    /// `GET .../artifacts/{id}/download` (answers `302` to the blob)
     Download,
+    /// The blob store (not the API)
     Blob,
+    /// Anything else (answered `404`)
     Other,
 }
 
@@ -49,23 +56,32 @@ impl Route {
 /// One request the fake received.
 #[derive(Debug, Clone)]
 pub struct Recorded {
+    /// Which route it hit.
     pub route: Route,
+    /// Its method.
     pub method: String,
+    /// Its path.
     pub path: String,
+    /// Its query string, as sent.
     pub query: Option<String>,
+    /// Its `Authorization` header.
     pub authorization: Option<String>,
+    /// When it arrived.
     pub at: Instant,
     /// The build number the request was about, when it names one.
     pub build: Option<u64>,
+    /// The status it was (or will be) answered with.
     pub status: u16,
 }
 
 /// An injected failure for the next request on a route.
 #[derive(Debug, Clone)]
 pub enum Fault {
+    /// Answer with this status and a `{"message"}` body, as Buildkite does.
     Status(u16),
     /// `429` with `RateLimit-Reset: <secs>`.
     RateLimited {
+        /// Seconds until the window resets.
         reset_s: u64,
     },
     /// Answer normally, but only after this long. The request is recorded on arrival (with
@@ -88,8 +104,11 @@ pub enum Signing {
 /// A `result.json` (or other) artifact to attach to a build.
 #[derive(Debug, Clone)]
 pub struct ArtifactSpec {
+    /// The path it is uploaded under.
     pub path: String,
+    /// Its content.
     pub bytes: Vec<u8>,
+    /// Its state (`finished`, `error`, ...).
     pub state: String,
     /// Lie about the size (corrupt-artifact tests).
     pub file_size: Option<u64>,
@@ -98,6 +117,7 @@ pub struct ArtifactSpec {
 }
 
 impl ArtifactSpec {
+    /// A finished `result.json` with these bytes, listed truthfully.
     pub fn result_json(bytes: impl Into<Vec<u8>>) -> ArtifactSpec {
         ArtifactSpec {
             path: "result.json".into(),
@@ -113,7 +133,9 @@ impl ArtifactSpec {
 /// sent: artifact, `build.finished` webhook delivered, then the response.
 #[derive(Debug, Clone)]
 pub struct FinishBeforeCreateResponse {
+    /// The state the build finishes in.
     pub state: String,
+    /// The artifact it uploads first.
     pub artifact: Option<ArtifactSpec>,
 }
 
@@ -175,8 +197,11 @@ impl Drop for FakeBuildkite {
     }
 }
 
+/// The organization the fake serves.
 pub const FAKE_ORG: &str = "kernelkite";
+/// The pipeline the fake serves.
 pub const FAKE_PIPELINE: &str = "submissions";
+/// The only API token the fake accepts.
 pub const FAKE_API_TOKEN: &str = "bkua_fake_api_token";
 
 /// The `X-Buildkite-Signature` value Buildkite sends for `body` at `timestamp`.
@@ -192,6 +217,7 @@ pub fn signature_header(token: &str, timestamp: i64, body: &[u8]) -> String {
     )
 }
 
+/// Now, unix seconds.
 pub fn unix_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -204,6 +230,7 @@ fn now_iso() -> String {
 }
 
 impl FakeBuildkite {
+    /// Starts the fake on a free loopback port.
     pub async fn start() -> FakeBuildkite {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -263,6 +290,7 @@ impl FakeBuildkite {
         format!("{}/v2", self.inner.base)
     }
 
+    /// Where it listens.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -272,6 +300,7 @@ impl FakeBuildkite {
         *lock(&self.inner.webhook) = Some((url.into(), signing));
     }
 
+    /// Queues `fault` for the next request on `route` (faults on a route are used in order).
     pub fn inject(&self, route: Route, fault: Fault) {
         lock(&self.inner.faults)
             .entry(route)
@@ -303,6 +332,7 @@ impl FakeBuildkite {
             .map(|b| rest_build(&self.inner, b, true))
     }
 
+    /// Build `number`'s UUID.
     pub fn build_id(&self, number: u64) -> Option<String> {
         let builds = lock(&self.inner.builds);
         builds
@@ -310,6 +340,7 @@ impl FakeBuildkite {
             .map(|b| b.id.clone())
     }
 
+    /// Build `number`'s state.
     pub fn build_state(&self, number: u64) -> Option<String> {
         let builds = lock(&self.inner.builds);
         builds
@@ -332,6 +363,7 @@ impl FakeBuildkite {
         }
     }
 
+    /// Every request recorded so far.
     pub fn requests(&self) -> Vec<Recorded> {
         lock(&self.inner.requests).clone()
     }
@@ -344,6 +376,7 @@ impl FakeBuildkite {
             .collect()
     }
 
+    /// Forgets the recorded requests.
     pub fn clear_requests(&self) {
         lock(&self.inner.requests).clear();
     }

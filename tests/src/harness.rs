@@ -12,14 +12,23 @@ use kernelkite_service::config::Secret;
 use kernelkite_service::{App, Config};
 use serde_json::{json, Value};
 
+/// The webhook token the service and the fake share.
 pub const WEBHOOK_TOKEN: &str = "whsec-test-token";
+/// How long a test waits for anything that should happen at once.
 pub const WAIT: Duration = Duration::from_secs(10);
 
+/// The service on a loopback port, its fake Buildkite (webhooks signed and pointed at the
+/// service), its data dir, and a client.
 pub struct Harness {
+    /// The fake Buildkite.
     pub fake: FakeBuildkite,
+    /// The service's core, for looking inside.
     pub app: Arc<App>,
+    /// `http://127.0.0.1:<port>`.
     pub base: String,
+    /// A client for the service.
     pub http: reqwest::Client,
+    /// KERNELKITE_DATA_DIR (removed on drop).
     pub _dir: tempfile::TempDir,
     server: tokio::task::JoinHandle<()>,
 }
@@ -30,6 +39,8 @@ impl Drop for Harness {
     }
 }
 
+/// A [`Harness`] whose configuration `tweak` adjusts (retries are fast, the data dir is a
+/// temporary one) before the service starts.
 pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     let fake = FakeBuildkite::start().await;
     let dir = tempfile::tempdir().unwrap();
@@ -60,11 +71,13 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     }
 }
 
+/// A [`Harness`] with the test configuration.
 pub async fn harness() -> Harness {
     harness_with(|_| {}).await
 }
 
 impl Harness {
+    /// `POST /v1/submissions` with `body`: the status and the JSON answer.
     pub async fn post(&self, body: Value) -> (u16, Value) {
         let r = self
             .http
@@ -83,6 +96,8 @@ impl Harness {
             .await
     }
 
+    /// Submits `body` (which must be accepted) and waits for its build; returns (submission
+    /// id, build number).
     pub async fn submit_body(&self, body: Value) -> (String, u64) {
         let (status, v) = self.post(body).await;
         assert_eq!(status, 202, "{v}");
@@ -90,6 +105,7 @@ impl Harness {
         (v["id"].as_str().unwrap().to_string(), number)
     }
 
+    /// `GET /v1/submissions/{id}{query}`: the status and the JSON answer.
     pub async fn get(&self, id: &str, query: &str) -> (u16, Value) {
         let r = self
             .http
@@ -100,6 +116,7 @@ impl Harness {
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
     }
 
+    /// Long-polls the submission until it ended (at most 10 s); its JSON.
     pub async fn wait_terminal(&self, id: &str) -> Value {
         let (status, v) = self.get(id, "?wait=10").await;
         assert_eq!(status, 200, "{v}");
@@ -115,6 +132,7 @@ impl Harness {
             .unwrap();
     }
 
+    /// The submission's state now.
     pub async fn state(&self, id: &str) -> String {
         self.get(id, "").await.1["state"]
             .as_str()
@@ -123,6 +141,12 @@ impl Harness {
     }
 }
 
+/// The sample `result.json` as the artifact a finished build uploads.
 pub fn result_artifact() -> Option<ArtifactSpec> {
     Some(ArtifactSpec::result_json(sample_result_json()))
+}
+
+/// A well-formed submission id that no submission has.
+pub fn uuid_like() -> &'static str {
+    "11111111-2222-4333-8444-555555555555"
 }

@@ -4,6 +4,8 @@
 //! and [`skip()`], which reports a test that could not run here as skipped. None of it is in a
 //! product's path.
 
+#![deny(missing_docs)]
+
 pub mod fake_buildkite;
 pub mod harness;
 pub mod skip;

@@ -3,11 +3,16 @@
 //! Every call goes through `BuildkiteClient::send`, which retries connect errors and 5xx
 //! with exponential backoff, and on `429` waits for `RateLimit-Reset`. Nothing here logs a
 //! token, a request body or a payload: errors carry the method, path and status only.
+//!
+//! The retry budget (`classify`, `Tries`) is written here rather than taken from a retry
+//! crate (`reqwest-retry`, `backoff`) because it needs what those do not offer together: 429s
+//! counted apart from failures and waited out by Buildkite's two `RateLimit-*Reset` headers,
+//! and timeouts retried only for calls that are safe to repeat (never create-build).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use reqwest::{Method, StatusCode, Url};
+use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Secret};
@@ -16,11 +21,16 @@ use crate::config::{Config, Secret};
 /// jobs): the fields the service reads.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Build {
+    /// The build's UUID.
     pub id: String,
+    /// The build's number within the pipeline.
     pub number: u64,
+    /// `scheduled`, `running`, `passed`, `failed`, `canceled`, `blocked`, ...
     pub state: String,
+    /// The build's page.
     #[serde(default)]
     pub web_url: String,
+    /// The build's REST URL.
     #[serde(default)]
     pub url: String,
     /// Stopped at a block step.
@@ -31,62 +41,119 @@ pub struct Build {
 /// An artifact as listed by the REST API.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Artifact {
+    /// The artifact's UUID.
     pub id: String,
+    /// The job that uploaded it.
     #[serde(default)]
     pub job_id: Option<String>,
+    /// Its REST URL.
     #[serde(default)]
     pub url: String,
+    /// Where to download it (answers `302` to the blob store).
     pub download_url: String,
+    /// `new`, `error`, `finished`, `deleted`, `expired`.
     pub state: String,
+    /// The path it was uploaded under.
     pub path: String,
+    /// The file name part of `path`.
     #[serde(default)]
     pub filename: String,
+    /// Its MIME type, when Buildkite knows it.
     #[serde(default)]
     pub mime_type: Option<String>,
+    /// Its size, bytes.
     pub file_size: u64,
+    /// Its SHA-1, hex.
     pub sha1sum: String,
 }
 
 /// Body of `POST .../builds`.
 #[derive(Debug, Clone, Serialize)]
 pub struct NewBuild {
+    /// Commit to build (`HEAD`: the branch's head).
     pub commit: String,
+    /// Branch to build.
     pub branch: String,
+    /// The build's title.
     pub message: String,
+    /// Environment of every job of the build.
     pub env: BTreeMap<String, String>,
+    /// The build's meta-data.
     pub meta_data: BTreeMap<String, String>,
 }
 
+/// Why a Buildkite call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildkiteError {
+    /// Buildkite answered with an error status (after any retries).
     #[error("Buildkite answered {status} to {method} {path}: {message}")]
     Status {
+        /// The request's method.
         method: Method,
+        /// The request's path below the API base URL.
         path: String,
+        /// The answer's status.
         status: StatusCode,
+        /// Buildkite's own explanation (its `message`), or "no message".
         message: String,
     },
-    #[error("could not reach Buildkite for {method} {path}: {reason}")]
+    /// No answer (after any retries).
+    #[error("could not reach Buildkite for {method} {path}")]
     Transport {
+        /// The request's method.
         method: Method,
+        /// The request's path below the API base URL.
         path: String,
-        reason: String,
+        /// Why.
+        #[source]
+        source: TransportError,
     },
-    #[error("Buildkite's answer to {method} {path} is not what the REST API documents: {reason}")]
+    /// The request body could not be written.
+    #[error("the request body of {method} {path} could not be encoded")]
+    Encode {
+        /// The request's method.
+        method: Method,
+        /// The request's path below the API base URL.
+        path: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// An answer that is not the documented JSON.
+    #[error("Buildkite's answer to {method} {path} is not what the REST API documents")]
     Decode {
+        /// The request's method.
         method: Method,
+        /// The request's path below the API base URL.
         path: String,
-        reason: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
     },
+    /// An artifact's download URL is not below the API base URL.
     #[error("artifact download URL {0:?} is not on the Buildkite API host; refusing to send the API token there")]
     ForeignDownloadUrl(String),
+    /// A download answered a redirect without a usable `Location`.
     #[error("artifact download answered {0} without a Location to the blob store")]
     NoRedirect(StatusCode),
+    /// The artifact is over KERNELKITE_MAX_ARTIFACT_BYTES.
     #[error("artifact is larger than the {0} bytes allowed (KERNELKITE_MAX_ARTIFACT_BYTES)")]
     TooLarge(u64),
 }
 
+/// Why a request got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The connection failed, timed out or broke (the error holds no URL and no header).
+    #[error(transparent)]
+    Http(reqwest::Error),
+    /// Buildkite kept answering this status (429, 5xx) through every retry.
+    #[error("still {0} after every retry")]
+    Exhausted(StatusCode),
+}
+
 impl BuildkiteError {
+    /// Buildkite's answer status, when it answered with an error.
     pub fn status(&self) -> Option<StatusCode> {
         match self {
             BuildkiteError::Status { status, .. } => Some(*status),
@@ -98,9 +165,14 @@ impl BuildkiteError {
 /// Retry schedule; injectable so tests run with millisecond backoffs.
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
+    /// Tries per call on failures (connect errors, 5xx, timeouts of safe calls), the first
+    /// included.
     pub attempts: u32,
+    /// First backoff; doubles per failure.
     pub base: Duration,
+    /// Longest backoff.
     pub max_backoff: Duration,
+    /// Longest wait taken from a 429's reset header.
     pub max_rate_limit_wait: Duration,
 }
 
@@ -144,6 +216,7 @@ pub fn rate_limit_wait(headers: &reqwest::header::HeaderMap, cap: Duration) -> D
     Duration::from_secs(secs).min(cap)
 }
 
+/// A client of one pipeline's REST API, with the retry policy above.
 #[derive(Clone)]
 pub struct BuildkiteClient {
     http: reqwest::Client,
@@ -164,6 +237,7 @@ impl std::fmt::Debug for BuildkiteClient {
 }
 
 impl BuildkiteClient {
+    /// A client for the configured organization and pipeline.
     pub fn new(cfg: &Config) -> Result<BuildkiteClient, reqwest::Error> {
         let http = reqwest::Client::builder()
             // Redirects are followed by hand: the blob store must not see the API token.
@@ -190,26 +264,29 @@ impl BuildkiteClient {
         })
     }
 
+    /// `POST .../builds`: creates a build. Not retried once the request may have arrived.
     pub async fn create_build(&self, build: &NewBuild) -> Result<Build, BuildkiteError> {
         let path = self.builds_path.clone();
-        let body = serde_json::to_vec(build).map_err(|e| BuildkiteError::Decode {
+        let body = serde_json::to_vec(build).map_err(|source| BuildkiteError::Encode {
             method: Method::POST,
             path: path.clone(),
-            reason: e.to_string(),
+            source,
         })?;
-        let resp = self.send(Method::POST, &path, Some(body)).await?;
+        let resp = self.send(Method::POST, &path, &[], Some(body)).await?;
         decode(Method::POST, &path, resp).await
     }
 
+    /// `GET .../builds/{number}`.
     pub async fn get_build(&self, number: u64) -> Result<Build, BuildkiteError> {
         let path = format!("{}/{number}", self.builds_path);
-        let resp = self.send(Method::GET, &path, None).await?;
+        let resp = self.send(Method::GET, &path, &[], None).await?;
         decode(Method::GET, &path, resp).await
     }
 
+    /// `PUT .../builds/{number}/cancel`. A finished build answers `422`.
     pub async fn cancel_build(&self, number: u64) -> Result<Build, BuildkiteError> {
         let path = format!("{}/{number}/cancel", self.builds_path);
-        let resp = self.send(Method::PUT, &path, None).await?;
+        let resp = self.send(Method::PUT, &path, &[], None).await?;
         decode(Method::PUT, &path, resp).await
     }
 
@@ -219,12 +296,8 @@ impl BuildkiteClient {
         number: u64,
         path: &str,
     ) -> Result<Vec<Artifact>, BuildkiteError> {
-        let p = format!(
-            "{}/{number}/artifacts?path={}",
-            self.builds_path,
-            encode_query(path)
-        );
-        let resp = self.send(Method::GET, &p, None).await?;
+        let p = format!("{}/{number}/artifacts", self.builds_path);
+        let resp = self.send(Method::GET, &p, &[("path", path)], None).await?;
         decode(Method::GET, &p, resp).await
     }
 
@@ -238,7 +311,7 @@ impl BuildkiteClient {
             return Err(BuildkiteError::ForeignDownloadUrl(download_url.to_string()));
         };
         let path = path.to_string();
-        let resp = self.send(Method::GET, &path, None).await?;
+        let resp = self.send(Method::GET, &path, &[], None).await?;
         let resp = if resp.status().is_redirection() {
             let status = resp.status();
             let location = resp
@@ -275,20 +348,26 @@ impl BuildkiteClient {
         }
     }
 
-    /// Sends one API request with retries. `path` is below the base URL.
+    /// An authenticated API request. `path` is below the base URL; `query` is encoded by
+    /// reqwest (form encoding, so a `&` or a space in a value cannot split it).
+    fn request(&self, method: Method, path: &str, query: &[(&str, &str)]) -> RequestBuilder {
+        self.http
+            .request(method, format!("{}{path}", self.base))
+            .query(query)
+            .bearer_auth(self.token.expose())
+    }
+
+    /// Sends one API request with retries.
     async fn send(
         &self,
         method: Method,
         path: &str,
+        query: &[(&str, &str)],
         body: Option<Vec<u8>>,
     ) -> Result<reqwest::Response, BuildkiteError> {
-        let url = format!("{}{path}", self.base);
         let mut tries = Tries::default();
         loop {
-            let mut req = self
-                .http
-                .request(method.clone(), &url)
-                .bearer_auth(self.token.expose());
+            let mut req = self.request(method.clone(), path, query);
             if let Some(b) = &body {
                 req = req
                     .header(reqwest::header::CONTENT_TYPE, "application/json")
@@ -384,15 +463,15 @@ fn classify(
 }
 
 fn transport(method: Method, path: &str, f: Failure) -> BuildkiteError {
-    let reason = match f {
-        // without_url: the URL is in `path` already; the error text never holds headers.
-        Failure::Transport(e) => e.without_url().to_string(),
-        Failure::Exhausted(s) => format!("still {s} after every retry"),
+    let source = match f {
+        // without_url: the URL is in `path` already; the error never holds headers.
+        Failure::Transport(e) => TransportError::Http(e.without_url()),
+        Failure::Exhausted(s) => TransportError::Exhausted(s),
     };
     BuildkiteError::Transport {
         method,
         path: path.to_string(),
-        reason,
+        source,
     }
 }
 
@@ -426,12 +505,12 @@ async fn decode<T: serde::de::DeserializeOwned>(
     let bytes = resp.bytes().await.map_err(|e| BuildkiteError::Transport {
         method: method.clone(),
         path: path.to_string(),
-        reason: e.without_url().to_string(),
+        source: TransportError::Http(e.without_url()),
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| BuildkiteError::Decode {
+    serde_json::from_slice(&bytes).map_err(|source| BuildkiteError::Decode {
         method,
         path: path.to_string(),
-        reason: e.to_string(),
+        source,
     })
 }
 
@@ -456,24 +535,11 @@ async fn read_capped(
                 return Err(BuildkiteError::Transport {
                     method: Method::GET,
                     path: "artifact blob".into(),
-                    reason: e.without_url().to_string(),
+                    source: TransportError::Http(e.without_url()),
                 })
             }
         }
     }
-}
-
-/// Percent-encodes a query value (artifact paths are plain, but a `&` must not split it).
-fn encode_query(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -572,7 +638,17 @@ mod tests {
 
     #[test]
     fn query_values_are_encoded() {
-        assert_eq!(encode_query("result.json"), "result.json");
-        assert_eq!(encode_query("a b&c"), "a%20b%26c");
+        let cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "t");
+        let client = BuildkiteClient::new(&cfg).unwrap();
+        let url = |value: &str| {
+            let req = client.request(Method::GET, "/x", &[("path", value)]);
+            req.build().unwrap().url().clone()
+        };
+        assert_eq!(url("result.json").query(), Some("path=result.json"));
+        // Form encoding: a space is `+`, and a `&` cannot split the value.
+        let odd = url("a b&c");
+        assert_eq!(odd.query(), Some("path=a+b%26c"));
+        let pairs: Vec<(String, String)> = odd.query_pairs().into_owned().collect();
+        assert_eq!(pairs, [("path".to_string(), "a b&c".to_string())]);
     }
 }

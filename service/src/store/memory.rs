@@ -1,4 +1,4 @@
-//! The in-memory store: submissions by id, each behind a `watch` channel that is at once its
+//! The in-memory part of the store: submissions by id, each behind a `watch` channel that is at once its
 //! current value and its waiter list, and a map from Buildkite build id to submission.
 //!
 //! The build map also holds *early* events: a webhook can arrive before the create-build call
@@ -17,8 +17,8 @@ use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use tokio::sync::watch;
 
+use crate::executor::BuildEvent;
 use crate::submission::{BuildInfo, State, Submission};
-use crate::webhook::BuildEvent;
 
 enum BuildSlot {
     Known(String),
@@ -39,7 +39,8 @@ pub enum Routed {
     Dropped,
 }
 
-pub struct Store {
+/// Submissions in memory, each with its waiters; builds mapped to submissions.
+pub struct Memory {
     subs: DashMap<String, watch::Sender<Submission>>,
     builds: DashMap<String, BuildSlot>,
     early: AtomicUsize,
@@ -50,9 +51,10 @@ pub struct Store {
 /// Most events kept per unknown build (a build sends a handful).
 const EARLY_EVENTS_PER_BUILD: usize = 8;
 
-impl Store {
-    pub fn new(early_max: usize, early_ttl: Duration) -> Store {
-        Store {
+impl Memory {
+    /// An empty store that keeps early events of at most `early_max` builds, for `early_ttl`.
+    pub fn new(early_max: usize, early_ttl: Duration) -> Memory {
+        Memory {
             subs: DashMap::new(),
             builds: DashMap::new(),
             early: AtomicUsize::new(0),
@@ -61,6 +63,7 @@ impl Store {
         }
     }
 
+    /// Adds (or replaces) a submission; its waiters start from this value.
     pub fn insert(&self, sub: Submission) {
         // Re-key the build (a durable store reloading submissions goes through here too).
         if let Some(b) = &sub.build {
@@ -77,18 +80,22 @@ impl Store {
         self.subs.get(id).map_or(0, |tx| tx.receiver_count())
     }
 
+    /// Submissions in memory.
     pub fn len(&self) -> usize {
         self.subs.len()
     }
 
+    /// No submission in memory.
     pub fn is_empty(&self) -> bool {
         self.subs.is_empty()
     }
 
+    /// A copy of the submission's current value.
     pub fn get(&self, id: &str) -> Option<Submission> {
         self.subs.get(id).map(|tx| tx.borrow().clone())
     }
 
+    /// The submission's current state (no copy of the rest).
     pub fn state(&self, id: &str) -> Option<State> {
         self.subs.get(id).map(|tx| tx.borrow().state)
     }
@@ -121,7 +128,7 @@ impl Store {
         Some((changed, after))
     }
 
-    /// Like [`Store::update`] but returns only whether it changed: no clone on the hot path.
+    /// Like [`Memory::update`] but returns only whether it changed: no clone on the hot path.
     pub fn update_quiet(&self, id: &str, f: impl FnOnce(&mut Submission) -> bool) -> bool {
         match self.subs.get(id) {
             Some(tx) => tx.send_if_modified(f),
@@ -212,6 +219,7 @@ impl Store {
         removed
     }
 
+    /// Builds whose events wait for their create call to return.
     pub fn early_len(&self) -> usize {
         self.early.load(Ordering::Relaxed)
     }
@@ -241,18 +249,16 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buildkite::Build;
-    use crate::webhook::BuildEventKind;
+    use crate::executor::{BuildEventKind, BuildStatus};
 
     fn ev(build: &str, kind: BuildEventKind) -> BuildEvent {
         BuildEvent {
             kind,
-            build: Build {
+            build: BuildStatus {
                 id: build.into(),
                 number: 1,
                 state: "running".into(),
                 web_url: String::new(),
-                url: String::new(),
                 blocked: false,
             },
         }
@@ -264,7 +270,7 @@ mod tests {
 
     #[test]
     fn early_events_are_handed_over_on_attach() {
-        let store = Store::new(10, Duration::from_secs(60));
+        let store = Memory::new(10, Duration::from_secs(60));
         store.insert(sub("s1"));
         assert_eq!(
             store.route(&ev("b1", BuildEventKind::Running)),
@@ -290,7 +296,7 @@ mod tests {
 
     #[test]
     fn early_buffer_is_bounded_and_expires() {
-        let store = Store::new(2, Duration::from_millis(0));
+        let store = Memory::new(2, Duration::from_millis(0));
         assert_eq!(
             store.route(&ev("a", BuildEventKind::Running)),
             Routed::Buffered
@@ -326,7 +332,7 @@ mod tests {
         // Race a webhook against the create-build response many times: the event must reach
         // the submission exactly once, either directly or through the hand-over.
         for i in 0..200 {
-            let store = std::sync::Arc::new(Store::new(100, Duration::from_secs(60)));
+            let store = std::sync::Arc::new(Memory::new(100, Duration::from_secs(60)));
             let sid = format!("s{i}");
             store.insert(sub(&sid));
             let s2 = store.clone();
@@ -353,7 +359,7 @@ mod tests {
     fn the_early_bound_holds_under_concurrent_webhooks() {
         // Many deliveries for distinct unknown builds at once: never more than early_max kept.
         for round in 0..300 {
-            let store = std::sync::Arc::new(Store::new(2, Duration::from_secs(60)));
+            let store = std::sync::Arc::new(Memory::new(2, Duration::from_secs(60)));
             let start = std::sync::Arc::new(std::sync::Barrier::new(8));
             let threads: Vec<_> = (0..8)
                 .map(|t| {
@@ -376,7 +382,7 @@ mod tests {
 
     #[test]
     fn eviction_drops_only_old_finished_submissions() {
-        let store = Store::new(10, Duration::from_secs(60));
+        let store = Memory::new(10, Duration::from_secs(60));
         for id in ["done", "pending"] {
             store.insert(sub(id));
             store.attach_build(
@@ -418,7 +424,7 @@ mod tests {
 
     #[test]
     fn attaching_to_an_unknown_submission_keys_nothing() {
-        let store = Store::new(10, Duration::from_secs(60));
+        let store = Memory::new(10, Duration::from_secs(60));
         let info = BuildInfo {
             id: "b".into(),
             number: 1,
@@ -434,7 +440,7 @@ mod tests {
 
     #[test]
     fn waiters_wake_on_change_only() {
-        let store = Store::new(1, Duration::from_secs(1));
+        let store = Memory::new(1, Duration::from_secs(1));
         store.insert(sub("s"));
         let mut rx = store.subscribe("s").unwrap();
         rx.borrow_and_update();

@@ -1,91 +1,55 @@
-//! Fetching a build's `result.json` and checking it before anyone trusts it: the listed
-//! artifact must be `finished`, the bytes must have the listed size and SHA-1, and they must
-//! have the shape of kernelbot's `FullResult`.
-//!
-//! The result is then kept as the artifact's own JSON text ([`ResultJson`]), never re-encoded:
-//! when kernelbot adds a field and the nodes' runners write it before this service knows it,
-//! or a runner writes naive timestamps, the backend still gets exactly what the runner wrote.
+//! Fetching a build's `result.json` from Buildkite and checking it before anyone trusts it:
+//! the listed artifact must be `finished`, the bytes must have the listed size and SHA-1, and
+//! they must have the shape of kernelbot's `FullResult` ([`ResultJson::parse`]).
 
-use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
 use sha1::{Digest, Sha1};
 
-use crate::buildkite::{Artifact, BuildkiteClient, BuildkiteError};
+use super::client::{Artifact, BuildkiteClient, BuildkiteError};
+use crate::result::{NotAResult, ResultJson};
 
+/// The artifact path the pipeline uploads the runner's result under.
 pub const RESULT_PATH: &str = "result.json";
 
+/// Why a build's result could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    #[error("the build has no finished {RESULT_PATH} artifact{0}")]
-    Missing(String),
+    /// No `finished` result.json is listed.
+    #[error("the build has no finished {RESULT_PATH} artifact{}", listed_states(.listed))]
+    Missing {
+        /// The states of the result.json artifacts that are listed (none: none is).
+        listed: Vec<String>,
+    },
+    /// A Buildkite call failed.
     #[error(transparent)]
     Buildkite(#[from] BuildkiteError),
+    /// The download's length is not the listed size.
     #[error("{RESULT_PATH} is {got} bytes but Buildkite lists {want}; the download is truncated or corrupt")]
-    SizeMismatch { want: u64, got: u64 },
+    SizeMismatch {
+        /// Listed size.
+        want: u64,
+        /// Downloaded size.
+        got: u64,
+    },
+    /// The download's SHA-1 is not the listed one.
     #[error("{RESULT_PATH} has SHA-1 {got} but Buildkite lists {want}; the download is corrupt")]
-    Sha1Mismatch { want: String, got: String },
-    #[error("{RESULT_PATH} is not a kernelbot FullResult: {0}")]
-    Parse(String),
+    Sha1Mismatch {
+        /// Listed SHA-1.
+        want: String,
+        /// Downloaded SHA-1.
+        got: String,
+    },
+    /// The bytes are not a result.
+    #[error(transparent)]
+    Parse(#[from] NotAResult),
 }
 
-/// A verified `result.json`, as the artifact's JSON text: serialized, it is written out
-/// verbatim, so GET, SSE, callbacks and the archive carry the runner's bytes unchanged.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct ResultJson(Box<RawValue>);
-
-impl ResultJson {
-    /// Parses `bytes` and checks the fields the service and kernelbot rely on; every other
-    /// field, known or not, is kept as it is.
-    pub fn parse(bytes: &[u8]) -> Result<ResultJson, ArtifactError> {
-        let parse = |e: serde_json::Error| ArtifactError::Parse(e.to_string());
-        let text = std::str::from_utf8(bytes).map_err(|e| ArtifactError::Parse(e.to_string()))?;
-        let raw: Box<RawValue> = serde_json::from_str(text).map_err(parse)?;
-        serde_json::from_str::<ResultShape>(raw.get()).map_err(parse)?;
-        Ok(ResultJson(raw))
+/// `" (listed, but in state error, new)"`, or nothing when none is listed.
+pub(crate) fn listed_states(states: &[String]) -> String {
+    if states.is_empty() {
+        String::new()
+    } else {
+        format!(" (listed, but in state {})", states.join(", "))
     }
-
-    /// The JSON text, exactly as the runner wrote it (without surrounding whitespace).
-    pub fn get(&self) -> &str {
-        self.0.get()
-    }
-
-    /// The runner's own `success`: did the evaluation run (not: did the tests pass).
-    pub fn success(&self) -> bool {
-        serde_json::from_str::<ResultShape>(self.get()).is_ok_and(|r| r.success)
-    }
-}
-
-impl PartialEq for ResultJson {
-    fn eq(&self, other: &ResultJson) -> bool {
-        self.get() == other.get()
-    }
-}
-
-/// The part of `FullResult` a result must have: what kernelbot's `FullResult(**dict)` needs at
-/// the top level and in each run. Unknown fields are allowed at every depth (a newer runner may
-/// write them), and values are not reinterpreted (a naive timestamp is still a timestamp).
-#[derive(Deserialize)]
-struct ResultShape {
-    success: bool,
-    #[allow(dead_code)] // Checked for its type only.
-    error: String,
-    #[allow(dead_code)]
-    system: serde_json::Map<String, serde_json::Value>,
-    #[allow(dead_code)]
-    runs: BTreeMap<String, RunShape>,
-}
-
-#[derive(Deserialize)]
-#[allow(dead_code)] // Checked for its shape only.
-struct RunShape {
-    start: String,
-    end: String,
-    compilation: Option<serde_json::Map<String, serde_json::Value>>,
-    run: Option<serde_json::Map<String, serde_json::Value>>,
-    profile: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// Picks the artifact to use: a `finished` `result.json`; when a retried job uploaded more
@@ -95,12 +59,9 @@ pub fn choose(artifacts: &[Artifact]) -> Result<&Artifact, ArtifactError> {
     if let Some(a) = candidates.iter().rev().find(|a| a.state == "finished") {
         return Ok(a);
     }
-    let states: Vec<&str> = candidates.iter().map(|a| a.state.as_str()).collect();
-    Err(ArtifactError::Missing(if states.is_empty() {
-        String::new()
-    } else {
-        format!(" (listed, but in state {})", states.join(", "))
-    }))
+    Err(ArtifactError::Missing {
+        listed: candidates.iter().map(|a| a.state.clone()).collect(),
+    })
 }
 
 /// Checks downloaded bytes against the listing and parses them.
@@ -118,7 +79,7 @@ pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<ResultJson, ArtifactE
             got,
         });
     }
-    ResultJson::parse(bytes)
+    Ok(ResultJson::parse(bytes)?)
 }
 
 /// Lists, downloads and checks the build's result.json: two API calls plus the blob fetch.
@@ -158,7 +119,7 @@ mod tests {
         let list = vec![art("error", b""), art("new", b"")];
         let err = choose(&list).unwrap_err().to_string();
         assert!(err.contains("error, new"), "{err}");
-        assert!(matches!(choose(&[]), Err(ArtifactError::Missing(_))));
+        assert!(matches!(choose(&[]), Err(ArtifactError::Missing { .. })));
         let mut other = art("finished", b"");
         other.path = "logs/result.json".into();
         assert!(choose(&[other]).is_err());

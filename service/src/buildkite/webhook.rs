@@ -5,45 +5,61 @@
 //! signature is HMAC-SHA256, keyed by the webhook token, over `"<timestamp>." + body`. The MAC
 //! is compared in constant time, then the timestamp must be within the window (replays).
 
-use axum::http::HeaderMap;
 use hmac::{Hmac, Mac};
+use reqwest::header::HeaderMap;
 use serde::Deserialize;
 use sha2::Sha256;
 
-use crate::buildkite::Build;
 use crate::config::Secret;
+use crate::executor::{BuildEvent, BuildEventKind, BuildStatus};
 
+/// Buildkite's signature header: `timestamp=<unix s>,signature=<hex HMAC-SHA256>`.
 pub const HEADER_SIGNATURE: &str = "x-buildkite-signature";
+/// Buildkite's plain-token header (the webhook's token in clear).
 pub const HEADER_TOKEN: &str = "x-buildkite-token";
+/// The event's name (`build.finished`, ...), also in the body.
 pub const HEADER_EVENT: &str = "x-buildkite-event";
 
 /// A parsed `X-Buildkite-Signature`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SignatureHeader {
+    /// Unix seconds the delivery was signed at.
     pub timestamp: i64,
+    /// The HMAC-SHA256.
     pub signature: [u8; 32],
 }
 
 /// Why a webhook was refused. None of these reveal which part of a MAC was wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
+    /// BUILDKITE_WEBHOOK_TOKEN is unset (or empty): nothing can be verified.
     #[error("no webhook token is configured; set BUILDKITE_WEBHOOK_TOKEN to accept webhooks")]
     NotConfigured,
+    /// Neither a signature nor a token.
     #[error("missing X-Buildkite-Signature header")]
     Missing,
+    /// The signature header does not parse.
     #[error("malformed X-Buildkite-Signature header: {0}")]
     Malformed(&'static str),
+    /// The MAC is wrong (another key, or a changed body or timestamp).
     #[error("signature does not match")]
     BadSignature,
+    /// Signed too long ago, or in the future: a replay.
     #[error("signature timestamp is outside the allowed window")]
     Stale,
+    /// The plain token is wrong.
     #[error("X-Buildkite-Token does not match")]
     BadToken,
+    /// A plain token, which is not accepted unless configured.
     #[error("plain X-Buildkite-Token webhooks are not accepted; configure the webhook to sign (or set KERNELKITE_ALLOW_PLAIN_WEBHOOK_TOKEN)")]
     PlainTokenRefused,
 }
 
 /// Parses `timestamp=<digits>,signature=<64 hex>` (order free, surrounding spaces allowed).
+///
+/// Written by hand: the format is Buildkite's own (not RFC 9421 or any header grammar a crate
+/// parses), and verifying it needs exactly these checks (one of each key, bounded lengths,
+/// digits only) before any MAC is computed.
 pub fn parse_signature_header(value: &str) -> Result<SignatureHeader, AuthError> {
     if value.len() > 256 {
         return Err(AuthError::Malformed("too long"));
@@ -89,8 +105,11 @@ pub fn parse_signature_header(value: &str) -> Result<SignatureHeader, AuthError>
 /// How webhooks are authenticated.
 #[derive(Clone, Debug)]
 pub struct WebhookAuth {
+    /// The webhook's token (the HMAC key). `None`: every webhook is refused.
     pub token: Option<Secret>,
+    /// Also accept the token in clear (`X-Buildkite-Token`).
     pub allow_plain_token: bool,
+    /// Largest age (either way) of a signed delivery, seconds.
     pub window_s: u64,
 }
 
@@ -134,37 +153,86 @@ impl WebhookAuth {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BuildEventKind {
-    Scheduled,
-    Running,
-    Finished,
-    Skipped,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BuildEvent {
-    pub kind: BuildEventKind,
-    pub build: Build,
-}
-
 /// What a verified delivery says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Delivery {
+    /// Buildkite checking the endpoint.
     Ping,
+    /// A build event of this pipeline.
     Build(BuildEvent),
     /// An event the service does not act on (`job.*`, `build.failing`, ...).
     Ignored(String),
 }
 
+/// A verified body that is not a usable event.
 #[derive(Debug, thiserror::Error)]
 pub enum ParseError {
-    #[error("webhook body is not a Buildkite event: {0}")]
+    /// Not the JSON of an event.
+    #[error("webhook body is not a Buildkite event")]
     Json(#[from] serde_json::Error),
+    /// A build event without the build's id, number and state.
     #[error("webhook event {0:?} has no build object with id, number and state")]
     NoBuild(String),
+    /// The header and the body name different events.
     #[error("X-Buildkite-Event {header:?} disagrees with the body's event {body:?}")]
-    Mismatch { header: String, body: String },
+    Mismatch {
+        /// `X-Buildkite-Event`.
+        header: String,
+        /// The body's `event`.
+        body: String,
+    },
+}
+
+/// Why a delivery was not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// Not from Buildkite (or not verifiable).
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    /// From Buildkite, but not an event.
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+}
+
+/// The receiving end of the pipeline's webhook: verifies a delivery, then reads it.
+#[derive(Clone, Debug)]
+pub struct WebhookReceiver {
+    /// How deliveries are authenticated.
+    pub auth: WebhookAuth,
+    /// The pipeline whose build events are acted on.
+    pub pipeline: String,
+}
+
+impl WebhookReceiver {
+    /// Verifies (before reading anything) and reads one delivery; `now` is unix seconds.
+    /// Returns the build event to act on, if the delivery is one.
+    pub fn receive(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Option<BuildEvent>, WebhookError> {
+        if let Err(e) = self.auth.verify(headers, body, now) {
+            tracing::warn!(reason = %e, "webhook refused");
+            return Err(e.into());
+        }
+        let header_event = headers.get(HEADER_EVENT).and_then(|v| v.to_str().ok());
+        match parse_delivery(header_event, &self.pipeline, body) {
+            Ok(Delivery::Build(ev)) => Ok(Some(ev)),
+            Ok(Delivery::Ping) => {
+                tracing::info!("webhook ping");
+                Ok(None)
+            }
+            Ok(Delivery::Ignored(event)) => {
+                tracing::debug!(%event, "webhook event ignored");
+                Ok(None)
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::report::report(&e), "verified webhook has an unreadable body");
+                Err(e.into())
+            }
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -191,8 +259,6 @@ struct LooseBuild {
     state: Option<String>,
     #[serde(default)]
     web_url: Option<String>,
-    #[serde(default)]
-    url: Option<String>,
     #[serde(default)]
     blocked: Option<bool>,
 }
@@ -233,14 +299,12 @@ pub fn parse_delivery(
             number: Some(number),
             state: Some(state),
             web_url,
-            url,
             blocked,
-        }) => Build {
+        }) => BuildStatus {
             id,
             number,
             state,
             web_url: web_url.unwrap_or_default(),
-            url: url.unwrap_or_default(),
             blocked: blocked.unwrap_or(false),
         },
         _ => return Err(ParseError::NoBuild(b.event)),

@@ -1,0 +1,139 @@
+//! What can go wrong with a request, as the core says it: one enum of kinds (not found, bad
+//! request, invalid submission, conflict, too large, unauthorized, forbidden, internal), each
+//! carrying its cause. The core never picks an HTTP status; `http::error` maps each kind to
+//! one, in one place.
+//!
+//! Causes are kept as [`std::error::Error::source`], not folded into the message;
+//! [`crate::report::report`] writes a message with its causes for a person to read.
+
+use kernelkite_kernelbot::config::ConfigError;
+use kernelkite_kernelbot::payload::PayloadError;
+
+use crate::buildkite::webhook::{AuthError, ParseError, WebhookError};
+use crate::report::BoxError;
+use crate::submission::State;
+
+/// Why a request was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No submission has this id, in memory or in the data dir.
+    #[error("no submission {id}")]
+    NotFound {
+        /// The id asked for.
+        id: String,
+    },
+    /// The request cannot be read at all (not JSON, a bad query string, a webhook body that
+    /// is not an event).
+    #[error(transparent)]
+    BadRequest(#[from] BadRequest),
+    /// The request was read but is refused: a field or the run config is not acceptable.
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
+    /// The submission already ended, in a state the request cannot change.
+    #[error("submission already ended: {}", .state.as_str())]
+    Conflict {
+        /// The state it ended in.
+        state: State,
+    },
+    /// The body is over its limit.
+    #[error("request body is over the {limit} bytes allowed; send less, or raise {setting}")]
+    PayloadTooLarge {
+        /// The limit, bytes.
+        limit: usize,
+        /// The setting that raises it.
+        setting: &'static str,
+    },
+    /// Credentials are missing or wrong.
+    #[error(transparent)]
+    Unauthorized(#[from] Unauthorized),
+    /// No credentials would help: the client is not allowed here.
+    #[error("KERNELKITE_API_TOKEN is not set, so only loopback clients are served")]
+    Forbidden,
+    /// The service failed on its side; the request may be retried.
+    #[error("{what} failed; retry")]
+    Internal {
+        /// What failed.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// A request that cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BadRequest {
+    /// The submission body is not JSON.
+    #[error("request body is not a submission")]
+    NotJson(#[source] serde_json::Error),
+    /// The body could not be received.
+    #[error("request body could not be read")]
+    Body(#[source] BoxError),
+    /// The query string does not parse.
+    #[error("bad query (use ?wait=SECONDS)")]
+    Query(#[source] BoxError),
+    /// `?wait=` is negative or not finite.
+    #[error("wait must be a non-negative number of seconds")]
+    Wait,
+    /// A verified webhook whose body is not an event.
+    #[error(transparent)]
+    Webhook(#[from] ParseError),
+}
+
+/// A submission that is read but refused; nothing is created for it.
+#[derive(Debug, thiserror::Error)]
+pub enum Invalid {
+    /// The body is JSON but not a submission (a missing or unknown field, a wrong type).
+    #[error("request body is not a submission")]
+    Shape(#[source] serde_json::Error),
+    /// `queue` has characters Buildkite's queue tags do not take, or the wrong length.
+    #[error("queue {0:?} must be 1-64 letters, digits, '-', '_' or '.'")]
+    Queue(String),
+    /// `run_id` is empty, too long or has control characters.
+    #[error("run_id must be 1-256 characters without control characters")]
+    RunId,
+    /// `callback_url` is not an absolute http(s) URL.
+    #[error("callback_url {url:?} must be an absolute http(s) URL")]
+    CallbackUrl {
+        /// The URL as given.
+        url: String,
+        /// Why it does not parse, when it does not.
+        #[source]
+        source: Option<url::ParseError>,
+    },
+    /// `timeout_s` is 0 or above the configured maximum.
+    #[error("timeout_s must be in 1..={max} (KERNELKITE_MAX_TIMEOUT_S)")]
+    Timeout {
+        /// KERNELKITE_MAX_TIMEOUT_S.
+        max: u64,
+    },
+    /// `config` is not a JSON object.
+    #[error("config must be a JSON object (kernelbot's run config)")]
+    ConfigNotObject,
+    /// The runner would refuse the run config; the message is the runner's.
+    #[error(transparent)]
+    RunConfig(#[from] ConfigError),
+    /// The config cannot be made into a payload.
+    #[error("config cannot be encoded as a payload")]
+    Payload(#[source] PayloadError),
+}
+
+/// Missing or wrong credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum Unauthorized {
+    /// `/v1` without the configured bearer token.
+    #[error("missing or wrong bearer token (Authorization: Bearer <KERNELKITE_API_TOKEN>)")]
+    BearerToken,
+    /// A webhook that is not Buildkite's.
+    #[error(transparent)]
+    Webhook(#[from] AuthError),
+}
+
+impl From<WebhookError> for Error {
+    fn from(e: WebhookError) -> Error {
+        match e {
+            WebhookError::Auth(e) => Unauthorized::Webhook(e).into(),
+            WebhookError::Parse(e) => BadRequest::Webhook(e).into(),
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Where builds run, behind one interface: the core hands an [`Executor`] a [`Job`], learns the
+//! build it became ([`Launched`]), hears of its progress as [`BuildEvent`]s, and asks the
+//! executor for the [`Outcome`] once the build finished.
+//!
+//! Today there is one executor, Buildkite's (`crate::buildkite`: REST calls out, signed
+//! webhooks in). An executor that runs builds on this machine implements the same trait and
+//! feeds the same events to [`crate::App::on_event`], so both share one state machine, one
+//! store and one set of waiters.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::report::BoxError;
+use crate::submission::{BuildInfo, Outcome};
+
+/// A boxed future that can cross threads: what the object-safe traits here return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An accepted submission, as an executor needs it to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// The submission's id.
+    pub submission_id: String,
+    /// The backend's run id (the submission id when it gave none).
+    pub run_id: String,
+    /// Which machines run it (a Buildkite agent queue).
+    pub queue: String,
+    /// The run config's `mode` (`test`, `benchmark`, ...), for people reading build lists.
+    pub mode: String,
+    /// The run config as kernelbot's payload: base64(zlib(JSON)), the backend's JSON
+    /// unchanged.
+    pub payload: String,
+}
+
+/// What launching a job made: the build, as the submission records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launched {
+    /// The build's identity.
+    pub build: BuildInfo,
+    /// The executor says the build already runs.
+    pub running: bool,
+}
+
+/// A build's progress, as its executor reports it (Buildkite: a verified webhook).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildEvent {
+    /// What happened.
+    pub kind: BuildEventKind,
+    /// The build as the event shows it.
+    pub build: BuildStatus,
+}
+
+/// The events the state machine acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildEventKind {
+    /// The build waits for a machine.
+    Scheduled,
+    /// The build runs.
+    Running,
+    /// The build ended (in any state); its result can be collected.
+    Finished,
+    /// The build was skipped and will not run.
+    Skipped,
+}
+
+/// A build as an event shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildStatus {
+    /// The executor's unique id of the build; events are matched to submissions on it.
+    pub id: String,
+    /// The build's number, as people see it.
+    pub number: u64,
+    /// The executor's own word for the build's state (`passed`, `failed`, ...).
+    pub state: String,
+    /// Where people see the build.
+    pub web_url: String,
+    /// Paused (a Buildkite block step): a later event brings the real end.
+    pub blocked: bool,
+}
+
+/// Runs builds for submissions.
+pub trait Executor: Send + Sync + 'static {
+    /// Who runs the builds, for messages ("Buildkite").
+    fn name(&self) -> &'static str;
+
+    /// Creates a build for `job`. An error means no build is known to exist.
+    fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>>;
+
+    /// Stops a build; returns whether this call stopped it (`false`: it had already ended,
+    /// which is not an error).
+    fn cancel<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>>;
+
+    /// Collects the result of a build that finished and says how the submission ends.
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome>;
+}

@@ -1,0 +1,106 @@
+//! `POST /v1/submissions`, `GET /v1/submissions/{id}[?wait=SECONDS]`,
+//! `DELETE /v1/submissions/{id}`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::error::body_error;
+use crate::app::{App, SubmitRequest};
+use crate::error::{BadRequest, Error, Invalid};
+use crate::submission::Submission;
+
+/// Bodies above this are handled on the blocking pool.
+const LARGE_BODY: usize = 256 * 1024;
+
+/// `POST /v1/submissions` → `202` with the submission's id, state and status URL.
+pub(super) async fn create(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Error> {
+    let body = body.map_err(|r| {
+        body_error(
+            r,
+            app.cfg.max_submission_bytes,
+            "KERNELKITE_MAX_SUBMISSION_BYTES",
+        )
+    })?;
+    let large = body.len() > LARGE_BODY;
+    let accept = {
+        let app = app.clone();
+        move || -> Result<Submission, Error> {
+            let req: SubmitRequest = serde_json::from_slice(&body).map_err(|e| -> Error {
+                // Well-formed JSON of the wrong shape is refused; anything else is unreadable.
+                if e.is_data() {
+                    Invalid::Shape(e).into()
+                } else {
+                    BadRequest::NotJson(e).into()
+                }
+            })?;
+            app.submit(req)
+        }
+    };
+    // Parsing, validating and compressing a large config takes milliseconds of CPU; that
+    // work must not stall the runtime threads that carry webhooks and long-polls.
+    let sub = if large {
+        tokio::task::spawn_blocking(accept)
+            .await
+            .map_err(|e| Error::Internal {
+                what: "submission worker",
+                source: e.into(),
+            })??
+    } else {
+        accept()?
+    };
+    let url = app.status_url(&sub.id);
+    let mut r = (
+        StatusCode::ACCEPTED,
+        Json(json!({ "id": sub.id, "state": sub.state, "status_url": url })),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&url) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    Ok(r)
+}
+
+/// The query of `GET /v1/submissions/{id}`.
+#[derive(Debug, Deserialize)]
+pub(super) struct WaitQuery {
+    /// Seconds to wait for the submission to end (fractions allowed).
+    wait: Option<f64>,
+}
+
+/// `GET /v1/submissions/{id}[?wait=SECONDS]`
+pub(super) async fn get(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    query: Result<Query<WaitQuery>, QueryRejection>,
+) -> Result<Json<Submission>, Error> {
+    let Query(q) = query.map_err(|e| BadRequest::Query(e.into()))?;
+    let wait = match q.wait {
+        Some(w) if !w.is_finite() || w < 0.0 => return Err(BadRequest::Wait.into()),
+        // try_: a KERNELKITE_MAX_WAIT_S near u64::MAX lets `wait` exceed Duration's range.
+        Some(w) => {
+            Duration::try_from_secs_f64(w.min(app.cfg.max_wait_s as f64)).unwrap_or(Duration::MAX)
+        }
+        None => Duration::ZERO,
+    };
+    app.get(&id, wait).await.map(Json)
+}
+
+/// `DELETE /v1/submissions/{id}`
+pub(super) async fn cancel(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+) -> Result<Json<Submission>, Error> {
+    app.cancel(&id).await.map(Json)
+}

@@ -1,0 +1,109 @@
+//! A finished build's `result.json`: missing, unfinished or corrupt artifacts fail the
+//! submission with the build's state and URL; a failed build's valid result is the answer.
+
+use kernelkite_testkit::fake_buildkite::{ArtifactSpec, Route};
+use kernelkite_testkit::harness::{harness, result_artifact};
+use kernelkite_testkit::sample_result_json;
+
+#[tokio::test]
+async fn failed_and_canceled_builds_without_the_artifact_fail_with_state_and_url() {
+    let h = harness().await;
+    for state in ["failed", "canceled"] {
+        let (id, number) = h.submit().await;
+        h.wait_build_attached(&id).await;
+        h.fake.finish_build(number, state, None).await;
+        let v = h.wait_terminal(&id).await;
+        assert_eq!(v["state"], "failed", "{v}");
+        let err = v["error"].as_str().unwrap();
+        assert!(
+            err.contains(&format!("{state:?}")) && err.contains("without result.json"),
+            "{err}"
+        );
+        assert!(
+            err.contains(h.fake.build(number).unwrap()["web_url"].as_str().unwrap()),
+            "{err}"
+        );
+        assert!(v["result"].is_null());
+    }
+}
+
+#[tokio::test]
+async fn failed_build_with_a_result_returns_the_result() {
+    // The runner writes result.json even when the evaluation fails; that result is the answer.
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "failed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded");
+    assert_eq!(v["result"]["system"]["hostname"], "gpu-node-1");
+}
+
+#[tokio::test]
+async fn missing_or_unfinished_artifact_fails() {
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake.finish_build(number, "passed", None).await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "failed");
+    assert!(
+        v["error"].as_str().unwrap().contains("without result.json"),
+        "{v}"
+    );
+
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    let mut spec = ArtifactSpec::result_json(sample_result_json());
+    spec.state = "error".into();
+    h.fake.finish_build(number, "passed", Some(spec)).await;
+    let v = h.wait_terminal(&id).await;
+    assert!(
+        v["error"].as_str().unwrap().contains("in state error"),
+        "{v}"
+    );
+    // An artifact that is not finished is never downloaded.
+    assert!(!h
+        .fake
+        .api_calls_for(number)
+        .iter()
+        .any(|c| c.route == Route::Download));
+}
+
+#[tokio::test]
+async fn corrupt_artifacts_are_refused() {
+    let h = harness().await;
+    let good = sample_result_json();
+    let cases = [
+        (
+            "SHA-1",
+            ArtifactSpec {
+                sha1sum: Some("da39a3ee5e6b4b0d3255bfef95601890afd80709".into()),
+                ..ArtifactSpec::result_json(good.clone())
+            },
+        ),
+        (
+            "bytes but Buildkite lists",
+            ArtifactSpec {
+                file_size: Some(good.len() as u64 + 10),
+                ..ArtifactSpec::result_json(good.clone())
+            },
+        ),
+        (
+            "not a kernelbot FullResult",
+            // `runs` missing: not a result at all (an unknown field alone would be kept).
+            ArtifactSpec::result_json(good.replace("\"runs\"", "\"rungs\"")),
+        ),
+    ];
+    for (want, spec) in cases {
+        let (id, number) = h.submit().await;
+        h.wait_build_attached(&id).await;
+        h.fake.finish_build(number, "passed", Some(spec)).await;
+        let v = h.wait_terminal(&id).await;
+        assert_eq!(v["state"], "failed");
+        assert!(v["error"].as_str().unwrap().contains(want), "{want}: {v}");
+        assert!(v["result"].is_null());
+    }
+}

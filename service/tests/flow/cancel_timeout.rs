@@ -1,0 +1,129 @@
+//! Ending a submission early: DELETE cancels it and its build (even one not created yet,
+//! or created after the submission left memory), and the timeout does the same.
+
+use std::time::Duration;
+
+use kernelkite_testkit::fake_buildkite::{Fault, Route};
+use kernelkite_testkit::harness::{harness, harness_with, result_artifact, uuid_like, WAIT};
+use kernelkite_testkit::sample_config;
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn cancel_cancels_the_build_and_sticks() {
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake.start_build(number).await;
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["state"], "canceled");
+    assert!(
+        h.fake.wait_state(number, "canceled", WAIT).await,
+        "the build was not canceled on Buildkite"
+    );
+    // The fake's own build.finished(canceled) follows; the submission stays canceled.
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "cancel is idempotent");
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "canceled");
+    assert_eq!(v["error"], "canceled by request");
+
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{}", h.base, uuid_like()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    h.wait_terminal(&id).await;
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+}
+
+#[tokio::test]
+async fn cancel_before_the_build_exists_cancels_it_once_created() {
+    let h = harness().await;
+    h.fake
+        .inject(Route::CreateBuild, Fault::Delay(Duration::from_millis(200)));
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let id = v["id"].as_str().unwrap();
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["state"], "canceled");
+    let number = h.fake.next_created(WAIT).await.unwrap();
+    assert!(h.fake.wait_state(number, "canceled", WAIT).await);
+}
+
+#[tokio::test]
+async fn a_build_created_after_its_canceled_submission_was_evicted_is_canceled() {
+    // Housekeeping every second, finished submissions kept one second: the canceled
+    // submission leaves memory while its (slow) create call is still out.
+    let h = harness_with(|c| {
+        c.early_event_ttl_s = 2;
+        c.retain_s = 1;
+    })
+    .await;
+    h.fake.inject(
+        Route::CreateBuild,
+        Fault::Delay(Duration::from_millis(3500)),
+    );
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let id = v["id"].as_str().unwrap();
+    let r = h
+        .http
+        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let number = h.fake.next_created(WAIT).await.unwrap();
+    assert!(
+        h.app.store.get(id).is_none(),
+        "evicted before the create returned"
+    );
+    assert!(
+        h.fake.wait_state(number, "canceled", WAIT).await,
+        "the build runs for a submission nobody holds"
+    );
+}
+
+#[tokio::test]
+async fn timeout_times_out_and_cancels_the_build() {
+    let h = harness().await;
+    let (id, number) = h
+        .submit_body(json!({"config": sample_config(), "queue": "h100", "timeout_s": 1}))
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "timed_out");
+    assert!(v["error"].as_str().unwrap().contains("1 s"));
+    assert!(h.fake.wait_state(number, "canceled", WAIT).await);
+}

@@ -1,0 +1,206 @@
+//! Buildkite misbehaving: rate limits waited out, 5xx and safe timeouts retried, a create
+//! that may have arrived never repeated, an unreachable API failing the submission.
+
+use std::time::{Duration, Instant};
+
+use kernelkite_testkit::fake_buildkite::{Fault, Route};
+use kernelkite_testkit::harness::{harness, harness_with, result_artifact};
+use kernelkite_testkit::sample_config;
+use serde_json::json;
+
+#[tokio::test]
+async fn rate_limit_is_honoured_then_the_call_succeeds() {
+    let h = harness().await;
+    h.fake
+        .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 1 });
+    let (id, number) = h.submit().await;
+    let creates: Vec<_> = h
+        .fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .collect();
+    assert_eq!(
+        creates.iter().map(|r| r.status).collect::<Vec<_>>(),
+        [429, 200]
+    );
+    let gap = creates[1].at - creates[0].at;
+    assert!(
+        gap >= Duration::from_millis(950),
+        "retried after {gap:?}, before RateLimit-Reset"
+    );
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+}
+
+#[tokio::test]
+async fn server_errors_are_retried() {
+    let h = harness().await;
+    h.fake.inject(Route::CreateBuild, Fault::Status(500));
+    h.fake.inject(Route::ListArtifacts, Fault::Status(502));
+    h.fake.inject(Route::ListArtifacts, Fault::Status(503));
+    h.fake.inject(Route::Download, Fault::Status(500));
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded", "{v}");
+    let statuses: Vec<(Route, u16)> = h
+        .fake
+        .api_calls_for(number)
+        .iter()
+        .map(|c| (c.route, c.status))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            (Route::CreateBuild, 500),
+            (Route::CreateBuild, 200),
+            (Route::ListArtifacts, 502),
+            (Route::ListArtifacts, 503),
+            (Route::ListArtifacts, 200),
+            (Route::Download, 500),
+            (Route::Download, 200),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_timed_out_artifact_fetch_is_retried_but_a_timed_out_create_is_not() {
+    let h = harness_with(|c| c.http_timeout_s = 1).await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    // The first listing answers after the client gave up: GET is safe to repeat.
+    h.fake.inject(
+        Route::ListArtifacts,
+        Fault::Delay(Duration::from_millis(1500)),
+    );
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded", "{v}");
+    let lists = h
+        .fake
+        .api_calls_for(number)
+        .iter()
+        .filter(|c| c.route == Route::ListArtifacts)
+        .count();
+    assert_eq!(lists, 2, "the abandoned listing, then the retry");
+
+    // A create that timed out may have created the build: it fails instead of creating a
+    // second one (a retry would succeed here, and the submission would not fail).
+    h.fake.inject(
+        Route::CreateBuild,
+        Fault::Delay(Duration::from_millis(1500)),
+    );
+    h.fake.clear_requests();
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("could not reach Buildkite"),
+        "{v}"
+    );
+    let creates = h
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .count();
+    assert_eq!(creates, 1, "a create that may have arrived is not repeated");
+}
+
+#[tokio::test]
+async fn persistent_client_errors_fail_the_submission_with_buildkites_message() {
+    let h = harness_with(|c| c.retry_attempts = 2).await;
+    h.fake.inject(Route::CreateBuild, Fault::Status(500));
+    h.fake.inject(Route::CreateBuild, Fault::Status(500));
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed");
+    assert!(v["error"].as_str().unwrap().contains("500"), "{v}");
+    assert!(v["build"].is_null());
+}
+
+#[tokio::test]
+async fn unreachable_buildkite_is_retried_then_fails_the_submission() {
+    // A port with nothing listening: every attempt is a connect error.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let h = harness_with(|c| {
+        c.buildkite_api_url = format!("http://127.0.0.1:{port}/v2");
+        c.retry_attempts = 4;
+        c.retry_base_ms = 20;
+    })
+    .await;
+    let t = Instant::now();
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("could not reach Buildkite"),
+        "{v}"
+    );
+    // Three backoffs of 20, 40, 80 ms (each at least 75 %, so 105 ms) passed before giving up.
+    assert!(
+        t.elapsed() >= Duration::from_millis(100),
+        "gave up after {:?}",
+        t.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
+    let h = harness_with(|c| c.retry_attempts = 2).await;
+    for _ in 0..5 {
+        h.fake
+            .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 0 });
+    }
+    h.fake.inject(Route::CreateBuild, Fault::Status(503));
+    let (id, _) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    let statuses: Vec<u16> = h
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(statuses, [429, 429, 429, 429, 429, 503, 200]);
+
+    h.fake.clear_requests();
+    for _ in 0..=kernelkite_service::buildkite::MAX_RATE_LIMITED_RETRIES {
+        h.fake
+            .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 0 });
+    }
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed");
+    assert!(v["error"].as_str().unwrap().contains("429"), "{v}");
+    assert_eq!(
+        h.fake.requests().len() as u32,
+        kernelkite_service::buildkite::MAX_RATE_LIMITED_RETRIES + 1
+    );
+}

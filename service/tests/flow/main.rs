@@ -1,0 +1,15 @@
+//! The service against the fake Buildkite, over real loopback HTTP, one file per concern.
+//! One test binary (its modules below), so the suite links once; the shared set-up (the
+//! service on loopback, its fake Buildkite, request helpers) is `kernelkite_testkit::harness`.
+
+mod artifacts;
+mod auth;
+mod binary;
+mod callbacks;
+mod cancel_timeout;
+mod executor;
+mod faults;
+mod persistence;
+mod sse_longpoll;
+mod submit;
+mod webhooks;

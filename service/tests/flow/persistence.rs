@@ -1,0 +1,118 @@
+//! Finished submissions outlive memory: housekeeping evicts them and early events, and
+//! the data dir answers for them, after a restart too.
+
+use std::time::{Duration, Instant};
+
+use kernelkite_service::{App, Config};
+use kernelkite_testkit::fake_buildkite::{
+    signature_header, unix_now, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
+};
+use kernelkite_testkit::harness::{harness, harness_with, result_artifact, WAIT, WEBHOOK_TOKEN};
+use serde_json::Value;
+
+#[tokio::test]
+async fn housekeeping_expires_early_events_and_evicts_finished_submissions() {
+    let h = harness_with(|c| {
+        c.early_event_ttl_s = 1;
+        c.retain_s = 1;
+    })
+    .await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let done = h.wait_terminal(&id).await;
+    let body = br#"{"event":"build.running","build":{"id":"00000000-0000-0000-0000-0000000000ee","number":77,"state":"running"},"pipeline":{},"sender":{}}"#.to_vec();
+    let headers = vec![(
+        "X-Buildkite-Signature",
+        signature_header(WEBHOOK_TOKEN, unix_now(), &body),
+    )];
+    assert_eq!(h.fake.post_webhook_raw(&headers, body).await, Some(200));
+    assert_eq!(h.app.store.early_len(), 1);
+    // The housekeeping task runs every second here; both must go within a few ticks.
+    let deadline = Instant::now() + WAIT;
+    while (h.app.store.early_len() > 0 || !h.app.store.is_empty()) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        h.app.store.early_len(),
+        0,
+        "early events outlived their TTL"
+    );
+    assert!(
+        h.app.store.is_empty(),
+        "finished submission kept past KERNELKITE_RETAIN_S"
+    );
+    // Gone from memory, still answered from the data dir.
+    assert_eq!(h.get(&id, "").await, (200, done));
+}
+
+#[tokio::test]
+async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() {
+    let h = harness().await;
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let before = h.wait_terminal(&id).await;
+    let file = h._dir.path().join("submissions").join(format!("{id}.json"));
+    for _ in 0..200 {
+        if file.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A second service on the same data dir, with nothing in memory.
+    let mut cfg = Config::new(&h.fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
+    cfg.data_dir = Some(h._dir.path().to_path_buf());
+    let restarted = App::new(cfg).unwrap();
+    assert!(restarted.store.is_empty());
+    let after = restarted.lookup(&id).await.expect("read from disk");
+    assert_eq!(serde_json::to_value(after).unwrap(), before);
+
+    // Through the HTTP API of the restarted service: GET and the SSE replay.
+    use tower::ServiceExt;
+    let router = kernelkite_service::router(restarted);
+    let local: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let req = |path: String| {
+        let mut r = axum::http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        r.extensions_mut().insert(axum::extract::ConnectInfo(local));
+        r
+    };
+    let r = router
+        .clone()
+        .oneshot(req(format!("/v1/submissions/{id}?wait=5")))
+        .await
+        .unwrap();
+    let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap(), before);
+    // Cancelling it there is "already ended", not "no such submission".
+    let mut del = req(format!("/v1/submissions/{id}"));
+    *del.method_mut() = axum::http::Method::DELETE;
+    let r = router.clone().oneshot(del).await.unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    let r = router
+        .oneshot(req(format!("/v1/submissions/{id}/events")))
+        .await
+        .unwrap();
+    let body = tokio::time::timeout(WAIT, axum::body::to_bytes(r.into_body(), usize::MAX))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        events,
+        ["queued", "scheduled", "fetching", "succeeded"],
+        "{text}"
+    );
+}
