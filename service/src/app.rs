@@ -17,7 +17,6 @@ use kernelkite_kernelbot::config::RunConfig;
 use serde::Deserialize;
 use tokio::sync::{watch, Semaphore};
 
-use crate::buildkite::webhook::{WebhookAuth, WebhookReceiver};
 use crate::buildkite::BuildkiteExecutor;
 use crate::config::{Config, ConfigError};
 use crate::error::{Error, Invalid};
@@ -25,6 +24,7 @@ use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job};
 use crate::report::report;
 use crate::store::{Archive, Durable, Routed, Store};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
+use crate::webhook::{WebhookAuth, WebhookReceiver};
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Deserialize)]

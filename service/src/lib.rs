@@ -10,7 +10,7 @@
 //! - [`http`]: routes, handlers, the client guard, and the one error-to-status mapping.
 //! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types.
 //! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
-//!   (REST client, webhooks, artifacts).
+//!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks.
 //! - [`store`]: submissions in memory with their waiters, and the durable store behind them
 //!   (today the [`store::archive`] of finished submissions).
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
@@ -29,6 +29,7 @@ pub mod report;
 pub mod result;
 pub mod store;
 pub mod submission;
+pub mod webhook;
 
 pub use app::{App, SubmitRequest};
 pub use config::Config;

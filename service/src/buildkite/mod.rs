@@ -3,12 +3,11 @@
 //! finished, its `result.json` artifact is downloaded and checked.
 //!
 //! - [`client`]: the REST client (create, cancel, list artifacts, download), with retries.
-//! - [`webhook`]: verifying and reading webhook deliveries.
+//! - [`crate::webhook`] (beside this module): verifying and reading webhook deliveries.
 //! - [`artifact`]: choosing, downloading and checking `result.json`.
 
 pub mod artifact;
 pub mod client;
-pub mod webhook;
 
 use std::collections::BTreeMap;
 

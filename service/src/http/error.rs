@@ -46,9 +46,9 @@ pub(super) fn body_error(rejection: BytesRejection, limit: usize, setting: &'sta
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buildkite::webhook::AuthError;
     use crate::error::Invalid;
     use crate::submission::State;
+    use crate::webhook::AuthError;
 
     async fn answer(e: Error) -> (u16, Option<String>, serde_json::Value) {
         let r = e.into_response();
