@@ -63,6 +63,8 @@ pub struct App {
     /// Result collections in flight. Holding permits pauses collecting (the ingest benchmark
     /// does, to measure the webhook path alone).
     pub fetch_slots: Semaphore,
+    /// What `GET /metrics` exports.
+    pub metrics: crate::metrics::Metrics,
     callback_http: reqwest::Client,
 }
 
@@ -152,6 +154,7 @@ impl App {
             },
             clock,
             fetch_slots: Semaphore::new(cfg.fetch_concurrency),
+            metrics: crate::metrics::Metrics::new(),
             callback_http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,

@@ -15,7 +15,7 @@
 //!   (today the [`store::archive`] of finished submissions).
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
-//!   people; [`config`]: flags and environment.
+//!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports.
 
 #![deny(missing_docs)]
 
@@ -25,6 +25,7 @@ pub mod config;
 pub mod error;
 pub mod executor;
 pub mod http;
+pub mod metrics;
 pub mod report;
 pub mod result;
 pub mod store;

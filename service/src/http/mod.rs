@@ -42,6 +42,7 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(hooks)
         .route("/healthz", get(|| async { "ok" }))
         .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
         .with_state(app)
 }
 
@@ -57,6 +58,18 @@ pub async fn serve(
     )
     .with_graceful_shutdown(shutdown)
     .await
+}
+
+/// `GET /metrics`: Prometheus text format.
+async fn metrics(axum::extract::State(app): axum::extract::State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
 }
 
 /// `GET /openapi.json`

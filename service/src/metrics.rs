@@ -1,0 +1,213 @@
+//! The service's metrics, served as Prometheus text at `GET /metrics`.
+//!
+//! One [`Metrics`] value per service, owned by the [`App`](crate::App) (not a process-global
+//! registry), so several services in one test process count apart. Each family is created
+//! here, once; the code that observes something increments the field.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// A submission state, as a label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// A submission state (`queued`, ..., `timed_out`).
+    pub state: String,
+}
+
+/// Why a webhook was refused before its body was trusted.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// `missing`, `malformed`, `bad_signature`, `stale`, `not_configured`, `too_large`, ...
+    pub reason: String,
+}
+
+/// Which Buildkite API call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabel {
+    /// `create_build`, `cancel_build`, `list_builds`, `list_artifacts`, `download`, ...
+    pub call: String,
+}
+
+/// How something ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `delivered`, `retried`, `given_up`, ...
+    pub outcome: String,
+}
+
+/// Which store operation.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    /// `insert`, `update`, `load`, ...
+    pub op: String,
+}
+
+/// A label value for the HTTP edge's refusals.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Refusal {
+    /// Over the connection cap.
+    ConnectionCap,
+    /// Headers, body or idle time over their timeout.
+    Timeout,
+    /// Unauthenticated bodies over their memory bound.
+    BodyBudget,
+}
+
+/// Every metric the service exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Submissions in each state right now (in flight, and finished since start).
+    pub submissions: Family<StateLabel, Gauge>,
+    /// Webhooks refused, by reason.
+    pub webhook_rejections: Family<ReasonLabel, Counter>,
+    /// Buildkite API requests sent, by call.
+    pub buildkite_calls: Family<CallLabel, Counter>,
+    /// Buildkite API answers `429`, by call.
+    pub buildkite_rate_limited: Family<CallLabel, Counter>,
+    /// Seconds from the event that a build finished to the checked result being stored.
+    pub wake_to_result_seconds: Histogram,
+    /// Finished builds found by the reconciler (their webhook was lost).
+    pub reconciler_finds: Counter,
+    /// Callback POSTs, by outcome.
+    pub callbacks: Family<OutcomeLabel, Counter>,
+    /// Seconds per store operation.
+    pub store_seconds: Family<OpLabel, Histogram>,
+    /// Connections and requests the HTTP edge refused, by why.
+    pub http_refusals: Family<RefusalLabel, Counter>,
+}
+
+/// [`Refusal`] as a label set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabel {
+    /// Why.
+    pub reason: Refusal,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~26 s, doubling.
+    Histogram::new(exponential_buckets(50e-6, 2.0, 20))
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Creates every family and registers it under the `kernelkite` prefix.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kernelkite");
+        let m = Metrics {
+            submissions: Family::default(),
+            webhook_rejections: Family::default(),
+            buildkite_calls: Family::default(),
+            buildkite_rate_limited: Family::default(),
+            wake_to_result_seconds: latency_histogram(),
+            reconciler_finds: Counter::default(),
+            callbacks: Family::default(),
+            store_seconds: Family::new_with_constructor(latency_histogram),
+            http_refusals: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("submissions", "Submissions by state", m.submissions.clone());
+        registry.register(
+            "webhook_rejections",
+            "Webhooks refused before their body was trusted, by reason",
+            m.webhook_rejections.clone(),
+        );
+        registry.register(
+            "buildkite_calls",
+            "Buildkite API requests, by call",
+            m.buildkite_calls.clone(),
+        );
+        registry.register(
+            "buildkite_rate_limited",
+            "Buildkite API 429 answers, by call",
+            m.buildkite_rate_limited.clone(),
+        );
+        registry.register(
+            "wake_to_result_seconds",
+            "From a build's finish event to its checked result being stored",
+            m.wake_to_result_seconds.clone(),
+        );
+        registry.register(
+            "reconciler_finds",
+            "Finished builds the reconciler found (their webhook was lost)",
+            m.reconciler_finds.clone(),
+        );
+        registry.register(
+            "callbacks",
+            "Callback POSTs, by outcome",
+            m.callbacks.clone(),
+        );
+        registry.register(
+            "store_seconds",
+            "Store operation latency, by operation",
+            m.store_seconds.clone(),
+        );
+        registry.register(
+            "http_refusals",
+            "Connections and requests refused by the HTTP edge, by reason",
+            m.http_refusals.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The Prometheus text exposition of every family.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// The gauge of submissions in `state`.
+    pub fn state(&self, state: &str) -> Gauge {
+        self.submissions
+            .get_or_create(&StateLabel {
+                state: state.to_string(),
+            })
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_render_as_prometheus_text() {
+        let m = Metrics::new();
+        m.state("queued").set(3);
+        m.reconciler_finds.inc();
+        m.webhook_rejections
+            .get_or_create(&ReasonLabel {
+                reason: "bad_signature".into(),
+            })
+            .inc();
+        m.wake_to_result_seconds.observe(0.0004);
+        let text = m.render();
+        assert!(
+            text.contains("kernelkite_submissions{state=\"queued\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kernelkite_reconciler_finds_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kernelkite_webhook_rejections_total{reason=\"bad_signature\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kernelkite_wake_to_result_seconds_count 1"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
