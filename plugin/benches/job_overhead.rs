@@ -52,8 +52,7 @@ fn fake_cgroup_v2(dir: &Path) -> PathBuf {
 
 /// Real cgroups when usable (root, writable), else the fake v2 tree.
 fn cgroup_root(fake: &Path) -> (PathBuf, String) {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
+    if rustix::process::geteuid().is_root() {
         if let Ok(cg) = Cgroups::detect(Path::new("/")) {
             let probe = format!("kk-bench-probe-{}", std::process::id());
             let limits = Limits {
@@ -77,8 +76,7 @@ fn cgroup_root(fake: &Path) -> (PathBuf, String) {
 fn cgroup2_start_costs(iterations: usize) -> Option<(Stats, Stats, Stats)> {
     use kernelkite_isolate::cgroup::v2::V2;
     use kernelkite_isolate::confine::{spawn, spawn_into_cgroup2, Confinement};
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         return None;
     }
     let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;

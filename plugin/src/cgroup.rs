@@ -1,8 +1,9 @@
 //! Per-job cgroups: one interface over cgroup v2 (`<mount>/kernelkite/<job>`) and v1 (the same
 //! path in the cpuset, memory, pids and freezer hierarchies), chosen by what the machine mounts.
 //!
-//! Every path is under an injectable root (`fs_root`), so the same code runs against a fake
-//! cgroupfs tree of plain files in tests. Fake trees differ from cgroupfs in one way that
+//! Every path is under an injectable root (`fs_root` for the mounts, `proc_root` for telling
+//! live pids from stale ones), so the same code runs against a fake cgroupfs tree of plain
+//! files in tests. Fake trees differ from cgroupfs in one way that
 //! matters: a directory with files in it cannot be `rmdir`ed, so removal falls back to a
 //! recursive delete when (and only when) the directory is not on a cgroup filesystem.
 
@@ -17,9 +18,13 @@ pub mod v2;
 /// The limits a job's cgroup enforces.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Limits {
+    /// CPUs the job may run on (`cpuset.cpus`).
     pub cpus: Vec<u32>,
+    /// NUMA nodes the job may allocate from (`cpuset.mems`).
     pub mems: Vec<u32>,
+    /// Memory limit in bytes; swap is not allowed on top.
     pub memory_bytes: u64,
+    /// Most processes and threads at once (`pids.max`).
     pub pids: u32,
     /// Character devices the job may not open (other jobs' GPUs).
     pub deny_devices: Vec<CharDevice>,
@@ -28,42 +33,67 @@ pub struct Limits {
 /// A character device by number, as the devices controller names it (`c 195:3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct CharDevice {
+    /// The driver's major number (195 for NVIDIA).
     pub major: u32,
+    /// The device's minor number.
     pub minor: u32,
 }
 
 /// The parent of every job cgroup, directly under each hierarchy's mount point.
 pub const PARENT: &str = "kernelkite";
 
+/// Why a job's cgroup could not be set up or cleaned up.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
+    /// This user may not write the cgroup tree (not root, not delegated, read-only mount).
     #[error("cannot write {path}: {error}; run the hooks as root or delegate {parent} to the agent's user (see README \"Cgroups\"), or set `allow-unenforced: true` to run without limits")]
     NotWritable {
+        /// The file or directory that was refused.
         path: PathBuf,
+        /// The `kernelkite/` parent to delegate (or `path` itself).
         parent: PathBuf,
+        /// What the kernel said.
+        #[source]
         error: std::io::Error,
     },
+    /// Any other failure of the cgroup file system.
     #[error("{path}: {error}")]
     Io {
+        /// The file or directory involved.
         path: PathBuf,
+        /// What the kernel said.
+        #[source]
         error: std::io::Error,
     },
+    /// No hierarchy offers the controllers a job needs; says what is missing.
     #[error("no usable cgroup hierarchy: {0}; mount cgroup v2 with the cpuset, memory and pids controllers (or v1 cpuset, memory and pids hierarchies), or set `allow-unenforced: true`")]
     Unavailable(String),
+    /// The job id is not a safe path component.
     #[error("job id {0:?} cannot name a cgroup (allowed: letters, digits, '-', '_', '.')")]
     BadName(String),
+    /// Processes were still there after every kill.
     #[error("processes {pids:?} in {path} survived being killed; check for processes stuck in uninterruptible sleep (D state)")]
-    Unkillable { path: PathBuf, pids: Vec<u32> },
+    Unkillable {
+        /// The job's cgroup.
+        path: PathBuf,
+        /// The survivors.
+        pids: Vec<u32>,
+    },
+    /// The job made more (or deeper) sub-cgroups than clean-up walks.
     #[error("the cgroup tree under {path} is {what}; clean-up gives up rather than walk it (remove it by hand)")]
-    TreeTooLarge { path: PathBuf, what: String },
+    TreeTooLarge {
+        /// The job's cgroup.
+        path: PathBuf,
+        /// Too deep or too many, in words.
+        what: String,
+    },
 }
 
 pub(crate) fn io_err(path: &Path, error: std::io::Error) -> CgroupError {
     if matches!(
         error.kind(),
         std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
-    ) || error.raw_os_error() == Some(libc::EROFS)
-    {
+    ) {
         let parent = path
             .ancestors()
             .find(|p| p.file_name().is_some_and(|n| n == PARENT))
@@ -97,32 +127,30 @@ pub(crate) fn mkdir(path: &Path) -> Result<(), CgroupError> {
     }
 }
 
+/// The procfs a [`Cgroups`] judges pids by, unless told otherwise.
+pub const DEFAULT_PROC_ROOT: &str = "/proc";
+
 /// Pids listed in a `cgroup.procs` file. The kernel lists only live processes; the filter
-/// gives fake trees (plain files in tests) the same meaning, so a stale pid written there is
-/// never signalled.
-pub(crate) fn read_pids(path: &Path) -> Vec<u32> {
+/// (a pid counts while `<proc_root>/<pid>` exists) gives fake trees (plain files in tests) the
+/// same meaning, so a stale pid written there is never signalled.
+pub(crate) fn read_pids(path: &Path, proc_root: &Path) -> Vec<u32> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.trim().parse().ok())
-        .filter(|pid: &u32| Path::new("/proc").join(pid.to_string()).exists())
+        .filter(|&pid: &u32| kernelkite_sys::procfs::exists(proc_root, pid))
         .collect()
 }
 
 pub(crate) fn is_cgroupfs(path: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs fills a zeroed struct from a valid C string path.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return false;
-    }
     const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
     const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-    let magic = st.f_type as i64;
-    magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
+    rustix::fs::statfs(path).is_ok_and(|st| {
+        // The word's type differs between architectures (i64 on x86_64).
+        #[allow(clippy::useless_conversion)]
+        let magic = i64::from(st.f_type);
+        magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
+    })
 }
 
 /// How deep clean-up follows sub-cgroups a job made under its cgroup.
@@ -189,11 +217,11 @@ fn bounded_subtree(root: &Path) -> (Vec<PathBuf>, Option<CgroupError>) {
 /// The live pids in every cgroup of the tree rooted at `root` that lies within the walk's
 /// bounds, sorted. An oversized tree still yields the pids it could see; [`remove_tree`]
 /// reports the size.
-pub(crate) fn tree_pids(root: &Path) -> Vec<u32> {
+pub(crate) fn tree_pids(root: &Path, proc_root: &Path) -> Vec<u32> {
     let mut all: Vec<u32> = bounded_subtree(root)
         .0
         .iter()
-        .flat_map(|d| read_pids(&d.join("cgroup.procs")))
+        .flat_map(|d| read_pids(&d.join("cgroup.procs"), proc_root))
         .collect();
     all.sort_unstable();
     all.dedup();
@@ -230,13 +258,12 @@ pub(crate) fn remove_tree(path: &Path) -> Result<(), CgroupError> {
 
 /// Sends SIGKILL to each pid, ignoring ones already gone.
 pub(crate) fn kill_pids(pids: &[u32]) {
-    for &pid in pids {
-        if let Ok(p) = i32::try_from(pid) {
-            if p > 0 {
-                // SAFETY: kill(2) with a positive pid read from the job's own cgroup.
-                unsafe { libc::kill(p, libc::SIGKILL) };
-            }
-        }
+    let pids = pids
+        .iter()
+        .filter_map(|&pid| i32::try_from(pid).ok())
+        .filter_map(rustix::process::Pid::from_raw);
+    for pid in pids {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
     }
 }
 
@@ -275,7 +302,9 @@ pub fn job_cgroup_name(job_id: &str) -> Result<String, CgroupError> {
 /// The machine's cgroups, whichever version.
 #[derive(Debug, Clone)]
 pub enum Cgroups {
+    /// Separate cpuset, memory and pids hierarchies.
     V1(v1::V1),
+    /// The unified hierarchy.
     V2(v2::V2),
 }
 
@@ -290,8 +319,27 @@ pub struct Cleanup {
 
 impl Cgroups {
     /// Picks the hierarchy from `<fs_root>/proc/self/mountinfo`: cgroup v2 when it offers the
-    /// cpuset, memory and pids controllers, else v1 when all three are mounted.
+    /// cpuset, memory and pids controllers, else v1 when all three are mounted. Pids are
+    /// judged alive through [`DEFAULT_PROC_ROOT`]; see [`Cgroups::detect_with`].
     pub fn detect(fs_root: &Path) -> Result<Cgroups, CgroupError> {
+        Self::detect_with(fs_root, Path::new(DEFAULT_PROC_ROOT))
+    }
+
+    /// [`Cgroups::detect`], judging whether a listed pid is still alive through `proc_root`
+    /// (the hooks' `--proc-root`), as leases do.
+    pub fn detect_with(fs_root: &Path, proc_root: &Path) -> Result<Cgroups, CgroupError> {
+        Self::detect_hierarchy(fs_root).map(|c| c.with_proc_root(proc_root))
+    }
+
+    /// The same cgroups, judging pids through `proc_root`.
+    pub fn with_proc_root(self, proc_root: &Path) -> Cgroups {
+        match self {
+            Cgroups::V1(c) => Cgroups::V1(c.with_proc_root(proc_root)),
+            Cgroups::V2(c) => Cgroups::V2(c.with_proc_root(proc_root)),
+        }
+    }
+
+    fn detect_hierarchy(fs_root: &Path) -> Result<Cgroups, CgroupError> {
         let path = fs_root.join("proc/self/mountinfo");
         let text = read(&path)?;
         let mounts = parse_mountinfo(&text);
@@ -332,6 +380,7 @@ impl Cgroups {
         }
     }
 
+    /// 1 or 2.
     pub fn version(&self) -> u8 {
         match self {
             Cgroups::V1(_) => 1,

@@ -1,12 +1,14 @@
 //! Starting the step's command already confined: the child joins the job's cgroup(s) and,
 //! when asked, a fresh network namespace between `fork` and `exec`, so not one instruction of
-//! the command (nor any child it forks) runs outside them.
+//! the command (nor any child it forks) runs outside them. The code that runs in the child
+//! is [`kernelkite_sys::raw`]'s; this module decides what it gets.
 
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
 /// What the child joins before `exec`.
@@ -21,12 +23,14 @@ pub struct Confinement {
 /// A started command.
 #[derive(Debug)]
 pub enum Started {
+    /// Started by std (the child joined its cgroups itself).
     Std(Child),
-    /// Created by `clone3` straight into a cgroup v2 directory.
+    /// Created by `clone3` straight into a cgroup v2 directory; the pid.
     Raw(u32),
 }
 
 impl Started {
+    /// The child's pid.
     pub fn id(&self) -> u32 {
         match self {
             Started::Std(c) => c.id(),
@@ -34,48 +38,36 @@ impl Started {
         }
     }
 
+    /// Waits for the child to exit.
     pub fn wait(&mut self) -> io::Result<std::process::ExitStatus> {
         use std::os::unix::process::ExitStatusExt;
         match self {
             Started::Std(c) => c.wait(),
-            Started::Raw(pid) => loop {
-                let mut status = 0;
-                // SAFETY: waitpid on our own child.
-                let rc = unsafe { libc::waitpid(*pid as i32, &mut status, 0) };
-                if rc == *pid as i32 {
-                    return Ok(std::process::ExitStatus::from_raw(status));
+            Started::Raw(pid) => {
+                let child = i32::try_from(*pid)
+                    .ok()
+                    .and_then(rustix::process::Pid::from_raw)
+                    .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+                loop {
+                    match rustix::process::waitpid(
+                        Some(child),
+                        rustix::process::WaitOptions::empty(),
+                    ) {
+                        Ok(Some((_, status))) => {
+                            return Ok(std::process::ExitStatus::from_raw(status.as_raw()))
+                        }
+                        Ok(None) => continue,
+                        Err(rustix::io::Errno::INTR) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
                 }
-                let err = io::Error::last_os_error();
-                if err.kind() != io::ErrorKind::Interrupted {
-                    return Err(err);
-                }
-            },
+            }
         }
     }
 }
 
-/// `struct clone_args` of clone3(2), up to `cgroup` (CLONE_ARGS_SIZE_VER2).
-#[repr(C)]
-#[derive(Default)]
-struct CloneArgs {
-    flags: u64,
-    pidfd: u64,
-    child_tid: u64,
-    parent_tid: u64,
-    exit_signal: u64,
-    stack: u64,
-    stack_size: u64,
-    tls: u64,
-    set_tid: u64,
-    set_tid_size: u64,
-    cgroup: u64,
-}
-
-const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
-
-fn cstring(s: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
-    use std::os::unix::ffi::OsStrExt;
-    std::ffi::CString::new(s.as_bytes())
+fn cstring(s: &OsStr) -> io::Result<CString> {
+    CString::new(s.as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "argument contains a NUL byte"))
 }
 
@@ -84,18 +76,18 @@ fn cstring(s: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
 /// migration waits for an RCU grace period, ~10 ms). `Ok(None)` when the kernel or the
 /// directory does not support it (old kernel, not cgroup2, a fake tree): use [`spawn`].
 pub fn spawn_into_cgroup2(
-    program: &std::ffi::OsStr,
-    args: &[std::ffi::OsString],
+    program: &OsStr,
+    args: &[OsString],
     env: &std::collections::BTreeMap<String, String>,
-    cgroup_dir: &std::path::Path,
+    cgroup_dir: &Path,
     isolate_network: bool,
 ) -> io::Result<Option<Started>> {
-    use std::os::unix::ffi::OsStrExt;
-    let dir = match std::fs::File::open(cgroup_dir) {
+    let dir = match File::open(cgroup_dir) {
         Ok(d) => d,
         Err(_) => return Ok(None),
     };
-    // Everything the child touches is built before the clone: it may not allocate.
+    // Everything the child touches is built before the clone: it may not allocate. The
+    // program is looked up on the job's PATH, not ours.
     let path = if program.as_bytes().contains(&b'/') {
         PathBuf::from(program)
     } else {
@@ -103,143 +95,32 @@ pub fn spawn_into_cgroup2(
             .get("PATH")
             .cloned()
             .unwrap_or_else(|| "/usr/bin:/bin".into());
-        std::env::split_paths(&search)
-            .map(|d| d.join(program))
-            .find(|p| p.is_file())
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::NotFound,
-                    format!("{program:?} not found on PATH"),
-                )
-            })?
+        let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+        which::which_in(program, Some(&search), cwd).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{program:?} not found on PATH"),
+            )
+        })?
     };
     let c_path = cstring(path.as_os_str())?;
-    let c_args: Vec<std::ffi::CString> = std::iter::once(program)
+    let argv: Vec<CString> = std::iter::once(program)
         .chain(args.iter().map(|a| a.as_os_str()))
         .map(cstring)
         .collect::<io::Result<_>>()?;
-    let c_env: Vec<std::ffi::CString> = env
+    let envp: Vec<CString> = env
         .iter()
-        .map(|(k, v)| cstring(std::ffi::OsStr::new(&format!("{k}={v}"))))
+        .map(|(k, v)| cstring(OsStr::new(&format!("{k}={v}"))))
         .collect::<io::Result<_>>()?;
-    let mut argv: Vec<*const libc::c_char> = c_args.iter().map(|c| c.as_ptr()).collect();
-    argv.push(std::ptr::null());
-    let mut envp: Vec<*const libc::c_char> = c_env.iter().map(|c| c.as_ptr()).collect();
-    envp.push(std::ptr::null());
-    let mut pipe = [0i32; 2];
-    // SAFETY: pipe2 fills two fds.
-    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let (rd, wr) = (pipe[0], pipe[1]);
-    let args_struct = CloneArgs {
-        flags: CLONE_INTO_CGROUP,
-        exit_signal: libc::SIGCHLD as u64,
-        cgroup: dir.as_raw_fd() as u64,
-        ..Default::default()
+    let exec = kernelkite_sys::raw::Exec {
+        path: &c_path,
+        argv: &argv,
+        envp: &envp,
     };
-    // SAFETY: clone3 with no new stack behaves like fork; the child below only makes
-    // async-signal-safe calls on data prepared above, then execs or exits.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_clone3,
-            &args_struct as *const CloneArgs,
-            std::mem::size_of::<CloneArgs>(),
-        )
-    };
-    if rc == 0 {
-        unsafe {
-            let fail = |err: i32| -> ! {
-                let bytes = err.to_ne_bytes();
-                libc::write(wr, bytes.as_ptr().cast(), bytes.len());
-                libc::_exit(127)
-            };
-            if isolate_network {
-                if libc::unshare(libc::CLONE_NEWNET) != 0 {
-                    fail(*libc::__errno_location());
-                }
-                if let Err(e) = loopback_up() {
-                    fail(e.raw_os_error().unwrap_or(libc::EIO));
-                }
-            }
-            libc::execve(c_path.as_ptr(), argv.as_ptr(), envp.as_ptr());
-            fail(*libc::__errno_location());
-        }
-    }
-    // SAFETY: closing our copy of the write end.
-    unsafe { libc::close(wr) };
-    if rc < 0 {
-        let err = io::Error::last_os_error();
-        unsafe { libc::close(rd) };
-        return match err.raw_os_error() {
-            Some(
-                libc::ENOSYS
-                | libc::EINVAL
-                | libc::EBADF
-                | libc::EOPNOTSUPP
-                | libc::E2BIG
-                | libc::EPERM
-                | libc::EACCES,
-            ) => Ok(None),
-            _ => Err(err),
-        };
-    }
-    let pid = rc as u32;
-    let mut buf = [0u8; 4];
-    // SAFETY: reading up to 4 bytes into a stack buffer; EOF means exec succeeded.
-    let n = loop {
-        let n = unsafe { libc::read(rd, buf.as_mut_ptr().cast(), buf.len()) };
-        if n >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            break n;
-        }
-    };
-    unsafe { libc::close(rd) };
-    let mut started = Started::Raw(pid);
-    if n == 4 {
-        let _ = started.wait();
-        return Err(io::Error::from_raw_os_error(i32::from_ne_bytes(buf)));
-    }
-    Ok(Some(started))
-}
-
-/// Formats a pid into `buf` without allocating (this runs after `fork`).
-fn format_pid(mut pid: u32, buf: &mut [u8; 12]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (pid % 10) as u8;
-        pid /= 10;
-        if pid == 0 {
-            break;
-        }
-    }
-    &buf[i..]
-}
-
-/// Brings up `lo` in the current network namespace.
-fn loopback_up() -> io::Result<()> {
-    // SAFETY: a datagram socket and SIOC[GS]IFFLAGS on a zeroed ifreq naming "lo".
-    unsafe {
-        let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if sock < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut req: libc::ifreq = std::mem::zeroed();
-        for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
-            *d = *s as libc::c_char;
-        }
-        let mut rc = libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req);
-        if rc == 0 {
-            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-            rc = libc::ioctl(sock, libc::SIOCSIFFLAGS, &req);
-        }
-        let err = io::Error::last_os_error();
-        libc::close(sock);
-        if rc != 0 {
-            return Err(err);
-        }
-    }
-    Ok(())
+    Ok(
+        kernelkite_sys::raw::clone3_into_cgroup(&exec, dir.as_fd(), isolate_network)?
+            .map(Started::Raw),
+    )
 }
 
 /// Spawns `cmd` confined as `c` says. Errors from the child's set-up (a cgroup that refuses
@@ -258,46 +139,13 @@ pub fn spawn(cmd: &mut Command, c: &Confinement) -> io::Result<Child> {
                 .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))
         })
         .collect::<io::Result<_>>()?;
-    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
-    let isolate_network = c.isolate_network;
-    // SAFETY: the closure only makes async-signal-safe system calls on pre-opened fds and a
-    // stack buffer; it allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            let mut buf = [0u8; 12];
-            let pid = format_pid(libc::getpid() as u32, &mut buf);
-            for &fd in &fds {
-                if libc::write(fd, pid.as_ptr().cast(), pid.len()) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if isolate_network {
-                if libc::unshare(libc::CLONE_NEWNET) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                loopback_up()?;
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn();
-    drop(files);
-    child
+    kernelkite_sys::raw::join_before_exec(cmd, files, c.isolate_network);
+    cmd.spawn()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pids_format_without_allocation() {
-        let mut b = [0u8; 12];
-        assert_eq!(format_pid(0, &mut b), b"0");
-        let mut b = [0u8; 12];
-        assert_eq!(format_pid(4_194_304, &mut b), b"4194304");
-        let mut b = [0u8; 12];
-        assert_eq!(format_pid(u32::MAX, &mut b), b"4294967295");
-    }
 
     #[test]
     fn child_writes_its_own_pid_into_the_procs_files() {

@@ -16,8 +16,11 @@ use kernelkite_topology::topology::{Topology, Vendor};
 /// Outcome of one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Status {
+    /// Nothing to do.
     Ok,
+    /// Works, but something is missing or degraded.
     Warn,
+    /// Isolation cannot work until this is fixed.
     Fail,
 }
 
@@ -34,8 +37,11 @@ impl fmt::Display for Status {
 /// One line of the report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
+    /// What was checked (`cgroups`, `topology`, ...).
     pub name: &'static str,
+    /// How it went.
     pub status: Status,
+    /// What was found.
     pub detail: String,
     /// How to fix it, for warn and fail.
     pub fix: Option<String>,
@@ -90,7 +96,9 @@ pub trait Host {
 
 /// The real machine.
 pub struct LiveHost {
+    /// The `PATH` programs are looked up on.
     pub path: Option<std::ffi::OsString>,
+    /// How long one program may take.
     pub timeout: Duration,
 }
 
@@ -113,20 +121,15 @@ impl Host for LiveHost {
     }
 
     fn nvml_gpus(&self) -> Result<usize, String> {
-        let nvml = kernelkite_topology::topology::nvml::Nvml::load().map_err(|e| e.to_string())?;
+        let nvml = kernelkite_sys::nvml::Nvml::load().map_err(|e| e.to_string())?;
         nvml.devices().map(|d| d.len()).map_err(|e| e.to_string())
     }
 }
 
 /// Looks a program up in a `PATH`-style list, executables only.
 pub fn which_in(path: &std::ffi::OsStr, program: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    std::env::split_paths(path)
-        .map(|d| d.join(program))
-        .find(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+    which::which_in(program, Some(path), cwd).ok()
 }
 
 /// A daemon that does not answer (`docker info` with a hung dockerd) must not hang `doctor`.
@@ -159,7 +162,7 @@ fn run_with_timeout(program: &Path, args: &[&str], timeout: Duration) -> Option<
 /// What to check.
 #[derive(Debug, Clone)]
 pub struct DoctorOptions {
-    /// sysfs/procfs root ("/" live).
+    /// sysfs/procfs root ("/" live): every file the checks read is under it.
     pub root: PathBuf,
     /// Check Docker and the NVIDIA container toolkit too.
     pub docker: bool,
@@ -199,11 +202,7 @@ pub fn cgroup_writable(dir: &Path) -> bool {
     } else {
         dir.to_path_buf()
     };
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: `c` is a valid NUL-terminated path; access(2) only reads it.
-    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+    rustix::fs::access(&target, rustix::fs::Access::WRITE_OK).is_ok()
 }
 
 const DELEGATE_FIX: &str = "run the agent as root, or delegate the hierarchy's kernelkite/ subtree to the agent's user (systemd `Delegate=yes`, or `mkdir kernelkite && chown -R buildkite-agent kernelkite`)";

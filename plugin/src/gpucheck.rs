@@ -1,43 +1,66 @@
 //! GPU checks and clock locking before a job's command, through NVML.
 //!
-//! NVML (`libnvidia-ml.so.1`) is loaded at run time so the binary runs on machines without
-//! the NVIDIA driver; only a job that asks for `require-idle-gpu` or `lock-clocks` needs it.
-//! The policy (what counts as idle, what to lock) sits behind [`GpuControl`] so it is tested
-//! without a GPU.
+//! NVML (`libnvidia-ml.so.1`) is loaded at run time ([`kernelkite_sys::nvml`], the workspace's
+//! one loader) so the binary runs on machines without the NVIDIA driver; only a job that asks
+//! for `require-idle-gpu` or `lock-clocks` needs it. The policy (what counts as idle, what to
+//! lock) sits behind [`GpuControl`] so it is tested without a GPU.
 
+use kernelkite_sys::nvml::NvmlError;
 use kernelkite_topology::plan::{SliceGpu, Vendor};
 
+/// Why a GPU check or clock change failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuCheckError {
+    /// NVML could not be loaded (no NVIDIA driver); the cause is the loader's error.
     #[error("cannot load NVML ({0}); `require-idle-gpu` and `lock-clocks` need the NVIDIA driver's libnvidia-ml.so.1 on the agent — install the driver or drop those options")]
-    NoNvml(String),
-    #[error("NVML {call} failed for GPU {bus_id}: error {code}")]
+    NoNvml(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// An NVML call failed for one GPU.
+    #[error("NVML failed for GPU {bus_id}: {source}")]
     Nvml {
-        call: &'static str,
+        /// The GPU's PCI bus id.
         bus_id: String,
-        code: u32,
+        /// Which call, and NVML's error.
+        #[source]
+        source: NvmlError,
     },
+    /// The GPU runs compute processes or has too much memory in use.
     #[error("GPU {bus_id} is not idle: {reason}; another job or a stray process is using it (find it with nvidia-smi) — the job was not started")]
-    Busy { bus_id: String, reason: String },
+    Busy {
+        /// The GPU's PCI bus id.
+        bus_id: String,
+        /// What is using it, in words.
+        reason: String,
+    },
+    /// The checks are NVIDIA-only.
     #[error(
         "GPU {bus_id} is an AMD GPU; `require-idle-gpu` and `lock-clocks` are NVIDIA-only for now"
     )]
-    Unsupported { bus_id: String },
+    Unsupported {
+        /// The GPU's PCI bus id.
+        bus_id: String,
+    },
 }
 
 /// A compute process on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuProcess {
+    /// Its pid.
     pub pid: u32,
+    /// GPU memory it uses, in MiB.
     pub used_mib: u64,
 }
 
 /// What the checks need from the driver.
 pub trait GpuControl {
+    /// The compute processes running on `gpu`.
     fn compute_processes(&mut self, gpu: &SliceGpu) -> Result<Vec<GpuProcess>, GpuCheckError>;
+    /// GPU memory in use on `gpu`, in MiB.
     fn memory_used_mib(&mut self, gpu: &SliceGpu) -> Result<u64, GpuCheckError>;
+    /// The highest graphics clock `gpu` supports.
     fn max_graphics_clock_mhz(&mut self, gpu: &SliceGpu) -> Result<u32, GpuCheckError>;
+    /// Locks `gpu`'s graphics clock at `mhz`.
     fn lock_graphics_clock(&mut self, gpu: &SliceGpu, mhz: u32) -> Result<(), GpuCheckError>;
+    /// Lets `gpu` pick its clocks again.
     fn reset_graphics_clock(&mut self, gpu: &SliceGpu) -> Result<(), GpuCheckError>;
 }
 
@@ -122,170 +145,60 @@ pub fn reset_clocks(ctl: &mut dyn GpuControl, gpus: &[SliceGpu]) -> Result<(), G
     first.map_or(Ok(()), Err)
 }
 
-pub use nvml::Nvml;
+/// NVML loaded from the driver, as the hooks' [`GpuControl`].
+#[derive(Debug)]
+pub struct Nvml(kernelkite_sys::nvml::Nvml);
 
-mod nvml {
-    use super::{GpuCheckError, GpuControl, GpuProcess};
-    use kernelkite_topology::plan::SliceGpu;
-    use std::ffi::{c_char, c_uint, c_void, CString};
+impl Nvml {
+    /// Loads and initialises NVML.
+    pub fn load() -> Result<Nvml, GpuCheckError> {
+        kernelkite_sys::nvml::Nvml::load()
+            .map(Nvml)
+            .map_err(|e| GpuCheckError::NoNvml(Box::new(e)))
+    }
+}
 
-    type Device = *mut c_void;
-    type Ret = c_uint;
+/// Ties an NVML error to the GPU it happened on.
+fn on(gpu: &SliceGpu) -> impl FnOnce(NvmlError) -> GpuCheckError + '_ {
+    move |source| GpuCheckError::Nvml {
+        bus_id: gpu.pci_bus_id.clone(),
+        source,
+    }
+}
 
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct ProcessInfoV3 {
-        pid: c_uint,
-        used_gpu_memory: u64,
-        gpu_instance_id: c_uint,
-        compute_instance_id: c_uint,
+impl GpuControl for Nvml {
+    fn compute_processes(&mut self, gpu: &SliceGpu) -> Result<Vec<GpuProcess>, GpuCheckError> {
+        let processes = self.0.compute_processes(&gpu.pci_bus_id).map_err(on(gpu))?;
+        Ok(processes
+            .into_iter()
+            .map(|p| GpuProcess {
+                pid: p.pid,
+                used_mib: p.used_bytes.unwrap_or(0) >> 20,
+            })
+            .collect())
     }
 
-    #[repr(C)]
-    #[derive(Default)]
-    struct Memory {
-        total: u64,
-        free: u64,
-        used: u64,
+    fn memory_used_mib(&mut self, gpu: &SliceGpu) -> Result<u64, GpuCheckError> {
+        let used = self.0.memory_used_bytes(&gpu.pci_bus_id).map_err(on(gpu))?;
+        Ok(used >> 20)
     }
 
-    const SUCCESS: Ret = 0;
-    const CLOCK_GRAPHICS: c_uint = 0;
-
-    /// NVML loaded from the driver.
-    pub struct Nvml {
-        lib: libloading::Library,
+    fn max_graphics_clock_mhz(&mut self, gpu: &SliceGpu) -> Result<u32, GpuCheckError> {
+        self.0
+            .max_graphics_clock_mhz(&gpu.pci_bus_id)
+            .map_err(on(gpu))
     }
 
-    impl Nvml {
-        /// Loads and initialises NVML.
-        pub fn load() -> Result<Nvml, GpuCheckError> {
-            // SAFETY: loading the NVIDIA driver's library runs its initialisers, which is what
-            // every NVML user does.
-            let lib = unsafe { libloading::Library::new("libnvidia-ml.so.1") }
-                .map_err(|e| GpuCheckError::NoNvml(e.to_string()))?;
-            let nvml = Nvml { lib };
-            // SAFETY: nvmlInit_v2 takes no arguments and returns a status code.
-            let init: libloading::Symbol<unsafe extern "C" fn() -> Ret> =
-                unsafe { nvml.lib.get(b"nvmlInit_v2\0") }
-                    .map_err(|e| GpuCheckError::NoNvml(e.to_string()))?;
-            let rc = unsafe { init() };
-            if rc != SUCCESS {
-                return Err(GpuCheckError::NoNvml(format!("nvmlInit_v2 returned {rc}")));
-            }
-            Ok(nvml)
-        }
-
-        fn symbol<T>(
-            &self,
-            name: &'static [u8],
-        ) -> Result<libloading::Symbol<'_, T>, GpuCheckError> {
-            // SAFETY: the caller names the symbol with its NVML signature.
-            unsafe { self.lib.get(name) }.map_err(|e| GpuCheckError::NoNvml(e.to_string()))
-        }
-
-        fn check(rc: Ret, call: &'static str, gpu: &SliceGpu) -> Result<(), GpuCheckError> {
-            if rc == SUCCESS {
-                Ok(())
-            } else {
-                Err(GpuCheckError::Nvml {
-                    call,
-                    bus_id: gpu.pci_bus_id.clone(),
-                    code: rc,
-                })
-            }
-        }
-
-        fn device(&self, gpu: &SliceGpu) -> Result<Device, GpuCheckError> {
-            let f = self.symbol::<unsafe extern "C" fn(*const c_char, *mut Device) -> Ret>(
-                b"nvmlDeviceGetHandleByPciBusId_v2\0",
-            )?;
-            let bus = CString::new(gpu.pci_bus_id.as_str()).map_err(|_| GpuCheckError::Nvml {
-                call: "nvmlDeviceGetHandleByPciBusId_v2",
-                bus_id: gpu.pci_bus_id.clone(),
-                code: 2,
-            })?;
-            let mut dev: Device = std::ptr::null_mut();
-            // SAFETY: valid C string and out-pointer.
-            let rc = unsafe { f(bus.as_ptr(), &mut dev) };
-            Self::check(rc, "nvmlDeviceGetHandleByPciBusId_v2", gpu)?;
-            Ok(dev)
-        }
+    fn lock_graphics_clock(&mut self, gpu: &SliceGpu, mhz: u32) -> Result<(), GpuCheckError> {
+        self.0
+            .lock_graphics_clock(&gpu.pci_bus_id, mhz)
+            .map_err(on(gpu))
     }
 
-    impl Drop for Nvml {
-        fn drop(&mut self) {
-            if let Ok(f) = self.symbol::<unsafe extern "C" fn() -> Ret>(b"nvmlShutdown\0") {
-                // SAFETY: pairs the successful nvmlInit_v2 in `load`.
-                unsafe { f() };
-            }
-        }
-    }
-
-    impl GpuControl for Nvml {
-        fn compute_processes(&mut self, gpu: &SliceGpu) -> Result<Vec<GpuProcess>, GpuCheckError> {
-            let dev = self.device(gpu)?;
-            let f = self
-                .symbol::<unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfoV3) -> Ret>(
-                    b"nvmlDeviceGetComputeRunningProcesses_v3\0",
-                )?;
-            let mut infos = [ProcessInfoV3::default(); 128];
-            let mut count: c_uint = infos.len() as c_uint;
-            // SAFETY: count is the capacity of infos.
-            let rc = unsafe { f(dev, &mut count, infos.as_mut_ptr()) };
-            Self::check(rc, "nvmlDeviceGetComputeRunningProcesses_v3", gpu)?;
-            Ok(infos[..(count as usize).min(infos.len())]
-                .iter()
-                .map(|p| GpuProcess {
-                    pid: p.pid,
-                    used_mib: p.used_gpu_memory >> 20,
-                })
-                .collect())
-        }
-
-        fn memory_used_mib(&mut self, gpu: &SliceGpu) -> Result<u64, GpuCheckError> {
-            let dev = self.device(gpu)?;
-            let f = self.symbol::<unsafe extern "C" fn(Device, *mut Memory) -> Ret>(
-                b"nvmlDeviceGetMemoryInfo\0",
-            )?;
-            let mut m = Memory::default();
-            // SAFETY: valid out-pointer.
-            let rc = unsafe { f(dev, &mut m) };
-            Self::check(rc, "nvmlDeviceGetMemoryInfo", gpu)?;
-            Ok(m.used >> 20)
-        }
-
-        fn max_graphics_clock_mhz(&mut self, gpu: &SliceGpu) -> Result<u32, GpuCheckError> {
-            let dev = self.device(gpu)?;
-            let f = self.symbol::<unsafe extern "C" fn(Device, c_uint, *mut c_uint) -> Ret>(
-                b"nvmlDeviceGetMaxClockInfo\0",
-            )?;
-            let mut mhz: c_uint = 0;
-            // SAFETY: valid out-pointer.
-            let rc = unsafe { f(dev, CLOCK_GRAPHICS, &mut mhz) };
-            Self::check(rc, "nvmlDeviceGetMaxClockInfo", gpu)?;
-            Ok(mhz)
-        }
-
-        fn lock_graphics_clock(&mut self, gpu: &SliceGpu, mhz: u32) -> Result<(), GpuCheckError> {
-            let dev = self.device(gpu)?;
-            let f = self.symbol::<unsafe extern "C" fn(Device, c_uint, c_uint) -> Ret>(
-                b"nvmlDeviceSetGpuLockedClocks\0",
-            )?;
-            // SAFETY: plain values.
-            let rc = unsafe { f(dev, mhz, mhz) };
-            Self::check(rc, "nvmlDeviceSetGpuLockedClocks", gpu)
-        }
-
-        fn reset_graphics_clock(&mut self, gpu: &SliceGpu) -> Result<(), GpuCheckError> {
-            let dev = self.device(gpu)?;
-            let f = self.symbol::<unsafe extern "C" fn(Device) -> Ret>(
-                b"nvmlDeviceResetGpuLockedClocks\0",
-            )?;
-            // SAFETY: device handle from NVML.
-            let rc = unsafe { f(dev) };
-            Self::check(rc, "nvmlDeviceResetGpuLockedClocks", gpu)
-        }
+    fn reset_graphics_clock(&mut self, gpu: &SliceGpu) -> Result<(), GpuCheckError> {
+        self.0
+            .reset_graphics_clock(&gpu.pci_bus_id)
+            .map_err(on(gpu))
     }
 }
 
@@ -316,9 +229,11 @@ mod tests {
         fn lock_graphics_clock(&mut self, gpu: &SliceGpu, mhz: u32) -> Result<(), GpuCheckError> {
             if self.fail_lock_on.as_deref() == Some(gpu.pci_bus_id.as_str()) {
                 return Err(GpuCheckError::Nvml {
-                    call: "nvmlDeviceSetGpuLockedClocks",
                     bus_id: gpu.pci_bus_id.clone(),
-                    code: 4,
+                    source: NvmlError::Call {
+                        call: "nvmlDeviceSetGpuLockedClocks",
+                        source: kernelkite_sys::nvml::DriverError::NoPermission,
+                    },
                 });
             }
             self.locked.push((gpu.pci_bus_id.clone(), mhz));
@@ -403,7 +318,15 @@ mod tests {
             return;
         }
         match Nvml::load() {
-            Err(e) => assert!(e.to_string().contains("libnvidia-ml.so.1"), "{e}"),
+            Err(e) => {
+                assert!(e.to_string().contains("libnvidia-ml.so.1"), "{e}");
+                // The loader's error is kept as the cause, not flattened into the message.
+                let cause = std::error::Error::source(&e).map(|c| c.to_string());
+                assert!(
+                    cause.is_some_and(|c| c.contains("libnvidia-ml") || c.contains("nvmlInit")),
+                    "{e:?}"
+                );
+            }
             Ok(_) => kernelkite_testkit::skip("NVML loaded although no /dev/nvidiactl"),
         }
     }

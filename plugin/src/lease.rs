@@ -10,7 +10,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -21,6 +20,7 @@ use crate::process::{is_alive, ProcessId};
 /// Who holds a lease.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holder {
+    /// The Buildkite job id.
     pub job_id: String,
     /// Agent name, for messages only.
     pub agent: String,
@@ -44,25 +44,42 @@ pub enum Want {
     /// These GPUs exactly (the agent is bound to them by tag or name).
     Exactly(Vec<u32>),
     /// Any `count` free GPUs among `candidates`, lowest first.
-    Pool { count: u32, candidates: Vec<u32> },
+    Pool {
+        /// How many.
+        count: u32,
+        /// The GPU indices to choose from.
+        candidates: Vec<u32>,
+    },
 }
 
+/// Why GPUs could not be leased or released.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
+    /// The lease directory or a lock file could not be used.
     #[error("cannot use lease directory {path}: {error} (set KERNELKITE_RUN_DIR to a directory every agent on the node can write)")]
     Io {
+        /// The lease directory.
         path: PathBuf,
+        /// What the file system said.
+        #[source]
         error: std::io::Error,
     },
+    /// Live jobs held the wanted GPUs for the whole wait.
     #[error("no GPU free after waiting {waited_secs}s: {}; raise `lease-wait` or find out why the holder is still running", describe(.held))]
     Busy {
+        /// How long the job waited.
         waited_secs: u64,
+        /// Each GPU in the way and who holds it.
         held: Vec<(u32, Holder)>,
     },
+    /// The job wants more GPUs than there are to choose from.
     #[error("the job wants {wanted} GPU(s) but the node has only {available} ({candidates:?})")]
     NotEnough {
+        /// GPUs wanted.
         wanted: u32,
+        /// GPUs to choose from.
         available: usize,
+        /// Their indices.
         candidates: Vec<u32>,
     },
 }
@@ -81,7 +98,8 @@ pub struct Leases {
     proc_root: PathBuf,
 }
 
-/// Holds `flock(LOCK_EX)` on a lock file for as long as it lives.
+/// Holds an exclusive `flock` on a lock file for as long as it lives (std's `File::lock` is
+/// `flock(LOCK_EX)` on Linux; the lock is dropped with the file).
 struct Locked(File);
 
 impl Locked {
@@ -92,15 +110,11 @@ impl Locked {
             .create(true)
             .truncate(false)
             .open(path)?;
-        // SAFETY: flock on a file descriptor we own; the lock is dropped with the file.
         loop {
-            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-            if rc == 0 {
-                return Ok(Locked(file));
-            }
-            let err = std::io::Error::last_os_error();
-            if err.kind() != std::io::ErrorKind::Interrupted {
-                return Err(err);
+            match file.lock() {
+                Ok(()) => return Ok(Locked(file)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
             }
         }
     }

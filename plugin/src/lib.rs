@@ -5,29 +5,15 @@
 //! The layers that touch the machine take injected roots so they can be tested on fake trees.
 #![deny(missing_docs)]
 
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod cgroup;
 pub mod cli;
 pub mod config;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod confine;
 pub mod docker;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod doctor;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod gpucheck;
 pub mod job;
 pub mod jobapi;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod lease;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod mountinfo;
-// docs: OS-layer refactor
-#[allow(missing_docs)]
 pub mod process;

@@ -1,9 +1,15 @@
 //! `/proc/self/mountinfo`: the mounts the cgroup layer and `doctor` look for.
+//!
+//! Hand-written: the crates that parse mountinfo (`procfs`) read the live `/proc` of the
+//! machine, while both callers read it under an injected root (a fake tree in tests), and
+//! the four fields needed are one `split`.
 
 /// One mount from `/proc/self/mountinfo`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// Where it is mounted, unescaped (`/sys/fs/cgroup/cpuset`).
     pub mount_point: String,
+    /// The file system type (`cgroup`, `cgroup2`, `tmpfs`, ...).
     pub fs_type: String,
     /// Whether the mount or its superblock is read-only (`ro` in either option list).
     pub read_only: bool,

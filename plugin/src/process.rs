@@ -2,35 +2,33 @@
 //! which process stands for "the job" across its hooks.
 //!
 //! A pid alone is not an identity (pids are reused), so holders are recorded as pid plus the
-//! process start time from `/proc/<pid>/stat` (field 22, clock ticks since boot).
+//! process start time from `/proc/<pid>/stat` (field 22, clock ticks since boot). The stat
+//! parsing itself is [`kernelkite_sys::procfs`], shared with the runner.
 
 use std::path::Path;
 
+use kernelkite_sys::procfs;
 use serde::{Deserialize, Serialize};
 
 /// A process, identified so that a reused pid does not look alive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessId {
+    /// The pid.
     pub pid: u32,
+    /// Its start time in clock ticks since boot (`/proc/<pid>/stat` field 22).
     pub start_time: u64,
 }
 
 /// Parses `/proc/<pid>/stat` into (comm, ppid, start time). The command name may contain
 /// spaces and parentheses, so fields are counted from the last `)`.
 pub fn parse_stat(stat: &str) -> Option<(String, u32, u64)> {
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let comm = stat.get(open + 1..close)?.to_string();
-    let rest: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
-    // rest[0] is field 3 (state); ppid is field 4, starttime field 22.
-    let ppid = rest.get(1)?.parse().ok()?;
-    let start = rest.get(19)?.parse().ok()?;
-    Some((comm, ppid, start))
+    let s = procfs::parse_stat(stat)?;
+    Some((s.comm, s.ppid, s.start_time?))
 }
 
 fn read_stat(proc_root: &Path, pid: u32) -> Option<(String, u32, u64)> {
-    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    parse_stat(&text)
+    let s = procfs::read_stat(proc_root, pid)?;
+    Some((s.comm, s.ppid, s.start_time?))
 }
 
 /// The identity of a live process, or `None` when it is gone.
@@ -40,15 +38,8 @@ pub fn identify(proc_root: &Path, pid: u32) -> Option<ProcessId> {
 
 /// Whether the recorded process still runs (same pid, same start time, not a zombie).
 pub fn is_alive(proc_root: &Path, id: ProcessId) -> bool {
-    let Ok(text) = std::fs::read_to_string(proc_root.join(id.pid.to_string()).join("stat")) else {
-        return false;
-    };
-    let zombie = text
-        .rfind(')')
-        .and_then(|i| text.get(i + 1..))
-        .and_then(|rest| rest.split_whitespace().next())
-        .is_some_and(|state| state == "Z" || state == "X");
-    !zombie && parse_stat(&text).is_some_and(|(_, _, start)| start == id.start_time)
+    procfs::read_stat(proc_root, id.pid)
+        .is_some_and(|s| !s.is_exited() && s.start_time == Some(id.start_time))
 }
 
 /// Shells the agent runs hooks through; none of them outlives the hook.

@@ -146,7 +146,10 @@ fn v2_without_cgroup_kill_freezes_and_kills_each_process() {
     let report = c.clean_up("job-3").unwrap();
     let status = reaper.join().unwrap();
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    assert_eq!(
+        status.signal(),
+        Some(rustix::process::Signal::KILL.as_raw())
+    );
     assert_eq!(report.killed, vec![pid]);
     assert!(!dir.exists());
 }
@@ -250,7 +253,10 @@ fn v2_clean_up_kills_and_removes_nested_child_cgroups() {
     let report = c.clean_up("job-6").unwrap();
     for r in reapers {
         use std::os::unix::process::ExitStatusExt;
-        assert_eq!(r.join().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(
+            r.join().unwrap().signal(),
+            Some(rustix::process::Signal::KILL.as_raw())
+        );
     }
     assert_eq!(report.killed, pids);
     assert!(report.removed);
@@ -336,7 +342,10 @@ fn an_oversized_tree_still_has_its_visible_processes_killed() {
     let e = c.clean_up("job-10").unwrap_err();
     assert!(e.to_string().contains("deeper than 32"), "{e}");
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(reaper.join().unwrap().signal(), Some(libc::SIGKILL));
+    assert_eq!(
+        reaper.join().unwrap().signal(),
+        Some(rustix::process::Signal::KILL.as_raw())
+    );
 }
 
 #[test]

@@ -100,8 +100,9 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
     let survived = alive(pid);
     // Leave nothing behind before asserting, whatever clean-up did.
     if survived {
-        // SAFETY: kill(2) on the test's own daemon.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
     }
     let _ = std::fs::write(dir.join("cgroup.kill"), "1");
     remove_bottom_up(&dir).unwrap();
@@ -161,8 +162,7 @@ fn real_v2(
     String,
     std::path::PathBuf,
 )> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         kernelkite_testkit::skip("real cgroup tests need root");
         return None;
     }

@@ -1,7 +1,6 @@
 //! The `kernelkite-runner` command line.
 
 use std::io::Write as _;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -104,6 +103,7 @@ pub struct Args {
     pub print_payload: bool,
 }
 
+/// The binary's entry: logs to stderr, parses the command line, runs, and maps the outcome to an exit code.
 pub fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -371,24 +371,14 @@ fn evaluate_in_workdir(
     eval::evaluate(cfg, &opts)
 }
 
-/// Writes `result.json` atomically (a reader never sees half a file). No fsync: the agent
-/// uploads it from the same machine's page cache right after, and a crash loses the job anyway.
+/// Writes `result.json` atomically and durably: a reader never sees half a file, and a crash
+/// after the runner said it wrote the result never leaves a truncated one (the file and its
+/// directory are fsynced). It is `0644`: a result is meant to be read by whoever uploads or
+/// inspects it, often another user than the one the job ran as.
 pub fn write_result(path: &Path, result: &FullResult) -> std::io::Result<()> {
-    let json = serde_json::to_vec_pretty(result)?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".result-")
-        .tempfile_in(&dir)?;
-    tmp.write_all(&json)?;
-    tmp.write_all(b"\n")?;
-    // The temp file is created 0600; a result is meant to be read by whoever uploads or
-    // inspects it (often another user than the one the job ran as), like any file we write.
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644))?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
+    let mut json = serde_json::to_vec_pretty(result)?;
+    json.push(b'\n');
+    kernelkite_sys::fs::write_atomic(path, &json, 0o644)
 }
 
 fn describe_run(run: &RunResult) -> String {

@@ -47,14 +47,18 @@ pub struct Options {
     pub require_gpu: bool,
     /// Kill descendants that escaped the process group (see [`process::Spec::reap_orphans`]).
     pub reap_orphans: bool,
+    /// procfs the orphan reaping walks (`/proc`).
+    pub proc_root: PathBuf,
     /// nvcc to use instead of searching.
     pub nvcc: Option<PathBuf>,
     /// CUDA installs searched for `bin/nvcc` after PATH, `$CUDA_HOME` and `$CUDA_PATH`.
     pub cuda_fallbacks: Vec<PathBuf>,
+    /// How long nvcc may take.
     pub compile_timeout: Duration,
 }
 
 impl Options {
+    /// The defaults the CLI uses, evaluating in `workdir`.
     pub fn new(workdir: impl Into<PathBuf>) -> Options {
         Options {
             workdir: workdir.into(),
@@ -63,6 +67,7 @@ impl Options {
             system: None,
             require_gpu: false,
             reap_orphans: false,
+            proc_root: PathBuf::from("/proc"),
             nvcc: None,
             cuda_fallbacks: vec![PathBuf::from("/usr/local/cuda")],
             compile_timeout: Duration::from_secs(COMPILE_TIMEOUT_S),
@@ -80,19 +85,24 @@ pub enum FailureKind {
     Infrastructure,
 }
 
+/// Why an evaluation failed, and whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
+    /// Whose fault.
     pub kind: FailureKind,
+    /// What happened and what to do, as `result.json`'s `error` says it.
     pub message: String,
 }
 
 impl Failure {
+    /// The payload or config is at fault.
     pub fn bad_config(message: impl Into<String>) -> Failure {
         Failure {
             kind: FailureKind::BadConfig,
             message: message.into(),
         }
     }
+    /// The node is at fault.
     pub fn infrastructure(message: impl Into<String>) -> Failure {
         Failure {
             kind: FailureKind::Infrastructure,
@@ -105,7 +115,9 @@ impl Failure {
 /// `failure` is set, and then `result.error` is its message.
 #[derive(Debug, Clone)]
 pub struct Evaluation {
+    /// `result.json`'s content.
     pub result: FullResult,
+    /// Set exactly when `result.success` is false.
     pub failure: Option<Failure>,
 }
 
@@ -462,6 +474,7 @@ impl Job<'_> {
             timeout,
             popcorn: false,
             reap_orphans: self.opts.reap_orphans,
+            proc_root: self.opts.proc_root.clone(),
         };
         process::run(&spec)
             .map_err(|e| Failure::infrastructure(format!("could not start {program}: {e}")))
@@ -593,6 +606,7 @@ impl Job<'_> {
             timeout,
             popcorn: true,
             reap_orphans: self.opts.reap_orphans,
+            proc_root: self.opts.proc_root.clone(),
         };
         let out = process::run(&spec).map_err(|e| spawn_failure(&call[0], e))?;
         if out.popcorn_truncated {

@@ -4,6 +4,8 @@
 //! shared with the service. [`eval::run_config`] is the evaluation itself, callable in
 //! process; [`cli`] is the binary's edge.
 
+#![deny(missing_docs)]
+
 pub mod cli;
 pub mod cuda;
 pub mod eval;

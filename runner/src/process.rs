@@ -11,12 +11,16 @@
 
 use std::ffi::OsString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::PathBuf;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Once;
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags};
+use rustix::process::{Pid, Signal};
 
 use crate::text::{Capture, MAX_OUTPUT_CHARS};
 
@@ -30,13 +34,17 @@ const PIPE_GRACE: Duration = Duration::from_millis(500);
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct Spec {
+    /// The program, looked up on `PATH` when it has no slash.
     pub program: OsString,
+    /// Its arguments.
     pub args: Vec<OsString>,
+    /// The directory it starts in.
     pub cwd: PathBuf,
     /// Variables set on top of the inherited environment.
     pub env: Vec<(OsString, OsString)>,
     /// Variables removed from the inherited environment.
     pub env_remove: Vec<OsString>,
+    /// How long it may run before its whole process group is killed.
     pub timeout: Duration,
     /// Open the POPCORN pipe and set `POPCORN_FD`.
     pub popcorn: bool,
@@ -44,6 +52,8 @@ pub struct Spec {
     /// [`become_subreaper`] to have been called; only safe when nothing else in this
     /// process spawns children concurrently).
     pub reap_orphans: bool,
+    /// procfs the orphan reaping walks for this process's children (`/proc`).
+    pub proc_root: PathBuf,
 }
 
 /// How it went.
@@ -51,12 +61,17 @@ pub struct Spec {
 pub struct Outcome {
     /// kernelbot's `returncode`: the exit code, or minus the signal number.
     pub exit_code: i32,
+    /// Whether it was killed for running past [`Spec::timeout`].
     pub timed_out: bool,
+    /// How long it ran (the timeout, when it timed out).
     pub duration: Duration,
+    /// What it wrote to stdout (bounded).
     pub stdout: Capture,
+    /// What it wrote to stderr (bounded).
     pub stderr: Capture,
     /// Raw POPCORN pipe content (bounded by [`MAX_POPCORN_BYTES`]).
     pub popcorn: Vec<u8>,
+    /// Whether the POPCORN pipe carried more than [`MAX_POPCORN_BYTES`].
     pub popcorn_truncated: bool,
 }
 
@@ -64,31 +79,39 @@ pub struct Outcome {
 static CURRENT_GROUP: AtomicI32 = AtomicI32::new(0);
 static CANCELLED: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_cancel(_sig: libc::c_int) {
-    CANCELLED.store(true, Ordering::SeqCst);
-    let group = CURRENT_GROUP.load(Ordering::SeqCst);
-    if group > 0 {
-        // SAFETY: kill is async-signal-safe.
-        unsafe {
-            libc::kill(-group, libc::SIGKILL);
-        }
-    }
-}
-
 /// On SIGTERM, SIGINT or SIGHUP (Buildkite cancelling the job signals the runner's process
 /// group, which the harness has left by `setsid`), kill the running child's group at once
 /// and mark the run cancelled; [`run`] returns and the caller sees [`cancelled`]. Meant for
-/// the CLI: the handler tracks one child at a time.
+/// the CLI: the handler tracks one child at a time. Installing twice is harmless.
+///
+/// `signal-hook` turns each signal into a wake-up of a small thread, which marks the run and
+/// kills the group: the same moment as a handler would, without code in signal context.
 pub fn install_cancel_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: installing a handler that only touches atomics and calls kill.
-        unsafe {
-            libc::signal(
-                sig,
-                on_cancel as extern "C" fn(libc::c_int) as libc::sighandler_t,
-            );
+    static INSTALLED: Once = Once::new();
+    INSTALLED.call_once(|| {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        let mut signals = match signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("cannot handle cancellation signals ({e}); a cancelled job may leave its processes running");
+                return;
+            }
+        };
+        let watcher = std::thread::Builder::new()
+            .name("cancel".into())
+            .spawn(move || {
+                for _ in signals.forever() {
+                    CANCELLED.store(true, Ordering::SeqCst);
+                    let group = CURRENT_GROUP.load(Ordering::SeqCst);
+                    if group > 0 {
+                        kill_group(group);
+                    }
+                }
+            });
+        if let Err(e) = watcher {
+            tracing::warn!("cannot start the cancellation watcher ({e}); a cancelled job may leave its processes running");
         }
-    }
+    });
 }
 
 /// Whether a cancellation signal has arrived.
@@ -99,29 +122,13 @@ pub fn cancelled() -> bool {
 /// Makes this process the reaper of orphaned descendants, so a harness's `setsid` daemons
 /// are reparented here (not to init) and can be found and killed.
 pub fn become_subreaper() -> io::Result<()> {
-    // SAFETY: prctl with integer arguments has no memory effects.
-    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
+    Ok(rustix::process::set_child_subreaper(Some(
+        rustix::process::getpid(),
+    ))?)
 }
 
 fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: fds has room for the two descriptors pipe2 writes.
-    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
-    // SAFETY: pipe2 succeeded, so both are fresh descriptors we own.
-    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     // Started with stdio closed, the pipe could land on 0..2, where the child's stdio setup
     // would overwrite it before POPCORN_FD is put in place: move it higher.
     Ok((above_stdio(r)?, above_stdio(w)?))
@@ -131,15 +138,12 @@ fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
     if fd.as_raw_fd() > 2 {
         return Ok(fd);
     }
-    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own gives a new one we own.
-    let new = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 10) })?;
-    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+    Ok(rustix::io::fcntl_dupfd_cloexec(&fd, 10)?)
 }
 
-fn set_nonblocking(fd: RawFd) -> io::Result<()> {
-    // SAFETY: fcntl on a descriptor we own.
-    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) })?;
-    cvt(unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    let flags = rustix::fs::fcntl_getfl(fd)?;
+    rustix::fs::fcntl_setfl(fd, flags | rustix::fs::OFlags::NONBLOCK)?;
     Ok(())
 }
 
@@ -164,39 +168,12 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
     } else {
         None
     };
-    let write_fd: RawFd = pipe.as_ref().map_or(-1, |(_, w)| w.as_raw_fd());
-    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls
-    // (setsid, dup2, fcntl, syscall) on integers captured by value.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if write_fd >= 0 {
-                if write_fd == POPCORN_FD {
-                    cvt(libc::fcntl(POPCORN_FD, libc::F_SETFD, 0))?;
-                } else {
-                    cvt(libc::dup2(write_fd, POPCORN_FD))?;
-                }
-            }
-            // Nothing but stdio and the pipe crosses exec, even descriptors a parent of ours
-            // leaked without CLOEXEC. Marking (not closing) keeps std's own exec-error pipe
-            // working; kernels before 5.11 lack the flag, and ours are CLOEXEC regardless.
-            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-            let first = if write_fd >= 0 { POPCORN_FD + 1 } else { 3 };
-            libc::syscall(
-                libc::SYS_close_range,
-                first as libc::c_uint,
-                libc::c_uint::MAX,
-                CLOSE_RANGE_CLOEXEC,
-            );
-            Ok(())
-        });
-    }
-
+    // A new session (so a new process group); nothing but stdio and the pipe crosses exec,
+    // even descriptors a parent of ours leaked without CLOEXEC.
+    let inherit = pipe.as_ref().map(|(_, w)| (w.as_fd(), POPCORN_FD));
     let start = Instant::now();
-    let mut child = cmd.spawn()?;
-    let pid = child.id() as libc::pid_t;
+    let mut child = kernelkite_sys::raw::spawn_in_new_session(cmd, inherit)?;
+    let pid = child.id() as i32;
     CURRENT_GROUP.store(pid, Ordering::SeqCst);
     let result = supervise(spec, &mut child, pid, start, pipe);
     if result.is_err() {
@@ -212,7 +189,7 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
 fn supervise(
     spec: &Spec,
     child: &mut std::process::Child,
-    pid: libc::pid_t,
+    pid: i32,
     start: Instant,
     pipe: Option<(OwnedFd, OwnedFd)>,
 ) -> io::Result<Outcome> {
@@ -232,7 +209,7 @@ fn supervise(
         streams.push(Stream::new(r, Sink::Popcorn));
     }
     for s in &streams {
-        set_nonblocking(s.fd.as_raw_fd())?;
+        set_nonblocking(&s.fd)?;
     }
     let pidfd = open_pidfd(pid);
 
@@ -254,7 +231,7 @@ fn supervise(
                 out.duration = now - start;
                 out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
                 exited = Some(now);
-                cleanup_after(pid, spec.reap_orphans);
+                cleanup_after(pid, spec);
             } else if cancelled() {
                 // The handler already killed the group if it knew it; make sure.
                 kill_group(pid);
@@ -262,7 +239,7 @@ fn supervise(
                 out.duration = now - start;
                 out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
                 exited = Some(Instant::now());
-                cleanup_after(pid, spec.reap_orphans);
+                cleanup_after(pid, spec);
             } else if now >= deadline {
                 out.timed_out = true;
                 out.duration = spec.timeout;
@@ -271,7 +248,7 @@ fn supervise(
                 out.exit_code = status.code().or(status.signal().map(|s| -s)).unwrap_or(-1);
                 let now = Instant::now();
                 exited = Some(now);
-                cleanup_after(pid, spec.reap_orphans);
+                cleanup_after(pid, spec);
             }
         }
         streams.retain(|s| s.open);
@@ -304,15 +281,8 @@ fn supervise(
     Ok(out)
 }
 
-fn open_pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes integers and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        None
-    } else {
-        // SAFETY: a fresh descriptor we now own.
-        Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-    }
+fn open_pidfd(pid: i32) -> Option<OwnedFd> {
+    rustix::process::pidfd_open(Pid::from_raw(pid)?, rustix::process::PidfdFlags::empty()).ok()
 }
 
 /// Waits for output or the child's exit (through its pidfd; without one, checks every 5 ms).
@@ -323,38 +293,30 @@ fn poll_once(
     watch_exit: bool,
     out: &mut Outcome,
 ) -> io::Result<()> {
-    let mut fds: Vec<libc::pollfd> = streams
+    let mut fds: Vec<PollFd<'_>> = streams
         .iter()
-        .map(|s| libc::pollfd {
-            fd: s.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
+        .map(|s| PollFd::new(&s.fd, PollFlags::IN))
         .collect();
     let mut wait = max_wait;
     if watch_exit {
         match pidfd {
-            Some(p) => fds.push(libc::pollfd {
-                fd: p.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }),
+            Some(p) => fds.push(PollFd::new(p, PollFlags::IN)),
             None => wait = wait.min(Duration::from_millis(5)),
         }
     }
-    let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // SAFETY: fds is a valid array of pollfd of the given length.
-    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-    if rc < 0 {
-        let e = io::Error::last_os_error();
-        return if e.kind() == io::ErrorKind::Interrupted {
-            Ok(())
-        } else {
-            Err(e)
-        };
+    // Whole milliseconds, at least one, as poll(2) took them before.
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128) as u64;
+    let timeout = rustix::event::Timespec::try_from(Duration::from_millis(ms))
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    match rustix::event::poll(&mut fds, Some(&timeout)) {
+        Ok(_) => {}
+        Err(rustix::io::Errno::INTR) => return Ok(()),
+        Err(e) => return Err(e.into()),
     }
-    for (s, p) in streams.iter_mut().zip(&fds) {
-        if p.revents != 0 {
+    let ready: Vec<bool> = fds.iter().map(|p| !p.revents().is_empty()).collect();
+    drop(fds);
+    for (s, ready) in streams.iter_mut().zip(ready) {
+        if ready {
             s.drain(out);
         }
     }
@@ -387,23 +349,20 @@ impl Stream {
     fn drain(&mut self, out: &mut Outcome) {
         let mut buf = [0u8; 64 * 1024];
         loop {
-            // SAFETY: reading into a buffer we own, of the length given.
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n == 0 {
-                self.open = false;
-                return;
-            }
-            if n < 0 {
-                match io::Error::last_os_error().kind() {
-                    io::ErrorKind::WouldBlock => return,
-                    io::ErrorKind::Interrupted => continue,
-                    _ => {
-                        self.open = false;
-                        return;
-                    }
+            let n = match rustix::io::read(&self.fd, &mut buf) {
+                Ok(0) => {
+                    self.open = false;
+                    return;
                 }
-            }
-            let data = &buf[..n as usize];
+                Ok(n) => n,
+                Err(rustix::io::Errno::AGAIN) => return,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => {
+                    self.open = false;
+                    return;
+                }
+            };
+            let data = &buf[..n];
             match self.sink {
                 Sink::Stdout => out.stdout.push(data),
                 Sink::Stderr => out.stderr.push(data),
@@ -418,28 +377,27 @@ impl Stream {
 }
 
 /// SIGKILL to the child's process group (its pgid is its pid: it called setsid).
-fn kill_group(pid: libc::pid_t) {
-    // SAFETY: kill with integer arguments; ESRCH (group gone) is fine.
-    unsafe {
-        libc::kill(-pid, libc::SIGKILL);
+fn kill_group(pid: i32) {
+    if let Some(group) = Pid::from_raw(pid) {
+        // ESRCH (group gone) is fine.
+        let _ = rustix::process::kill_process_group(group, Signal::KILL);
     }
 }
 
 /// After the child has been reaped: kill what it left in its group and, when we are the
 /// subreaper, descendants that left the group and were reparented to us.
-fn cleanup_after(pid: libc::pid_t, reap_orphans: bool) {
+fn cleanup_after(pid: i32, spec: &Spec) {
     kill_group(pid);
-    if reap_orphans {
-        kill_orphans(std::path::Path::new("/proc"));
+    if spec.reap_orphans {
+        kill_orphans(&spec.proc_root);
     }
 }
 
 /// Kills and reaps every child of this process, repeatedly, as killing one reparents its
 /// own children to us. Bounded in time, so a fork bomb or a process stuck in the kernel
 /// (uninterruptible sleep in a driver) cannot keep the runner here.
-pub fn kill_orphans(proc_root: &std::path::Path) {
-    // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
+pub fn kill_orphans(proc_root: &Path) {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let kids = children_of(proc_root, me);
@@ -447,20 +405,13 @@ pub fn kill_orphans(proc_root: &std::path::Path) {
             return;
         }
         tracing::debug!("killing escaped descendants: {kids:?}");
-        for k in &kids {
-            // SAFETY: kill/waitpid with integer arguments on our own children.
-            unsafe {
-                libc::kill(-*k, libc::SIGKILL);
-                libc::kill(*k, libc::SIGKILL);
-            }
+        for kid in kids.iter().filter_map(|&k| Pid::from_raw(k)) {
+            let _ = rustix::process::kill_process_group(kid, Signal::KILL);
+            let _ = rustix::process::kill_process(kid, Signal::KILL);
         }
         std::thread::sleep(Duration::from_millis(2));
-        for k in &kids {
-            let mut status = 0;
-            // SAFETY: as above.
-            unsafe {
-                libc::waitpid(*k, &mut status, libc::WNOHANG);
-            }
+        for kid in kids.iter().filter_map(|&k| Pid::from_raw(k)) {
+            let _ = rustix::process::waitpid(Some(kid), rustix::process::WaitOptions::NOHANG);
         }
         if Instant::now() >= deadline {
             tracing::warn!("descendants {kids:?} did not die within 2 s of SIGKILL; leaving them");
@@ -469,34 +420,21 @@ pub fn kill_orphans(proc_root: &std::path::Path) {
     }
 }
 
-/// Pids whose parent is `parent`, from `/proc/*/stat`.
-pub fn children_of(proc_root: &std::path::Path, parent: libc::pid_t) -> Vec<libc::pid_t> {
-    let Ok(dir) = std::fs::read_dir(proc_root) else {
+/// Pids whose parent is `parent`, from `<proc_root>/*/stat`.
+pub fn children_of(proc_root: &Path, parent: i32) -> Vec<i32> {
+    let Ok(parent) = u32::try_from(parent) else {
         return Vec::new();
     };
-    let mut kids = Vec::new();
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.parse::<libc::pid_t>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        if parse_ppid(&stat) == Some(parent) {
-            kids.push(pid);
-        }
-    }
-    kids
+    kernelkite_sys::procfs::children_of(proc_root, parent)
+        .into_iter()
+        .filter_map(|pid| i32::try_from(pid).ok())
+        .collect()
 }
 
 /// The ppid field of `/proc/PID/stat` (after the parenthesised command, which may itself
 /// contain spaces and parentheses).
-pub fn parse_ppid(stat: &str) -> Option<libc::pid_t> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let _state = fields.next()?;
-    fields.next()?.parse().ok()
+pub fn parse_ppid(stat: &str) -> Option<i32> {
+    kernelkite_sys::procfs::parse_stat(stat).and_then(|s| i32::try_from(s.ppid).ok())
 }
 
 #[cfg(test)]
@@ -513,6 +451,7 @@ mod tests {
             timeout: Duration::from_millis(timeout_ms),
             popcorn: true,
             reap_orphans: false,
+            proc_root: PathBuf::from("/proc"),
         })
         .unwrap()
     }
@@ -546,19 +485,21 @@ mod tests {
 
     #[test]
     fn a_leaked_descriptor_does_not_reach_the_child() {
-        // F_DUPFD gives a descriptor without CLOEXEC, like one leaked by a careless parent.
-        let leaked = unsafe { libc::fcntl(2, libc::F_DUPFD, 10) };
-        assert!(leaked > 3);
+        // A descriptor without CLOEXEC, like one leaked by a careless parent.
+        let leaked = rustix::io::fcntl_dupfd_cloexec(std::io::stderr(), 10).unwrap();
+        rustix::io::fcntl_setfd(&leaked, rustix::io::FdFlags::empty()).unwrap();
+        let number = leaked.as_raw_fd();
+        assert!(number > 3);
         let o = sh(
-            &format!("[ -e /proc/self/fd/{leaked} ] && echo leaked || echo clean"),
+            &format!("[ -e /proc/self/fd/{number} ] && echo leaked || echo clean"),
             5000,
         );
-        unsafe { libc::close(leaked) };
+        drop(leaked);
         assert_eq!(o.stdout.finish(), "clean\n");
     }
 
     /// True while `pid` exists and is not a zombie (a killed orphan may wait for init's reaping).
-    fn alive(pid: libc::pid_t) -> bool {
+    fn alive(pid: i32) -> bool {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
             .and_then(|stat| {
@@ -568,7 +509,7 @@ mod tests {
             .unwrap_or(false)
     }
 
-    fn gone_within(pid: libc::pid_t, within: Duration) -> bool {
+    fn gone_within(pid: i32, within: Duration) -> bool {
         let end = Instant::now() + within;
         while Instant::now() < end {
             if !alive(pid) {
@@ -580,7 +521,7 @@ mod tests {
     }
 
     /// The pid a script wrote as `pid: N` on the POPCORN pipe.
-    fn reported_pid(o: &Outcome) -> libc::pid_t {
+    fn reported_pid(o: &Outcome) -> i32 {
         let text = String::from_utf8_lossy(&o.popcorn);
         text.lines()
             .find_map(|l| l.strip_prefix("pid: "))
@@ -602,8 +543,9 @@ mod tests {
         );
         let daemon = reported_pid(&o);
         let survived = alive(daemon);
-        // SAFETY: killing the daemon this test started.
-        unsafe { libc::kill(daemon, libc::SIGKILL) };
+        if let Some(daemon) = Pid::from_raw(daemon) {
+            let _ = rustix::process::kill_process(daemon, Signal::KILL);
+        }
         assert_eq!(o.stdout.finish(), "done\n");
         assert!(survived, "the daemon should have escaped the group");
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
@@ -661,6 +603,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             popcorn: true,
             reap_orphans: false,
+            proc_root: PathBuf::from("/proc"),
         })
         .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);

@@ -7,7 +7,9 @@ use crate::sysinfo::find_on_path;
 /// A profiler found on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Profiler {
+    /// Nsight Compute (`ncu`), for CUDA.
     Ncu(PathBuf),
+    /// `rocprofv3`, for ROCm.
     Rocprof(PathBuf),
 }
 

@@ -6,7 +6,7 @@
 //! platform string as Python's `platform.platform()` writes it; and the torch version from
 //! torch's own `version.py` next to the interpreter (or, on request, by importing it).
 
-use std::ffi::{CStr, OsString};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -27,9 +27,13 @@ pub enum TorchProbe {
 /// Where and how to look. Roots are injectable so the logic is testable.
 #[derive(Debug, Clone)]
 pub struct Probe {
+    /// `/proc/cpuinfo`, where the CPU model is read.
     pub cpuinfo: PathBuf,
+    /// Ask NVML first (off in tests that fake `nvidia-smi`).
     pub use_nvml: bool,
+    /// The interpreter whose torch is reported.
     pub python: String,
+    /// How to find the torch version.
     pub torch: TorchProbe,
     /// Limit for each external tool (`nvidia-smi`, `rocm-smi`, the torch import).
     pub tool_timeout: Duration,
@@ -50,8 +54,11 @@ impl Default for Probe {
 /// GPUs seen on this machine.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Gpus {
+    /// The first visible GPU's name.
     pub name: String,
+    /// How many GPUs a program sees (after `CUDA_VISIBLE_DEVICES`).
     pub count: u32,
+    /// `CUDA` or `ROCm`.
     pub runtime: String,
 }
 
@@ -71,9 +78,10 @@ pub fn collect(probe: &Probe) -> SystemInfo {
     }
 }
 
+/// The GPUs, from NVML, else `nvidia-smi`, else `rocm-smi`; none found is no GPU.
 pub fn detect_gpus(probe: &Probe) -> Gpus {
     if probe.use_nvml {
-        if let Some(g) = nvml::gpus() {
+        if let Some(g) = nvml_gpus() {
             return g;
         }
     }
@@ -111,6 +119,7 @@ fn tool_output(program: &str, args: &[&str], timeout: Duration) -> Option<String
         timeout,
         popcorn: false,
         reap_orphans: false,
+        proc_root: PathBuf::from("/proc"),
     };
     let out = process::run(&spec).ok()?;
     if out.exit_code != 0 || out.timed_out {
@@ -195,19 +204,13 @@ pub fn cpu_model(cpuinfo: &str) -> String {
 
 /// Python's `platform.platform()` on Linux: `Linux-<release>-<machine>-with-glibc<ver>`.
 pub fn platform_string() -> String {
-    // SAFETY: uname fills the zeroed struct we pass.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return String::new();
-    }
-    let field = |f: &[libc::c_char]| {
-        // SAFETY: uname NUL-terminates each field within its array.
-        unsafe { CStr::from_ptr(f.as_ptr()) }
-            .to_string_lossy()
-            .into_owned()
-    };
-    let (system, release, machine) = (field(&u.sysname), field(&u.release), field(&u.machine));
-    format_platform(&system, &release, &machine, &glibc_version())
+    let u = rustix::system::uname();
+    let field = |f: &std::ffi::CStr| f.to_string_lossy().into_owned();
+    let (system, release, machine) = (field(u.sysname()), field(u.release()), field(u.machine()));
+    let libc = kernelkite_sys::raw::glibc_version()
+        .map(|v| format!("glibc{v}"))
+        .unwrap_or_default();
+    format_platform(&system, &release, &machine, &libc)
 }
 
 /// Joins like Python's `platform._platform`: non-empty parts with `-`, odd characters
@@ -234,28 +237,16 @@ pub fn format_platform(system: &str, release: &str, machine: &str, libc: &str) -
     s.trim_end_matches('-').to_string()
 }
 
-#[cfg(target_env = "gnu")]
-fn glibc_version() -> String {
-    // SAFETY: returns a pointer to a static NUL-terminated string.
-    let v = unsafe { CStr::from_ptr(libc::gnu_get_libc_version()) };
-    format!("glibc{}", v.to_string_lossy())
-}
-
-#[cfg(not(target_env = "gnu"))]
-fn glibc_version() -> String {
-    String::new()
-}
-
+/// The host name, as `gethostname(2)` (and Python's `socket.gethostname()`) gives it: on
+/// Linux the `nodename` of `uname(2)`.
 pub fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return String::new();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
+/// The torch version as the probe says to find it; empty when unknown.
 pub fn torch_version(probe: &Probe) -> String {
     match probe.torch {
         TorchProbe::Off => String::new(),
@@ -327,6 +318,7 @@ fn site_dirs(lib: &Path, version_dir: Option<&str>) -> Vec<PathBuf> {
         .collect()
 }
 
+/// `__version__ = '...'` from a torch `version.py`.
 pub fn read_torch_version(path: &Path) -> Option<String> {
     let text = std::fs::read_to_string(path).ok()?;
     text.lines().find_map(|l| {
@@ -343,16 +335,11 @@ pub fn read_torch_version(path: &Path) -> Option<String> {
 
 /// `which`: the first executable `name` on `PATH` (or `name` itself when it has a slash).
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
-    if name.contains('/') {
-        let p = PathBuf::from(name);
-        return is_executable(&p).then_some(p);
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| is_executable(p))
+    which::which(name).ok()
 }
 
+/// Whether `p` is a file someone may execute. For paths taken as given (`--nvcc`, the CUDA
+/// install fallbacks), which `which` would look up on `PATH` when they have no slash.
 pub fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(p)
@@ -362,87 +349,26 @@ pub fn is_executable(p: &Path) -> bool {
 
 /// Whether NVML (`libnvidia-ml.so.1`) loads on this machine; when it does, it is the GPU source.
 pub fn nvml_available() -> bool {
-    nvml::loadable()
+    kernelkite_sys::nvml::Nvml::load().is_ok()
 }
 
-/// NVML through `dlopen`, so the runner has no link-time dependency on the driver.
-mod nvml {
-    use super::{visible_count, Gpus};
-    use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-
-    type Init = unsafe extern "C" fn() -> c_int;
-    type Count = unsafe extern "C" fn(*mut c_uint) -> c_int;
-    type Handle = unsafe extern "C" fn(c_uint, *mut *mut c_void) -> c_int;
-    type Name = unsafe extern "C" fn(*mut c_void, *mut c_char, c_uint) -> c_int;
-
-    unsafe fn sym<T: Copy>(lib: *mut c_void, name: &CStr) -> Option<T> {
-        let p = libc::dlsym(lib, name.as_ptr());
-        // SAFETY (caller): T is the function pointer type of this NVML entry point.
-        (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, T>(&p))
-    }
-
-    /// Whether the NVML library can be loaded at all.
-    pub fn loadable() -> bool {
-        // SAFETY: dlopen with a NUL-terminated name; the handle is kept (NVML stays loaded).
-        unsafe {
-            !libc::dlopen(
-                c"libnvidia-ml.so.1".as_ptr(),
-                libc::RTLD_NOW | libc::RTLD_LOCAL,
-            )
-            .is_null()
-        }
-    }
-
-    pub fn gpus() -> Option<Gpus> {
-        // SAFETY: dlopen/dlsym with NUL-terminated names; the symbols are called with the
-        // signatures NVML documents; the library stays loaded for the process's life.
-        unsafe {
-            let lib = libc::dlopen(
-                c"libnvidia-ml.so.1".as_ptr(),
-                libc::RTLD_NOW | libc::RTLD_LOCAL,
-            );
-            if lib.is_null() {
-                return None;
-            }
-            let init: Init = sym(lib, c"nvmlInit_v2")?;
-            let count: Count = sym(lib, c"nvmlDeviceGetCount_v2")?;
-            let handle: Handle = sym(lib, c"nvmlDeviceGetHandleByIndex_v2")?;
-            let name: Name = sym(lib, c"nvmlDeviceGetName")?;
-            let shutdown: Option<Init> = sym(lib, c"nvmlShutdown");
-            if init() != 0 {
-                return None;
-            }
-            let mut n: c_uint = 0;
-            let mut result = None;
-            if count(&mut n) == 0 && n > 0 {
-                let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-                let first = visible
-                    .as_deref()
-                    .and_then(|v| v.split(',').next())
-                    .and_then(|s| s.trim().parse::<c_uint>().ok())
-                    .filter(|i| *i < n)
-                    .unwrap_or(0);
-                let mut h: *mut c_void = std::ptr::null_mut();
-                let mut buf = [0 as c_char; 96];
-                let gpu = if handle(first, &mut h) == 0
-                    && name(h, buf.as_mut_ptr(), buf.len() as c_uint) == 0
-                {
-                    CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
-                } else {
-                    String::new()
-                };
-                result = Some(Gpus {
-                    name: gpu,
-                    count: visible_count(n, visible.as_deref()),
-                    runtime: "CUDA".into(),
-                });
-            }
-            if let Some(s) = shutdown {
-                s();
-            }
-            result
-        }
-    }
+/// The GPUs NVML sees, honouring `CUDA_VISIBLE_DEVICES` as torch would: the name is the
+/// first visible GPU's. `None` when NVML is absent or sees no GPU.
+fn nvml_gpus() -> Option<Gpus> {
+    let nvml = kernelkite_sys::nvml::Nvml::load().ok()?;
+    let n = nvml.device_count().ok().filter(|n| *n > 0)?;
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let first = visible
+        .as_deref()
+        .and_then(|v| v.split(',').next())
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .filter(|i| *i < n)
+        .unwrap_or(0);
+    Some(Gpus {
+        name: nvml.device_name(first).unwrap_or_default(),
+        count: visible_count(n, visible.as_deref()),
+        runtime: "CUDA".into(),
+    })
 }
 
 #[cfg(test)]

@@ -74,6 +74,7 @@ pub struct Capture {
 }
 
 impl Capture {
+    /// An empty capture keeping at most `max_chars` characters.
     pub fn new(max_chars: usize) -> Capture {
         Capture {
             max_chars,

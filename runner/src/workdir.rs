@@ -7,11 +7,14 @@
 //! created with `mkdirat`, and the file itself is created with `O_CREAT | O_EXCL`, which
 //! refuses any existing entry, a link included.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path};
+
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
 
 /// Why a file could not be written.
 #[derive(Debug, thiserror::Error)]
@@ -19,29 +22,32 @@ pub enum WriteError {
     /// The name collides with something already there, or walks through a symlink: the
     /// config's fault (duplicate names, `a` and `a/b`) or a planted link.
     #[error("cannot write {name:?}: {reason}")]
-    Refused { name: String, reason: String },
+    Refused {
+        /// The name as the config gave it.
+        name: String,
+        /// What is in the way, in words.
+        reason: String,
+    },
     /// The file system failed (full disk, permissions): the node's fault.
     #[error("cannot write {name:?} into the work directory: {source}")]
-    Io { name: String, source: io::Error },
+    Io {
+        /// The name as the config gave it.
+        name: String,
+        /// What the file system said.
+        source: io::Error,
+    },
 }
 
-fn open_dir_at(parent: RawFd, name: &CString) -> io::Result<OwnedFd> {
-    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    // SAFETY: openat with a valid NUL-terminated name; the result is a new descriptor.
-    let fd = unsafe { libc::openat(parent, name.as_ptr(), flags) };
-    if fd < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        // SAFETY: a fresh descriptor we own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    }
+fn open_dir_at(parent: impl AsFd, name: &CStr) -> io::Result<OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    Ok(rustix::fs::openat(parent, name, flags, Mode::empty())?)
 }
 
 fn open_root(root: &Path) -> io::Result<OwnedFd> {
     let c = CString::new(root.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
     // The root itself is the operator's choice and may be reached through links.
-    open_dir_at(libc::AT_FDCWD, &c)
+    open_dir_at(rustix::fs::CWD, &c)
 }
 
 /// Splits a (validated) relative name into C strings, one per component.
@@ -68,10 +74,10 @@ fn components(name: &str) -> Result<Vec<CString>, WriteError> {
 }
 
 fn classify(name: &str, e: io::Error, what: &str) -> WriteError {
-    let reason = match e.raw_os_error() {
-        Some(libc::ELOOP) => format!("{what} is a symbolic link, which the runner does not follow"),
-        Some(libc::ENOTDIR) => format!("{what} is not a directory (a symbolic link or a file of the same name)"),
-        Some(libc::EEXIST) => format!("{what} already exists (a duplicate name in the config, or a file left in the work directory)"),
+    let reason = match Errno::from_io_error(&e) {
+        Some(Errno::LOOP) => format!("{what} is a symbolic link, which the runner does not follow"),
+        Some(Errno::NOTDIR) => format!("{what} is not a directory (a symbolic link or a file of the same name)"),
+        Some(Errno::EXIST) => format!("{what} already exists (a duplicate name in the config, or a file left in the work directory)"),
         _ => return WriteError::Io { name: name.to_string(), source: e },
     };
     WriteError::Refused {
@@ -99,16 +105,12 @@ fn walk_parents(root: &Path, name: &str, create: bool) -> Result<(OwnedFd, CStri
             .collect::<Vec<_>>()
             .join("/");
         if create {
-            // SAFETY: mkdirat with a valid descriptor and NUL-terminated name.
-            let rc = unsafe { libc::mkdirat(dir.as_raw_fd(), part.as_ptr(), 0o755) };
-            if rc < 0 {
-                let e = io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EEXIST) {
-                    return Err(classify(name, e, &format!("directory {shown:?}")));
-                }
+            match rustix::fs::mkdirat(&dir, part.as_c_str(), Mode::from_raw_mode(0o755)) {
+                Ok(()) | Err(Errno::EXIST) => {}
+                Err(e) => return Err(classify(name, e.into(), &format!("directory {shown:?}"))),
             }
         }
-        dir = open_dir_at(dir.as_raw_fd(), part)
+        dir = open_dir_at(&dir, part)
             .map_err(|e| classify(name, e, &format!("path component {shown:?}")))?;
     }
     Ok((dir, leaf))
@@ -117,14 +119,10 @@ fn walk_parents(root: &Path, name: &str, create: bool) -> Result<(OwnedFd, CStri
 /// Writes `content` to `root/name`, refusing links anywhere below `root` and existing files.
 pub fn write_file(root: &Path, name: &str, content: &[u8]) -> Result<(), WriteError> {
     let (dir, leaf) = walk_parents(root, name, true)?;
-    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    // SAFETY: openat with a valid descriptor and NUL-terminated name; mode is an integer.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), leaf.as_ptr(), flags, 0o644 as libc::c_uint) };
-    if fd < 0 {
-        return Err(classify(name, io::Error::last_os_error(), "the file"));
-    }
-    // SAFETY: a fresh descriptor we own.
-    let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let fd = rustix::fs::openat(&dir, leaf.as_c_str(), flags, Mode::from_raw_mode(0o644))
+        .map_err(|e| classify(name, e.into(), "the file"))?;
+    let mut file = std::fs::File::from(fd);
     file.write_all(content).map_err(|e| WriteError::Io {
         name: name.to_string(),
         source: e,
@@ -137,23 +135,18 @@ pub fn remove_file(root: &Path, name: &str) -> Result<(), WriteError> {
     let (dir, leaf) = match walk_parents(root, name, false) {
         Ok(v) => v,
         Err(WriteError::Refused { .. }) => return Ok(()),
-        Err(WriteError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+        Err(WriteError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
             return Ok(())
         }
         Err(e) => return Err(e),
     };
-    // SAFETY: unlinkat with a valid descriptor and NUL-terminated name.
-    let rc = unsafe { libc::unlinkat(dir.as_raw_fd(), leaf.as_ptr(), 0) };
-    if rc < 0 {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::ENOENT) {
-            return Err(WriteError::Io {
-                name: name.to_string(),
-                source: e,
-            });
-        }
+    match rustix::fs::unlinkat(&dir, leaf.as_c_str(), rustix::fs::AtFlags::empty()) {
+        Ok(()) | Err(Errno::NOENT) => Ok(()),
+        Err(e) => Err(WriteError::Io {
+            name: name.to_string(),
+            source: e.into(),
+        }),
     }
-    Ok(())
 }
 
 #[cfg(test)]

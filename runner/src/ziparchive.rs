@@ -1,83 +1,30 @@
-//! A minimal zip writer (deflate entries, no zip64) for profiler traces, which kernelbot
-//! ships as `base64(zip(profile_data/))` in `ProfileResult.trace`.
+//! Zips profiler traces, which kernelbot ships as `base64(zip(profile_data/))` in
+//! `ProfileResult.trace`, through the `zip` crate: deflate, UTF-8 names, zip64 for members
+//! over 4 GiB, and a fixed timestamp so the same files give the same archive.
 
-use std::io::{self, Write};
+use std::io::{self, Cursor, Write};
 use std::path::Path;
 
-use flate2::write::DeflateEncoder;
-use flate2::{Compression, Crc};
-
-struct Entry {
-    name: Vec<u8>,
-    crc: u32,
-    compressed: u32,
-    size: u32,
-    offset: u32,
-}
-
-fn too_big() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::InvalidData,
-        "profile data exceeds 4 GiB; zip64 is not supported",
-    )
-}
+use zip::write::SimpleFileOptions;
+use zip::{CompressionMethod, DateTime, ZipWriter};
 
 /// Zips the files below `dir` (paths relative to it, sorted) into memory.
 pub fn zip_dir(dir: &Path) -> io::Result<Vec<u8>> {
     let mut files = Vec::new();
     collect(dir, dir, &mut files)?;
     files.sort();
-    let mut out: Vec<u8> = Vec::new();
-    let mut entries = Vec::new();
+    let mut zip = ZipWriter::new(Cursor::new(Vec::new()));
     for rel in files {
         let data = std::fs::read(dir.join(&rel))?;
-        let mut crc = Crc::new();
-        crc.update(&data);
-        let mut enc = DeflateEncoder::new(Vec::new(), Compression::default());
-        enc.write_all(&data)?;
-        let packed = enc.finish()?;
-        let name = rel.into_bytes();
-        let e = Entry {
-            crc: crc.sum(),
-            compressed: u32::try_from(packed.len()).map_err(|_| too_big())?,
-            size: u32::try_from(data.len()).map_err(|_| too_big())?,
-            offset: u32::try_from(out.len()).map_err(|_| too_big())?,
-            name,
-        };
-        out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
-        out.extend_from_slice(&[20, 0, 0, 0, 8, 0, 0, 0, 0x21, 0]); // version, flags, deflate, time, date (1980-01-01)
-        out.extend_from_slice(&e.crc.to_le_bytes());
-        out.extend_from_slice(&e.compressed.to_le_bytes());
-        out.extend_from_slice(&e.size.to_le_bytes());
-        out.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&0u16.to_le_bytes());
-        out.extend_from_slice(&e.name);
-        out.extend_from_slice(&packed);
-        entries.push(e);
+        let options = SimpleFileOptions::default()
+            .compression_method(CompressionMethod::Deflated)
+            .last_modified_time(DateTime::DEFAULT)
+            .unix_permissions(0o644)
+            .large_file(data.len() as u64 >= u64::from(u32::MAX));
+        zip.start_file(rel, options).map_err(io::Error::other)?;
+        zip.write_all(&data)?;
     }
-    let cd_start = u32::try_from(out.len()).map_err(|_| too_big())?;
-    for e in &entries {
-        out.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
-        out.extend_from_slice(&[20, 3, 20, 0, 0, 0, 8, 0, 0, 0, 0x21, 0]); // made by unix, needed, flags, method, time, date
-        out.extend_from_slice(&e.crc.to_le_bytes());
-        out.extend_from_slice(&e.compressed.to_le_bytes());
-        out.extend_from_slice(&e.size.to_le_bytes());
-        out.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]); // extra, comment, disk, internal attrs
-        out.extend_from_slice(&((0o100644u32) << 16).to_le_bytes());
-        out.extend_from_slice(&e.offset.to_le_bytes());
-        out.extend_from_slice(&e.name);
-    }
-    let cd_size = u32::try_from(out.len()).map_err(|_| too_big())? - cd_start;
-    let n = u16::try_from(entries.len()).map_err(|_| too_big())?;
-    out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
-    out.extend_from_slice(&[0, 0, 0, 0]);
-    out.extend_from_slice(&n.to_le_bytes());
-    out.extend_from_slice(&n.to_le_bytes());
-    out.extend_from_slice(&cd_size.to_le_bytes());
-    out.extend_from_slice(&cd_start.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
-    Ok(out)
+    Ok(zip.finish().map_err(io::Error::other)?.into_inner())
 }
 
 fn collect(root: &Path, dir: &Path, out: &mut Vec<String>) -> io::Result<()> {
@@ -128,5 +75,25 @@ mod tests {
             String::from_utf8_lossy(&out.stdout).trim(),
             "[('a.txt', 600), ('sub/b.bin', 4)]"
         );
+    }
+
+    #[test]
+    fn names_are_utf8_and_members_are_deflated() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("trace-é.json"), "{}".repeat(1000)).unwrap();
+        let zip = zip_dir(d.path()).unwrap();
+        let mut archive = zip::ZipArchive::new(Cursor::new(&zip)).unwrap();
+        let member = archive.by_index(0).unwrap();
+        assert_eq!(member.name().unwrap(), "trace-é.json");
+        assert_eq!(member.compression(), CompressionMethod::Deflated);
+        assert!(
+            member.compressed_size() < 100,
+            "{}",
+            member.compressed_size()
+        );
+        // The same files give the same bytes (no clock in the archive).
+        drop(member);
+        assert_eq!(zip_dir(d.path()).unwrap(), zip);
+        assert!(zip_dir(&d.path().join("absent")).is_err());
     }
 }

@@ -651,8 +651,11 @@ fn sigterm_kills_the_harness_and_still_writes_the_result() {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
     let status = child.wait().unwrap();
     assert!(t.elapsed() < std::time::Duration::from_secs(10));
     assert_eq!(status.code(), Some(3));
@@ -875,12 +878,7 @@ fn a_seed_quoted_in_a_config_error_is_redacted_from_the_log() {
 fn print_payload_into_a_closed_pipe_exits_quietly() {
     // `kernelkite-runner --example --print-payload | head -c 10`: the reader may be gone
     // before the payload is written. Closing the read end first makes that certain.
-    use std::os::fd::{FromRawFd, OwnedFd};
-    let mut fds = [0; 2];
-    // SAFETY: pipe() fills in two new descriptors, owned below.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    // SAFETY: both descriptors are fresh and owned by nothing else.
-    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (read, write) = std::io::pipe().unwrap();
     drop(read);
     let out = Command::new(BIN)
         .args(["--example", "--print-payload"])

@@ -27,8 +27,8 @@ use serde_json::{json, Value};
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
-// SAFETY: every call is forwarded unchanged to the system allocator, which upholds
-// GlobalAlloc's contract; the counter only reads the layouts.
+// SAFETY: every method forwards to the system allocator with the caller's arguments unchanged
+// and only adds atomic bookkeeping, so System's guarantees carry over.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         let p = System.alloc(l);

@@ -20,8 +20,10 @@ pub const TIMEOUT_RANGE_S: std::ops::RangeInclusive<u64> = 1..=3600;
 /// Submission language.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Lang {
+    /// Python (`py`): `main` is run with the interpreter.
     #[serde(rename = "py")]
     Python,
+    /// CUDA (`cu`): the sources are compiled with nvcc.
     #[serde(rename = "cu")]
     Cuda,
 }
@@ -31,14 +33,20 @@ pub enum Lang {
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// Run the tests.
     Test,
+    /// Run the benchmarks.
     Benchmark,
+    /// Tests, benchmarks, then the ranked run, stopping at the first that does not pass.
     Leaderboard,
+    /// As `leaderboard`, for a private submission.
     Private,
+    /// Each benchmark line under a profiler.
     Profile,
 }
 
 impl Mode {
+    /// The mode as kernelbot spells it.
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Test => "test",
@@ -56,14 +64,19 @@ impl Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RankingBy {
+    /// Only the last benchmark line counts.
     Last,
+    /// The arithmetic mean of all benchmarks.
     Mean,
+    /// The geometric mean of all benchmarks.
     Geom,
 }
 
 impl RankingBy {
+    /// Every criterion, in kernelbot's order.
     pub const ALL: [RankingBy; 3] = [RankingBy::Last, RankingBy::Mean, RankingBy::Geom];
 
+    /// The criterion as kernelbot spells it.
     pub fn as_str(self) -> &'static str {
         match self {
             RankingBy::Last => "last",
@@ -76,7 +89,9 @@ impl RankingBy {
 /// The run config as kernelbot sends it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
+    /// The submission's language.
     pub lang: Lang,
+    /// What to run.
     pub mode: Mode,
     /// File name → contents, in the order given (the nvcc command lists them in this order).
     pub sources: IndexMap<String, String>,
@@ -92,27 +107,37 @@ pub struct RunConfig {
     /// CUDA: preprocessor defines; a `null` value gives `-DNAME`.
     #[serde(default, skip_serializing_if = "IndexMap::is_empty")]
     pub defines: IndexMap<String, Value>,
+    /// CUDA: `-I` directories (must exist on the node).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_dirs: Vec<String>,
+    /// CUDA: `-l` libraries.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub libraries: Vec<String>,
     /// Extra nvcc flags (each must start with `-`); kernelbot's defaults when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flags: Option<Vec<String>>,
+    /// Test cases, one `k: v; k: v` line each.
     #[serde(default)]
     pub tests: Vec<IndexMap<String, Value>>,
+    /// Benchmark cases, one `k: v; k: v` line each.
     #[serde(default)]
     pub benchmarks: Vec<IndexMap<String, Value>>,
+    /// Seed passed to the harness; never logged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<i64>,
+    /// How the leaderboard score is made from the benchmarks.
     #[serde(default = "default_ranking")]
     pub ranking_by: RankingBy,
+    /// Seconds the test run may take.
     #[serde(default = "default_timeout")]
     pub test_timeout: u64,
+    /// Seconds the benchmark run may take.
     #[serde(default = "default_timeout")]
     pub benchmark_timeout: u64,
+    /// Seconds the ranked (leaderboard) run may take.
     #[serde(default = "default_timeout")]
     pub ranked_timeout: u64,
+    /// Whether the task uses every GPU of the machine.
     #[serde(default)]
     pub multi_gpu: bool,
     /// Keys kernelbot does not read; kept so the config round-trips.
@@ -131,7 +156,9 @@ fn default_timeout() -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Arch {
+    /// A number (`90`).
     Number(u32),
+    /// A string (`"90a"`).
     Text(String),
 }
 
@@ -147,53 +174,80 @@ impl std::fmt::Display for Arch {
 /// Why a config is refused. Each names the field and what is allowed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
+    /// The JSON does not have the run config's shape; says where.
     #[error("config is not a valid kernelbot run config: {0}")]
     Shape(String),
+    /// No source files.
     #[error("`sources` is empty; a submission needs at least one file")]
     NoSources,
+    /// A Python submission without `main`.
     #[error("`main` is required when lang is \"py\"; name the file to run (one of `sources`)")]
     MissingMain,
+    /// `main` (first) is not one of `sources` (second, listed).
     #[error("`main` is {0:?}, which is not among `sources` ({1}); kernelbot requires `main` to be one of the keys of `sources`, spelled the same")]
     MainNotInSources(String, String),
+    /// Two fields name the same file in the work directory.
     #[error("{first:?} (in `{first_field}`) and {second:?} (in `{second_field}`) name the same file {path:?}; give each file once")]
     DuplicateFile {
+        /// The field of the first name.
         first_field: &'static str,
+        /// The first name.
         first: String,
+        /// The field of the second name.
         second_field: &'static str,
+        /// The second name.
         second: String,
+        /// The path both resolve to.
         path: String,
     },
+    /// A file name that is not a plain relative path inside the work directory.
     #[error("file name {name:?} in `{field}` is not allowed: {reason}; use a plain relative path inside the work directory")]
     BadFileName {
+        /// The field it is in.
         field: &'static str,
+        /// The name.
         name: String,
+        /// What is wrong with it.
         reason: &'static str,
     },
+    /// A define name that is not a C identifier.
     #[error(
         "define name {0:?} is not a C identifier (letters, digits, '_', not starting with a digit)"
     )]
     BadDefineName(String),
+    /// A define value of an unsupported JSON type.
     #[error("define {0:?} has a value that is not a string, number, boolean or null")]
     BadDefineValue(String),
+    /// A compiler flag that does not start with `-`.
     #[error("compiler flag {0:?} must start with '-'")]
     BadFlag(String),
+    /// A timeout outside [`TIMEOUT_RANGE_S`].
     #[error("`{field}` is {value} s, outside the allowed range {min}..={max} s")]
     TimeoutOutOfRange {
+        /// Which timeout.
         field: &'static str,
+        /// Its value, seconds.
         value: u64,
+        /// The least allowed.
         min: u64,
+        /// The most allowed.
         max: u64,
     },
+    /// An `arch` that is not a CUDA architecture.
     #[error("`arch` {0:?} is not a CUDA architecture like 90 or \"90a\"")]
     BadArch(String),
+    /// A `ranking_by` kernelbot does not know.
     #[error("`ranking_by` is {0}, which is not one of kernelbot's ranking criteria: \"last\", \"mean\" or \"geom\"")]
     BadRanking(String),
+    /// A test or benchmark case containing a line break (names `tests` or `benchmarks`).
     #[error(
         "`{0}` must not contain a newline or other line break (\\r, \\v, \\f, U+2028, ...) in key or value (each case is one line `k: v; k: v`)"
     )]
     BadCase(&'static str),
+    /// A run that takes the last benchmark line while there are none (names the mode).
     #[error("the {0:?} run takes the last benchmark line (`ranking_by` is \"last\"), but `benchmarks` is empty; kernelbot fails here too (the last of no lines); add a benchmark or rank by \"mean\" or \"geom\"")]
     LastOfNoBenchmarks(&'static str),
+    /// A profile run whose benchmark line is empty (its index).
     #[error("profile run {0} gets benchmark line {0}, which is empty (a case with no keys), and `ranking_by` \"last\" takes the last line of it; kernelbot fails here too (the last of no lines); give the case a key or rank by \"mean\" or \"geom\"")]
     LastOfEmptyProfileLine(usize),
 }

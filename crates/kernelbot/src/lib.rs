@@ -7,6 +7,8 @@
 //! - [`result`]: `FullResult`, the `result.json` kernelbot rebuilds with `Dataclass(**dict)`;
 //! - [`pyrepr`]: Python's `str()`/`repr()` and `str.strip()`, which those formats follow.
 
+#![deny(missing_docs)]
+
 pub mod config;
 pub mod payload;
 pub mod pyrepr;

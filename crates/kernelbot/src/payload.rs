@@ -42,20 +42,27 @@ pub const MAX_DECODED_BYTES: u64 = 256 * 1024 * 1024;
 /// What can be wrong with a payload. Each message says what to check.
 #[derive(Debug, thiserror::Error)]
 pub enum PayloadError {
+    /// Not base64.
     #[error(
         "payload is not valid base64 ({0}); it must be base64(zlib(JSON)) as kernelbot writes it"
     )]
     Base64(#[from] base64::DecodeError),
+    /// Not zlib data.
     #[error("payload is base64 but not zlib data ({0}); it must be base64(zlib(JSON))")]
     Zlib(std::io::Error),
+    /// Decompresses past [`MAX_DECODED_BYTES`].
     #[error("payload decompresses to more than {MAX_DECODED_BYTES} bytes; refusing it")]
     TooLarge,
+    /// Not JSON.
     #[error("payload is not valid JSON ({0}); it must be base64(zlib(JSON))")]
     Json(#[from] serde_json::Error),
+    /// An empty payload.
     #[error("payload is empty; set {ENV_PAYLOAD} (or the chunked carrier) or pass --payload-file")]
     Empty,
+    /// No carrier set.
     #[error("no payload found: set {ENV_PAYLOAD}, or {ENV_CHUNKS} with {ENV_PAYLOAD}_0.., or pass --payload-file")]
     Missing,
+    /// The chunked carrier is inconsistent; says how.
     #[error("chunked payload is broken: {0}")]
     Chunks(String),
 }

@@ -16,46 +16,69 @@ pub struct FullResult {
     pub success: bool,
     /// Why not, when `success` is false; empty otherwise (kernelbot writes `""`).
     pub error: String,
+    /// What the job ran on.
     pub system: SystemInfo,
     /// `test`, `benchmark`, `leaderboard`, `profile`, in the order they ran.
     pub runs: IndexMap<String, EvalResult>,
 }
 
+/// What the job ran on, as kernelbot's `SystemInfo`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SystemInfo {
+    /// The first visible GPU's name.
     pub gpu: String,
+    /// How many GPUs the job sees.
     pub device_count: u32,
+    /// The CPU model.
     pub cpu: String,
     /// `CUDA`, `ROCm` or empty.
     pub runtime: String,
+    /// Python's `platform.platform()`.
     pub platform: String,
+    /// torch's version, empty when unknown.
     pub torch: String,
+    /// The machine's host name.
     pub hostname: String,
 }
 
+/// One run (`test`, `benchmark`, ...) of the evaluation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EvalResult {
+    /// When it started.
     pub start: Timestamp,
+    /// When it ended.
     pub end: Timestamp,
+    /// The CUDA compile; `None` for Python.
     pub compilation: Option<CompileResult>,
+    /// The harness run; `None` when it did not start.
     pub run: Option<RunResult>,
+    /// The profiler's output in profile mode.
     pub profile: Option<ProfileResult>,
 }
 
+/// nvcc's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompileResult {
+    /// Whether nvcc was found.
     pub nvcc_found: bool,
+    /// `nvcc --version`'s output.
     pub nvcc_version: String,
+    /// Whether it compiled.
     pub success: bool,
+    /// The command, as one string.
     pub command: String,
+    /// nvcc's stdout.
     pub stdout: String,
+    /// nvcc's stderr.
     pub stderr: String,
+    /// nvcc's exit code.
     pub exit_code: i32,
 }
 
+/// The harness's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunResult {
@@ -63,9 +86,13 @@ pub struct RunResult {
     pub success: bool,
     /// The harness wrote `check: pass`.
     pub passed: bool,
+    /// The command, as one string.
     pub command: String,
+    /// The harness's stdout (bounded).
     pub stdout: String,
+    /// The harness's stderr (bounded).
     pub stderr: String,
+    /// The exit code, or minus the signal that killed it.
     pub exit_code: i32,
     /// Wall time of the run, seconds.
     pub duration: f64,
@@ -73,21 +100,31 @@ pub struct RunResult {
     pub result: IndexMap<String, String>,
 }
 
+/// The profiler's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileResult {
+    /// Which profiler ran (`ncu`, `rocprofv3`).
     pub profiler: String,
+    /// base64 of a zip of the profile data.
     pub trace: Option<String>,
+    /// Where the trace was uploaded, when it was.
     pub download_url: Option<String>,
 }
 
 /// kernelbot's exit codes for the harness process.
 pub mod exit_code {
+    /// The harness finished.
     pub const SUCCESS: i32 = 0;
+    /// A CUDA error in the harness.
     pub const CUDA_FAIL: i32 = 110;
+    /// The POPCORN pipe could not be used.
     pub const PIPE_FAILED: i32 = 111;
+    /// A test failed its check (the run still succeeded).
     pub const VALIDATE_FAIL: i32 = 112;
+    /// The test specification was wrong.
     pub const TEST_SPEC: i32 = 113;
+    /// The run was killed at its timeout.
     pub const TIMEOUT_EXPIRED: i32 = 114;
 }
 
@@ -97,6 +134,7 @@ pub mod exit_code {
 pub struct Timestamp(pub DateTime<Utc>);
 
 impl Timestamp {
+    /// The current time.
     pub fn now() -> Timestamp {
         Timestamp(Utc::now())
     }

@@ -36,7 +36,9 @@ pub fn format_cpu_list(cpus: &[u32]) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid CPU list {input:?}: {reason} (expected a list like \"0-13,112-125\")")]
 pub struct CpuListError {
+    /// The list as given.
     pub input: String,
+    /// What is wrong with it.
     pub reason: String,
 }
 

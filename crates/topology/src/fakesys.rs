@@ -27,19 +27,28 @@ pub enum SmtNumbering {
 /// One logical CPU of a fake machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeCpu {
+    /// Logical CPU id.
     pub id: u32,
+    /// Physical package (socket).
     pub package: u32,
+    /// `core_id` within the package.
     pub core_id: u32,
+    /// NUMA node.
     pub node: u32,
+    /// Whether it is online.
     pub online: bool,
 }
 
 /// One PCI function of a fake machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakePci {
+    /// `dddd:bb:dd.f`.
     pub bus_id: String,
+    /// PCI vendor id.
     pub vendor: u16,
+    /// PCI device id.
     pub device: u16,
+    /// PCI class (`0x030200` for a 3D controller).
     pub class: u32,
     /// As sysfs writes it: -1 when the firmware does not say.
     pub numa_node: i32,
@@ -51,6 +60,7 @@ pub struct FakePci {
 /// named one from [`fixture`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeSys {
+    /// The logical CPUs.
     pub cpus: Vec<FakeCpu>,
     /// NUMA nodes and their memory in bytes.
     pub nodes: Vec<(u32, u64)>,
@@ -58,6 +68,7 @@ pub struct FakeSys {
     pub allowed_cpus: Option<Vec<u32>>,
     /// The process's memory nodes; `None` = every node.
     pub allowed_mems: Option<Vec<u32>>,
+    /// The PCI functions.
     pub pci: Vec<FakePci>,
 }
 

@@ -6,6 +6,8 @@
 //! the data contract with the hooks and node set-up. Nothing here changes the machine; every
 //! path read comes from an injected root.
 
+#![deny(missing_docs)]
+
 pub mod cpulist;
 pub mod fakesys;
 pub mod plan;

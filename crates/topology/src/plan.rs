@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Vendor {
+    /// NVIDIA (0x10de).
     Nvidia,
+    /// AMD (0x1002).
     Amd,
 }
 
@@ -34,6 +36,7 @@ impl std::fmt::Display for Vendor {
 /// The GPU a slice owns, as other tools need to name it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SliceGpu {
+    /// Who made it.
     pub vendor: Vendor,
     /// Canonical `dddd:bb:dd.f`, lower-case hex.
     pub pci_bus_id: String,
@@ -65,6 +68,7 @@ pub struct Slice {
 /// A whole node's plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
+    /// The slices, by index.
     pub slices: Vec<Slice>,
     /// CPUs kept for the OS and the agent (housekeeping), sorted ascending.
     pub reserved_cpus: Vec<u32>,

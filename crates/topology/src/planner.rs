@@ -60,26 +60,45 @@ impl Default for Policy {
 /// Why no plan could be made; each message says what to change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
+    /// The policy contradicts itself; says how.
     #[error("invalid policy: {0}")]
     InvalidPolicy(String),
+    /// No GPU, and no CPU-only slices asked for.
     #[error("no GPU found (NVIDIA 0x10de or AMD 0x1002 display/3D/accelerator PCI device); pass --cpu-only-slices N to plan CPU-only slices")]
     NoGpus,
+    /// Every CPU is reserved or offline; says which.
     #[error("no usable CPU: {0}")]
     NoUsableCpus(String),
+    /// Fewer free cores than slices.
     #[error("{slices} slices but only {cores} free physical cores after housekeeping: pass --allow-sharing to let slices share cores, lower --housekeeping-cores, or raise --gpus-per-slice")]
-    TooFewCores { slices: usize, cores: usize },
+    TooFewCores {
+        /// Slices wanted.
+        slices: usize,
+        /// Free physical cores.
+        cores: usize,
+    },
+    /// A fixed core count per slice does not fit.
     #[error("--cores-per-slice {requested} needs {needed} cores for {slices} slices but only {available} are free after housekeeping: lower it or --housekeeping-cores")]
     FixedCoresDoNotFit {
+        /// Cores per slice asked for.
         requested: u32,
+        /// Slices wanted.
         slices: usize,
+        /// Cores needed in all.
         needed: usize,
+        /// Cores free after housekeeping.
         available: usize,
     },
+    /// A fixed memory per slice does not fit a NUMA node.
     #[error("--memory-per-slice {requested} bytes × {slices} slices on NUMA node {node} exceeds its {budget} bytes after the host reserve: lower it or --host-memory-reserve")]
     MemoryDoesNotFit {
+        /// The NUMA node.
         node: u32,
+        /// Bytes per slice asked for.
         requested: u64,
+        /// Slices on that node.
         slices: usize,
+        /// The node's bytes after the host reserve.
         budget: u64,
     },
 }
@@ -87,6 +106,7 @@ pub enum PlanError {
 /// A plan and the reasons behind it, for the human output.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Explained {
+    /// The plan.
     pub plan: Plan,
     /// One line per decision, in the order they were made.
     pub notes: Vec<String>,

@@ -18,6 +18,7 @@ pub mod sysfs;
 /// One logical CPU (a hardware thread, hwloc's "PU").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Cpu {
+    /// Logical CPU id (`cpuN`).
     pub id: u32,
     /// Physical package (socket); `None` when the CPU is offline and sysfs hides its topology.
     pub package: Option<u32>,
@@ -27,13 +28,16 @@ pub struct Cpu {
     /// siblings. Unlike `core_id` it is unique machine-wide, so grouping by it never merges two
     /// cores of different dies that share a `core_id`.
     pub core: u32,
+    /// NUMA node; `None` when the kernel does not say.
     pub numa_node: Option<u32>,
+    /// Whether it is online.
     pub online: bool,
 }
 
 /// A NUMA node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NumaNode {
+    /// Node id (`nodeN`).
     pub id: u32,
     /// Online CPUs of the node (may be empty for memory-only nodes such as HBM or CXL).
     pub cpus: Vec<u32>,
@@ -44,6 +48,7 @@ pub struct NumaNode {
 /// A GPU found on the PCI bus.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Gpu {
+    /// Who made it.
     pub vendor: Vendor,
     /// Canonical `dddd:bb:dd.f`, lower-case hex.
     pub pci_bus_id: String,
@@ -67,7 +72,9 @@ pub struct Gpu {
 pub struct PhysicalCore {
     /// Lowest CPU id among the siblings (see [`Cpu::core`]).
     pub key: u32,
+    /// Physical package (socket).
     pub package: Option<u32>,
+    /// NUMA node.
     pub numa_node: Option<u32>,
     /// Online threads of the core, ascending.
     pub cpus: Vec<u32>,
@@ -80,6 +87,7 @@ pub struct Topology {
     pub cpus: Vec<Cpu>,
     /// NUMA nodes, ascending by id. A machine without NUMA information has one node 0.
     pub numa_nodes: Vec<NumaNode>,
+    /// Memory of the whole machine in bytes.
     pub total_memory_bytes: u64,
     /// CPUs the current process may run on (its cpuset and affinity), ascending.
     pub allowed_cpus: Vec<u32>,
@@ -92,20 +100,63 @@ pub struct Topology {
 /// Why a topology could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
+    /// A file could not be read.
     #[error("cannot read {path}: {source} (is the sysfs root right? pass --sysfs-root DIR or --topology-xml FILE)")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// What the file system said.
         #[source]
         source: std::io::Error,
     },
+    /// A file's content is not what the kernel writes there.
     #[error("cannot parse {path}: {reason}")]
-    Parse { path: PathBuf, reason: String },
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A CPU list file does not parse.
+    #[error("cannot parse {path}: {source}")]
+    CpuList {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with the list.
+        #[source]
+        source: crate::cpulist::CpuListError,
+    },
+    /// An hwloc XML export is not usable.
     #[error("invalid hwloc XML: {0} (export it with `lstopo --of xml FILE`)")]
-    Xml(String),
+    Xml(#[source] XmlError),
+    /// No online CPU under the root (not a sysfs root).
     #[error(
         "no online CPU found under {0} (is it a sysfs/procfs root with sys/devices/system/cpu?)"
     )]
     NoCpus(PathBuf),
+}
+
+/// What is wrong with an hwloc XML export.
+#[derive(Debug, thiserror::Error)]
+pub enum XmlError {
+    /// Not well-formed XML.
+    #[error(transparent)]
+    Syntax(#[from] roxmltree::Error),
+    /// Well-formed, but not an hwloc topology this reader understands.
+    #[error("{0}")]
+    Content(String),
+}
+
+impl From<String> for XmlError {
+    fn from(what: String) -> XmlError {
+        XmlError::Content(what)
+    }
+}
+
+impl From<&str> for XmlError {
+    fn from(what: &str) -> XmlError {
+        XmlError::Content(what.to_string())
+    }
 }
 
 impl Topology {
@@ -122,7 +173,7 @@ impl Topology {
                 .any(|g| g.vendor == Vendor::Nvidia && g.uuid.is_none())
         {
             match nvml::Nvml::load() {
-                Ok(lib) => match lib.devices() {
+                Ok(lib) => match nvml::devices(&lib) {
                     Ok(devs) => nvml::merge(&mut topo.gpus, &devs),
                     Err(e) => tracing::warn!("NVML loaded but could not list GPUs: {e}"),
                 },

@@ -10,6 +10,7 @@ use super::{
 };
 use kernelkite_topology::cpulist::format_cpu_list;
 
+/// The cgroup v1 hierarchies a job's cgroup spans.
 #[derive(Debug, Clone)]
 pub struct V1 {
     cpuset: PathBuf,
@@ -17,10 +18,11 @@ pub struct V1 {
     pids: PathBuf,
     freezer: Option<PathBuf>,
     devices: Option<PathBuf>,
+    proc_root: PathBuf,
 }
 
 impl V1 {
-    /// Hierarchies mounted (or faked) at these paths.
+    /// Hierarchies mounted (or faked) at these paths, judging pids through `/proc`.
     pub fn new(
         cpuset: PathBuf,
         memory: PathBuf,
@@ -34,6 +36,15 @@ impl V1 {
             pids,
             freezer,
             devices,
+            proc_root: PathBuf::from(super::DEFAULT_PROC_ROOT),
+        }
+    }
+
+    /// The same hierarchies, judging whether a listed pid is alive through `proc_root`.
+    pub fn with_proc_root(self, proc_root: &Path) -> V1 {
+        V1 {
+            proc_root: proc_root.to_path_buf(),
+            ..self
         }
     }
 
@@ -52,6 +63,7 @@ impl V1 {
         h
     }
 
+    /// `<hierarchy>/kernelkite` in each hierarchy: the parents of every job cgroup.
     pub fn base_dirs(&self) -> Vec<PathBuf> {
         self.hierarchies().iter().map(|h| h.join(PARENT)).collect()
     }
@@ -78,6 +90,8 @@ impl V1 {
         Ok(())
     }
 
+    /// Creates (or reuses) the job's cgroup in every hierarchy with its limits; returns
+    /// warnings worth printing.
     pub fn create(&self, name: &str, limits: &Limits) -> Result<Vec<String>, CgroupError> {
         self.prepare_cpuset_parent()?;
         for h in self.hierarchies() {
@@ -147,17 +161,19 @@ impl V1 {
             .collect()
     }
 
+    /// The live processes in the job's cgroups.
     pub fn pids(&self, name: &str) -> Vec<u32> {
         let mut all: Vec<u32> = self
             .hierarchies()
             .iter()
-            .flat_map(|h| read_pids(&Self::dir(h, name).join("cgroup.procs")))
+            .flat_map(|h| read_pids(&Self::dir(h, name).join("cgroup.procs"), &self.proc_root))
             .collect();
         all.sort_unstable();
         all.dedup();
         all
     }
 
+    /// How many times the OOM killer killed a process of the job (`memory.oom_control`).
     pub fn oom_kills(&self, name: &str) -> u64 {
         read(&Self::dir(&self.memory, name).join("memory.oom_control"))
             .unwrap_or_default()
@@ -186,7 +202,7 @@ impl V1 {
     fn tree_pids(&self, name: &str) -> Vec<u32> {
         let mut all = Vec::new();
         for h in self.hierarchies() {
-            all.extend(tree_pids(&Self::dir(h, name)));
+            all.extend(tree_pids(&Self::dir(h, name), &self.proc_root));
         }
         all.sort_unstable();
         all.dedup();

@@ -12,17 +12,31 @@ use kernelkite_topology::cpulist::format_cpu_list;
 /// Controllers a job cgroup needs.
 pub const CONTROLLERS: &[&str] = &["cpuset", "memory", "pids"];
 
+/// A cgroup v2 hierarchy.
 #[derive(Debug, Clone)]
 pub struct V2 {
     root: PathBuf,
+    proc_root: PathBuf,
 }
 
 impl V2 {
-    /// A v2 hierarchy mounted (or faked) at `root`.
+    /// A v2 hierarchy mounted (or faked) at `root`, judging pids through `/proc`.
     pub fn new(root: PathBuf) -> V2 {
-        V2 { root }
+        V2 {
+            root,
+            proc_root: PathBuf::from(super::DEFAULT_PROC_ROOT),
+        }
     }
 
+    /// The same hierarchy, judging whether a listed pid is alive through `proc_root`.
+    pub fn with_proc_root(self, proc_root: &Path) -> V2 {
+        V2 {
+            proc_root: proc_root.to_path_buf(),
+            ..self
+        }
+    }
+
+    /// `<root>/kernelkite`, the parent of every job cgroup.
     pub fn base(&self) -> PathBuf {
         self.root.join(PARENT)
     }
@@ -46,6 +60,7 @@ impl V2 {
         write(&path, &missing.join(" "))
     }
 
+    /// Creates (or reuses) the job's cgroup with its limits; returns warnings worth printing.
     pub fn create(&self, name: &str, limits: &Limits) -> Result<Vec<String>, CgroupError> {
         Self::enable_controllers(&self.root)?;
         mkdir(&self.base())?;
@@ -73,14 +88,17 @@ impl V2 {
         Ok(warnings)
     }
 
+    /// The file a process writes its pid into to join the job's cgroup.
     pub fn procs_files(&self, name: &str) -> Vec<PathBuf> {
         vec![self.dir(name).join("cgroup.procs")]
     }
 
+    /// The live processes in the job's cgroup.
     pub fn pids(&self, name: &str) -> Vec<u32> {
-        read_pids(&self.dir(name).join("cgroup.procs"))
+        read_pids(&self.dir(name).join("cgroup.procs"), &self.proc_root)
     }
 
+    /// How many times the OOM killer killed a process of the job (`memory.events`).
     pub fn oom_kills(&self, name: &str) -> u64 {
         read(&self.dir(name).join("memory.events"))
             .unwrap_or_default()
@@ -96,9 +114,9 @@ impl V2 {
         if !dir.exists() {
             return Ok(Cleanup::default());
         }
-        let mut killed = tree_pids(&dir);
+        let mut killed = tree_pids(&dir, &self.proc_root);
         // `populated` covers the whole subtree, including cgroups past the walk's bounds.
-        let left = || tree_pids(&dir);
+        let left = || tree_pids(&dir, &self.proc_root);
         let empty = || left().is_empty() && !populated(&dir);
         let kill_file = dir.join("cgroup.kill");
         if kill_file.exists() {

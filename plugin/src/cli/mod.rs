@@ -53,7 +53,8 @@ pub fn main() -> ExitCode {
     match outcome {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("kernelkite-isolate: error: {e:#}");
+            let e: &(dyn std::error::Error + 'static) = e.as_ref();
+            eprintln!("kernelkite-isolate: error: {}", crate::job::error::Chain(e));
             ExitCode::FAILURE
         }
     }

@@ -182,7 +182,7 @@ fn on_host(
     };
     let cgroups = match state.cgroup_version {
         Some(_) => {
-            let cg = Cgroups::detect(&settings.cgroup_root)?;
+            let cg = Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root)?;
             confinement.procs_files = cg.procs_files(job_id)?;
             Some(cg)
         }

@@ -47,7 +47,7 @@ pub fn run(
     let mut notices = Vec::new();
 
     // Decided before anything is held: a broken cgroup set-up fails the job up front.
-    let cgroups = match Cgroups::detect(&settings.cgroup_root) {
+    let cgroups = match Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root) {
         Ok(c) => Some(c),
         Err(e) if config.mode == Mode::Host && !config.allow_unenforced => return Err(e.into()),
         Err(e) => {
@@ -191,7 +191,7 @@ pub fn export_through_job_api(
                 .map_err(JobError::Export)
         });
     if exported.is_err() {
-        let cgroups = Cgroups::detect(&settings.cgroup_root).ok();
+        let cgroups = Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root).ok();
         let r = clean_job(settings, &state.job_id, cgroups.as_ref(), gpu);
         tracing::info!("undone: {}", r.summary());
     }

@@ -18,7 +18,7 @@ pub fn run(
 ) -> Result<CleanupReport, JobError> {
     let job_id = var(env, "BUILDKITE_JOB_ID")?;
     crate::cgroup::job_cgroup_name(job_id)?;
-    let cgroups = Cgroups::detect(&settings.cgroup_root).ok();
+    let cgroups = Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root).ok();
     Ok(clean_job(settings, job_id, cgroups.as_ref(), gpu))
 }
 

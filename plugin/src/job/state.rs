@@ -5,7 +5,6 @@
 //! state or the new one, never half a file that would make `pre-exit` lose track of a lease.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 
 use kernelkite_topology::plan::Slice;
@@ -85,20 +84,12 @@ pub fn read_state(settings: &Settings, job_id: &str) -> Result<Option<JobState>,
 pub fn write_state(settings: &Settings, state: &JobState) -> Result<(), JobError> {
     let path = state_path(settings, &state.job_id)?;
     let dir = jobs_dir(settings);
-    let written = (|| -> std::io::Result<()> {
-        std::fs::create_dir_all(&dir)?;
-        // Not named `*.json`: a half-written file is never taken for a job's state.
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".")
-            .suffix(".json.tmp")
-            .tempfile_in(&dir)?;
-        serde_json::to_writer(&mut tmp, state)?;
-        tmp.flush()?;
-        tmp.as_file().sync_all()?;
-        tmp.persist(&path).map_err(|e| e.error)?;
-        // The rename is only durable once the directory is.
-        std::fs::File::open(&dir)?.sync_all()
-    })();
+    let written = std::fs::create_dir_all(&dir).and_then(|()| {
+        let bytes = serde_json::to_vec(state).map_err(std::io::Error::other)?;
+        // The temporary name does not end in `.json`: a half-written file is never taken
+        // for a job's state.
+        kernelkite_sys::fs::write_atomic(&path, &bytes, 0o600)
+    });
     written.map_err(|source| JobError::StateWrite { path, source })
 }
 

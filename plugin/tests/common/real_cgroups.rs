@@ -64,8 +64,7 @@ pub fn claim(job: &str) {
 /// This machine's cgroups as the hooks will use them, once a probe cgroup could be created;
 /// `None`, after recording why the test is skipped, when not root or not writable.
 pub fn real_cgroups() -> Option<Cgroups> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         kernelkite_testkit::skip("real cgroup tests need root");
         return None;
     }

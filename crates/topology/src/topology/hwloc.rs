@@ -11,10 +11,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use roxmltree::{Document, Node, ParsingOptions};
 
-use super::{canonical_bus_id, gpu_vendor, Cpu, Gpu, NumaNode, Topology, TopologyError};
+use super::{canonical_bus_id, gpu_vendor, Cpu, Gpu, NumaNode, Topology, TopologyError, XmlError};
 
 /// Largest bitmap index accepted, so a hostile `0xffff...` string cannot allocate gigabytes.
 const MAX_BIT: u32 = 1 << 16;
+
+/// An [`TopologyError::Xml`] saying what is wrong with the export.
+fn bad_xml(what: impl Into<XmlError>) -> TopologyError {
+    TopologyError::Xml(what.into())
+}
 
 /// Parses an hwloc bitmap string: comma-separated 32-bit hex words, most significant first,
 /// an empty word meaning zero (`0xffffff00,,0x0`), and a leading `0xf...f` meaning "all bits
@@ -36,16 +41,14 @@ pub fn parse_bitmap(s: &str) -> Result<Vec<u32>, TopologyError> {
             continue;
         }
         let value = u64::from_str_radix(digits, 16)
-            .map_err(|_| TopologyError::Xml(format!("bad bitmap word {w:?} in {s:?}")))?;
+            .map_err(|_| bad_xml(format!("bad bitmap word {w:?} in {s:?}")))?;
         // Words are 32 bits wide; a longer word still counts from this word's base.
         let base = (i as u64) * 32;
         for bit in 0..64u64 {
             if value & (1u64 << bit) != 0 {
                 let idx = base + bit;
                 if idx > u64::from(MAX_BIT) {
-                    return Err(TopologyError::Xml(format!(
-                        "bitmap {s:?} is implausibly large"
-                    )));
+                    return Err(bad_xml(format!("bitmap {s:?} is implausibly large")));
                 }
                 bits.push(idx as u32);
             }
@@ -121,10 +124,10 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
             ..ParsingOptions::default()
         },
     )
-    .map_err(|e| TopologyError::Xml(e.to_string()))?;
+    .map_err(|e| TopologyError::Xml(e.into()))?;
     let root = doc.root_element();
     if root.tag_name().name() != "topology" {
-        return Err(TopologyError::Xml(format!(
+        return Err(bad_xml(format!(
             "root element is <{}>, expected <topology>",
             root.tag_name().name()
         )));
@@ -132,7 +135,7 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
     if let Some(v) = root.attribute("version") {
         let major = v.split('.').next().and_then(|m| m.parse::<u32>().ok());
         if !matches!(major, Some(2) | Some(3)) {
-            return Err(TopologyError::Xml(format!(
+            return Err(bad_xml(format!(
                 "format version {v} is not supported (2.0 and 3.0 are); re-export with hwloc 2 or 3"
             )));
         }

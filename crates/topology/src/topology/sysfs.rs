@@ -155,7 +155,10 @@ fn read_list(path: &Path) -> Result<Vec<u32>, TopologyError> {
 }
 
 fn parse_list(path: &Path, s: &str) -> Result<Vec<u32>, TopologyError> {
-    parse_cpu_list(s).map_err(|e| parse_err(path, e.to_string()))
+    parse_cpu_list(s).map_err(|source| TopologyError::CpuList {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// The first of these list files that exists, parsed.
@@ -322,9 +325,13 @@ fn read_pci_gpus(root: &Path) -> Result<Vec<Gpu>, TopologyError> {
 /// Fields of the NVIDIA driver's `/proc/driver/nvidia/gpus/<bus id>/information`.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct NvidiaInformation {
+    /// `Model`.
     pub model: Option<String>,
+    /// `GPU UUID`.
     pub uuid: Option<String>,
+    /// `Device Minor`.
     pub minor: Option<u32>,
+    /// `Bus Location`.
     pub bus_location: Option<String>,
 }
 

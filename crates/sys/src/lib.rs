@@ -1,0 +1,19 @@
+//! kernelkite-sys: the OS layer the runner, the hooks and the topology share.
+//!
+//! * [`nvml`]: NVIDIA's management library, loaded at run time through `nvml-wrapper`, so a
+//!   binary runs (and reports why not) on machines without the NVIDIA driver.
+//! * [`procfs`]: `/proc/<pid>/stat` and the process tree, under an injected procfs root.
+//! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
+//! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
+//!   that runs between `fork` and `exec`, glibc's version). Every `unsafe` block of the
+//!   workspace's product code lives there, each with a `// SAFETY:` comment.
+//!
+//! Everything else the code asks of the kernel goes through `rustix`, which is safe.
+
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod fs;
+pub mod nvml;
+pub mod procfs;
+pub mod raw;

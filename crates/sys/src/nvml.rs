@@ -1,0 +1,284 @@
+//! NVML (`libnvidia-ml.so.1`), the one loader every crate uses.
+//!
+//! The library ships with the NVIDIA driver, not with us: linking against it would make the
+//! binaries unusable on AMD and CPU-only nodes. `nvml-wrapper` opens it at run time, so a
+//! machine without the driver gets an [`NvmlError::Load`] that says so, never a crash.
+//!
+//! Callers keep their own test seams: the topology consults NVML only for a live root, the
+//! runner only when its probe asks for it, and the hooks reach it through their `GpuControl`
+//! trait, so all of them are tested without a GPU.
+
+use nvml_wrapper::enum_wrappers::device::Clock;
+use nvml_wrapper::enums::device::{GpuLockedClocksSetting, UsedGpuMemory};
+use nvml_wrapper::Device;
+
+/// The file name the driver installs NVML under.
+pub const LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// The error `nvml-wrapper` reports: an NVML return code, or why the library did not load.
+pub use nvml_wrapper::error::NvmlError as DriverError;
+
+/// Why NVML could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmlError {
+    /// The library is not there (no NVIDIA driver) or could not be opened.
+    #[error("cannot load {library}: {source} (install the NVIDIA driver, or ignore this on non-NVIDIA nodes)")]
+    Load {
+        /// The library name or path that was tried.
+        library: String,
+        /// What the dynamic loader said.
+        #[source]
+        source: DriverError,
+    },
+    /// The library opened but lacks an NVML entry point.
+    #[error("{library} lacks an NVML entry point ({source}): the driver is too old (need R510 or later), or the file is not NVML")]
+    Symbol {
+        /// The library name or path that was opened.
+        library: String,
+        /// Which symbol was missing, as the loader said.
+        #[source]
+        source: DriverError,
+    },
+    /// An NVML call returned an error.
+    #[error("{call} failed: {source}")]
+    Call {
+        /// The NVML function.
+        call: &'static str,
+        /// NVML's return code.
+        #[source]
+        source: DriverError,
+    },
+}
+
+impl NvmlError {
+    fn call(call: &'static str) -> impl FnOnce(DriverError) -> NvmlError {
+        move |source| match source {
+            DriverError::FailedToLoadSymbol(_) => NvmlError::Symbol {
+                library: LIBRARY.to_string(),
+                source,
+            },
+            source => NvmlError::Call { call, source },
+        }
+    }
+}
+
+/// What NVML tells about one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The PCI bus id as NVML writes it (`00000000:18:00.0`).
+    pub pci_bus_id: String,
+    /// `GPU-…`, when NVML could read it.
+    pub uuid: Option<String>,
+    /// The `N` of `/dev/nvidiaN`.
+    pub minor: Option<u32>,
+    /// The marketing name (`NVIDIA H100 80GB HBM3`).
+    pub name: Option<String>,
+}
+
+/// A compute process on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComputeProcess {
+    /// Its pid (in NVML's pid namespace, the host's).
+    pub pid: u32,
+    /// GPU memory it uses, in bytes, when the driver reports it.
+    pub used_bytes: Option<u64>,
+}
+
+/// A loaded and initialised NVML; shut down when dropped.
+pub struct Nvml {
+    inner: nvml_wrapper::Nvml,
+}
+
+impl std::fmt::Debug for Nvml {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvml").finish_non_exhaustive()
+    }
+}
+
+impl Nvml {
+    /// Loads the driver's [`LIBRARY`] and initialises it.
+    pub fn load() -> Result<Nvml, NvmlError> {
+        Self::load_from(LIBRARY)
+    }
+
+    /// Loads NVML from a given library name or path (tests point it at one that is absent,
+    /// or at a library that is not NVML).
+    pub fn load_from(library: &str) -> Result<Nvml, NvmlError> {
+        let inner = nvml_wrapper::Nvml::builder()
+            .lib_path(std::ffi::OsStr::new(library))
+            .init()
+            .map_err(|source| match source {
+                DriverError::LibloadingError(_) => NvmlError::Load {
+                    library: library.to_string(),
+                    source,
+                },
+                DriverError::FailedToLoadSymbol(_) => NvmlError::Symbol {
+                    library: library.to_string(),
+                    source,
+                },
+                source => NvmlError::Call {
+                    call: "nvmlInit_v2",
+                    source,
+                },
+            })?;
+        Ok(Nvml { inner })
+    }
+
+    /// How many GPUs NVML sees (all of them, whatever `CUDA_VISIBLE_DEVICES` says).
+    pub fn device_count(&self) -> Result<u32, NvmlError> {
+        self.inner
+            .device_count()
+            .map_err(NvmlError::call("nvmlDeviceGetCount_v2"))
+    }
+
+    /// The name of the GPU at NVML's `index`.
+    pub fn device_name(&self, index: u32) -> Result<String, NvmlError> {
+        let device = self
+            .inner
+            .device_by_index(index)
+            .map_err(NvmlError::call("nvmlDeviceGetHandleByIndex_v2"))?;
+        device.name().map_err(NvmlError::call("nvmlDeviceGetName"))
+    }
+
+    /// Every GPU NVML sees. The bus id is required; the rest is filled when NVML has it.
+    pub fn devices(&self) -> Result<Vec<DeviceInfo>, NvmlError> {
+        let count = self.device_count()?;
+        let mut out = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let device = self
+                .inner
+                .device_by_index(index)
+                .map_err(NvmlError::call("nvmlDeviceGetHandleByIndex_v2"))?;
+            let pci = device
+                .pci_info()
+                .map_err(NvmlError::call("nvmlDeviceGetPciInfo_v3"))?;
+            out.push(DeviceInfo {
+                pci_bus_id: pci.bus_id,
+                uuid: device.uuid().ok(),
+                minor: device.minor_number().ok(),
+                name: device.name().ok(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn device(&self, bus_id: &str) -> Result<Device<'_>, NvmlError> {
+        self.inner
+            .device_by_pci_bus_id(bus_id)
+            .map_err(NvmlError::call("nvmlDeviceGetHandleByPciBusId_v2"))
+    }
+
+    /// The compute processes running on the GPU at `bus_id`.
+    pub fn compute_processes(&self, bus_id: &str) -> Result<Vec<ComputeProcess>, NvmlError> {
+        let processes = self
+            .device(bus_id)?
+            .running_compute_processes()
+            .map_err(NvmlError::call("nvmlDeviceGetComputeRunningProcesses_v3"))?;
+        Ok(processes
+            .into_iter()
+            .map(|p| ComputeProcess {
+                pid: p.pid,
+                used_bytes: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                },
+            })
+            .collect())
+    }
+
+    /// GPU memory in use on the GPU at `bus_id`, in bytes.
+    pub fn memory_used_bytes(&self, bus_id: &str) -> Result<u64, NvmlError> {
+        self.device(bus_id)?
+            .memory_info()
+            .map(|m| m.used)
+            .map_err(NvmlError::call("nvmlDeviceGetMemoryInfo_v2"))
+    }
+
+    /// The highest graphics clock the GPU at `bus_id` supports, in MHz.
+    pub fn max_graphics_clock_mhz(&self, bus_id: &str) -> Result<u32, NvmlError> {
+        self.device(bus_id)?
+            .max_clock_info(Clock::Graphics)
+            .map_err(NvmlError::call("nvmlDeviceGetMaxClockInfo"))
+    }
+
+    /// Locks the graphics clock of the GPU at `bus_id` to `mhz` (needs root).
+    pub fn lock_graphics_clock(&self, bus_id: &str, mhz: u32) -> Result<(), NvmlError> {
+        self.device(bus_id)?
+            .set_gpu_locked_clocks(GpuLockedClocksSetting::Numeric {
+                min_clock_mhz: mhz,
+                max_clock_mhz: mhz,
+            })
+            .map_err(NvmlError::call("nvmlDeviceSetGpuLockedClocks"))
+    }
+
+    /// Lets the GPU at `bus_id` pick its clocks again (needs root).
+    pub fn reset_graphics_clock(&self, bus_id: &str) -> Result<(), NvmlError> {
+        self.device(bus_id)?
+            .reset_gpu_locked_clocks()
+            .map_err(NvmlError::call("nvmlDeviceResetGpuLockedClocks"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_an_error_not_a_crash() {
+        let err = Nvml::load_from("libnvidia-ml-definitely-absent.so.1").err();
+        assert!(matches!(err, Some(NvmlError::Load { .. })), "{err:?}");
+        let text = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("install the NVIDIA driver"), "{text}");
+        assert!(
+            text.contains("libnvidia-ml-definitely-absent.so.1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_library_without_nvml_symbols_is_reported() {
+        // libc is always loadable and has no nvmlInit_v2.
+        let err = Nvml::load_from("libc.so.6").err();
+        assert!(matches!(err, Some(NvmlError::Symbol { .. })), "{err:?}");
+        let text = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("nvmlInit_v2"), "{text}");
+        assert!(text.contains("too old"), "{text}");
+    }
+
+    #[test]
+    fn the_cause_is_kept() {
+        use std::error::Error as _;
+        let err = Nvml::load_from("libnvidia-ml-definitely-absent.so.1")
+            .expect_err("the library is absent");
+        let source = err.source().expect("the loader's error is the source");
+        assert!(matches!(
+            source.downcast_ref::<DriverError>(),
+            Some(DriverError::LibloadingError(_))
+        ));
+    }
+
+    #[test]
+    fn the_driver_s_library_loads_or_says_why() {
+        match Nvml::load() {
+            Ok(nvml) => {
+                // A machine with the driver: what it lists must be self-consistent.
+                let count = nvml.device_count().expect("NVML counts its GPUs");
+                let devices = nvml.devices().expect("NVML lists its GPUs");
+                assert_eq!(devices.len(), count as usize);
+                for d in &devices {
+                    assert!(d.pci_bus_id.contains(':'), "{d:?}");
+                    let used = nvml.memory_used_bytes(&d.pci_bus_id);
+                    assert!(used.is_ok(), "{used:?}");
+                }
+            }
+            Err(e) => {
+                assert!(
+                    matches!(e, NvmlError::Load { .. } | NvmlError::Call { .. }),
+                    "{e:?}"
+                );
+                assert!(e.to_string().contains(LIBRARY) || e.to_string().contains("nvmlInit_v2"));
+                kernelkite_testkit::skip(format_args!("no NVIDIA driver here: {e}"));
+            }
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! The system calls no crate covers safely, in one place, each `unsafe` block with its
+//! `// SAFETY:` argument. Everything else goes through `rustix`.
+//!
+//! What is here and why:
+//! * code that runs in a child between `fork` and `exec` (std's `pre_exec` is `unsafe` by
+//!   design: only async-signal-safe calls, no allocation);
+//! * `clone3` with `CLONE_INTO_CGROUP`, which neither std, rustix nor nix offers;
+//! * `close_range`, `unshare` and the interface-flags `ioctl` used in those children;
+//! * glibc's own version string (Python's `platform.platform()` names it).
+
+use std::ffi::{c_char, CStr, CString};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command};
+
+/// Spawns `cmd` as the leader of a new session (so of a new process group) that inherits, of
+/// all the parent's descriptors, only stdio and `inherit` (placed at the given number).
+///
+/// Descriptors a parent of ours leaked without `CLOEXEC` are marked close-on-exec in the
+/// child (not closed, which keeps std's own exec-error pipe working); kernels before 5.11
+/// lack that flag, and ours are `CLOEXEC` regardless. `cmd` is consumed so that the set-up,
+/// which refers to `inherit` by number, can never run again after the borrow ends.
+pub fn spawn_in_new_session(
+    mut cmd: Command,
+    inherit: Option<(BorrowedFd<'_>, RawFd)>,
+) -> io::Result<Child> {
+    let inherit = inherit.map(|(fd, at)| (fd.as_raw_fd(), at));
+    let first_unkept = match inherit {
+        Some((_, at)) => at + 1,
+        None => 3,
+    };
+    let setup = move || -> io::Result<()> {
+        rustix::process::setsid()?;
+        if let Some((fd, at)) = inherit {
+            if fd == at {
+                // SAFETY: `fd` is open in the child: the parent borrowed it for the whole
+                // spawn, and the child's descriptor table is a copy of the parent's.
+                let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+                rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+            } else {
+                // SAFETY: dup2 takes two integers and touches no memory; `fd` is open (see
+                // above) and `at` is replaced, which is the point.
+                if unsafe { libc::dup2(fd, at) } < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+        }
+        const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+        // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors at or
+        // above `first_unkept`; it touches no memory. Its failure (old kernel) is harmless.
+        unsafe {
+            libc::syscall(
+                libc::SYS_close_range,
+                first_unkept as libc::c_uint,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            );
+        }
+        Ok(())
+    };
+    // SAFETY: `setup` runs between fork and exec and only makes async-signal-safe system calls
+    // (setsid, fcntl, dup2, close_range) on integers captured by value; it allocates nothing
+    // (rustix's and io::Error's errors from raw OS codes do not allocate).
+    unsafe {
+        cmd.pre_exec(setup);
+    }
+    cmd.spawn()
+}
+
+/// Makes `cmd`'s child write its own pid into each of `procs` (cgroup `cgroup.procs` files,
+/// opened by the caller) and, when `isolate_network` is set, enter a new network namespace
+/// with only loopback up, between `fork` and `exec`: not one instruction of the command runs
+/// outside them. The files move into `cmd` and are closed with it (they are close-on-exec).
+pub fn join_before_exec(cmd: &mut Command, procs: Vec<File>, isolate_network: bool) {
+    let setup = move || -> io::Result<()> {
+        let mut buf = [0u8; 12];
+        let me = rustix::process::getpid().as_raw_nonzero().get() as u32;
+        let pid = format_pid(me, &mut buf);
+        for file in &procs {
+            rustix::io::write(file, pid)?;
+        }
+        if isolate_network {
+            enter_new_network_namespace()?;
+        }
+        Ok(())
+    };
+    // SAFETY: `setup` runs between fork and exec and only makes async-signal-safe system calls
+    // (getpid, write, unshare, socket, ioctl, close) on descriptors it owns and a stack
+    // buffer; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(setup);
+    }
+}
+
+/// Formats a pid into `buf` without allocating (this runs after `fork`).
+pub fn format_pid(mut pid: u32, buf: &mut [u8; 12]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (pid % 10) as u8;
+        pid /= 10;
+        if pid == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+/// Moves the calling process into a new network namespace and brings its `lo` up. Meant for
+/// a child about to `exec` (it is async-signal-safe).
+fn enter_new_network_namespace() -> io::Result<()> {
+    // SAFETY: unshare(CLONE_NEWNET) changes which network stack this thread sees; it shares no
+    // memory and breaks no invariant of the Rust runtime. It runs in a single-threaded child.
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }?;
+    loopback_up()
+}
+
+/// Brings up `lo` in the current network namespace (a new namespace starts with it down).
+fn loopback_up() -> io::Result<()> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let sock = rustix::net::socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    // SAFETY: ifreq is plain old data, for which all zero bytes are a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *s as c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the interface named in `req` and writes its flags into the
+    // ifreq we pass, which lives on this stack frame.
+    let mut rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
+    if rc == 0 {
+        // SAFETY: SIOCGIFFLAGS succeeded, so `ifru_flags` is the union member it wrote.
+        unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        // SAFETY: SIOCSIFFLAGS only reads the ifreq we pass.
+        rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) };
+    }
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// What `clone3_into_cgroup` should execute: everything built before the clone, since the
+/// child may not allocate.
+#[derive(Debug)]
+pub struct Exec<'a> {
+    /// The program's path (already looked up on `PATH`).
+    pub path: &'a CStr,
+    /// `argv`, the program name first.
+    pub argv: &'a [CString],
+    /// The whole environment, as `KEY=value` strings.
+    pub envp: &'a [CString],
+}
+
+/// `struct clone_args` of clone3(2), up to `cgroup` (CLONE_ARGS_SIZE_VER2).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// Starts `exec` with `clone3(CLONE_INTO_CGROUP)` inside the cgroup v2 directory `cgroup`
+/// (an open directory): the child is born there, so no task is migrated (a migration waits
+/// for an RCU grace period, ~10 ms). With `isolate_network` it first enters a new network
+/// namespace with only loopback up.
+///
+/// `Ok(Some(pid))` once the program has been executed; `Ok(None)` when the kernel or the
+/// directory does not support it (old kernel, not cgroup2, no permission): the caller falls
+/// back to an ordinary spawn. When the child could not `exec`, it is reaped and its error
+/// returned.
+pub fn clone3_into_cgroup(
+    exec: &Exec<'_>,
+    cgroup: BorrowedFd<'_>,
+    isolate_network: bool,
+) -> io::Result<Option<u32>> {
+    let mut argv: Vec<*const c_char> = exec.argv.iter().map(|c| c.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const c_char> = exec.envp.iter().map(|c| c.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    let (rd, wr) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let args = CloneArgs {
+        flags: CLONE_INTO_CGROUP,
+        exit_signal: libc::SIGCHLD as u64,
+        cgroup: cgroup.as_raw_fd() as u64,
+        ..Default::default()
+    };
+    // SAFETY: clone3 without CLONE_VM and without a new stack behaves like fork: the child
+    // gets a copy of this address space. It runs `exec_child` only, which makes
+    // async-signal-safe calls on data prepared above and then execs or exits.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const CloneArgs,
+            std::mem::size_of::<CloneArgs>(),
+        )
+    };
+    if rc == 0 {
+        exec_child(exec.path, &argv, &envp, wr.as_fd(), isolate_network);
+    }
+    drop(wr);
+    if rc < 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(
+                libc::ENOSYS
+                | libc::EINVAL
+                | libc::EBADF
+                | libc::EOPNOTSUPP
+                | libc::E2BIG
+                | libc::EPERM
+                | libc::EACCES,
+            ) => Ok(None),
+            _ => Err(err),
+        };
+    }
+    let pid = rc as u32;
+    // EOF means the exec succeeded (the pipe is close-on-exec); 4 bytes are the child's errno.
+    let mut buf = [0u8; 4];
+    let n = loop {
+        match rustix::io::read(&rd, &mut buf) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => break other,
+        }
+    };
+    if let Ok(4) = n {
+        if let Some(child) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::waitpid(Some(child), rustix::process::WaitOptions::empty());
+        }
+        return Err(io::Error::from_raw_os_error(i32::from_ne_bytes(buf)));
+    }
+    Ok(Some(pid))
+}
+
+/// The child's side of [`clone3_into_cgroup`]: never returns.
+fn exec_child(
+    path: &CStr,
+    argv: &[*const c_char],
+    envp: &[*const c_char],
+    report: BorrowedFd<'_>,
+    isolate_network: bool,
+) -> ! {
+    let fail = |errno: i32| -> ! {
+        let _ = rustix::io::write(report, &errno.to_ne_bytes());
+        // SAFETY: _exit ends this child without running the parent's atexit handlers or
+        // destructors, which must not run twice.
+        unsafe { libc::_exit(127) }
+    };
+    if isolate_network {
+        if let Err(e) = enter_new_network_namespace() {
+            fail(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+    }
+    // SAFETY: `path` is NUL-terminated, and `argv` and `envp` are NULL-terminated arrays of
+    // pointers to NUL-terminated strings that the parent keeps alive (this is its copy).
+    unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+    fail(
+        io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO),
+    )
+}
+
+/// glibc's version (`2.36`), as Python's `platform.libc_ver()` reports it; `None` on other
+/// C libraries.
+pub fn glibc_version() -> Option<String> {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: gnu_get_libc_version returns a pointer to a static NUL-terminated string.
+        let v = unsafe { CStr::from_ptr(libc::gnu_get_libc_version()) };
+        Some(v.to_string_lossy().into_owned())
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn pids_format_without_allocation() {
+        let mut b = [0u8; 12];
+        assert_eq!(format_pid(0, &mut b), b"0");
+        let mut b = [0u8; 12];
+        assert_eq!(format_pid(4_194_304, &mut b), b"4194304");
+        let mut b = [0u8; 12];
+        assert_eq!(format_pid(u32::MAX, &mut b), b"4294967295");
+    }
+
+    #[test]
+    fn a_new_session_keeps_only_the_given_descriptor() {
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "echo \"$(ps -o sid= -p $$) $$\" >&3; ls /proc/self/fd >&3",
+        ])
+        .stdout(std::process::Stdio::null());
+        let mut child = spawn_in_new_session(cmd, Some((w.as_fd(), 3))).unwrap();
+        drop(w);
+        let status = child.wait().unwrap();
+        assert!(status.success(), "{status:?}");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut File::from(r), &mut out).unwrap();
+        let mut lines = out.lines();
+        let ids: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
+        // A session leader's session id is its pid (when ps is there to say so).
+        if ids.len() == 2 {
+            assert_eq!(ids[0], ids[1], "{out}");
+        }
+        let fds: Vec<i32> = lines.filter_map(|l| l.trim().parse().ok()).collect();
+        assert!(fds.contains(&3), "{out}");
+        assert!(fds.iter().all(|&fd| fd <= 4), "{out}");
+    }
+
+    #[test]
+    fn the_child_joins_the_procs_files_before_exec() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("cgroup.procs");
+        std::fs::write(&f, "").unwrap();
+        let mut cmd = Command::new("true");
+        join_before_exec(
+            &mut cmd,
+            vec![File::options().write(true).open(&f).unwrap()],
+            false,
+        );
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id();
+        assert!(child.wait().unwrap().success());
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), pid.to_string());
+    }
+
+    #[test]
+    fn clone3_outside_a_cgroup2_directory_is_refused_or_runs() {
+        // A plain directory is no cgroup: the kernel refuses CLONE_INTO_CGROUP (or, on an
+        // old kernel, clone3 itself), and the caller falls back to an ordinary spawn.
+        let dir = tempfile::tempdir().unwrap();
+        let d = File::open(dir.path()).unwrap();
+        let path = CString::new("/bin/true").unwrap();
+        let argv = [CString::new("true").unwrap()];
+        let exec = Exec {
+            path: &path,
+            argv: &argv,
+            envp: &[],
+        };
+        match clone3_into_cgroup(&exec, d.as_fd(), false).unwrap() {
+            None => {}
+            Some(pid) => {
+                let (_, status) = rustix::process::waitpid(
+                    rustix::process::Pid::from_raw(pid as i32),
+                    rustix::process::WaitOptions::empty(),
+                )
+                .unwrap()
+                .unwrap();
+                let status = std::process::ExitStatus::from_raw(status.as_raw());
+                assert!(status.success(), "{status:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn glibc_names_its_version() {
+        if cfg!(target_env = "gnu") {
+            let v = glibc_version().unwrap();
+            assert!(v.starts_with("2."), "{v}");
+        } else {
+            assert!(glibc_version().is_none());
+        }
+    }
+}
