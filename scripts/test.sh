@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
 # It installs what it needs, then runs, in order: formatting, lints, the API docs, every
-# crate's tests, the plugin's bats tests, the unit and integration tests again in a fresh
-# clone with nothing beside it, and each benchmark in its short mode. The closing line counts
+# crate's tests, the plugin's bats tests, the Python client's ruff and pytest suite (in a
+# venv at target/py-venv, against the real service binary), the unit and integration tests
+# again in a fresh clone with nothing beside it, and each benchmark in its short mode. The closing line counts
 # passed, failed and skipped tests; a test that could not run here (no root, no GPU, no
 # cgroups) is listed with its reason and never counted as passed.
 #
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 section() { printf '\n--- %s\n' "$*"; }
 
 install_deps() {
-  local want=(bats hwloc python3 iproute2 util-linux procps)
+  local want=(bats hwloc python3 python3-venv iproute2 util-linux procps)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -57,13 +58,30 @@ log=$(mktemp)
 export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""
-trap 'rm -rf "$log" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"}' EXIT
+py_junit=""
+trap 'rm -rf "$log" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
 section "cargo test"
 cargo test --workspace --locked 2>&1 | tee "$log"
 
 section "bats (plugin hook shims)"
 bats plugin/tests/bats 2>&1 | tee -a "$log"
+
+section "python client (clients/python): ruff, pytest against the real service"
+# Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
+# as processes (built here; cargo test above built most of it already).
+py_venv=target/py-venv
+[ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv"
+"$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  -r clients/python/requirements-test.txt
+cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
+(cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .)
+py_junit=$(mktemp)
+# -rs prints each skip with its reason; the counts come from the JUnit XML below.
+(cd clients/python && ../../$py_venv/bin/python -m pytest -rs -p no:cacheprovider \
+  --junitxml="$py_junit")
+py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit")
+read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
 
 if [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2>&1; then
   # The repository must stand alone: clone it into an empty directory, with nothing beside it,
@@ -97,19 +115,20 @@ if [ "${KERNELKITE_SKIP_BENCH:-}" != 1 ]; then
 fi
 
 # One closing line over every runner above (cargo's per-binary lines, then bats' ok/not ok,
-# `# skip` lines being bats' skips). A Rust test that skipped itself reported `ok` to cargo, so
-# it is moved from passed to skipped.
+# `# skip` lines being bats' skips, then pytest's JUnit counts). A Rust test that skipped itself
+# reported `ok` to cargo, so it is moved from passed to skipped.
 passed=$(grep -hoE '^test result: .* ([0-9]+) passed' "$log" | grep -oE '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -hoE '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
 bats_ok=$(grep -E '^ok [0-9]+' "$log" | grep -cv ' # skip' || true)
 bats_skip=$(grep -E '^ok [0-9]+' "$log" | grep -c ' # skip' || true)
 bats_bad=$(grep -cE '^not ok [0-9]+' "$log" || true)
 rust_skip=$(cut -f1 "$KERNELKITE_SKIP_LOG" | sort -u | wc -l)
-skipped=$((rust_skip + bats_skip))
+skipped=$((rust_skip + bats_skip + py_skipped))
 section "all checks passed"
 if ((skipped)); then
   echo "skipped (not counted as passed):"
   sort -u -t$'\t' -k1,1 "$KERNELKITE_SKIP_LOG" | awk -F'\t' '{printf "  %s: %s\n", $1, $2}'
   { grep -E '^ok [0-9]+.* # skip' "$log" || true; } | sed -E 's/^ok [0-9]+ /  bats: /'
+  tail -n +2 <<<"$py_counts" | awk -F'\t' 'NF {printf "  pytest: %s: %s\n", $1, $2}'
 fi
-echo "tests: $((passed - rust_skip + bats_ok)) passed, $((failed + bats_bad)) failed, $skipped skipped"
+echo "tests: $((passed - rust_skip + bats_ok + py_passed)) passed, $((failed + bats_bad + py_failed)) failed, $skipped skipped"

@@ -474,13 +474,7 @@ impl App {
 }
 
 fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
-    if req.queue.is_empty()
-        || req.queue.len() > 64
-        || !req
-            .queue
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    {
+    if !crate::queues::valid_name(&req.queue) {
         return Err(Invalid::Queue(req.queue.clone()));
     }
     if let Some(r) = &req.run_id {

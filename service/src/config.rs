@@ -237,6 +237,10 @@ pub struct Config {
     /// KERNELKITE_DATA_DIR, when set). 0: kept in memory until the process ends.
     #[arg(long, env = "KERNELKITE_RETAIN_S", default_value_t = 86_400)]
     pub retain_s: u64,
+
+    /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
+    #[command(flatten)]
+    pub queues: crate::queues::QueueSettings,
 }
 
 impl Config {

@@ -15,7 +15,8 @@
 //!   (today the [`store::archive`] of finished submissions).
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
-//!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports.
+//!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports;
+//!   [`queues`]: queue status (the store's counts, agent counts fetched at most once a minute).
 
 #![deny(missing_docs)]
 
@@ -26,6 +27,7 @@ pub mod error;
 pub mod executor;
 pub mod http;
 pub mod metrics;
+pub mod queues;
 pub mod report;
 pub mod result;
 pub mod store;

@@ -7,6 +7,14 @@
 //! Buildkite signs them (`X-Buildkite-Signature: timestamp=..,signature=HMAC-SHA256(token,
 //! "<timestamp>." + body)`). Every request is recorded, so tests count API calls instead of
 //! computing them. Faults (5xx, 429 with `RateLimit-Reset`) are injected per route.
+//!
+//! It also lists the organization's agents (`GET /v2/organizations/{org}/agents`, paginated
+//! with a `Link` header, tags in `meta_data` as `queue=<q>`) and serves the agent API's
+//! metrics endpoint (`GET /v3/metrics`, `Authorization: Token <agent token>`); see [`agents`].
+
+pub mod agents;
+
+pub use agents::{FakeAgent, FAKE_AGENT_TOKEN};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -39,6 +47,10 @@ pub enum Route {
     ListArtifacts,
     /// `GET .../artifacts/{id}/download` (answers `302` to the blob)
     Download,
+    /// `GET /v2/organizations/{org}/agents`
+    ListAgents,
+    /// `GET /v3/metrics` (the agent API, with an agent token; not counted as a REST call)
+    AgentMetrics,
     /// The blob store (not the API)
     Blob,
     /// Anything else (answered `404`)
@@ -49,7 +61,7 @@ impl Route {
     /// Whether the route is a REST API call (counted against Buildkite's rate limit); the blob
     /// store is not.
     pub fn is_api(self) -> bool {
-        !matches!(self, Route::Blob | Route::Other)
+        !matches!(self, Route::Blob | Route::Other | Route::AgentMetrics)
     }
 }
 
@@ -182,6 +194,7 @@ struct Inner {
     window_count: AtomicU64,
     http: reqwest::Client,
     changed: Notify,
+    agents: Mutex<Vec<FakeAgent>>,
 }
 
 /// A running fake. Dropping it stops the server.
@@ -258,6 +271,7 @@ impl FakeBuildkite {
                 .build()
                 .expect("client"),
             changed: Notify::new(),
+            agents: Mutex::new(Vec::new()),
         });
         let builds = "/v2/organizations/{org}/pipelines/{pipeline}/builds";
         let router = Router::new()
@@ -272,6 +286,8 @@ impl FakeBuildkite {
                 &format!("{builds}/{{number}}/jobs/{{job}}/artifacts/{{id}}/download"),
                 get(download),
             )
+            .route("/v2/organizations/{org}/agents", get(agents::list_agents))
+            .route("/v3/metrics", get(agents::metrics))
             .route("/blobs/{blob}", get(blob))
             .fallback(fallback)
             .with_state(inner.clone());
@@ -288,6 +304,21 @@ impl FakeBuildkite {
     /// The REST base URL, like `https://api.buildkite.com/v2`.
     pub fn api_url(&self) -> String {
         format!("{}/v2", self.inner.base)
+    }
+
+    /// The agent API's base URL, like `https://agent.buildkite.com/v3`.
+    pub fn agent_api_url(&self) -> String {
+        format!("{}/v3", self.inner.base)
+    }
+
+    /// Replaces the organization's agents (what the agents list and the metrics show).
+    pub fn set_agents(&self, agents: Vec<FakeAgent>) {
+        *lock(&self.inner.agents) = agents;
+    }
+
+    /// How many builds were created.
+    pub fn build_count(&self) -> u64 {
+        lock(&self.inner.builds).len() as u64
     }
 
     /// Where it listens.

@@ -49,6 +49,8 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     cfg.retry_base_ms = 5;
     cfg.http_timeout_s = 5;
     cfg.data_dir = Some(dir.path().to_path_buf());
+    // Never the real agent API, even when a test configures an agent token.
+    cfg.queues.buildkite_agent_api_url = fake.agent_api_url();
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

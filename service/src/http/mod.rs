@@ -6,6 +6,7 @@
 mod auth;
 mod error;
 mod events;
+mod queues;
 mod submissions;
 mod webhooks;
 
@@ -29,6 +30,7 @@ pub fn router(app: Arc<App>) -> Router {
             get(submissions::get).delete(submissions::cancel),
         )
         .route("/v1/submissions/{id}/events", get(events::stream))
+        .route("/v1/queues/{queue}", queues::route(&app))
         .layer(DefaultBodyLimit::max(app.cfg.max_submission_bytes))
         .route_layer(axum::middleware::from_fn_with_state(
             app.clone(),

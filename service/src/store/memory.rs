@@ -17,6 +17,7 @@ use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use tokio::sync::watch;
 
+use super::InFlight;
 use crate::executor::BuildEvent;
 use crate::submission::{BuildInfo, State, Submission};
 
@@ -88,6 +89,23 @@ impl Memory {
     /// No submission in memory.
     pub fn is_empty(&self) -> bool {
         self.subs.is_empty()
+    }
+
+    /// Counts the in-flight submissions on `queue`: one pass, no copies.
+    pub fn in_flight(&self, queue: &str) -> InFlight {
+        let mut n = InFlight::default();
+        for entry in self.subs.iter() {
+            let s = entry.value().borrow();
+            if s.queue != queue {
+                continue;
+            }
+            match s.state {
+                State::Queued | State::Scheduled => n.queued += 1,
+                State::Running | State::Fetching => n.running += 1,
+                State::Succeeded | State::Failed | State::Canceled | State::TimedOut => {}
+            }
+        }
+        n
     }
 
     /// A copy of the submission's current value.
@@ -436,6 +454,35 @@ mod tests {
             Routed::Buffered,
             "no build entry points at a submission that does not exist"
         );
+    }
+
+    #[test]
+    fn in_flight_counts_by_queue_and_state() {
+        let store = Memory::new(1, Duration::from_secs(1));
+        let now = chrono::Utc::now();
+        for (id, queue, state) in [
+            ("a", "h100", State::Queued),
+            ("b", "h100", State::Scheduled),
+            ("c", "h100", State::Running),
+            ("d", "h100", State::Fetching),
+            ("e", "b200", State::Running),
+        ] {
+            let mut s = Submission::new(id.into(), queue.into(), None, None, 60, now);
+            s.advance(state, now);
+            store.insert(s);
+        }
+        let mut done = Submission::new("f".into(), "h100".into(), None, None, 60, now);
+        done.finish(crate::submission::Outcome::Failed("x".into()), now);
+        store.insert(done);
+        assert_eq!(
+            store.in_flight("h100"),
+            InFlight {
+                queued: 2,
+                running: 2
+            }
+        );
+        assert_eq!(store.in_flight("b200").running, 1);
+        assert_eq!(store.in_flight("none"), InFlight::default());
     }
 
     #[test]

@@ -32,6 +32,15 @@ pub trait Durable: Send + Sync + 'static {
     fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, BoxError>>;
 }
 
+/// A queue's in-flight submissions, by what they wait for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Waiting for a machine: `queued` or `scheduled`.
+    pub queued: u64,
+    /// On a machine, or its result being fetched: `running` or `fetching`.
+    pub running: u64,
+}
+
 /// Submissions in memory with their waiters, and (optionally) a durable store behind them.
 pub struct Store {
     memory: Memory,
@@ -129,6 +138,11 @@ impl Store {
     /// keeps them).
     pub fn evict_finished(&self, cutoff: chrono::DateTime<chrono::Utc>) -> usize {
         self.memory.evict_finished(cutoff)
+    }
+
+    /// The in-flight submissions on `queue` (all in memory: only finished ones leave it).
+    pub fn in_flight(&self, queue: &str) -> InFlight {
+        self.memory.in_flight(queue)
     }
 
     /// Submissions in memory.

@@ -10,6 +10,7 @@ mod cancel_timeout;
 mod executor;
 mod faults;
 mod persistence;
+mod queues;
 mod sse_longpoll;
 mod submit;
 mod webhooks;

@@ -1,0 +1,363 @@
+"""An async client for kernelkite-service's HTTP API (`service/README.md` in the repository).
+
+`KernelkiteClient` maps each route to one method that makes one request: `submit` (with an
+`Idempotency-Key`), `get` (optionally long-polling with `wait`), `cancel`, `queue_status`, and
+`events` (one server-sent-events connection, resumable with `Last-Event-ID`). `follow` is the
+one method that keeps going across failures: it yields every state change of a submission
+exactly once, in order, reconnecting the event stream where it broke off and falling back to
+long-polling when the stream keeps failing.
+
+Every request has a timeout. Error answers raise `ServiceError` subclasses carrying the
+service's own message; a service that cannot be reached raises `Unreachable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from kernelkite.sse import SSEDecoder
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "canceled", "timed_out"})
+"""States a submission never leaves."""
+
+STATES = ("queued", "scheduled", "running", "fetching", *sorted(TERMINAL_STATES))
+"""Every state, the in-flight ones in the order a submission goes through them."""
+
+
+def valid_queue_name(name: str) -> bool:
+    """Whether the service takes `name` as a queue: 1-64 of `A-Za-z0-9._-`."""
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name)
+
+
+class KernelkiteError(Exception):
+    """Base of the errors this client raises."""
+
+
+class Unreachable(KernelkiteError):
+    """No answer: the connection failed, broke, or timed out."""
+
+
+class ServiceError(KernelkiteError):
+    """The service answered with an error status; `message` is its `{"error"}` text."""
+
+    def __init__(self, status: int, message: str, method: str, path: str) -> None:
+        super().__init__(f"{method} {path}: {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class Unauthorized(ServiceError):
+    """401 (missing or wrong token) or 403 (no token configured, and not a loopback client)."""
+
+
+class NotFound(ServiceError):
+    """404: the service does not know the submission."""
+
+
+class Invalid(ServiceError):
+    """400, 413 or 422: the request was refused as it is; sending it again will not help."""
+
+
+class Conflict(ServiceError):
+    """409: the submission already ended (cancel), or an idempotency key was reused for a
+    different request."""
+
+
+class ServerError(ServiceError):
+    """5xx, or 429: the service has a problem now; the same request may work later."""
+
+
+def _error_for(status: int) -> type[ServiceError]:
+    if status in (401, 403):
+        return Unauthorized
+    if status == 404:
+        return NotFound
+    if status in (400, 413, 422):
+        return Invalid
+    if status == 409:
+        return Conflict
+    if status >= 500 or status == 429:
+        return ServerError
+    return ServiceError
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 time as a timezone-aware datetime (a time without offset is UTC)."""
+    t = datetime.fromisoformat(text)
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class StateEvent:
+    """A submission entered `state` at `at`; `seq` is the change's index in its history.
+
+    The terminal event carries the whole submission (the body of `GET /v1/submissions/{id}`).
+    """
+
+    submission_id: str
+    seq: int
+    state: str
+    at: datetime
+    submission: dict[str, Any] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+def backoff_s(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
+    """Seconds before retry `attempt` (1-based): doubling from `base`, capped, ±25 % jitter."""
+    d = min(cap, base * (2 ** max(0, attempt - 1)))
+    return d * (0.75 + random.random() / 2)
+
+
+class KernelkiteClient:
+    """One service, one token, one connection pool. Use it as an async context manager (or
+    call `aclose`).
+
+    `request_timeout_s` bounds every request (connect, send, each read); an event stream may
+    stay silent for `sse_read_timeout_s` (the service sends a keep-alive every 15 s) before it
+    counts as broken; a long-poll may take its `wait` plus `request_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        request_timeout_s: float = 10.0,
+        sse_read_timeout_s: float = 45.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Accept": "application/json", "User-Agent": "kernelkite-python/0.1"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.request_timeout_s = request_timeout_s
+        self.sse_read_timeout_s = sse_read_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout_s),
+            transport=transport,
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> KernelkiteClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        read_timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        try:
+            resp = await self._http.request(
+                method,
+                path,
+                json=json_body,
+                params=params,
+                headers=headers,
+                timeout=read_timeout if read_timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.TransportError as e:
+            raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise _error_for(resp.status_code)(
+                resp.status_code, _message(resp.content), method, path
+            )
+        return resp
+
+    async def submit(
+        self,
+        config: Mapping[str, Any],
+        queue: str,
+        *,
+        run_id: str | None = None,
+        timeout_s: int | None = None,
+        callback_url: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """`POST /v1/submissions`: `{"id", "state", "status_url"}`.
+
+        With `idempotency_key`, sending the same request again (after a timeout, say) returns
+        the submission the first one made instead of a second one.
+        """
+        body: dict[str, Any] = {"config": dict(config), "queue": queue}
+        if run_id is not None:
+            body["run_id"] = run_id
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        if callback_url is not None:
+            body["callback_url"] = callback_url
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        resp = await self._request("POST", "/v1/submissions", json_body=body, headers=headers)
+        return _json(resp)
+
+    async def get(self, submission_id: str, *, wait: float | None = None) -> dict[str, Any]:
+        """`GET /v1/submissions/{id}`; with `wait`, held until the submission ends or `wait`
+        seconds pass (the service caps it), then answered either way."""
+        params = None
+        long_read = None
+        if wait is not None:
+            params = {"wait": f"{wait:g}"}
+            long_read = httpx.Timeout(self.request_timeout_s, read=wait + self.request_timeout_s)
+        resp = await self._request(
+            "GET", f"/v1/submissions/{submission_id}", params=params, read_timeout=long_read
+        )
+        return _json(resp)
+
+    async def cancel(self, submission_id: str) -> dict[str, Any]:
+        """`DELETE /v1/submissions/{id}`: the submission, now `canceled`. `Conflict` when it
+        already ended otherwise."""
+        return _json(await self._request("DELETE", f"/v1/submissions/{submission_id}"))
+
+    async def queue_status(self, queue: str) -> dict[str, Any]:
+        """`GET /v1/queues/{queue}`: `{"queue", "queued", "running", "agents", "updated_at"}`,
+        `agents` being `{"idle", "busy", "total"}` or null when unknown."""
+        return _json(await self._request("GET", f"/v1/queues/{queue}"))
+
+    async def events(
+        self, submission_id: str, *, last_event_id: int | None = None
+    ) -> AsyncIterator[StateEvent]:
+        """One connection to `GET /v1/submissions/{id}/events`: the state changes after
+        `last_event_id` (all of them without it), ending after the terminal one or when the
+        stream ends. Raises `Unreachable` when the connection fails or breaks."""
+        path = f"/v1/submissions/{submission_id}/events"
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = str(last_event_id)
+        timeout = httpx.Timeout(self.request_timeout_s, read=self.sse_read_timeout_s)
+        try:
+            async with self._http.stream("GET", path, headers=headers, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    body = await resp.aread()
+                    raise _error_for(resp.status_code)(
+                        resp.status_code, _message(body), "GET", path
+                    )
+                decoder = SSEDecoder()
+                async for line in resp.aiter_lines():
+                    ev = decoder.feed(line)
+                    if ev is None:
+                        continue
+                    try:
+                        data = json.loads(ev.data)
+                        state_event = StateEvent(
+                            submission_id=str(data.get("id", submission_id)),
+                            seq=int(data["seq"]),
+                            state=str(data["state"]),
+                            at=parse_time(data["at"]),
+                            submission=data.get("submission"),
+                        )
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise Unreachable(
+                            f"GET {path}: an event that is not a state change: {e}"
+                        ) from e
+                    yield state_event
+                    if state_event.terminal:
+                        return
+        except httpx.TransportError as e:
+            raise Unreachable(f"GET {path}: {type(e).__name__}: {e}") from e
+
+    async def follow(
+        self,
+        submission_id: str,
+        *,
+        sse_failures_before_poll: int = 3,
+        poll_wait_s: float = 30.0,
+        after_seq: int = -1,
+    ) -> AsyncIterator[StateEvent]:
+        """Every state change after `after_seq`, each once and in order, until the terminal
+        one (which carries the submission).
+
+        Follows the event stream; when it breaks, reconnects with `Last-Event-ID` (after a
+        short backoff), so nothing is lost or repeated. After `sse_failures_before_poll`
+        connections in a row that failed without bringing a new event, it long-polls
+        `GET ?wait=` instead, turning each answer's history into the same events. Connection
+        failures and 5xx/429 answers are retried without end: bound the call with a timeout
+        (`asyncio.timeout`). `NotFound`, `Unauthorized` and `Invalid` are raised.
+        """
+        next_seq = after_seq + 1
+        failures = 0
+        while True:
+            if failures < sse_failures_before_poll:
+                progressed = False
+                try:
+                    last = next_seq - 1 if next_seq > 0 else None
+                    stream = self.events(submission_id, last_event_id=last)
+                    async with contextlib.aclosing(stream):
+                        async for ev in stream:
+                            if ev.seq < next_seq:
+                                continue
+                            next_seq = ev.seq + 1
+                            progressed = True
+                            yield ev
+                            if ev.terminal:
+                                return
+                except (Unreachable, ServerError):
+                    pass
+                # The stream ended or broke before the end. A connection that brought news
+                # was not a failure (a server shutting down ends streams on purpose).
+                failures = 0 if progressed else failures + 1
+                await asyncio.sleep(backoff_s(max(1, failures)))
+                continue
+            try:
+                sub = await self.get(submission_id, wait=poll_wait_s)
+            except (Unreachable, ServerError):
+                failures += 1
+                await asyncio.sleep(backoff_s(failures - sse_failures_before_poll + 1))
+                continue
+            history = sub.get("history") or []
+            for seq in range(next_seq, len(history)):
+                entry = history[seq]
+                ev = StateEvent(
+                    submission_id=submission_id,
+                    seq=seq,
+                    state=str(entry["state"]),
+                    at=parse_time(entry["at"]),
+                    submission=sub if entry["state"] in TERMINAL_STATES else None,
+                )
+                next_seq = seq + 1
+                yield ev
+                if ev.terminal:
+                    return
+
+
+def _json(resp: httpx.Response) -> dict[str, Any]:
+    try:
+        value = resp.json()
+    except ValueError as e:
+        raise Unreachable(f"the service's answer is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise Unreachable("the service's answer is not a JSON object")
+    return value
+
+
+def _message(body: bytes) -> str:
+    try:
+        value = json.loads(body)
+        if isinstance(value, dict) and isinstance(value.get("error"), str):
+            return value["error"]
+    except ValueError:
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text[:300] or "no message"

@@ -1,0 +1,606 @@
+"""kernelbot's launcher for kernelkite: `KernelkiteLauncher` runs a kernelbot run config on a
+kernelkite-service and returns kernelbot's own `FullResult`.
+
+This is the only module of the package that imports kernelbot (`libkernelbot`), and it does
+so optionally: without kernelbot installed the class still works when it is handed stand-in
+types (`KernelbotTypes`), which is how the package's tests run. Inside kernelbot it subclasses
+kernelbot's `Launcher`, so `KernelBackend.register_launcher` takes it as it is.
+
+What a run does: submit (with an idempotency key, retried on transient failures), follow the
+submission's state changes (server-sent events, resumed with `Last-Event-ID`; long-polling
+after repeated stream failures), report them through kernelbot's `RunProgressReporter` (one
+`push`, then `update`s), and rebuild `FullResult` from the runner's `result.json`, keeping the
+runner's own `success` and `error`. Every failure becomes `FullResult(success=False, error=...)`
+with a message the competitor can act on; only `asyncio.CancelledError` propagates, after the
+submission is canceled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kernelkite.client import (
+    Conflict,
+    Invalid,
+    KernelkiteClient,
+    KernelkiteError,
+    NotFound,
+    ServerError,
+    StateEvent,
+    Unauthorized,
+    Unreachable,
+    backoff_s,
+    parse_time,
+    valid_queue_name,
+)
+
+try:  # kernelbot present: be one of its launchers.
+    from libkernelbot.launchers.launcher import Launcher as _LauncherBase
+except ImportError:  # kernelbot absent: same shape, for use with injected types.
+
+    class _LauncherBase:  # type: ignore[no-redef]
+        def __init__(self, name: str, gpus: type[Enum]) -> None:
+            self.name = name
+            self.gpus = gpus
+
+
+log = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 120
+"""kernelbot's `Timeout.COMPILE`: the compile step (the Python pre-run) of every run."""
+
+
+@dataclass(frozen=True)
+class KernelbotTypes:
+    """The kernelbot classes a run builds: its result dataclasses and `RunnerQueueStatus`."""
+
+    FullResult: type
+    SystemInfo: type
+    EvalResult: type
+    CompileResult: type
+    RunResult: type
+    ProfileResult: type
+    RunnerQueueStatus: type
+
+    @classmethod
+    def from_kernelbot(cls) -> KernelbotTypes:
+        """kernelbot's own classes (`libkernelbot.run_eval`, `libkernelbot.launchers`)."""
+        try:
+            from libkernelbot.launchers.launcher import RunnerQueueStatus
+            from libkernelbot.run_eval import (
+                CompileResult,
+                EvalResult,
+                FullResult,
+                ProfileResult,
+                RunResult,
+                SystemInfo,
+            )
+        except ImportError as e:
+            raise ImportError(
+                "KernelkiteLauncher needs kernelbot's libkernelbot on the path (run it inside "
+                "kernelbot), or stand-in classes passed as types=KernelbotTypes(...)"
+            ) from e
+        return cls(
+            FullResult=FullResult,
+            SystemInfo=SystemInfo,
+            EvalResult=EvalResult,
+            CompileResult=CompileResult,
+            RunResult=RunResult,
+            ProfileResult=ProfileResult,
+            RunnerQueueStatus=RunnerQueueStatus,
+        )
+
+
+class UnreadableResult(ValueError):
+    """`result.json` does not have the shape of kernelbot's `FullResult`."""
+
+
+def _fields(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """`data`'s entries that `cls` has fields for. Fields a newer runner added are dropped
+    (kernelbot's `Dataclass(**dict)` would refuse them); a missing required field is an error."""
+    if not isinstance(data, dict):
+        raise UnreadableResult(f"{where} is not an object")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [
+        name
+        for name, f in known.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise UnreadableResult(f"{where} lacks {', '.join(missing)}")
+    return {k: v for k, v in data.items() if k in known}
+
+
+def full_result_from_json(data: Any, types: KernelbotTypes) -> Any:
+    """kernelbot's `FullResult` from `result.json`'s JSON, as kernelbot's launchers parse it,
+    except that the runner's own `success` and `error` are kept and every time is
+    timezone-aware (a time without offset is UTC)."""
+    if not isinstance(data, dict):
+        raise UnreadableResult("the result is not a JSON object")
+    if not isinstance(data.get("success"), bool) or not isinstance(data.get("error"), str):
+        raise UnreadableResult("the result lacks a boolean success or a string error")
+    runs_json = data.get("runs", {})
+    if not isinstance(runs_json, dict):
+        raise UnreadableResult("runs is not an object")
+    runs = {}
+    for key, run in runs_json.items():
+        where = f"runs.{key}"
+        fields = _fields(types.EvalResult, run, where)
+        try:
+            start, end = parse_time(run["start"]), parse_time(run["end"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnreadableResult(f"{where} has no ISO 8601 start/end: {e}") from e
+
+        def part(name: str, cls: type, run: dict = run, where: str = where) -> Any:
+            value = run.get(name)
+            return None if value is None else cls(**_fields(cls, value, f"{where}.{name}"))
+
+        fields.update(
+            start=start,
+            end=end,
+            compilation=part("compilation", types.CompileResult),
+            run=part("run", types.RunResult),
+            profile=part("profile", types.ProfileResult),
+        )
+        runs[key] = types.EvalResult(**fields)
+    system = types.SystemInfo(**_fields(types.SystemInfo, data.get("system", {}), "system"))
+    return types.FullResult(success=data["success"], error=data["error"], system=system, runs=runs)
+
+
+def default_deadline_s(config: Mapping[str, Any], queue_wait_s: float) -> float:
+    """How long a run may take in all: the time limits the runner applies to its mode (plus
+    the compile step of each run), `queue_wait_s` for a GPU to become free, and a minute for
+    setting up and reading the result."""
+
+    def limit(key: str) -> float:
+        value = config.get(key)
+        return float(value) if isinstance(value, int | float) and value > 0 else 180.0
+
+    mode = config.get("mode")
+    if mode == "test":
+        run = limit("test_timeout") + COMPILE_TIMEOUT_S
+    elif mode == "benchmark":
+        run = limit("benchmark_timeout") + COMPILE_TIMEOUT_S
+    elif mode in ("leaderboard", "private"):
+        run = limit("test_timeout") + limit("benchmark_timeout") + limit("ranked_timeout")
+        run += 3 * COMPILE_TIMEOUT_S
+    elif mode == "profile":
+        count = len(config.get("benchmarks") or []) or 1
+        run = count * (limit("benchmark_timeout") + COMPILE_TIMEOUT_S)
+    else:
+        run = 1800.0
+    return run + queue_wait_s + 60.0
+
+
+def _build_link(build: Mapping[str, Any] | None) -> str:
+    if not build or not build.get("number"):
+        return ""
+    url = build.get("web_url")
+    return f"build [#{build['number']}](<{url}>)" if url else f"build #{build['number']}"
+
+
+class _Progress:
+    """The run's line in kernelbot's status message: `push` the first time, `update` after,
+    skipping repeats. A reporter that fails (Discord is down) is logged, never fatal."""
+
+    def __init__(self, reporter: Any) -> None:
+        self._reporter = reporter
+        self._pushed = False
+        self._last: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def show(self, view: _View) -> None:
+        """Shows the view's message, computed once the previous call is done, so a message
+        never overtakes a later state."""
+        async with self._lock:
+            text = view.message()
+            if text == self._last:
+                return
+            try:
+                if self._pushed:
+                    await self._reporter.update(text)
+                else:
+                    await self._reporter.push(text)
+                    self._pushed = True
+                self._last = text
+            except Exception:
+                log.warning("could not report progress %r", text, exc_info=True)
+
+
+@dataclass
+class _View:
+    """What the run knows of its submission, for the messages."""
+
+    gpu: str
+    state: str = "queued"
+    build: dict[str, Any] | None = None
+    running_since: float | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def message(self) -> str:
+        link = _build_link(self.build)
+        on = f": {link}" if link else ""
+        if self.state == "queued":
+            return f"⏳ Queued for {self.gpu}"
+        if self.state == "scheduled":
+            return f"⏳ Waiting for a free {self.gpu} GPU{on}"
+        if self.state == "running":
+            elapsed = time.monotonic() - (self.running_since or time.monotonic())
+            return f"⏳ Running on {self.gpu}{on} ({elapsed:.0f}s)"
+        if self.state == "fetching":
+            return f"⏳ Reading the result from {self.gpu}{on}"
+        if self.state == "succeeded":
+            total = time.monotonic() - self.started
+            return f"✅ Finished on {self.gpu} in {total:.1f}s{on}"
+        if self.state == "timed_out":
+            return f"❌ Timed out on {self.gpu}{on}"
+        if self.state == "canceled":
+            return f"❌ Canceled on {self.gpu}{on}"
+        return f"❌ Failed on {self.gpu}{on}"
+
+
+def _resolve_queues(gpus: type[Enum], queues: Mapping[Any, str]) -> dict[str, str]:
+    """GPU name → queue, from a mapping keyed by members of `gpus` or their names or values."""
+    by_key: dict[str, str] = {}
+    for key, queue in queues.items():
+        member = None
+        for m in gpus:
+            if key is m or key == m.name or key == m.value:
+                member = m
+                break
+        if member is None:
+            raise ValueError(f"queue mapping key {key!r} is not a member of {gpus.__name__}")
+        if not isinstance(queue, str) or not valid_queue_name(queue):
+            raise ValueError(
+                f"queue {queue!r} for {member.name} must be 1-64 letters, digits, '-', '_' or '.'"
+            )
+        by_key[member.name] = queue
+    missing = [m.name for m in gpus if m.name not in by_key]
+    if missing:
+        raise ValueError(
+            f"no kernelkite queue for {', '.join(missing)}; map every member of {gpus.__name__}"
+        )
+    return by_key
+
+
+class KernelkiteLauncher(_LauncherBase):
+    """Runs kernelbot submissions on a kernelkite-service.
+
+    `gpus` is the kernelbot GPU enum this launcher serves (kernelbot registers it for each
+    member); `queues` maps each member (or its name or value) to the kernelkite queue (the
+    Buildkite agent queue) of machines with that GPU.
+
+    Time limits: each request `request_timeout_s`; a whole run `deadline_s` (default: from
+    the run config, `default_deadline_s`, with `queue_wait_s` to get a GPU). The service gets
+    the deadline as the submission's `timeout_s` and cancels the build when it passes; the
+    launcher itself gives up `deadline_grace_s` later (a service that stopped answering) and
+    cancels the submission then.
+    """
+
+    def __init__(
+        self,
+        service_url: str,
+        token: str | None,
+        gpus: type[Enum],
+        queues: Mapping[Any, str],
+        *,
+        name: str = "Kernelkite",
+        deadline_s: float | None = None,
+        queue_wait_s: float = 600.0,
+        deadline_grace_s: float = 30.0,
+        request_timeout_s: float = 10.0,
+        sse_read_timeout_s: float = 45.0,
+        sse_failures_before_poll: int = 3,
+        poll_wait_s: float = 30.0,
+        progress_interval_s: float = 10.0,
+        queue_status_ttl_s: float = 5.0,
+        submit_attempts: int = 5,
+        types: KernelbotTypes | None = None,
+    ) -> None:
+        super().__init__(name, gpus)
+        self.service_url = service_url.rstrip("/")
+        self._token = token
+        self._queues = _resolve_queues(gpus, queues)
+        self._types = types if types is not None else KernelbotTypes.from_kernelbot()
+        self.deadline_s = deadline_s
+        self.queue_wait_s = queue_wait_s
+        self.deadline_grace_s = deadline_grace_s
+        self.request_timeout_s = request_timeout_s
+        self.sse_read_timeout_s = sse_read_timeout_s
+        self.sse_failures_before_poll = sse_failures_before_poll
+        self.poll_wait_s = poll_wait_s
+        self.progress_interval_s = progress_interval_s
+        self.queue_status_ttl_s = queue_status_ttl_s
+        self.submit_attempts = max(1, submit_attempts)
+        self._queue_cache: dict[str, tuple[float, dict[str, Any] | None, str | None]] = {}
+        self._queue_locks: dict[str, asyncio.Lock] = {}
+        self._cleanups: set[asyncio.Task] = set()
+
+    def queue_for(self, gpu_type: Any) -> str | None:
+        """The queue of a GPU (kernelbot's `GPU`, an enum member, or a name)."""
+        return self._queues.get(getattr(gpu_type, "name", gpu_type))
+
+    def _client(self) -> KernelkiteClient:
+        return KernelkiteClient(
+            self.service_url,
+            self._token,
+            request_timeout_s=self.request_timeout_s,
+            sse_read_timeout_s=self.sse_read_timeout_s,
+        )
+
+    def _failure(self, error: str) -> Any:
+        t = self._types
+        return t.FullResult(success=False, error=error, system=t.SystemInfo(), runs={})
+
+    async def run_submission(self, config: dict, gpu_type: Any, status: Any) -> Any:
+        """Runs `config` on `gpu_type`'s queue, reporting progress on `status` (kernelbot's
+        `RunProgressReporter`); returns kernelbot's `FullResult`."""
+        gpu = str(getattr(gpu_type, "name", gpu_type))
+        progress = _Progress(status)
+        queue = self.queue_for(gpu_type)
+        if queue is None:
+            view = _View(gpu=gpu, state="failed")
+            await progress.show(view)
+            return self._failure(
+                f"{self.name} has no queue for {gpu}; this is a configuration problem on our "
+                "side, please report it to the organizers."
+            )
+        deadline = self.deadline_s or default_deadline_s(config, self.queue_wait_s)
+        timeout_s = max(1, math.ceil(deadline))
+        key = str(uuid.uuid4())
+        run_id = f"{gpu.lower()}-{key[:12]}"
+        view = _View(gpu=gpu)
+        state: dict[str, Any] = {"id": None, "post": None}
+        try:
+            async with self._client() as client, asyncio.timeout(deadline + self.deadline_grace_s):
+                return await self._run(
+                    client, config, queue, run_id, timeout_s, key, view, progress, state
+                )
+        except TimeoutError:
+            # The service did not end the submission itself within its timeout: it is not
+            # answering. Cancel it (best effort) and say so.
+            await self._cancel(state)
+            view.state = "timed_out"
+            await progress.show(view)
+            waited = deadline + self.deadline_grace_s
+            return self._failure(
+                f"No answer from the {self.name} service within {waited:.0f} s; your run was "
+                "canceled. Please try again later."
+            )
+        except asyncio.CancelledError:
+            # The caller gave up on the run: its build must not go on running for nobody.
+            cleanup = asyncio.ensure_future(self._cancel(state))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cleanup)
+            raise
+        except Exception as e:  # a result, never an exception, for kernelbot
+            log.exception("kernelkite run %s on %s failed", run_id, gpu)
+            view.state = "failed"
+            await progress.show(view)
+            return self._failure(self._explain(e, gpu, state["id"]))
+
+    async def _run(
+        self,
+        client: KernelkiteClient,
+        config: dict,
+        queue: str,
+        run_id: str,
+        timeout_s: int,
+        key: str,
+        view: _View,
+        progress: _Progress,
+        state: dict[str, Any],
+    ) -> Any:
+        post = asyncio.ensure_future(self._submit(config, queue, run_id, timeout_s, key))
+        state["post"] = post
+        # Shielded: if the run is canceled meanwhile, the cleanup still learns the id.
+        accepted = await asyncio.shield(post)
+        sub_id = state["id"] = accepted["id"]
+        await progress.show(view)
+        ticker = asyncio.ensure_future(self._tick(view, progress))
+        try:
+            final = await self._follow(client, sub_id, view, progress)
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+        return self._result(final, view, timeout_s)
+
+    async def _submit(
+        self,
+        config: dict,
+        queue: str,
+        run_id: str,
+        timeout_s: int,
+        key: str,
+    ) -> dict[str, Any]:
+        """POSTs the submission, retrying transient failures with the same idempotency key
+        (the service then answers with the submission the first try made)."""
+        # A client of its own: this call may outlive the run's (a canceled run waits for it to
+        # learn the id to cancel).
+        async with self._client() as client:
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    return await client.submit(
+                        config, queue, run_id=run_id, timeout_s=timeout_s, idempotency_key=key
+                    )
+                except (Unreachable, ServerError):
+                    if attempt >= self.submit_attempts:
+                        raise
+                    await asyncio.sleep(backoff_s(attempt, base=0.5))
+
+    async def _follow(
+        self, client: KernelkiteClient, sub_id: str, view: _View, progress: _Progress
+    ) -> dict[str, Any]:
+        stream = client.follow(
+            sub_id,
+            sse_failures_before_poll=self.sse_failures_before_poll,
+            poll_wait_s=self.poll_wait_s,
+        )
+        async with contextlib.aclosing(stream):
+            async for ev in stream:
+                await self._on_event(client, ev, view, progress)
+                if ev.terminal and ev.submission is not None:
+                    return ev.submission
+        raise Unreachable("the event stream ended before the submission did")
+
+    async def _on_event(
+        self, client: KernelkiteClient, ev: StateEvent, view: _View, progress: _Progress
+    ) -> None:
+        view.state = ev.state
+        if ev.state == "running" and view.running_since is None:
+            view.running_since = time.monotonic()
+        if ev.submission is not None:
+            view.build = ev.submission.get("build") or view.build
+        elif view.build is None and ev.state in ("scheduled", "running", "fetching"):
+            # State events do not carry the build; one read gets its link.
+            with contextlib.suppress(KernelkiteError):
+                view.build = (await client.get(ev.submission_id)).get("build")
+        await progress.show(view)
+
+    async def _tick(self, view: _View, progress: _Progress) -> None:
+        """Refreshes the elapsed time of a running submission."""
+        while True:
+            await asyncio.sleep(self.progress_interval_s)
+            if view.state == "running":
+                await progress.show(view)
+
+    def _result(self, sub: dict[str, Any], view: _View, timeout_s: int) -> Any:
+        gpu, state, link = view.gpu, sub.get("state"), _build_link(view.build)
+        see = f" ({link})" if link else ""
+        if state == "succeeded":
+            try:
+                return full_result_from_json(sub.get("result"), self._types)
+            except (UnreadableResult, TypeError, ValueError) as e:
+                return self._failure(
+                    f"The result of your run on {gpu} could not be read ({e}){see}. "
+                    "Please resubmit, and report it to the organizers if it happens again."
+                )
+        why = sub.get("error") or "no reason given"
+        if state == "timed_out":
+            ran = any(h.get("state") == "running" for h in sub.get("history") or [])
+            if ran:
+                return self._failure(
+                    f"Your run on {gpu} took longer than {timeout_s} s and was stopped{see}. "
+                    "Check your kernel for hangs, deadlocks or very slow cases."
+                )
+            return self._failure(
+                f"No {gpu} GPU became free within {timeout_s} s, so your run was canceled "
+                "before it started. Please try again later."
+            )
+        if state == "canceled":
+            return self._failure(
+                f"Your run on {gpu} was canceled before it finished ({why}). Please resubmit."
+            )
+        return self._failure(
+            f"Your run on {gpu} ended without a result: {why}. This is a problem with the GPU "
+            "machine, not your code: please resubmit, and report it to the organizers if it "
+            "happens again."
+        )
+
+    def _explain(self, e: Exception, gpu: str, sub_id: str | None) -> str:
+        if isinstance(e, Invalid):
+            return (
+                f"{self.name} refused the run: {e.message}. The task's run configuration is "
+                "invalid; please report this to the organizers."
+            )
+        if isinstance(e, Unauthorized):
+            return (
+                f"The {self.name} service refused the bot's credentials ({e.message}); this is "
+                "a configuration problem on our side, please report it to the organizers."
+            )
+        if isinstance(e, NotFound):
+            return (
+                f"The {self.name} service no longer knows your run on {gpu} ({sub_id}); it may "
+                "have restarted. Please resubmit."
+            )
+        if isinstance(e, Unreachable | ServerError):
+            return f"The {self.name} service could not be reached ({e}). Please try again later."
+        if isinstance(e, KernelkiteError):
+            return f"The {self.name} service answered unexpectedly ({e}). Please try again later."
+        return (
+            f"Running on {self.name} failed unexpectedly ({type(e).__name__}: {e}). Please "
+            "try again, and report it to the organizers if it happens again."
+        )
+
+    async def _cancel(self, state: dict[str, Any]) -> None:
+        """Cancels the submission (learning its id from a POST still in flight first), with a
+        client of its own: the run's may be closing. Errors are logged, not raised."""
+        sub_id = state.get("id")
+        post = state.get("post")
+        try:
+            if sub_id is None and post is not None:
+                try:
+                    sub_id = (await asyncio.wait_for(post, self.request_timeout_s * 2))["id"]
+                except Exception:
+                    return  # never accepted (or unknowable): nothing to cancel
+            if sub_id is None:
+                return
+            async with self._client() as client:
+                with contextlib.suppress(Conflict, NotFound):
+                    await client.cancel(sub_id)
+        except Exception:
+            log.warning("could not cancel kernelkite submission %s", sub_id, exc_info=True)
+
+    async def get_queue_status(self, gpu_type: Any, config: dict | None = None) -> Any:
+        """kernelbot's `RunnerQueueStatus` for the GPU's queue: this service's queued and
+        running submissions there, and its idle agents as `available_runners`. Cached for
+        `queue_status_ttl_s` per queue (errors too)."""
+        gpu = str(getattr(gpu_type, "name", gpu_type))
+        queue = self.queue_for(gpu_type)
+        status_cls = self._types.RunnerQueueStatus
+        if queue is None:
+            return status_cls(
+                runner=self.name,
+                gpu=gpu,
+                queued_jobs=None,
+                status="unavailable",
+                error=f"{gpu} is not served by {self.name}",
+            )
+        lock = self._queue_locks.setdefault(queue, asyncio.Lock())
+        async with lock:
+            cached = self._queue_cache.get(queue)
+            if cached is None or time.monotonic() - cached[0] > self.queue_status_ttl_s:
+                try:
+                    async with self._client() as client:
+                        data = await client.queue_status(queue)
+                    if not isinstance(data.get("agents"), dict | None):
+                        raise Unreachable(f"agents is not an object: {data.get('agents')!r}")
+                    cached = (time.monotonic(), data, None)
+                except KernelkiteError as e:
+                    cached = (time.monotonic(), None, f"{self.name} queue status: {e}")
+                self._queue_cache[queue] = cached
+        _, data, error = cached
+        if data is None:
+            return status_cls(
+                runner=self.name, gpu=gpu, queued_jobs=None, status="unavailable", error=error
+            )
+        agents = data.get("agents")
+        status, error = "available", None
+        if agents is not None and agents.get("total") == 0:
+            status, error = "unavailable", f"no {gpu} machine is connected to queue {queue}"
+        return status_cls(
+            runner=self.name,
+            gpu=gpu,
+            queued_jobs=data.get("queued"),
+            running_jobs=data.get("running"),
+            available_runners=None if agents is None else agents.get("idle"),
+            status=status,
+            error=error,
+        )

@@ -1,0 +1,329 @@
+"""KernelkiteLauncher as kernelbot drives it, against a real kernelkite-service and the fake
+Buildkite (kernelbot's classes: the stand-ins in kernelbot_standins.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+from conftest import make_launcher
+from kernelbot_standins import (
+    EvalResult,
+    FullResult,
+    KiteGPU,
+    RecordingReporter,
+    RunnerQueueStatus,
+    gpu,
+)
+from samples import result_json, sample_config
+from stack import Stack, wait_until
+
+from kernelkite import KernelkiteClient, NotFound
+
+H100 = gpu(KiteGPU.H100_KK)
+
+
+async def run_in_background(launcher, reporter, config=None):
+    return asyncio.create_task(launcher.run_submission(config or sample_config(), H100, reporter))
+
+
+async def the_build(stack: Stack, count: int = 1) -> dict:
+    return (await stack.fake.wait_builds(count))[count - 1]
+
+
+def assert_in_order(texts: list[str], prefixes: list[str]) -> None:
+    """Each prefix matches a later message than the one before."""
+    i = 0
+    for p in prefixes:
+        while i < len(texts) and not texts[i].startswith(p):
+            i += 1
+        assert i < len(texts), f"no {p!r} after the earlier ones in {texts}"
+        i += 1
+
+
+async def test_success_over_sse_reports_each_state_in_order(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    await wait_until(lambda: any("Waiting for a free" in t for t in reporter.texts()))
+    await stack.fake.start(build["number"])
+    await wait_until(lambda: any("Running on" in t for t in reporter.texts()))
+    await asyncio.sleep(1.5)  # the elapsed time is refreshed while it runs
+    await stack.fake.finish(build["number"], "passed", result_json())
+    result = await asyncio.wait_for(task, 20)
+
+    assert isinstance(result, FullResult) and result.success and result.error == ""
+    assert isinstance(result.runs["test"], EvalResult) and result.runs["test"].run.passed
+    assert result.runs["test"].start.tzinfo is not None
+    assert reporter.calls[0] == ("push", "⏳ Queued for H100_KK")
+    assert [kind for kind, _ in reporter.calls[1:]] == ["update"] * (len(reporter.calls) - 1)
+    link = f"build [#{build['number']}](<{build['web_url']}>)"
+    texts = reporter.texts()
+    assert_in_order(
+        texts,
+        [
+            "⏳ Queued for H100_KK",
+            f"⏳ Waiting for a free H100_KK GPU: {link}",
+            f"⏳ Running on H100_KK: {link} (",
+            "✅ Finished on H100_KK in ",
+        ],
+    )
+    assert texts[-1].startswith("✅ Finished on H100_KK") and texts[-1].endswith(link)
+    assert len([t for t in texts if t.startswith("⏳ Running")]) >= 2, texts
+    assert len(reporter.lines) == 1, "one line, updated in place"
+    # The submission carried the run's deadline as its timeout.
+    sub_id = build["meta_data"]["kernelkite_submission_id"]
+    async with KernelkiteClient(stack.url, stack.token) as c:
+        assert (await c.get(sub_id))["timeout_s"] == 60
+
+
+async def test_success_over_long_poll(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token, sse_failures_before_poll=0, poll_wait_s=2)
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    await stack.fake.start(build["number"])
+    await wait_until(lambda: any("Running on" in t for t in reporter.texts()))
+    await stack.fake.finish(build["number"], "passed", result_json())
+    result = await asyncio.wait_for(task, 20)
+    assert result.success, result.error
+    assert_in_order(
+        reporter.texts(),
+        ["⏳ Queued", "⏳ Waiting for a free H100_KK GPU: build [#1]", "⏳ Running on", "✅"],
+    )
+
+
+async def test_a_result_with_success_false_is_kept_as_the_runner_wrote_it(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token)
+    task = await run_in_background(launcher, RecordingReporter())
+    build = await the_build(stack)
+    failing = result_json(success=False, error="Error executing script: CUDA out of memory")
+    # The runner exits non-zero when the evaluation fails; its result.json still counts.
+    await stack.fake.finish(build["number"], "failed", failing)
+    result = await asyncio.wait_for(task, 20)
+    assert result.success is False
+    assert result.error == "Error executing script: CUDA out of memory"
+    assert result.runs["test"].run.stderr == "Traceback: boom"
+
+
+async def test_a_failed_build_without_artifact_is_a_failed_result(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    await stack.fake.start(build["number"])
+    await stack.fake.finish(build["number"], "failed", None)
+    result = await asyncio.wait_for(task, 20)
+    assert result.success is False and result.runs == {}
+    assert "ended without a result" in result.error
+    assert "without result.json" in result.error and build["web_url"] in result.error
+    assert "please resubmit" in result.error
+    assert reporter.texts()[-1].startswith("❌ Failed on H100_KK")
+
+
+async def test_the_deadline_cancels_the_build(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token, deadline_s=1.5)
+    reporter = RecordingReporter()
+    started = time.monotonic()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    await stack.fake.start(build["number"])
+    result = await asyncio.wait_for(task, 20)
+    assert time.monotonic() - started < 10
+    assert result.success is False
+    assert "took longer than 2 s and was stopped" in result.error, result.error
+    await wait_until(lambda: stack.fake.requests("cancel_build"), what="the build's cancel")
+    assert await stack.fake.state(build["number"]) == "canceled"
+    assert reporter.texts()[-1].startswith("❌ Timed out on H100_KK")
+
+
+async def test_a_run_that_never_got_a_gpu_says_so(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token, deadline_s=1)
+    result = await asyncio.wait_for(
+        launcher.run_submission(sample_config(), H100, RecordingReporter()), 20
+    )
+    assert "No H100_KK GPU became free within 1 s" in result.error, result.error
+    await wait_until(lambda: stack.fake.requests("cancel_build"), what="the build's cancel")
+
+
+async def test_a_config_the_service_refuses_is_a_failed_result(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    result = await launcher.run_submission(sample_config(ranking_by="median"), H100, reporter)
+    assert result.success is False and result.runs == {}
+    assert result.error.startswith("Kernelkite refused the run: ")
+    assert "ranking_by" in result.error and "report this to the organizers" in result.error
+    assert reporter.calls == [("push", "❌ Failed on H100_KK")]
+    assert await stack.fake.builds() == []
+
+
+async def test_a_wrong_token_is_a_failed_result(stack: Stack):
+    launcher = make_launcher(stack.url, "wrong-token")
+    result = await launcher.run_submission(sample_config(), H100, RecordingReporter())
+    assert result.success is False
+    assert "refused the bot's credentials" in result.error and "bearer token" in result.error
+    status = await launcher.get_queue_status(H100)
+    assert isinstance(status, RunnerQueueStatus)
+    assert (status.status, status.queued_jobs) == ("unavailable", None)
+    assert "401" in status.error
+
+
+@pytest.mark.parametrize("how", ["wait_for", "task.cancel"])
+async def test_task_cancellation_cancels_the_submission(stack: Stack, how: str):
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    run = launcher.run_submission(sample_config(), H100, reporter)
+    if how == "wait_for":
+        started = asyncio.create_task(stack.fake.wait_builds(1))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(run, 1.0)
+        build = (await started)[0]
+    else:
+        task = asyncio.create_task(run)
+        build = await the_build(stack)
+        await stack.fake.start(build["number"])
+        await wait_until(lambda: any("Running" in t for t in reporter.texts()))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    # The DELETE went out before the cancellation finished.
+    sub_id = build["meta_data"]["kernelkite_submission_id"]
+    async with KernelkiteClient(stack.url, stack.token) as c:
+        sub = await c.get(sub_id)
+    assert sub["state"] == "canceled", sub
+    await wait_until(lambda: stack.fake.requests("cancel_build"), what="the build's cancel")
+    assert await stack.fake.state(build["number"]) == "canceled"
+
+
+async def test_a_service_that_stops_answering_hits_the_deadline(stack: Stack):
+    launcher = make_launcher(
+        stack.url, stack.token, deadline_s=2, deadline_grace_s=1, request_timeout_s=0.5
+    )
+    task = await run_in_background(launcher, RecordingReporter())
+    build = await the_build(stack)
+    stack.service.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        result = await asyncio.wait_for(task, 15)
+        waited = time.monotonic() - started
+    finally:
+        stack.service.signal(signal.SIGCONT)
+    assert result.success is False and "No answer from the Kernelkite service" in result.error
+    assert waited < 6, waited
+    # Once it answers again the build does not run on: the service's own timeout cancels it.
+    await wait_until(
+        lambda: stack.fake.requests("cancel_build"), within=10, what="the build's cancel"
+    )
+    assert await stack.fake.state(build["number"]) == "canceled"
+
+
+async def test_a_service_restart_during_the_wait(stack: Stack):
+    launcher = make_launcher(stack.url, stack.token, poll_wait_s=2)
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    sub_id = build["meta_data"]["kernelkite_submission_id"]
+    await stack.fake.start(build["number"])
+    await wait_until(lambda: any("Running" in t for t in reporter.texts()))
+    # A restart as systemd does it: SIGTERM (a service that still drains its event streams
+    # after 2 s is killed), then a new process on the same port and data dir.
+    stack.service.stop(signal.SIGTERM, grace_s=2)
+    stack.service.start()
+    async with KernelkiteClient(stack.url, stack.token) as c:
+        try:
+            await c.get(sub_id)
+        except NotFound:
+            # The launcher's side of it still holds: the lost run is a result that says so.
+            result = await asyncio.wait_for(task, 30)
+            assert result.success is False
+            assert "no longer knows your run on H100_KK" in result.error, result.error
+            pytest.skip(
+                "needs the durable store: this build's restarted service answers 404 for "
+                "submissions that were in flight"
+            )
+    await stack.fake.finish(build["number"], "passed", result_json())
+    result = await asyncio.wait_for(task, 30)
+    assert result.success, result.error
+    assert reporter.texts()[-1].startswith("✅ Finished")
+
+
+async def test_twenty_concurrent_submissions(stack: Stack):
+    await stack.fake.autoplay(
+        {"start_after_ms": 100, "finish_after_ms": 300, "state": "passed", "result": result_json()}
+    )
+    launcher = make_launcher(stack.url, stack.token)
+    reporters = [RecordingReporter() for _ in range(20)]
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                launcher.run_submission(sample_config(seed=i), H100, r)
+                for i, r in enumerate(reporters)
+            )
+        ),
+        60,
+    )
+    assert all(r.success for r in results), [r.error for r in results if not r.success]
+    builds = await stack.fake.builds()
+    assert len(builds) == 20
+    assert len({b["env"]["KERNELBOT_RUN_ID"] for b in builds}) == 20, "unique run ids"
+    for r in reporters:
+        assert r.calls[0][0] == "push" and r.texts()[-1].startswith("✅ Finished")
+
+
+async def test_queue_status_fills_runner_queue_status_and_is_cached(stack: Stack):
+    await stack.fake.set_agents(
+        [
+            {"name": "g1", "queue": "h100", "busy": True},
+            {"name": "g2", "queue": "h100"},
+            {"name": "g3", "queue": "h100"},
+        ]
+    )
+    launcher = make_launcher(stack.url, stack.token, queue_status_ttl_s=30)
+    task = await run_in_background(launcher, RecordingReporter())
+    await the_build(stack)
+    status = await launcher.get_queue_status(H100)
+    assert status == RunnerQueueStatus(
+        runner="Kernelkite",
+        gpu="H100_KK",
+        queued_jobs=1,
+        running_jobs=0,
+        available_runners=2,
+        status="available",
+        error=None,
+    )
+    b200 = await launcher.get_queue_status(gpu(KiteGPU.B200_KK), {"mode": "test"})
+    assert (b200.status, b200.available_runners, b200.queued_jobs) == ("unavailable", 0, 0)
+    assert b200.error == "no B200_KK machine is connected to queue b200"
+    for _ in range(5):
+        assert await launcher.get_queue_status(H100) == status
+    reqs = [h for h in await stack.fake.requests("list_agents")]
+    assert len(reqs) == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_unreachable_service_is_a_failed_result(tmp_path):
+    from stack import free_port
+
+    launcher = make_launcher(
+        f"http://127.0.0.1:{free_port()}", "t", request_timeout_s=0.5, submit_attempts=2
+    )
+    result = await launcher.run_submission(sample_config(), H100, RecordingReporter())
+    assert result.success is False
+    assert "service could not be reached" in result.error
+    status = await launcher.get_queue_status(H100)
+    assert status.status == "unavailable" and status.queued_jobs is None
+
+
+async def test_a_reporter_that_fails_does_not_fail_the_run(stack: Stack):
+    class Broken(RecordingReporter):
+        async def _update_message(self) -> None:
+            raise RuntimeError("Discord is down")
+
+    await stack.fake.autoplay({"state": "passed", "result": result_json()})
+    launcher = make_launcher(stack.url, stack.token)
+    result = await asyncio.wait_for(launcher.run_submission(sample_config(), H100, Broken()), 20)
+    assert result.success, result.error

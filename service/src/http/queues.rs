@@ -1,0 +1,29 @@
+//! `GET /v1/queues/{queue}`: how busy a queue is (see [`crate::queues`]).
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::routing::{get, MethodRouter};
+use axum::Json;
+
+use crate::app::App;
+use crate::error::{Error, Invalid};
+use crate::queues::{QueueStatus, Queues};
+
+/// The route, with its agent-count cache. The cache lives as long as the router: one per
+/// server, so one Buildkite fetch per refresh interval however many clients ask.
+pub(super) fn route(app: &Arc<App>) -> MethodRouter<Arc<App>> {
+    let queues = Arc::new(Queues::for_executor(&app.cfg, app.executor.name()));
+    get(
+        move |State(app): State<Arc<App>>, Path(queue): Path<String>| async move {
+            status(&app, &queues, &queue).await
+        },
+    )
+}
+
+async fn status(app: &App, queues: &Arc<Queues>, queue: &str) -> Result<Json<QueueStatus>, Error> {
+    if !crate::queues::valid_name(queue) {
+        return Err(Invalid::Queue(queue.to_string()).into());
+    }
+    Ok(Json(queues.status(&app.store, queue).await))
+}

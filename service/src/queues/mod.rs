@@ -1,0 +1,363 @@
+//! Queue status: how busy a queue is, for a backend choosing where (or whether) to send work
+//! and for the competitor waiting in it.
+//!
+//! Two sources, read differently. The service's own counts (its in-flight submissions on the
+//! queue, by state) are exact and read from the store on every request. The agents (GPU
+//! machines) serving the queue come from the executor's world, Buildkite's agents list or its
+//! agent metrics endpoint ([`buildkite`]), which costs API calls against the same 50/min budget
+//! that submissions spend; so they are fetched in the background at most once per
+//! `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only while
+//! somebody asks, and every request in between is answered from that snapshot. A request
+//! never waits for Buildkite except the very first, and then only briefly.
+
+pub mod buildkite;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use tokio::sync::watch;
+// Tokio's clock, so tests can pause it.
+use tokio::time::Instant;
+
+use crate::config::{Config, Secret};
+use crate::executor::BoxFuture;
+use crate::report::{report, BoxError};
+use crate::store::Store;
+
+/// Where queue status gets its agent counts: the flags of `GET /v1/queues/{queue}`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct QueueSettings {
+    /// Buildkite agent token. When set, agent counts come from the agent API's metrics
+    /// endpoint (one call for every queue of the token's cluster) instead of the REST agents
+    /// list (which needs the `read_agents` scope on BUILDKITE_API_TOKEN).
+    #[arg(long, env = "BUILDKITE_AGENT_TOKEN", hide_env_values = true)]
+    pub buildkite_agent_token: Option<Secret>,
+
+    /// Base URL of Buildkite's agent API (its metrics endpoint is `<url>/metrics`).
+    #[arg(long, env = "BUILDKITE_AGENT_API_URL", default_value = DEFAULT_AGENT_API_URL)]
+    pub buildkite_agent_api_url: String,
+
+    /// Agent counts are fetched from Buildkite at most this often, seconds (at least 60: the
+    /// calls share the API token's 50 requests/min with submissions).
+    #[arg(
+        long,
+        env = "KERNELKITE_AGENTS_REFRESH_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(60..)
+    )]
+    pub agents_refresh_s: u64,
+}
+
+/// Buildkite's agent API.
+pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
+
+/// How long the first request after start waits for the first agent counts.
+const FIRST_WAIT: Duration = Duration::from_secs(3);
+
+/// Whether `name` is a queue name the service takes: 1-64 of `A-Za-z0-9._-`, what Buildkite
+/// takes in a `queue=` agent tag.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
+
+/// Agents of one queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AgentCounts {
+    /// Connected and not running a job.
+    pub idle: u64,
+    /// Running a job.
+    pub busy: u64,
+    /// Connected.
+    pub total: u64,
+}
+
+/// Agent counts for every queue the source knows of.
+pub type AgentsByQueue = HashMap<String, AgentCounts>;
+
+/// Where agent counts come from (Buildkite's REST agents list, its agent metrics endpoint; a
+/// local executor's own slices).
+pub trait AgentSource: Send + Sync + 'static {
+    /// For log lines ("Buildkite agents list").
+    fn name(&self) -> &'static str;
+
+    /// Every connected agent, counted by queue. A queue missing from the map has no agent.
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
+}
+
+/// `GET /v1/queues/{queue}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QueueStatus {
+    /// The queue.
+    pub queue: String,
+    /// This service's submissions on the queue that wait for a machine (`queued`, `scheduled`).
+    pub queued: u64,
+    /// This service's submissions on the queue that run (`running`, `fetching`).
+    pub running: u64,
+    /// The queue's agents, as last fetched; `None` when unknown (no source, or no answer yet).
+    pub agents: Option<AgentCounts>,
+    /// When `queued` and `running` were counted (now).
+    #[serde(with = "crate::submission::iso")]
+    pub updated_at: DateTime<Utc>,
+    /// When `agents` was fetched.
+    #[serde(with = "crate::submission::iso_opt")]
+    pub agents_updated_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Snapshot {
+    /// Fetches finished (successful or not); the first request waits for the first.
+    attempts: u64,
+    counts: Option<Arc<AgentsByQueue>>,
+    fetched_at: Option<DateTime<Utc>>,
+    /// `fetched_at` on the (pausable) monotonic clock, for ageing.
+    fetched: Option<Instant>,
+}
+
+/// Queue status: the store's counts, and agent counts refreshed in the background.
+pub struct Queues {
+    source: Option<Arc<dyn AgentSource>>,
+    refresh: Duration,
+    /// When the last fetch started; a fetch starts only when this is older than `refresh`.
+    last_attempt: Mutex<Option<Instant>>,
+    snapshot: watch::Sender<Snapshot>,
+}
+
+impl Queues {
+    /// Queue status with agent counts from `source` (none: `agents` is always null), fetched
+    /// at most once per `refresh`.
+    pub fn new(source: Option<Arc<dyn AgentSource>>, refresh: Duration) -> Queues {
+        Queues {
+            source,
+            refresh,
+            last_attempt: Mutex::new(None),
+            snapshot: watch::channel(Snapshot::default()).0,
+        }
+    }
+
+    /// The agent source the configuration asks for, given which executor runs builds.
+    /// Buildkite: the agent metrics endpoint when an agent token is configured, else the REST
+    /// agents list. Another executor has no Buildkite agents; until it supplies a source of
+    /// its own (a local executor: its slices), `agents` is null.
+    pub fn for_executor(cfg: &Config, executor: &str) -> Queues {
+        let refresh = Duration::from_secs(cfg.queues.agents_refresh_s);
+        if executor != "Buildkite" {
+            return Queues::new(None, refresh);
+        }
+        let source: Result<Arc<dyn AgentSource>, reqwest::Error> = match &cfg
+            .queues
+            .buildkite_agent_token
+        {
+            Some(token) => buildkite::AgentMetrics::new(cfg, token.clone())
+                .map(|s| Arc::new(s) as Arc<dyn AgentSource>),
+            None => buildkite::AgentsList::new(cfg).map(|s| Arc::new(s) as Arc<dyn AgentSource>),
+        };
+        match source {
+            Ok(s) => Queues::new(Some(s), refresh),
+            Err(e) => {
+                tracing::warn!(error = %report(&e), "queue status will not show agents: cannot build the HTTP client");
+                Queues::new(None, refresh)
+            }
+        }
+    }
+
+    /// The queue's status: the store's counts now, the agents as last fetched. Starts a
+    /// background fetch when the last one is older than the refresh interval.
+    pub async fn status(self: &Arc<Self>, store: &Store, queue: &str) -> QueueStatus {
+        let agents = self.agents(queue).await;
+        let counts = store.in_flight(queue);
+        QueueStatus {
+            queue: queue.to_string(),
+            queued: counts.queued,
+            running: counts.running,
+            agents: agents.map(|a| a.0),
+            updated_at: Utc::now(),
+            agents_updated_at: agents.map(|a| a.1),
+        }
+    }
+
+    /// The queue's agents as last fetched, and when.
+    pub async fn agents(self: &Arc<Self>, queue: &str) -> Option<(AgentCounts, DateTime<Utc>)> {
+        self.source.as_ref()?;
+        let mut rx = self.snapshot.subscribe();
+        self.refresh_if_due();
+        if rx.borrow().attempts == 0 {
+            // Only before the first fetch ended: better a short wait than a null the caller
+            // would cache.
+            let _ = tokio::time::timeout(FIRST_WAIT, rx.wait_for(|s| s.attempts > 0)).await;
+        }
+        let snap = rx.borrow();
+        let counts = snap.counts.as_ref()?;
+        Some((
+            counts.get(queue).copied().unwrap_or_default(),
+            snap.fetched_at?,
+        ))
+    }
+
+    /// Starts a fetch when none started within `refresh`. The start time is taken before the
+    /// fetch runs, so concurrent requests start one fetch, not one each.
+    fn refresh_if_due(self: &Arc<Self>) {
+        let Some(source) = self.source.clone() else {
+            return;
+        };
+        {
+            let mut last = self.last_attempt.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| t.elapsed() < self.refresh) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let this = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let result = source.fetch().await;
+            let Some(this) = this.upgrade() else { return };
+            // Counts older than three refreshes say more about the past than the queue.
+            let stale_after = this.refresh * 3;
+            this.snapshot.send_modify(|s| {
+                s.attempts += 1;
+                match result {
+                    Ok(counts) => {
+                        s.counts = Some(Arc::new(counts));
+                        s.fetched_at = Some(Utc::now());
+                        s.fetched = Some(Instant::now());
+                    }
+                    Err(e) => {
+                        tracing::warn!(source = source.name(), error = %report(&*e), "could not fetch agent counts for queue status");
+                        if s.fetched.is_none_or(|t| t.elapsed() > stale_after) {
+                            *s = Snapshot {
+                                attempts: s.attempts,
+                                ..Snapshot::default()
+                            };
+                        }
+                    }
+                }
+            });
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    struct Counting {
+        calls: AtomicU64,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl AgentSource for Counting {
+        fn name(&self) -> &'static str {
+            "test"
+        }
+        fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>> {
+            Box::pin(async move {
+                let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+                if self.fail.load(Ordering::SeqCst) {
+                    return Err("boom".into());
+                }
+                Ok(HashMap::from([(
+                    "h100".to_string(),
+                    AgentCounts {
+                        idle: n,
+                        busy: 1,
+                        total: n + 1,
+                    },
+                )]))
+            })
+        }
+    }
+
+    fn counting() -> Arc<Counting> {
+        Arc::new(Counting {
+            calls: AtomicU64::new(0),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Waits (in paused time: at once) until `n` fetches have ended.
+    async fn settled(q: &Queues, n: u64) {
+        let mut rx = q.snapshot.subscribe();
+        rx.wait_for(|s| s.attempts >= n).await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_requests_cost_one_fetch_per_refresh_interval() {
+        let source = counting();
+        let q = Arc::new(Queues::new(Some(source.clone()), Duration::from_secs(60)));
+        let answers = futures_util::future::join_all((0..50).map(|_| q.agents("h100"))).await;
+        assert!(answers.iter().all(|a| a.map(|a| a.0.idle) == Some(1)));
+        assert_eq!(source.calls.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        for _ in 0..20 {
+            assert_eq!(
+                q.agents("other").await.map(|a| a.0),
+                Some(AgentCounts::default()),
+                "a queue without agents has zero, not unknown"
+            );
+        }
+        assert_eq!(
+            source.calls.load(Ordering::SeqCst),
+            1,
+            "within the interval: cached"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Due: this request starts a fetch and is answered from the snapshot it had.
+        assert_eq!(q.agents("h100").await.map(|a| a.0.idle), Some(1));
+        settled(&q, 2).await;
+        assert_eq!(q.agents("h100").await.map(|a| a.0.idle), Some(2));
+        assert_eq!(source.calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_fetch_keeps_recent_counts_and_drops_old_ones() {
+        let source = counting();
+        let minute = Duration::from_secs(60);
+        source.fail.store(true, Ordering::SeqCst);
+        let q = Arc::new(Queues::new(Some(source.clone()), minute));
+        assert_eq!(q.agents("h100").await, None, "never fetched: unknown");
+        source.fail.store(false, Ordering::SeqCst);
+        tokio::time::sleep(minute).await;
+        q.agents("h100").await;
+        settled(&q, 2).await;
+        assert!(q.agents("h100").await.is_some());
+        source.fail.store(true, Ordering::SeqCst);
+        tokio::time::sleep(minute).await;
+        q.agents("h100").await;
+        settled(&q, 3).await;
+        assert!(
+            q.agents("h100").await.is_some(),
+            "one failure keeps recent counts"
+        );
+        // Past three intervals without a success the counts are dropped.
+        for n in 4..=6 {
+            tokio::time::sleep(minute + Duration::from_secs(1)).await;
+            q.agents("h100").await;
+            settled(&q, n).await;
+        }
+        assert_eq!(q.agents("h100").await, None);
+        assert_eq!(source.calls.load(Ordering::SeqCst), 6);
+    }
+
+    #[tokio::test]
+    async fn without_a_source_agents_are_unknown() {
+        let q = Arc::new(Queues::new(None, Duration::from_secs(60)));
+        assert_eq!(q.agents("h100").await, None);
+    }
+
+    #[test]
+    fn queue_names() {
+        for ok in ["h100", "b200.nebius", "mi300_x8", "a-b", &"q".repeat(64)] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in ["", "h100 ", "a/b", "queue=x", &"q".repeat(65), "ü"] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+}
