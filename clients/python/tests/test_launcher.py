@@ -18,7 +18,7 @@ from kernelbot_standins import (
     gpu,
 )
 from samples import result_json, sample_config
-from stack import Stack, wait_until
+from stack import Stack, TcpProxy, wait_until
 
 from kernelkite import KernelkiteClient, NotFound
 
@@ -78,6 +78,46 @@ async def test_success_over_sse_reports_each_state_in_order(stack: Stack):
     sub_id = build["meta_data"]["kernelkite_submission_id"]
     async with KernelkiteClient(stack.url, stack.token) as c:
         assert (await c.get(sub_id))["timeout_s"] == 60
+
+
+async def test_a_cut_event_stream_is_resumed_and_each_state_reported_once(stack: Stack):
+    proxy = await TcpProxy(stack.service.port).start()
+    try:
+        launcher = make_launcher(proxy.url, stack.token, progress_interval_s=60)
+        reporter = RecordingReporter()
+        task = await run_in_background(launcher, reporter)
+        build = await the_build(stack)
+        await wait_until(lambda: any("Waiting for a free" in t for t in reporter.texts()))
+        await wait_until(lambda: [h for h in proxy.heads if "/events " in h], what="the stream")
+        proxy.cut()
+        await stack.fake.start(build["number"])
+        await stack.fake.finish(build["number"], "passed", result_json())
+        result = await asyncio.wait_for(task, 20)
+    finally:
+        await proxy.aclose()
+    assert result.success, result.error
+    kinds = [t.split(" on ")[0].split(" for ")[0] for t in reporter.texts()]
+    assert kinds == [
+        "⏳ Queued",
+        "⏳ Waiting",
+        "⏳ Running",
+        "⏳ Reading the result from H100_KK: build [#1](<https://buildkite.com/kernelkite/submissions/builds/1>)",
+        "✅ Finished",
+    ], reporter.texts()
+    streams = [h for h in proxy.heads if "/events " in h]
+    assert len(streams) == 2 and "last-event-id: 1\r\n" in streams[1].lower(), streams
+
+
+async def test_a_rate_limited_build_creation_is_waited_out(stack: Stack):
+    await stack.fake.fault("create_build", rate_limited_s=1)
+    await stack.fake.autoplay({"state": "passed", "result": result_json()})
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    result = await asyncio.wait_for(launcher.run_submission(sample_config(), H100, reporter), 20)
+    assert result.success, result.error
+    creates = await stack.fake.requests("create_build")
+    assert [r["status"] for r in creates][:1] == [429] and len(creates) == 2
+    assert reporter.texts()[0] == "⏳ Queued for H100_KK"
 
 
 async def test_success_over_long_poll(stack: Stack):

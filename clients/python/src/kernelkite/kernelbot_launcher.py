@@ -388,7 +388,10 @@ class KernelkiteLauncher(_LauncherBase):
                 await asyncio.shield(cleanup)
             raise
         except Exception as e:  # a result, never an exception, for kernelbot
-            log.exception("kernelkite run %s on %s failed", run_id, gpu)
+            if isinstance(e, KernelkiteError):
+                log.warning("kernelkite run %s on %s failed: %s", run_id, gpu, e)
+            else:
+                log.exception("kernelkite run %s on %s failed", run_id, gpu)
             view.state = "failed"
             await progress.show(view)
             return self._failure(self._explain(e, gpu, state["id"]))
