@@ -124,7 +124,7 @@ fn count(agents: &[ListedAgent], into: &mut AgentsByQueue) {
     }
 }
 
-async fn checked(
+fn checked(
     what: &'static str,
     sent: Result<reqwest::Response, reqwest::Error>,
     hint: &'static str,
@@ -175,27 +175,34 @@ impl AgentsList {
         const HINT: &str = "give BUILDKITE_API_TOKEN the read_agents scope, or set BUILDKITE_AGENT_TOKEN to use the agent metrics endpoint";
         let mut counts = AgentsByQueue::new();
         let mut url = self.first_page.clone();
-        for _ in 0..MAX_PAGES {
+        for number in 1..=MAX_PAGES {
             let sent = self
                 .http
                 .get(&url)
                 .bearer_auth(self.token.expose())
                 .send()
                 .await;
-            let resp = checked(WHAT, sent, HINT).await?;
+            let resp = checked(WHAT, sent, HINT)?;
             let next = resp
                 .headers()
                 .get(reqwest::header::LINK)
                 .and_then(|v| v.to_str().ok())
                 .and_then(next_link)
                 .map(str::to_string);
-            let page: Vec<ListedAgent> = resp.json().await.map_err(|e| AgentsError::Decode {
+            let agents: Vec<ListedAgent> = resp.json().await.map_err(|e| AgentsError::Decode {
                 what: WHAT,
                 source: e.without_url(),
             })?;
-            count(&page, &mut counts);
+            count(&agents, &mut counts);
             match next {
                 None => break,
+                Some(_) if number == MAX_PAGES => {
+                    tracing::warn!(
+                        "more than {} agents: queue status counts the first {}",
+                        MAX_PAGES * 100,
+                        MAX_PAGES * 100
+                    );
+                }
                 // The token goes only below the API base URL (as with artifact downloads).
                 Some(n)
                     if n.strip_prefix(&self.base)
@@ -277,8 +284,7 @@ impl AgentMetrics {
             WHAT,
             sent,
             "check BUILDKITE_AGENT_TOKEN (an agent token of the cluster that serves the queues)",
-        )
-        .await?;
+        )?;
         let body: MetricsBody = resp.json().await.map_err(|e| AgentsError::Decode {
             what: WHAT,
             source: e.without_url(),
