@@ -8,6 +8,9 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "common/systemd.rs"]
+mod systemd;
+
 const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-isolate");
 const TOKEN: &str = "bkct_test-token-0123456789abcdef";
 
@@ -510,71 +513,30 @@ fn cpu_only_box_on_an_old_cgroup_v1_kernel_without_starting_agents() {
     run_case(&CPU_ONLY);
 }
 
-/// `systemd-analyze verify` on a root holding the generated units, this machine's own system
-/// units (for the targets they name) and a stand-in agent binary.
+/// The generated units, verified in a root of their own.
 fn verify_units(node: &Node) -> Result<(), String> {
-    let verify = node.tmp().join("verify");
-    let units_from = node.root().join("etc/systemd/system");
-    let units: Vec<String> = std::fs::read_dir(&units_from)
+    let dir = node.root().join("etc/systemd/system");
+    let mut units: Vec<(String, String)> = std::fs::read_dir(&dir)
         .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read_to_string(e.path()).unwrap(),
+            )
+        })
         .collect();
-    std::fs::create_dir_all(verify.join("usr/lib/systemd")).unwrap();
-    let status = Command::new("cp")
-        .args(["-a", "/usr/lib/systemd/system"])
-        .arg(verify.join("usr/lib/systemd/"))
-        .status()
-        .unwrap();
-    assert!(status.success());
-    std::fs::create_dir_all(verify.join("etc/systemd/system")).unwrap();
-    for u in &units {
-        std::fs::copy(
-            units_from.join(u),
-            verify.join("etc/systemd/system").join(u),
-        )
-        .unwrap();
-    }
-    write(
-        &verify.join("usr/bin/buildkite-agent"),
-        "#!/bin/sh\n",
-        0o755,
-    );
-    // Template units are verified through an instance.
-    let names: Vec<String> = units
-        .iter()
-        .map(|u| u.replace("@.service", "@gpu0.service"))
-        .collect();
-    let out = Command::new("systemd-analyze")
-        .arg("verify")
-        .arg(format!("--root={}", verify.display()))
-        .args(&names)
-        .current_dir(verify.join("etc/systemd/system"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    // Every complaint counts, warnings included (an unknown key is only a warning).
-    if out.status.success() && stderr.trim().is_empty() {
-        Ok(())
-    } else {
-        Err(format!("units {names:?}: {:?}\n{stderr}", out.status))
-    }
-}
-
-/// Whether `systemd-analyze verify` can run here; the reason when not.
-pub fn systemd_analyze_missing() -> Option<String> {
-    match Command::new("systemd-analyze").arg("--version").output() {
-        Ok(o) if o.status.success() => {}
-        _ => return Some("systemd-analyze is not installed (Debian: apt-get install systemd; scripts/test.sh installs it)".into()),
-    }
-    if !Path::new("/usr/lib/systemd/system/multi-user.target").exists() {
-        return Some("/usr/lib/systemd/system has no units to verify against".into());
-    }
-    None
+    units.sort();
+    systemd::verify(
+        &node.tmp().join("verify"),
+        &units,
+        &["/usr/bin/buildkite-agent"],
+    )
 }
 
 #[test]
 fn generated_units_pass_systemd_analyze_verify() {
-    if let Some(why) = systemd_analyze_missing() {
+    if let Some(why) = systemd::verify_unavailable() {
         kernelkite_testkit::skip(why);
         return;
     }
@@ -588,7 +550,6 @@ fn generated_units_pass_systemd_analyze_verify() {
         let unit = node.root().join("etc/systemd/system/kernelkite.slice");
         let text = std::fs::read_to_string(&unit).unwrap();
         std::fs::write(&unit, text.replace("MemoryMax=", "MemoryMaximum=")).unwrap();
-        let _ = std::fs::remove_dir_all(node.tmp().join("verify"));
         assert!(verify_units(&node).is_err(), "a broken unit passed verify");
     }
 }

@@ -248,10 +248,13 @@ pub fn agent_env(plan: &Plan, opts: &Options) -> String {
         &opts.node,
     );
     s.push_str("# No secrets here: the agent token is only in the root-only agents/*.cfg.\n");
+    // A venv at <prefix>/venv (the deployment guide's place for host mode's Python and task
+    // dependencies) comes before the system's python3; it need not exist.
     let _ = writeln!(
         s,
-        "PATH={}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        bin.display()
+        "PATH={}:{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        bin.display(),
+        opts.prefix.join("venv/bin").display()
     );
     let _ = writeln!(s, "HOME={STATE_DIR}");
     let _ = writeln!(s, "KERNELKITE_PLAN_FILE={PLAN_FILE}");
