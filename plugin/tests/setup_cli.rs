@@ -78,6 +78,7 @@ const CPU_ONLY: Case = Case {
 /// system has, binaries to install, a token file.
 struct Node {
     dir: tempfile::TempDir,
+    machine: PathBuf,
 }
 
 impl Node {
@@ -85,7 +86,7 @@ impl Node {
         self.dir.path()
     }
     fn sysfs(&self) -> PathBuf {
-        self.tmp().join("machine")
+        self.machine.clone()
     }
     fn root(&self) -> PathBuf {
         self.tmp().join("root")
@@ -117,13 +118,23 @@ fn render_gid() -> u32 {
     }
 }
 
-fn prepare(case: &Case) -> Node {
-    let node = Node {
-        dir: tempfile::tempdir().unwrap(),
-    };
+/// The machine of a case: its fixture tree, written once per test binary (setup only reads
+/// it, and big trees take seconds to write on a busy disk).
+fn machine(case: &Case) -> PathBuf {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static TREES: OnceLock<(tempfile::TempDir, Mutex<HashMap<&'static str, PathBuf>>)> =
+        OnceLock::new();
+    let (dir, made) =
+        TREES.get_or_init(|| (tempfile::tempdir().unwrap(), Mutex::new(HashMap::new())));
+    let mut made = made.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = made.get(case.fixture) {
+        return p.clone();
+    }
+    let sysfs = dir.path().join(case.fixture);
     let out = Command::new(BIN)
         .args(["fixture", case.fixture, "--out"])
-        .arg(node.sysfs())
+        .arg(&sysfs)
         .output()
         .unwrap();
     assert!(
@@ -131,7 +142,6 @@ fn prepare(case: &Case) -> Node {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let sysfs = node.sysfs();
     write(
         &sysfs.join("proc/sys/kernel/osrelease"),
         &format!("{}\n", case.kernel),
@@ -179,6 +189,16 @@ fn prepare(case: &Case) -> Node {
         }
     }
 
+    made.insert(case.fixture, sysfs.clone());
+    sysfs
+}
+
+fn prepare(case: &Case) -> Node {
+    let node = Node {
+        dir: tempfile::tempdir().unwrap(),
+        machine: machine(case),
+    };
+    let gid = render_gid();
     let root = node.root();
     mkdir(&root);
     for d in ["etc", "etc/systemd", "etc/systemd/system", "usr", "usr/bin"] {

@@ -67,7 +67,7 @@ pub struct SetupArgs {
     /// (default: the directory of this binary).
     #[arg(long, value_name = "DIR")]
     pub from: Option<PathBuf>,
-    /// Where the binaries go (<prefix>/bin).
+    /// Where the binaries go (PREFIX/bin).
     #[arg(long, value_name = "DIR", default_value = DEFAULT_PREFIX)]
     pub prefix: PathBuf,
     /// The buildkite-agent binary the units start (default: /usr/bin/buildkite-agent, or
@@ -101,7 +101,7 @@ pub struct SetupArgs {
     /// files, put back files --replace moved aside, remove the job user if setup created it.
     #[arg(long, conflicts_with_all = ["queue", "agent_token_file", "replace", "no_start"])]
     pub uninstall: bool,
-    /// Overwrite files setup did not write (each is kept as <name>.kernelkite-orig).
+    /// Overwrite files setup did not write (each is kept as NAME.kernelkite-orig).
     #[arg(long)]
     pub replace: bool,
     /// Write everything and run the checks, but do not enable or start the agents.
@@ -285,6 +285,28 @@ impl Runner for Live<'_> {
     }
 }
 
+/// The oldest systemd whose units setup's work: `LoadCredential=` with the `%d` specifier.
+pub const MIN_SYSTEMD: u32 = 248;
+
+/// `systemd 252 (252.38-1~deb12u1)` (the first line of `systemctl --version`) → 252.
+pub fn parse_systemd_version(text: &str) -> Option<u32> {
+    let mut words = text.lines().next()?.split_whitespace();
+    (words.next()? == "systemd").then_some(())?;
+    words.next()?.parse().ok()
+}
+
+/// What stops setup on this machine's systemd, if anything.
+fn systemd_problem() -> Option<String> {
+    let out = std::process::Command::new("systemctl")
+        .arg("--version")
+        .output();
+    match out.ok().and_then(|o| parse_systemd_version(&String::from_utf8_lossy(&o.stdout))) {
+        Some(v) if v >= MIN_SYSTEMD => None,
+        Some(v) => Some(format!("this node's systemd is {v}; the agents' units need systemd {MIN_SYSTEMD} or later (LoadCredential= with %d keeps the token out of the environment): upgrade the distribution")),
+        None => Some("systemctl is not available: the agents run as systemd services, so setup needs a node booted with systemd".into()),
+    }
+}
+
 fn read_manifest(root: &Path) -> anyhow::Result<Option<Manifest>> {
     Ok(Manifest::read(&under(root, Path::new(MANIFEST)))?)
 }
@@ -342,7 +364,15 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
         buildkite_agent,
         token,
     };
-    let desired = render::render(&plan, &facts, &opts)?;
+    let mut desired = render::render(&plan, &facts, &opts)?;
+    if live {
+        if let Some(problem) = systemd_problem() {
+            if !args.dry_run {
+                anyhow::bail!("{problem}");
+            }
+            desired.notes.push(problem);
+        }
+    }
     let mut observed = apply::observe(&root, Some(&desired), previous.as_ref())?;
     observed.job_user_exists = facts.job_user_exists;
     observed.job_user_groups = facts.job_user_groups.clone();
@@ -515,4 +545,33 @@ pub fn run_smoke(args: SmokeArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn systemd_versions_parse_from_systemctl() {
+        assert_eq!(
+            parse_systemd_version("systemd 252 (252.38-1~deb12u1)\n+PAM +AUDIT"),
+            Some(252)
+        );
+        assert_eq!(
+            parse_systemd_version("systemd 245 (245.4-4ubuntu3.22)"),
+            Some(245)
+        );
+        assert_eq!(parse_systemd_version("something else 300"), None);
+        assert_eq!(parse_systemd_version(""), None);
+    }
+
+    #[test]
+    fn key_values_parse() {
+        assert_eq!(
+            parse_key_value("A=b=c"),
+            Ok(("A".to_string(), "b=c".to_string()))
+        );
+        assert!(parse_key_value("=x").is_err());
+        assert!(parse_key_value("novalue").is_err());
+    }
 }

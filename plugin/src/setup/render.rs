@@ -399,7 +399,7 @@ pub fn favordynmods_supported(facts: &Facts) -> bool {
 /// `/etc/systemd/system/run-kernelkite-favordynmods.mount` (cgroup v1, Linux 6.0+).
 pub fn favordynmods_unit(node: &str) -> String {
     let mut s = header("fast cgroup migrations on cgroup v1 (favordynmods)", node);
-    s.push_str("# On cgroup v1 every move of a process into a cgroup (the hooks move each job's command into\n# its cgroup) waits for an RCU grace period, about 10 ms, unless a cgroup hierarchy is mounted\n# with `favordynmods` (Linux 6.0+): the kernel's cgroup lock is global, so one such mount turns\n# it on for every hierarchy. The existing hierarchies cannot be remounted with a new option, so\n# this mounts an empty named hierarchy that carries it.\n");
+    s.push_str("# On cgroup v1 every move of a process into a cgroup (the hooks move each job's command into\n# its cgroup) waits for an RCU grace period, about 10 ms, unless a cgroup hierarchy is mounted\n# with `favordynmods` (Linux 6.0+): the kernel's cgroup lock is global, so one such mount turns\n# it on for every hierarchy, at a small cost to every fork and exit. The existing hierarchies\n# cannot be remounted with a new option, so this mounts an empty named hierarchy carrying it.\n");
     let _ = write!(
         s,
         "[Unit]\nDescription=kernelkite: fast cgroup migrations on cgroup v1 (favordynmods)\nDocumentation={DOCS_URL}\n\n[Mount]\nWhat=kernelkite\nWhere={FAVORDYNMODS_DIR}\nType=cgroup\nOptions=none,name=kernelkite,favordynmods\nDirectoryMode=0755\n\n[Install]\nWantedBy=multi-user.target\n"
