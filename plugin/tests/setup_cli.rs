@@ -782,3 +782,29 @@ fn setup_refuses_what_it_cannot_use_before_touching_anything() {
     let cfg = std::fs::read_to_string(node.root().join("etc/kernelkite/agents/gpu3.cfg")).unwrap();
     assert!(cfg.contains("token=\"bkct_from-env\"\n"), "{cfg}");
 }
+
+#[test]
+fn a_reader_that_stops_early_does_not_break_setup() {
+    // `setup --dry-run | head` (or quitting `less`): the output goes nowhere, setup still ends well.
+    let node = prepare(&DGX);
+    let mut child = Command::new(BIN)
+        .arg("setup")
+        .arg("--root")
+        .arg(node.root())
+        .arg("--sysfs-root")
+        .arg(node.sysfs())
+        .arg("--from")
+        .arg(node.from())
+        .args(["--queue", "h100", "--node", "dgx01", "--dry-run"])
+        .arg("--agent-token-file")
+        .arg(node.tmp().join("agent-token"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}

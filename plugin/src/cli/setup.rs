@@ -139,6 +139,23 @@ pub struct SmokeArgs {
     pub node: Option<String>,
 }
 
+/// Writes to stdout, ignoring a closed pipe: `setup --dry-run | head` must neither panic
+/// nor, in a real run, stop half-way because the reader went away.
+fn say(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_fmt(text).and_then(|()| out.flush());
+}
+
+macro_rules! say {
+    ($($t:tt)*) => { say(format_args!($($t)*)) };
+}
+
+macro_rules! sayln {
+    () => { say(format_args!("\n")) };
+    ($($t:tt)*) => { say(format_args!("{}\n", format_args!($($t)*))) };
+}
+
 fn parse_key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .filter(|(k, _)| !k.is_empty())
@@ -218,7 +235,7 @@ struct Live<'a> {
 impl Runner for Live<'_> {
     fn run(&mut self, argv: &[String]) -> Result<(), SetupError> {
         let line = report::command_line(argv);
-        println!("+ {line}");
+        sayln!("+ {line}");
         let status = std::process::Command::new(&argv[0])
             .args(&argv[1..])
             .status()
@@ -237,7 +254,7 @@ impl Runner for Live<'_> {
     }
 
     fn doctor(&mut self) -> Result<(), SetupError> {
-        println!("+ kernelkite-isolate doctor");
+        sayln!("+ kernelkite-isolate doctor");
         let checks = run_checks(
             &DoctorOptions {
                 root: self.sysfs_root.to_path_buf(),
@@ -246,7 +263,7 @@ impl Runner for Live<'_> {
             &LiveHost::default(),
         );
         for c in &checks {
-            println!("{c}");
+            sayln!("{c}");
         }
         if exit_code(&checks) == 0 {
             Ok(())
@@ -259,7 +276,7 @@ impl Runner for Live<'_> {
     }
 
     fn smoke(&mut self) -> Result<(), SetupError> {
-        println!("+ kernelkite-isolate smoke");
+        sayln!("+ kernelkite-isolate smoke");
         let env_path = under(self.root, Path::new(AGENT_ENV));
         let text = std::fs::read_to_string(&env_path).map_err(|e| SetupError::io(&env_path, e))?;
         let env = smoke::parse_env_file(&text)
@@ -272,7 +289,7 @@ impl Runner for Live<'_> {
             slices: None,
         })?;
         for r in &reports {
-            print!("{}", r.text());
+            say!("{}", r.text());
         }
         if reports.iter().all(|r| r.ok()) {
             Ok(())
@@ -388,12 +405,12 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
     )?;
     let names = step_names(&opts.prefix, &opts.job_config);
     let header = report::header(&desired.summary, args.root.as_deref(), args.dry_run, false);
-    print!(
+    say!(
         "{}",
         report::actions_text(&header, &actions, &desired.notes, &names)
     );
     if args.dry_run {
-        print!("\ncontents:\n{}", report::contents_text(&desired));
+        say!("\ncontents:\n{}", report::contents_text(&desired));
         return Ok(ExitCode::SUCCESS);
     }
 
@@ -404,15 +421,15 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
             node: opts.node.clone(),
             docker: parse_config(&opts.job_config).is_ok_and(|c| c.mode == Mode::Docker),
         };
-        println!();
+        sayln!();
         apply::execute(&root, &actions, previous.as_ref(), &mut runner)?
     } else {
         apply::execute(&root, &actions, previous.as_ref(), &mut Recorder::default())?
     };
     for l in &leftovers {
-        println!("note: {l}");
+        sayln!("note: {l}");
     }
-    println!("\n{}", next_step(&args, &desired, &opts, &actions));
+    sayln!("\n{}", next_step(&args, &desired, &opts, &actions));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -464,7 +481,7 @@ fn uninstall(
     manifest: Option<&Manifest>,
 ) -> anyhow::Result<ExitCode> {
     let Some(manifest) = manifest else {
-        println!(
+        sayln!(
             "kernelkite-isolate setup --uninstall: nothing to uninstall: {} does not exist (setup never ran here, or was uninstalled)",
             MANIFEST
         );
@@ -479,7 +496,7 @@ fn uninstall(
         true,
     );
     let names = step_names(&args.prefix, &args.job_config);
-    print!("{}", report::actions_text(&header, &actions, &[], &names));
+    say!("{}", report::actions_text(&header, &actions, &[], &names));
     if args.dry_run {
         return Ok(ExitCode::SUCCESS);
     }
@@ -490,15 +507,15 @@ fn uninstall(
             node: manifest.node.clone(),
             docker: false,
         };
-        println!();
+        sayln!();
         apply::execute(root, &actions, Some(manifest), &mut runner)?
     } else {
         apply::execute(root, &actions, Some(manifest), &mut Recorder::default())?
     };
     for l in &leftovers {
-        println!("note: {l}");
+        sayln!("note: {l}");
     }
-    println!(
+    sayln!(
         "\nuninstalled: what setup wrote is gone{}",
         if leftovers.is_empty() {
             ""
@@ -536,10 +553,10 @@ pub fn run_smoke(args: SmokeArgs) -> anyhow::Result<ExitCode> {
         slices: (!args.slices.is_empty()).then(|| args.slices.clone()),
     })?;
     for r in &reports {
-        print!("{}", r.text());
+        say!("{}", r.text());
     }
     let ok = reports.iter().filter(|r| r.ok()).count();
-    println!("smoke: {ok} of {} slice(s) ok", reports.len());
+    sayln!("smoke: {ok} of {} slice(s) ok", reports.len());
     Ok(if ok == reports.len() {
         ExitCode::SUCCESS
     } else {
