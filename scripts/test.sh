@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
 # It installs what it needs, then runs, in order: formatting, lints, the API docs, every
-# crate's tests, the plugin's bats tests, the Python client's ruff and pytest suite (in a
-# venv at target/py-venv, against the real service binary), the unit and integration tests
-# again in a fresh clone with nothing beside it, and each benchmark in its short mode. The closing line counts
-# passed, failed and skipped tests; a test that could not run here (no root, no GPU, no
-# cgroups) is listed with its reason and never counted as passed.
+# crate's tests (shellcheck on every shell script, hadolint on the Dockerfiles and
+# systemd-analyze on the units among them), the plugin's bats tests, the Python client's ruff
+# and pytest suite (in a venv at target/py-venv, against the real service binary), the Docker
+# images' builds, the unit and integration tests again in a fresh clone with nothing beside
+# it, and each benchmark in its short mode. The closing line counts passed, failed and skipped
+# tests; a test that could not run here (no root, no GPU, no cgroups, no Docker daemon) is
+# listed with its reason and never counted as passed.
 #
 # Environment:
-#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3 yourself)
+#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3/shellcheck/
+#                              systemd yourself) and don't fetch hadolint
 #   KERNELKITE_SKIP_BENCH=1    skip the short benchmark runs
 #   KERNELKITE_SKIP_CLONE=1    skip the fresh-clone run (it tests the last commit, not your
 #                              uncommitted changes)
+#   KERNELKITE_SKIP_DOCKER=1   skip building the Docker images (counted as skipped)
+#   KERNELKITE_HADOLINT=PATH   the hadolint binary to lint the Dockerfiles with
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 section() { printf '\n--- %s\n' "$*"; }
 
 install_deps() {
-  local want=(bats hwloc python3 python3-venv iproute2 util-linux procps)
+  # Linters: the shell scripts are checked with shellcheck, the units with systemd-analyze.
+  local want=(bats hwloc python3 python3-venv iproute2 util-linux procps shellcheck systemd)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -42,7 +48,40 @@ install_deps() {
   done
 }
 
-[ "${KERNELKITE_SKIP_INSTALL:-}" = 1 ] || install_deps
+# hadolint is not packaged by Debian: its pinned static release, checked against its
+# SHA-256, when github.com is reachable. Without it the hadolint test skips, saying why.
+HADOLINT_VERSION=2.12.0
+HADOLINT_SHA256=56de6d5e5ec427e17b74fa48d51271c7fc0d61244bf5c90e828aab8362d55010
+fetch_hadolint() {
+  [ -z "${KERNELKITE_HADOLINT:-}" ] || return 0
+  command -v hadolint >/dev/null && return 0
+  local bin="target/tools/hadolint-$HADOLINT_VERSION"
+  if [ ! -x "$bin" ]; then
+    if [ "$(uname -m)" != x86_64 ] || ! command -v curl >/dev/null; then
+      echo "note: hadolint is not fetched here (needs x86_64 and curl); its test skips"
+      return 0
+    fi
+    mkdir -p target/tools
+    if ! curl -fsSL --max-time 60 -o "$bin.tmp" \
+      "https://github.com/hadolint/hadolint/releases/download/v$HADOLINT_VERSION/hadolint-Linux-x86_64" 2>/dev/null; then
+      rm -f "$bin.tmp"
+      echo "note: github.com is not reachable, so hadolint is not fetched; its test skips"
+      return 0
+    fi
+    if ! echo "$HADOLINT_SHA256  $bin.tmp" | sha256sum --check --quiet -; then
+      rm -f "$bin.tmp"
+      echo "error: the downloaded hadolint does not have the pinned SHA-256" >&2
+      exit 1
+    fi
+    chmod +x "$bin.tmp" && mv "$bin.tmp" "$bin"
+  fi
+  export KERNELKITE_HADOLINT="$PWD/$bin"
+}
+
+if [ "${KERNELKITE_SKIP_INSTALL:-}" != 1 ]; then
+  install_deps
+  fetch_hadolint
+fi
 
 section "cargo fmt --check"
 cargo fmt --all --check
@@ -54,12 +93,14 @@ section "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 
 log=$(mktemp)
+# Checks of this script itself (the Docker builds): "<name>\t<pass|skip>\t<reason>" lines.
+checks=$(mktemp)
 # Tests that skip themselves append "<test>\t<reason>" here (kernelkite_testkit::skip).
 export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""
 py_junit=""
-trap 'rm -rf "$log" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
+trap 'rm -rf "$log" "$checks" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
 section "cargo test"
 cargo test --workspace --locked 2>&1 | tee "$log"
@@ -82,6 +123,21 @@ py_junit=$(mktemp)
   --junitxml="$py_junit")
 py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit")
 read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+
+section "docker images (deployment/*/Dockerfile)"
+if [ "${KERNELKITE_SKIP_DOCKER:-}" = 1 ]; then
+  printf 'docker images\tskip\tKERNELKITE_SKIP_DOCKER=1\n' >>"$checks"
+elif ! command -v docker >/dev/null; then
+  printf 'docker images\tskip\tdocker is not installed\n' >>"$checks"
+elif ! docker info >/dev/null 2>&1; then
+  printf 'docker images\tskip\tno Docker daemon answers here (docker info fails)\n' >>"$checks"
+else
+  for image in runner service; do
+    docker build --quiet -f "deployment/$image/Dockerfile" -t "kernelkite-$image:test" .
+  done
+  printf 'docker images\tpass\t\n' >>"$checks"
+fi
+cut -f1,3 "$checks" | awk -F'\t' '{print ($2 == "" ? "built: " $1 : "skipped: " $1 ": " $2)}'
 
 if [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2>&1; then
   # The repository must stand alone: clone it into an empty directory, with nothing beside it,
@@ -123,12 +179,15 @@ bats_ok=$(grep -E '^ok [0-9]+' "$log" | grep -cv ' # skip' || true)
 bats_skip=$(grep -E '^ok [0-9]+' "$log" | grep -c ' # skip' || true)
 bats_bad=$(grep -cE '^not ok [0-9]+' "$log" || true)
 rust_skip=$(cut -f1 "$KERNELKITE_SKIP_LOG" | sort -u | wc -l)
-skipped=$((rust_skip + bats_skip + py_skipped))
+script_ok=$(awk -F'\t' '$2 == "pass"' "$checks" | wc -l)
+script_skip=$(awk -F'\t' '$2 == "skip"' "$checks" | wc -l)
+skipped=$((rust_skip + bats_skip + py_skipped + script_skip))
 section "all checks passed"
 if ((skipped)); then
   echo "skipped (not counted as passed):"
   sort -u -t$'\t' -k1,1 "$KERNELKITE_SKIP_LOG" | awk -F'\t' '{printf "  %s: %s\n", $1, $2}'
   { grep -E '^ok [0-9]+.* # skip' "$log" || true; } | sed -E 's/^ok [0-9]+ /  bats: /'
   tail -n +2 <<<"$py_counts" | awk -F'\t' 'NF {printf "  pytest: %s: %s\n", $1, $2}'
+  awk -F'\t' '$2 == "skip" {printf "  scripts/test.sh: %s: %s\n", $1, $3}' "$checks"
 fi
-echo "tests: $((passed - rust_skip + bats_ok + py_passed)) passed, $((failed + bats_bad + py_failed)) failed, $skipped skipped"
+echo "tests: $((passed - rust_skip + bats_ok + py_passed + script_ok)) passed, $((failed + bats_bad + py_failed)) failed, $skipped skipped"

@@ -1,10 +1,13 @@
 #!/bin/bash
 # Finds the kernelkite-isolate binary for the plugin's hooks, in this order:
 #   1. $KERNELKITE_ISOLATE_BIN (must be executable),
-#   2. kernelkite-isolate on PATH,
-#   3. a build of this plugin checkout, made once with `cargo build --release --locked` and
-#      cached under $KERNELKITE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/kernelkite),
-#      keyed by the checkout's commit so a new plugin version builds afresh.
+#   2. ${KERNELKITE_PREFIX:-/opt/kernelkite}/bin/kernelkite-isolate, where
+#      `kernelkite-isolate setup` installs it,
+#   3. kernelkite-isolate on PATH.
+# A GPU node has no Rust toolchain: without the binary the hook fails with the `setup`
+# command that installs it. Developers can opt in to building it from this plugin checkout
+# with KERNELKITE_BUILD_FROM_SOURCE=1: `cargo build --release --locked`, once per plugin
+# version, cached under $KERNELKITE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/kernelkite).
 # Prints the path; on failure prints why on stderr and returns 1.
 
 kernelkite_find_binary() {
@@ -17,19 +20,38 @@ kernelkite_find_binary() {
     echo "kernelkite: KERNELKITE_ISOLATE_BIN=$KERNELKITE_ISOLATE_BIN is not an executable file" >&2
     return 1
   fi
+  local installed="${KERNELKITE_PREFIX:-/opt/kernelkite}/bin/kernelkite-isolate"
+  if [[ -x "$installed" && ! -d "$installed" ]]; then
+    printf '%s\n' "$installed"
+    return 0
+  fi
   local on_path
   if on_path="$(command -v kernelkite-isolate 2>/dev/null)" && [[ -n "$on_path" ]]; then
     printf '%s\n' "$on_path"
     return 0
   fi
+  if [[ "${KERNELKITE_BUILD_FROM_SOURCE:-}" != 1 ]]; then
+    {
+      echo "kernelkite: kernelkite-isolate is not installed on this agent (not at $installed, not on PATH, KERNELKITE_ISOLATE_BIN unset)."
+      echo "kernelkite: set the node up once, as root, in a directory holding the kernelkite-isolate and kernelkite-runner binaries (a release; deployment/README.md, \"Vendor path\"):"
+      echo "kernelkite:   sudo ./kernelkite-isolate setup --from . --queue ${BUILDKITE_AGENT_META_DATA_QUEUE:-QUEUE} --agent-token-file /path/to/agent-token"
+      echo "kernelkite: developers: KERNELKITE_BUILD_FROM_SOURCE=1 builds it from this plugin checkout with cargo instead."
+    } >&2
+    return 1
+  fi
+  kernelkite_build_binary "$plugin_dir"
+}
 
+# The developers' opt-in: builds this plugin checkout once per version and prints the path.
+kernelkite_build_binary() {
+  local plugin_dir="$1"
   local cache="${KERNELKITE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/kernelkite}"
   local key
   key="$(git -C "$plugin_dir" rev-parse HEAD 2>/dev/null || true)"
   if [[ -z "$key" ]]; then
     # Not a git checkout: key on the sources' content instead.
-    key="src-$(cd "$plugin_dir/.." && find plugin/src plugin/Cargo.toml Cargo.lock -type f 2>/dev/null \
-      | LC_ALL=C sort | xargs cat 2>/dev/null | cksum | cut -d' ' -f1)"
+    key="src-$(cd "$plugin_dir/.." && find plugin/src plugin/Cargo.toml Cargo.lock -type f 2>/dev/null |
+      LC_ALL=C sort | xargs cat 2>/dev/null | cksum | cut -d' ' -f1)"
   fi
   local bin="$cache/$key/kernelkite-isolate"
   if [[ -x "$bin" ]]; then
@@ -37,11 +59,11 @@ kernelkite_find_binary() {
     return 0
   fi
   if ! command -v cargo >/dev/null 2>&1; then
-    echo "kernelkite: kernelkite-isolate is not on PATH, KERNELKITE_ISOLATE_BIN is not set, and cargo is not installed to build it; install the binary on the agent (see the plugin README)" >&2
+    echo "kernelkite: KERNELKITE_BUILD_FROM_SOURCE=1, but cargo is not installed to build kernelkite-isolate; install Rust (https://rustup.rs) or install the binary with \`kernelkite-isolate setup\`" >&2
     return 1
   fi
   mkdir -p "$cache/$key" || return 1
-  echo "kernelkite: building kernelkite-isolate from the plugin checkout (once per plugin version) into $cache/$key" >&2
+  echo "kernelkite: building kernelkite-isolate from the plugin checkout (KERNELKITE_BUILD_FROM_SOURCE=1; once per plugin version) into $cache/$key" >&2
   (
     # Agents on one node share the cache: one builds, the others wait for it.
     if command -v flock >/dev/null 2>&1; then

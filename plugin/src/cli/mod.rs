@@ -13,6 +13,7 @@ pub mod doctor;
 pub mod fixture;
 pub mod hook;
 pub mod plan;
+pub mod setup;
 
 /// Give each Buildkite job one GPU, NUMA-local whole CPU cores and a memory limit, enforced by
 /// the kernel, and clean up after it.
@@ -34,6 +35,13 @@ pub enum Command {
     /// Write a fake sysfs/procfs tree of a known machine (DGX H100, MI300X, ...) for trying
     /// `plan` and the hooks without the hardware.
     Fixture(fixture::FixtureArgs),
+    /// Set this node up to serve jobs: install the binaries, the plan, the job user, the
+    /// Buildkite agents and their systemd units, link the agent-level hooks, then check it
+    /// (doctor and a smoke job) and start the agents. `--dry-run` shows everything first.
+    Setup(setup::SetupArgs),
+    /// Run one job per slice through the installed agent-level hooks, playing the agent, and
+    /// check each sees its GPU, CPUs and cgroup (no Buildkite needed).
+    Smoke(setup::SmokeArgs),
     /// The hooks (`environment`, `command`, `pre-exit`).
     #[command(flatten)]
     Hook(hook::HookCommand),
@@ -48,6 +56,8 @@ pub fn main() -> ExitCode {
         Command::Plan(a) => plan::run(a),
         Command::Doctor(a) => doctor::run(a),
         Command::Fixture(a) => fixture::run(a),
+        Command::Setup(a) => setup::run_setup(a),
+        Command::Smoke(a) => setup::run_smoke(a),
         Command::Hook(h) => hook::run(h),
     };
     match outcome {

@@ -15,7 +15,9 @@ setup() {
   CALLS="$BATS_TEST_TMPDIR/calls"
   export CALLS
   export KERNELKITE_CACHE_DIR="$BATS_TEST_TMPDIR/cache"
-  unset KERNELKITE_ISOLATE_BIN
+  # Where `setup` installs the binary; empty unless a test puts one there.
+  export KERNELKITE_PREFIX="$BATS_TEST_TMPDIR/opt/kernelkite"
+  unset KERNELKITE_ISOLATE_BIN KERNELKITE_BUILD_FROM_SOURCE BUILDKITE_AGENT_META_DATA_QUEUE
   BASE_PATH="/usr/local/bin:/usr/bin:/bin"
 }
 
@@ -74,7 +76,7 @@ STUB
         s=\$?
         after=\"\$(set +o; shopt -p)\"
         [[ \"\$before\" == \"\$after\" ]] || { echo \"options changed: \$(diff <(echo \"\$before\") <(echo \"\$after\"))\"; exit 99; }
-        leftovers=\"\$(compgen -v | grep -E '^_kk|^plugin_dir\$|^bin\$|^exports\$'; declare -F | grep -E '_kk_hook|kernelkite_find_binary')\"
+        leftovers=\"\$(compgen -v | grep -E '^_kk|^plugin_dir\$|^bin\$|^exports\$'; declare -F | grep -E '_kk_hook|kernelkite_')\"
         [[ -z \"\$leftovers\" ]] || { echo \"left behind: \$leftovers\"; exit 98; }
         echo \"status=\$s\""
       [ "$status" -eq 0 ]
@@ -116,7 +118,8 @@ STUB
   [ "$(cat "$CALLS")" = "command" ]
 }
 
-@test "without a binary, the plugin checkout is built once with cargo --release --locked and cached" {
+# A stub cargo that records its arguments and "builds" a binary recording how it is called.
+make_cargo() {
   cat > "$STUBS/cargo" <<'STUB'
 #!/bin/bash
 echo "cargo $*" >> "$CALLS"
@@ -133,36 +136,71 @@ BIN
 chmod +x "$target/release/kernelkite-isolate"
 STUB
   chmod +x "$STUBS/cargo"
+}
+
+@test "the binary setup installs is used before PATH" {
+  make_binary "$STUBS/kernelkite-isolate"
+  mkdir -p "$KERNELKITE_PREFIX/bin"
+  cat > "$KERNELKITE_PREFIX/bin/kernelkite-isolate" <<'STUB'
+#!/bin/bash
+echo "installed $*" >> "$CALLS"
+STUB
+  chmod +x "$KERNELKITE_PREFIX/bin/kernelkite-isolate"
   run env PATH="$STUBS:$BASE_PATH" bash -c "source '$PLUGIN/hooks/pre-exit'"
+  [ "$status" -eq 0 ]
+  [ "$(cat "$CALLS")" = "installed pre-exit" ]
+}
+
+@test "without a binary the hook fails with the setup command to run, and builds nothing" {
+  make_cargo
+  run env PATH="$STUBS:$BASE_PATH" BUILDKITE_AGENT_META_DATA_QUEUE=h100 bash -c "source '$PLUGIN/hooks/environment'"
+  [ "$status" -eq 1 ]
+  [[ "$output" == *"kernelkite-isolate is not installed on this agent (not at $KERNELKITE_PREFIX/bin/kernelkite-isolate, not on PATH"* ]]
+  [[ "$output" == *"sudo ./kernelkite-isolate setup --from . --queue h100 --agent-token-file /path/to/agent-token"* ]]
+  [[ "$output" == *"KERNELKITE_BUILD_FROM_SOURCE=1"* ]]
+  # cargo is on PATH, yet the node does not build: that is a developer's opt-in.
+  [ ! -e "$CALLS" ]
+  [ -z "$(find "$KERNELKITE_CACHE_DIR" -type f 2>/dev/null)" ]
+  # Executed (agent-level) rather than sourced: the same message and status.
+  run env PATH="$STUBS:$BASE_PATH" "$PLUGIN/hooks/pre-exit"
+  [ "$status" -eq 1 ]
+  [[ "$output" == *"--queue QUEUE"* ]]
+}
+
+@test "KERNELKITE_BUILD_FROM_SOURCE=1 builds the plugin checkout once with cargo --release --locked and caches it" {
+  make_cargo
+  run env PATH="$STUBS:$BASE_PATH" KERNELKITE_BUILD_FROM_SOURCE=1 bash -c "source '$PLUGIN/hooks/pre-exit'"
   [ "$status" -eq 0 ]
   grep -q -- "cargo build --release --locked --quiet --manifest-path $PLUGIN/Cargo.toml --bin kernelkite-isolate" "$CALLS"
   grep -qx "built pre-exit" "$CALLS"
   # Second job: cached, no build.
   : > "$CALLS"
-  run env PATH="$STUBS:$BASE_PATH" bash -c "source '$PLUGIN/hooks/command'"
+  run env PATH="$STUBS:$BASE_PATH" KERNELKITE_BUILD_FROM_SOURCE=1 bash -c "source '$PLUGIN/hooks/command'"
   [ "$status" -eq 0 ]
   [ "$(cat "$CALLS")" = "built command" ]
   # A changed plugin version builds afresh.
   echo '// v2' >> "$PLUGIN/src/main.rs"
   : > "$CALLS"
-  run env PATH="$STUBS:$BASE_PATH" bash -c "source '$PLUGIN/hooks/command'"
+  run env PATH="$STUBS:$BASE_PATH" KERNELKITE_BUILD_FROM_SOURCE=1 bash -c "source '$PLUGIN/hooks/command'"
   grep -q "^cargo build" "$CALLS"
 }
 
 @test "a failed build fails the hook and caches nothing" {
   printf '#!/bin/bash\necho "error: could not compile" >&2\nexit 101\n' > "$STUBS/cargo"
   chmod +x "$STUBS/cargo"
-  run env PATH="$STUBS:$BASE_PATH" bash -c "source '$PLUGIN/hooks/pre-exit'"
+  run env PATH="$STUBS:$BASE_PATH" KERNELKITE_BUILD_FROM_SOURCE=1 bash -c "source '$PLUGIN/hooks/pre-exit'"
   [ "$status" -ne 0 ]
   [[ "$output" == *"building kernelkite-isolate failed"* ]]
   [ -z "$(find "$KERNELKITE_CACHE_DIR" -name kernelkite-isolate -type f)" ]
 }
 
-@test "no binary and no cargo: a clear error" {
-  if PATH="$BASE_PATH" command -v cargo >/dev/null; then
-    skip "cargo is installed system-wide"
-  fi
-  run env PATH="$BASE_PATH" bash -c "source '$PLUGIN/hooks/environment'"
+@test "building from source without cargo: a clear error" {
+  # A PATH with bash and the basic tools but certainly no cargo.
+  mkdir -p "$BATS_TEST_TMPDIR/nocargo"
+  for t in bash git find sort xargs cat cksum cut mkdir dirname; do
+    p="$(command -v "$t")" && ln -s "$p" "$BATS_TEST_TMPDIR/nocargo/$t"
+  done
+  run env PATH="$BATS_TEST_TMPDIR/nocargo" KERNELKITE_BUILD_FROM_SOURCE=1 bash -c "source '$PLUGIN/hooks/environment'"
   [ "$status" -ne 0 ]
-  [[ "$output" == *"install the binary on the agent"* ]]
+  [[ "$output" == *"KERNELKITE_BUILD_FROM_SOURCE=1, but cargo is not installed"* ]]
 }

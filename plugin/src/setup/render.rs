@@ -1,0 +1,594 @@
+//! What a node needs, from its plan: a pure function of the plan, the [`Facts`] and the
+//! operator's [`Options`] to the directories, files (path, mode, contents) and state setup
+//! brings about. Nothing here reads or writes the machine.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::{Plan, Slice};
+use kernelkite_topology::planner::format_bytes;
+
+use super::facts::Facts;
+use super::paths::*;
+use super::SetupError;
+use crate::config::parse_config;
+
+/// How the node's slices are offered to Buildkite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AgentLayout {
+    /// One agent per slice, tagged `gpu-index=N`: a job runs on the slice its agent is bound to.
+    PerSlice,
+    /// One agent with `spawn = N` workers: each job leases the lowest free slice of the node.
+    Pool,
+}
+
+/// The operator's choices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// Where the binaries go (`<prefix>/bin`).
+    pub prefix: PathBuf,
+    /// Where the binaries come from.
+    pub binaries_from: PathBuf,
+    /// The Buildkite queue the node serves (the backend's `queue`).
+    pub queue: String,
+    /// The node's name in agent names and the `node` tag.
+    pub node: String,
+    /// One agent per slice, or one pool agent.
+    pub agents: AgentLayout,
+    /// The configuration of the agent-level hooks (`KERNELKITE_CONFIG`, the plugin's schema).
+    pub job_config: String,
+    /// The `buildkite-agent` binary the units start.
+    pub buildkite_agent: PathBuf,
+    /// The agent token; `None` only to show what would be written (`--dry-run`).
+    pub token: Option<String>,
+}
+
+/// A directory setup makes sure exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dir {
+    /// The path on the node.
+    pub path: PathBuf,
+    /// Its mode when setup creates it.
+    pub mode: u32,
+}
+
+/// What a file holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    /// Text.
+    Text(String),
+    /// Text holding a secret; `shown` is the same with the secret replaced, for printing.
+    Secret {
+        /// What is written.
+        text: String,
+        /// What is printed.
+        shown: String,
+    },
+    /// A copy of a file (a binary).
+    Copy(PathBuf),
+    /// A symbolic link to this target.
+    Link(PathBuf),
+}
+
+/// A file setup writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct File {
+    /// The path on the node.
+    pub path: PathBuf,
+    /// Its permission bits (ignored for links).
+    pub mode: u32,
+    /// What it holds.
+    pub content: Content,
+}
+
+/// One Buildkite agent of the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Agent {
+    /// The unit's instance name and the configuration's file name (`gpu0`, `slice0`, `pool`).
+    pub instance: String,
+    /// The agent's name in Buildkite (`dgx01-gpu0`, `dgx01-pool-%spawn`).
+    pub name: String,
+    /// The slice it is bound to (tag `gpu-index`); `None` for the pool agent.
+    pub slice: Option<u32>,
+}
+
+impl Agent {
+    /// `kernelkite-agent@<instance>.service`.
+    pub fn unit(&self) -> String {
+        AGENT_UNIT.replace("@.", &format!("@{}.", self.instance))
+    }
+
+    /// `/etc/kernelkite/agents/<instance>.cfg`.
+    pub fn config_path(&self) -> PathBuf {
+        Path::new(AGENTS_DIR).join(format!("{}.cfg", self.instance))
+    }
+}
+
+/// Everything a node needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Desired {
+    /// One line saying what the node gets.
+    pub summary: String,
+    /// Directories, parents first.
+    pub dirs: Vec<Dir>,
+    /// Files, in the order they are written.
+    pub files: Vec<File>,
+    /// The agents (their units are enabled and started).
+    pub agents: Vec<Agent>,
+    /// Units to enable besides the agents (the favordynmods mount on cgroup v1).
+    pub units: Vec<String>,
+    /// Groups the job user must be a member of (those owning the AMD device nodes).
+    pub job_user_groups: Vec<String>,
+    /// What the operator should know.
+    pub notes: Vec<String>,
+}
+
+/// What the printed configuration shows instead of the token.
+pub const TOKEN_SHOWN: &str = "<redacted>";
+/// What a configuration holds when no token was given (only ever printed, never written).
+pub const TOKEN_MISSING: &str =
+    "<missing: pass --agent-token-file FILE or set BUILDKITE_AGENT_TOKEN>";
+
+/// Names and queues go into agent names, tags and file names.
+fn check_name(what: &str, flag: &str, value: &str) -> Result<(), SetupError> {
+    let ok = !value.is_empty()
+        && value.len() <= 64
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SetupError::Invalid(format!(
+            "{what} {value:?} must be 1-64 of A-Z a-z 0-9 . _ - (pass {flag})"
+        )))
+    }
+}
+
+/// A token must fit between the configuration's double quotes on one line.
+pub fn check_token(token: &str) -> Result<(), SetupError> {
+    if token.is_empty()
+        || token
+            .chars()
+            .any(|c| c.is_control() || c == '"' || c == '\\')
+    {
+        return Err(SetupError::Invalid(
+            "the agent token is empty or has quotes, backslashes or control characters; give the token from the Buildkite cluster's Agent Tokens page".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The configuration for the agent-level hooks, checked against the plugin's schema and
+/// written compactly; it goes between single quotes in `agent.env`.
+pub fn check_job_config(json: &str) -> Result<String, SetupError> {
+    parse_config(json).map_err(|e| SetupError::Invalid(format!("--job-config: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(json)
+        .map_err(|e| SetupError::Invalid(format!("--job-config is not JSON: {e}")))?;
+    let compact = value.to_string();
+    if compact.contains('\'') {
+        return Err(SetupError::Invalid(
+            "--job-config may not contain a single quote (it is written between single quotes in agent.env)".into(),
+        ));
+    }
+    Ok(compact)
+}
+
+/// The agents of the node.
+pub fn agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
+    match opts.agents {
+        AgentLayout::Pool => vec![Agent {
+            instance: "pool".into(),
+            name: format!("{}-pool-%spawn", opts.node),
+            slice: None,
+        }],
+        AgentLayout::PerSlice => plan
+            .slices
+            .iter()
+            .map(|s| {
+                // `-gpuN` names are also how the hooks bind an agent without a tag.
+                let instance = if s.gpu.is_some() {
+                    format!("gpu{}", s.index)
+                } else {
+                    format!("slice{}", s.index)
+                };
+                Agent {
+                    name: format!("{}-{instance}", opts.node),
+                    instance,
+                    slice: Some(s.index),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn gpus_of(s: &Slice) -> Vec<&kernelkite_topology::plan::SliceGpu> {
+    s.gpu.iter().chain(s.extra_gpus.iter()).collect()
+}
+
+/// How a slice is described in comments: `GPU 0000:18:00.0, CPUs 1-13,113-125, 230.4 GiB`.
+fn describe_slice(s: &Slice) -> String {
+    let gpus: Vec<&str> = gpus_of(s).iter().map(|g| g.pci_bus_id.as_str()).collect();
+    let gpu = if gpus.is_empty() {
+        "no GPU".to_string()
+    } else {
+        format!("GPU {}", gpus.join(","))
+    };
+    format!(
+        "{gpu}, CPUs {}, {}",
+        format_cpu_list(&s.cpus),
+        format_bytes(s.memory_bytes)
+    )
+}
+
+fn header(what: &str, node: &str) -> String {
+    format!(
+        "# Written by `kernelkite-isolate setup` for node {node}: {what}.\n# Rerun setup to change it; `kernelkite-isolate setup --uninstall` removes it.\n"
+    )
+}
+
+/// `/etc/kernelkite/plan.json`: the plan, as `plan --json` prints it.
+pub fn plan_json(plan: &Plan) -> String {
+    format!(
+        "{}\n",
+        serde_json::to_string(plan).unwrap_or_else(|_| "{}".into())
+    )
+}
+
+fn has_gpus(plan: &Plan) -> bool {
+    plan.slices.iter().any(|s| s.gpu.is_some())
+}
+
+/// `/etc/kernelkite/agent.env`: the environment of every agent, its hooks and its jobs.
+pub fn agent_env(plan: &Plan, opts: &Options) -> String {
+    let bin = opts.prefix.join("bin");
+    let mut s = header(
+        "the environment of its Buildkite agents, their hooks and jobs (systemd EnvironmentFile=)",
+        &opts.node,
+    );
+    s.push_str("# No secrets here: the agent token is only in the root-only agents/*.cfg.\n");
+    // A venv at <prefix>/venv (the deployment guide's place for host mode's Python and task
+    // dependencies) comes before the system's python3; it need not exist.
+    let _ = writeln!(
+        s,
+        "PATH={}:{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        bin.display(),
+        opts.prefix.join("venv/bin").display()
+    );
+    let _ = writeln!(s, "HOME={STATE_DIR}");
+    let _ = writeln!(s, "KERNELKITE_PLAN_FILE={PLAN_FILE}");
+    let _ = writeln!(s, "KERNELKITE_RUN_DIR={RUN_DIR}");
+    let _ = writeln!(
+        s,
+        "KERNELKITE_ISOLATE_BIN={}",
+        bin.join("kernelkite-isolate").display()
+    );
+    s.push_str("# The agent-level hooks' configuration (the plugin's keys); a step using the plugin overrides it.\n");
+    let _ = writeln!(s, "KERNELKITE_CONFIG='{}'", opts.job_config);
+    if has_gpus(plan) {
+        s.push_str("# A GPU node: the runner fails as an infrastructure error (exit 3, retried elsewhere) when it sees no GPU.\n");
+        s.push_str("KERNELKITE_REQUIRE_GPU=1\n");
+    }
+    s
+}
+
+/// `/etc/kernelkite/agents/<instance>.cfg`: one Buildkite agent's configuration, with the
+/// token; the second value is what is printed (token redacted).
+pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, String) {
+    let mut head = match opts.agents {
+        AgentLayout::Pool => header(
+            &format!(
+                "its pool agent, {} worker(s), one per slice; each job leases the lowest free slice",
+                plan.slices.len()
+            ),
+            &opts.node,
+        ),
+        AgentLayout::PerSlice => {
+            let about = match agent
+                .slice
+                .and_then(|i| plan.slices.iter().find(|s| s.index == i))
+            {
+                Some(s) => format!(
+                    "agent {}, bound to slice {} ({})",
+                    agent.instance,
+                    s.index,
+                    describe_slice(s)
+                ),
+                None => format!("agent {}", agent.instance),
+            };
+            header(&about, &opts.node)
+        }
+    };
+    head.push_str("# Root-only (0600): it holds the agent token, and reaches the agent as a systemd credential.\n");
+    let mut body = String::new();
+    let mut tags = format!("queue={},node={}", opts.queue, opts.node);
+    if opts.agents == AgentLayout::Pool {
+        let _ = writeln!(body, "spawn={}", plan.slices.len());
+    } else if let Some(n) = agent.slice {
+        // The hooks read it as BUILDKITE_AGENT_META_DATA_GPU_INDEX: the slice to lease.
+        let _ = write!(tags, ",gpu-index={n}");
+    }
+    let _ = writeln!(body, "name=\"{}\"", agent.name);
+    let _ = writeln!(body, "tags=\"{tags}\"");
+    let _ = writeln!(body, "hooks-path=\"{HOOKS_DIR}\"");
+    let _ = writeln!(body, "build-path=\"{BUILD_DIR}\"");
+    let _ = writeln!(body, "plugins-path=\"{PLUGINS_DIR}\"");
+    let token = opts.token.as_deref().unwrap_or(TOKEN_MISSING);
+    let text = format!("{head}token=\"{token}\"\n{body}");
+    let shown_token = if opts.token.is_some() {
+        TOKEN_SHOWN
+    } else {
+        TOKEN_MISSING
+    };
+    let shown = format!("{head}token=\"{shown_token}\"\n{body}");
+    (text, shown)
+}
+
+/// The memory the plan leaves outside the slices: the host's reserve.
+pub fn host_reserve(plan: &Plan, total_memory_bytes: u64) -> u64 {
+    let slices: u64 = plan.slices.iter().map(|s| s.memory_bytes).sum();
+    total_memory_bytes.saturating_sub(slices)
+}
+
+/// `/etc/systemd/system/kernelkite.slice`: the agents' slice, on the housekeeping CPUs and
+/// within the host's memory reserve.
+pub fn slice_unit(plan: &Plan, facts: &Facts, node: &str) -> String {
+    let mut s = header(
+        "the systemd slice of its Buildkite agents and their hooks",
+        node,
+    );
+    s.push_str("# The agents run on the host's housekeeping CPUs and within its memory reserve, so they never\n# take what the plan gives the jobs; each job's command runs in its own slice's cgroup, outside\n# this one (the hooks put it there).\n");
+    let _ = write!(
+        s,
+        "[Unit]\nDescription=kernelkite: the Buildkite agents of node {node}, on the host's housekeeping CPUs and memory reserve\nDocumentation={DOCS_URL}\nBefore=slices.target\n\n[Slice]\n"
+    );
+    let reserved = format_cpu_list(&plan.reserved_cpus);
+    if plan.reserved_cpus.is_empty() {
+        s.push_str("# No housekeeping CPUs in the plan (--housekeeping-cores 0): the agents share the jobs' CPUs.\n");
+    } else if facts.cgroup_version == 2 {
+        let _ = writeln!(s, "# The plan's reserved_cpus.\nAllowedCPUs={reserved}");
+    } else {
+        let _ = writeln!(s, "# cgroup v1: systemd applies AllowedCPUs= only on cgroup v2, so {AGENT_UNIT} pins the agents\n# to the plan's reserved_cpus ({reserved}) with CPUAffinity= instead.");
+    }
+    let reserve = host_reserve(plan, facts.total_memory_bytes);
+    if reserve == 0 {
+        s.push_str("# The slices take all the memory: no limit is left to give the agents.\n");
+    } else {
+        let _ = writeln!(
+            s,
+            "# The host's reserve: {} of {} is outside the slices.\nMemoryMax={reserve}",
+            format_bytes(reserve),
+            format_bytes(facts.total_memory_bytes)
+        );
+    }
+    s
+}
+
+/// `/etc/systemd/system/kernelkite-agent@.service`: the agents' template unit.
+pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
+    let mut s = header("the template unit of its Buildkite agents (one instance per agent, e.g. kernelkite-agent@gpu0)", &opts.node);
+    let _ = write!(
+        s,
+        "[Unit]\nDescription=Buildkite agent %i of kernelkite (jobs held to their GPU slices by the hooks)\nDocumentation={DOCS_URL}\nWants=network-online.target\nAfter=network-online.target\n"
+    );
+    if facts.cgroup_version == 1 && favordynmods_supported(facts) {
+        let _ = writeln!(s, "Wants={FAVORDYNMODS_UNIT}\nAfter={FAVORDYNMODS_UNIT}");
+    }
+    let _ = write!(s, "\n[Service]\nType=simple\n# Runs as root: the hooks create the jobs' cgroups and start each command as {JOB_USER}.\nSlice={SLICE_UNIT}\n");
+    if facts.cgroup_version == 1 && !plan.reserved_cpus.is_empty() {
+        let _ = writeln!(
+            s,
+            "# cgroup v1: the housekeeping CPUs by affinity (a job's command gets its slice's CPUs when\n# the hooks move it into its cpuset cgroup).\nCPUAffinity={}",
+            format_cpu_list(&plan.reserved_cpus)
+        );
+    }
+    let _ = write!(
+        s,
+        "EnvironmentFile={AGENT_ENV}\n# The configuration holds the agent token: it stays in a root-only file and reaches the agent as\n# a credential, never through the environment (which every job inherits).\nLoadCredential=agent.cfg:{AGENTS_DIR}/%i.cfg\nExecStart={} start --config %d/agent.cfg\nRestart=on-failure\nRestartSec=5\n# On SIGTERM the agent finishes its running job (at most the pipeline's 30 minutes), then exits.\nKillMode=mixed\nTimeoutStopSec=35min\n\n[Install]\nWantedBy=multi-user.target\n",
+        opts.buildkite_agent.display()
+    );
+    s
+}
+
+/// Whether the kernel has `favordynmods` for cgroup v1 (Linux 6.0).
+pub fn favordynmods_supported(facts: &Facts) -> bool {
+    facts.kernel_version().is_some_and(|v| v >= (6, 0))
+}
+
+/// `/etc/systemd/system/run-kernelkite-favordynmods.mount` (cgroup v1, Linux 6.0+).
+pub fn favordynmods_unit(node: &str) -> String {
+    let mut s = header("fast cgroup migrations on cgroup v1 (favordynmods)", node);
+    s.push_str("# On cgroup v1 every move of a process into a cgroup (the hooks move each job's command into\n# its cgroup) waits for an RCU grace period, about 10 ms, unless a cgroup hierarchy is mounted\n# with `favordynmods` (Linux 6.0+): the kernel's cgroup lock is global, so one such mount turns\n# it on for every hierarchy, at a small cost to every fork and exit. The existing hierarchies\n# cannot be remounted with a new option, so this mounts an empty named hierarchy carrying it.\n");
+    let _ = write!(
+        s,
+        "[Unit]\nDescription=kernelkite: fast cgroup migrations on cgroup v1 (favordynmods)\nDocumentation={DOCS_URL}\n\n[Mount]\nWhat=kernelkite\nWhere={FAVORDYNMODS_DIR}\nType=cgroup\nOptions=none,name=kernelkite,favordynmods\nDirectoryMode=0755\n\n[Install]\nWantedBy=multi-user.target\n"
+    );
+    s
+}
+
+fn unit_path(name: &str) -> PathBuf {
+    Path::new(UNIT_DIR).join(name)
+}
+
+/// Everything the node needs, from its plan.
+pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, SetupError> {
+    check_name("the queue", "--queue NAME", &opts.queue)?;
+    check_name("the node name", "--node NAME", &opts.node)?;
+    if let Some(t) = &opts.token {
+        check_token(t)?;
+    }
+    if plan.slices.is_empty() {
+        return Err(SetupError::Invalid(
+            "the plan has no slice; check `kernelkite-isolate plan`".into(),
+        ));
+    }
+    let job_config = check_job_config(&opts.job_config)?;
+    let opts = &Options {
+        job_config,
+        ..opts.clone()
+    };
+    let bin = opts.prefix.join("bin");
+    let dirs = vec![
+        Dir {
+            path: opts.prefix.clone(),
+            mode: 0o755,
+        },
+        Dir {
+            path: bin.clone(),
+            mode: 0o755,
+        },
+        Dir {
+            path: ETC_DIR.into(),
+            mode: 0o755,
+        },
+        Dir {
+            path: HOOKS_DIR.into(),
+            mode: 0o755,
+        },
+        // Holds the agent token.
+        Dir {
+            path: AGENTS_DIR.into(),
+            mode: 0o700,
+        },
+        Dir {
+            path: STATE_DIR.into(),
+            mode: 0o755,
+        },
+        Dir {
+            path: BUILD_DIR.into(),
+            mode: 0o755,
+        },
+        Dir {
+            path: PLUGINS_DIR.into(),
+            mode: 0o755,
+        },
+        Dir {
+            path: UNIT_DIR.into(),
+            mode: 0o755,
+        },
+    ];
+    let mut files: Vec<File> = BINARIES
+        .iter()
+        .map(|b| File {
+            path: bin.join(b),
+            mode: 0o755,
+            content: Content::Copy(opts.binaries_from.join(b)),
+        })
+        .collect();
+    files.push(File {
+        path: PLAN_FILE.into(),
+        mode: 0o644,
+        content: Content::Text(plan_json(plan)),
+    });
+    for hook in HOOKS {
+        files.push(File {
+            path: Path::new(HOOKS_DIR).join(hook),
+            mode: 0o777,
+            content: Content::Link(bin.join("kernelkite-isolate")),
+        });
+    }
+    files.push(File {
+        path: AGENT_ENV.into(),
+        mode: 0o644,
+        content: Content::Text(agent_env(plan, opts)),
+    });
+    let agents = agents(plan, opts);
+    for a in &agents {
+        let (text, shown) = agent_config(plan, opts, a);
+        files.push(File {
+            path: a.config_path(),
+            mode: 0o600,
+            content: Content::Secret { text, shown },
+        });
+    }
+    files.push(File {
+        path: unit_path(SLICE_UNIT),
+        mode: 0o644,
+        content: Content::Text(slice_unit(plan, facts, &opts.node)),
+    });
+    files.push(File {
+        path: unit_path(AGENT_UNIT),
+        mode: 0o644,
+        content: Content::Text(agent_unit(plan, facts, opts)),
+    });
+
+    let mut units = Vec::new();
+    let mut notes = Vec::new();
+    if facts.cgroup_version == 1 {
+        let kernel = facts
+            .kernel_release
+            .as_deref()
+            .unwrap_or("of unknown version");
+        if favordynmods_supported(facts) {
+            files.push(File {
+                path: unit_path(FAVORDYNMODS_UNIT),
+                mode: 0o644,
+                content: Content::Text(favordynmods_unit(&opts.node)),
+            });
+            units.push(FAVORDYNMODS_UNIT.to_string());
+            notes.push(format!("cgroup v1: moving each job's command into its cgroup would wait for an RCU grace period (~10 ms); {FAVORDYNMODS_UNIT} mounts an empty cgroup hierarchy with `favordynmods` (Linux {kernel} has it), which makes those moves fast for every hierarchy. cgroup v2 needs none of this: boot with systemd.unified_cgroup_hierarchy=1 to switch."));
+        } else {
+            notes.push(format!("cgroup v1 on Linux {kernel}, which has no `favordynmods` (Linux 6.0+): moving each job's command into its cgroup waits for an RCU grace period (~10 ms). Boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) or a 6.0+ kernel to avoid it."));
+        }
+    }
+    if plan.reserved_cpus.is_empty() {
+        notes.push("the plan reserves no housekeeping CPU (--housekeeping-cores 0): the agents share the jobs' CPUs".into());
+    }
+    if host_reserve(plan, facts.total_memory_bytes) == 0 {
+        notes.push("the slices take all the memory: the agents' slice gets no MemoryMax".into());
+    }
+    let mut job_user_groups: Vec<String> = Vec::new();
+    for owner in &facts.device_owners {
+        match (&owner.group, owner.gid) {
+            (_, 0) => notes.push(format!("{} belongs to group root, so {JOB_USER} cannot open it: fix the udev rules (ROCm's give /dev/kfd and /dev/dri/renderD* to the render group) and rerun setup", owner.device.display())),
+            (Some(g), _) => {
+                if !job_user_groups.contains(g) {
+                    job_user_groups.push(g.clone());
+                }
+            }
+            (None, gid) => notes.push(format!("{} belongs to group id {gid}, which /etc/group does not name: {JOB_USER} is not added to it", owner.device.display())),
+        }
+    }
+    for w in &plan.warnings {
+        notes.push(format!("plan: {w}"));
+    }
+
+    let gpus: usize = plan.slices.iter().map(|s| gpus_of(s).len()).sum();
+    let vendors: Vec<String> = {
+        let mut v: Vec<String> = plan
+            .slices
+            .iter()
+            .flat_map(gpus_of)
+            .map(|g| g.vendor.to_string())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let what = if gpus == 0 {
+        "CPU-only".to_string()
+    } else {
+        format!("{gpus} {} GPU(s)", vendors.join("+"))
+    };
+    let layout = match opts.agents {
+        AgentLayout::PerSlice => format!("{} agent(s), one per slice", agents.len()),
+        AgentLayout::Pool => format!("1 pool agent with {} worker(s)", plan.slices.len()),
+    };
+    let summary = format!(
+        "node {}: {} slice(s), {what}, cgroup v{}; {layout}, queue {:?}",
+        opts.node,
+        plan.slices.len(),
+        facts.cgroup_version,
+        opts.queue
+    );
+    Ok(Desired {
+        summary,
+        dirs,
+        files,
+        agents,
+        units,
+        job_user_groups,
+        notes,
+    })
+}
