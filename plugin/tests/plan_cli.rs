@@ -216,3 +216,32 @@ fn doctor_on_fixtures_and_the_live_machine() {
     let failed = out.lines().any(|l| l.starts_with("fail"));
     assert_eq!(o.status.code(), Some(i32::from(failed)), "{out}");
 }
+
+#[test]
+fn output_into_a_closed_pipe_exits_quietly() {
+    // `plan | head -c 1` and the like, made deterministic: stdout is a pipe whose reader is
+    // already gone, so the first write fails with EPIPE.
+    let dir = scratch();
+    let root = dir.path().to_str().unwrap();
+    common::output_ok(
+        Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+            .args(["fixture", "dgx-h100", "--out", root]),
+    );
+    for args in [
+        vec!["plan", "--sysfs-root", root],
+        vec!["plan", "--sysfs-root", root, "--json"],
+        vec!["fixture", "--list"],
+        vec!["doctor", "--sysfs-root", root],
+    ] {
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+            .args(&args)
+            .stdout(std::process::Stdio::from(writer))
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -33,7 +33,7 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         &LiveHost::default(),
     );
     for c in &checks {
-        println!("{c}");
+        sayln!("{c}");
     }
     Ok(ExitCode::from(exit_code(&checks)))
 }

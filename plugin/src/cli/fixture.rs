@@ -31,7 +31,7 @@ pub struct FixtureArgs {
 pub fn run(args: FixtureArgs) -> anyhow::Result<ExitCode> {
     if args.list {
         for (name, what) in FIXTURES {
-            println!("{name:<18} {what}");
+            sayln!("{name:<18} {what}");
         }
         return Ok(ExitCode::SUCCESS);
     }

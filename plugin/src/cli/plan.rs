@@ -137,9 +137,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     let topo = load_topology(&args.sysfs_root, args.topology_xml.as_deref())?;
     let explained = plan_explained(&topo, &args.policy.to_policy())?;
     if args.json {
-        println!("{}", serde_json::to_string(&explained.plan)?);
+        sayln!("{}", serde_json::to_string(&explained.plan)?);
     } else {
-        print!("{}", render_table(&explained.plan, &explained.notes));
+        say!("{}", render_table(&explained.plan, &explained.notes));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -139,23 +139,6 @@ pub struct SmokeArgs {
     pub node: Option<String>,
 }
 
-/// Writes to stdout, ignoring a closed pipe: `setup --dry-run | head` must neither panic
-/// nor, in a real run, stop half-way because the reader went away.
-fn say(text: std::fmt::Arguments<'_>) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = out.write_fmt(text).and_then(|()| out.flush());
-}
-
-macro_rules! say {
-    ($($t:tt)*) => { say(format_args!($($t)*)) };
-}
-
-macro_rules! sayln {
-    () => { say(format_args!("\n")) };
-    ($($t:tt)*) => { say(format_args!("{}\n", format_args!($($t)*))) };
-}
-
 fn parse_key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .filter(|(k, _)| !k.is_empty())
