@@ -300,3 +300,35 @@ async fn healthz_fails_and_submissions_get_503_while_the_store_cannot_write() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Settings that would make the edge useless are refused at start-up, naming the variable.
+#[tokio::test]
+async fn settings_that_cannot_work_are_refused_at_start() {
+    for (var, value) in [
+        ("KERNELKITE_HEADER_READ_TIMEOUT_S", "0"),
+        ("KERNELKITE_IDLE_TIMEOUT_S", "0"),
+        ("KERNELKITE_BODY_READ_TIMEOUT_S", "0"),
+        ("KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES", "1000"),
+    ] {
+        let out = tokio::process::Command::new(crate::service_binary())
+            .env_clear()
+            .env("BUILDKITE_ORG", "o")
+            .env("BUILDKITE_PIPELINE", "p")
+            .env("BUILDKITE_API_TOKEN", "t")
+            .env("KERNELKITE_LISTEN", "127.0.0.1:0")
+            .env(var, value)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+            .wait_with_output();
+        let out = tokio::time::timeout(10 * SECOND, out)
+            .await
+            .unwrap_or_else(|_| panic!("{var}={value}: the service started instead of refusing"))
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}={value}: {err}");
+    }
+}
