@@ -603,19 +603,24 @@ pub(crate) async fn run(
             }),
             service,
         );
-        let (conns, edge, app) = (conns.clone(), edge.clone(), app.clone());
+        let ended = Ended {
+            conns: conns.clone(),
+            app: app.clone(),
+            slot,
+            id,
+            ops_only,
+        };
+        let edge = edge.clone();
         tokio::spawn(async move {
-            drive(conn, &slot, &conns.evicting, &edge, limits, peer).await;
-            if ops_only {
-                conns.reserve.fetch_sub(1, Ordering::Relaxed);
-            } else {
-                conns.lock().remove(&id);
-            }
-            if slot.evicted.load(Ordering::Relaxed) {
-                conns.evicting.fetch_sub(1, Ordering::Relaxed);
-            }
-            app.metrics.connections.dec();
-            conns.ended.notify_waiters();
+            drive(
+                conn,
+                &ended.slot,
+                &ended.conns.evicting,
+                &edge,
+                limits,
+                peer,
+            )
+            .await;
         });
     }
 
@@ -722,6 +727,32 @@ async fn drive<S>(
                 }
             }
         }
+    }
+}
+
+/// Takes a connection off the books when its task ends, however it ends (a panic in a
+/// handler included): a slot left behind would count against the cap for good.
+struct Ended {
+    conns: Arc<Conns>,
+    app: Arc<App>,
+    slot: Arc<Slot>,
+    id: u64,
+    ops_only: bool,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let c = &self.conns;
+        if self.ops_only {
+            c.reserve.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            c.lock().remove(&self.id);
+        }
+        if self.slot.evicted.load(Ordering::Relaxed) {
+            c.evicting.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.app.metrics.connections.dec();
+        c.ended.notify_waiters();
     }
 }
 
