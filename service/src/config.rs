@@ -104,6 +104,9 @@ pub enum ConfigError {
     /// KERNELKITE_DEFAULT_TIMEOUT_S is 0 or above KERNELKITE_MAX_TIMEOUT_S.
     #[error("KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S")]
     DefaultTimeout,
+    /// A setting of the HTTP edge.
+    #[error(transparent)]
+    Edge(#[from] EdgeConfigError),
 }
 
 /// kernelkite-service: accepts kernelbot submissions, runs each as a Buildkite build, and answers
@@ -241,6 +244,110 @@ pub struct Config {
     /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
     #[command(flatten)]
     pub queues: crate::queues::QueueSettings,
+
+    // --- The HTTP edge: connections, timeouts, unauthenticated bodies, shutdown. Checked by
+    // `check_edge`; read by `http::server`.
+    /// A request's head must arrive complete within this many seconds of its first byte
+    /// (slow-header clients are disconnected).
+    #[arg(long, env = "KERNELKITE_HEADER_READ_TIMEOUT_S", default_value_t = 10)]
+    pub header_read_timeout_s: u64,
+
+    /// A connection with no request in progress and no byte received for this many seconds
+    /// is closed (the keep-alive idle timeout; also bounds a connection that never sends).
+    #[arg(long, env = "KERNELKITE_IDLE_TIMEOUT_S", default_value_t = 60)]
+    pub idle_timeout_s: u64,
+
+    /// A request body must arrive complete within this many seconds of the handler starting
+    /// to read it (`408` otherwise).
+    #[arg(long, env = "KERNELKITE_BODY_READ_TIMEOUT_S", default_value_t = 30)]
+    pub body_read_timeout_s: u64,
+
+    /// Most client connections held at once. 0: automatic, the open-files limit less a
+    /// reserve (an eighth, at least 128) for the service's own files and Buildkite
+    /// connections, at most 8192. Over the cap the longest-idle connection is closed to make
+    /// room; when every connection is busy the new one is answered `503` and closed.
+    #[arg(long, env = "KERNELKITE_MAX_CONNECTIONS", default_value_t = 0)]
+    pub max_connections: usize,
+
+    /// Bytes that all webhook bodies not yet verified may hold in memory together; a
+    /// delivery that would go over is answered `503` without being read. At least
+    /// KERNELKITE_WEBHOOK_MAX_BYTES.
+    #[arg(long, env = "KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES", default_value_t = 64 << 20)]
+    pub unauthenticated_body_budget_bytes: usize,
+
+    /// On SIGTERM/SIGINT: seconds to let in-flight requests finish after listening stops
+    /// (long-polls and event streams are answered at once); then the process exits anyway.
+    #[arg(long, env = "KERNELKITE_SHUTDOWN_GRACE_S", default_value_t = 10)]
+    pub shutdown_grace_s: u64,
+}
+
+/// A setting of the HTTP edge that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum EdgeConfigError {
+    /// A timeout of 0 seconds.
+    #[error("{0} must be at least 1 second")]
+    ZeroTimeout(&'static str),
+    /// The body budget cannot hold one webhook of the largest size allowed.
+    #[error("KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES ({budget}) is below KERNELKITE_WEBHOOK_MAX_BYTES ({max}), so the largest webhook could never be read; raise the budget or lower the limit")]
+    BodyBudget {
+        /// KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES.
+        budget: usize,
+        /// KERNELKITE_WEBHOOK_MAX_BYTES.
+        max: usize,
+    },
+    /// The budget is over what one semaphore counts.
+    #[error("KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES must be at most {0}")]
+    BodyBudgetTooLarge(usize),
+}
+
+impl Config {
+    /// KERNELKITE_HEADER_READ_TIMEOUT_S.
+    pub fn header_read_timeout(&self) -> Duration {
+        Duration::from_secs(self.header_read_timeout_s)
+    }
+
+    /// KERNELKITE_IDLE_TIMEOUT_S.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_secs(self.idle_timeout_s)
+    }
+
+    /// KERNELKITE_BODY_READ_TIMEOUT_S.
+    pub fn body_read_timeout(&self) -> Duration {
+        Duration::from_secs(self.body_read_timeout_s)
+    }
+
+    /// KERNELKITE_SHUTDOWN_GRACE_S.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace_s)
+    }
+
+    /// The HTTP edge's settings; part of [`Config::check`].
+    pub fn check_edge(&self) -> Result<(), EdgeConfigError> {
+        for (name, v) in [
+            (
+                "KERNELKITE_HEADER_READ_TIMEOUT_S",
+                self.header_read_timeout_s,
+            ),
+            ("KERNELKITE_IDLE_TIMEOUT_S", self.idle_timeout_s),
+            ("KERNELKITE_BODY_READ_TIMEOUT_S", self.body_read_timeout_s),
+        ] {
+            if v == 0 {
+                return Err(EdgeConfigError::ZeroTimeout(name));
+            }
+        }
+        if self.unauthenticated_body_budget_bytes < self.webhook_max_bytes {
+            return Err(EdgeConfigError::BodyBudget {
+                budget: self.unauthenticated_body_budget_bytes,
+                max: self.webhook_max_bytes,
+            });
+        }
+        if self.unauthenticated_body_budget_bytes > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(EdgeConfigError::BodyBudgetTooLarge(
+                tokio::sync::Semaphore::MAX_PERMITS,
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Config {
@@ -327,6 +434,7 @@ impl Config {
         if self.default_timeout_s == 0 || self.default_timeout_s > self.max_timeout_s {
             return Err(ConfigError::DefaultTimeout);
         }
+        self.check_edge()?;
         Ok(())
     }
 }

@@ -58,6 +58,33 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
+    /// The service cannot take the request now; the same request may be retried later.
+    #[error(transparent)]
+    Unavailable(#[from] Unavailable),
+    /// The request's body did not arrive in time.
+    #[error("request body did not arrive within {seconds} s; send it faster, or raise {setting}")]
+    RequestTimeout {
+        /// The limit, seconds.
+        seconds: u64,
+        /// The setting that raises it.
+        setting: &'static str,
+    },
+}
+
+/// Why the service cannot take a request now. Each is temporary: retry later.
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    /// SIGTERM/SIGINT: the service is draining before it exits.
+    #[error("the service is shutting down; retry in a moment (on another instance, or this one once restarted)")]
+    ShuttingDown,
+    /// Unverified webhook bodies already hold all the memory allowed for them.
+    #[error("too many unverified request bodies are being read; retry in a moment (the bound is KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES)")]
+    BodyBudget,
+    /// Every connection is busy (KERNELKITE_MAX_CONNECTIONS).
+    #[error(
+        "every connection is busy; retry in a moment (the bound is KERNELKITE_MAX_CONNECTIONS)"
+    )]
+    Connections,
 }
 
 /// A request that cannot be read.

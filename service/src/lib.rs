@@ -7,7 +7,8 @@
 //! SHA-1 and its shape), and every waiter (long-poll, SSE, callback) hears of it at once.
 //!
 //! Layout, from the edge in:
-//! - [`http`]: routes, handlers, the client guard, and the one error-to-status mapping.
+//! - [`http`]: routes, handlers, the client guard, the one error-to-status mapping, and the
+//!   connection server (cap, timeouts, graceful shutdown); [`health`]: liveness and readiness.
 //! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types.
 //! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
 //!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks.
@@ -25,6 +26,7 @@ pub mod buildkite;
 pub mod config;
 pub mod error;
 pub mod executor;
+pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod queues;

@@ -24,6 +24,8 @@ fn main() -> std::process::ExitCode {
 async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never in a journal or a file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -39,6 +41,21 @@ async fn run() -> anyhow::Result<()> {
     }
     if cfg.allow_plain_webhook_token {
         tracing::warn!("plain X-Buildkite-Token webhooks are accepted; prefer signed webhooks");
+    }
+    // systemd starts services with a soft limit of 1024 open files and a much higher hard
+    // one; every connection is a file. The connection cap is derived from the raised limit.
+    match kernelkite_service::http::server::raise_open_files_limit() {
+        Ok((before, after)) if before != after => {
+            tracing::info!(
+                ?before,
+                ?after,
+                "raised the open-files limit to its hard limit"
+            )
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "could not raise the open-files limit; the connection cap follows the current one")
+        }
     }
     let listen = cfg.listen;
     let app = App::new(cfg).context("cannot start kernelkite-service")?;

@@ -47,14 +47,37 @@ pub struct OpLabel {
 }
 
 /// A label value for the HTTP edge's refusals.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub enum Refusal {
-    /// Over the connection cap.
+    /// Over the connection cap, every connection busy: answered `503`.
     ConnectionCap,
-    /// Headers, body or idle time over their timeout.
+    /// Over the connection cap: the longest-idle connection was closed to make room.
+    Evicted,
+    /// A request head or body over its timeout.
     Timeout,
-    /// Unauthenticated bodies over their memory bound.
+    /// Unauthenticated bodies over their memory bound: answered `503`.
     BodyBudget,
+}
+
+impl Refusal {
+    /// The label value: `connection_cap`, `evicted`, `timeout`, `body_budget`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Refusal::ConnectionCap => "connection_cap",
+            Refusal::Evicted => "evicted",
+            Refusal::Timeout => "timeout",
+            Refusal::BodyBudget => "body_budget",
+        }
+    }
+}
+
+impl EncodeLabelValue for Refusal {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
 }
 
 /// Every metric the service exports.
@@ -78,6 +101,10 @@ pub struct Metrics {
     pub store_seconds: Family<OpLabel, Histogram>,
     /// Connections and requests the HTTP edge refused, by why.
     pub http_refusals: Family<RefusalLabel, Counter>,
+    /// Client connections open now.
+    pub connections: Gauge,
+    /// The connection cap in force (KERNELKITE_MAX_CONNECTIONS, or the automatic one).
+    pub connection_cap: Gauge,
 }
 
 /// [`Refusal`] as a label set.
@@ -112,6 +139,8 @@ impl Metrics {
             callbacks: Family::default(),
             store_seconds: Family::new_with_constructor(latency_histogram),
             http_refusals: Family::default(),
+            connections: Gauge::default(),
+            connection_cap: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("submissions", "Submissions by state", m.submissions.clone());
@@ -155,6 +184,16 @@ impl Metrics {
             "Connections and requests refused by the HTTP edge, by reason",
             m.http_refusals.clone(),
         );
+        registry.register(
+            "http_connections",
+            "Client connections open now",
+            m.connections.clone(),
+        );
+        registry.register(
+            "http_connection_cap",
+            "Most client connections held at once",
+            m.connection_cap.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -191,7 +230,18 @@ mod tests {
             })
             .inc();
         m.wake_to_result_seconds.observe(0.0004);
+        m.http_refusals
+            .get_or_create(&RefusalLabel {
+                reason: Refusal::ConnectionCap,
+            })
+            .inc();
+        m.connections.set(7);
         let text = m.render();
+        assert!(
+            text.contains("kernelkite_http_refusals_total{reason=\"connection_cap\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("kernelkite_http_connections 7"), "{text}");
         assert!(
             text.contains("kernelkite_submissions{state=\"queued\"} 3"),
             "{text}"

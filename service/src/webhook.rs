@@ -55,6 +55,22 @@ pub enum AuthError {
     PlainTokenRefused,
 }
 
+impl AuthError {
+    /// The reason as a metric label: `not_configured`, `missing`, `malformed`,
+    /// `bad_signature`, `stale`, `bad_token`, `plain_token_refused`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AuthError::NotConfigured => "not_configured",
+            AuthError::Missing => "missing",
+            AuthError::Malformed(_) => "malformed",
+            AuthError::BadSignature => "bad_signature",
+            AuthError::Stale => "stale",
+            AuthError::BadToken => "bad_token",
+            AuthError::PlainTokenRefused => "plain_token_refused",
+        }
+    }
+}
+
 /// Parses `timestamp=<digits>,signature=<64 hex>` (order free, surrounding spaces allowed).
 ///
 /// Written by hand: the format is Buildkite's own (not RFC 9421 or any header grammar a crate
@@ -114,6 +130,39 @@ pub struct WebhookAuth {
 }
 
 impl WebhookAuth {
+    /// Everything that can be checked before the body is read: a token is configured, a
+    /// signature header is present and well-formed and its timestamp inside the window (or
+    /// a plain token, when allowed, is right). A delivery that fails here is refused without
+    /// reading its body; one that passes still needs [`WebhookAuth::verify`] on the body.
+    pub fn precheck(&self, headers: &HeaderMap, now: i64) -> Result<(), AuthError> {
+        let token = self
+            .token
+            .as_ref()
+            .filter(|t| !t.expose().is_empty())
+            .ok_or(AuthError::NotConfigured)?;
+        if let Some(sig) = headers.get(HEADER_SIGNATURE) {
+            let sig = sig
+                .to_str()
+                .map_err(|_| AuthError::Malformed("not ASCII"))?;
+            let parsed = parse_signature_header(sig)?;
+            if now.abs_diff(parsed.timestamp) > self.window_s {
+                return Err(AuthError::Stale);
+            }
+            return Ok(());
+        }
+        if let Some(plain) = headers.get(HEADER_TOKEN) {
+            if !self.allow_plain_token {
+                return Err(AuthError::PlainTokenRefused);
+            }
+            return if token.matches(plain.as_bytes()) {
+                Ok(())
+            } else {
+                Err(AuthError::BadToken)
+            };
+        }
+        Err(AuthError::Missing)
+    }
+
     /// Verifies a delivery. `now` is unix seconds (injected so tests can move the clock).
     pub fn verify(&self, headers: &HeaderMap, body: &[u8], now: i64) -> Result<(), AuthError> {
         // An empty key is public: anyone could sign with it. Treated as no key (fail closed).
@@ -205,17 +254,15 @@ pub struct WebhookReceiver {
 
 impl WebhookReceiver {
     /// Verifies (before reading anything) and reads one delivery; `now` is unix seconds.
-    /// Returns the build event to act on, if the delivery is one.
+    /// Returns the build event to act on, if the delivery is one. A refusal is not logged
+    /// here: the caller knows the peer, counts it and rate-limits the log.
     pub fn receive(
         &self,
         headers: &HeaderMap,
         body: &[u8],
         now: i64,
     ) -> Result<Option<BuildEvent>, WebhookError> {
-        if let Err(e) = self.auth.verify(headers, body, now) {
-            tracing::warn!(reason = %e, "webhook refused");
-            return Err(e.into());
-        }
+        self.auth.verify(headers, body, now)?;
         let header_event = headers.get(HEADER_EVENT).and_then(|v| v.to_str().ok());
         match parse_delivery(header_event, &self.pipeline, body) {
             Ok(Delivery::Build(ev)) => Ok(Some(ev)),
@@ -404,6 +451,46 @@ mod tests {
             a.verify(&headers(HEADER_SIGNATURE, &swapped), body, now),
             Err(AuthError::BadSignature)
         );
+    }
+
+    #[test]
+    fn precheck_refuses_all_but_the_mac_without_the_body() {
+        let body = br#"{"event":"ping"}"#;
+        let now = 1_700_000_000;
+        let a = auth(false);
+        let sig = |ts: i64| headers(HEADER_SIGNATURE, &sign("k", ts, body));
+        assert_eq!(a.precheck(&sig(now), now), Ok(()));
+        // The MAC needs the body: a wrong key passes the precheck, and only verify refuses it.
+        let forged = headers(HEADER_SIGNATURE, &sign("x", now, body));
+        assert_eq!(a.precheck(&forged, now), Ok(()));
+        assert_eq!(a.verify(&forged, body, now), Err(AuthError::BadSignature));
+        for (h, want) in [
+            (sig(now - 301), AuthError::Stale),
+            (sig(now + 301), AuthError::Stale),
+            (HeaderMap::new(), AuthError::Missing),
+            (
+                headers(HEADER_SIGNATURE, "garbage"),
+                AuthError::Malformed("expected key=value pairs"),
+            ),
+            (headers(HEADER_TOKEN, "k"), AuthError::PlainTokenRefused),
+        ] {
+            assert_eq!(a.precheck(&h, now), Err(want.clone()));
+            assert_eq!(a.verify(&h, body, now), Err(want));
+        }
+        assert_eq!(
+            auth(true).precheck(&headers(HEADER_TOKEN, "k"), now),
+            Ok(())
+        );
+        assert_eq!(
+            auth(true).precheck(&headers(HEADER_TOKEN, "kk"), now),
+            Err(AuthError::BadToken)
+        );
+        let none = WebhookAuth {
+            token: None,
+            ..auth(true)
+        };
+        assert_eq!(none.precheck(&sig(now), now), Err(AuthError::NotConfigured));
+        assert_eq!(AuthError::BadSignature.reason(), "bad_signature");
     }
 
     #[test]

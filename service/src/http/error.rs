@@ -1,13 +1,12 @@
 //! The one place where the core's errors become HTTP answers: a status per kind, and the
 //! JSON body `{"error": "<what is wrong and what to do>"}`.
 
-use axum::extract::rejection::BytesRejection;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::error::{BadRequest, Error, Unauthorized};
+use crate::error::{Error, Unauthorized};
 use crate::report::report;
 
 impl IntoResponse for Error {
@@ -21,32 +20,84 @@ impl IntoResponse for Error {
             Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Error::Forbidden => StatusCode::FORBIDDEN,
             Error::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         };
         let bearer = matches!(self, Error::Unauthorized(Unauthorized::BearerToken));
-        let mut r = (status, Json(json!({ "error": report(&self) }))).into_response();
+        let message = elide(&report(&self));
+        let mut r = (status, Json(json!({ "error": message }))).into_response();
         if bearer {
             // RFC 6750: a 401 for a bearer-token resource names the scheme.
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of the body may still be on its way: the connection cannot be reused.
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         r
     }
 }
 
-/// A body that could not be received: over `limit` (the body-limit layer's refusal), or cut
-/// off. `setting` is the variable that sets the limit.
-pub(super) fn body_error(rejection: BytesRejection, limit: usize, setting: &'static str) -> Error {
-    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        Error::PayloadTooLarge { limit, setting }
-    } else {
-        BadRequest::Body(rejection.into()).into()
+/// Longest run of a client's own text an error message repeats (a quoted value, an unknown
+/// field's name), in characters.
+pub(crate) const ECHO_MAX: usize = 200;
+/// Longest error message, in characters, whatever it quotes.
+pub(crate) const MESSAGE_MAX: usize = 1000;
+
+/// An error message with every quoted run (between `"` or `` ` ``, how serde and `{:?}` quote
+/// a client's values) cut to [`ECHO_MAX`] characters, and the whole to [`MESSAGE_MAX`]:
+/// a refused request must not be echoed back whole (a 10 MiB queue name, a huge unknown key).
+/// What was cut is said, so nobody mistakes the shortened value for what was sent.
+pub(crate) fn elide(message: &str) -> String {
+    if message.chars().count() <= ECHO_MAX {
+        return message.to_string();
     }
+    let mut out = String::with_capacity(MESSAGE_MAX + 64);
+    let mut quoted = 0usize; // characters of the current quoted run written so far
+    let mut dropped = 0usize; // characters of the current quoted run left out
+    let mut inside = false;
+    for c in message.chars() {
+        let quote = c == '"' || c == '`';
+        if inside && !quote {
+            if quoted < ECHO_MAX {
+                out.push(c);
+                quoted += 1;
+            } else {
+                dropped += 1;
+            }
+            continue;
+        }
+        if inside && quote && dropped > 0 {
+            out.push_str(&format!("…({dropped} more characters)"));
+        }
+        if quote {
+            inside = !inside;
+            quoted = 0;
+            dropped = 0;
+        }
+        out.push(c);
+    }
+    if inside && dropped > 0 {
+        out.push_str(&format!("…({dropped} more characters)"));
+    }
+    let total = out.chars().count();
+    if total > MESSAGE_MAX {
+        let cut: String = out.chars().take(MESSAGE_MAX).collect();
+        return format!("{cut}…({} more characters)", total - MESSAGE_MAX);
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Invalid;
+    use crate::error::{BadRequest, Invalid, Unavailable};
     use crate::submission::State;
     use crate::webhook::AuthError;
 
@@ -61,6 +112,38 @@ mod tests {
             .await
             .unwrap();
         (status, auth, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[test]
+    fn elide_cuts_quoted_values_and_long_messages() {
+        let short = "queue \"h100\" must be 1-64 letters";
+        assert_eq!(elide(short), short);
+        let long = format!("queue \"{}\" must be 1-64 letters", "q".repeat(5000));
+        let got = elide(&long);
+        assert_eq!(
+            got,
+            format!(
+                "queue \"{}…(4800 more characters)\" must be 1-64 letters",
+                "q".repeat(ECHO_MAX)
+            )
+        );
+        let serde = format!(
+            "unknown field `{}`, expected one of `config`, `queue`",
+            "k".repeat(300)
+        );
+        let got = elide(&serde);
+        assert!(
+            got.ends_with("…(100 more characters)`, expected one of `config`, `queue`"),
+            "{got}"
+        );
+        // Many short quoted runs and no quotes at all: the whole is capped.
+        let many = "\"ab\" ".repeat(2000);
+        assert!(elide(&many).chars().count() < MESSAGE_MAX + 40);
+        let bare = "x".repeat(5000);
+        assert!(elide(&bare).ends_with("…(4000 more characters)"));
+        // Multi-byte characters are cut on character boundaries.
+        let wide = format!("queue \"{}\"", "é".repeat(500));
+        assert!(elide(&wide).contains("…(300 more characters)"));
     }
 
     #[tokio::test]
@@ -114,6 +197,14 @@ mod tests {
                 500,
                 "submission worker failed; retry: it panicked",
             ),
+            (
+                Error::RequestTimeout {
+                    seconds: 30,
+                    setting: "KERNELKITE_BODY_READ_TIMEOUT_S",
+                },
+                408,
+                "request body did not arrive within 30 s; send it faster, or raise KERNELKITE_BODY_READ_TIMEOUT_S",
+            ),
         ];
         for (e, status, message) in cases {
             let (got, auth, body) = answer(e).await;
@@ -123,6 +214,9 @@ mod tests {
             );
             assert_eq!(auth, None, "{message}");
         }
+        let r = Error::from(Unavailable::ShuttingDown).into_response();
+        assert_eq!(r.status().as_u16(), 503);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
         let (status, auth, body) = answer(Unauthorized::BearerToken.into()).await;
         assert_eq!((status, auth.as_deref()), (401, Some("Bearer")));
         assert_eq!(

@@ -1,20 +1,31 @@
 //! `GET /v1/submissions/{id}/events`: one server-sent event per state change.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Path, State as AxState};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
 
+use super::edge::Edge;
 use crate::app::{App, Watch};
 use crate::error::Error;
 use crate::submission::{State, Submission};
 
-/// One SSE event per state change, the history so far first. `Last-Event-ID` resumes.
+/// How soon a client should reconnect after the service ended its stream to shut down.
+pub(super) const RECONNECT: Duration = Duration::from_secs(1);
+
+/// One SSE event per state change, the history so far first. `Last-Event-ID` resumes. When
+/// the service starts shutting down, the stream ends after the events so far with a
+/// `retry:` hint, so the client reconnects (elsewhere, or after the restart) with
+/// `Last-Event-ID` and misses nothing.
 pub(super) async fn stream(
     AxState(app): AxState<Arc<App>>,
+    AxState(edge): AxState<Arc<Edge>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Error> {
@@ -25,7 +36,11 @@ pub(super) async fn stream(
         // Client-chosen: `usize::MAX` must not overflow (it means "after everything").
         .map_or(0, |n| n.saturating_add(1));
     let source = app.watch(&id).await?;
-    let stream = futures_util::stream::unfold((source, start), |(mut source, next)| async move {
+    let stopping: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(edge.stopping());
+    let state = (source, start, Some(stopping));
+    let stream = futures_util::stream::unfold(state, |(mut source, next, stopping)| async move {
+        // `None`: the shutdown event went out; the stream is over.
+        let mut stopping = stopping?;
         loop {
             let snapshot = match &mut source {
                 Watch::Live(rx) => rx.borrow_and_update().clone(),
@@ -33,15 +48,23 @@ pub(super) async fn stream(
             };
             if next < snapshot.history.len() {
                 let ev = state_event(&snapshot, next);
-                return Some((Ok(ev), (source, next + 1)));
+                return Some((Ok(ev), (source, next + 1, Some(stopping))));
             }
             if snapshot.state.is_terminal() {
                 return None;
             }
             match &mut source {
                 Watch::Live(rx) => {
-                    if rx.changed().await.is_err() {
-                        return None;
+                    tokio::select! {
+                        r = rx.changed() => if r.is_err() {
+                            return None;
+                        },
+                        () = &mut stopping => {
+                            let bye = Event::default()
+                                .comment("shutting down; reconnect with Last-Event-ID")
+                                .retry(RECONNECT);
+                            return Some((Ok(bye), (source, next, None)));
+                        }
                     }
                 }
                 Watch::Done(_) => return None,

@@ -1,28 +1,61 @@
 //! The HTTP layer: the routes, and the translation between requests and the core. The
 //! submission API lives under `/v1` (`submissions`, `events`; guarded by `auth`), Buildkite's
-//! webhook at `/webhooks/buildkite` (`webhooks`); every error becomes a response in one place
-//! (`error`: `impl IntoResponse for crate::Error`).
+//! webhook at `/webhooks/buildkite` (`webhooks`), the operational routes (`/healthz`,
+//! `/readyz`, `/metrics`) here; every error becomes a response in one place (`error`:
+//! `impl IntoResponse for crate::Error`). Connections are served by `server` (accept loop,
+//! cap, timeouts, graceful shutdown); what connections and handlers share is `edge`.
 
 mod auth;
+mod edge;
 mod error;
 mod events;
 mod queues;
+pub mod server;
 mod submissions;
 mod webhooks;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::DefaultBodyLimit;
-use axum::http::header;
+use axum::extract::{FromRef, State};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Json, Router};
+use serde_json::json;
 
 use crate::app::App;
+pub use edge::{Edge, Phase};
+pub use server::RequestId;
 
-/// The HTTP routes.
+/// What the handlers are given: the core, and the edge's shared state.
+#[derive(Clone)]
+pub(crate) struct Http {
+    app: Arc<App>,
+    edge: Arc<Edge>,
+}
+
+impl FromRef<Http> for Arc<App> {
+    fn from_ref(h: &Http) -> Arc<App> {
+        h.app.clone()
+    }
+}
+
+impl FromRef<Http> for Arc<Edge> {
+    fn from_ref(h: &Http) -> Arc<Edge> {
+        h.edge.clone()
+    }
+}
+
+/// The HTTP routes, with an edge of their own (always serving). Bodies are read by the
+/// handlers themselves (authentication first, then a bounded, timed read), so no body-limit
+/// layer is needed.
 pub fn router(app: Arc<App>) -> Router {
+    let edge = Arc::new(Edge::new(app.clone()));
+    router_with(app, edge)
+}
+
+/// The routes around `edge` (whose phase the long-polls, streams and `/readyz` follow).
+pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
     let v1 = Router::new()
         .route("/v1/submissions", post(submissions::create))
         .route(
@@ -31,39 +64,65 @@ pub fn router(app: Arc<App>) -> Router {
         )
         .route("/v1/submissions/{id}/events", get(events::stream))
         .route("/v1/queues/{queue}", queues::route(&app))
-        .layer(DefaultBodyLimit::max(app.cfg.max_submission_bytes))
         .route_layer(axum::middleware::from_fn_with_state(
             app.clone(),
             auth::require_client,
         ));
-    let hooks = Router::new()
-        .route("/webhooks/buildkite", post(webhooks::buildkite))
-        .layer(DefaultBodyLimit::max(app.cfg.webhook_max_bytes));
     Router::new()
         .merge(v1)
-        .merge(hooks)
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/webhooks/buildkite", post(webhooks::buildkite))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
-        .with_state(app)
+        .with_state(Http { app, edge })
 }
 
-/// Serves on `listener` until `shutdown` resolves.
+/// Serves on `listener` until `shutdown` resolves, then drains for up to
+/// KERNELKITE_SHUTDOWN_GRACE_S (see [`server`]).
 pub async fn serve(
     app: Arc<App>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router(app).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    let edge = Arc::new(Edge::new(app.clone()));
+    let router = router_with(app.clone(), edge.clone());
+    server::run(app, edge, router, listener, shutdown).await
 }
 
-/// `GET /metrics`: Prometheus text format.
-async fn metrics(axum::extract::State(app): axum::extract::State<Arc<App>>) -> Response {
+/// `GET /healthz`: `200 {"status":"ok"}` while the store answers; `503` with the reason.
+async fn healthz(State(app): State<Arc<App>>) -> Response {
+    match app.health().await {
+        Ok(()) => status(StatusCode::OK, json!({"status": "ok"})),
+        Err(e) => {
+            tracing::warn!(error = %crate::report::report(&e), "health check failed");
+            status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "unhealthy", "error": crate::report::report(&e)}),
+            )
+        }
+    }
+}
+
+/// `GET /readyz`: `200 {"status":"ready"}` while healthy and not shutting down; `503`
+/// otherwise.
+async fn readyz(State(app): State<Arc<App>>, State(edge): State<Arc<Edge>>) -> Response {
+    match app.readiness(edge.phase() == Phase::Serving).await {
+        Ok(()) => status(StatusCode::OK, json!({"status": "ready"})),
+        Err(e) => status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({"status": e.status(), "error": crate::report::report(&e)}),
+        ),
+    }
+}
+
+fn status(code: StatusCode, body: serde_json::Value) -> Response {
+    (code, [(header::CACHE_CONTROL, "no-store")], Json(body)).into_response()
+}
+
+/// `GET /metrics`: OpenMetrics text (what Prometheus scrapes). Unauthenticated, like
+/// `/healthz`: label values are fixed names (states, reasons, calls), never ids or input.
+async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
@@ -81,4 +140,64 @@ async fn openapi() -> Response {
         include_str!("../../openapi.json"),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt as _;
+
+    async fn call(router: &Router, method: &str, path: &str) -> (u16, serde_json::Value) {
+        let req = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(
+                json!({"config": {}, "queue": "h100"}).to_string(),
+            ))
+            .unwrap();
+        // In process there is no peer: loopback is what the client guard needs.
+        let mut req = req;
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [127, 0, 0, 1],
+                1,
+            ))));
+        let r = router.clone().oneshot(req).await.unwrap();
+        let status = r.status().as_u16();
+        let body = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+
+    #[tokio::test]
+    async fn draining_is_healthy_but_not_ready_and_takes_no_submissions() {
+        let cfg = crate::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "t");
+        let app = App::new(cfg).unwrap();
+        let edge = Arc::new(Edge::new(app.clone()));
+        let router = router_with(app, edge.clone());
+        assert_eq!(
+            call(&router, "GET", "/readyz").await,
+            (200, json!({"status": "ready"}))
+        );
+        edge.set_phase(Phase::Draining);
+        assert_eq!(
+            call(&router, "GET", "/healthz").await,
+            (200, json!({"status": "ok"}))
+        );
+        let (status, v) = call(&router, "GET", "/readyz").await;
+        assert_eq!(
+            (status, &v["status"]),
+            (503, &json!("shutting_down")),
+            "{v}"
+        );
+        let (status, v) = call(&router, "POST", "/v1/submissions").await;
+        assert_eq!(status, 503, "{v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("shutting down"),
+            "{v}"
+        );
+        // The phase never goes back.
+        edge.set_phase(Phase::Serving);
+        assert_eq!(edge.phase(), Phase::Draining);
+    }
 }

@@ -12,7 +12,7 @@ use crate::queues::{QueueStatus, Queues};
 
 /// The route, with its agent-count cache. The cache lives as long as the router: one per
 /// server, so one Buildkite fetch per refresh interval however many clients ask.
-pub(super) fn route(app: &Arc<App>) -> MethodRouter<Arc<App>> {
+pub(super) fn route(app: &Arc<App>) -> MethodRouter<super::Http> {
     let queues = Arc::new(Queues::for_executor(&app.cfg, app.executor.name()));
     get(
         move |State(app): State<Arc<App>>, Path(queue): Path<String>| async move {

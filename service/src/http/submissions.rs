@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -13,26 +13,32 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::error::body_error;
+use super::edge::{Edge, Phase};
 use crate::app::{App, SubmitRequest};
-use crate::error::{BadRequest, Error, Invalid};
+use crate::error::{BadRequest, Error, Invalid, Unavailable};
 use crate::submission::Submission;
 
 /// Bodies above this are handled on the blocking pool.
 const LARGE_BODY: usize = 256 * 1024;
 
-/// `POST /v1/submissions` → `202` with the submission's id, state and status URL.
+/// `POST /v1/submissions` → `202` with the submission's id, state and status URL. The client
+/// guard has run: the body is read only now, within its limit and timeout.
 pub(super) async fn create(
     State(app): State<Arc<App>>,
-    body: Result<Bytes, BytesRejection>,
+    State(edge): State<Arc<Edge>>,
+    body: Body,
 ) -> Result<Response, Error> {
-    let body = body.map_err(|r| {
-        body_error(
-            r,
+    if edge.phase() != Phase::Serving {
+        return Err(Unavailable::ShuttingDown.into());
+    }
+    let (body, _) = edge
+        .read_body(
+            body,
             app.cfg.max_submission_bytes,
             "KERNELKITE_MAX_SUBMISSION_BYTES",
+            false,
         )
-    })?;
+        .await?;
     let large = body.len() > LARGE_BODY;
     let accept = {
         let app = app.clone();
@@ -79,9 +85,12 @@ pub(super) struct WaitQuery {
     wait: Option<f64>,
 }
 
-/// `GET /v1/submissions/{id}[?wait=SECONDS]`
+/// `GET /v1/submissions/{id}[?wait=SECONDS]`. When the service starts shutting down, a
+/// waiting request is answered at once with the submission as it is, as if its wait had run
+/// out: the client polls again (elsewhere, or after the restart).
 pub(super) async fn get(
     State(app): State<Arc<App>>,
+    State(edge): State<Arc<Edge>>,
     Path(id): Path<String>,
     query: Result<Query<WaitQuery>, QueryRejection>,
 ) -> Result<Json<Submission>, Error> {
@@ -94,7 +103,13 @@ pub(super) async fn get(
         }
         None => Duration::ZERO,
     };
-    app.get(&id, wait).await.map(Json)
+    if wait.is_zero() {
+        return app.get(&id, wait).await.map(Json);
+    }
+    tokio::select! {
+        r = app.get(&id, wait) => r.map(Json),
+        () = edge.stopping() => app.get(&id, Duration::ZERO).await.map(Json),
+    }
 }
 
 /// `DELETE /v1/submissions/{id}`

@@ -1,29 +1,88 @@
-//! `POST /webhooks/buildkite`: verify, then parse, then answer; the work runs in the
-//! background.
+//! `POST /webhooks/buildkite`: check what can be checked without the body, read the body
+//! within its limits, verify, then parse and answer; the work runs in the background.
+//!
+//! Nobody is authenticated until the MAC over the body checks out, so until then the body
+//! costs the sender more than it costs the service: the size, the signature header's form and
+//! its timestamp window are checked before a byte of the body is read; the body is read with
+//! a size limit and a timeout, and only while the memory all unverified bodies hold together
+//! stays within KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES; and the connection may be
+//! closed to make room for others while it is being read.
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::body::HttpBody as _;
+use axum::extract::{Request, State};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::error::body_error;
+use super::edge::Edge;
+use super::server::{unauthenticated, ConnSlot};
 use crate::app::App;
-use crate::error::Error;
+use crate::error::{Error, Unauthorized};
+use crate::metrics::ReasonLabel;
+use crate::webhook::WebhookError;
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
 pub(super) async fn buildkite(
     State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    State(edge): State<Arc<Edge>>,
+    req: Request,
 ) -> Result<Json<Value>, Error> {
-    let body =
-        body.map_err(|r| body_error(r, app.cfg.webhook_max_bytes, "KERNELKITE_WEBHOOK_MAX_BYTES"))?;
-    if let Some(event) = app.webhooks.receive(&headers, &body, (app.clock)())? {
-        app.on_event(event);
+    let (parts, body) = req.into_parts();
+    let limit = app.cfg.webhook_max_bytes;
+    const SETTING: &str = "KERNELKITE_WEBHOOK_MAX_BYTES";
+    if body.size_hint().lower() > limit as u64 {
+        refused(
+            &app,
+            &edge,
+            "too_large",
+            &"body over KERNELKITE_WEBHOOK_MAX_BYTES",
+        );
+        return Err(Error::PayloadTooLarge {
+            limit,
+            setting: SETTING,
+        });
+    }
+    let now = (app.clock)();
+    if let Err(e) = app.webhooks.auth.precheck(&parts.headers, now) {
+        refused(&app, &edge, e.reason(), &e);
+        return Err(Unauthorized::Webhook(e).into());
+    }
+    let reading = unauthenticated(parts.extensions.get::<ConnSlot>());
+    let (body, _budget) = match edge.read_body(body, limit, SETTING, true).await {
+        Ok(b) => b,
+        Err(e) => {
+            // Budget and timeout refusals are counted by the reader.
+            if matches!(e, Error::PayloadTooLarge { .. }) {
+                refused(&app, &edge, "too_large", &e);
+            }
+            return Err(e);
+        }
+    };
+    drop(reading);
+    match app.webhooks.receive(&parts.headers, &body, now) {
+        Ok(Some(event)) => app.on_event(event),
+        Ok(None) => {}
+        Err(WebhookError::Auth(e)) => {
+            refused(&app, &edge, e.reason(), &e);
+            return Err(Unauthorized::Webhook(e).into());
+        }
+        Err(e) => return Err(e.into()),
     }
     Ok(Json(json!({ "ok": true })))
+}
+
+/// Counts a refused webhook by reason and logs it: at most one line per reason
+/// per [`super::edge::LOG_INTERVAL`], saying how many were left out.
+fn refused(app: &App, edge: &Edge, reason: &'static str, why: &dyn std::fmt::Display) {
+    app.metrics
+        .webhook_rejections
+        .get_or_create(&ReasonLabel {
+            reason: reason.to_string(),
+        })
+        .inc();
+    if let Some(suppressed) = edge.log.allow(reason) {
+        // The request's span carries the peer and the request id.
+        tracing::warn!(reason, suppressed, "webhook refused: {why}");
+    }
 }

@@ -167,4 +167,10 @@ impl Store {
             None => Ok(()),
         }
     }
+
+    /// Whether the store can be read and written now (`GET /healthz`, `GET /readyz`).
+    // placeholder until the durable store lands: always healthy
+    pub async fn health(&self) -> Result<(), crate::report::BoxError> {
+        Ok(())
+    }
 }

@@ -214,6 +214,9 @@ async fn openapi_document_describes_the_routes() {
         "/v1/submissions/{id}",
         "/v1/submissions/{id}/events",
         "/webhooks/buildkite",
+        "/healthz",
+        "/readyz",
+        "/metrics",
     ] {
         assert!(
             doc["paths"][path].is_object(),
@@ -234,17 +237,18 @@ async fn openapi_document_describes_the_routes() {
             "timed_out"
         ])
     );
-    assert_eq!(
-        h.http
-            .get(format!("{}/healthz", h.base))
+    for (path, status) in [("healthz", "ok"), ("readyz", "ready")] {
+        let v: Value = h
+            .http
+            .get(format!("{}/{path}", h.base))
             .send()
             .await
             .unwrap()
-            .text()
+            .json()
             .await
-            .unwrap(),
-        "ok"
-    );
+            .unwrap();
+        assert_eq!(v, json!({ "status": status }), "{path}");
+    }
 }
 
 #[tokio::test]
