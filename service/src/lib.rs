@@ -21,15 +21,19 @@
 
 pub mod app;
 pub mod buildkite;
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod executor;
 pub mod http;
+pub mod local;
 pub mod metrics;
+pub mod recovery;
 pub mod report;
 pub mod result;
 pub mod store;
 pub mod submission;
+pub mod task;
 pub mod webhook;
 
 pub use app::{App, SubmitRequest};
