@@ -469,6 +469,31 @@ mod tests {
     }
 
     #[test]
+    fn buildkite_settings_are_required_by_the_buildkite_executor_only() {
+        use clap::{CommandFactory, FromArgMatches};
+        let parse = |args: &[&str]| {
+            let m = Config::command()
+                .mut_args(|a| a.env(None))
+                .try_get_matches_from(args)
+                .unwrap();
+            Config::from_arg_matches(&m).unwrap()
+        };
+        let e = parse(&["x"]).check().unwrap_err().to_string();
+        assert!(
+            e.contains("BUILDKITE_ORG is not set") && e.contains("kernelkite-service local"),
+            "{e}"
+        );
+        let local = Config::local();
+        assert_eq!(local.executor, ExecutorKind::Local);
+        local.check().unwrap();
+        parse(&["x", "--executor", "local"]).check().unwrap();
+        // The checks every executor shares still apply.
+        let mut c = Config::local();
+        c.api_token = Some(Secret::new(""));
+        assert!(c.check().is_err());
+    }
+
+    #[test]
     fn empty_tokens_are_refused_not_taken_as_keys() {
         // `BUILDKITE_WEBHOOK_TOKEN=` in an env file parses as Some(""); an empty HMAC key is
         // public, and an empty bearer token matches `Authorization: Bearer `.

@@ -338,7 +338,11 @@ async fn jobs_are_confined_to_their_slice_by_real_cgroups() {
         let p = &probes(&done, "test")[0];
         let planned = slices
             .iter()
-            .find(|s| s["index"].as_u64().is_some_and(|i| i.to_string() == p.slice))
+            .find(|s| {
+                s["index"]
+                    .as_u64()
+                    .is_some_and(|i| i.to_string() == p.slice)
+            })
             .expect("a planned slice");
         let cpus: Vec<String> = planned["cpus"]
             .as_array()

@@ -26,7 +26,9 @@
 
 pub mod binaries;
 pub mod hooks;
+pub mod job;
 pub mod jobdir;
+pub mod plan;
 pub mod settings;
 pub mod timing;
 
@@ -37,8 +39,6 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
-use tokio::process::Command;
 use tokio::sync::Notify;
 
 use crate::app::App;
@@ -48,8 +48,8 @@ use crate::executor::{
 use crate::report::BoxError;
 use crate::result::ResultJson;
 use crate::submission::{BuildInfo, Outcome};
-use hooks::{HookJob, ProcessId};
 use jobdir::{JobDir, JobFile};
+pub use plan::PlannedSlice;
 pub use settings::{LocalArgs, LocalSettings};
 use timing::Timings;
 
@@ -104,44 +104,6 @@ pub enum LocalError {
     /// The plan has no slices.
     #[error("the node's plan has no slices; nothing can run (see `kernelkite-isolate plan`)")]
     NoSlices,
-}
-
-/// One slice of the node's plan, as far as the executor needs it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct PlannedSlice {
-    /// The slice's number (the GPU's, or the CPU-only slice's).
-    pub index: u32,
-    /// Its GPU, when it has one.
-    #[serde(default)]
-    pub gpu: Option<serde_json::Value>,
-    /// Its CPUs.
-    pub cpus: Vec<u32>,
-    /// Its memory limit.
-    pub memory_bytes: u64,
-}
-
-impl PlannedSlice {
-    /// `slice 0 (GPU 0000:18:00.0, 13 CPUs, 230 GiB)`.
-    pub fn describe(&self) -> String {
-        let gpu = self
-            .gpu
-            .as_ref()
-            .and_then(|g| g["pci_bus_id"].as_str())
-            .map(|b| format!("GPU {b}, "))
-            .unwrap_or_else(|| "CPU-only, ".into());
-        format!(
-            "slice {} ({gpu}{} CPU{}, {:.1} GiB)",
-            self.index,
-            self.cpus.len(),
-            if self.cpus.len() == 1 { "" } else { "s" },
-            self.memory_bytes as f64 / f64::from(1u32 << 30)
-        )
-    }
-}
-
-#[derive(Deserialize)]
-struct PlanShape {
-    slices: Vec<PlannedSlice>,
 }
 
 /// What the executor reports about one job (for `demo`, benchmarks and logs).
@@ -258,7 +220,7 @@ impl LocalExecutor {
         settings: LocalSettings,
         temp: Option<tempfile::TempDir>,
     ) -> Result<Arc<LocalExecutor>, LocalError> {
-        let (plan_file, slices) = load_plan(&settings).await?;
+        let (plan_file, slices) = plan::load_plan(&settings).await?;
         let host = rustix::system::uname()
             .nodename()
             .to_string_lossy()
@@ -306,7 +268,7 @@ impl LocalExecutor {
         let _ = self.app.set(Arc::downgrade(app));
         self.sweep(app).await;
         for slice in &self.slices {
-            tokio::spawn(worker(
+            tokio::spawn(job::worker(
                 Arc::downgrade(self),
                 self.wake.clone(),
                 slice.clone(),
@@ -431,327 +393,6 @@ impl LocalExecutor {
         q.pop_front().map(|j| (j, Utc::now()))
     }
 
-    /// One job on `slice`, from the queue to its `Finished` event.
-    async fn run(self: &Arc<Self>, slice: &PlannedSlice, q: Queued, dequeued: DateTime<Utc>) {
-        let (file, dir, attempt, cancel) = {
-            let mut jobs = lock(&self.jobs);
-            let Some(rec) = jobs.get_mut(&q.build_id) else {
-                return;
-            };
-            if rec.canceled || rec.stage != Stage::Queued {
-                return;
-            }
-            rec.stage = Stage::Running;
-            rec.slice = Some(slice.index);
-            rec.timings.dequeued = Some(dequeued);
-            if let Some(started) = rec.started.take() {
-                let _ = started.send(());
-            }
-            (
-                rec.file.clone(),
-                rec.dir.clone(),
-                rec.attempt,
-                rec.cancel.clone(),
-            )
-        };
-        let build = file.build.clone();
-        self.emit(BuildEventKind::Scheduled, &build, "scheduled");
-        let outcome = self.run_attempt(slice, &file, &dir, attempt, &cancel).await;
-        let state = {
-            let mut jobs = lock(&self.jobs);
-            let Some(rec) = jobs.get_mut(&build.id) else {
-                return;
-            };
-            rec.stage = Stage::Finished;
-            rec.timings.cleaned = Some(Utc::now());
-            rec.isolation = outcome.isolation.clone().or(rec.isolation.take());
-            rec.exit_code = outcome.exit_code;
-            rec.failure = outcome.failure.clone();
-            if rec.timings.leased.is_none() {
-                rec.timings.leased = outcome.leased;
-            }
-            rec.timings.command_done = outcome.command_done;
-            if rec.canceled {
-                "canceled"
-            } else if outcome.exit_code == Some(0) {
-                "passed"
-            } else {
-                "failed"
-            }
-        };
-        self.emit(BuildEventKind::Finished, &build, state);
-        self.spawn_cleanup(file.submission_id.clone(), build.id.clone());
-    }
-
-    /// The three hooks of one attempt, as the agent runs them.
-    async fn run_attempt(
-        self: &Arc<Self>,
-        slice: &PlannedSlice,
-        file: &JobFile,
-        dir: &JobDir,
-        attempt: u32,
-        cancel: &Notify,
-    ) -> AttemptOutcome {
-        let mut out = AttemptOutcome::default();
-        let checkout = dir.attempt(attempt);
-        if let Err(e) = std::fs::create_dir_all(checkout.join("work")) {
-            out.failure = Some(format!(
-                "cannot create the job directory {}: {e}",
-                checkout.display()
-            ));
-            return out;
-        }
-        let log_path = dir.log(attempt);
-        let job_id = format!("{}-{attempt}", file.build.id);
-        let (command, build_env) = self.command_for(file, dir, attempt);
-        let agent_name = format!("local-{}-{}", self.host, slice.index);
-        let job = HookJob {
-            job_id: &job_id,
-            build_id: &file.build.id,
-            build_number: file.build.number,
-            agent_name: &agent_name,
-            slice: slice.index,
-            queue: &file.queue,
-            plugin_config: &self.settings.plugin_config,
-            checkout: &checkout,
-            command: &command,
-            build_env: &build_env,
-        };
-        let env = hooks::hook_env(std::env::vars(), &job);
-
-        // environment: lease, cgroup, exports.
-        let environment = self
-            .hook("environment")
-            .args(["--export", "shell"])
-            .envs(&env)
-            .current_dir(&checkout)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await;
-        let environment = match environment {
-            Ok(o) => o,
-            Err(e) => {
-                out.failure = Some(format!(
-                    "cannot run {} environment: {e}",
-                    self.settings.bins.isolate.display()
-                ));
-                return out;
-            }
-        };
-        let env_log = String::from_utf8_lossy(&environment.stderr).into_owned();
-        append_log(&log_path, "environment", &env_log);
-        out.isolation = isolation_of(&env_log);
-        if out.isolation.as_deref() == Some(UNENFORCED) {
-            tracing::warn!(job = file.build.number, "job runs UNENFORCED: no CPU, memory or pids limits (cgroups cannot be used here; `kernelkite-isolate doctor` says why)");
-        }
-        let exports = if environment.status.success() {
-            hooks::parse_exports(&String::from_utf8_lossy(&environment.stdout))
-                .map_err(|e| format!("the environment hook's exports cannot be read: {e}"))
-        } else {
-            Err(format!(
-                "the environment hook failed ({}): {}",
-                environment.status,
-                env_log.trim()
-            ))
-        };
-        let exports = match exports {
-            Ok(e) => e,
-            Err(why) => {
-                out.failure = Some(why);
-                self.pre_exit(&env, &checkout, &log_path).await;
-                return out;
-            }
-        };
-        out.leased = Some(Utc::now());
-        let canceled = match lock(&self.jobs).get_mut(&file.build.id) {
-            Some(rec) => {
-                rec.timings.leased = out.leased;
-                rec.isolation = out.isolation.clone();
-                rec.canceled
-            }
-            None => true,
-        };
-        if canceled {
-            out.failure = Some("canceled before its command started".into());
-            self.pre_exit(&env, &checkout, &log_path).await;
-            return out;
-        }
-        self.emit(BuildEventKind::Running, &file.build, "running");
-
-        // command: the runner, confined.
-        let status = self
-            .run_command(&env, &exports, &checkout, &log_path, dir, attempt, cancel)
-            .await;
-        out.command_done = Some(Utc::now());
-        match status {
-            Ok(code) => out.exit_code = Some(code),
-            Err(why) => out.failure = Some(why),
-        }
-
-        // pre-exit: whatever happened above.
-        self.pre_exit(&env, &checkout, &log_path).await;
-        out
-    }
-
-    /// `BUILDKITE_COMMAND` and the build's env for an attempt: the runner writing the
-    /// attempt's `result.json`, the payload in the env (in a file past 1 MiB, where the
-    /// environment as a whole would crowd Linux's limit on exec's arguments).
-    fn command_for(
-        &self,
-        file: &JobFile,
-        dir: &JobDir,
-        attempt: u32,
-    ) -> (String, Vec<(String, String)>) {
-        let checkout = dir.attempt(attempt);
-        let mut command = format!(
-            "{} --output {} --workdir {}",
-            hooks::shell_quote(&self.settings.bins.runner.display().to_string()),
-            hooks::shell_quote(&checkout.join("result.json").display().to_string()),
-            hooks::shell_quote(&checkout.join("work").display().to_string()),
-        );
-        let mut env = Vec::new();
-        if file.payload.len() <= PAYLOAD_IN_ENV_MAX {
-            env.extend(kernelkite_kernelbot::payload::to_env(&file.payload));
-        } else {
-            let path = dir.path().join("payload.txt");
-            if std::fs::write(&path, &file.payload).is_ok() {
-                command.push_str(&format!(
-                    " --payload-file {}",
-                    hooks::shell_quote(&path.display().to_string())
-                ));
-            } else {
-                env.extend(kernelkite_kernelbot::payload::to_env(&file.payload));
-            }
-        }
-        env.push(("KERNELBOT_RUN_ID".into(), file.run_id.clone()));
-        env.push(("KERNELBOT_QUEUE".into(), file.queue.clone()));
-        env.push((
-            "KERNELKITE_SUBMISSION_ID".into(),
-            file.submission_id.clone(),
-        ));
-        (command, env)
-    }
-
-    fn hook(&self, name: &str) -> Command {
-        let mut c = Command::new(&self.settings.bins.isolate);
-        c.arg(name).args(self.node_args()).env_clear();
-        c
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn run_command(
-        &self,
-        env: &std::collections::BTreeMap<String, String>,
-        exports: &std::collections::BTreeMap<String, String>,
-        checkout: &Path,
-        log_path: &Path,
-        dir: &JobDir,
-        attempt: u32,
-        cancel: &Notify,
-    ) -> Result<i32, String> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log_path)
-            .map_err(|e| format!("cannot open the job log {}: {e}", log_path.display()))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| format!("cannot open the job log {}: {e}", log_path.display()))?;
-        let mut child = self
-            .hook("command")
-            .envs(env)
-            .envs(exports)
-            .current_dir(checkout)
-            .stdin(std::process::Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            // Its own process group: a cancel (or a restarted service) stops the runner with
-            // it, and the runner stops the harness's group on SIGTERM.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| {
-                format!(
-                    "cannot run {} command: {e}",
-                    self.settings.bins.isolate.display()
-                )
-            })?;
-        let me = child.id().and_then(|pid| {
-            Some(ProcessId {
-                pid,
-                start_time: hooks::start_time(pid)?,
-            })
-        });
-        if let Some(p) = me {
-            let _ = dir.write_process(attempt, p);
-        }
-        let status = tokio::select! {
-            s = child.wait() => s,
-            _ = cancel.notified() => stop_child(&mut child, me).await,
-        };
-        let status = status.map_err(|e| format!("waiting for the command hook failed: {e}"))?;
-        use std::os::unix::process::ExitStatusExt;
-        Ok(status
-            .code()
-            .or_else(|| status.signal().map(|s| 128 + s))
-            .unwrap_or(1))
-    }
-
-    async fn pre_exit(
-        &self,
-        env: &std::collections::BTreeMap<String, String>,
-        checkout: &Path,
-        log_path: &Path,
-    ) {
-        let out = self
-            .hook("pre-exit")
-            .envs(env)
-            .current_dir(checkout)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await;
-        match out {
-            Ok(o) => {
-                let text = format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                append_log(log_path, "pre-exit", &text);
-                if !o.status.success() {
-                    tracing::warn!(report = %text.trim(), "pre-exit could not clean up everything");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot run the pre-exit hook"),
-        }
-    }
-
-    /// Stops what attempt `n` of a job left running (its command hook's process group, then
-    /// `pre-exit`, which kills what is left in its cgroup and releases its slice).
-    async fn stop_attempt(&self, dir: &JobDir, file: &JobFile, n: u32) {
-        if let Some(p) = dir.read_process(n) {
-            // Only a group whose leader is still the recorded process (or whose members
-            // outlived it) is signalled: after a long downtime the pid may be another's.
-            if hooks::is_alive(p) || hooks::group_exists(p.pid) {
-                stop_group(p.pid, || hooks::is_alive(p)).await;
-            }
-        }
-        let mut env = std::collections::BTreeMap::new();
-        env.insert(
-            "BUILDKITE_JOB_ID".to_string(),
-            format!("{}-{n}", file.build.id),
-        );
-        if let Ok(path) = std::env::var("PATH") {
-            env.insert("PATH".into(), path);
-        }
-        let checkout = dir.attempt(n);
-        let cwd = if checkout.is_dir() {
-            checkout.clone()
-        } else {
-            self.settings.local_dir.clone()
-        };
-        self.pre_exit(&env, &cwd, &dir.log(n)).await;
-    }
-
     /// Once the submission's end is stored, removes the job's directory and keeps its report.
     fn spawn_cleanup(&self, submission_id: String, build_id: String) {
         let me = self.me.clone();
@@ -789,176 +430,8 @@ impl LocalExecutor {
     }
 }
 
-/// Stops a command hook this process started (SIGTERM to its group, SIGKILL after the
-/// grace), and waits until nothing of its group is left: the runner stops its harness and
-/// writes its result after the hook itself has gone.
-async fn stop_child(
-    child: &mut tokio::process::Child,
-    me: Option<ProcessId>,
-) -> std::io::Result<std::process::ExitStatus> {
-    let Some(p) = me else {
-        let _ = child.start_kill();
-        return child.wait().await;
-    };
-    let mut status = None;
-    stop_group(p.pid, || {
-        if status.is_none() {
-            status = child.try_wait().ok().flatten();
-        }
-        status.is_none()
-    })
-    .await;
-    match status {
-        Some(s) => Ok(s),
-        None => child.wait().await,
-    }
-}
-
-/// SIGTERM to group `pgid`, then waits until the group is empty and `leader_alive` says no;
-/// SIGKILL once [`STOP_GRACE`] has passed, and gives up a second later (a member stuck in the
-/// kernel cannot be helped here; `pre-exit` reports what it finds).
-async fn stop_group(pgid: u32, mut leader_alive: impl FnMut() -> bool) {
-    use rustix::process::Signal;
-    hooks::signal_group(pgid, Signal::TERM);
-    let start = tokio::time::Instant::now();
-    let mut killed = false;
-    loop {
-        let alive = leader_alive();
-        if !alive && !hooks::group_exists(pgid) {
-            return;
-        }
-        let waited = start.elapsed();
-        if !killed && waited >= STOP_GRACE {
-            hooks::signal_group(pgid, Signal::KILL);
-            killed = true;
-        }
-        if waited >= STOP_GRACE + Duration::from_secs(1) {
-            tracing::warn!(pgid, "processes of a stopped job are still there");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// How large a payload travels in the environment (above: in a file beside the job).
-const PAYLOAD_IN_ENV_MAX: usize = 1 << 20;
-
 /// What the hooks said when a job ran without limits.
 pub const UNENFORCED: &str = "UNENFORCED";
-
-/// How the hooks confined the job, from the `environment` hook's log.
-fn isolation_of(log: &str) -> Option<String> {
-    if log.contains("RUNNING UNENFORCED") {
-        return Some(UNENFORCED.into());
-    }
-    log.lines()
-        .find_map(|l| l.split(", cgroup ").nth(1))
-        .map(|v| format!("cgroup {}", v.trim()))
-}
-
-fn append_log(path: &Path, hook: &str, text: &str) {
-    use std::io::Write;
-    if let Ok(mut f) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        let _ = writeln!(f, "--- {hook}");
-        let _ = f.write_all(text.as_bytes());
-    }
-}
-
-#[derive(Debug, Default)]
-struct AttemptOutcome {
-    exit_code: Option<i32>,
-    failure: Option<String>,
-    isolation: Option<String>,
-    leased: Option<DateTime<Utc>>,
-    command_done: Option<DateTime<Utc>>,
-}
-
-/// One slice's worker: takes jobs off the queue in order, one at a time. It holds the executor
-/// only while it runs a job, so dropping the service ends it.
-async fn worker(me: Weak<LocalExecutor>, wake: Arc<Notify>, slice: PlannedSlice) {
-    loop {
-        let notified = wake.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let Some(this) = me.upgrade() else { return };
-        if let Some((q, at)) = this.pop() {
-            this.run(&slice, q, at).await;
-            continue;
-        }
-        drop(this);
-        notified.await;
-    }
-}
-
-/// Plans the node (or reads the operator's plan) and writes the plan the hooks will read.
-async fn load_plan(settings: &LocalSettings) -> Result<(PathBuf, Vec<PlannedSlice>), LocalError> {
-    let (path, text) = match &settings.plan_file {
-        Some(p) => (
-            p.clone(),
-            std::fs::read_to_string(p).map_err(|e| LocalError::PlanParse {
-                path: p.clone(),
-                source: e.into(),
-            })?,
-        ),
-        None => {
-            let isolate = &settings.bins.isolate;
-            let plan = |extra: Vec<String>| {
-                let mut c = Command::new(isolate);
-                c.arg("plan")
-                    .arg("--json")
-                    .arg("--sysfs-root")
-                    .arg(&settings.sysfs_root)
-                    .args(extra)
-                    .stdin(std::process::Stdio::null());
-                c
-            };
-            let run = |mut c: Command| async move {
-                c.output().await.map_err(|e| LocalError::Plan {
-                    isolate: isolate.clone(),
-                    stderr: e.to_string(),
-                })
-            };
-            let mut out = run(plan(vec![])).await?;
-            if !out.status.success()
-                && String::from_utf8_lossy(&out.stderr).contains("--cpu-only-slices")
-            {
-                tracing::info!(
-                    slices = settings.cpu_only_slices,
-                    "no GPU on this machine: planning CPU-only slices"
-                );
-                out = run(plan(vec![
-                    "--cpu-only-slices".into(),
-                    settings.cpu_only_slices.to_string(),
-                ]))
-                .await?;
-            }
-            if !out.status.success() {
-                return Err(LocalError::Plan {
-                    isolate: isolate.clone(),
-                    stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                });
-            }
-            let path = settings.local_dir.join("plan.json");
-            std::fs::write(&path, &out.stdout).map_err(|source| LocalError::Dir {
-                path: path.clone(),
-                source,
-            })?;
-            (path, String::from_utf8_lossy(&out.stdout).into_owned())
-        }
-    };
-    let plan: PlanShape = serde_json::from_str(&text).map_err(|e| LocalError::PlanParse {
-        path: path.clone(),
-        source: e.into(),
-    })?;
-    if plan.slices.is_empty() {
-        return Err(LocalError::NoSlices);
-    }
-    Ok((path, plan.slices))
-}
 
 impl Executor for LocalExecutor {
     fn name(&self) -> &'static str {

@@ -43,14 +43,24 @@ pub struct Phases {
     /// The runs themselves.
     pub evaluation: Duration,
     /// From the last run's end to the result being stored: the runner writing
-    /// `result.json`, `pre-exit`, reading and checking the result, storing it.
+    /// `result.json` and exiting, the result read, checked and stored. (`pre-exit` runs
+    /// beside it, see `release`.)
     pub store: Duration,
+    /// From the last run's end to the slice being free again: the runner exiting and
+    /// `pre-exit` (killing leftovers, removing the cgroup, releasing the lease).
+    pub release: Duration,
 }
 
 impl Phases {
-    /// Everything the executor added to the evaluation once the job left the queue.
+    /// Everything the executor added to the evaluation on the way to the stored result, once
+    /// the job left the queue.
     pub fn overhead(&self) -> Duration {
         self.lease + self.isolation + self.store
+    }
+
+    /// How much longer than the evaluation the job held its slice.
+    pub fn slice_overhead(&self) -> Duration {
+        self.lease + self.isolation + self.release
     }
 }
 
@@ -75,6 +85,7 @@ impl Timings {
             isolation: between(self.leased, start),
             evaluation: between(start, end),
             store: between(end, self.stored),
+            release: between(end, self.cleaned),
         }
     }
 
@@ -130,6 +141,8 @@ mod tests {
         assert_eq!(p.evaluation, Duration::from_millis(480));
         assert_eq!(p.store, Duration::from_millis(20));
         assert_eq!(p.overhead(), Duration::from_millis(30));
+        assert_eq!(p.release, Duration::from_millis(14));
+        assert_eq!(p.slice_overhead(), Duration::from_millis(24));
         // No runs: the evaluation is empty and the command's end stands in.
         let mut none = t.clone();
         none.eval_start = None;
