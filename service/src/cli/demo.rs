@@ -195,7 +195,7 @@ async fn run_step(
                 "scheduled" => report
                     .as_ref()
                     .and_then(|r| r.slice)
-                    .map(|s| format!("slice {s} leased for job #{}", report.as_ref().map_or(0, |r| r.number)))
+                    .map(|s| format!("job #{} on slice {s}", report.as_ref().map_or(0, |r| r.number)))
                     .unwrap_or_default(),
                 "running" => report
                     .as_ref()
@@ -294,13 +294,14 @@ fn print_timings(measured: &[Measured]) {
             ms(p.overhead()),
         );
     }
-    println!(
-        "  queue: waiting for a free slice; lease: the environment hook (slice lease, cgroup);"
-    );
-    println!("  isolation: the command hook confining the runner, and the runner starting;");
-    println!(
-        "  evaluation: the runs, as result.json records them; stored: result written, pre-exit,"
-    );
-    println!("  result checked and stored; client: until this client's event stream had it;");
-    println!("  overhead: the local executor's own share (lease + isolation + stored).");
+    for line in [
+        "queue: waiting for a free slice; lease: the environment hook (slice lease, cgroup);",
+        "isolation: the command hook confining the runner, and the runner starting;",
+        "evaluation: the runs, as result.json records them; stored: the runner writing",
+        "result.json and exiting, the result checked and stored (pre-exit cleans up beside it);",
+        "client: until this client's event stream had it;",
+        "overhead: the local executor's own share (lease + isolation + stored).",
+    ] {
+        println!("  {line}");
+    }
 }

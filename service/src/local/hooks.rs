@@ -52,7 +52,7 @@ pub struct HookJob<'a> {
 }
 
 /// The environment an agent gives each hook of `job`: its own (here: the service's, less what
-/// [`inherited`] keeps out), the build's env, and the `BUILDKITE_*` variables.
+/// `inherited` keeps out), the build's env, and the `BUILDKITE_*` variables.
 pub fn hook_env(
     service_env: impl IntoIterator<Item = (String, String)>,
     job: &HookJob<'_>,
