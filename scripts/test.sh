@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 section() { printf '\n--- %s\n' "$*"; }
 
 install_deps() {
-  local want=(bats hwloc python3 iproute2 util-linux procps)
+  local want=(bats hwloc python3 python3-yaml iproute2 util-linux procps)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -121,9 +121,7 @@ pub fn fixture_node(bins: &Bins, gpus: u32) -> Node {
 /// the `environment` hook cleans up job cgroups that have no state in its run dir.
 pub fn shared_run_dir() -> PathBuf {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
-        .path()
-        .join("run")
+    DIR.get_or_init(crate::scratch).path().join("run")
 }
 
 /// Whether jobs can be confined with real cgroups here (root, and a cgroup can be made); the
@@ -269,9 +267,10 @@ pub async fn start_stack_with(
     }
 }
 
-/// Local mode on `node` (or this machine), confined as `how`.
+/// Local mode on `node` (or this machine), confined as `how`; its directories on tmpfs where
+/// there is one ([`crate::scratch`]), as `/run/kernelkite` is on a node.
 pub async fn local_stack(bins: &Bins, node: Option<&Node>, how: Confinement) -> LocalStack {
-    let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+    let dir = Arc::new(crate::scratch());
     let args = local_args(bins, node, how, dir.path());
     start_stack(args, dir, |_| {}).await
 }

@@ -571,3 +571,36 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
     assert_eq!(second.local.report(&id).unwrap().attempt, 1);
     job_dirs_removed(&second).await;
 }
+
+/// The bundled CUDA task through local mode: nvcc compiles the harness with the submission on
+/// the node, and a GPU slice runs it. Skipped (counted as skipped) without both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cuda_example_passes_and_its_wrong_submission_fails_on_a_gpu_node() {
+    let nvcc = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvcc").is_file()))
+        || Path::new("/usr/local/cuda/bin/nvcc").is_file();
+    let gpu = Path::new("/dev/nvidia0").exists();
+    if !(nvcc && gpu) {
+        skip("the CUDA example needs nvcc and an NVIDIA GPU");
+        return;
+    }
+    let bins = local_bins!();
+    let stack = local_stack(&bins, None, Confinement::Unenforced).await;
+    assert!(
+        stack.local.slices().iter().any(|s| s.gpu.is_some()),
+        "a GPU node plans GPU slices"
+    );
+    let dir = examples_dir().join("vectoradd_cuda");
+    let t = task::load(&dir).unwrap();
+    for (file, passes) in [("submission.cu", true), ("wrong_submission.cu", false)] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        let id = stack
+            .submit(task::build_config(&t, &text, None, Mode::Test))
+            .await;
+        let done = stack.wait(&id).await;
+        assert_eq!(done["state"], "succeeded", "{done}");
+        let eval = &done["result"]["runs"]["test"];
+        assert_eq!(eval["compilation"]["success"], true, "{done}");
+        assert_eq!(eval["run"]["passed"], passes, "{file}: {done}");
+    }
+}

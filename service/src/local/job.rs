@@ -451,3 +451,19 @@ pub(super) async fn worker(me: Weak<LocalExecutor>, wake: Arc<Notify>, slice: Pl
         notified.await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::UNENFORCED;
+
+    #[test]
+    fn how_a_job_was_confined_comes_from_the_hooks_words() {
+        let v1 =
+            "kernelkite: job j holds GPU(s) [0]: CPUs 1, memory nodes 0, 42 bytes, cgroup v1\n";
+        assert_eq!(isolation_of(v1).as_deref(), Some("cgroup v1"));
+        let none = "kernelkite: WARNING: RUNNING UNENFORCED (allow-unenforced: true): no CPU, memory or pids limits\nkernelkite: job j holds GPU(s) [0]: CPUs 1, memory nodes 0, 42 bytes\n";
+        assert_eq!(isolation_of(none).as_deref(), Some(UNENFORCED));
+        assert_eq!(isolation_of(""), None);
+    }
+}

@@ -143,6 +143,8 @@ struct Record {
     canceled: bool,
     /// Tells `launch` the job left the queue (the submission is then `scheduled`).
     started: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Whether the removal of its directory (once the submission's end is stored) is under way.
+    cleanup_spawned: bool,
     timings: Timings,
 }
 
@@ -395,6 +397,9 @@ impl LocalExecutor {
 
     /// Once the submission's end is stored, removes the job's directory and keeps its report.
     fn spawn_cleanup(&self, submission_id: String, build_id: String) {
+        if let Some(rec) = lock(&self.jobs).get_mut(&build_id) {
+            rec.cleanup_spawned = true;
+        }
         let me = self.me.clone();
         tokio::spawn(async move {
             let rx = me
@@ -487,6 +492,7 @@ impl Executor for LocalExecutor {
                     cancel: Arc::new(Notify::new()),
                     canceled: false,
                     started: Some(started),
+                    cleanup_spawned: false,
                     timings,
                 },
             );
@@ -583,6 +589,18 @@ impl Executor for LocalExecutor {
                     });
                 }
             };
+            // A job recovered as finished has no worker to clean up after it: its directory
+            // goes once its end is stored, as any other's.
+            let recovered = {
+                let mut jobs = lock(&self.jobs);
+                jobs.get_mut(&build.id).and_then(|rec| {
+                    let first = rec.stage == Stage::Finished && !rec.cleanup_spawned;
+                    first.then(|| rec.file.submission_id.clone())
+                })
+            };
+            if let Some(submission_id) = recovered {
+                self.spawn_cleanup(submission_id, build.id.clone());
+            }
             match ResultJson::parse(&bytes) {
                 Ok(r) => {
                     if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
@@ -658,6 +676,7 @@ impl Executor for LocalExecutor {
                     cancel: Arc::new(Notify::new()),
                     canceled: false,
                     started: None,
+                    cleanup_spawned: false,
                     timings: Timings {
                         accepted: Some(accepted_at),
                         ..Timings::default()
@@ -670,7 +689,6 @@ impl Executor for LocalExecutor {
                     attempt,
                     "local job finished while the service was down; collecting its result"
                 );
-                self.spawn_cleanup(file.submission_id.clone(), build.id.clone());
                 return Ok(Recovered::Finished(BuildStatus {
                     id: build.id.clone(),
                     number: build.number,

@@ -31,7 +31,7 @@ pub struct LocalArgs {
     /// The hooks' run dir (GPU leases, job state). Every user of this node's job cgroups
     /// must share one: an agent's hooks treat a job cgroup without state in their run dir as
     /// a lost job's. Default: `/run/kernelkite` (the agents' default) when it can be created,
-    /// else `<local dir>/run`.
+    /// else `$XDG_RUNTIME_DIR/kernelkite`, else `<local dir>/run`.
     #[arg(long, env = "KERNELKITE_RUN_DIR", value_name = "DIR")]
     pub run_dir: Option<PathBuf>,
 
@@ -128,14 +128,7 @@ impl LocalArgs {
         })?;
         let run_dir = match &self.run_dir {
             Some(d) => d.clone(),
-            None => {
-                let shared = PathBuf::from("/run/kernelkite");
-                if std::fs::create_dir_all(&shared).is_ok() && writable(&shared) {
-                    shared
-                } else {
-                    local_dir.join("run")
-                }
-            }
+            None => default_run_dir(&local_dir),
         };
         let mut plugin_config = match serde_json::from_str(&self.plugin_config) {
             Ok(serde_json::Value::Object(m)) => m,
@@ -159,6 +152,24 @@ impl LocalArgs {
     }
 }
 
+/// The agents' run dir (`/run/kernelkite`) when this process may use it; else a run dir of its
+/// own in the user's runtime directory (`$XDG_RUNTIME_DIR`), else in the local dir. The hooks
+/// write their state there with `fsync`: on the tmpfs `/run` is, that costs nothing, on a
+/// disk some milliseconds per job.
+fn default_run_dir(local_dir: &Path) -> PathBuf {
+    let shared = PathBuf::from("/run/kernelkite");
+    if std::fs::create_dir_all(&shared).is_ok() && writable(&shared) {
+        return shared;
+    }
+    if let Some(rt) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+        let mine = rt.join("kernelkite");
+        if std::fs::create_dir_all(&mine).is_ok() && writable(&mine) {
+            return mine;
+        }
+    }
+    local_dir.join("run")
+}
+
 /// Whether this process may create files in `dir`.
 fn writable(dir: &Path) -> bool {
     rustix::fs::access(
@@ -166,4 +177,46 @@ fn writable(dir: &Path) -> bool {
         rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK,
     )
     .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(dir: &Path) -> LocalArgs {
+        let exe = dir.join("bin");
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        LocalArgs {
+            runner_bin: Some(exe.clone()),
+            isolate_bin: Some(exe),
+            plugin_config: DEFAULT_PLUGIN_CONFIG.into(),
+            run_dir: Some(dir.join("run")),
+            ..LocalArgs::default()
+        }
+    }
+
+    #[test]
+    fn directories_and_the_plugin_configuration_resolve() {
+        let d = tempfile::tempdir().unwrap();
+        let mut a = args(d.path());
+        let s = a
+            .resolve(Some(&d.path().join("data")), || unreachable!())
+            .unwrap();
+        assert_eq!(s.local_dir, d.path().join("data/local"));
+        assert!(s.local_dir.join("jobs").is_dir());
+        assert_eq!(s.plugin_config["allow-unenforced"], true);
+        a.enforce = true;
+        let s = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap();
+        assert_eq!(s.local_dir, d.path().join("tmp"));
+        assert_eq!(s.plugin_config["allow-unenforced"], false);
+        a.plugin_config = "[1]".into();
+        let e = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap_err();
+        assert!(e.to_string().contains("--plugin-config"), "{e}");
+        a.plugin_config = DEFAULT_PLUGIN_CONFIG.into();
+        a.runner_bin = Some(d.path().join("missing"));
+        let e = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap_err();
+        assert!(e.to_string().contains("not an executable file"), "{e}");
+    }
 }
