@@ -604,3 +604,32 @@ async fn the_cuda_example_passes_and_its_wrong_submission_fails_on_a_gpu_node() 
         assert_eq!(eval["run"]["passed"], passes, "{file}: {done}");
     }
 }
+
+/// A payload over one environment string's limit reaches the runner through the chunked
+/// carrier, as a Buildkite build's env carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_payload_travels_in_chunks() {
+    if need_python().is_none() {
+        return;
+    }
+    let bins = local_bins!();
+    let stack = local_stack(&bins, None, Confinement::Unenforced).await;
+    // Incompressible-ish padding (hex of an LCG) so the encoded payload is well over 128 KiB.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let pad: String = (0..400_000)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            char::from(b"0123456789abcdef"[(x >> 60) as usize])
+        })
+        .collect();
+    let mut cfg = prefixsum(Mode::Test, "submission.py");
+    cfg["sources"]["padding.txt"] = json!(pad);
+    let payload = kernelkite_kernelbot::payload::encode(&cfg).unwrap();
+    assert!(payload.len() > 2 * 120 * 1024, "{}", payload.len());
+    let id = stack.submit(cfg).await;
+    let done = stack.wait(&id).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["result"]["runs"]["test"]["run"]["passed"], true);
+}

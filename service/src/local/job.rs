@@ -189,8 +189,9 @@ impl LocalExecutor {
     }
 
     /// `BUILDKITE_COMMAND` and the build's env for an attempt: the runner writing the
-    /// attempt's `result.json`, the payload in the env (in a file past 1 MiB, where the
-    /// environment as a whole would crowd Linux's limit on exec's arguments).
+    /// attempt's `result.json`, the payload in the env as a Buildkite build carries it
+    /// (`KERNELBOT_PAYLOAD`, or the chunked carrier past 120 KiB), so the job meets the same
+    /// limits as on a node. Nothing of the payload is written where the job could read it.
     fn command_for(
         &self,
         file: &JobFile,
@@ -198,26 +199,13 @@ impl LocalExecutor {
         attempt: u32,
     ) -> (String, Vec<(String, String)>) {
         let checkout = dir.attempt(attempt);
-        let mut command = format!(
+        let command = format!(
             "{} --output {} --workdir {}",
             hooks::shell_quote(&self.settings.bins.runner.display().to_string()),
             hooks::shell_quote(&checkout.join("result.json").display().to_string()),
             hooks::shell_quote(&checkout.join("work").display().to_string()),
         );
-        let mut env = Vec::new();
-        if file.payload.len() <= PAYLOAD_IN_ENV_MAX {
-            env.extend(kernelkite_kernelbot::payload::to_env(&file.payload));
-        } else {
-            let path = dir.path().join("payload.txt");
-            if std::fs::write(&path, &file.payload).is_ok() {
-                command.push_str(&format!(
-                    " --payload-file {}",
-                    hooks::shell_quote(&path.display().to_string())
-                ));
-            } else {
-                env.extend(kernelkite_kernelbot::payload::to_env(&file.payload));
-            }
-        }
+        let mut env = kernelkite_kernelbot::payload::to_env(&file.payload);
         env.push(("KERNELBOT_RUN_ID".into(), file.run_id.clone()));
         env.push(("KERNELBOT_QUEUE".into(), file.queue.clone()));
         env.push((
@@ -393,9 +381,6 @@ async fn stop_group(pgid: u32, mut leader_alive: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
-
-/// How large a payload travels in the environment (above: in a file beside the job).
-const PAYLOAD_IN_ENV_MAX: usize = 1 << 20;
 
 /// How the hooks confined the job, from the `environment` hook's log.
 fn isolation_of(log: &str) -> Option<String> {
