@@ -142,7 +142,15 @@ impl LocalExecutor {
         append_log(&log_path, "environment", &env_log);
         out.isolation = isolation_of(&env_log);
         if out.isolation.as_deref() == Some(UNENFORCED) {
-            tracing::warn!(job = file.build.number, "job runs UNENFORCED: no CPU, memory or pids limits (cgroups cannot be used here; `kernelkite-isolate doctor` says why)");
+            // Loud once; then one line per job, which the job's log also has.
+            if !self
+                .warned_unenforced
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::warn!(job = file.build.number, "jobs run UNENFORCED: no CPU, memory or pids limits, because cgroups cannot be used here (`kernelkite-isolate doctor` says why; run as root or delegate the kernelkite cgroup, or pass --enforce to refuse such jobs)");
+            } else {
+                tracing::info!(job = file.build.number, "job runs UNENFORCED");
+            }
         }
         let exports = if environment.status.success() {
             hooks::parse_exports(&String::from_utf8_lossy(&environment.stdout))

@@ -183,6 +183,7 @@ pub struct LocalExecutor {
     history: Mutex<VecDeque<JobReport>>,
     app: OnceLock<Weak<App>>,
     next_number: AtomicU64,
+    warned_unenforced: std::sync::atomic::AtomicBool,
     host: String,
     _temp: Option<tempfile::TempDir>,
 }
@@ -238,6 +239,7 @@ impl LocalExecutor {
             history: Mutex::new(VecDeque::new()),
             app: OnceLock::new(),
             next_number: AtomicU64::new(1),
+            warned_unenforced: std::sync::atomic::AtomicBool::new(false),
             host,
             _temp: temp,
         }))
