@@ -24,7 +24,7 @@ section() { printf '\n--- %s\n' "$*"; }
 
 install_deps() {
   # Linters: the shell scripts are checked with shellcheck, the units with systemd-analyze.
-  local want=(bats hwloc python3 python3-venv iproute2 util-linux procps shellcheck systemd)
+  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 util-linux procps shellcheck systemd)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -46,7 +46,7 @@ EXIT CODES:
      a command-line or KERNELKITE_* usage error); safe to retry on another node
 
 EXAMPLE:
-  kernelkite-runner --example                 # evaluate the built-in vector-add task
+  kernelkite-runner --example                 # evaluate the built-in prefix-sum task
   kernelkite-runner --example --print-payload > payload.txt
   kernelkite-runner --payload-file payload.txt --output result.json";
 
@@ -92,7 +92,8 @@ pub struct Args {
         default_value = "files"
     )]
     pub torch_probe: TorchProbe,
-    /// Evaluate the built-in example task (a CPU-only vector add) instead of a payload.
+    /// Evaluate the built-in example task (examples/prefixsum_py: a prefix sum in plain
+    /// Python, CPU only) instead of a payload.
     #[arg(long)]
     pub example: bool,
     /// Mode for --example.

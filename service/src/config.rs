@@ -107,6 +107,23 @@ pub enum ConfigError {
     /// A setting of the HTTP edge.
     #[error(transparent)]
     Edge(#[from] EdgeConfigError),
+    /// A Buildkite setting the Buildkite executor needs is not set.
+    #[error("{name} is not set; the Buildkite executor needs it (or run on this machine, without Buildkite: `kernelkite-service local`)")]
+    MissingBuildkite {
+        /// The variable.
+        name: &'static str,
+    },
+}
+
+/// Where submissions run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ExecutorKind {
+    /// As Buildkite builds (REST API out, signed webhooks in); needs the BUILDKITE_* settings.
+    #[default]
+    Buildkite,
+    /// On this machine, through the plugin's job hooks and the runner, one worker per planned
+    /// slice; no Buildkite account (see `kernelkite-service local --help`).
+    Local,
 }
 
 /// kernelkite-service: accepts kernelbot submissions, runs each as a Buildkite build, and answers
@@ -118,21 +135,48 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// Where submissions run: `buildkite` (builds of BUILDKITE_PIPELINE) or `local` (on this
+    /// machine; the BUILDKITE_* settings are then not needed).
+    #[arg(
+        long,
+        env = "KERNELKITE_EXECUTOR",
+        value_enum,
+        default_value = "buildkite"
+    )]
+    pub executor: ExecutorKind,
+
     /// Buildkite REST API base URL. Every Buildkite call goes through it (point it at a fake
     /// or a local stand-in for tests).
     #[arg(long, env = "BUILDKITE_API_URL", default_value = DEFAULT_API_URL)]
     pub buildkite_api_url: String,
 
-    /// Buildkite organization slug.
-    #[arg(long, env = "BUILDKITE_ORG")]
+    /// Buildkite organization slug (required by the Buildkite executor).
+    #[arg(
+        long,
+        env = "BUILDKITE_ORG",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub buildkite_org: String,
 
-    /// Buildkite pipeline slug that runs submissions.
-    #[arg(long, env = "BUILDKITE_PIPELINE")]
+    /// Buildkite pipeline slug that runs submissions (required by the Buildkite executor).
+    #[arg(
+        long,
+        env = "BUILDKITE_PIPELINE",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub buildkite_pipeline: String,
 
-    /// Buildkite API access token (scopes: read_builds, write_builds, read_artifacts).
-    #[arg(long, env = "BUILDKITE_API_TOKEN", hide_env_values = true)]
+    /// Buildkite API access token (scopes: read_builds, write_builds, read_artifacts;
+    /// required by the Buildkite executor).
+    #[arg(
+        long,
+        env = "BUILDKITE_API_TOKEN",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true
+    )]
     pub buildkite_api_token: Secret,
 
     /// Token of the Buildkite webhook (notification service). `X-Buildkite-Signature` is
@@ -374,6 +418,18 @@ impl Config {
         }
     }
 
+    /// A config with every default and the local executor (no Buildkite settings), for
+    /// embedders and tests; like [`Config::new`], the environment is ignored.
+    pub fn local() -> Config {
+        use clap::{CommandFactory, FromArgMatches};
+        let cmd = Config::command().mut_args(|a| a.env(None));
+        let matches = cmd.get_matches_from(["kernelkite-service", "--executor", "local"]);
+        match Config::from_arg_matches(&matches) {
+            Ok(c) => c,
+            Err(e) => e.exit(),
+        }
+    }
+
     /// KERNELKITE_HTTP_TIMEOUT_S.
     pub fn http_timeout(&self) -> Duration {
         Duration::from_secs(self.http_timeout_s)
@@ -381,6 +437,25 @@ impl Config {
 
     /// Checks what clap cannot; the error says what to fix.
     pub fn check(&self) -> Result<(), ConfigError> {
+        if self.executor == ExecutorKind::Buildkite {
+            self.check_buildkite()?;
+        }
+        self.check_common()
+    }
+
+    /// The settings only the Buildkite executor uses.
+    fn check_buildkite(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("BUILDKITE_ORG", &self.buildkite_org),
+            ("BUILDKITE_PIPELINE", &self.buildkite_pipeline),
+        ] {
+            if v.is_empty() {
+                return Err(ConfigError::MissingBuildkite { name });
+            }
+        }
+        if self.buildkite_api_token.expose().is_empty() {
+            return Err(ConfigError::EmptyApiToken);
+        }
         let url =
             url::Url::parse(&self.buildkite_api_url).map_err(|source| ConfigError::ApiUrl {
                 url: self.buildkite_api_url.clone(),
@@ -404,9 +479,11 @@ impl Config {
                 });
             }
         }
-        if self.buildkite_api_token.expose().is_empty() {
-            return Err(ConfigError::EmptyApiToken);
-        }
+        Ok(())
+    }
+
+    /// The settings every executor uses.
+    fn check_common(&self) -> Result<(), ConfigError> {
         // A variable set to the empty string is not "unset": clap reads it as an empty token.
         // An empty webhook key lets anyone sign webhooks, and an empty API token would admit
         // any client sending `Authorization: Bearer `, while unset means loopback only. Both
@@ -501,6 +578,31 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("BUILDKITE_API_URL"));
+    }
+
+    #[test]
+    fn buildkite_settings_are_required_by_the_buildkite_executor_only() {
+        use clap::{CommandFactory, FromArgMatches};
+        let parse = |args: &[&str]| {
+            let m = Config::command()
+                .mut_args(|a| a.env(None))
+                .try_get_matches_from(args)
+                .unwrap();
+            Config::from_arg_matches(&m).unwrap()
+        };
+        let e = parse(&["x"]).check().unwrap_err().to_string();
+        assert!(
+            e.contains("BUILDKITE_ORG is not set") && e.contains("kernelkite-service local"),
+            "{e}"
+        );
+        let local = Config::local();
+        assert_eq!(local.executor, ExecutorKind::Local);
+        local.check().unwrap();
+        parse(&["x", "--executor", "local"]).check().unwrap();
+        // The checks every executor shares still apply.
+        let mut c = Config::local();
+        c.api_token = Some(Secret::new(""));
+        assert!(c.check().is_err());
     }
 
     #[test]

@@ -78,6 +78,20 @@ pub struct BuildStatus {
     pub blocked: bool,
 }
 
+/// What an executor knows of a build after the service restarted ([`Executor::recover`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recovered {
+    /// The executor runs it (still, or again from the start); its events will follow.
+    Running,
+    /// It finished while the service was down: collect it as if the event had come now.
+    Finished(BuildStatus),
+    /// The executor cannot bring it back; the submission fails with this reason.
+    Lost(String),
+    /// This executor keeps no state to recover from; its events (or a reconciler asking its
+    /// API) must tell.
+    Unknown,
+}
+
 /// Runs builds for submissions.
 pub trait Executor: Send + Sync + 'static {
     /// Who runs the builds, for messages ("Buildkite").
@@ -92,4 +106,12 @@ pub trait Executor: Send + Sync + 'static {
 
     /// Collects the result of a build that finished and says how the submission ends.
     fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome>;
+
+    /// Called on start for each submission that had a build and had not ended when the
+    /// service stopped: picks the build up again. Must be idempotent (a second call for a
+    /// build it already runs answers [`Recovered::Running`] and starts nothing).
+    fn recover<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<Recovered, BoxError>> {
+        let _ = build;
+        Box::pin(async { Ok(Recovered::Unknown) })
+    }
 }

@@ -23,17 +23,21 @@
 
 pub mod app;
 pub mod buildkite;
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod executor;
 pub mod health;
 pub mod http;
+pub mod local;
 pub mod metrics;
 pub mod queues;
+pub mod recovery;
 pub mod report;
 pub mod result;
 pub mod store;
 pub mod submission;
+pub mod task;
 pub mod webhook;
 
 pub use app::{App, SubmitRequest};

@@ -9,6 +9,7 @@
 
 pub mod fake_buildkite;
 pub mod harness;
+pub mod local;
 pub mod skip;
 
 pub use skip::skip;

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The README's main command: the whole system on this machine, no Buildkite account. Builds
+# every binary in release mode (`cargo build --release --workspace --bins`; the local
+# executor runs the runner and the plugin's hooks as the separate binaries a node runs), then
+# runs `kernelkite-service demo`: local mode on a loopback port, the bundled example task in
+# test, benchmark and leaderboard mode (and a wrong submission, which must fail), each state
+# change as it happens, the result table and the time spent in each phase. Exits 0 when every
+# submission ended as expected. Arguments go to `demo` (`./scripts/demo.sh --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "error: cargo is not installed. Install Rust with rustup (https://rustup.rs), then re-run." >&2
+  exit 1
+fi
+if ! command -v python3 >/dev/null 2>&1; then
+  echo "error: python3 is not installed; the bundled example task needs it (Debian/Ubuntu: apt-get install python3)." >&2
+  exit 1
+fi
+echo "building the binaries: cargo build --release --workspace --bins (the first build takes a few minutes)" >&2
+cargo build --release --locked --workspace --bins --quiet
+exec target/release/kernelkite-service demo "$@"

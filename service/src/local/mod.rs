@@ -1,0 +1,711 @@
+//! The local executor: runs each submission's job on this machine the way a Buildkite agent
+//! with the kernelkite plugin runs it, and feeds its progress to the same state machine, store
+//! and waiters as Buildkite's webhooks do.
+//!
+//! ```text
+//! POST /v1/submissions → launch: job.json written, job queued (FIFO)          state: queued
+//! worker of slice N takes it                                                   → scheduled
+//!   kernelkite-isolate environment --export shell   (lease slice N, cgroup)   → running
+//!   kernelkite-isolate command                      (BUILDKITE_COMMAND = kernelkite-runner
+//!                                                    --output <attempt>/result.json, payload in env)
+//!   kernelkite-isolate pre-exit                     (kill leftovers, remove cgroup, release)
+//! finished → collect: result.json checked by ResultJson::parse                → succeeded
+//! the job directory is removed once the submission's end is stored
+//! ```
+//!
+//! One worker per slice of the node's plan (`kernelkite-isolate plan --json`, with CPU-only
+//! slices on a machine without GPUs), each bound to its slice the way agents are
+//! (`BUILDKITE_AGENT_META_DATA_GPU_INDEX`); jobs beyond the free slices wait in the queue in
+//! the order they came. The binaries run as separate processes, never linked: what runs here
+//! is what runs on a node. Where cgroups cannot be used the hooks run the job anyway with a
+//! loud `UNENFORCED` warning (the plugin's `allow-unenforced`), unless `--enforce`.
+//!
+//! After a restart, [`LocalExecutor::recover`] picks a job up from its directory: a finished
+//! attempt's `result.json` is collected, an interrupted one is stopped, cleaned up and run
+//! again from the start; nothing is lost, and only one attempt's result is ever delivered.
+
+pub mod binaries;
+pub mod hooks;
+pub mod job;
+pub mod jobdir;
+pub mod plan;
+pub mod settings;
+pub mod timing;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+
+use crate::app::App;
+use crate::executor::{
+    BoxFuture, BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
+};
+use crate::report::BoxError;
+use crate::result::ResultJson;
+use crate::submission::{BuildInfo, Outcome};
+use jobdir::{JobDir, JobFile};
+pub use plan::PlannedSlice;
+pub use settings::{LocalArgs, LocalSettings};
+use timing::Timings;
+
+/// Why local mode cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// A binary was not found.
+    #[error("{name} not found beside this executable{} or on PATH; build it with `cargo build --release --workspace --bins` (it lands in target/release/), install it (deployment/README.md: `kernelkite-isolate setup`), or name it with --{}-bin", .searched.as_ref().map(|d| format!(" (in {})", d.display())).unwrap_or_default(), if *.name == binaries::RUNNER { "runner" } else { "isolate" })]
+    MissingBinary {
+        /// The binary.
+        name: &'static str,
+        /// The directory searched beside this executable.
+        searched: Option<PathBuf>,
+    },
+    /// A binary given by flag is not there.
+    #[error("{} (given for {name}) is not an executable file", .path.display())]
+    NotExecutable {
+        /// The binary.
+        name: &'static str,
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A directory cannot be made.
+    #[error("cannot create {}; point --local-dir (KERNELKITE_LOCAL_DIR) at a writable directory", .path.display())]
+    Dir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `--plugin-config` is not a JSON object.
+    #[error("--plugin-config (KERNELKITE_LOCAL_PLUGIN_CONFIG) must be a JSON object of plugin settings, not {0:?}")]
+    PluginConfig(String),
+    /// Planning the node failed.
+    #[error("cannot plan this node's slices with {}: {stderr}", .isolate.display())]
+    Plan {
+        /// The binary run.
+        isolate: PathBuf,
+        /// What it said.
+        stderr: String,
+    },
+    /// The plan is not a plan.
+    #[error("{} is not a kernelkite plan (`kernelkite-isolate plan --json`)", .path.display())]
+    PlanParse {
+        /// The plan file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The plan has no slices.
+    #[error("the node's plan has no slices; nothing can run (see `kernelkite-isolate plan`)")]
+    NoSlices,
+}
+
+/// What the executor reports about one job (for `demo`, benchmarks and logs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobReport {
+    /// The submission.
+    pub submission_id: String,
+    /// The build number.
+    pub number: u64,
+    /// The slice it ran on.
+    pub slice: Option<u32>,
+    /// How it was confined, from the hooks' own words (`cgroup v1`, `UNENFORCED`).
+    pub isolation: Option<String>,
+    /// Which attempt delivered the result (1 unless a restart interrupted it).
+    pub attempt: u32,
+    /// When things happened.
+    pub timings: Timings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Queued,
+    Running,
+    Finished,
+}
+
+struct Record {
+    file: JobFile,
+    dir: JobDir,
+    attempt: u32,
+    stage: Stage,
+    slice: Option<u32>,
+    isolation: Option<String>,
+    failure: Option<String>,
+    exit_code: Option<i32>,
+    cancel: Arc<Notify>,
+    canceled: bool,
+    /// Tells `launch` the job left the queue (the submission is then `scheduled`).
+    started: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Whether the removal of its directory (once the submission's end is stored) is under way.
+    cleanup_spawned: bool,
+    timings: Timings,
+}
+
+impl Record {
+    fn report(&self) -> JobReport {
+        JobReport {
+            submission_id: self.file.submission_id.clone(),
+            number: self.file.build.number,
+            slice: self.slice,
+            isolation: self.isolation.clone(),
+            attempt: self.attempt,
+            timings: self.timings.clone(),
+        }
+    }
+}
+
+struct Queued {
+    build_id: String,
+    accepted_at: DateTime<Utc>,
+}
+
+/// Reports of finished jobs kept for [`LocalExecutor::report`].
+const HISTORY: usize = 4096;
+/// How long a canceled job's command gets to stop on SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs submissions on this machine; see the module documentation.
+pub struct LocalExecutor {
+    me: Weak<LocalExecutor>,
+    settings: LocalSettings,
+    plan_file: PathBuf,
+    slices: Vec<PlannedSlice>,
+    queue: Mutex<VecDeque<Queued>>,
+    wake: Arc<Notify>,
+    jobs: Mutex<HashMap<String, Record>>,
+    history: Mutex<VecDeque<JobReport>>,
+    app: OnceLock<Weak<App>>,
+    next_number: AtomicU64,
+    warned_unenforced: std::sync::atomic::AtomicBool,
+    host: String,
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl Drop for LocalExecutor {
+    fn drop(&mut self) {
+        // Workers hold only a weak reference between jobs; wake them so they see it is gone.
+        self.wake.notify_waiters();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl LocalExecutor {
+    /// Resolves `args`, plans the node and returns the executor (its workers start with
+    /// [`LocalExecutor::start`]). `data_dir` is the service's KERNELKITE_DATA_DIR.
+    pub async fn new(
+        args: &LocalArgs,
+        data_dir: Option<&Path>,
+    ) -> Result<Arc<LocalExecutor>, LocalError> {
+        let mut temp = None;
+        let settings = args.resolve(data_dir, || {
+            let t = tempfile::Builder::new()
+                .prefix("kernelkite-local")
+                .tempdir()?;
+            let p = t.path().to_path_buf();
+            temp = Some(t);
+            Ok(p)
+        })?;
+        LocalExecutor::with_settings(settings, temp).await
+    }
+
+    /// [`LocalExecutor::new`] from resolved settings; `temp` is removed with the executor.
+    pub async fn with_settings(
+        settings: LocalSettings,
+        temp: Option<tempfile::TempDir>,
+    ) -> Result<Arc<LocalExecutor>, LocalError> {
+        let (plan_file, slices) = plan::load_plan(&settings).await?;
+        let host = rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned();
+        Ok(Arc::new_cyclic(|me| LocalExecutor {
+            me: me.clone(),
+            settings,
+            plan_file,
+            slices,
+            queue: Mutex::new(VecDeque::new()),
+            wake: Arc::new(Notify::new()),
+            jobs: Mutex::new(HashMap::new()),
+            history: Mutex::new(VecDeque::new()),
+            app: OnceLock::new(),
+            next_number: AtomicU64::new(1),
+            warned_unenforced: std::sync::atomic::AtomicBool::new(false),
+            host,
+            _temp: temp,
+        }))
+    }
+
+    /// The slices jobs run on, one worker each.
+    pub fn slices(&self) -> &[PlannedSlice] {
+        &self.slices
+    }
+
+    /// The resolved settings.
+    pub fn settings(&self) -> &LocalSettings {
+        &self.settings
+    }
+
+    /// The plan the hooks read.
+    pub fn plan_file(&self) -> &Path {
+        &self.plan_file
+    }
+
+    /// Submissions waiting for a slice.
+    pub fn queued(&self) -> usize {
+        lock(&self.queue).len()
+    }
+
+    /// Connects the executor to the service it reports to, picks up the jobs a previous run
+    /// left in the local directory (see [`LocalExecutor::sweep`]), then starts one worker per
+    /// slice. Call once, after the service's store has loaded what it keeps.
+    pub async fn start(self: &Arc<Self>, app: &Arc<App>) {
+        let _ = self.app.set(Arc::downgrade(app));
+        self.sweep(app).await;
+        for slice in &self.slices {
+            tokio::spawn(job::worker(
+                Arc::downgrade(self),
+                self.wake.clone(),
+                slice.clone(),
+            ));
+        }
+        tracing::info!(
+            slices = self.slices.len(),
+            plan = %self.plan_file.display(),
+            run_dir = %self.settings.run_dir.display(),
+            "local executor: one worker per slice"
+        );
+    }
+
+    /// Goes through the job directories a previous run left: a job whose submission is still
+    /// open with this job's build is recovered ([`crate::recovery::recover_submission`]); any
+    /// other (its submission ended, is unknown, or never recorded this build, having waited in
+    /// the queue when the service stopped) is cleaned up after (its leftover processes
+    /// stopped, `pre-exit` run) and removed.
+    pub async fn sweep(self: &Arc<Self>, app: &Arc<App>) {
+        for dir in jobdir::list(&self.jobs_root()) {
+            let file = match dir.read() {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(dir = %dir.path().display(), error = %e, "removing a local job directory without a readable job.json");
+                    let _ = dir.remove();
+                    continue;
+                }
+            };
+            if lock(&self.jobs).contains_key(&file.build.id) {
+                continue;
+            }
+            match app.lookup(&file.submission_id).await {
+                Some(sub)
+                    if !sub.state.is_terminal()
+                        && sub.build.as_ref().is_some_and(|b| b.id == file.build.id) =>
+                {
+                    crate::recovery::recover_submission(app, &sub).await;
+                }
+                found => {
+                    if found.is_none() {
+                        tracing::warn!(id = %file.submission_id, build = file.build.number, "the service does not know this local job's submission any more (the store keeps only finished submissions across restarts); dropping the job");
+                    }
+                    if let Some(n) = dir.last_attempt() {
+                        self.stop_attempt(&dir, &file, n).await;
+                    }
+                    let _ = dir.remove();
+                }
+            }
+        }
+    }
+
+    /// What the executor knows of the job of submission `id`: running, or finished recently.
+    pub fn report(&self, id: &str) -> Option<JobReport> {
+        if let Some(r) = lock(&self.jobs)
+            .values()
+            .find(|r| r.file.submission_id == id)
+        {
+            return Some(r.report());
+        }
+        lock(&self.history)
+            .iter()
+            .rev()
+            .find(|r| r.submission_id == id)
+            .cloned()
+    }
+
+    fn jobs_root(&self) -> PathBuf {
+        self.settings.local_dir.join("jobs")
+    }
+
+    fn app(&self) -> Option<Arc<App>> {
+        self.app.get().and_then(Weak::upgrade)
+    }
+
+    fn node_args(&self) -> Vec<std::ffi::OsString> {
+        hooks::node_args(
+            &self.settings.run_dir,
+            &self.plan_file,
+            &self.settings.sysfs_root,
+            &self.settings.cgroup_root,
+        )
+    }
+
+    fn emit(&self, kind: BuildEventKind, build: &BuildInfo, state: &str) {
+        if let Some(app) = self.app() {
+            app.on_event(BuildEvent {
+                kind,
+                build: BuildStatus {
+                    id: build.id.clone(),
+                    number: build.number,
+                    state: state.to_string(),
+                    web_url: build.web_url.clone(),
+                    blocked: false,
+                },
+            });
+        }
+    }
+
+    /// Puts a job in the queue, before every job accepted after it (FIFO by acceptance,
+    /// also for jobs recovered after a restart).
+    fn enqueue(&self, build_id: String, accepted_at: DateTime<Utc>) {
+        let mut q = lock(&self.queue);
+        let at = q
+            .iter()
+            .position(|e| e.accepted_at > accepted_at)
+            .unwrap_or(q.len());
+        q.insert(
+            at,
+            Queued {
+                build_id,
+                accepted_at,
+            },
+        );
+        drop(q);
+        self.wake.notify_one();
+    }
+
+    /// The next job, and when it left the queue (taken under the queue's lock, so the times
+    /// are in queue order).
+    fn pop(&self) -> Option<(Queued, DateTime<Utc>)> {
+        let mut q = lock(&self.queue);
+        q.pop_front().map(|j| (j, Utc::now()))
+    }
+
+    /// Once the submission's end is stored, removes the job's directory and keeps its report.
+    fn spawn_cleanup(&self, submission_id: String, build_id: String) {
+        if let Some(rec) = lock(&self.jobs).get_mut(&build_id) {
+            rec.cleanup_spawned = true;
+        }
+        let me = self.me.clone();
+        tokio::spawn(async move {
+            let rx = me
+                .upgrade()
+                .and_then(|m| m.app())
+                .and_then(|app| app.store.subscribe(&submission_id));
+            let mut stored = None;
+            if let Some(mut rx) = rx {
+                // Ends when the submission is terminal, or leaves memory (then it is too).
+                if let Ok(s) = rx.wait_for(|s| s.state.is_terminal()).await {
+                    stored = s.finished_at;
+                }
+            }
+            let Some(me) = me.upgrade() else { return };
+            let report = lock(&me.jobs).get_mut(&build_id).map(|rec| {
+                rec.timings.stored = stored.or_else(|| Some(Utc::now()));
+                (rec.report(), rec.dir.clone())
+            });
+            let Some((report, dir)) = report else { return };
+            // The report moves to the history before the record goes, so it is never missing.
+            {
+                let mut h = lock(&me.history);
+                if h.len() >= HISTORY {
+                    h.pop_front();
+                }
+                h.push_back(report);
+            }
+            lock(&me.jobs).remove(&build_id);
+            if let Err(e) = dir.remove() {
+                tracing::warn!(dir = %dir.path().display(), error = %e, "cannot remove a local job directory");
+            }
+        });
+    }
+}
+
+/// What the hooks said when a job ran without limits.
+pub const UNENFORCED: &str = "UNENFORCED";
+
+impl Executor for LocalExecutor {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
+        Box::pin(async move {
+            let id = uuid::Uuid::new_v4().to_string();
+            let dir = JobDir::new(&self.jobs_root(), &id);
+            let build = BuildInfo {
+                id: id.clone(),
+                number: self.next_number.fetch_add(1, Ordering::Relaxed),
+                web_url: format!("file://{}", dir.path().display()),
+            };
+            // Queue order is the order the service accepted the submissions in (their
+            // launches may run in any order).
+            let accepted_at = self
+                .app()
+                .and_then(|app| app.store.get(&job.submission_id))
+                .map_or_else(Utc::now, |s| s.created_at);
+            let file = JobFile {
+                submission_id: job.submission_id.clone(),
+                run_id: job.run_id.clone(),
+                queue: job.queue.clone(),
+                mode: job.mode.clone(),
+                build: build.clone(),
+                payload: job.payload.clone(),
+                accepted_at,
+            };
+            dir.create(&file).map_err(|e| {
+                format!(
+                    "cannot write the local job directory {}: {e}",
+                    dir.path().display()
+                )
+            })?;
+            let timings = Timings {
+                accepted: Some(accepted_at),
+                ..Timings::default()
+            };
+            let (started, left_queue) = tokio::sync::oneshot::channel();
+            lock(&self.jobs).insert(
+                id.clone(),
+                Record {
+                    file,
+                    dir,
+                    attempt: 1,
+                    stage: Stage::Queued,
+                    slice: None,
+                    isolation: None,
+                    failure: None,
+                    exit_code: None,
+                    cancel: Arc::new(Notify::new()),
+                    canceled: false,
+                    started: Some(started),
+                    cleanup_spawned: false,
+                    timings,
+                },
+            );
+            self.enqueue(id, accepted_at);
+            // The build is handed back (and the submission becomes `scheduled`) when a slice
+            // takes the job: until then it waits in `queued`. A submission that ends while
+            // queued (canceled, timed out) gets its build back at once, and the core cancels
+            // it, which drops the job from the queue.
+            let ended = async {
+                match self
+                    .app()
+                    .and_then(|app| app.store.subscribe(&job.submission_id))
+                {
+                    Some(mut rx) => {
+                        let _ = rx.wait_for(|s| s.state.is_terminal()).await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = left_queue => {}
+                _ = ended => {}
+            }
+            Ok(Launched {
+                build,
+                running: false,
+            })
+        })
+    }
+
+    fn cancel<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>> {
+        Box::pin(async move {
+            let mut jobs = lock(&self.jobs);
+            let Some(rec) = jobs.get_mut(&build.id) else {
+                return Ok(false);
+            };
+            match rec.stage {
+                Stage::Finished => Ok(false),
+                Stage::Running => {
+                    rec.canceled = true;
+                    rec.cancel.notify_one();
+                    Ok(true)
+                }
+                Stage::Queued => {
+                    rec.canceled = true;
+                    rec.stage = Stage::Finished;
+                    let sub = rec.file.submission_id.clone();
+                    drop(jobs);
+                    lock(&self.queue).retain(|q| q.build_id != build.id);
+                    // The submission has ended already (that is why it is canceled).
+                    if let Some(rec) = lock(&self.jobs).remove(&build.id) {
+                        let _ = rec.dir.remove();
+                    }
+                    tracing::info!(id = %sub, build = build.number, "queued local job dropped");
+                    Ok(true)
+                }
+            }
+        })
+    }
+
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            let found = lock(&self.jobs).get(&build.id).map(|r| {
+                (
+                    r.dir.result(r.attempt),
+                    r.dir.log(r.attempt),
+                    r.failure.clone(),
+                    r.exit_code,
+                )
+            });
+            let Some((result, log, failure, exit_code)) = found else {
+                return Outcome::Failed(format!(
+                    "local job #{} is not known to this service",
+                    build.number
+                ));
+            };
+            let bytes = match tokio::fs::read(&result).await {
+                Ok(b) => b,
+                Err(_) => {
+                    let why = failure.unwrap_or_else(|| {
+                        format!(
+                            "the job's command ended (exit {}) without writing result.json",
+                            exit_code.map_or("?".into(), |c| c.to_string())
+                        )
+                    });
+                    let tail = jobdir::tail(&log, 2000);
+                    return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
+                        format!("local job #{}: {why}", build.number)
+                    } else {
+                        format!(
+                            "local job #{}: {why}; its log ends with:\n{tail}",
+                            build.number
+                        )
+                    });
+                }
+            };
+            // A job recovered as finished has no worker to clean up after it: its directory
+            // goes once its end is stored, as any other's.
+            let recovered = {
+                let mut jobs = lock(&self.jobs);
+                jobs.get_mut(&build.id).and_then(|rec| {
+                    let first = rec.stage == Stage::Finished && !rec.cleanup_spawned;
+                    first.then(|| rec.file.submission_id.clone())
+                })
+            };
+            if let Some(submission_id) = recovered {
+                self.spawn_cleanup(submission_id, build.id.clone());
+            }
+            match ResultJson::parse(&bytes) {
+                Ok(r) => {
+                    if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
+                        rec.timings.note_result(r.get());
+                    }
+                    Outcome::Succeeded(r)
+                }
+                Err(e) => Outcome::Failed(format!(
+                    "local job #{} wrote a result.json that cannot be used: {}",
+                    build.number,
+                    crate::report::report(&e)
+                )),
+            }
+        })
+    }
+
+    fn recover<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<Recovered, BoxError>> {
+        Box::pin(async move {
+            if lock(&self.jobs).contains_key(&build.id) {
+                return Ok(Recovered::Running);
+            }
+            if !jobdir::valid_build_id(&build.id) {
+                return Ok(Recovered::Lost(format!(
+                    "build {} was not made by the local executor",
+                    build.id
+                )));
+            }
+            let dir = JobDir::new(&self.jobs_root(), &build.id);
+            let file = match dir.read() {
+                Ok(f) => f,
+                Err(e) => {
+                    return Ok(Recovered::Lost(format!(
+                        "the service restarted and local job #{}'s directory {} cannot be read ({e}); submit again",
+                        build.number,
+                        dir.path().display()
+                    )))
+                }
+            };
+            // A result written before anything is stopped is the attempt's own; one written
+            // after is the runner reporting that it was stopped, and is not used.
+            let last = dir.last_attempt();
+            let finished = last.filter(|n| {
+                std::fs::read(dir.result(*n))
+                    .ok()
+                    .is_some_and(|b| ResultJson::parse(&b).is_ok())
+            });
+            if let Some(n) = last {
+                // Whatever the attempt left runs no longer, and its slice is free again,
+                // before the job is collected or runs again.
+                self.stop_attempt(&dir, &file, n).await;
+            }
+            let attempt = match finished {
+                Some(n) => n,
+                None => last.map_or(1, |n| n + 1),
+            };
+            let stage = if finished.is_some() {
+                Stage::Finished
+            } else {
+                Stage::Queued
+            };
+            let accepted_at = file.accepted_at;
+            lock(&self.jobs).insert(
+                build.id.clone(),
+                Record {
+                    file: file.clone(),
+                    dir,
+                    attempt,
+                    stage,
+                    slice: None,
+                    isolation: None,
+                    failure: None,
+                    exit_code: None,
+                    cancel: Arc::new(Notify::new()),
+                    canceled: false,
+                    started: None,
+                    cleanup_spawned: false,
+                    timings: Timings {
+                        accepted: Some(accepted_at),
+                        ..Timings::default()
+                    },
+                },
+            );
+            if finished.is_some() {
+                tracing::info!(
+                    build = build.number,
+                    attempt,
+                    "local job finished while the service was down; collecting its result"
+                );
+                return Ok(Recovered::Finished(BuildStatus {
+                    id: build.id.clone(),
+                    number: build.number,
+                    state: "passed".into(),
+                    web_url: build.web_url.clone(),
+                    blocked: false,
+                }));
+            }
+            tracing::info!(
+                build = build.number,
+                attempt,
+                "local job interrupted by a restart; running it again"
+            );
+            self.enqueue(build.id.clone(), accepted_at);
+            Ok(Recovered::Running)
+        })
+    }
+}

@@ -1,0 +1,222 @@
+//! The local executor's flags (each with an environment fallback), and where they lead once
+//! resolved: the binaries, the directories, the node's roots and the plugin configuration.
+
+use std::path::{Path, PathBuf};
+
+use super::binaries::{self, Binaries};
+use super::LocalError;
+
+/// The plugin configuration local jobs run with unless `--plugin-config` says otherwise: the
+/// plugin's defaults, and a loud warning instead of a failure where cgroups cannot be used.
+pub const DEFAULT_PLUGIN_CONFIG: &str = r#"{"allow-unenforced":true}"#;
+
+/// How local mode runs jobs on this machine (`kernelkite-service local --help`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LocalArgs {
+    /// The runner binary. Default: `kernelkite-runner` beside this executable (`cargo build
+    /// --release --workspace --bins` puts it there), else on PATH.
+    #[arg(long, env = "KERNELKITE_RUNNER_BIN", value_name = "PATH")]
+    pub runner_bin: Option<PathBuf>,
+
+    /// The plugin's binary (the job hooks). Default: `kernelkite-isolate` beside this
+    /// executable, else on PATH.
+    #[arg(long, env = "KERNELKITE_ISOLATE_BIN", value_name = "PATH")]
+    pub isolate_bin: Option<PathBuf>,
+
+    /// Where job directories go (payload, logs, result.json; each removed once its result is
+    /// stored). Default: `<KERNELKITE_DATA_DIR>/local`, else a temporary directory.
+    #[arg(long, env = "KERNELKITE_LOCAL_DIR", value_name = "DIR")]
+    pub local_dir: Option<PathBuf>,
+
+    /// The hooks' run dir (GPU leases, job state). Every user of this node's job cgroups
+    /// must share one: an agent's hooks treat a job cgroup without state in their run dir as
+    /// a lost job's. Default: `/run/kernelkite` (the agents' default) when it can be created,
+    /// else `$XDG_RUNTIME_DIR/kernelkite`, else `<local dir>/run`.
+    #[arg(long, env = "KERNELKITE_RUN_DIR", value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+
+    /// The node's plan (`kernelkite-isolate plan --json > FILE`). Default: planned at start
+    /// (policy flags from the KERNELKITE_* variables `plan --help` lists).
+    #[arg(long, env = "KERNELKITE_PLAN_FILE", value_name = "FILE")]
+    pub plan_file: Option<PathBuf>,
+
+    /// On a machine without GPUs, plan this many CPU-only slices (one worker each).
+    #[arg(
+        long,
+        env = "KERNELKITE_CPU_ONLY_SLICES",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    pub cpu_only_slices: u32,
+
+    /// Root of the sysfs/procfs tree the node is planned from (a fake tree in tests).
+    #[arg(
+        long,
+        env = "KERNELKITE_SYSFS_ROOT",
+        value_name = "DIR",
+        default_value = "/"
+    )]
+    pub sysfs_root: PathBuf,
+
+    /// Root holding `proc/self/mountinfo` and the cgroup mounts (a fake tree in tests).
+    #[arg(
+        long,
+        env = "KERNELKITE_CGROUP_ROOT",
+        value_name = "DIR",
+        default_value = "/"
+    )]
+    pub cgroup_root: PathBuf,
+
+    /// The plugin configuration every job gets (JSON, the keys of the plugin's `plugin.yml`),
+    /// as a pipeline step would give it.
+    #[arg(
+        long,
+        env = "KERNELKITE_LOCAL_PLUGIN_CONFIG",
+        value_name = "JSON",
+        default_value = DEFAULT_PLUGIN_CONFIG
+    )]
+    pub plugin_config: String,
+
+    /// Refuse to run a job unconfined: where cgroups cannot be used, jobs fail instead of
+    /// running with a warning (sets the plugin's `allow-unenforced: false`).
+    #[arg(long, env = "KERNELKITE_LOCAL_ENFORCE")]
+    pub enforce: bool,
+}
+
+/// [`LocalArgs`] resolved: every path known and checked.
+#[derive(Debug, Clone)]
+pub struct LocalSettings {
+    /// The binaries jobs run.
+    pub bins: Binaries,
+    /// Job directories live in `<local_dir>/jobs`.
+    pub local_dir: PathBuf,
+    /// The hooks' run dir.
+    pub run_dir: PathBuf,
+    /// A plan file given by the operator (else one is written to `<local_dir>/plan.json`).
+    pub plan_file: Option<PathBuf>,
+    /// CPU-only slices on a machine without GPUs.
+    pub cpu_only_slices: u32,
+    /// sysfs/procfs root.
+    pub sysfs_root: PathBuf,
+    /// cgroup root.
+    pub cgroup_root: PathBuf,
+    /// The plugin configuration (a JSON object).
+    pub plugin_config: serde_json::Map<String, serde_json::Value>,
+}
+
+impl LocalArgs {
+    /// Finds the binaries and decides the directories; `data_dir` is the service's
+    /// KERNELKITE_DATA_DIR and `temp` a directory to use when there is neither it nor
+    /// `--local-dir`.
+    pub fn resolve(
+        &self,
+        data_dir: Option<&Path>,
+        temp: impl FnOnce() -> std::io::Result<PathBuf>,
+    ) -> Result<LocalSettings, LocalError> {
+        let bins = binaries::find(self.runner_bin.as_deref(), self.isolate_bin.as_deref())?;
+        let local_dir = match (&self.local_dir, data_dir) {
+            (Some(d), _) => d.clone(),
+            (None, Some(d)) => d.join("local"),
+            (None, None) => temp().map_err(|source| LocalError::Dir {
+                path: std::env::temp_dir(),
+                source,
+            })?,
+        };
+        std::fs::create_dir_all(local_dir.join("jobs")).map_err(|source| LocalError::Dir {
+            path: local_dir.join("jobs"),
+            source,
+        })?;
+        let run_dir = match &self.run_dir {
+            Some(d) => d.clone(),
+            None => default_run_dir(&local_dir),
+        };
+        let mut plugin_config = match serde_json::from_str(&self.plugin_config) {
+            Ok(serde_json::Value::Object(m)) => m,
+            Ok(_) | Err(_) => {
+                return Err(LocalError::PluginConfig(self.plugin_config.clone()));
+            }
+        };
+        if self.enforce {
+            plugin_config.insert("allow-unenforced".into(), serde_json::Value::Bool(false));
+        }
+        Ok(LocalSettings {
+            bins,
+            local_dir,
+            run_dir,
+            plan_file: self.plan_file.clone(),
+            cpu_only_slices: self.cpu_only_slices,
+            sysfs_root: self.sysfs_root.clone(),
+            cgroup_root: self.cgroup_root.clone(),
+            plugin_config,
+        })
+    }
+}
+
+/// The agents' run dir (`/run/kernelkite`) when this process may use it; else a run dir of its
+/// own in the user's runtime directory (`$XDG_RUNTIME_DIR`), else in the local dir. The hooks
+/// write their state there with `fsync`: on the tmpfs `/run` is, that costs nothing, on a
+/// disk some milliseconds per job.
+fn default_run_dir(local_dir: &Path) -> PathBuf {
+    let shared = PathBuf::from("/run/kernelkite");
+    if std::fs::create_dir_all(&shared).is_ok() && writable(&shared) {
+        return shared;
+    }
+    if let Some(rt) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+        let mine = rt.join("kernelkite");
+        if std::fs::create_dir_all(&mine).is_ok() && writable(&mine) {
+            return mine;
+        }
+    }
+    local_dir.join("run")
+}
+
+/// Whether this process may create files in `dir`.
+fn writable(dir: &Path) -> bool {
+    rustix::fs::access(
+        dir,
+        rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK,
+    )
+    .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(dir: &Path) -> LocalArgs {
+        let exe = dir.join("bin");
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        LocalArgs {
+            runner_bin: Some(exe.clone()),
+            isolate_bin: Some(exe),
+            plugin_config: DEFAULT_PLUGIN_CONFIG.into(),
+            run_dir: Some(dir.join("run")),
+            ..LocalArgs::default()
+        }
+    }
+
+    #[test]
+    fn directories_and_the_plugin_configuration_resolve() {
+        let d = tempfile::tempdir().unwrap();
+        let mut a = args(d.path());
+        let s = a
+            .resolve(Some(&d.path().join("data")), || unreachable!())
+            .unwrap();
+        assert_eq!(s.local_dir, d.path().join("data/local"));
+        assert!(s.local_dir.join("jobs").is_dir());
+        assert_eq!(s.plugin_config["allow-unenforced"], true);
+        a.enforce = true;
+        let s = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap();
+        assert_eq!(s.local_dir, d.path().join("tmp"));
+        assert_eq!(s.plugin_config["allow-unenforced"], false);
+        a.plugin_config = "[1]".into();
+        let e = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap_err();
+        assert!(e.to_string().contains("--plugin-config"), "{e}");
+        a.plugin_config = DEFAULT_PLUGIN_CONFIG.into();
+        a.runner_bin = Some(d.path().join("missing"));
+        let e = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap_err();
+        assert!(e.to_string().contains("not an executable file"), "{e}");
+    }
+}
