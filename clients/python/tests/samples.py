@@ -26,21 +26,21 @@ def sample_config(**overrides: Any) -> dict[str, Any]:
 
 
 def example_config(mode: str = "test") -> dict[str, Any]:
-    """The runner's bundled CPU-only example task (runner/src/example), which a local
+    """The repository's bundled CPU-only example task (examples/prefixsum_py), which a local
     executor can run on any machine with python3."""
-    example = REPO / "runner" / "src" / "example"
+    example = REPO / "examples" / "prefixsum_py"
     return {
         "lang": "py",
         "mode": mode,
         "sources": {
-            "eval.py": (example / "eval.py").read_text(),
-            "submission.py": (example / "submission.py").read_text(),
+            name: (example / name).read_text()
+            for name in ("eval.py", "reference.py", "submission.py")
         },
         "main": "eval.py",
         "tests": [{"size": 16, "seed": 1}, {"size": 1000, "seed": 2}],
         "benchmarks": [{"size": 1000, "seed": 3}],
         "seed": 4242,
-        "ranking_by": "last",
+        "ranking_by": "geom",
         "test_timeout": 60,
         "benchmark_timeout": 60,
         "ranked_timeout": 60,

@@ -71,7 +71,7 @@ async def test_local_success_over_long_poll(local: Service):
 
 async def test_local_failing_submission_keeps_the_runners_result(local: Service):
     config = example_config()
-    config["sources"]["submission.py"] = "def custom_kernel(a, b):\n    return [0.0 for _ in a]\n"
+    config["sources"]["submission.py"] = "def custom_kernel(data):\n    return [0 for _ in data]\n"
     launcher = make_launcher(local.url, API_TOKEN)
     result = await asyncio.wait_for(launcher.run_submission(config, H100, RecordingReporter()), 120)
     assert result.success, "the runner ran; the evaluation failed"
@@ -81,7 +81,7 @@ async def test_local_failing_submission_keeps_the_runners_result(local: Service)
 async def test_local_task_cancellation_cancels_the_submission(local: Service):
     config = example_config()
     config["sources"]["submission.py"] = (
-        "import time\n\ndef custom_kernel(a, b):\n    time.sleep(60)\n    return a\n"
+        "import time\n\ndef custom_kernel(data):\n    time.sleep(60)\n    return data\n"
     )
     launcher = make_launcher(local.url, API_TOKEN)
     reporter = RecordingReporter()
