@@ -1,5 +1,5 @@
-//! `POST /webhooks/buildkite`: verify, then parse, then answer; the work runs in the
-//! background.
+//! `POST /webhooks/buildkite`: verify, then parse, then commit the state change, then answer;
+//! collecting a finished build's result runs in the background.
 
 use std::sync::Arc;
 
@@ -23,7 +23,8 @@ pub(super) async fn buildkite(
     let body =
         body.map_err(|r| body_error(r, app.cfg.webhook_max_bytes, "KERNELKITE_WEBHOOK_MAX_BYTES"))?;
     if let Some(event) = app.webhooks.receive(&headers, &body, (app.clock)())? {
-        app.on_event(event);
+        // Answered once the change is committed (commit, then acknowledge).
+        app.handle_event(event).await;
     }
     Ok(Json(json!({ "ok": true })))
 }
