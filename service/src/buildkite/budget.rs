@@ -43,6 +43,8 @@ struct State {
     limit: Option<u64>,
     /// When the window resets.
     reset_at: Instant,
+    /// `reset_at` came from an answer (false right after a refill, until one arrives).
+    reset_known: bool,
 }
 
 /// The shared budget.
@@ -81,14 +83,20 @@ pub fn observe_headers(headers: &reqwest::header::HeaderMap) -> Option<Observed>
         limit: num("ratelimit-user-limit"),
         reset_s: num("ratelimit-user-reset").unwrap_or(1),
     });
-    match (org, user) {
+    // A window holds at most the smaller limit, whichever is spent now.
+    let limit = match (num("ratelimit-limit"), num("ratelimit-user-limit")) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let tighter = match (org, user) {
         (Some(a), Some(b)) if a.remaining == b.remaining => Some(Observed {
             reset_s: a.reset_s.max(b.reset_s),
             ..a
         }),
         (Some(a), Some(b)) => Some(if a.remaining < b.remaining { a } else { b }),
         (a, b) => a.or(b),
-    }
+    };
+    tighter.map(|o| Observed { limit, ..o })
 }
 
 impl RateBudget {
@@ -99,6 +107,7 @@ impl RateBudget {
                 remaining: None,
                 limit: None,
                 reset_at: Instant::now(),
+                reset_known: true,
             }),
             max_wait,
         }
@@ -113,8 +122,12 @@ impl RateBudget {
     pub fn try_take(&self, priority: Priority, now: Instant) -> Duration {
         let mut s = self.lock();
         if now >= s.reset_at {
-            // A new window: as much as the last limit said, or unknown.
+            // A new window: as much as the last limit said, or unknown. Its end is not known
+            // until an answer from it says so; until then this window's units are all there
+            // is.
             s.remaining = s.limit;
+            s.reset_at = now + self.max_wait;
+            s.reset_known = false;
         }
         match s.remaining {
             None => Duration::ZERO,
@@ -122,6 +135,8 @@ impl RateBudget {
                 s.remaining = Some(r - 1);
                 Duration::ZERO
             }
+            // The window's end is not known yet: an answer will say it soon.
+            Some(_) if !s.reset_known => Duration::from_millis(20),
             Some(_) => s
                 .reset_at
                 .saturating_duration_since(now)
@@ -138,7 +153,8 @@ impl RateBudget {
             if wait.is_zero() {
                 return start.elapsed();
             }
-            tokio::time::sleep(wait.min(self.max_wait)).await;
+            // Looked at again at least every 250 ms: an answer may move the reset.
+            tokio::time::sleep(wait.min(self.max_wait).min(Duration::from_millis(250))).await;
         }
     }
 
@@ -151,17 +167,25 @@ impl RateBudget {
                 s.limit = o.limit;
             }
             let reset_at = now + Duration::from_secs(o.reset_s).min(self.max_wait);
-            // Calls already counted locally but not yet by Buildkite make the local figure
-            // the lower one; keep it within the same window.
-            let remaining = match s.remaining {
-                Some(local) if now < s.reset_at && reset_at <= s.reset_at => local.min(o.remaining),
-                _ => o.remaining,
+            // Within the window the lower figure wins: answers arrive out of order (an early
+            // one still says more is left), and calls already sent are counted here first.
+            // After a reset the local figure was refilled from the limit, so it is never
+            // the stale one.
+            let remaining = s.remaining.map_or(o.remaining, |l| l.min(o.remaining));
+            // A 429 names the reset that matters; otherwise answers of one window agree
+            // on its end up to rounding, and the later end is kept.
+            let reset_at = if !rate_limited && s.reset_known && now < s.reset_at {
+                reset_at.max(s.reset_at)
+            } else {
+                reset_at
             };
             s.remaining = Some(if rate_limited { 0 } else { remaining });
             s.reset_at = reset_at;
+            s.reset_known = true;
         } else if rate_limited {
             s.remaining = Some(0);
             s.reset_at = now + Duration::from_secs(1).min(self.max_wait);
+            s.reset_known = true;
         }
     }
 
