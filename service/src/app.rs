@@ -161,12 +161,11 @@ impl App {
         if cfg.data_dir.is_none() {
             tracing::warn!("KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart");
         }
-        let db = Sqlite::open(
+        let (db, pending) = Sqlite::open_with_pending(
             cfg.data_dir.as_deref(),
             cfg.store_sync,
             Some(metrics.clone()),
         )?;
-        let pending = load_pending(db.clone())?;
         let app = Arc::new(App {
             store: Store::new(
                 cfg.early_event_max,
@@ -664,7 +663,10 @@ impl App {
             let Some(app) = app.upgrade() else { return };
             let timeout_s = rx.borrow().timeout_s;
             let msg = format!("no result within {timeout_s} s");
-            if let Some(c) = app.finish_durably(&id, Outcome::TimedOut(msg)).await {
+            // Boxed: the ending is rare, and inline its state would make every waiting
+            // timer (one per pending submission) that much larger.
+            let ended = Box::pin(app.finish_durably(&id, Outcome::TimedOut(msg))).await;
+            if let Some(c) = ended {
                 if c.changed {
                     if let Some(b) = c.after.build {
                         app.spawn_cancel_build(b);
@@ -728,21 +730,6 @@ impl App {
             None => format!("/v1/submissions/{id}"),
         }
     }
-}
-
-/// Reads the submissions that had not ended, before the service serves anything. The store
-/// is reached through its own threads, so this blocks on a helper thread and works inside or
-/// outside an async runtime.
-fn load_pending(db: Sqlite) -> Result<Vec<crate::store::Pending>, StoreError> {
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| StoreError::Read(e.to_string()))?;
-        rt.block_on(db.pending())
-    })
-    .join()
-    .map_err(|_| StoreError::Read("the loading thread panicked".into()))?
 }
 
 fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {

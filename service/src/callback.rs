@@ -192,11 +192,20 @@ pub(crate) fn spawn(app: Weak<App>) {
                     drop(permit);
                 });
             }
+            // Asleep until the next retry is due (looked up, not polled) or a new callback
+            // is written; at most a minute, and at least a tick apart.
+            let next = match a.store.durable().next_callback_at().await {
+                Ok(Some(at)) => {
+                    Duration::from_millis(u64::try_from(at.saturating_sub(now_ms())).unwrap_or(0))
+                }
+                Ok(None) => Duration::from_secs(60),
+                Err(_) => tick,
+            };
             let wake = a.clone();
             drop(a);
             tokio::select! {
                 _ = wake.callbacks_due.notified() => {}
-                _ = tokio::time::sleep(tick) => {}
+                _ = tokio::time::sleep(next.clamp(tick, Duration::from_secs(60))) => {}
             }
         }
     });

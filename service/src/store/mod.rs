@@ -53,6 +53,8 @@ pub trait Durable: Send + Sync + 'static {
         now_ms: i64,
         limit: i64,
     ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>>;
+    /// When the next pending callback is due (unix ms).
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>>;
     /// Records a callback attempt.
     fn callback_attempted<'a>(
         &'a self,
@@ -94,6 +96,9 @@ impl Durable for Sqlite {
         limit: i64,
     ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
         Box::pin(Sqlite::due_callbacks(self, now_ms, limit))
+    }
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
+        Box::pin(Sqlite::next_callback_at(self))
     }
     fn callback_attempted<'a>(
         &'a self,

@@ -185,9 +185,20 @@ enum Op {
         now_ms: i64,
         limit: i64,
     },
+    NextCallbackAt,
 }
 
 impl Op {
+    /// Written by one statement (atomic without a transaction around it).
+    fn is_one_statement(&self) -> bool {
+        match self {
+            Op::Insert(n) => n.idempotency.is_none(),
+            Op::Finish(_, cb) => cb.is_none(),
+            Op::Save(_) | Op::Callback { .. } | Op::Probe => true,
+            _ => false,
+        }
+    }
+
     fn is_write(&self) -> bool {
         matches!(
             self,
@@ -202,6 +213,7 @@ enum Reply {
     Loaded(Option<Box<Submission>>),
     Pending(Vec<Pending>),
     Due(Vec<DueCallback>),
+    At(Option<i64>),
 }
 
 struct Request {
@@ -244,12 +256,22 @@ impl std::fmt::Debug for Sqlite {
 impl Sqlite {
     /// Opens (creating when missing) the store in `dir`, or an in-memory store when `dir` is
     /// `None`; checks it and brings its schema up to date. Blocks while it does (it runs
-    /// before the service serves anything); needs no async runtime.
+    /// before the service serves anything); needs a tokio runtime, whose tasks then serve it.
     pub fn open(
         dir: Option<&Path>,
         sync: SyncMode,
         metrics: Option<Arc<crate::metrics::Metrics>>,
     ) -> Result<Sqlite, StoreError> {
+        Sqlite::open_with_pending(dir, sync, metrics).map(|(s, _)| s)
+    }
+
+    /// [`Sqlite::open`], also returning the submissions that had not ended (read before
+    /// anything else can write).
+    pub fn open_with_pending(
+        dir: Option<&Path>,
+        sync: SyncMode,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<(Sqlite, Vec<Pending>), StoreError> {
         let shared = Arc::new(Shared {
             last_write_failed: Mutex::new(None),
             metrics,
@@ -284,38 +306,31 @@ impl Sqlite {
         };
         let opts = opts.disable_statement_logging();
         let shown = path.clone().unwrap_or_else(|| PathBuf::from(":memory:"));
+        let (wconn, rconn, pending) = open_connections(opts, shown, path.is_some())?;
+        // The connections serve from tasks of the caller's runtime: one hop less per call
+        // than a thread of their own.
         let (writer, wrx) = mpsc::channel(4096);
-        spawn_thread(
-            "kernelkite-db-write",
-            opts.clone(),
-            shown.clone(),
-            true,
-            wrx,
-            shared.clone(),
-        )?;
+        tokio::spawn(serve(wconn, wrx, true, shared.clone()));
         // A file database gets a reader of its own; an in-memory one exists only in its one
         // connection, so its reads go to the writer.
-        let reader = if path.is_some() {
-            let (reader, rrx) = mpsc::channel(4096);
-            spawn_thread(
-                "kernelkite-db-read",
-                opts,
-                shown,
-                false,
-                rrx,
-                shared.clone(),
-            )?;
-            reader
-        } else {
-            writer.clone()
+        let reader = match rconn {
+            Some(conn) => {
+                let (reader, rrx) = mpsc::channel(4096);
+                tokio::spawn(serve(conn, rrx, false, shared.clone()));
+                reader
+            }
+            None => writer.clone(),
         };
-        Ok(Sqlite {
-            writer,
-            reader,
-            shared,
-            path,
-            closed: Arc::new(AtomicBool::new(false)),
-        })
+        Ok((
+            Sqlite {
+                writer,
+                reader,
+                shared,
+                path,
+                closed: Arc::new(AtomicBool::new(false)),
+            },
+            pending,
+        ))
     }
 
     /// The database file (`None`: in memory).
@@ -363,6 +378,14 @@ impl Sqlite {
             .await?
         {
             Reply::Done(b) => Ok(b),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// When the next pending callback is due (unix ms), if any is pending.
+    pub async fn next_callback_at(&self) -> Result<Option<i64>, StoreError> {
+        match self.call(Op::NextCallbackAt).await? {
+            Reply::At(t) => Ok(t),
             _ => Err(StoreError::Closed),
         }
     }
@@ -467,52 +490,45 @@ fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn spawn_thread(
-    name: &str,
+/// Opens the connections (the writer's first: it checks the file and migrates), and reads
+/// the submissions that had not ended, on a helper thread: connecting needs no runtime, so
+/// this works in or out of one, and blocks only the caller.
+fn open_connections(
     opts: SqliteConnectOptions,
     path: PathBuf,
-    writer: bool,
-    rx: mpsc::Receiver<Request>,
-    shared: Arc<Shared>,
-) -> Result<(), StoreError> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let open_err = |cause: String| StoreError::Open {
-        path: path.clone(),
+    reader: bool,
+) -> Result<(SqliteConnection, Option<SqliteConnection>, Vec<Pending>), StoreError> {
+    let open_err = |path: &Path, cause: String| StoreError::Open {
+        path: path.to_path_buf(),
         cause,
     };
     let thread_path = path.clone();
-    std::thread::Builder::new()
-        .name(name.to_string())
+    let handle = std::thread::Builder::new()
+        .name("kernelkite-db-open".into())
         .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread()
+            let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(StoreError::Open {
-                        path: thread_path,
-                        cause: e.to_string(),
-                    }));
-                    return;
-                }
-            };
+                .map_err(|e| open_err(&thread_path, e.to_string()))?;
             rt.block_on(async move {
-                let conn = match connect(&opts, &thread_path, writer).await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
+                let mut w = connect(&opts, &thread_path, true).await?;
+                let pending = match read(&mut w, Op::Pending).await {
+                    Ok(Reply::Pending(p)) => p,
+                    Ok(_) => Vec::new(),
+                    Err(e) => return Err(StoreError::Read(report(&e))),
                 };
-                let _ = ready_tx.send(Ok(()));
-                serve(conn, rx, writer, shared).await;
-            });
+                let r = if reader {
+                    Some(connect(&opts, &thread_path, false).await?)
+                } else {
+                    None
+                };
+                Ok((w, r, pending))
+            })
         })
-        .map_err(|e| open_err(e.to_string()))?;
-    ready_rx
-        .recv()
-        .map_err(|_| open_err("the database thread ended while opening".into()))?
+        .map_err(|e| open_err(&path, e.to_string()))?;
+    handle
+        .join()
+        .map_err(|_| open_err(&path, "the opening thread panicked".into()))?
 }
 
 /// Connects; the writer also checks the file and migrates the schema.
@@ -523,6 +539,10 @@ async fn connect(
 ) -> Result<SqliteConnection, StoreError> {
     let classify = |e: sqlx::Error| classify_open(path, e);
     let mut conn = opts.connect().await.map_err(classify)?;
+    sqlx::query("PRAGMA cache_size = -8192")
+        .execute(&mut conn)
+        .await
+        .map_err(classify)?;
     if writer {
         // A damaged file is refused before anything is written to it.
         let rows = sqlx::query("PRAGMA quick_check")
@@ -661,6 +681,26 @@ async fn serve(
 /// fails, each write is tried alone, so one bad write cannot sink the others.
 async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared: &Shared) {
     let t = Instant::now();
+    if writes.len() == 1 && writes[0].op.is_one_statement() {
+        // One statement is its own transaction: no BEGIN and COMMIT round trips.
+        let r = writes.into_iter().next();
+        if let Some(r) = r {
+            match write(conn, &r.op).await {
+                Ok(reply) => {
+                    shared.observe("commit", t);
+                    set_failed(shared, None);
+                    let _ = r.reply.send(Ok(reply));
+                }
+                Err(e) => {
+                    let why = report(&e);
+                    tracing::error!(error = %why, "the store could not commit");
+                    set_failed(shared, Some(why.clone()));
+                    let _ = r.reply.send(Err(StoreError::Write(why)));
+                }
+            }
+        }
+        return;
+    }
     let together = async {
         let mut tx = conn.begin().await?;
         let mut out = Vec::with_capacity(writes.len());
@@ -837,7 +877,9 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 .await?;
             Ok(Reply::Done(true))
         }
-        Op::Load(_) | Op::Pending | Op::DueCallbacks { .. } => Ok(Reply::Done(false)),
+        Op::Load(_) | Op::Pending | Op::DueCallbacks { .. } | Op::NextCallbackAt => {
+            Ok(Reply::Done(false))
+        }
     }
 }
 
@@ -893,6 +935,15 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 });
             }
             Ok(Reply::Due(out))
+        }
+        Op::NextCallbackAt => {
+            let at: Option<i64> =
+                sqlx::query("SELECT MIN(next_at_ms) FROM callbacks WHERE state = $1")
+                    .bind(CallbackState::Pending.as_str())
+                    .fetch_one(&mut *conn)
+                    .await?
+                    .try_get(0)?;
+            Ok(Reply::At(at))
         }
         other => write(conn, &other).await,
     }
@@ -995,8 +1046,8 @@ mod tests {
         assert_eq!(db.pending().await.unwrap().len(), 1);
     }
 
-    #[test]
-    fn garbage_is_refused_as_corrupt_with_what_to_do() {
+    #[tokio::test]
+    async fn garbage_is_refused_as_corrupt_with_what_to_do() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(DB_FILE), vec![0x5a; 8192]).unwrap();
         let e = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap_err();
