@@ -99,6 +99,16 @@ impl Found {
     }
 }
 
+/// What a listing found, and whether it saw everything it was asked for (a listing cut at
+/// its page limit saw the newest builds only).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The builds.
+    pub builds: Vec<Found>,
+    /// Every matching build was listed.
+    pub complete: bool,
+}
+
 /// Runs builds for submissions.
 pub trait Executor: Send + Sync + 'static {
     /// Who runs the builds, for messages ("Buildkite").
@@ -123,9 +133,14 @@ pub trait Executor: Send + Sync + 'static {
     fn finished_since(
         &self,
         since: chrono::DateTime<chrono::Utc>,
-    ) -> BoxFuture<'_, Result<Vec<Found>, BoxError>> {
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         let _ = since;
-        Box::pin(async { Ok(Vec::new()) })
+        Box::pin(async {
+            Ok(Listing {
+                builds: Vec::new(),
+                complete: true,
+            })
+        })
     }
 
     /// Builds created since `since`, whatever their state: after a restart, the builds of
@@ -133,8 +148,13 @@ pub trait Executor: Send + Sync + 'static {
     fn created_since(
         &self,
         since: chrono::DateTime<chrono::Utc>,
-    ) -> BoxFuture<'_, Result<Vec<Found>, BoxError>> {
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         let _ = since;
-        Box::pin(async { Ok(Vec::new()) })
+        Box::pin(async {
+            Ok(Listing {
+                builds: Vec::new(),
+                complete: true,
+            })
+        })
     }
 }

@@ -102,7 +102,12 @@ impl App {
         let mut wait = Duration::from_millis(self.cfg.retry_base_ms.max(10));
         let found: Vec<Found> = loop {
             match self.executor.created_since(since).await {
-                Ok(f) => break f,
+                Ok(f) => {
+                    if !f.complete {
+                        tracing::warn!("the listing of builds created since the oldest interrupted submission was cut at KERNELKITE_RECONCILE_MAX_PAGES; submissions not matched get their build created (a twin is canceled when seen)");
+                    }
+                    break f.builds;
+                }
                 Err(e) => {
                     // Creating without knowing could make twins: ask again until it answers
                     // (each submission's deadline still ends it).
@@ -141,8 +146,8 @@ impl App {
             match by_submission.remove(&id) {
                 Some(f) => {
                     tracing::info!(%id, build = f.build.number, "adopting the build an interrupted create made");
-                    let finished = f.build.state.as_str() != "scheduled"
-                        && crate::buildkite::FINISHED_STATES.contains(&f.build.state.as_str());
+                    let finished =
+                        crate::buildkite::FINISHED_STATES.contains(&f.build.state.as_str());
                     self.attach(
                         &id,
                         Launched {
@@ -222,7 +227,7 @@ impl App {
         } - chrono::Duration::from_std(MARGIN).unwrap_or_default();
         let started = Utc::now();
         let listed = self.executor.finished_since(from).await;
-        let found = match listed {
+        let listing = match listed {
             Ok(f) => f,
             Err(e) => {
                 // Counted as no check: the due ones are looked at again after their wait.
@@ -235,12 +240,16 @@ impl App {
                 return Err(e);
             }
         };
-        *self
-            .reconciled_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(started);
+        // A listing cut at its page limit saw only the newest builds: the next pass starts
+        // from the same point again.
+        if listing.complete {
+            *self
+                .reconciled_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(started);
+        }
         let mut fed = 0;
-        for f in found {
+        for f in listing.builds {
             let id = match self.store.submission_of(&f.build.id) {
                 Some(id) => id,
                 None => match f.submission_id.as_deref().and_then(|sid| {

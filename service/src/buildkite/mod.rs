@@ -21,7 +21,7 @@ pub use client::{
 };
 
 use crate::config::Config;
-use crate::executor::{BoxFuture, BuildStatus, Executor, Found, Job, Launched};
+use crate::executor::{BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing};
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
 use crate::submission::{BuildInfo, Outcome};
@@ -118,7 +118,7 @@ impl BuildkiteExecutor {
         }
     }
 
-    async fn list(&self, filter: BuildFilter) -> Result<Vec<Found>, BuildkiteError> {
+    async fn list(&self, filter: BuildFilter) -> Result<Listing, BuildkiteError> {
         let (builds, complete) = self
             .client
             .list_builds(&filter, Priority::Reconcile, self.max_pages)
@@ -126,13 +126,16 @@ impl BuildkiteExecutor {
         if !complete {
             tracing::warn!(pages = self.max_pages, "build listing cut at KERNELKITE_RECONCILE_MAX_PAGES; the rest waits for the next pass");
         }
-        Ok(builds
-            .into_iter()
-            .map(|b| Found {
-                submission_id: b.submission_id().map(str::to_string),
-                build: status(&b),
-            })
-            .collect())
+        Ok(Listing {
+            builds: builds
+                .into_iter()
+                .map(|b| Found {
+                    submission_id: b.submission_id().map(str::to_string),
+                    build: status(&b),
+                })
+                .collect(),
+            complete,
+        })
     }
 
     /// The REST client.
@@ -182,7 +185,7 @@ impl Executor for BuildkiteExecutor {
     fn finished_since(
         &self,
         since: chrono::DateTime<chrono::Utc>,
-    ) -> BoxFuture<'_, Result<Vec<Found>, BoxError>> {
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         Box::pin(async move {
             let filter = BuildFilter {
                 states: FINISHED_STATES.to_vec(),
@@ -196,7 +199,7 @@ impl Executor for BuildkiteExecutor {
     fn created_since(
         &self,
         since: chrono::DateTime<chrono::Utc>,
-    ) -> BoxFuture<'_, Result<Vec<Found>, BoxError>> {
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         Box::pin(async move {
             let filter = BuildFilter {
                 created_from: Some(since),
