@@ -729,6 +729,7 @@ async fn store_throughput(sizes: &Sizes) {
     println!("\n## Store throughput (SQLite on the VM's ext4 disk, WAL, group commit; 64 writers)");
     println!("| what | sync | n | time | per second |");
     println!("|---|---|---|---|---|");
+    let mut single = Vec::new();
     for sync in [SyncMode::Normal, SyncMode::Full] {
         let dir = tempfile::tempdir().expect("dir");
         let db = Sqlite::open(Some(dir.path()), sync, None).expect("store");
@@ -765,6 +766,40 @@ async fn store_throughput(sizes: &Sizes) {
             "| submissions written (insert + idempotency key + job) | {sync:?} | {n} | {} | {:.0} |",
             ms(took),
             n as f64 / took.as_secs_f64()
+        );
+        // One change at a time (what a lone webhook waits for): the commit's own latency.
+        let mut sub = Submission::new(
+            uuid::Uuid::new_v4().to_string(),
+            "h100".into(),
+            None,
+            None,
+            1800,
+            chrono::Utc::now(),
+        );
+        db.insert(NewSubmission {
+            sub: sub.clone(),
+            job: job_for(&sub.id),
+            deadline_ms: i64::MAX,
+            idempotency: None,
+        })
+        .await
+        .expect("insert");
+        let mut lat = Vec::with_capacity(1000);
+        for _ in 0..1000 {
+            sub.updated_at = chrono::Utc::now();
+            let t = Instant::now();
+            db.save(&sub).await.expect("save");
+            lat.push(t.elapsed());
+        }
+        lat.sort();
+        single.push((sync, lat));
+    }
+    for (sync, lat) in single {
+        println!(
+            "one state change committed alone ({sync:?}): p50 {}, p99 {} over {}",
+            ms(pct(&lat, 0.5)),
+            ms(pct(&lat, 0.99)),
+            lat.len()
         );
     }
 }
