@@ -118,11 +118,13 @@ fn main() {
     );
     rt.block_on(latency(&sizes));
     rt.block_on(call_counts(&sizes));
-    rt.block_on(ingest(&sizes, Delivery::InProcess));
-    rt.block_on(ingest(&sizes, Delivery::Loopback));
     rt.block_on(store_throughput(&sizes));
     rt.block_on(finished_memory(&sizes));
     rt.block_on(reconciler_calls(&sizes));
+    // Last: the pending submissions of the ingest runs stay parked (their fetches are never
+    // let go), so nothing of them runs behind the other measurements.
+    rt.block_on(ingest(&sizes, Delivery::InProcess));
+    rt.block_on(ingest(&sizes, Delivery::Loopback));
 }
 
 /// The service on loopback against the fake, as the integration tests run it, with its store
@@ -683,7 +685,9 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
         fetching, n,
         "every webhook must move its submission to fetching"
     );
-    drop(pause);
+    // Their results would be fetched from builds that do not exist: not part of the
+    // measurement, and not to run behind the next one.
+    pause.forget();
 
     if how == Delivery::InProcess {
         println!("\n## Memory per pending submission");

@@ -5,7 +5,7 @@
 //! the create call) are matched with one listing of the builds created since the oldest of
 //! them (each build carries its submission id in its meta-data): a build found is adopted, and
 //! only a submission with no build gets one created. Every other reloaded submission is due
-//! for the reconciler at once, and its timer is armed after that first pass.
+//! for the reconciler at once, and its timer is armed after that first pass (at most 30 s).
 //!
 //! **Reconciler.** Buildkite's webhooks are best-effort. A submission that has heard nothing
 //! for a while (KERNELKITE_RECONCILE_MIN_MS, doubling to KERNELKITE_RECONCILE_MAX_MS after each
@@ -36,6 +36,9 @@ use crate::submission::{Outcome, State};
 /// submission was created): Buildkite's clock and the time it records a finish may differ
 /// from ours.
 pub const MARGIN: Duration = Duration::from_secs(60);
+
+/// Longest wait for the first pass after a restart before deadlines are enforced anyway.
+const FIRST_PASS_LIMIT: Duration = Duration::from_secs(30);
 
 impl App {
     /// Reloads the submissions that had not ended and starts putting them right.
@@ -69,17 +72,28 @@ impl App {
                 }
             }
             if queued_without_build {
+                // No build to look at: its deadline holds from now on.
+                self.spawn_timeout(&id, p.deadline_ms);
                 orphans.push(p.clone());
+            } else {
+                timers.push((id, p.deadline_ms));
             }
-            timers.push((id, p.deadline_ms));
         }
         let app = self.clone();
+        tokio::spawn(async move { app.recover_orphans(orphans).await });
+        let app = self.clone();
         tokio::spawn(async move {
-            app.recover_orphans(orphans).await;
-            // One pass over every reloaded build before any deadline is enforced, so a build
-            // that finished while the service was down is collected rather than timed out.
-            if let Err(e) = app.reconcile_pass(true).await {
-                tracing::warn!(error = %report(&*e), "the first reconciler pass after the restart failed; it is retried");
+            // One pass over every reloaded build before their deadlines are enforced, so a
+            // build that finished while the service was down is collected rather than timed
+            // out; bounded, so an unreachable Buildkite cannot hold the deadlines off.
+            match tokio::time::timeout(FIRST_PASS_LIMIT, app.reconcile_pass(true)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %report(&*e), "the first reconciler pass after the restart failed; it is retried")
+                }
+                Err(_) => tracing::warn!(
+                    "the first reconciler pass after the restart is slow; deadlines are enforced meanwhile"
+                ),
             }
             for (id, deadline) in timers {
                 app.spawn_timeout(&id, deadline);

@@ -638,3 +638,36 @@ async fn zero_timeouts_and_limits_are_refused_at_start() {
         assert!(log.contains(&format!("{var} must be at least 1")), "{log}");
     }
 }
+
+#[tokio::test]
+async fn deadlines_hold_across_a_restart_while_buildkite_is_down() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    // Buildkite answers nothing but 503 for a long while: no build can be created or found.
+    fake.fail_api_until(Instant::now() + Duration::from_secs(600));
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let body = json!({"config": sample_config(), "queue": "h100", "run_id": format!("dl-{i}"), "timeout_s": 3});
+        ids.push(submit_until_accepted(&http, &svc.base, &format!("dl-{i}"), &body).await);
+    }
+    let accepted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    svc.kill9().await;
+    svc.start().await.unwrap();
+    for id in &ids {
+        let v = tokio::time::timeout(Duration::from_secs(20), long_poll(&http, &svc.base, id))
+            .await
+            .expect("the deadline ends it");
+        assert_eq!(v["state"], "timed_out", "{v}");
+        assert_eq!(v["timeout_s"], 3);
+    }
+    let took = accepted.elapsed();
+    // The absolute deadline was kept through the restart, not started again.
+    assert!(took < Duration::from_secs(6), "ended after {took:?}");
+    assert!(builds_per_submission(&fake).is_empty());
+    svc.kill9().await;
+}
