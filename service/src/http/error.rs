@@ -115,6 +115,19 @@ mod tests {
                 500,
                 "submission worker failed; retry: it panicked",
             ),
+            (
+                Error::KeyReused { key: "k".into() },
+                409,
+                "Idempotency-Key \"k\" was already used for a different request; send the same request to get its submission, or use a new key for a new submission",
+            ),
+            (
+                Error::Unavailable {
+                    what: "the submission could not be saved",
+                    source: "disk full".into(),
+                },
+                503,
+                "the submission could not be saved; nothing was kept, retry later: disk full",
+            ),
         ];
         for (e, status, message) in cases {
             let (got, auth, body) = answer(e).await;
