@@ -234,3 +234,40 @@ async fn a_lost_build_finished_is_found_by_the_reconciler_in_one_listing() {
         assert!(q.contains(part), "{part} not in {q}");
     }
 }
+
+#[tokio::test]
+async fn the_core_counts_what_operators_watch() {
+    let h = harness_with(|c| {
+        c.reconcile_min_ms = 200;
+        c.reconcile_max_ms = 800;
+    })
+    .await;
+    let (a, na) = h.submit().await;
+    h.wait_build_attached(&a).await;
+    h.fake.finish_build(na, "passed", result_artifact()).await;
+    assert_eq!(h.wait_terminal(&a).await["state"], "succeeded");
+    // One finished without its webhook: found by the reconciler.
+    let (b, nb) = h.submit().await;
+    h.wait_build_attached(&b).await;
+    h.fake.complete_build(nb, "passed", result_artifact());
+    assert_eq!(h.wait_terminal(&b).await["state"], "succeeded");
+    let text = h.app.metrics.render();
+    for line in [
+        "kernelkite_submissions{state=\"succeeded\"} 2",
+        "kernelkite_submissions{state=\"queued\"} 0",
+        "kernelkite_buildkite_calls_total{call=\"create_build\"} 2",
+        "kernelkite_buildkite_calls_total{call=\"list_artifacts\"} 2",
+        "kernelkite_reconciler_finds_total 1",
+        "kernelkite_wake_to_result_seconds_count 2",
+    ] {
+        assert!(text.contains(line), "{line} not in\n{text}");
+    }
+    for part in [
+        "kernelkite_buildkite_calls_total{call=\"list_builds\"}",
+        "kernelkite_store_seconds_count{op=\"update\"}",
+        "kernelkite_store_seconds_count{op=\"insert\"}",
+        "kernelkite_store_seconds_count{op=\"commit\"}",
+    ] {
+        assert!(text.contains(part), "{part} not in\n{text}");
+    }
+}
