@@ -453,13 +453,13 @@ impl App {
                         tracing::info!("build is blocked; waiting");
                         return;
                     }
-                    let r = self.store.update(id, advance(State::Fetching)).await;
-                    if let Ok(Some(c)) = &r {
-                        if c.after.state == State::Fetching {
-                            self.spawn_collect(id, &c.after, &ev.build, Instant::now());
-                        }
+                    // Collecting starts at once, beside the `fetching` commit: the result's own
+                    // commit waits for that one (one change per submission at a time), so the
+                    // downloads overlap it instead of following it.
+                    if let Some(sub) = self.store.get(id).filter(|s| !s.state.is_terminal()) {
+                        self.spawn_collect(id, &sub, &ev.build, Instant::now());
                     }
-                    r
+                    self.store.update(id, advance(State::Fetching)).await
                 }
             };
             if let Err(e) = result {
@@ -518,7 +518,7 @@ impl App {
                     match app.executor.collect(&status).await {
                         Ok(outcome) => {
                             let succeeded = matches!(outcome, Outcome::Succeeded(_));
-                            if let Some(c) = app.finish_durably(&id, outcome).await {
+                            if let Some(c) = app.end_collected(&id, outcome).await {
                                 if c.changed && succeeded {
                                     app.metrics
                                         .wake_to_result_seconds
@@ -551,9 +551,44 @@ impl App {
         id: &str,
         outcome: Outcome,
     ) -> Result<Option<Changed>, StoreError> {
+        self.finish_from(id, outcome, None).await
+    }
+
+    /// [`App::finish`] for a collected result: its build finished, so the submission passes
+    /// through `fetching` (should the result beat that commit) on its way to the end.
+    async fn end_collected(self: &Arc<Self>, id: &str, outcome: Outcome) -> Option<Changed> {
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self
+                .finish_from(id, outcome.clone(), Some(State::Fetching))
+                .await
+            {
+                Ok(c) => return c,
+                Err(e) => {
+                    tracing::error!(%id, error = %report(&e), retry_in = ?wait, "could not save the submission's end; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                    self.store.live(id)?;
+                }
+            }
+        }
+    }
+
+    async fn finish_from(
+        self: &Arc<Self>,
+        id: &str,
+        outcome: Outcome,
+        via: Option<State>,
+    ) -> Result<Option<Changed>, StoreError> {
         let changed = self
             .store
-            .update(id, |s| s.finish(outcome, Utc::now()))
+            .update(id, |s| {
+                let now = Utc::now();
+                if let Some(via) = via {
+                    s.advance(via, now);
+                }
+                s.finish(outcome, now)
+            })
             .await?;
         if let Some(c) = &changed {
             if c.changed {
