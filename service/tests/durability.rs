@@ -460,7 +460,9 @@ async fn a_damaged_or_unreadable_store_is_refused_at_start_with_what_to_do() {
     )
     .unwrap();
     if root {
-        // Root reads any file: run the service as nobody, which cannot.
+        // Root reads any file: run the service as nobody, which may enter the directory
+        // but not read the file.
+        std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         svc.limits = Limits {
             user: Some(65534),
             ..Limits::default()
