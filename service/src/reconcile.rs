@@ -343,12 +343,21 @@ pub(crate) fn spawn(app: Weak<App>) {
             let Some(a) = app.upgrade() else { return };
             Duration::from_millis((a.cfg.reconcile_min_ms / 4).clamp(20, 5_000))
         };
+        let mut last_pass: Option<Instant> = None;
         loop {
             tokio::time::sleep(tick).await;
             let Some(a) = app.upgrade() else { return };
-            if !a.any_due(Instant::now()) {
+            let now = Instant::now();
+            // At most one pass per minimum wait: a pass looks at every finished build, so
+            // the calls per minute are bounded by time, whatever the number pending.
+            let min = Duration::from_millis(a.cfg.reconcile_min_ms);
+            if last_pass.is_some_and(|t| now.saturating_duration_since(t) < min) {
                 continue;
             }
+            if !a.any_due(now) {
+                continue;
+            }
+            last_pass = Some(now);
             match a.reconcile_pass(false).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(builds = n, "reconciler pass fed finished builds"),
