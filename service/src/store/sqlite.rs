@@ -37,6 +37,10 @@ pub const DB_FILE: &str = "kernelkite.db";
 
 /// Most writes committed in one transaction.
 const MAX_BATCH: usize = 512;
+/// How often the reader of a file database checkpoints the WAL.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
+/// WAL frames (4 KiB pages) past which the writer truncates the WAL itself.
+const WAL_LIMIT_FRAMES: i64 = 16_384;
 
 /// How commits reach the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -225,6 +229,9 @@ struct Request {
 struct Shared {
     last_write_failed: Mutex<Option<String>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// The reader's checkpoints cannot keep the WAL small (writes never pause): the writer
+    /// truncates it at its next turn.
+    wal_too_big: AtomicBool,
 }
 
 impl Shared {
@@ -275,6 +282,7 @@ impl Sqlite {
         let shared = Arc::new(Shared {
             last_write_failed: Mutex::new(None),
             metrics,
+            wal_too_big: AtomicBool::new(false),
         });
         let (opts, path) = match dir {
             Some(dir) => {
@@ -543,6 +551,14 @@ async fn connect(
         .execute(&mut conn)
         .await
         .map_err(classify)?;
+    if writer && path != Path::new(":memory:") {
+        // Checkpoints (which fsync the database file) are the reader's job, off the commit
+        // path; see `serve`.
+        sqlx::query("PRAGMA wal_autocheckpoint = 0")
+            .execute(&mut conn)
+            .await
+            .map_err(classify)?;
+    }
     if writer {
         // A damaged file is refused before anything is written to it.
         let rows = sqlx::query("PRAGMA quick_check")
@@ -653,7 +669,31 @@ async fn serve(
     shared: Arc<Shared>,
 ) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
-    while let Some(first) = rx.recv().await {
+    let mut checkpoints = tokio::time::interval(CHECKPOINT_EVERY);
+    checkpoints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let first = tokio::select! {
+            r = rx.recv() => match r {
+                Some(r) => r,
+                None => break,
+            },
+            // The reader copies the WAL into the database file now and then (a passive
+            // checkpoint never blocks the writer), so no commit pays for it.
+            _ = checkpoints.tick(), if !writer => {
+                checkpoint(&mut conn, &shared).await;
+                continue;
+            }
+        };
+        if writer && shared.wal_too_big.swap(false, Ordering::AcqRel) {
+            let t = Instant::now();
+            if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                .execute(&mut conn)
+                .await
+            {
+                tracing::warn!(error = %report(&e), "could not truncate the WAL");
+            }
+            shared.observe("truncate", t);
+        }
         batch.push(first);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -675,6 +715,26 @@ async fn serve(
             let _ = r.reply.send(out);
         }
     }
+}
+
+/// A passive checkpoint; a WAL that keeps growing (it only restarts when a checkpoint
+/// catches up with the writer) is handed to the writer to truncate.
+async fn checkpoint(conn: &mut SqliteConnection, shared: &Shared) {
+    let t = Instant::now();
+    match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+        .fetch_optional(&mut *conn)
+        .await
+    {
+        Ok(Some(row)) => {
+            let frames: i64 = row.try_get(1).unwrap_or(0);
+            if frames > WAL_LIMIT_FRAMES {
+                shared.wal_too_big.store(true, Ordering::Release);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %report(&e), "WAL checkpoint failed"),
+    }
+    shared.observe("checkpoint", t);
 }
 
 /// Commits `writes` in one transaction and answers each after the commit. When the batch
