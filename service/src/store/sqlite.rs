@@ -1,12 +1,13 @@
 //! The durable store: one SQLite database, `<KERNELKITE_DATA_DIR>/kernelkite.db` (in memory when
 //! no data dir is set), reached through `sqlx`.
 //!
-//! Every call is a message to a database thread that owns its connection. The writer thread
-//! takes every write waiting in its queue and commits them in one transaction (group commit),
-//! then answers each caller: a caller hears "saved" only after the commit, which is what lets
-//! the core commit first and wake waiters second. In a file database a second thread with its
-//! own connection serves reads, so `GET` of a finished submission never queues behind a
-//! commit; an in-memory database has one connection, so its one thread does both.
+//! Every call is a message to a task that owns a connection. The writer takes every write
+//! waiting in its queue and commits them in one transaction (group commit; a lone one-statement
+//! write is its own transaction), then answers each caller: a caller hears "saved" only after
+//! the commit, which is what lets the core commit first and wake waiters second. In a file
+//! database a reader with its own connection serves reads, so `GET` of a finished submission
+//! never queues behind a commit, and checkpoints the WAL, so no commit pays for that fsync; an
+//! in-memory database has one connection, so its one task does both.
 //!
 //! The SQL is kept portable for a later Postgres backend: `$n` placeholders, `TEXT` and
 //! `BIGINT` columns, booleans as `0/1`, no `INSERT OR ...`, no `RETURNING`, times as unix
