@@ -28,10 +28,19 @@ fn result_for(run_id: &str) -> ArtifactSpec {
 /// `passed` with its own result (its webhooks go wherever the service is, or are lost when
 /// it is down).
 fn spawn_agents(fake: Arc<FakeBuildkite>, seed: u64) -> tokio::task::JoinHandle<()> {
+    spawn_agents_for(fake, seed, 30..300)
+}
+
+/// [`spawn_agents`], each build running for a time drawn from `run_ms`.
+fn spawn_agents_for(
+    fake: Arc<FakeBuildkite>,
+    seed: u64,
+    run_ms: std::ops::Range<u64>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut rng = fastrand::Rng::with_seed(seed);
         while let Some(n) = fake.next_created(Duration::from_secs(120)).await {
-            let ms = rng.u64(30..300);
+            let ms = rng.u64(run_ms.clone());
             let fake = fake.clone();
             tokio::spawn(async move {
                 let run_id = fake.build(n).unwrap()["meta_data"]["run_id"]
@@ -122,12 +131,13 @@ fn log_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_submissions_survive_kill_9_at_random_points() {
     const N: usize = 200;
+    const KILLS: usize = 5;
     let fake = Arc::new(FakeBuildkite::start().await);
     let data = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
     let receiver = CallbackReceiver::start().await;
     // Slow answers, so kills land while callbacks are in flight.
-    receiver.set_mode(Mode::Slow(Duration::from_millis(40)));
+    receiver.set_mode(Mode::Slow(Duration::from_millis(100)));
     let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
     svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
     svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
@@ -137,7 +147,16 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
     for _ in 0..40 {
         fake.inject(Route::Download, Fault::Delay(Duration::from_millis(150)));
     }
-    let agents = spawn_agents(fake.clone(), 7);
+    // Slow creates, so kills land while builds are being created: some made and answered
+    // late, some not made yet.
+    for _ in 0..40 {
+        fake.inject(
+            Route::CreateBuild,
+            Fault::DelayResponse(Duration::from_millis(300)),
+        );
+        fake.inject(Route::CreateBuild, Fault::Delay(Duration::from_millis(300)));
+    }
+    let agents = spawn_agents_for(fake.clone(), 7, 100..600);
     let started = Instant::now();
     let http = reqwest::Client::new();
     let base = svc.base.clone();
@@ -145,8 +164,8 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
     for i in 0..N {
         let (http, base, cb) = (http.clone(), base.clone(), receiver.url());
         clients.push(tokio::spawn(async move {
-            // Spread over the first second, so kills land before builds exist, too.
-            tokio::time::sleep(Duration::from_millis(i as u64 * 5)).await;
+            // Spread over 2.4 s, so every kill lands among submissions at every stage.
+            tokio::time::sleep(Duration::from_millis(i as u64 * 12)).await;
             let run_id = format!("run-{i}");
             let body =
                 json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb});
@@ -156,8 +175,8 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
         }));
     }
     let mut rng = fastrand::Rng::with_seed(42);
-    for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(rng.u64(250..700))).await;
+    for _ in 0..KILLS {
+        tokio::time::sleep(Duration::from_millis(rng.u64(350..650))).await;
         svc.kill9().await;
         tokio::time::sleep(Duration::from_millis(rng.u64(0..150))).await;
         svc.start().await.unwrap();
@@ -234,11 +253,17 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
         count("callback failed; retrying"),
     );
     assert!(
-        count("reloading submissions that had not ended") >= 1,
-        "{log}"
+        count("reloading submissions that had not ended") >= 3,
+        "kills missed the submissions in flight: {log}"
+    );
+    assert!(
+        count("adopting the build an interrupted create made")
+            + count("creating the build of an interrupted submission")
+            >= 1,
+        "no kill landed while a build was being created: {log}"
     );
     println!(
-        "{N} submissions, 4 kill -9 restarts: all succeeded in {took:?}; {} builds; {deliveries} callback deliveries",
+        "{N} submissions, {KILLS} kill -9 restarts: all succeeded in {took:?}; {} builds; {deliveries} callback deliveries",
         fake.builds_meta().len()
     );
     agents.abort();
