@@ -2,32 +2,38 @@
 //!
 //! It speaks in submissions and domain errors ([`Error`]); requests, responses and status
 //! codes are the HTTP layer's (`crate::http`). Builds run on an [`Executor`]; submissions live
-//! in the [`Store`].
+//! in the [`Store`], which commits every change before any waiter hears of it.
 //!
-//! Nothing here polls. A submission waits on its `watch` channel; the executor's events move
-//! it; a per-submission timer (a sleeping task that also ends when the submission does)
-//! enforces the timeout.
+//! Nothing here polls a build. A submission waits on its `watch` channel; the executor's
+//! events move it; a per-submission timer enforces its absolute deadline. Two background
+//! loops make it self-healing: the reconciler ([`crate::reconcile`]) lists the builds that
+//! finished while their webhook was lost, and after a restart it finds the builds of
+//! submissions whose create call was cut off; the callback outbox ([`crate::callback`])
+//! delivers every final submission at least once.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use kernelkite_kernelbot::config::RunConfig;
-use serde::Deserialize;
-use tokio::sync::{watch, Semaphore};
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+use tokio::sync::{watch, Notify, Semaphore};
+use tracing::Instrument;
 
 use crate::buildkite::BuildkiteExecutor;
 use crate::config::{Config, ConfigError};
-use crate::error::{Error, Invalid};
-use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job};
+use crate::error::{BadRequest, Error, Invalid};
+use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
+use crate::metrics::Metrics;
 use crate::report::report;
-use crate::store::{Archive, Durable, Routed, Store};
+use crate::store::{Changed, Inserted, NewSubmission, Routed, Sqlite, Store, StoreError};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
 use crate::webhook::{WebhookAuth, WebhookReceiver};
 
 /// `POST /v1/submissions` body.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitRequest {
     /// kernelbot's run config.
@@ -64,8 +70,14 @@ pub struct App {
     /// does, to measure the webhook path alone).
     pub fetch_slots: Semaphore,
     /// What `GET /metrics` exports.
-    pub metrics: crate::metrics::Metrics,
-    callback_http: reqwest::Client,
+    pub metrics: Arc<Metrics>,
+    pub(crate) callback_http: reqwest::Client,
+    /// Wakes the callback outbox when a callback was written.
+    pub(crate) callbacks_due: Notify,
+    /// Callbacks being delivered now (never two attempts of one at once).
+    pub(crate) callbacks_inflight: dashmap::DashSet<String>,
+    /// Where the reconciler's next listing starts (the start of its last complete pass).
+    pub(crate) reconciled_until: Mutex<Option<chrono::DateTime<Utc>>>,
 }
 
 /// Why the service cannot start.
@@ -77,28 +89,44 @@ pub enum StartError {
     /// The HTTP client cannot be built (no TLS roots, ...).
     #[error("cannot build the HTTP client")]
     Http(#[from] reqwest::Error),
-    /// The data dir cannot be created.
-    #[error("cannot use KERNELKITE_DATA_DIR {}; create it or point the variable at a writable directory", .dir.display())]
-    DataDir {
-        /// KERNELKITE_DATA_DIR.
-        dir: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    /// The store cannot be opened, is damaged, or cannot be read; the message says what to do.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
-/// What a client watches: a submission in memory (it sees every change), or one read from
-/// the durable store (it will not change again).
+/// What a client watches: a submission in flight (it sees every change), or one read from
+/// the store (it will not change again).
 pub enum Watch {
-    /// In memory: the receiver sees every later change.
+    /// In flight: the receiver sees every later change.
     Live(watch::Receiver<Submission>),
-    /// Finished and only in the durable store.
+    /// Finished, or read from the store.
     Done(Box<Submission>),
 }
 
+/// A checked submission request, ready to be written.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    sub: Submission,
+    job: Job,
+    deadline_ms: i64,
+    idempotency: Option<(String, String)>,
+}
+
+/// What [`App::accept`] did.
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    /// The submission (new, or the one the idempotency key made before).
+    pub submission: Submission,
+    /// A new submission (`202`); false: the key's earlier submission (`200`).
+    pub created: bool,
+}
+
+/// The longest an `Idempotency-Key` may be.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
+
 impl App {
-    /// Builds the service with Buildkite as the executor and starts its housekeeping task.
+    /// Builds the service with Buildkite as the executor, opens its store (blocking while it
+    /// does), reloads the submissions that had not ended and starts its background tasks.
     /// Needs a tokio runtime.
     pub fn new(cfg: Config) -> Result<Arc<App>, StartError> {
         let clock: Clock = Arc::new(|| Utc::now().timestamp());
@@ -108,40 +136,44 @@ impl App {
     /// [`App::new`] with the clock webhook signatures are checked against.
     pub fn with_clock(cfg: Config, clock: Clock) -> Result<Arc<App>, StartError> {
         cfg.check()?;
-        let executor = Arc::new(BuildkiteExecutor::new(&cfg)?);
-        App::start(cfg, clock, executor)
+        let metrics = Arc::new(Metrics::new());
+        let executor = Arc::new(BuildkiteExecutor::new(&cfg)?.with_metrics(metrics.clone()));
+        App::start(cfg, clock, executor, metrics)
     }
 
     /// Builds the service around another executor (one that runs builds on this machine, a
-    /// test's) and starts its housekeeping task.
+    /// test's) and starts its background tasks.
     pub fn with_executor(
         cfg: Config,
         clock: Clock,
         executor: Arc<dyn Executor>,
     ) -> Result<Arc<App>, StartError> {
         cfg.check()?;
-        App::start(cfg, clock, executor)
+        App::start(cfg, clock, executor, Arc::new(Metrics::new()))
     }
 
     fn start(
         cfg: Config,
         clock: Clock,
         executor: Arc<dyn Executor>,
+        metrics: Arc<Metrics>,
     ) -> Result<Arc<App>, StartError> {
-        let durable: Option<Box<dyn Durable>> = match &cfg.data_dir {
-            Some(d) => Some(Box::new(Archive::open(d).map_err(|source| {
-                StartError::DataDir {
-                    dir: d.clone(),
-                    source,
-                }
-            })?)),
-            None => None,
-        };
+        if cfg.data_dir.is_none() {
+            tracing::warn!("KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart");
+        }
+        let (db, pending) = Sqlite::open_with_pending(
+            cfg.data_dir.as_deref(),
+            cfg.store_sync,
+            Some(metrics.clone()),
+        )?;
         let app = Arc::new(App {
             store: Store::new(
                 cfg.early_event_max,
                 Duration::from_secs(cfg.early_event_ttl_s),
-                durable,
+                Duration::from_millis(cfg.reconcile_min_ms),
+                Duration::from_secs(cfg.callback_retry_s),
+                Arc::new(db),
+                metrics.clone(),
             ),
             executor,
             webhooks: WebhookReceiver {
@@ -154,24 +186,57 @@ impl App {
             },
             clock,
             fetch_slots: Semaphore::new(cfg.fetch_concurrency),
-            metrics: crate::metrics::Metrics::new(),
+            metrics,
             callback_http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(10))
+                .timeout(Duration::from_secs(cfg.callback_timeout_s))
+                // A redirect could send the full submission to another (internal) address.
+                .redirect(reqwest::redirect::Policy::none())
                 .build()?,
+            callbacks_due: Notify::new(),
+            callbacks_inflight: dashmap::DashSet::new(),
+            reconciled_until: Mutex::new(None),
             cfg,
         });
         spawn_housekeeping(Arc::downgrade(&app));
+        app.recover(pending);
+        crate::reconcile::spawn(Arc::downgrade(&app));
+        crate::callback::spawn(Arc::downgrade(&app));
         Ok(app)
     }
 
-    /// Validates and accepts a submission; the build is created in the background.
-    pub fn submit(self: &Arc<Self>, req: SubmitRequest) -> Result<Submission, Error> {
+    /// Checks a request and makes its payload (CPU work: a large config takes milliseconds,
+    /// so the HTTP layer runs this off the async threads). Nothing is written yet.
+    pub fn prepare(
+        &self,
+        req: SubmitRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Prepared, Error> {
+        if let Some(k) = &idempotency_key {
+            if k.is_empty()
+                || k.len() > MAX_IDEMPOTENCY_KEY
+                || !k.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+            {
+                return Err(BadRequest::IdempotencyKey.into());
+            }
+        }
         check_request(&req, &self.cfg)?;
         RunConfig::from_json(req.config.clone()).map_err(Invalid::RunConfig)?;
         // The original JSON is encoded, not the parsed struct, so the runner sees exactly what
         // the backend sent (key order included).
         let payload =
             kernelkite_kernelbot::payload::encode(&req.config).map_err(Invalid::Payload)?;
+        // "The same request" for an idempotency key: the same JSON document (whitespace
+        // aside; key order in `config` counts, as the runner sees it).
+        let idempotency = match idempotency_key {
+            Some(k) => {
+                let canonical = serde_json::to_vec(&req).map_err(|e| Error::Internal {
+                    what: "encoding the request",
+                    source: e.into(),
+                })?;
+                Some((k, hex::encode(sha2::Sha256::digest(&canonical))))
+            }
+            None => None,
+        };
         let id = uuid::Uuid::new_v4().to_string();
         let timeout_s = req.timeout_s.unwrap_or(self.cfg.default_timeout_s);
         let job = Job {
@@ -186,200 +251,471 @@ impl App {
                 .to_string(),
             payload,
         };
-        let sub = Submission::new(
-            id.clone(),
-            req.queue,
-            req.run_id,
-            req.callback_url,
-            timeout_s,
-            Utc::now(),
-        );
-        self.store.insert(sub.clone());
-        self.spawn_timeout(&id, timeout_s, Duration::from_secs(timeout_s));
-        let app = self.clone();
-        tokio::spawn(async move { app.launch(id, job).await });
-        tracing::info!(id = %sub.id, queue = %sub.queue, "submission accepted");
-        Ok(sub)
+        let now = Utc::now();
+        let sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);
+        let deadline_ms = sub
+            .created_at
+            .timestamp_millis()
+            .saturating_add(i64::try_from(timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
+        Ok(Prepared {
+            sub,
+            job,
+            deadline_ms,
+            idempotency,
+        })
     }
 
-    async fn launch(self: Arc<Self>, id: String, job: Job) {
-        match self.executor.launch(&job).await {
-            Ok(launched) => {
-                let build = launched.build;
-                tracing::info!(%id, build = build.number, build_id = %build.id, "build created");
-                let early = self.store.attach_build(&id, build.clone());
-                if launched.running {
-                    self.store
-                        .update_quiet(&id, |s| s.advance(State::Running, Utc::now()));
-                }
-                for ev in early {
-                    self.apply(&id, ev);
-                }
-                // Canceled or timed out while the create call was in flight (and perhaps
-                // already evicted from memory, as a long 429 wait can outlast
-                // KERNELKITE_RETAIN_S): the build must not run for nobody.
-                if matches!(
-                    self.store.state(&id),
-                    None | Some(State::Canceled | State::TimedOut)
-                ) {
-                    self.spawn_cancel_build(build);
-                }
+    /// Writes a prepared submission, and only then starts it: its build is created in the
+    /// background. An idempotency key used before returns that submission instead.
+    pub async fn accept(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
+        let key = p.idempotency.as_ref().map(|k| k.0.clone());
+        let (id, deadline_ms, job) = (p.sub.id.clone(), p.deadline_ms, p.job.clone());
+        let inserted = self
+            .store
+            .create(NewSubmission {
+                sub: p.sub.clone(),
+                job: p.job,
+                deadline_ms,
+                idempotency: p.idempotency,
+            })
+            .await
+            .map_err(|e| {
+                Error::from(crate::error::Unavailable::Store {
+                    what: "the submission could not be saved",
+                    source: e.into(),
+                })
+            })?;
+        match inserted {
+            Inserted::Created => {
+                self.spawn_timeout(&id, deadline_ms);
+                self.spawn_launch(job);
+                tracing::info!(id = %id, queue = %p.sub.queue, "submission accepted");
+                Ok(Submitted {
+                    submission: p.sub,
+                    created: true,
+                })
             }
-            Err(e) => {
-                let why = report(&*e);
-                tracing::warn!(%id, error = %why, "build creation failed");
-                self.finish(
-                    &id,
-                    Outcome::Failed(format!(
-                        "could not create the {} build: {why}",
-                        self.executor.name()
-                    )),
-                );
+            Inserted::Existing { sub, same_request } => {
+                let key = key.unwrap_or_default();
+                if !same_request {
+                    return Err(Error::KeyReused { key });
+                }
+                tracing::info!(id = %sub.id, "idempotent replay of a submission");
+                let current = self.store.get(&sub.id).unwrap_or(*sub);
+                Ok(Submitted {
+                    submission: current,
+                    created: false,
+                })
             }
         }
     }
 
-    /// Acts on a build's progress, as its executor reported it. Cheap: collecting the result
-    /// of a finished build runs in the background.
+    /// Validates, writes and starts a submission ([`App::prepare`] then [`App::accept`]).
+    pub async fn submit(
+        self: &Arc<Self>,
+        req: SubmitRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Submitted, Error> {
+        let p = self.prepare(req, idempotency_key)?;
+        self.accept(p).await
+    }
+
+    /// Creates the build of a submission in the background.
+    pub(crate) fn spawn_launch(self: &Arc<Self>, job: Job) {
+        let app = self.clone();
+        let span = tracing::info_span!("submission", id = %job.submission_id);
+        tokio::spawn(
+            async move {
+                let id = job.submission_id.clone();
+                match app.executor.launch(&job).await {
+                    Ok(launched) => app.attach(&id, launched).await,
+                    Err(e) => {
+                        let why = report(&*e);
+                        tracing::warn!(error = %why, "build creation failed");
+                        let msg =
+                            format!("could not create the {} build: {why}", app.executor.name());
+                        app.finish_durably(&id, Outcome::Failed(msg)).await;
+                    }
+                }
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Records a submission's build (committed before anyone hears of it), hands it the events
+    /// that beat the create response, and cancels the build if the submission ended meanwhile.
+    pub(crate) async fn attach(self: &Arc<Self>, id: &str, launched: Launched) {
+        let build = launched.build;
+        tracing::info!(build = build.number, build_id = %build.id, "build created");
+        let mut wait = Duration::from_millis(self.cfg.retry_base_ms.max(10));
+        let attached = loop {
+            let b = build.clone();
+            let running = launched.running;
+            match self
+                .store
+                .update(id, |s| {
+                    let now = Utc::now();
+                    let mut changed = s.attach_build(b, now);
+                    if running {
+                        changed |= s.advance(State::Running, now);
+                    }
+                    changed
+                })
+                .await
+            {
+                Ok(Some(c)) => break c.after.build.as_ref() == Some(&build),
+                Ok(None) => break false,
+                Err(e) => {
+                    // The build exists; until its id is kept, a restart would only find it
+                    // by listing. Keep trying while the submission is in flight.
+                    tracing::error!(error = %report(&e), "could not save the build of the submission; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+            }
+        };
+        self.heard(id);
+        if attached {
+            for ev in self.store.key_build(id, &build.id) {
+                self.apply(id, ev).await;
+            }
+        }
+        // Canceled or timed out while the create call was in flight: the build must not run
+        // for nobody.
+        if !attached
+            || matches!(
+                self.store.state(id),
+                None | Some(State::Canceled | State::TimedOut)
+            )
+        {
+            self.spawn_cancel_build(build);
+        }
+    }
+
+    /// Acts on a build's progress, as its executor reported it, in the background: the
+    /// webhook is answered at once, and an event lost to a crash before its commit is found
+    /// again by the reconciler. [`App::handle_event`] is the same, awaited.
     pub fn on_event(self: &Arc<Self>, event: BuildEvent) {
+        let app = self.clone();
+        tokio::spawn(async move { app.handle_event(event).await });
+    }
+
+    /// Acts on a build's progress and returns once its effect is committed. Collecting the
+    /// result of a finished build runs in the background.
+    pub async fn handle_event(self: &Arc<Self>, event: BuildEvent) {
         match self.store.route(&event) {
-            Routed::Submission(id) => self.apply(&id, event),
+            Routed::Submission(id) => self.apply(&id, event).await,
             Routed::Buffered => {
                 tracing::debug!(build_id = %event.build.id, "event for an unknown build kept for a while")
             }
             Routed::Dropped => {
                 tracing::warn!(build_id = %event.build.id, "event for an unknown build dropped: early-event buffer full")
             }
+            Routed::Ended => {
+                tracing::debug!(build_id = %event.build.id, "event for a build whose submission ended")
+            }
         }
     }
 
-    fn apply(self: &Arc<Self>, id: &str, ev: BuildEvent) {
-        let now = Utc::now();
-        match ev.kind {
-            BuildEventKind::Scheduled => {
-                self.store
-                    .update_quiet(id, |s| s.advance(State::Scheduled, now));
-            }
-            BuildEventKind::Running => {
-                self.store
-                    .update_quiet(id, |s| s.advance(State::Running, now));
-            }
-            BuildEventKind::Skipped => {
-                self.finish(
-                    id,
-                    Outcome::Failed(format!(
+    /// Something was heard of the submission: the reconciler leaves it alone for a while.
+    pub(crate) fn heard(&self, id: &str) {
+        if let Some(live) = self.store.live(id) {
+            let now = Instant::now();
+            let first = Duration::from_millis(self.cfg.reconcile_min_ms);
+            let mut h = live.heard.lock().unwrap_or_else(|p| p.into_inner());
+            h.at = now;
+            h.backoff = first;
+            h.due = now + first;
+        }
+    }
+
+    /// One event, for a submission in flight. The same code serves webhooks, the
+    /// reconciler's finds and the events that beat the create response.
+    pub(crate) async fn apply(self: &Arc<Self>, id: &str, ev: BuildEvent) {
+        let span = tracing::info_span!("submission", %id, build = ev.build.number);
+        async {
+            self.heard(id);
+            let now = Utc::now();
+            let advance = |to: State| move |s: &mut Submission| s.advance(to, now);
+            let result = match ev.kind {
+                BuildEventKind::Scheduled => self.store.update(id, advance(State::Scheduled)).await,
+                BuildEventKind::Running => self.store.update(id, advance(State::Running)).await,
+                BuildEventKind::Skipped => {
+                    let msg = format!(
                         "{} skipped build #{}; see {}",
                         self.executor.name(),
                         ev.build.number,
                         ev.build.web_url
-                    )),
-                );
-            }
-            BuildEventKind::Finished => {
-                if ev.build.blocked {
-                    // A block step paused it; a later build.finished brings the real end.
-                    tracing::info!(%id, build = ev.build.number, "build is blocked; waiting");
-                    return;
+                    );
+                    self.finish(id, Outcome::Failed(msg)).await
                 }
-                if self
-                    .store
-                    .update_quiet(id, |s| s.advance(State::Fetching, now))
-                {
-                    self.spawn_collect(id.to_string(), ev.build);
+                BuildEventKind::Finished => {
+                    if ev.build.blocked {
+                        // A block step paused it; a later build.finished brings the real end.
+                        tracing::info!("build is blocked; waiting");
+                        return;
+                    }
+                    // Collecting starts at once, beside the `fetching` commit: the result's own
+                    // commit waits for that one (one change per submission at a time), so the
+                    // downloads overlap it instead of following it.
+                    if let Some(sub) = self.store.get(id).filter(|s| !s.state.is_terminal()) {
+                        self.spawn_collect(id, &sub, &ev.build, Instant::now());
+                    }
+                    self.store.update(id, advance(State::Fetching)).await
                 }
-            }
-        }
-    }
-
-    fn spawn_collect(self: &Arc<Self>, id: String, build: BuildStatus) {
-        let app = self.clone();
-        tokio::spawn(async move {
-            let Ok(_slot) = app.fetch_slots.acquire().await else {
-                return;
             };
-            if !matches!(app.store.state(&id), Some(s) if !s.is_terminal()) {
-                return;
+            if let Err(e) = result {
+                // Not kept, so not acknowledged to anyone; the reconciler finds the build again.
+                tracing::error!(error = %report(&e), "could not save the event; the reconciler will pick the build up again");
             }
-            let outcome = app.executor.collect(&build).await;
-            app.finish(&id, outcome);
-        });
+        }
+        .instrument(span)
+        .await
     }
 
-    /// Ends a submission (no-op when it already ended) and runs the terminal side effects.
-    /// Returns whether this call ended it, and its value afterwards.
-    pub fn finish(self: &Arc<Self>, id: &str, outcome: Outcome) -> Option<(bool, Submission)> {
-        let (changed, after) = self.store.update(id, |s| s.finish(outcome, Utc::now()))?;
-        if changed {
-            tracing::info!(%id, state = after.state.as_str(), build = after.build.as_ref().map(|b| b.number), "submission finished");
-            self.spawn_terminal_effects(after.clone());
+    /// Collects a finished build's result, once per submission at a time, retrying
+    /// transient failures (Buildkite down, 5xx) with backoff until the submission's deadline.
+    /// The build number used is the one recorded for the build id at create time, never the
+    /// one an event carries.
+    pub(crate) fn spawn_collect(
+        self: &Arc<Self>,
+        id: &str,
+        sub: &Submission,
+        ev: &BuildStatus,
+        since: Instant,
+    ) {
+        let Some(live) = self.store.live(id) else {
+            return;
+        };
+        let Some(recorded) = sub.build.clone() else {
+            return;
+        };
+        if ev.id != recorded.id {
+            tracing::warn!(%id, event_build = %ev.id, build_id = %recorded.id, "finished event for another build than the submission's; ignored");
+            return;
         }
-        Some((changed, after))
+        if live.collecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let status = BuildStatus {
+            id: recorded.id.clone(),
+            number: recorded.number,
+            state: ev.state.clone(),
+            web_url: recorded.web_url.clone(),
+            blocked: false,
+        };
+        let app = self.clone();
+        let id = id.to_string();
+        let span = tracing::info_span!("submission", %id, build = recorded.number);
+        tokio::spawn(
+            async move {
+                let Ok(_slot) = app.fetch_slots.acquire().await else {
+                    return;
+                };
+                let mut wait = Duration::from_millis(app.cfg.retry_base_ms.max(10));
+                loop {
+                    if !matches!(app.store.state(&id), Some(s) if !s.is_terminal()) {
+                        break;
+                    }
+                    match app.executor.collect(&status).await {
+                        Ok(outcome) => {
+                            let succeeded = matches!(outcome, Outcome::Succeeded(_));
+                            if let Some(c) = app.end_collected(&id, outcome).await {
+                                if c.changed && succeeded {
+                                    app.metrics
+                                        .wake_to_result_seconds
+                                        .observe(since.elapsed().as_secs_f64());
+                                }
+                            }
+                            break;
+                        }
+                        Err(e) => {
+                            // Until the deadline: the timer ends the submission, and this loop
+                            // with it.
+                            tracing::warn!(error = %report(&*e), retry_in = ?wait, "could not collect the result yet; retrying");
+                            tokio::time::sleep(wait).await;
+                            wait = (wait * 2).min(Duration::from_secs(30));
+                        }
+                    }
+                }
+                if let Some(live) = app.store.live(&id) {
+                    live.collecting.store(false, Ordering::Release);
+                }
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Ends a submission (no-op when it already ended): committed, then woken, then its
+    /// callback is due. `Ok(None)`: not in flight.
+    pub async fn finish(
+        self: &Arc<Self>,
+        id: &str,
+        outcome: Outcome,
+    ) -> Result<Option<Changed>, StoreError> {
+        self.finish_from(id, outcome, None).await
+    }
+
+    /// [`App::finish`] for a collected result: its build finished, so the submission passes
+    /// through `fetching` (should the result beat that commit) on its way to the end.
+    async fn end_collected(self: &Arc<Self>, id: &str, outcome: Outcome) -> Option<Changed> {
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self
+                .finish_from(id, outcome.clone(), Some(State::Fetching))
+                .await
+            {
+                Ok(c) => return c,
+                Err(e) => {
+                    tracing::error!(%id, error = %report(&e), retry_in = ?wait, "could not save the submission's end; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                    self.store.live(id)?;
+                }
+            }
+        }
+    }
+
+    async fn finish_from(
+        self: &Arc<Self>,
+        id: &str,
+        outcome: Outcome,
+        via: Option<State>,
+    ) -> Result<Option<Changed>, StoreError> {
+        let changed = self
+            .store
+            .update(id, |s| {
+                let now = Utc::now();
+                if let Some(via) = via {
+                    s.advance(via, now);
+                }
+                s.finish(outcome, now)
+            })
+            .await?;
+        if let Some(c) = &changed {
+            if c.changed {
+                let s = &c.after;
+                tracing::info!(id = %s.id, state = s.state.as_str(), build = s.build.as_ref().map(|b| b.number), "submission finished");
+                if s.callback_url.is_some() {
+                    self.callbacks_due.notify_one();
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// [`App::finish`], retried while the store cannot write (the outcome is in hand; a
+    /// client must not hear of it before it is kept). Gives up when the submission left
+    /// memory some other way.
+    pub(crate) async fn finish_durably(
+        self: &Arc<Self>,
+        id: &str,
+        outcome: Outcome,
+    ) -> Option<Changed> {
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.finish(id, outcome.clone()).await {
+                Ok(c) => return c,
+                Err(e) => {
+                    tracing::error!(%id, error = %report(&e), retry_in = ?wait, "could not save the submission's end; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                    self.store.live(id)?;
+                }
+            }
+        }
     }
 
     /// Cancels the submission and its build. Canceling a canceled submission is not an error;
     /// one that ended otherwise is a conflict.
     pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<Submission, Error> {
-        let Some((changed, after)) =
-            self.finish(id, Outcome::Canceled("canceled by request".into()))
-        else {
-            // Not in memory may still mean finished long ago (kept in the data dir only).
-            return match self.store.lookup(id).await {
+        let unavailable = |e: StoreError| {
+            Error::from(crate::error::Unavailable::Store {
+                what: "the cancel could not be saved",
+                source: e.into(),
+            })
+        };
+        let changed = self
+            .finish(id, Outcome::Canceled("canceled by request".into()))
+            .await
+            .map_err(unavailable)?;
+        let Some(c) = changed else {
+            // Not in flight: finished (or unknown).
+            return match self.store.lookup(id).await.map_err(unavailable)? {
                 Some(s) if s.state == State::Canceled => Ok(s),
                 Some(s) => Err(Error::Conflict { state: s.state }),
                 None => Err(Error::NotFound { id: id.to_string() }),
             };
         };
-        if !changed {
-            if after.state == State::Canceled {
-                return Ok(after);
+        if !c.changed {
+            if c.after.state == State::Canceled {
+                return Ok(c.after);
             }
-            return Err(Error::Conflict { state: after.state });
+            return Err(Error::Conflict {
+                state: c.after.state,
+            });
         }
-        if let Some(b) = &after.build {
+        if let Some(b) = &c.after.build {
             self.spawn_cancel_build(b.clone());
         }
-        Ok(after)
+        Ok(c.after)
     }
 
-    /// Takes in a submission value (what a durable store reloads on restart) and arms its
-    /// timeout for the time it has left.
+    /// Takes in a submission value into memory and arms its timeout for the time it has
+    /// left. Its changes are committed to the store, so it must be there already (recovery
+    /// reads it from there; the ingest benchmark adopts values that are not, and their
+    /// changes then write nothing).
     pub fn adopt(self: &Arc<Self>, sub: Submission) {
+        let deadline_ms = sub
+            .created_at
+            .timestamp_millis()
+            .saturating_add(i64::try_from(sub.timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
         let id = sub.id.clone();
-        let (terminal, timeout_s) = (sub.state.is_terminal(), sub.timeout_s);
-        let elapsed = (Utc::now() - sub.created_at).to_std().unwrap_or_default();
-        self.store.insert(sub);
+        let build = sub.build.as_ref().map(|b| b.id.clone());
+        let terminal = sub.state.is_terminal();
+        self.store.reload(sub, deadline_ms);
+        if let Some(b) = build {
+            self.store.key_build(&id, &b);
+        }
         if !terminal {
-            self.spawn_timeout(
-                &id,
-                timeout_s,
-                Duration::from_secs(timeout_s).saturating_sub(elapsed),
-            );
+            self.spawn_timeout(&id, deadline_ms);
         }
     }
 
-    fn spawn_timeout(self: &Arc<Self>, id: &str, timeout_s: u64, after: Duration) {
+    /// Ends the submission as `timed_out` at its absolute deadline (kept in the store, so a
+    /// restart keeps it too), and cancels its build.
+    pub(crate) fn spawn_timeout(self: &Arc<Self>, id: &str, deadline_ms: i64) {
         let Some(mut rx) = self.store.subscribe(id) else {
             return;
         };
         let app = Arc::downgrade(self);
         let id = id.to_string();
+        let left = Duration::from_millis(
+            u64::try_from(deadline_ms.saturating_sub(Utc::now().timestamp_millis())).unwrap_or(0),
+        );
         tokio::spawn(async move {
             tokio::select! {
-                _ = tokio::time::sleep(after) => {}
-                // Ends the timer as soon as the submission ends (or is evicted).
+                _ = tokio::time::sleep(left) => {}
+                // Ends the timer as soon as the submission ends.
                 _ = rx.wait_for(|s| s.state.is_terminal()) => return,
             }
             let Some(app) = app.upgrade() else { return };
+            let timeout_s = rx.borrow().timeout_s;
             let msg = format!("no result within {timeout_s} s");
-            if let Some((true, s)) = app.finish(&id, Outcome::TimedOut(msg)) {
-                if let Some(b) = s.build {
-                    app.spawn_cancel_build(b);
+            // Boxed: the ending is rare, and inline its state would make every waiting
+            // timer (one per pending submission) that much larger.
+            let ended = Box::pin(app.finish_durably(&id, Outcome::TimedOut(msg))).await;
+            if let Some(c) = ended {
+                if c.changed {
+                    if let Some(b) = c.after.build {
+                        app.spawn_cancel_build(b);
+                    }
                 }
             }
         });
     }
 
-    fn spawn_cancel_build(self: &Arc<Self>, build: BuildInfo) {
+    pub(crate) fn spawn_cancel_build(self: &Arc<Self>, build: BuildInfo) {
         let app = self.clone();
         tokio::spawn(async move {
             match app.executor.cancel(&build).await {
@@ -392,50 +728,14 @@ impl App {
         });
     }
 
-    fn spawn_terminal_effects(self: &Arc<Self>, sub: Submission) {
-        if !self.store.is_durable() && sub.callback_url.is_none() {
-            return;
-        }
-        let app = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = app.store.keep_finished(&sub).await {
-                tracing::error!(id = %sub.id, error = %report(&*e), "could not write the finished submission to KERNELKITE_DATA_DIR");
-            }
-            if let Some(url) = &sub.callback_url {
-                app.post_callback(url, &sub).await;
-            }
-        });
-    }
-
-    async fn post_callback(&self, url: &str, sub: &Submission) {
-        let attempts = self.cfg.callback_attempts.max(1);
-        let base = Duration::from_millis(self.cfg.retry_base_ms);
-        for attempt in 1..=attempts {
-            match self.callback_http.post(url).json(sub).send().await {
-                Ok(r) if r.status().is_success() => return,
-                Ok(r)
-                    if r.status().is_client_error()
-                        && !matches!(r.status().as_u16(), 408 | 429) =>
-                {
-                    tracing::warn!(id = %sub.id, status = %r.status(), "callback refused; not retrying");
-                    return;
-                }
-                Ok(r) => {
-                    tracing::warn!(id = %sub.id, status = %r.status(), attempt, "callback failed")
-                }
-                Err(e) => {
-                    tracing::warn!(id = %sub.id, error = %report(&e.without_url()), attempt, "callback failed")
-                }
-            }
-            if attempt < attempts {
-                tokio::time::sleep(base.saturating_mul(1 << (attempt - 1).min(10))).await;
-            }
-        }
-    }
-
-    /// A submission from memory, else from the data dir.
-    pub async fn lookup(&self, id: &str) -> Option<Submission> {
-        self.store.lookup(id).await
+    /// A submission from memory, else from the store.
+    pub async fn lookup(&self, id: &str) -> Result<Option<Submission>, Error> {
+        self.store.lookup(id).await.map_err(|e| {
+            Error::from(crate::error::Unavailable::Store {
+                what: "the store could not be read",
+                source: e.into(),
+            })
+        })
     }
 
     /// The submission, once it ended or `wait` passed, whichever comes first; at once when
@@ -449,7 +749,7 @@ impl App {
             }
         }
         self.lookup(id)
-            .await
+            .await?
             .ok_or_else(|| Error::NotFound { id: id.to_string() })
     }
 
@@ -458,7 +758,7 @@ impl App {
         if let Some(rx) = self.store.subscribe(id) {
             return Ok(Watch::Live(rx));
         }
-        match self.lookup(id).await {
+        match self.lookup(id).await? {
             Some(s) => Ok(Watch::Done(Box::new(s))),
             None => Err(Error::NotFound { id: id.to_string() }),
         }
@@ -484,7 +784,16 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     }
     if let Some(u) = &req.callback_url {
         match url::Url::parse(u) {
-            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
+            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {
+                if cfg.callback_secret.is_none() {
+                    return Err(Invalid::CallbackUnsigned);
+                }
+                if !crate::callback::host_allowed(&url, &cfg.callback_allowed_hosts) {
+                    return Err(Invalid::CallbackHost(
+                        url.host_str().unwrap_or_default().to_string(),
+                    ));
+                }
+            }
             parsed => {
                 return Err(Invalid::CallbackUrl {
                     url: u.clone(),
@@ -506,7 +815,7 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     Ok(())
 }
 
-/// Forgets expired early events and old finished submissions, now and then.
+/// Forgets expired early events now and then.
 fn spawn_housekeeping(app: Weak<App>) {
     tokio::spawn(async move {
         let period = {
@@ -519,43 +828,6 @@ fn spawn_housekeeping(app: Weak<App>) {
             tick.tick().await;
             let Some(a) = app.upgrade() else { return };
             a.store.sweep_early(std::time::Instant::now());
-            if let Some(cutoff) = retention_cutoff(Utc::now(), a.cfg.retain_s) {
-                a.store.evict_finished(cutoff);
-            }
         }
     });
-}
-
-/// Submissions that finished before the returned time leave memory. `None` (keep them all):
-/// `KERNELKITE_RETAIN_S=0`, or a retention longer than the calendar can express; computed
-/// without panicking, as a panic here would end housekeeping (and early-event expiry) for good.
-fn retention_cutoff(now: chrono::DateTime<Utc>, retain_s: u64) -> Option<chrono::DateTime<Utc>> {
-    if retain_s == 0 {
-        return None;
-    }
-    let keep = chrono::Duration::try_seconds(i64::try_from(retain_s).ok()?)?;
-    now.checked_sub_signed(keep)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retention_cutoff_never_panics() {
-        let now = Utc::now();
-        assert_eq!(
-            retention_cutoff(now, 60),
-            Some(now - chrono::Duration::seconds(60))
-        );
-        assert_eq!(retention_cutoff(now, 0), None);
-        // Past chrono's range (about 262,000 years): no cutoff rather than a panic.
-        for huge in [u64::MAX, i64::MAX as u64, i64::MAX as u64 / 1000] {
-            assert_eq!(retention_cutoff(now, huge), None, "{huge}");
-        }
-        assert!(
-            retention_cutoff(now, 1 << 40).is_some(),
-            "34,000 years is representable"
-        );
-    }
 }

@@ -104,6 +104,17 @@ pub enum ConfigError {
     /// KERNELKITE_DEFAULT_TIMEOUT_S is 0 or above KERNELKITE_MAX_TIMEOUT_S.
     #[error("KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S")]
     DefaultTimeout,
+    /// A setting that is 0 where 0 makes the service useless.
+    #[error("{0} must be at least 1 (0 would make {1})")]
+    Zero(&'static str, &'static str),
+    /// The reconciler's waits are out of order.
+    #[error(
+        "KERNELKITE_RECONCILE_MIN_MS must be at least 1 and at most KERNELKITE_RECONCILE_MAX_MS"
+    )]
+    ReconcileBackoff,
+    /// KERNELKITE_CALLBACK_SECRET is set to the empty string.
+    #[error("KERNELKITE_CALLBACK_SECRET is set but empty; set a key (e.g. `openssl rand -hex 32`), or unset it to refuse callback_url")]
+    EmptyCallbackSecret,
     /// A setting of the HTTP edge.
     #[error(transparent)]
     Edge(#[from] EdgeConfigError),
@@ -205,8 +216,9 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_COMMIT", default_value = "HEAD")]
     pub commit: String,
 
-    /// Directory for service state: finished submissions are written there as
-    /// `submissions/<id>.json` and read back by GET after a restart.
+    /// Directory of the store (`kernelkite.db`, SQLite): every submission, its state changes
+    /// and result, idempotency keys and the callback outbox, so a restart loses nothing.
+    /// Unset: the store is in memory and nothing survives a restart (for tests and trials).
     #[arg(long, env = "KERNELKITE_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
 
@@ -276,18 +288,63 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_EARLY_EVENT_MAX", default_value_t = 10_000)]
     pub early_event_max: usize,
 
-    /// Attempts to POST a finished submission to its `callback_url`.
-    #[arg(long, env = "KERNELKITE_CALLBACK_ATTEMPTS", default_value_t = 5)]
+    /// Most attempts to POST a finished submission to its `callback_url`; 0: no cap (retried
+    /// until KERNELKITE_CALLBACK_RETRY_S has passed).
+    #[arg(long, env = "KERNELKITE_CALLBACK_ATTEMPTS", default_value_t = 0)]
     pub callback_attempts: u32,
-
-    /// Finished submissions stay in memory this long, seconds (then GET reads them from
-    /// KERNELKITE_DATA_DIR, when set). 0: kept in memory until the process ends.
-    #[arg(long, env = "KERNELKITE_RETAIN_S", default_value_t = 86_400)]
-    pub retain_s: u64,
 
     /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
     #[command(flatten)]
     pub queues: crate::queues::QueueSettings,
+
+    // ---- durability, reconciliation, callbacks (issue 11, core) ----
+    /// How commits reach the disk: `normal` survives the process being killed at any
+    /// instant; `full` also survives a power loss (an fsync per commit).
+    #[arg(long, env = "KERNELKITE_STORE_SYNC", value_enum, default_value_t = crate::store::SyncMode::Normal)]
+    pub store_sync: crate::store::SyncMode,
+
+    /// A submission that has heard nothing from Buildkite this long (milliseconds) is
+    /// checked by the reconciler; the wait doubles after each check that finds nothing.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MIN_MS", default_value_t = 30_000)]
+    pub reconcile_min_ms: u64,
+
+    /// The longest wait between checks of one submission, milliseconds.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_MS", default_value_t = 300_000)]
+    pub reconcile_max_ms: u64,
+
+    /// Most pages (100 builds each) one reconciler listing reads.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_PAGES", default_value_t = 50)]
+    pub reconcile_max_pages: u32,
+
+    /// After a create-build call timed out or lost its connection, wait this long
+    /// (milliseconds) before looking the build up by its meta-data.
+    #[arg(
+        long,
+        env = "KERNELKITE_CREATE_LOOKUP_DELAY_MS",
+        default_value_t = 5_000
+    )]
+    pub create_lookup_delay_ms: u64,
+
+    /// HMAC-SHA256 key of callbacks (`X-Kernelkite-Signature`). Unset: submissions with a
+    /// `callback_url` are refused.
+    #[arg(long, env = "KERNELKITE_CALLBACK_SECRET", hide_env_values = true)]
+    pub callback_secret: Option<Secret>,
+
+    /// Hosts `callback_url` may name (comma-separated, exact names). Empty: any host.
+    #[arg(long, env = "KERNELKITE_CALLBACK_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub callback_allowed_hosts: Vec<String>,
+
+    /// How long a callback is retried, seconds (from the submission's end).
+    #[arg(long, env = "KERNELKITE_CALLBACK_RETRY_S", default_value_t = 86_400)]
+    pub callback_retry_s: u64,
+
+    /// First wait between callback attempts, milliseconds; doubles per attempt, up to 10 min.
+    #[arg(long, env = "KERNELKITE_CALLBACK_BACKOFF_MS", default_value_t = 1_000)]
+    pub callback_backoff_ms: u64,
+
+    /// Per callback attempt, seconds.
+    #[arg(long, env = "KERNELKITE_CALLBACK_TIMEOUT_S", default_value_t = 10)]
+    pub callback_timeout_s: u64,
 
     // --- The HTTP edge: connections, timeouts, unauthenticated bodies, shutdown. Checked by
     // `check_edge`; read by `http::server`.
@@ -512,6 +569,37 @@ impl Config {
             return Err(ConfigError::DefaultTimeout);
         }
         self.check_edge()?;
+        for (value, name, effect) in [
+            (
+                self.http_timeout_s,
+                "KERNELKITE_HTTP_TIMEOUT_S",
+                "every Buildkite call time out at once",
+            ),
+            (
+                self.max_submission_bytes as u64,
+                "KERNELKITE_MAX_SUBMISSION_BYTES",
+                "every submission too large",
+            ),
+            (
+                self.callback_timeout_s,
+                "KERNELKITE_CALLBACK_TIMEOUT_S",
+                "every callback time out at once",
+            ),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero(name, effect));
+            }
+        }
+        if self.reconcile_min_ms == 0 || self.reconcile_min_ms > self.reconcile_max_ms {
+            return Err(ConfigError::ReconcileBackoff);
+        }
+        if self
+            .callback_secret
+            .as_ref()
+            .is_some_and(|t| t.expose().is_empty())
+        {
+            return Err(ConfigError::EmptyCallbackSecret);
+        }
         Ok(())
     }
 }
@@ -565,6 +653,27 @@ mod tests {
         let d = parse_minimal();
         assert_eq!(d.branch, "from-env");
         std::env::remove_var("KERNELKITE_BRANCH");
+    }
+
+    #[test]
+    fn zero_timeouts_and_limits_are_refused_naming_the_variable() {
+        let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        c.http_timeout_s = 0;
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("KERNELKITE_HTTP_TIMEOUT_S must be at least 1"),
+            "{e}"
+        );
+        let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        c.max_submission_bytes = 0;
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("KERNELKITE_MAX_SUBMISSION_BYTES must be at least 1"),
+            "{e}"
+        );
+        let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
+        c.reconcile_min_ms = c.reconcile_max_ms + 1;
+        assert!(c.check().is_err());
     }
 
     #[test]

@@ -49,6 +49,12 @@ pub enum Error {
     /// No credentials would help: the client is not allowed here.
     #[error("KERNELKITE_API_TOKEN is not set, so only loopback clients are served")]
     Forbidden,
+    /// An `Idempotency-Key` that made a submission from a different request.
+    #[error("Idempotency-Key {key:?} was already used for a different request; send the same request to get its submission, or use a new key for a new submission")]
+    KeyReused {
+        /// The key.
+        key: String,
+    },
     /// The service failed on its side; the request may be retried.
     #[error("{what} failed; retry")]
     Internal {
@@ -80,6 +86,15 @@ pub enum Unavailable {
     /// Unverified webhook bodies already hold all the memory allowed for them.
     #[error("too many unverified request bodies are being read; retry in a moment (the bound is KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES)")]
     BodyBudget,
+    /// The store cannot write; nothing was kept.
+    #[error("{what}; nothing was kept, retry later")]
+    Store {
+        /// What could not be done.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
     /// Every connection is busy (KERNELKITE_MAX_CONNECTIONS).
     #[error(
         "every connection is busy; retry in a moment (the bound is KERNELKITE_MAX_CONNECTIONS)"
@@ -102,6 +117,9 @@ pub enum BadRequest {
     /// `?wait=` is negative or not finite.
     #[error("wait must be a non-negative number of seconds")]
     Wait,
+    /// `Idempotency-Key` is empty, too long, or not printable ASCII.
+    #[error("Idempotency-Key must be 1-255 printable ASCII characters")]
+    IdempotencyKey,
     /// A verified webhook whose body is not an event.
     #[error(transparent)]
     Webhook(#[from] ParseError),
@@ -128,6 +146,12 @@ pub enum Invalid {
         #[source]
         source: Option<url::ParseError>,
     },
+    /// `callback_url` is given but the service has no key to sign callbacks with.
+    #[error("callback_url needs KERNELKITE_CALLBACK_SECRET set on the service (callbacks are signed); leave callback_url out and long-poll or stream instead")]
+    CallbackUnsigned,
+    /// `callback_url` names a host outside KERNELKITE_CALLBACK_ALLOWED_HOSTS.
+    #[error("callback_url host {0:?} is not in KERNELKITE_CALLBACK_ALLOWED_HOSTS")]
+    CallbackHost(String),
     /// `timeout_s` is 0 or above the configured maximum.
     #[error("timeout_s must be in 1..={max} (KERNELKITE_MAX_TIMEOUT_S)")]
     Timeout {

@@ -16,8 +16,9 @@ use crate::submission::{BuildInfo, Outcome};
 /// A boxed future that can cross threads: what the object-safe traits here return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// An accepted submission, as an executor needs it to run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An accepted submission, as an executor needs it to run. Kept in the store until the
+/// submission ends, so a build that was never created can be created after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Job {
     /// The submission's id.
     pub submission_id: String,
@@ -92,20 +93,84 @@ pub enum Recovered {
     Unknown,
 }
 
+/// A build an executor found by looking (not by an event), with the submission it carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    /// The submission id in the build's meta-data, when it has one.
+    pub submission_id: Option<String>,
+    /// The build.
+    pub build: BuildStatus,
+}
+
+impl Found {
+    /// The build as a submission records it.
+    pub fn info(&self) -> BuildInfo {
+        BuildInfo {
+            id: self.build.id.clone(),
+            number: self.build.number,
+            web_url: self.build.web_url.clone(),
+        }
+    }
+}
+
+/// What a listing found, and whether it saw everything it was asked for (a listing cut at
+/// its page limit saw the newest builds only).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The builds.
+    pub builds: Vec<Found>,
+    /// Every matching build was listed.
+    pub complete: bool,
+}
+
 /// Runs builds for submissions.
 pub trait Executor: Send + Sync + 'static {
     /// Who runs the builds, for messages ("Buildkite").
     fn name(&self) -> &'static str;
 
-    /// Creates a build for `job`. An error means no build is known to exist.
+    /// Creates a build for `job`, and never two: when a create call fails in a way that may
+    /// have created the build anyway, the executor looks for it before trying again. An error
+    /// means no build is known to exist.
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>>;
 
     /// Stops a build; returns whether this call stopped it (`false`: it had already ended,
     /// which is not an error).
     fn cancel<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>>;
 
-    /// Collects the result of a build that finished and says how the submission ends.
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome>;
+    /// Collects the result of a build that finished and says how the submission ends. An
+    /// error is transient (the executor could not be reached): the core tries again later.
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>>;
+
+    /// Builds that finished since `since`, in one listing however many submissions wait: what
+    /// the reconciler feeds through the same path as events when an event was lost. An
+    /// executor whose events cannot be lost finds none.
+    fn finished_since(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
+        let _ = since;
+        Box::pin(async {
+            Ok(Listing {
+                builds: Vec::new(),
+                complete: true,
+            })
+        })
+    }
+
+    /// Builds created since `since`, whatever their state: after a restart, the builds of
+    /// submissions whose create call was interrupted.
+    fn created_since(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
+        let _ = since;
+        Box::pin(async {
+            Ok(Listing {
+                builds: Vec::new(),
+                complete: true,
+            })
+        })
+    }
 
     /// Called on start for each submission that had a build and had not ended when the
     /// service stopped: picks the build up again. Must be idempotent (a second call for a

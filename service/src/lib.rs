@@ -12,8 +12,10 @@
 //! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types.
 //! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
 //!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks.
-//! - [`store`]: submissions in memory with their waiters, and the durable store behind them
-//!   (today the [`store::archive`] of finished submissions).
+//! - [`store`]: submissions in flight in memory with their waiters, every submission in the
+//!   durable store behind them ([`store::sqlite`]); commit, then wake.
+//! - [`reconcile`]: recovery on start and the reconciler for lost webhooks; [`callback`]: the
+//!   signed callback outbox.
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
 //!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports;
@@ -23,6 +25,7 @@
 
 pub mod app;
 pub mod buildkite;
+pub mod callback;
 pub mod cli;
 pub mod config;
 pub mod error;
@@ -32,6 +35,7 @@ pub mod http;
 pub mod local;
 pub mod metrics;
 pub mod queues;
+pub mod reconcile;
 pub mod recovery;
 pub mod report;
 pub mod result;

@@ -28,17 +28,13 @@ pub async fn recover_submission(app: &Arc<App>, sub: &Submission) -> Option<Reco
     match &recovered {
         Recovered::Running | Recovered::Unknown => {}
         Recovered::Lost(why) => {
-            app.finish(&sub.id, Outcome::Failed(why.clone()));
+            app.finish_durably(&sub.id, Outcome::Failed(why.clone()))
+                .await;
         }
         Recovered::Finished(status) if sub.state == State::Fetching => {
             // The collection was under way when the service stopped; the event that starts
             // one will not move a fetching submission again, so collect here.
-            let app = app.clone();
-            let (id, status) = (sub.id.clone(), status.clone());
-            tokio::spawn(async move {
-                let outcome = app.executor.collect(&status).await;
-                app.finish(&id, outcome);
-            });
+            app.spawn_collect(&sub.id, sub, status, std::time::Instant::now());
         }
         Recovered::Finished(status) => app.on_event(BuildEvent {
             kind: BuildEventKind::Finished,

@@ -96,6 +96,26 @@ async fn logs_never_contain_tokens_or_payloads() {
             && text.contains("submission finished"),
         "{text}"
     );
+    // Structured: what happened to a submission carries its id and build number, even
+    // when logged deep in the Buildkite client (through the submission's span).
+    let line = |needles: &[&str]| {
+        text.lines()
+            .find(|l| needles.iter().all(|n| l.contains(n)))
+            .unwrap_or_else(|| panic!("no {needles:?} line in:\n{text}"))
+            .to_string()
+    };
+    let rate = line(&["rate limit reached"]);
+    assert!(rate.contains(&id), "{rate}");
+    let finished = line(&["submission finished"]);
+    assert!(
+        finished.contains(&id) && finished.contains(&format!("build={number}")),
+        "{finished}"
+    );
+    let retried = line(&["retrying Buildkite call", "artifacts"]);
+    assert!(
+        retried.contains(&id) && retried.contains(&format!("build={number}")),
+        "{retried}"
+    );
     for secret in [
         FAKE_API_TOKEN,
         WEBHOOK_TOKEN,

@@ -6,7 +6,10 @@
 //! endpoint that refuses any request carrying `Authorization`; webhooks are signed the way
 //! Buildkite signs them (`X-Buildkite-Signature: timestamp=..,signature=HMAC-SHA256(token,
 //! "<timestamp>." + body)`). Every request is recorded, so tests count API calls instead of
-//! computing them. Faults (5xx, 429 with `RateLimit-Reset`) are injected per route.
+//! computing them. Faults (5xx, 429 with `RateLimit-Reset`, delays, an outage, a create that
+//! is answered late after the build exists, lost webhooks) are injected per route. Every API
+//! answer carries `RateLimit-*` and `RateLimit-User-*` headers counted over a real window;
+//! [`FakeBuildkite::set_rate_limit`] makes the window small enough to run out (then `429`).
 //!
 //! It also lists the organization's agents (`GET /v2/organizations/{org}/agents`, paginated
 //! with a `Link` header, tags in `meta_data` as `queue=<q>`) and serves the agent API's
@@ -18,7 +21,7 @@ pub use agents::{FakeAgent, FAKE_AGENT_TOKEN};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,6 +42,8 @@ use tokio::sync::{mpsc, Notify};
 pub enum Route {
     /// `POST .../builds`
     CreateBuild,
+    /// `GET .../builds` (the list, with its filters)
+    ListBuilds,
     /// `GET .../builds/{number}`
     GetBuild,
     /// `PUT .../builds/{number}/cancel`
@@ -99,6 +104,9 @@ pub enum Fault {
     /// Answer normally, but only after this long. The request is recorded on arrival (with
     /// the status it will get), so one the client abandons is still counted.
     Delay(Duration),
+    /// Create-build only: create the build at once, then answer only after this long (a
+    /// client that gave up before has made a build it does not know of).
+    DelayResponse(Duration),
 }
 
 /// A webhook's headers and body.
@@ -191,10 +199,43 @@ struct Inner {
     record: std::sync::atomic::AtomicBool,
     created_tx: mpsc::UnboundedSender<u64>,
     created_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<u64>>,
-    window_count: AtomicU64,
+    rate: Mutex<RateWindow>,
+    down_until: Mutex<Option<Instant>>,
+    drop_webhooks: Mutex<Option<(f64, fastrand::Rng)>>,
+    dropped: Mutex<Vec<(String, u64)>>,
     http: reqwest::Client,
     changed: Notify,
     agents: Mutex<Vec<FakeAgent>>,
+}
+
+/// Buildkite's rate limits: one window, counted for the organization and the token.
+#[derive(Debug)]
+struct RateWindow {
+    org_limit: u64,
+    user_limit: u64,
+    window: Duration,
+    start: Instant,
+    count: u64,
+}
+
+impl RateWindow {
+    /// Counts one request; returns whether it is over the limit.
+    fn count(&mut self, now: Instant) -> bool {
+        if now.saturating_duration_since(self.start) >= self.window {
+            self.start = now;
+            self.count = 0;
+        }
+        self.count += 1;
+        self.count > self.org_limit.min(self.user_limit)
+    }
+
+    fn reset_s(&self, now: Instant) -> u64 {
+        let left = self
+            .window
+            .saturating_sub(now.saturating_duration_since(self.start));
+        // Whole seconds, rounded up, as Buildkite sends them.
+        left.as_millis().div_ceil(1000) as u64
+    }
 }
 
 /// A running fake. Dropping it stops the server.
@@ -265,7 +306,16 @@ impl FakeBuildkite {
             record: std::sync::atomic::AtomicBool::new(true),
             created_tx,
             created_rx: tokio::sync::Mutex::new(created_rx),
-            window_count: AtomicU64::new(0),
+            rate: Mutex::new(RateWindow {
+                org_limit: 1_000_000,
+                user_limit: 1_000_000,
+                window: Duration::from_secs(60),
+                start: Instant::now(),
+                count: 0,
+            }),
+            down_until: Mutex::new(None),
+            drop_webhooks: Mutex::new(None),
+            dropped: Mutex::new(Vec::new()),
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(256)
                 .build()
@@ -275,7 +325,7 @@ impl FakeBuildkite {
         });
         let builds = "/v2/organizations/{org}/pipelines/{pipeline}/builds";
         let router = Router::new()
-            .route(builds, post(create_build))
+            .route(builds, post(create_build).get(list_builds))
             .route(&format!("{builds}/{{number}}"), get(get_build))
             .route(&format!("{builds}/{{number}}/cancel"), put(cancel_build))
             .route(
@@ -337,6 +387,46 @@ impl FakeBuildkite {
             .entry(route)
             .or_default()
             .push_back(fault);
+    }
+
+    /// Every API call answers `503` until `until` (an outage).
+    pub fn fail_api_until(&self, until: Instant) {
+        *lock(&self.inner.down_until) = Some(until);
+    }
+
+    /// Buildkite's limits, counted over a window of `window` (default: 1,000,000 a minute,
+    /// which no test reaches). Past `user_limit` requests in a window the API answers `429`.
+    pub fn set_rate_limit(&self, org_limit: u64, user_limit: u64, window: Duration) {
+        let mut r = lock(&self.inner.rate);
+        r.org_limit = org_limit;
+        r.user_limit = user_limit;
+        r.window = window;
+        r.start = Instant::now();
+        r.count = 0;
+    }
+
+    /// Loses each webhook with probability `p` (seeded, so a run is repeatable), as
+    /// Buildkite's best-effort delivery may.
+    pub fn drop_webhooks(&self, p: f64, seed: u64) {
+        *lock(&self.inner.drop_webhooks) = Some((p, fastrand::Rng::with_seed(seed)));
+    }
+
+    /// The webhooks lost so far: (event, build number).
+    pub fn dropped_webhooks(&self) -> Vec<(String, u64)> {
+        lock(&self.inner.dropped).clone()
+    }
+
+    /// Every build's number and meta-data (to count builds per submission).
+    pub fn builds_meta(&self) -> Vec<(u64, Value)> {
+        lock(&self.inner.builds)
+            .iter()
+            .map(|b| {
+                (
+                    b.number,
+                    b.body.get("meta_data").cloned().unwrap_or(json!({})),
+                )
+            })
+            .collect()
     }
 
     /// The next create-build call plays the build to its end before it answers.
@@ -568,6 +658,13 @@ fn event_body(inner: &Inner, event: &str, number: u64) -> Option<Vec<u8>> {
 }
 
 async fn send_event(inner: &Inner, event: &str, number: u64) -> Option<u16> {
+    let lost = lock(&inner.drop_webhooks)
+        .as_mut()
+        .is_some_and(|(p, rng)| rng.f64() < *p);
+    if lost {
+        lock(&inner.dropped).push((event.to_string(), number));
+        return None;
+    }
     let body = event_body(inner, event, number)?;
     let (url, signing) = lock(&inner.webhook).clone()?;
     let mut req = inner
@@ -689,8 +786,32 @@ async fn gate(
                 .insert("RateLimit-Remaining", HeaderValue::from(0u64));
             resp = Some(r);
         }
-        Some(Fault::Delay(d)) => delay = Some(d),
+        // Create-build takes it before the gate; elsewhere it is a delay.
+        Some(Fault::Delay(d) | Fault::DelayResponse(d)) => delay = Some(d),
         None => {}
+    }
+    let now = Instant::now();
+    if resp.is_none() && route.is_api() && lock(&inner.down_until).is_some_and(|t| now < t) {
+        resp = Some(
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"message": "Service Unavailable"})),
+            )
+                .into_response(),
+        );
+    }
+    if resp.is_none() && route.is_api() && lock(&inner.rate).count(now) {
+        let reset = lock(&inner.rate).reset_s(now);
+        let mut r = (
+            StatusCode::TOO_MANY_REQUESTS,
+            Json(json!({"message": "You have exceeded your rate limit. Please try again later."})),
+        )
+            .into_response();
+        r.headers_mut()
+            .insert("RateLimit-Reset", HeaderValue::from(reset));
+        r.headers_mut()
+            .insert("RateLimit-Remaining", HeaderValue::from(0u64));
+        resp = Some(r);
     }
     if resp.is_none()
         && route.is_api()
@@ -723,30 +844,33 @@ async fn gate(
 }
 
 fn with_rate_headers(inner: &Inner, mut r: Response) -> Response {
-    let n = inner.window_count.fetch_add(1, Ordering::Relaxed) + 1;
+    let (org_limit, user_limit, count, reset) = {
+        let w = lock(&inner.rate);
+        (
+            w.org_limit,
+            w.user_limit,
+            w.count,
+            w.reset_s(Instant::now()),
+        )
+    };
     let h = r.headers_mut();
-    // Buildkite sends the organization's limit and the token's (RateLimit-User-*).
-    h.insert("RateLimit-Limit", HeaderValue::from(200u64));
-    h.insert("RateLimit-User-Limit", HeaderValue::from(50u64));
+    // Buildkite sends the organization's limit and the token's (RateLimit-User-*), counted
+    // over the same window here.
+    h.insert("RateLimit-Limit", HeaderValue::from(org_limit));
+    h.insert("RateLimit-User-Limit", HeaderValue::from(user_limit));
     h.insert(
         "RateLimit-User-Remaining",
-        HeaderValue::from(50u64.saturating_sub(n % 50)),
+        HeaderValue::from(user_limit.saturating_sub(count)),
     );
-    h.insert(
-        "RateLimit-User-Reset",
-        HeaderValue::from(60 - (unix_now() % 60) as u64),
-    );
+    h.insert("RateLimit-User-Reset", HeaderValue::from(reset));
     if !h.contains_key("RateLimit-Remaining") {
         h.insert(
             "RateLimit-Remaining",
-            HeaderValue::from(200u64.saturating_sub(n % 200)),
+            HeaderValue::from(org_limit.saturating_sub(count)),
         );
     }
     if !h.contains_key("RateLimit-Reset") {
-        h.insert(
-            "RateLimit-Reset",
-            HeaderValue::from(60 - (unix_now() % 60) as u64),
-        );
+        h.insert("RateLimit-Reset", HeaderValue::from(reset));
     }
     r
 }
@@ -771,6 +895,18 @@ async fn create_build(
     // Attributed to the number the next build gets, so a failed attempt counts for it too
     // (exact when creates do not overlap, as in the tests and the benchmark).
     let next_number = lock(&inner.builds).len() as u64 + 1;
+    let late_answer = {
+        let mut faults = lock(&inner.faults);
+        let q = faults.entry(Route::CreateBuild).or_default();
+        match q.front() {
+            Some(Fault::DelayResponse(d)) => {
+                let d = *d;
+                q.pop_front();
+                Some(d)
+            }
+            _ => None,
+        }
+    };
     if let Some(r) = gate(
         &inner,
         Route::CreateBuild,
@@ -835,7 +971,141 @@ async fn create_build(
     }
     let _ = inner.created_tx.send(number);
     inner.changed.notify_waiters();
+    if let Some(d) = late_answer {
+        tokio::time::sleep(d).await;
+    }
     with_rate_headers(&inner, (StatusCode::CREATED, Json(json)).into_response())
+}
+
+/// `GET .../builds`: Buildkite's filters `state[]=` (repeatable; `state=` too),
+/// `created_from`, `finished_from` (ISO 8601), `meta_data[key]=value`, `exclude_jobs`,
+/// `exclude_pipeline`; newest first, `per_page` (default 30, at most 100) and `page`, with a
+/// `Link: <...>; rel="next"` header while more pages follow.
+async fn list_builds(
+    State(inner): State<Arc<Inner>>,
+    Path((org, pipeline)): Path<(String, String)>,
+    headers: HeaderMap,
+    req: Request,
+) -> Response {
+    let path = format!("/v2/organizations/{org}/pipelines/{pipeline}/builds");
+    let raw = req.uri().query().unwrap_or_default().to_string();
+    if let Some(r) = gate(
+        &inner,
+        Route::ListBuilds,
+        &headers,
+        "GET",
+        &path,
+        Some(raw.clone()),
+        None,
+    )
+    .await
+    {
+        return with_rate_headers(&inner, r);
+    }
+    if let Some(r) = check_pipeline(&inner, &org, &pipeline) {
+        return with_rate_headers(&inner, r);
+    }
+    let pairs: Vec<(String, String)> = url::form_urlencoded::parse(raw.as_bytes())
+        .into_owned()
+        .collect();
+    let mut states = Vec::new();
+    let mut meta = Vec::new();
+    let (mut created_from, mut finished_from) = (None, None);
+    let (mut exclude_jobs, mut exclude_pipeline) = (false, false);
+    let (mut per_page, mut page) = (30usize, 1usize);
+    let bad = |what: String| {
+        with_rate_headers(
+            &inner,
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Json(json!({"message": what})),
+            )
+                .into_response(),
+        )
+    };
+    let time =
+        |v: &str| chrono::DateTime::parse_from_rfc3339(v).map(|t| t.with_timezone(&chrono::Utc));
+    for (k, v) in &pairs {
+        match k.as_str() {
+            "state[]" | "state" => states.push(v.clone()),
+            "created_from" => match time(v) {
+                Ok(t) => created_from = Some(t),
+                Err(_) => return bad(format!("created_from {v:?} is not an ISO 8601 time")),
+            },
+            "finished_from" => match time(v) {
+                Ok(t) => finished_from = Some(t),
+                Err(_) => return bad(format!("finished_from {v:?} is not an ISO 8601 time")),
+            },
+            "exclude_jobs" => exclude_jobs = v == "true",
+            "exclude_pipeline" => exclude_pipeline = v == "true",
+            "per_page" => per_page = v.parse::<usize>().unwrap_or(30).clamp(1, 100),
+            "page" => page = v.parse::<usize>().unwrap_or(1).max(1),
+            _ => {
+                if let Some(key) = k
+                    .strip_prefix("meta_data[")
+                    .and_then(|r| r.strip_suffix(']'))
+                {
+                    meta.push((key.to_string(), v.clone()));
+                }
+            }
+        }
+    }
+    let (list, more) = {
+        let builds = lock(&inner.builds);
+        let matching: Vec<&FakeBuild> = builds
+            .iter()
+            .rev()
+            .filter(|b| states.is_empty() || states.contains(&b.state))
+            .filter(|b| {
+                created_from.is_none_or(|from| time(&b.created_at).is_ok_and(|t| t >= from))
+            })
+            .filter(|b| {
+                finished_from.is_none_or(|from| {
+                    b.finished_at
+                        .as_deref()
+                        .is_some_and(|f| time(f).is_ok_and(|t| t >= from))
+                })
+            })
+            .filter(|b| {
+                meta.iter().all(|(k, v)| {
+                    b.body
+                        .get("meta_data")
+                        .and_then(|m| m.get(k))
+                        .and_then(Value::as_str)
+                        == Some(v.as_str())
+                })
+            })
+            .collect();
+        let start = (page - 1).saturating_mul(per_page);
+        let list: Vec<Value> = matching
+            .iter()
+            .skip(start)
+            .take(per_page)
+            .map(|b| {
+                let mut v = rest_build(&inner, b, !exclude_jobs);
+                if exclude_pipeline {
+                    if let Some(o) = v.as_object_mut() {
+                        o.remove("pipeline");
+                    }
+                }
+                v
+            })
+            .collect();
+        (list, start + per_page < matching.len())
+    };
+    let mut r = Json(list).into_response();
+    if more {
+        let next: String = url::form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(pairs.iter().filter(|(k, _)| k != "page"))
+            .append_pair("page", &(page + 1).to_string())
+            .finish();
+        if let Ok(v) =
+            HeaderValue::from_str(&format!("<{}{path}?{next}>; rel=\"next\"", inner.base))
+        {
+            r.headers_mut().insert("link", v);
+        }
+    }
+    with_rate_headers(&inner, r)
 }
 
 async fn get_build(

@@ -14,6 +14,8 @@ use serde_json::{json, Value};
 
 /// The webhook token the service and the fake share.
 pub const WEBHOOK_TOKEN: &str = "whsec-test-token";
+/// The key callbacks are signed with.
+pub const CALLBACK_SECRET: &str = "cbsec-test-key";
 /// How long a test waits for anything that should happen at once.
 pub const WAIT: Duration = Duration::from_secs(10);
 
@@ -51,6 +53,9 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     cfg.data_dir = Some(dir.path().to_path_buf());
     // Never the real agent API, even when a test configures an agent token.
     cfg.queues.buildkite_agent_api_url = fake.agent_api_url();
+    cfg.callback_secret = Some(Secret::new(CALLBACK_SECRET));
+    cfg.callback_backoff_ms = 20;
+    cfg.create_lookup_delay_ms = 200;
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -125,13 +130,20 @@ impl Harness {
         v
     }
 
-    /// Waits until the submission's build is attached (the create call returned).
+    /// Waits until the submission's build is attached (the create call returned and the
+    /// build id is committed).
     pub async fn wait_build_attached(&self, id: &str) {
-        let mut rx = self.app.store.subscribe(id).unwrap();
-        tokio::time::timeout(WAIT, rx.wait_for(|s| s.build.is_some()))
-            .await
-            .unwrap()
-            .unwrap();
+        let Some(mut rx) = self.app.store.subscribe(id) else {
+            // Already ended (and so attached, or never to be).
+            return;
+        };
+        tokio::time::timeout(
+            WAIT,
+            rx.wait_for(|s| s.build.is_some() || s.state.is_terminal()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
     }
 
     /// The submission's state now.

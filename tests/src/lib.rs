@@ -7,9 +7,11 @@
 
 #![deny(missing_docs)]
 
+pub mod callback_receiver;
 pub mod fake_buildkite;
 pub mod harness;
 pub mod local;
+pub mod service_process;
 pub mod skip;
 
 pub use skip::skip;

@@ -7,7 +7,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kernelkite_testkit::local::{examples_dir, Bins};
-use kernelkite_testkit::{local_bins, need_python, skip};
+use kernelkite_testkit::{local_bins, need_python};
 use serde_json::{json, Value};
 
 /// The local executor's flags for a command run by a test: the test's binaries, and jobs run
@@ -388,17 +388,9 @@ fn submit_talks_to_a_running_service_with_its_token() {
     assert!(stderr.contains("401"), "{stderr}");
 }
 
-/// Flipped when the store keeps unfinished submissions across restarts (issue 11's durable
-/// store); until then a killed service forgets them, and this test is skipped.
-const STORE_KEEPS_UNFINISHED: bool = false;
-
 #[test]
 fn a_service_killed_mid_run_delivers_every_result_after_its_restart() {
     if need_python().is_none() {
-        return;
-    }
-    if !STORE_KEEPS_UNFINISHED {
-        skip("needs the durable store (issue 11)");
         return;
     }
     let bins = local_bins!();

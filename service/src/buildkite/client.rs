@@ -1,8 +1,9 @@
 //! The Buildkite REST client: create, cancel, list artifacts, download.
 //!
-//! Every call goes through `BuildkiteClient::send`, which retries connect errors and 5xx
-//! with exponential backoff, and on `429` waits for `RateLimit-Reset`. Nothing here logs a
-//! token, a request body or a payload: errors carry the method, path and status only.
+//! Every call goes through `BuildkiteClient::send`, which first takes a unit of the shared
+//! [`RateBudget`] (waiting for the window's reset when it is spent), retries connect errors
+//! and 5xx with exponential backoff, and on `429` waits for `RateLimit-Reset`. Nothing here
+//! logs a token, a request body or a payload: errors carry the method, path and status only.
 //!
 //! The retry budget (`classify`, `Tries`) is written here rather than taken from a retry
 //! crate (`reqwest-retry`, `backoff`) because it needs what those do not offer together: 429s
@@ -10,12 +11,15 @@
 //! and timeouts retried only for calls that are safe to repeat (never create-build).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::{Deserialize, Serialize};
 
+use super::budget::{Priority, RateBudget};
 use crate::config::{Config, Secret};
+use crate::metrics::{CallLabel, Metrics};
 
 /// A build as the REST API returns it, and as webhooks carry it (the REST object without its
 /// jobs): the fields the service reads.
@@ -36,7 +40,38 @@ pub struct Build {
     /// Stopped at a block step.
     #[serde(default)]
     pub blocked: bool,
+    /// The build's meta-data (the submission id is under [`SUBMISSION_META_KEY`]).
+    #[serde(default)]
+    pub meta_data: BTreeMap<String, serde_json::Value>,
 }
+
+/// The meta-data key that carries the submission id on every build this service creates.
+pub const SUBMISSION_META_KEY: &str = "kernelkite_submission_id";
+
+impl Build {
+    /// The submission id in the build's meta-data.
+    pub fn submission_id(&self) -> Option<&str> {
+        self.meta_data
+            .get(SUBMISSION_META_KEY)
+            .and_then(|v| v.as_str())
+    }
+}
+
+/// The filters of `GET .../builds` (Buildkite's names).
+#[derive(Debug, Clone, Default)]
+pub struct BuildFilter {
+    /// `state[]=`: builds in any of these states.
+    pub states: Vec<&'static str>,
+    /// `created_from=`: created at or after (ISO 8601).
+    pub created_from: Option<chrono::DateTime<chrono::Utc>>,
+    /// `finished_from=`: finished at or after (ISO 8601).
+    pub finished_from: Option<chrono::DateTime<chrono::Utc>>,
+    /// `meta_data[key]=value`.
+    pub meta_data: Option<(String, String)>,
+}
+
+/// The build states in which a build has ended.
+pub const FINISHED_STATES: &[&str] = &["passed", "failed", "canceled", "skipped", "not_run"];
 
 /// An artifact as listed by the REST API.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -141,15 +176,37 @@ pub enum BuildkiteError {
     TooLarge(u64),
 }
 
-/// Why a request got no answer.
+/// Why a request got no answer. The three kinds of network failure are told apart because
+/// they mean different things for a create-build call: refused means nothing was sent; a
+/// timeout or a reset means Buildkite may have created the build.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    /// The connection failed, timed out or broke (the error holds no URL and no header).
-    #[error(transparent)]
-    Http(reqwest::Error),
+    /// No connection could be made: nothing was sent.
+    #[error("connection refused or unreachable (nothing was sent)")]
+    Refused(#[source] reqwest::Error),
+    /// Sent, but no answer came within KERNELKITE_HTTP_TIMEOUT_S: it may have been received.
+    #[error("no answer within KERNELKITE_HTTP_TIMEOUT_S (the request may have been received)")]
+    Timeout(#[source] reqwest::Error),
+    /// The connection broke after the request was sent: it may have been received.
+    #[error("the connection broke after the request was sent (it may have been received)")]
+    Reset(#[source] reqwest::Error),
     /// Buildkite kept answering this status (429, 5xx) through every retry.
     #[error("still {0} after every retry")]
     Exhausted(StatusCode),
+}
+
+impl TransportError {
+    fn from_http(e: reqwest::Error) -> TransportError {
+        // without_url: the URL is in the BuildkiteError's path already; never a header.
+        let e = e.without_url();
+        if e.is_timeout() {
+            TransportError::Timeout(e)
+        } else if e.is_connect() {
+            TransportError::Refused(e)
+        } else {
+            TransportError::Reset(e)
+        }
+    }
 }
 
 impl BuildkiteError {
@@ -158,6 +215,46 @@ impl BuildkiteError {
         match self {
             BuildkiteError::Status { status, .. } => Some(*status),
             _ => None,
+        }
+    }
+
+    /// The request may have been received and acted on although no success came back: a
+    /// timeout, a connection broken after sending, or a 5xx.
+    pub fn is_ambiguous(&self) -> bool {
+        match self {
+            BuildkiteError::Transport { source, .. } => matches!(
+                source,
+                TransportError::Timeout(_)
+                    | TransportError::Reset(_)
+                    | TransportError::Exhausted(_)
+            ),
+            BuildkiteError::Status { status, .. } => status.is_server_error(),
+            _ => false,
+        }
+    }
+
+    /// No answer arrived in time, or the connection broke: Buildkite may still be acting on
+    /// the request.
+    pub fn may_be_in_flight(&self) -> bool {
+        matches!(
+            self,
+            BuildkiteError::Transport {
+                source: TransportError::Timeout(_) | TransportError::Reset(_),
+                ..
+            }
+        )
+    }
+
+    /// Worth retrying later: Buildkite could not be reached or failed on its side (as
+    /// opposed to refusing the request).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            BuildkiteError::Transport { .. } => true,
+            BuildkiteError::Status { status, .. } => {
+                status.is_server_error() || matches!(status.as_u16(), 408 | 429)
+            }
+            BuildkiteError::Decode { .. } => true,
+            _ => false,
         }
     }
 }
@@ -216,7 +313,8 @@ pub fn rate_limit_wait(headers: &reqwest::header::HeaderMap, cap: Duration) -> D
     Duration::from_secs(secs).min(cap)
 }
 
-/// A client of one pipeline's REST API, with the retry policy above.
+/// A client of one pipeline's REST API, with the retry policy above and one rate budget
+/// shared by its clones.
 #[derive(Clone)]
 pub struct BuildkiteClient {
     http: reqwest::Client,
@@ -225,6 +323,8 @@ pub struct BuildkiteClient {
     token: Secret,
     retry: RetryPolicy,
     max_artifact_bytes: u64,
+    budget: Arc<RateBudget>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl std::fmt::Debug for BuildkiteClient {
@@ -261,10 +361,27 @@ impl BuildkiteClient {
                 max_rate_limit_wait: Duration::from_secs(cfg.rate_limit_max_wait_s),
             },
             max_artifact_bytes: cfg.max_artifact_bytes,
+            budget: Arc::new(RateBudget::new(Duration::from_secs(
+                cfg.rate_limit_max_wait_s.max(1),
+            ))),
+            metrics: None,
         })
     }
 
-    /// `POST .../builds`: creates a build. Not retried once the request may have arrived.
+    /// Counts calls and 429s in `metrics` (`buildkite_calls`, `buildkite_rate_limited`).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> BuildkiteClient {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The rate budget every call of this client (and its clones) spends.
+    pub fn budget(&self) -> &RateBudget {
+        &self.budget
+    }
+
+    /// `POST .../builds`: creates a build. Never repeated once the request may have arrived
+    /// (a timeout, a broken connection, a 5xx): the caller looks the build up first. A `429`
+    /// is waited out as long as it takes; a refused connection is retried.
     pub async fn create_build(&self, build: &NewBuild) -> Result<Build, BuildkiteError> {
         let path = self.builds_path.clone();
         let body = serde_json::to_vec(build).map_err(|source| BuildkiteError::Encode {
@@ -272,22 +389,122 @@ impl BuildkiteClient {
             path: path.clone(),
             source,
         })?;
-        let resp = self.send(Method::POST, &path, &[], Some(body)).await?;
+        let resp = self
+            .send(
+                Call::new("create_build", Priority::Create),
+                Method::POST,
+                &path,
+                &[],
+                Some(body),
+            )
+            .await?;
         decode(Method::POST, &path, resp).await
     }
 
     /// `GET .../builds/{number}`.
     pub async fn get_build(&self, number: u64) -> Result<Build, BuildkiteError> {
         let path = format!("{}/{number}", self.builds_path);
-        let resp = self.send(Method::GET, &path, &[], None).await?;
+        let resp = self
+            .send(
+                Call::new("get_build", Priority::Result),
+                Method::GET,
+                &path,
+                &[],
+                None,
+            )
+            .await?;
         decode(Method::GET, &path, resp).await
     }
 
     /// `PUT .../builds/{number}/cancel`. A finished build answers `422`.
     pub async fn cancel_build(&self, number: u64) -> Result<Build, BuildkiteError> {
         let path = format!("{}/{number}/cancel", self.builds_path);
-        let resp = self.send(Method::PUT, &path, &[], None).await?;
+        let resp = self
+            .send(
+                Call::new("cancel_build", Priority::Result),
+                Method::PUT,
+                &path,
+                &[],
+                None,
+            )
+            .await?;
         decode(Method::PUT, &path, resp).await
+    }
+
+    /// `GET .../builds` with `filter`, without jobs or pipeline, 100 per page, every page
+    /// (following the `Link: <...>; rel="next"` header), at most `max_pages`. Returns the
+    /// builds and whether the listing was complete.
+    pub async fn list_builds(
+        &self,
+        filter: &BuildFilter,
+        priority: Priority,
+        max_pages: u32,
+    ) -> Result<(Vec<Build>, bool), BuildkiteError> {
+        let iso = |t: &chrono::DateTime<chrono::Utc>| {
+            t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        };
+        let mut query: Vec<(String, String)> = filter
+            .states
+            .iter()
+            .map(|s| ("state[]".to_string(), s.to_string()))
+            .collect();
+        if let Some(t) = &filter.created_from {
+            query.push(("created_from".into(), iso(t)));
+        }
+        if let Some(t) = &filter.finished_from {
+            query.push(("finished_from".into(), iso(t)));
+        }
+        if let Some((k, v)) = &filter.meta_data {
+            query.push((format!("meta_data[{k}]"), v.clone()));
+        }
+        query.push(("exclude_jobs".into(), "true".into()));
+        query.push(("exclude_pipeline".into(), "true".into()));
+        query.push(("per_page".into(), "100".into()));
+        let path = self.builds_path.clone();
+        let mut out = Vec::new();
+        for page in 1..=max_pages.max(1) {
+            let mut q: Vec<(&str, &str)> = query
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let page_s = page.to_string();
+            if page > 1 {
+                q.push(("page", &page_s));
+            }
+            let resp = self
+                .send(
+                    Call::new("list_builds", priority),
+                    Method::GET,
+                    &path,
+                    &q,
+                    None,
+                )
+                .await?;
+            let more = has_next_page(resp.headers());
+            let builds: Vec<Build> = decode(Method::GET, &path, resp).await?;
+            let short = builds.len() < 100;
+            out.extend(builds);
+            if !more || short {
+                return Ok((out, true));
+            }
+        }
+        Ok((out, false))
+    }
+
+    /// The builds carrying `meta_data[kernelkite_submission_id]=submission_id`, lowest
+    /// number first.
+    pub async fn builds_of_submission(
+        &self,
+        submission_id: &str,
+    ) -> Result<Vec<Build>, BuildkiteError> {
+        let filter = BuildFilter {
+            meta_data: Some((SUBMISSION_META_KEY.to_string(), submission_id.to_string())),
+            ..BuildFilter::default()
+        };
+        let (mut builds, _) = self.list_builds(&filter, Priority::Create, 1).await?;
+        builds.retain(|b| b.submission_id() == Some(submission_id));
+        builds.sort_by_key(|b| b.number);
+        Ok(builds)
     }
 
     /// Artifacts of a build whose path is `path` (Buildkite filters server-side).
@@ -297,7 +514,15 @@ impl BuildkiteClient {
         path: &str,
     ) -> Result<Vec<Artifact>, BuildkiteError> {
         let p = format!("{}/{number}/artifacts", self.builds_path);
-        let resp = self.send(Method::GET, &p, &[("path", path)], None).await?;
+        let resp = self
+            .send(
+                Call::new("list_artifacts", Priority::Result),
+                Method::GET,
+                &p,
+                &[("path", path)],
+                None,
+            )
+            .await?;
         decode(Method::GET, &p, resp).await
     }
 
@@ -311,7 +536,15 @@ impl BuildkiteClient {
             return Err(BuildkiteError::ForeignDownloadUrl(download_url.to_string()));
         };
         let path = path.to_string();
-        let resp = self.send(Method::GET, &path, &[], None).await?;
+        let resp = self
+            .send(
+                Call::new("download", Priority::Result),
+                Method::GET,
+                &path,
+                &[],
+                None,
+            )
+            .await?;
         let resp = if resp.status().is_redirection() {
             let status = resp.status();
             let location = resp
@@ -357,25 +590,57 @@ impl BuildkiteClient {
             .bearer_auth(self.token.expose())
     }
 
-    /// Sends one API request with retries.
+    /// Sends one API request with retries, spending the rate budget.
     async fn send(
         &self,
+        call: Call,
         method: Method,
         path: &str,
         query: &[(&str, &str)],
         body: Option<Vec<u8>>,
     ) -> Result<reqwest::Response, BuildkiteError> {
-        let mut tries = Tries::default();
+        let mut tries = Tries {
+            // A new build waits for the budget as long as it takes (its submission stays
+            // queued and its own timeout ends the wait); other calls give up eventually.
+            unbounded_rate_limit: call.priority == Priority::Create && method == Method::POST,
+            ..Tries::default()
+        };
+        let label = CallLabel {
+            call: call.name.to_string(),
+        };
         loop {
+            let waited = self.budget.acquire(call.priority).await;
+            if waited > Duration::from_millis(50) {
+                tracing::info!(
+                    call = call.name,
+                    ?waited,
+                    "waited for the Buildkite rate budget"
+                );
+            }
             let mut req = self.request(method.clone(), path, query);
             if let Some(b) = &body {
                 req = req
                     .header(reqwest::header::CONTENT_TYPE, "application/json")
                     .body(b.clone());
             }
-            // Only POST (create build) is unsafe to repeat after a request may have arrived.
+            if let Some(m) = &self.metrics {
+                m.buildkite_calls.get_or_create(&label).inc();
+            }
+            let sent = req.send().await;
+            if let Ok(resp) = &sent {
+                let limited = resp.status() == StatusCode::TOO_MANY_REQUESTS;
+                self.budget.observe(resp.headers(), limited, Instant::now());
+                if limited {
+                    if let Some(m) = &self.metrics {
+                        m.buildkite_rate_limited.get_or_create(&label).inc();
+                    }
+                }
+            }
+            // Only POST (create build) is unsafe to repeat after a request may have arrived:
+            // its timeouts, broken connections and 5xx go back to the caller, which looks for
+            // the build before creating another.
             let idempotent = method != Method::POST;
-            match classify(req.send().await, idempotent, &mut tries, &self.retry) {
+            match classify(sent, idempotent, &mut tries, &self.retry) {
                 Next::Done(resp) => {
                     if resp.status().is_success() || resp.status().is_redirection() {
                         return Ok(resp);
@@ -390,6 +655,29 @@ impl BuildkiteClient {
             }
         }
     }
+}
+
+/// Which call, for metrics, and how urgent it is, for the budget.
+#[derive(Debug, Clone, Copy)]
+struct Call {
+    name: &'static str,
+    priority: Priority,
+}
+
+impl Call {
+    fn new(name: &'static str, priority: Priority) -> Call {
+        Call { name, priority }
+    }
+}
+
+/// Whether a `Link` header names a next page.
+fn has_next_page(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get_all(reqwest::header::LINK)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|part| part.contains("rel=\"next\""))
 }
 
 enum Next {
@@ -409,6 +697,7 @@ enum Failure {
 struct Tries {
     failures: u32,
     rate_limited: u32,
+    unbounded_rate_limit: bool,
 }
 
 /// Most `429` waits per call. With Buildkite's 60 s windows this rides out a half-hour
@@ -424,7 +713,7 @@ fn classify(
     match r {
         Ok(resp) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
             tries.rate_limited += 1;
-            if tries.rate_limited > MAX_RATE_LIMITED_RETRIES {
+            if tries.rate_limited > MAX_RATE_LIMITED_RETRIES && !tries.unbounded_rate_limit {
                 return Next::Fail(Failure::Exhausted(resp.status()));
             }
             let wait = rate_limit_wait(resp.headers(), retry.max_rate_limit_wait);
@@ -432,8 +721,11 @@ fn classify(
                 ?wait,
                 "Buildkite rate limit reached (429); waiting for RateLimit-Reset"
             );
-            Next::Retry(wait)
+            // The budget has taken the answer in: the next acquire waits for the reset.
+            Next::Retry(Duration::ZERO)
         }
+        // A 5xx to create-build may still have created the build: not repeated here.
+        Ok(resp) if resp.status().is_server_error() && !idempotent => Next::Done(resp),
         Ok(resp) if resp.status().is_server_error() => {
             tries.failures += 1;
             if tries.failures >= retry.attempts {
@@ -464,8 +756,7 @@ fn classify(
 
 fn transport(method: Method, path: &str, f: Failure) -> BuildkiteError {
     let source = match f {
-        // without_url: the URL is in `path` already; the error never holds headers.
-        Failure::Transport(e) => TransportError::Http(e.without_url()),
+        Failure::Transport(e) => TransportError::from_http(e),
         Failure::Exhausted(s) => TransportError::Exhausted(s),
     };
     BuildkiteError::Transport {
@@ -505,7 +796,7 @@ async fn decode<T: serde::de::DeserializeOwned>(
     let bytes = resp.bytes().await.map_err(|e| BuildkiteError::Transport {
         method: method.clone(),
         path: path.to_string(),
-        source: TransportError::Http(e.without_url()),
+        source: TransportError::from_http(e),
     })?;
     serde_json::from_slice(&bytes).map_err(|source| BuildkiteError::Decode {
         method,
@@ -535,7 +826,7 @@ async fn read_capped(
                 return Err(BuildkiteError::Transport {
                     method: Method::GET,
                     path: "artifact blob".into(),
-                    source: TransportError::Http(e.without_url()),
+                    source: TransportError::from_http(e),
                 })
             }
         }

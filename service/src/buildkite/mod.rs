@@ -7,14 +7,22 @@
 //! - [`artifact`]: choosing, downloading and checking `result.json`.
 
 pub mod artifact;
+pub mod budget;
 pub mod client;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
-pub use client::{Build, BuildkiteClient, BuildkiteError, NewBuild, MAX_RATE_LIMITED_RETRIES};
+pub use budget::{Priority, RateBudget};
+pub use client::{
+    Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, FINISHED_STATES,
+    MAX_RATE_LIMITED_RETRIES, SUBMISSION_META_KEY,
+};
 
 use crate::config::Config;
-use crate::executor::{BoxFuture, BuildStatus, Executor, Job, Launched};
+use crate::executor::{BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing};
+use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
 use crate::submission::{BuildInfo, Outcome};
 use artifact::ArtifactError;
@@ -25,6 +33,14 @@ pub struct BuildkiteExecutor {
     client: BuildkiteClient,
     commit: String,
     branch: String,
+    /// How long after an ambiguous create (timeout, broken connection) the build is looked
+    /// for: a request still in flight at Buildkite has had time to land.
+    lookup_delay: Duration,
+    /// Most create attempts for one job.
+    attempts: u32,
+    retry_base: Duration,
+    /// Most pages one listing reads.
+    max_pages: u32,
 }
 
 impl BuildkiteExecutor {
@@ -34,6 +50,91 @@ impl BuildkiteExecutor {
             client: BuildkiteClient::new(cfg)?,
             commit: cfg.commit.clone(),
             branch: cfg.branch.clone(),
+            lookup_delay: Duration::from_millis(cfg.create_lookup_delay_ms),
+            attempts: cfg.retry_attempts.max(1),
+            retry_base: Duration::from_millis(cfg.retry_base_ms),
+            max_pages: cfg.reconcile_max_pages.max(1),
+        })
+    }
+
+    /// Counts its Buildkite calls in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> BuildkiteExecutor {
+        self.client = self.client.with_metrics(metrics);
+        self
+    }
+
+    /// Looks for the build of `submission_id` (after an ambiguous create). When twins exist,
+    /// the lowest-numbered one is kept and the others are canceled.
+    async fn find(&self, submission_id: &str) -> Result<Option<Build>, BuildkiteError> {
+        let mut builds = self.client.builds_of_submission(submission_id).await?;
+        if builds.is_empty() {
+            return Ok(None);
+        }
+        let keep = builds.remove(0);
+        for twin in builds {
+            tracing::warn!(id = %submission_id, build = twin.number, kept = keep.number, "canceling a second build of the same submission");
+            if let Err(e) = self.client.cancel_build(twin.number).await {
+                tracing::warn!(build = twin.number, error = %report(&e), "could not cancel the twin build");
+            }
+        }
+        Ok(Some(keep))
+    }
+
+    async fn launch_job(&self, job: &Job) -> Result<Launched, BoxError> {
+        let request = self.new_build(job);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let err = match self.client.create_build(&request).await {
+                Ok(b) => return Ok(launched(b)),
+                Err(e) if e.is_ambiguous() && attempt < self.attempts => e,
+                Err(e) => return Err(e.into()),
+            };
+            tracing::warn!(id = %job.submission_id, attempt, error = %report(&err), "create-build failed in a way that may have created the build; looking for it before trying again");
+            if err.may_be_in_flight() {
+                tokio::time::sleep(self.lookup_delay).await;
+            }
+            // Until the lookup answers, creating again could make a twin: keep asking (the
+            // submission's own timeout ends this).
+            let mut tries = 0u32;
+            let found = loop {
+                match self.find(&job.submission_id).await {
+                    Ok(found) => break found,
+                    Err(e) => {
+                        tries += 1;
+                        tracing::warn!(id = %job.submission_id, error = %report(&e), "could not look the build up; retrying");
+                        let wait = self
+                            .retry_base
+                            .saturating_mul(1 << tries.min(7))
+                            .min(Duration::from_secs(30));
+                        tokio::time::sleep(wait).await;
+                    }
+                }
+            };
+            if let Some(b) = found {
+                tracing::info!(id = %job.submission_id, build = b.number, "adopted the build the ambiguous create made");
+                return Ok(launched(b));
+            }
+        }
+    }
+
+    async fn list(&self, filter: BuildFilter) -> Result<Listing, BuildkiteError> {
+        let (builds, complete) = self
+            .client
+            .list_builds(&filter, Priority::Reconcile, self.max_pages)
+            .await?;
+        if !complete {
+            tracing::warn!(pages = self.max_pages, "build listing cut at KERNELKITE_RECONCILE_MAX_PAGES; the rest waits for the next pass");
+        }
+        Ok(Listing {
+            builds: builds
+                .into_iter()
+                .map(|b| Found {
+                    submission_id: b.submission_id().map(str::to_string),
+                    build: status(&b),
+                })
+                .collect(),
+            complete,
         })
     }
 
@@ -78,16 +179,33 @@ impl Executor for BuildkiteExecutor {
     }
 
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
+        Box::pin(self.launch_job(job))
+    }
+
+    fn finished_since(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         Box::pin(async move {
-            let b = self.client.create_build(&self.new_build(job)).await?;
-            Ok(Launched {
-                running: b.state == "running",
-                build: BuildInfo {
-                    id: b.id,
-                    number: b.number,
-                    web_url: b.web_url,
-                },
-            })
+            let filter = BuildFilter {
+                states: FINISHED_STATES.to_vec(),
+                finished_from: Some(since),
+                ..BuildFilter::default()
+            };
+            Ok(self.list(filter).await?)
+        })
+    }
+
+    fn created_since(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> BoxFuture<'_, Result<Listing, BoxError>> {
+        Box::pin(async move {
+            let filter = BuildFilter {
+                created_from: Some(since),
+                ..BuildFilter::default()
+            };
+            Ok(self.list(filter).await?)
         })
     }
 
@@ -102,10 +220,12 @@ impl Executor for BuildkiteExecutor {
         })
     }
 
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
         Box::pin(async move {
-            match artifact::fetch_result(&self.client, build.number).await {
+            Ok(match artifact::fetch_result(&self.client, build.number).await {
                 Ok(r) => Outcome::Succeeded(r),
+                // Buildkite unreachable or failing: not the build's fault; tried again.
+                Err(ArtifactError::Buildkite(e)) if e.is_transient() => return Err(e.into()),
                 Err(ArtifactError::Missing { listed }) => Outcome::Failed(format!(
                     "build #{} finished with state {:?} without result.json{}; see {}",
                     build.number,
@@ -120,7 +240,28 @@ impl Executor for BuildkiteExecutor {
                     report(&e),
                     build.web_url
                 )),
-            }
+            })
         })
+    }
+}
+
+fn status(b: &Build) -> BuildStatus {
+    BuildStatus {
+        id: b.id.clone(),
+        number: b.number,
+        state: b.state.clone(),
+        web_url: b.web_url.clone(),
+        blocked: b.blocked,
+    }
+}
+
+fn launched(b: Build) -> Launched {
+    Launched {
+        running: b.state == "running",
+        build: BuildInfo {
+            id: b.id,
+            number: b.number,
+            web_url: b.web_url,
+        },
     }
 }

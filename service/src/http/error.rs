@@ -15,7 +15,7 @@ impl IntoResponse for Error {
             Error::NotFound { .. } => StatusCode::NOT_FOUND,
             Error::BadRequest(_) => StatusCode::BAD_REQUEST,
             Error::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Error::Conflict { .. } => StatusCode::CONFLICT,
+            Error::Conflict { .. } | Error::KeyReused { .. } => StatusCode::CONFLICT,
             Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Error::Forbidden => StatusCode::FORBIDDEN,
@@ -204,6 +204,19 @@ mod tests {
                 },
                 408,
                 "request body did not arrive within 30 s; send it faster, or raise KERNELKITE_BODY_READ_TIMEOUT_S",
+            ),
+            (
+                Error::KeyReused { key: "k".into() },
+                409,
+                "Idempotency-Key \"k\" was already used for a different request; send the same request to get its submission, or use a new key for a new submission",
+            ),
+            (
+                Error::from(Unavailable::Store {
+                    what: "the submission could not be saved",
+                    source: "disk full".into(),
+                }),
+                503,
+                "the submission could not be saved; nothing was kept, retry later: disk full",
             ),
         ];
         for (e, status, message) in cases {

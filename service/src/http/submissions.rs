@@ -14,23 +14,34 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::edge::{Edge, Phase};
-use crate::app::{App, SubmitRequest};
+use crate::app::{App, Prepared, SubmitRequest};
 use crate::error::{BadRequest, Error, Invalid, Unavailable};
 use crate::submission::Submission;
 
 /// Bodies above this are handled on the blocking pool.
 const LARGE_BODY: usize = 256 * 1024;
 
-/// `POST /v1/submissions` → `202` with the submission's id, state and status URL. The client
-/// guard has run: the body is read only now, within its limit and timeout.
+/// `POST /v1/submissions` → `202` with the submission's id, state and status URL; `200` with
+/// the same for a repeated `Idempotency-Key` and request; `409` for the key with another
+/// request. The client guard has run: the body is read only now, within its limit and
+/// timeout.
 pub(super) async fn create(
     State(app): State<Arc<App>>,
     State(edge): State<Arc<Edge>>,
+    headers: axum::http::HeaderMap,
     body: Body,
 ) -> Result<Response, Error> {
     if edge.phase() != Phase::Serving {
         return Err(Unavailable::ShuttingDown.into());
     }
+    let key = match headers.get("idempotency-key") {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| BadRequest::IdempotencyKey)?
+                .to_string(),
+        ),
+        None => None,
+    };
     let (body, _) = edge
         .read_body(
             body,
@@ -42,7 +53,7 @@ pub(super) async fn create(
     let large = body.len() > LARGE_BODY;
     let accept = {
         let app = app.clone();
-        move || -> Result<Submission, Error> {
+        move || -> Result<Prepared, Error> {
             let req: SubmitRequest = serde_json::from_slice(&body).map_err(|e| -> Error {
                 // Well-formed JSON of the wrong shape is refused; anything else is unreadable.
                 if e.is_data() {
@@ -51,12 +62,12 @@ pub(super) async fn create(
                     BadRequest::NotJson(e).into()
                 }
             })?;
-            app.submit(req)
+            app.prepare(req, key)
         }
     };
     // Parsing, validating and compressing a large config takes milliseconds of CPU; that
     // work must not stall the runtime threads that carry webhooks and long-polls.
-    let sub = if large {
+    let prepared = if large {
         tokio::task::spawn_blocking(accept)
             .await
             .map_err(|e| Error::Internal {
@@ -66,9 +77,16 @@ pub(super) async fn create(
     } else {
         accept()?
     };
+    let submitted = app.accept(prepared).await?;
+    let sub = submitted.submission;
     let url = app.status_url(&sub.id);
+    let status = if submitted.created {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
     let mut r = (
-        StatusCode::ACCEPTED,
+        status,
         Json(json!({ "id": sub.id, "state": sub.state, "status_url": url })),
     )
         .into_response();

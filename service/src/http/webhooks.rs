@@ -1,5 +1,6 @@
 //! `POST /webhooks/buildkite`: check what can be checked without the body, read the body
-//! within its limits, verify, then parse and answer; the work runs in the background.
+//! within its limits, verify, parse, commit the state change, then answer; collecting a
+//! finished build's result runs in the background.
 //!
 //! Nobody is authenticated until the MAC over the body checks out, so until then the body
 //! costs the sender more than it costs the service: the size, the signature header's form and
@@ -61,7 +62,8 @@ pub(super) async fn buildkite(
     };
     drop(reading);
     match app.webhooks.receive(&parts.headers, &body, now) {
-        Ok(Some(event)) => app.on_event(event),
+        // Answered once the change is committed (commit, then acknowledge).
+        Ok(Some(event)) => app.handle_event(event).await,
         Ok(None) => {}
         Err(WebhookError::Auth(e)) => {
             refused(&app, &edge, e.reason(), &e);

@@ -305,15 +305,21 @@ impl LocalExecutor {
                 continue;
             }
             match app.lookup(&file.submission_id).await {
-                Some(sub)
+                Ok(Some(sub))
                     if !sub.state.is_terminal()
                         && sub.build.as_ref().is_some_and(|b| b.id == file.build.id) =>
                 {
                     crate::recovery::recover_submission(app, &sub).await;
                 }
                 found => {
-                    if found.is_none() {
-                        tracing::warn!(id = %file.submission_id, build = file.build.number, "the service does not know this local job's submission any more (the store keeps only finished submissions across restarts); dropping the job");
+                    match found {
+                        Ok(None) => {
+                            tracing::warn!(id = %file.submission_id, build = file.build.number, "the store does not know this local job's submission; dropping the job")
+                        }
+                        Err(e) => {
+                            tracing::warn!(id = %file.submission_id, build = file.build.number, error = %crate::report::report(&e), "the store could not be read for this local job's submission; dropping the job (its submission times out if it is still in flight)")
+                        }
+                        Ok(Some(_)) => {}
                     }
                     if let Some(n) = dir.last_attempt() {
                         self.stop_attempt(&dir, &file, n).await;
@@ -555,67 +561,72 @@ impl Executor for LocalExecutor {
         })
     }
 
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Outcome> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+        // A local job's result is on this machine: nothing transient to retry.
         Box::pin(async move {
-            let found = lock(&self.jobs).get(&build.id).map(|r| {
-                (
-                    r.dir.result(r.attempt),
-                    r.dir.log(r.attempt),
-                    r.failure.clone(),
-                    r.exit_code,
-                )
-            });
-            let Some((result, log, failure, exit_code)) = found else {
-                return Outcome::Failed(format!(
-                    "local job #{} is not known to this service",
-                    build.number
-                ));
-            };
-            let bytes = match tokio::fs::read(&result).await {
-                Ok(b) => b,
-                Err(_) => {
-                    let why = failure.unwrap_or_else(|| {
-                        format!(
-                            "the job's command ended (exit {}) without writing result.json",
-                            exit_code.map_or("?".into(), |c| c.to_string())
-                        )
-                    });
-                    let tail = jobdir::tail(&log, 2000);
-                    return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
-                        format!("local job #{}: {why}", build.number)
-                    } else {
-                        format!(
-                            "local job #{}: {why}; its log ends with:\n{tail}",
-                            build.number
-                        )
-                    });
-                }
-            };
-            // A job recovered as finished has no worker to clean up after it: its directory
-            // goes once its end is stored, as any other's.
-            let recovered = {
-                let mut jobs = lock(&self.jobs);
-                jobs.get_mut(&build.id).and_then(|rec| {
-                    let first = rec.stage == Stage::Finished && !rec.cleanup_spawned;
-                    first.then(|| rec.file.submission_id.clone())
-                })
-            };
-            if let Some(submission_id) = recovered {
-                self.spawn_cleanup(submission_id, build.id.clone());
-            }
-            match ResultJson::parse(&bytes) {
-                Ok(r) => {
-                    if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
-                        rec.timings.note_result(r.get());
+            let outcome = async move {
+                let found = lock(&self.jobs).get(&build.id).map(|r| {
+                    (
+                        r.dir.result(r.attempt),
+                        r.dir.log(r.attempt),
+                        r.failure.clone(),
+                        r.exit_code,
+                    )
+                });
+                let Some((result, log, failure, exit_code)) = found else {
+                    return Outcome::Failed(format!(
+                        "local job #{} is not known to this service",
+                        build.number
+                    ));
+                };
+                let bytes = match tokio::fs::read(&result).await {
+                    Ok(b) => b,
+                    Err(_) => {
+                        let why = failure.unwrap_or_else(|| {
+                            format!(
+                                "the job's command ended (exit {}) without writing result.json",
+                                exit_code.map_or("?".into(), |c| c.to_string())
+                            )
+                        });
+                        let tail = jobdir::tail(&log, 2000);
+                        return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
+                            format!("local job #{}: {why}", build.number)
+                        } else {
+                            format!(
+                                "local job #{}: {why}; its log ends with:\n{tail}",
+                                build.number
+                            )
+                        });
                     }
-                    Outcome::Succeeded(r)
+                };
+                // A job recovered as finished has no worker to clean up after it: its directory
+                // goes once its end is stored, as any other's.
+                let recovered = {
+                    let mut jobs = lock(&self.jobs);
+                    jobs.get_mut(&build.id).and_then(|rec| {
+                        let first = rec.stage == Stage::Finished && !rec.cleanup_spawned;
+                        first.then(|| rec.file.submission_id.clone())
+                    })
+                };
+                if let Some(submission_id) = recovered {
+                    self.spawn_cleanup(submission_id, build.id.clone());
                 }
-                Err(e) => Outcome::Failed(format!(
-                    "local job #{} wrote a result.json that cannot be used: {}",
-                    build.number,
-                    crate::report::report(&e)
-                )),
+                match ResultJson::parse(&bytes) {
+                    Ok(r) => {
+                        if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
+                            rec.timings.note_result(r.get());
+                        }
+                        Outcome::Succeeded(r)
+                    }
+                    Err(e) => Outcome::Failed(format!(
+                        "local job #{} wrote a result.json that cannot be used: {}",
+                        build.number,
+                        crate::report::report(&e)
+                    )),
+                }
             }
+            .await;
+            Ok(outcome)
         })
     }
 

@@ -1,16 +1,20 @@
-//! The in-memory part of the store: submissions by id, each behind a `watch` channel that is at once its
-//! current value and its waiter list, and a map from Buildkite build id to submission.
+//! The in-memory part of the store: the submissions in flight by id, each behind a `watch`
+//! channel that is at once its current value and its waiter list, and a map from build id to
+//! submission. A submission leaves memory the moment it ends (after its end is committed);
+//! finished submissions are read from the durable store.
 //!
 //! The build map also holds *early* events: a webhook can arrive before the create-build call
 //! that made its build has returned, so the build id is not yet known. Such events wait here
-//! (bounded in number and age) and are handed over when the build is attached. The hand-over
+//! (bounded in number and age) and are handed over when the build is keyed. The hand-over
 //! happens under the map's per-key lock, so an event is either routed or buffered-then-handed
-//! over, never lost in between.
+//! over, never lost in between. Builds of submissions that just ended are remembered for the
+//! same time, so their late or repeated deliveries are dropped instead of buffered.
 //!
 //! Everything a durable store must keep is the [`Submission`] value itself; the channels and
-//! the build map can be rebuilt from the submissions.
+//! the build map are rebuilt from it on start.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::mapref::entry::Entry;
@@ -19,7 +23,7 @@ use tokio::sync::watch;
 
 use super::InFlight;
 use crate::executor::BuildEvent;
-use crate::submission::{BuildInfo, State, Submission};
+use crate::submission::{State, Submission};
 
 enum BuildSlot {
     Known(String),
@@ -27,6 +31,8 @@ enum BuildSlot {
         events: Vec<BuildEvent>,
         since: Instant,
     },
+    /// The submission ended; late deliveries are ignored until the slot expires.
+    Done(Instant),
 }
 
 /// Where an event for a build went.
@@ -38,55 +44,121 @@ pub enum Routed {
     Buffered,
     /// The early-event buffer is full; the event was dropped.
     Dropped,
+    /// The build's submission already ended; the event changes nothing.
+    Ended,
 }
 
-/// Submissions in memory, each with its waiters; builds mapped to submissions.
+/// When a submission was last heard of, and when the reconciler looks at it next.
+#[derive(Debug, Clone, Copy)]
+pub struct Heard {
+    /// The last event, create response or check.
+    pub at: Instant,
+    /// The wait before the next check; doubles after each check that found nothing.
+    pub backoff: Duration,
+    /// When it is due for a check.
+    pub due: Instant,
+}
+
+/// A submission in flight.
+pub struct Live {
+    pub(crate) tx: watch::Sender<Submission>,
+    /// Serializes changes: each is committed, then sent, before the next starts.
+    pub(crate) lock: tokio::sync::Mutex<()>,
+    /// When it must have ended (unix ms).
+    pub deadline_ms: i64,
+    /// The reconciler's view of it.
+    pub heard: std::sync::Mutex<Heard>,
+    /// Its result is being collected.
+    pub collecting: AtomicBool,
+}
+
+/// Submissions in flight, each with its waiters; builds mapped to submissions.
 pub struct Memory {
-    subs: DashMap<String, watch::Sender<Submission>>,
+    subs: DashMap<String, Arc<Live>>,
     builds: DashMap<String, BuildSlot>,
     early: AtomicUsize,
     early_max: usize,
     early_ttl: Duration,
+    first_check: Duration,
 }
 
 /// Most events kept per unknown build (a build sends a handful).
 const EARLY_EVENTS_PER_BUILD: usize = 8;
 
 impl Memory {
-    /// An empty store that keeps early events of at most `early_max` builds, for `early_ttl`.
-    pub fn new(early_max: usize, early_ttl: Duration) -> Memory {
+    /// An empty store that keeps early events of at most `early_max` builds, for `early_ttl`;
+    /// a new submission is first due for a reconciler check after `first_check`.
+    pub fn new(early_max: usize, early_ttl: Duration, first_check: Duration) -> Memory {
         Memory {
             subs: DashMap::new(),
             builds: DashMap::new(),
             early: AtomicUsize::new(0),
             early_max,
             early_ttl,
+            first_check,
         }
     }
 
-    /// Adds (or replaces) a submission; its waiters start from this value.
-    pub fn insert(&self, sub: Submission) {
-        // Re-key the build (a durable store reloading submissions goes through here too).
+    /// Adds (or replaces) a submission; its waiters start from this value. Its build, if it
+    /// has one, is keyed too.
+    pub fn insert(&self, sub: Submission, deadline_ms: i64) {
         if let Some(b) = &sub.build {
             self.builds
                 .insert(b.id.clone(), BuildSlot::Known(sub.id.clone()));
         }
         let id = sub.id.clone();
         let (tx, _) = watch::channel(sub);
-        self.subs.insert(id, tx);
+        let now = Instant::now();
+        self.subs.insert(
+            id,
+            Arc::new(Live {
+                tx,
+                lock: tokio::sync::Mutex::new(()),
+                deadline_ms,
+                heard: std::sync::Mutex::new(Heard {
+                    at: now,
+                    backoff: self.first_check,
+                    due: now + self.first_check,
+                }),
+                collecting: AtomicBool::new(false),
+            }),
+        );
+    }
+
+    /// The submission in flight.
+    pub fn live(&self, id: &str) -> Option<Arc<Live>> {
+        self.subs.get(id).map(|l| l.clone())
+    }
+
+    /// Every submission in flight.
+    pub fn all(&self) -> Vec<(String, Arc<Live>)> {
+        self.subs
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
+    }
+
+    /// Forgets an ended submission; its build's late deliveries are ignored for a while.
+    pub fn remove(&self, id: &str) {
+        if let Some((_, live)) = self.subs.remove(id) {
+            if let Some(b) = &live.tx.borrow().build {
+                self.builds
+                    .insert(b.id.clone(), BuildSlot::Done(Instant::now()));
+            }
+        }
     }
 
     /// How many receivers (long-polls, SSE streams, the timeout timer) watch a submission.
     pub fn watchers(&self, id: &str) -> usize {
-        self.subs.get(id).map_or(0, |tx| tx.receiver_count())
+        self.subs.get(id).map_or(0, |l| l.tx.receiver_count())
     }
 
-    /// Submissions in memory.
+    /// Submissions in flight.
     pub fn len(&self) -> usize {
         self.subs.len()
     }
 
-    /// No submission in memory.
+    /// None in flight.
     pub fn is_empty(&self) -> bool {
         self.subs.is_empty()
     }
@@ -95,7 +167,7 @@ impl Memory {
     pub fn in_flight(&self, queue: &str) -> InFlight {
         let mut n = InFlight::default();
         for entry in self.subs.iter() {
-            let s = entry.value().borrow();
+            let s = entry.value().tx.borrow();
             if s.queue != queue {
                 continue;
             }
@@ -110,61 +182,27 @@ impl Memory {
 
     /// A copy of the submission's current value.
     pub fn get(&self, id: &str) -> Option<Submission> {
-        self.subs.get(id).map(|tx| tx.borrow().clone())
+        self.subs.get(id).map(|l| l.tx.borrow().clone())
     }
 
     /// The submission's current state (no copy of the rest).
     pub fn state(&self, id: &str) -> Option<State> {
-        self.subs.get(id).map(|tx| tx.borrow().state)
+        self.subs.get(id).map(|l| l.tx.borrow().state)
     }
 
     /// A receiver that sees every later change (the waiter for long-polls and SSE).
     pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Submission>> {
-        self.subs.get(id).map(|tx| tx.subscribe())
+        self.subs.get(id).map(|l| l.tx.subscribe())
     }
 
-    /// Applies `f`; when it reports a change, waiters are woken. Returns the change flag and
-    /// the value after `f`, or `None` for an unknown id.
-    pub fn update(
-        &self,
-        id: &str,
-        f: impl FnOnce(&mut Submission) -> bool,
-    ) -> Option<(bool, Submission)> {
-        let tx = self.subs.get(id)?;
-        let mut after = None;
-        let changed = tx.send_if_modified(|s| {
-            let changed = f(s);
-            if changed {
-                after = Some(s.clone());
-            }
-            changed
-        });
-        let after = match after {
-            Some(s) => s,
-            None => tx.borrow().clone(),
-        };
-        Some((changed, after))
-    }
-
-    /// Like [`Memory::update`] but returns only whether it changed: no clone on the hot path.
-    pub fn update_quiet(&self, id: &str, f: impl FnOnce(&mut Submission) -> bool) -> bool {
-        match self.subs.get(id) {
-            Some(tx) => tx.send_if_modified(f),
-            None => false,
-        }
-    }
-
-    /// Records the submission's build and returns the events that arrived for it early.
-    pub fn attach_build(&self, id: &str, build: BuildInfo) -> Vec<BuildEvent> {
-        let build_id = build.id.clone();
-        let now = chrono::Utc::now();
+    /// Keys `build_id` to the submission and returns the events that arrived for it early.
+    pub fn key_build(&self, id: &str, build_id: &str) -> Vec<BuildEvent> {
         if !self.subs.contains_key(id) {
-            // Evicted while its create call was in flight: keying the build to it would leave
+            // Ended while its create call was in flight: keying the build to it would leave
             // an entry nothing ever removes.
             return Vec::new();
         }
-        self.update_quiet(id, |s| s.attach_build(build, now));
-        match self.builds.entry(build_id) {
+        match self.builds.entry(build_id.to_string()) {
             Entry::Occupied(mut e) => {
                 let old = std::mem::replace(e.get_mut(), BuildSlot::Known(id.to_string()));
                 match old {
@@ -172,7 +210,7 @@ impl Memory {
                         self.early.fetch_sub(1, Ordering::Relaxed);
                         events
                     }
-                    BuildSlot::Known(_) => Vec::new(),
+                    BuildSlot::Known(_) | BuildSlot::Done(_) => Vec::new(),
                 }
             }
             Entry::Vacant(e) => {
@@ -182,16 +220,27 @@ impl Memory {
         }
     }
 
-    /// Finds the submission of `event`'s build, or keeps the event for a build not yet attached.
+    /// The submission a build is keyed to.
+    pub fn submission_of(&self, build_id: &str) -> Option<String> {
+        match self.builds.get(build_id).as_deref() {
+            Some(BuildSlot::Known(id)) => Some(id.clone()),
+            _ => None,
+        }
+    }
+
+    /// Finds the submission of `event`'s build, or keeps the event for a build not yet keyed.
     pub fn route(&self, event: &BuildEvent) -> Routed {
         if let Some(slot) = self.builds.get(&event.build.id) {
-            if let BuildSlot::Known(id) = &*slot {
-                return Routed::Submission(id.clone());
+            match &*slot {
+                BuildSlot::Known(id) => return Routed::Submission(id.clone()),
+                BuildSlot::Done(_) => return Routed::Ended,
+                BuildSlot::Early { .. } => {}
             }
         }
         match self.builds.entry(event.build.id.clone()) {
             Entry::Occupied(mut e) => match e.get_mut() {
                 BuildSlot::Known(id) => Routed::Submission(id.clone()),
+                BuildSlot::Done(_) => Routed::Ended,
                 BuildSlot::Early { events, .. } => {
                     if events.len() < EARLY_EVENTS_PER_BUILD {
                         events.push(event.clone());
@@ -222,7 +271,8 @@ impl Memory {
         }
     }
 
-    /// Forgets early events older than the TTL; returns how many builds' events went.
+    /// Forgets early events, and ended builds, older than the TTL; returns how many builds'
+    /// early events went.
     pub fn sweep_early(&self, now: Instant) -> usize {
         let ttl = self.early_ttl;
         let mut removed = 0;
@@ -231,6 +281,7 @@ impl Memory {
                 removed += 1;
                 false
             }
+            BuildSlot::Done(since) => now.saturating_duration_since(*since) < ttl,
             _ => true,
         });
         self.early.fetch_sub(removed, Ordering::Relaxed);
@@ -240,27 +291,6 @@ impl Memory {
     /// Builds whose events wait for their create call to return.
     pub fn early_len(&self) -> usize {
         self.early.load(Ordering::Relaxed)
-    }
-
-    /// Drops finished submissions that ended before `cutoff` (they live on in the data dir).
-    pub fn evict_finished(&self, cutoff: chrono::DateTime<chrono::Utc>) -> usize {
-        let mut gone = Vec::new();
-        let mut evicted = 0;
-        self.subs.retain(|_, tx| {
-            let s = tx.borrow();
-            let old = s.finished_at.is_some_and(|t| t < cutoff);
-            if old {
-                evicted += 1;
-                if let Some(b) = &s.build {
-                    gone.push(b.id.clone());
-                }
-            }
-            !old
-        });
-        for b in &gone {
-            self.builds.remove(b);
-        }
-        evicted
     }
 }
 
@@ -286,35 +316,31 @@ mod tests {
         Submission::new(id.into(), "q".into(), None, None, 60, chrono::Utc::now())
     }
 
+    fn mem(max: usize, ttl: Duration) -> Memory {
+        Memory::new(max, ttl, Duration::from_secs(30))
+    }
+
     #[test]
-    fn early_events_are_handed_over_on_attach() {
-        let store = Memory::new(10, Duration::from_secs(60));
-        store.insert(sub("s1"));
+    fn early_events_are_handed_over_when_the_build_is_keyed() {
+        let store = mem(10, Duration::from_secs(60));
+        store.insert(sub("s1"), 0);
         assert_eq!(
             store.route(&ev("b1", BuildEventKind::Running)),
             Routed::Buffered
         );
         assert_eq!(store.early_len(), 1);
-        let got = store.attach_build(
-            "s1",
-            BuildInfo {
-                id: "b1".into(),
-                number: 1,
-                web_url: "w".into(),
-            },
-        );
+        let got = store.key_build("s1", "b1");
         assert_eq!(got.len(), 1);
         assert_eq!(store.early_len(), 0);
         assert_eq!(
             store.route(&ev("b1", BuildEventKind::Running)),
             Routed::Submission("s1".into())
         );
-        assert_eq!(store.get("s1").unwrap().state, State::Scheduled);
     }
 
     #[test]
     fn early_buffer_is_bounded_and_expires() {
-        let store = Memory::new(2, Duration::from_millis(0));
+        let store = mem(2, Duration::from_millis(0));
         assert_eq!(
             store.route(&ev("a", BuildEventKind::Running)),
             Routed::Buffered
@@ -346,23 +372,16 @@ mod tests {
     }
 
     #[test]
-    fn concurrent_route_and_attach_never_lose_an_event() {
+    fn concurrent_route_and_key_never_lose_an_event() {
         // Race a webhook against the create-build response many times: the event must reach
         // the submission exactly once, either directly or through the hand-over.
         for i in 0..200 {
-            let store = std::sync::Arc::new(Memory::new(100, Duration::from_secs(60)));
+            let store = std::sync::Arc::new(mem(100, Duration::from_secs(60)));
             let sid = format!("s{i}");
-            store.insert(sub(&sid));
+            store.insert(sub(&sid), 0);
             let s2 = store.clone();
             let routed = std::thread::spawn(move || s2.route(&ev("b", BuildEventKind::Finished)));
-            let handed = store.attach_build(
-                &sid,
-                BuildInfo {
-                    id: "b".into(),
-                    number: 1,
-                    web_url: String::new(),
-                },
-            );
+            let handed = store.key_build(&sid, "b");
             let routed = routed.join().unwrap();
             let direct = matches!(routed, Routed::Submission(_));
             assert!(
@@ -377,7 +396,7 @@ mod tests {
     fn the_early_bound_holds_under_concurrent_webhooks() {
         // Many deliveries for distinct unknown builds at once: never more than early_max kept.
         for round in 0..300 {
-            let store = std::sync::Arc::new(Memory::new(2, Duration::from_secs(60)));
+            let store = std::sync::Arc::new(mem(2, Duration::from_secs(60)));
             let start = std::sync::Arc::new(std::sync::Barrier::new(8));
             let threads: Vec<_> = (0..8)
                 .map(|t| {
@@ -399,56 +418,43 @@ mod tests {
     }
 
     #[test]
-    fn eviction_drops_only_old_finished_submissions() {
-        let store = Memory::new(10, Duration::from_secs(60));
+    fn an_ended_submission_leaves_memory_and_its_late_events_are_ignored() {
+        let store = mem(10, Duration::from_millis(0));
         for id in ["done", "pending"] {
-            store.insert(sub(id));
-            store.attach_build(
-                id,
-                BuildInfo {
+            let mut s = sub(id);
+            s.attach_build(
+                crate::submission::BuildInfo {
                     id: format!("b-{id}"),
                     number: 1,
                     web_url: String::new(),
                 },
-            );
-        }
-        let rx = store.subscribe("done").unwrap();
-        store.update_quiet("done", |s| {
-            s.finish(
-                crate::submission::Outcome::Failed("x".into()),
                 chrono::Utc::now(),
-            )
-        });
-        assert_eq!(
-            store.evict_finished(chrono::Utc::now() - chrono::Duration::hours(1)),
-            0
-        );
-        assert_eq!(
-            store.evict_finished(chrono::Utc::now() + chrono::Duration::seconds(1)),
-            1
-        );
+            );
+            store.insert(s, 0);
+        }
+        store.remove("done");
         assert!(store.get("done").is_none() && store.get("pending").is_some());
-        assert!(rx.has_changed().is_err(), "waiters see the channel close");
-        // The evicted build is unknown again: its late events are only buffered.
         assert_eq!(
             store.route(&ev("b-done", BuildEventKind::Finished)),
-            Routed::Buffered
+            Routed::Ended
         );
+        assert_eq!(store.early_len(), 0, "not buffered as early");
         assert_eq!(
             store.route(&ev("b-pending", BuildEventKind::Finished)),
             Routed::Submission("pending".into())
         );
+        // The memory of ended builds expires with the early events.
+        store.sweep_early(Instant::now());
+        assert_eq!(
+            store.route(&ev("b-done", BuildEventKind::Finished)),
+            Routed::Buffered
+        );
     }
 
     #[test]
-    fn attaching_to_an_unknown_submission_keys_nothing() {
-        let store = Memory::new(10, Duration::from_secs(60));
-        let info = BuildInfo {
-            id: "b".into(),
-            number: 1,
-            web_url: String::new(),
-        };
-        assert!(store.attach_build("gone", info).is_empty());
+    fn keying_a_build_to_an_unknown_submission_keys_nothing() {
+        let store = mem(10, Duration::from_secs(60));
+        assert!(store.key_build("gone", "b").is_empty());
         assert_eq!(
             store.route(&ev("b", BuildEventKind::Finished)),
             Routed::Buffered,
@@ -458,7 +464,7 @@ mod tests {
 
     #[test]
     fn in_flight_counts_by_queue_and_state() {
-        let store = Memory::new(1, Duration::from_secs(1));
+        let store = Memory::new(1, Duration::from_secs(1), Duration::from_secs(30));
         let now = chrono::Utc::now();
         for (id, queue, state) in [
             ("a", "h100", State::Queued),
@@ -469,11 +475,11 @@ mod tests {
         ] {
             let mut s = Submission::new(id.into(), queue.into(), None, None, 60, now);
             s.advance(state, now);
-            store.insert(s);
+            store.insert(s, 0);
         }
         let mut done = Submission::new("f".into(), "h100".into(), None, None, 60, now);
         done.finish(crate::submission::Outcome::Failed("x".into()), now);
-        store.insert(done);
+        store.insert(done, 0);
         assert_eq!(
             store.in_flight("h100"),
             InFlight {
@@ -483,17 +489,5 @@ mod tests {
         );
         assert_eq!(store.in_flight("b200").running, 1);
         assert_eq!(store.in_flight("none"), InFlight::default());
-    }
-
-    #[test]
-    fn waiters_wake_on_change_only() {
-        let store = Memory::new(1, Duration::from_secs(1));
-        store.insert(sub("s"));
-        let mut rx = store.subscribe("s").unwrap();
-        rx.borrow_and_update();
-        assert!(!store.update_quiet("s", |s| s.advance(State::Queued, chrono::Utc::now())));
-        assert!(!rx.has_changed().unwrap());
-        assert!(store.update_quiet("s", |s| s.advance(State::Running, chrono::Utc::now())));
-        assert!(rx.has_changed().unwrap());
     }
 }

@@ -1,35 +1,73 @@
 //! Where submissions live: the one interface the core reads and writes them through.
 //!
-//! [`Store`] keeps every submission in memory (`memory`: each a `watch` channel that is at
-//! once its value and its waiter list, plus the map from build id to submission), and hands
-//! finished ones to a [`Durable`] store when there is one ([`Archive`] today: one file per
-//! finished submission). A durable store that keeps every change (SQLite, later Postgres)
-//! implements [`Durable`] and sits behind the same interface; what it must keep is the
-//! [`Submission`] value alone, since the channels and the build map are rebuilt from it
-//! ([`crate::App::adopt`]).
+//! [`Store`] joins two parts. Memory (`memory`) holds only the submissions in flight, each a
+//! `watch` channel that is at once its value and its waiter list, plus the map from build id to
+//! submission. The durable part ([`Durable`]; [`Sqlite`] by default) holds everything, and is
+//! written first: a change is committed, then sent to the waiters ("commit, then wake"), so
+//! nothing a client, an SSE stream or a webhook answer was told can be lost by a crash. A
+//! submission leaves memory the moment its end is committed; from then on it is read from the
+//! durable store, so memory does not grow with history.
 
-pub mod archive;
 mod memory;
+pub mod sqlite;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-pub use archive::Archive;
-pub use memory::Routed;
+pub use memory::{Heard, Live, Routed};
+pub use sqlite::{
+    CallbackState, DueCallback, Inserted, NewCallback, NewSubmission, Pending, Sqlite, StoreError,
+    SyncMode,
+};
 
 use crate::executor::{BoxFuture, BuildEvent};
-use crate::report::{report, BoxError};
-use crate::submission::{BuildInfo, State, Submission};
+use crate::metrics::{Metrics, StateLabel};
+use crate::report::BoxError;
+use crate::submission::{State, Submission};
 use memory::Memory;
 
-/// Keeps submissions beyond the process's memory.
+/// What must outlive the process: every submission with its job, deadline and idempotency
+/// key, and the callback outbox. Narrow on purpose, so a Postgres backend (several replicas)
+/// can implement it with the same portable SQL.
 pub trait Durable: Send + Sync + 'static {
-    /// Keeps `sub`, replacing what was kept under its id.
-    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), BoxError>>;
-
-    /// The submission kept under `id`, if any.
-    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, BoxError>>;
+    /// Writes a new submission, or returns the one its idempotency key made.
+    fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>>;
+    /// Saves a change of a submission that has not ended.
+    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Saves a submission's end and its callback in one transaction; false when the store
+    /// already had it ended.
+    fn finish<'a>(
+        &'a self,
+        sub: &'a Submission,
+        callback: Option<NewCallback>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+    /// The submission kept under `id`.
+    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>>;
+    /// Every submission that has not ended.
+    fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>>;
+    /// Callbacks due at `now_ms`.
+    fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>>;
+    /// When the next pending callback is due (unix ms).
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>>;
+    /// Records a callback attempt.
+    fn callback_attempted<'a>(
+        &'a self,
+        id: &'a str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Reachable and writable.
+    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Whether it survives a restart (false: in memory).
+    fn persistent(&self) -> bool;
 }
 
 /// A queue's in-flight submissions, by what they wait for.
@@ -41,45 +79,160 @@ pub struct InFlight {
     pub running: u64,
 }
 
-/// Submissions in memory with their waiters, and (optionally) a durable store behind them.
+impl Durable for Sqlite {
+    fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>> {
+        Box::pin(Sqlite::insert(self, new))
+    }
+    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Sqlite::save(self, sub))
+    }
+    fn finish<'a>(
+        &'a self,
+        sub: &'a Submission,
+        callback: Option<NewCallback>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Sqlite::finish(self, sub, callback))
+    }
+    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        Box::pin(Sqlite::load(self, id))
+    }
+    fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
+        Box::pin(Sqlite::pending(self))
+    }
+    fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
+        Box::pin(Sqlite::due_callbacks(self, now_ms, limit))
+    }
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
+        Box::pin(Sqlite::next_callback_at(self))
+    }
+    fn callback_attempted<'a>(
+        &'a self,
+        id: &'a str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Sqlite::callback_attempted(
+            self, id, state, attempts, next_at_ms, error,
+        ))
+    }
+    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(Sqlite::health(self))
+    }
+    fn persistent(&self) -> bool {
+        self.path().is_some()
+    }
+}
+
+/// A change as [`Store::update`] made it.
+#[derive(Debug, Clone)]
+pub struct Changed {
+    /// Whether anything changed (and was committed, and sent).
+    pub changed: bool,
+    /// The state before.
+    pub before: State,
+    /// The value after.
+    pub after: Submission,
+}
+
+/// Submissions in flight in memory, every submission in the durable store.
 pub struct Store {
     memory: Memory,
-    durable: Option<Box<dyn Durable>>,
+    durable: Arc<dyn Durable>,
+    metrics: Arc<Metrics>,
+    callback_retry: Duration,
 }
 
 impl Store {
-    /// An empty store. Events for builds not yet attached are kept for at most `early_max`
-    /// builds, for `early_ttl`.
-    pub fn new(early_max: usize, early_ttl: Duration, durable: Option<Box<dyn Durable>>) -> Store {
+    /// A store over `durable`. Events for builds not yet keyed are kept for at most
+    /// `early_max` builds, for `early_ttl`; a submission is first due for a reconciler check
+    /// `first_check` after it was last heard of; callbacks are retried for `callback_retry`.
+    pub fn new(
+        early_max: usize,
+        early_ttl: Duration,
+        first_check: Duration,
+        callback_retry: Duration,
+        durable: Arc<dyn Durable>,
+        metrics: Arc<Metrics>,
+    ) -> Store {
         Store {
-            memory: Memory::new(early_max, early_ttl),
+            memory: Memory::new(early_max, early_ttl, first_check),
             durable,
+            metrics,
+            callback_retry,
         }
     }
 
-    /// Adds (or replaces) a submission in memory; its waiters start from this value.
-    pub fn insert(&self, sub: Submission) {
-        self.memory.insert(sub)
+    /// The durable part.
+    pub fn durable(&self) -> &Arc<dyn Durable> {
+        &self.durable
     }
 
-    /// The submission in memory.
+    fn gauge(&self, state: State) -> prometheus_client::metrics::gauge::Gauge {
+        self.metrics
+            .submissions
+            .get_or_create(&StateLabel {
+                state: state.as_str().to_string(),
+            })
+            .clone()
+    }
+
+    /// Writes a new submission (before anything else happens to it) and, when it is new,
+    /// puts it in memory. With an idempotency key used before, returns what that key made.
+    pub async fn create(&self, new: NewSubmission) -> Result<Inserted, StoreError> {
+        let (sub, deadline) = (new.sub.clone(), new.deadline_ms);
+        let t = Instant::now();
+        let inserted = self.durable.insert(new).await?;
+        self.observe("insert", t);
+        if let Inserted::Created = inserted {
+            self.gauge(sub.state).inc();
+            self.memory.insert(sub, deadline);
+        }
+        Ok(inserted)
+    }
+
+    /// Puts a submission read back from the durable store in memory (recovery).
+    pub fn reload(&self, sub: Submission, deadline_ms: i64) {
+        self.gauge(sub.state).inc();
+        self.memory.insert(sub, deadline_ms);
+    }
+
+    fn observe(&self, op: &str, since: Instant) {
+        self.metrics
+            .store_seconds
+            .get_or_create(&crate::metrics::OpLabel { op: op.to_string() })
+            .observe(since.elapsed().as_secs_f64());
+    }
+
+    /// The submission in memory (in flight).
     pub fn get(&self, id: &str) -> Option<Submission> {
         self.memory.get(id)
     }
 
-    /// The submission in memory, else from the durable store (finished submissions that left
-    /// memory, or were kept before a restart).
-    pub async fn lookup(&self, id: &str) -> Option<Submission> {
+    /// The submission in flight, with its lock, deadline and reconciler state.
+    pub fn live(&self, id: &str) -> Option<Arc<Live>> {
+        self.memory.live(id)
+    }
+
+    /// Every submission in flight.
+    pub fn all_live(&self) -> Vec<(String, Arc<Live>)> {
+        self.memory.all()
+    }
+
+    /// The submission in memory, else from the durable store.
+    pub async fn lookup(&self, id: &str) -> Result<Option<Submission>, StoreError> {
         if let Some(s) = self.memory.get(id) {
-            return Some(s);
+            return Ok(Some(s));
         }
-        match self.durable.as_ref()?.load(id).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(%id, error = %report(&*e), "could not read the submission from KERNELKITE_DATA_DIR");
-                None
-            }
-        }
+        let t = Instant::now();
+        let s = self.durable.load(id).await;
+        self.observe("load", t);
+        s
     }
 
     /// The state of the submission in memory.
@@ -87,8 +240,8 @@ impl Store {
         self.memory.state(id)
     }
 
-    /// A receiver that sees every later change of the submission (the waiter of long-polls,
-    /// SSE streams and the timeout timer).
+    /// A receiver that sees every later change of the submission in flight (the waiter of
+    /// long-polls, SSE streams and the timeout timer).
     pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Submission>> {
         self.memory.subscribe(id)
     }
@@ -98,28 +251,71 @@ impl Store {
         self.memory.watchers(id)
     }
 
-    /// Applies `f`; when it reports a change, waiters are woken. Returns the change flag and
-    /// the value after `f`, or `None` for an id not in memory.
-    pub fn update(
+    /// Applies `f` to a copy of the submission; when it changed anything, commits the new
+    /// value, then sends it to the waiters, and when it ended, removes it from memory (with
+    /// its callback in the outbox, in the same transaction). One change per submission at a
+    /// time. `Ok(None)`: not in flight. An error: nothing was kept or sent.
+    pub async fn update(
         &self,
         id: &str,
         f: impl FnOnce(&mut Submission) -> bool,
-    ) -> Option<(bool, Submission)> {
-        self.memory.update(id, f)
+    ) -> Result<Option<Changed>, StoreError> {
+        let Some(live) = self.memory.live(id) else {
+            return Ok(None);
+        };
+        let _turn = live.lock.lock().await;
+        let before = live.tx.borrow().clone();
+        let mut next = before.clone();
+        if before.state.is_terminal() || !f(&mut next) || next == before {
+            return Ok(Some(Changed {
+                changed: false,
+                before: before.state,
+                after: before,
+            }));
+        }
+        let t = Instant::now();
+        if next.state.is_terminal() {
+            let callback = match &next.callback_url {
+                Some(url) => Some(NewCallback {
+                    url: url.clone(),
+                    body: serde_json::to_string(&next)
+                        .map_err(|e| StoreError::Write(e.to_string()))?,
+                    give_up_at_ms: sqlite::now_ms()
+                        .saturating_add(self.callback_retry.as_millis() as i64),
+                }),
+                None => None,
+            };
+            if !self.durable.finish(&next, callback).await? {
+                tracing::warn!(%id, "the store already had this submission ended");
+            }
+        } else {
+            self.durable.save(&next).await?;
+        }
+        self.observe("update", t);
+        live.tx.send_replace(next.clone());
+        if next.state.is_terminal() {
+            self.memory.remove(id);
+        }
+        self.gauge(before.state).dec();
+        self.gauge(next.state).inc();
+        Ok(Some(Changed {
+            changed: true,
+            before: before.state,
+            after: next,
+        }))
     }
 
-    /// Like [`Store::update`] but returns only whether it changed: no copy on the hot path.
-    pub fn update_quiet(&self, id: &str, f: impl FnOnce(&mut Submission) -> bool) -> bool {
-        self.memory.update_quiet(id, f)
+    /// Keys a build to its submission; returns the events that arrived for it early.
+    pub fn key_build(&self, id: &str, build_id: &str) -> Vec<BuildEvent> {
+        self.memory.key_build(id, build_id)
     }
 
-    /// Records the submission's build and returns the events that arrived for it early.
-    pub fn attach_build(&self, id: &str, build: BuildInfo) -> Vec<BuildEvent> {
-        self.memory.attach_build(id, build)
+    /// The submission in flight a build is keyed to.
+    pub fn submission_of(&self, build_id: &str) -> Option<String> {
+        self.memory.submission_of(build_id)
     }
 
-    /// Finds the submission of `event`'s build, or keeps the event for a build not yet
-    /// attached.
+    /// Finds the submission of `event`'s build, or keeps the event for a build not yet keyed.
     pub fn route(&self, event: &BuildEvent) -> Routed {
         self.memory.route(event)
     }
@@ -134,43 +330,29 @@ impl Store {
         self.memory.early_len()
     }
 
-    /// Drops finished submissions that ended before `cutoff` from memory (the durable store
-    /// keeps them).
-    pub fn evict_finished(&self, cutoff: chrono::DateTime<chrono::Utc>) -> usize {
-        self.memory.evict_finished(cutoff)
-    }
-
     /// The in-flight submissions on `queue` (all in memory: only finished ones leave it).
     pub fn in_flight(&self, queue: &str) -> InFlight {
         self.memory.in_flight(queue)
     }
 
-    /// Submissions in memory.
+    /// Submissions in flight.
     pub fn len(&self) -> usize {
         self.memory.len()
     }
 
-    /// No submission in memory.
+    /// None in flight.
     pub fn is_empty(&self) -> bool {
         self.memory.is_empty()
     }
 
-    /// Whether finished submissions are kept beyond memory.
+    /// Whether submissions survive a restart (a data dir is set).
     pub fn is_durable(&self) -> bool {
-        self.durable.is_some()
+        self.durable.persistent()
     }
 
-    /// Hands a finished submission to the durable store, if there is one.
-    pub async fn keep_finished(&self, sub: &Submission) -> Result<(), BoxError> {
-        match &self.durable {
-            Some(d) => d.save(sub).await,
-            None => Ok(()),
-        }
-    }
-
-    /// Whether the store can be read and written now (`GET /healthz`, `GET /readyz`).
-    // placeholder until the durable store lands: always healthy
-    pub async fn health(&self) -> Result<(), crate::report::BoxError> {
-        Ok(())
+    /// The store is reachable and writable: a probe write commits, and the last write did
+    /// not fail.
+    pub async fn health(&self) -> Result<(), BoxError> {
+        self.durable.health().await.map_err(Into::into)
     }
 }

@@ -75,7 +75,7 @@ async fn the_binary_serves_a_submission_end_to_end_and_stops_on_sigterm() {
         .await
         .unwrap();
     assert_eq!(v["state"], "succeeded", "{v}");
-    assert!(data.path().join("submissions").is_dir());
+    assert!(data.path().join("kernelkite.db").is_file());
 
     let pid = child.id().unwrap() as libc::pid_t;
     // SAFETY: plain kill(2) on the child this test spawned and still owns.

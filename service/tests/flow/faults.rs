@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use kernelkite_testkit::fake_buildkite::{Fault, Route};
-use kernelkite_testkit::harness::{harness, harness_with, result_artifact};
+use kernelkite_testkit::harness::{harness, harness_with, result_artifact, WAIT};
 use kernelkite_testkit::sample_config;
 use serde_json::json;
 
@@ -71,8 +71,13 @@ async fn server_errors_are_retried() {
 }
 
 #[tokio::test]
-async fn a_timed_out_artifact_fetch_is_retried_but_a_timed_out_create_is_not() {
-    let h = harness_with(|c| c.http_timeout_s = 1).await;
+async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted_not_repeated() {
+    // Looked up 1 s after the timeout: the delayed create (1.5 s) has landed by then.
+    let h = harness_with(|c| {
+        c.http_timeout_s = 1;
+        c.create_lookup_delay_ms = 1000;
+    })
+    .await;
     let (id, number) = h.submit().await;
     h.wait_build_attached(&id).await;
     // The first listing answers after the client gave up: GET is safe to repeat.
@@ -93,32 +98,41 @@ async fn a_timed_out_artifact_fetch_is_retried_but_a_timed_out_create_is_not() {
         .count();
     assert_eq!(lists, 2, "the abandoned listing, then the retry");
 
-    // A create that timed out may have created the build: it fails instead of creating a
-    // second one (a retry would succeed here, and the submission would not fail).
+    // A create that timed out after Buildkite made the build: it is looked up by the
+    // submission id in its meta-data and adopted, never sent twice.
     h.fake.inject(
         Route::CreateBuild,
-        Fault::Delay(Duration::from_millis(1500)),
+        Fault::DelayResponse(Duration::from_millis(1500)),
     );
     h.fake.clear_requests();
     let (_, v) = h
         .post(json!({"config": sample_config(), "queue": "h100"}))
         .await;
-    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
-    assert_eq!(v["state"], "failed", "{v}");
-    assert!(
-        v["error"]
-            .as_str()
-            .unwrap()
-            .contains("could not reach Buildkite"),
-        "{v}"
-    );
-    let creates = h
-        .fake
-        .requests()
+    let id = v["id"].as_str().unwrap().to_string();
+    let number = h.fake.next_created(WAIT).await.unwrap();
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded", "{v}");
+    assert_eq!(v["build"]["number"], number);
+    let requests = h.fake.requests();
+    let creates = requests
         .iter()
         .filter(|r| r.route == Route::CreateBuild)
         .count();
     assert_eq!(creates, 1, "a create that may have arrived is not repeated");
+    let lookups: Vec<_> = requests
+        .iter()
+        .filter(|r| r.route == Route::ListBuilds)
+        .collect();
+    assert_eq!(lookups.len(), 1);
+    let q = lookups[0].query.clone().unwrap_or_default();
+    assert!(
+        q.contains(&format!("meta_data%5Bkernelkite_submission_id%5D={id}")),
+        "{q}"
+    );
 }
 
 #[tokio::test]
@@ -161,6 +175,10 @@ async fn unreachable_buildkite_is_retried_then_fails_the_submission() {
             .contains("could not reach Buildkite"),
         "{v}"
     );
+    assert!(
+        v["error"].as_str().unwrap().contains("nothing was sent"),
+        "a refused connection is told apart from a timeout: {v}"
+    );
     // Three backoffs of 20, 40, 80 ms (each at least 75 %, so 105 ms) passed before giving up.
     assert!(
         t.elapsed() >= Duration::from_millis(100),
@@ -188,19 +206,26 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
         .collect();
     assert_eq!(statuses, [429, 429, 429, 429, 429, 503, 200]);
 
+    // Past MAX_RATE_LIMITED_RETRIES a create still waits: a new build waits for the budget
+    // (its submission stays queued) instead of failing.
     h.fake.clear_requests();
     for _ in 0..=kernelkite_service::buildkite::MAX_RATE_LIMITED_RETRIES {
         h.fake
             .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 0 });
     }
-    let (_, v) = h
-        .post(json!({"config": sample_config(), "queue": "h100"}))
-        .await;
-    let v = h.wait_terminal(v["id"].as_str().unwrap()).await;
-    assert_eq!(v["state"], "failed");
-    assert!(v["error"].as_str().unwrap().contains("429"), "{v}");
+    let (id, _) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    assert_ne!(h.state(&id).await, "failed");
+    let statuses: Vec<u16> = h
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .map(|r| r.status)
+        .collect();
     assert_eq!(
-        h.fake.requests().len() as u32,
-        kernelkite_service::buildkite::MAX_RATE_LIMITED_RETRIES + 1
+        statuses.len() as u32,
+        kernelkite_service::buildkite::MAX_RATE_LIMITED_RETRIES + 2
     );
+    assert_eq!(statuses.last(), Some(&200));
 }

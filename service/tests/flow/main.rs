@@ -9,6 +9,8 @@ mod callbacks;
 mod cancel_timeout;
 mod executor;
 mod faults;
+mod hardening;
+mod idempotency;
 mod persistence;
 mod queues;
 mod sse_longpoll;

@@ -1,8 +1,6 @@
 //! Accepting a submission: the build it creates (payload, chunked carrier, ids), the
 //! requests refused before any build exists, and the API description.
 
-use std::time::Duration;
-
 use kernelkite_testkit::fake_buildkite::Route;
 use kernelkite_testkit::harness::{harness, harness_with, result_artifact};
 use kernelkite_testkit::{sample_config, sample_result_json};
@@ -94,17 +92,16 @@ async fn happy_path_creates_the_build_and_returns_the_checked_result() {
     assert_eq!(blobs.len(), 1);
     assert!(blobs[0].authorization.is_none() && blobs[0].status == 200);
 
-    // Terminal submissions are written to the data dir.
-    let file = h._dir.path().join("submissions").join(format!("{id}.json"));
-    let mut on_disk = Value::Null;
-    for _ in 0..200 {
-        if let Ok(b) = std::fs::read(&file) {
-            on_disk = serde_json::from_slice(&b).unwrap();
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(on_disk["state"], "succeeded");
+    // The result was committed to the store before the long-poll heard of it: another
+    // connection to the database file reads it back at once.
+    let db = kernelkite_service::store::Sqlite::open(
+        Some(h._dir.path()),
+        kernelkite_service::store::SyncMode::Normal,
+        None,
+    )
+    .unwrap();
+    let on_disk = serde_json::to_value(db.load(&id).await.unwrap().unwrap()).unwrap();
+    assert_eq!(on_disk, v);
 }
 
 #[tokio::test]

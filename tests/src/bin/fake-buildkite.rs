@@ -137,32 +137,28 @@ impl Control {
     }
 }
 
+/// The control API's names of the fake's routes, one table both ways.
+const ROUTES: &[(&str, Route)] = &[
+    ("create_build", Route::CreateBuild),
+    ("get_build", Route::GetBuild),
+    ("list_builds", Route::ListBuilds),
+    ("cancel_build", Route::CancelBuild),
+    ("list_artifacts", Route::ListArtifacts),
+    ("download", Route::Download),
+    ("blob", Route::Blob),
+    ("list_agents", Route::ListAgents),
+    ("agent_metrics", Route::AgentMetrics),
+];
+
 fn route_named(name: &str) -> Option<Route> {
-    Some(match name {
-        "create_build" => Route::CreateBuild,
-        "get_build" => Route::GetBuild,
-        "cancel_build" => Route::CancelBuild,
-        "list_artifacts" => Route::ListArtifacts,
-        "download" => Route::Download,
-        "blob" => Route::Blob,
-        "list_agents" => Route::ListAgents,
-        "agent_metrics" => Route::AgentMetrics,
-        _ => return None,
-    })
+    ROUTES.iter().find(|(n, _)| *n == name).map(|(_, r)| *r)
 }
 
 fn route_name(r: Route) -> &'static str {
-    match r {
-        Route::CreateBuild => "create_build",
-        Route::GetBuild => "get_build",
-        Route::CancelBuild => "cancel_build",
-        Route::ListArtifacts => "list_artifacts",
-        Route::Download => "download",
-        Route::Blob => "blob",
-        Route::ListAgents => "list_agents",
-        Route::AgentMetrics => "agent_metrics",
-        Route::Other => "other",
-    }
+    ROUTES
+        .iter()
+        .find(|(_, x)| *x == r)
+        .map_or("other", |(n, _)| n)
 }
 
 async fn webhook_target(State(c): State<Arc<Control>>, Json(v): Json<Value>) -> Response {

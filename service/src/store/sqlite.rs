@@ -1,0 +1,1135 @@
+//! The durable store: one SQLite database, `<KERNELKITE_DATA_DIR>/kernelkite.db` (in memory when
+//! no data dir is set), reached through `sqlx`.
+//!
+//! Every call is a message to a task that owns a connection. The writer takes every write
+//! waiting in its queue and commits them in one transaction (group commit; a lone one-statement
+//! write is its own transaction), then answers each caller: a caller hears "saved" only after
+//! the commit, which is what lets the core commit first and wake waiters second. In a file
+//! database a reader with its own connection serves reads, so `GET` of a finished submission
+//! never queues behind a commit, and checkpoints the WAL, so no commit pays for that fsync; an
+//! in-memory database has one connection, so its one task does both.
+//!
+//! The SQL is kept portable for a later Postgres backend: `$n` placeholders, `TEXT` and
+//! `BIGINT` columns, booleans as `0/1`, no `INSERT OR ...`, no `RETURNING`, times as unix
+//! milliseconds. The schema is created by numbered migrations embedded in this file and
+//! recorded in `kernelkite_schema`.
+//!
+//! Durability: WAL mode with `synchronous=NORMAL` by default: a commit survives the process
+//! being killed at any instant (the WAL is in the kernel's page cache); a power loss may roll
+//! back the last commits. `KERNELKITE_STORE_SYNC=full` fsyncs every commit.
+
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use sqlx::{ConnectOptions, Connection, Row, SqliteConnection};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::executor::Job;
+use crate::report::report;
+use crate::submission::Submission;
+
+/// The database file's name inside KERNELKITE_DATA_DIR.
+pub const DB_FILE: &str = "kernelkite.db";
+
+/// Most writes committed in one transaction.
+const MAX_BATCH: usize = 512;
+/// How often the reader of a file database checkpoints the WAL.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
+/// WAL frames (4 KiB pages) past which the writer truncates the WAL itself.
+const WAL_LIMIT_FRAMES: i64 = 16_384;
+
+/// How commits reach the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncMode {
+    /// Survives the process being killed at any instant; a power loss may lose the last
+    /// commits (SQLite WAL with `synchronous=NORMAL`).
+    Normal,
+    /// Every commit is fsynced: survives a power loss too, at a disk flush per commit.
+    Full,
+}
+
+/// Why the store cannot be used. Each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be opened or created.
+    #[error("cannot open the store {}: {}; check that KERNELKITE_DATA_DIR and the file are readable and writable by this user", .path.display(), .cause)]
+    Open {
+        /// The database file.
+        path: PathBuf,
+        /// Why, with its causes.
+        cause: String,
+    },
+    /// The database file is damaged.
+    #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
+    Corrupt {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite reported.
+        detail: String,
+    },
+    /// A change could not be committed; nothing of it was kept.
+    #[error("the store could not save the change ({0}); free disk space in KERNELKITE_DATA_DIR or check the disk, then retry")]
+    Write(String),
+    /// A read failed.
+    #[error("the store could not be read ({0})")]
+    Read(String),
+    /// The database thread is gone (the service is stopping).
+    #[error("the store is closed")]
+    Closed,
+}
+
+/// A finished submission's callback, written with its terminal state in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCallback {
+    /// Where it is POSTed.
+    pub url: String,
+    /// The exact bytes POSTed on every attempt (the final submission's JSON).
+    pub body: String,
+    /// After this (unix ms) no further attempt is made.
+    pub give_up_at_ms: i64,
+}
+
+/// A callback waiting in the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueCallback {
+    /// The submission (also the callback's idempotency key).
+    pub submission_id: String,
+    /// Where it is POSTed.
+    pub url: String,
+    /// What is POSTed.
+    pub body: String,
+    /// Attempts made so far.
+    pub attempts: i64,
+    /// After this (unix ms) it is given up.
+    pub give_up_at_ms: i64,
+}
+
+/// Where a callback stands after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallbackState {
+    /// Waiting for its next attempt.
+    Pending,
+    /// The receiver answered 2xx.
+    Delivered,
+    /// The receiver refused it for good (4xx other than 408/429, or a redirect).
+    Refused,
+    /// Retried until KERNELKITE_CALLBACK_RETRY_S passed.
+    GivenUp,
+}
+
+impl CallbackState {
+    fn as_str(self) -> &'static str {
+        match self {
+            CallbackState::Pending => "pending",
+            CallbackState::Delivered => "delivered",
+            CallbackState::Refused => "refused",
+            CallbackState::GivenUp => "given_up",
+        }
+    }
+}
+
+/// A submission to write before its build is created.
+#[derive(Debug, Clone)]
+pub struct NewSubmission {
+    /// The submission.
+    pub sub: Submission,
+    /// What its executor needs to (re)create its build.
+    pub job: Job,
+    /// Its absolute deadline, unix ms.
+    pub deadline_ms: i64,
+    /// The client's `Idempotency-Key`, with the SHA-256 of the request it came with.
+    pub idempotency: Option<(String, String)>,
+}
+
+/// What inserting a submission did.
+#[derive(Debug, Clone)]
+pub enum Inserted {
+    /// Written.
+    Created,
+    /// The idempotency key was used before: the submission it made, and whether the earlier
+    /// request was the same.
+    Existing {
+        /// The submission the key made.
+        sub: Box<Submission>,
+        /// The earlier request had the same hash.
+        same_request: bool,
+    },
+}
+
+/// A submission that had not ended when the store was last written.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    /// The submission.
+    pub sub: Submission,
+    /// Its job, to create its build again.
+    pub job: Option<Job>,
+    /// Its absolute deadline, unix ms.
+    pub deadline_ms: i64,
+}
+
+enum Op {
+    Insert(Box<NewSubmission>),
+    Save(Box<Submission>),
+    Finish(Box<Submission>, Option<NewCallback>),
+    Callback {
+        id: String,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    },
+    Probe,
+    Load(String),
+    Pending,
+    DueCallbacks {
+        now_ms: i64,
+        limit: i64,
+    },
+    NextCallbackAt,
+}
+
+impl Op {
+    /// Written by one statement (atomic without a transaction around it).
+    fn is_one_statement(&self) -> bool {
+        match self {
+            Op::Insert(n) => n.idempotency.is_none(),
+            Op::Finish(_, cb) => cb.is_none(),
+            Op::Save(_) | Op::Callback { .. } | Op::Probe => true,
+            _ => false,
+        }
+    }
+
+    fn is_write(&self) -> bool {
+        matches!(
+            self,
+            Op::Insert(_) | Op::Save(_) | Op::Finish(..) | Op::Callback { .. } | Op::Probe
+        )
+    }
+}
+
+enum Reply {
+    Inserted(Inserted),
+    Done(bool),
+    Loaded(Option<Box<Submission>>),
+    Pending(Vec<Pending>),
+    Due(Vec<DueCallback>),
+    At(Option<i64>),
+}
+
+struct Request {
+    op: Op,
+    reply: oneshot::Sender<Result<Reply, StoreError>>,
+}
+
+/// What every database thread shares: the last write's outcome and the latency metric.
+struct Shared {
+    last_write_failed: Mutex<Option<String>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// The reader's checkpoints cannot keep the WAL small (writes never pause): the writer
+    /// truncates it at its next turn.
+    wal_too_big: AtomicBool,
+}
+
+impl Shared {
+    fn observe(&self, op: &str, since: Instant) {
+        if let Some(m) = &self.metrics {
+            m.store_seconds
+                .get_or_create(&crate::metrics::OpLabel { op: op.to_string() })
+                .observe(since.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// The SQLite store. Cloning is cheap; the database threads end when the last clone drops.
+#[derive(Clone)]
+pub struct Sqlite {
+    writer: mpsc::Sender<Request>,
+    reader: mpsc::Sender<Request>,
+    shared: Arc<Shared>,
+    path: Option<PathBuf>,
+    closed: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Sqlite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sqlite").field("path", &self.path).finish()
+    }
+}
+
+impl Sqlite {
+    /// Opens (creating when missing) the store in `dir`, or an in-memory store when `dir` is
+    /// `None`; checks it and brings its schema up to date. Blocks while it does (it runs
+    /// before the service serves anything); needs a tokio runtime, whose tasks then serve it.
+    pub fn open(
+        dir: Option<&Path>,
+        sync: SyncMode,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<Sqlite, StoreError> {
+        Sqlite::open_with_pending(dir, sync, metrics).map(|(s, _)| s)
+    }
+
+    /// [`Sqlite::open`], also returning the submissions that had not ended (read before
+    /// anything else can write).
+    pub fn open_with_pending(
+        dir: Option<&Path>,
+        sync: SyncMode,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<(Sqlite, Vec<Pending>), StoreError> {
+        let shared = Arc::new(Shared {
+            last_write_failed: Mutex::new(None),
+            metrics,
+            wal_too_big: AtomicBool::new(false),
+        });
+        let (opts, path) = match dir {
+            Some(dir) => {
+                let path = dir.join(DB_FILE);
+                prepare_files(dir, &path).map_err(|e| StoreError::Open {
+                    path: path.clone(),
+                    cause: report(&e),
+                })?;
+                let opts = SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(match sync {
+                        SyncMode::Normal => SqliteSynchronous::Normal,
+                        SyncMode::Full => SqliteSynchronous::Full,
+                    })
+                    .busy_timeout(Duration::from_secs(10));
+                (opts, Some(path))
+            }
+            None => {
+                let opts = SqliteConnectOptions::from_str("sqlite::memory:").map_err(|e| {
+                    StoreError::Open {
+                        path: PathBuf::from(":memory:"),
+                        cause: report(&e),
+                    }
+                })?;
+                (opts, None)
+            }
+        };
+        let opts = opts.disable_statement_logging();
+        let shown = path.clone().unwrap_or_else(|| PathBuf::from(":memory:"));
+        let (wconn, rconn, pending) = open_connections(opts, shown, path.is_some())?;
+        // The connections serve from tasks of the caller's runtime: one hop less per call
+        // than a thread of their own.
+        let (writer, wrx) = mpsc::channel(4096);
+        tokio::spawn(serve(wconn, wrx, true, shared.clone()));
+        // A file database gets a reader of its own; an in-memory one exists only in its one
+        // connection, so its reads go to the writer.
+        let reader = match rconn {
+            Some(conn) => {
+                let (reader, rrx) = mpsc::channel(4096);
+                tokio::spawn(serve(conn, rrx, false, shared.clone()));
+                reader
+            }
+            None => writer.clone(),
+        };
+        Ok((
+            Sqlite {
+                writer,
+                reader,
+                shared,
+                path,
+                closed: Arc::new(AtomicBool::new(false)),
+            },
+            pending,
+        ))
+    }
+
+    /// The database file (`None`: in memory).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    async fn call(&self, op: Op) -> Result<Reply, StoreError> {
+        let to = if op.is_write() {
+            &self.writer
+        } else {
+            &self.reader
+        };
+        let (reply, rx) = oneshot::channel();
+        if to.send(Request { op, reply }).await.is_err() {
+            self.closed.store(true, Ordering::Relaxed);
+            return Err(StoreError::Closed);
+        }
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Writes a new submission (before its build is created). With an idempotency key that
+    /// was used before, writes nothing and returns the submission it made.
+    pub async fn insert(&self, new: NewSubmission) -> Result<Inserted, StoreError> {
+        match self.call(Op::Insert(Box::new(new))).await? {
+            Reply::Inserted(i) => Ok(i),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// Saves a change of a submission that has not ended.
+    pub async fn save(&self, sub: &Submission) -> Result<(), StoreError> {
+        self.call(Op::Save(Box::new(sub.clone()))).await.map(|_| ())
+    }
+
+    /// Saves a submission's end and, in the same transaction, its callback. Returns false
+    /// when the store already had it ended (nothing is written).
+    pub async fn finish(
+        &self,
+        sub: &Submission,
+        callback: Option<NewCallback>,
+    ) -> Result<bool, StoreError> {
+        match self
+            .call(Op::Finish(Box::new(sub.clone()), callback))
+            .await?
+        {
+            Reply::Done(b) => Ok(b),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// When the next pending callback is due (unix ms), if any is pending.
+    pub async fn next_callback_at(&self) -> Result<Option<i64>, StoreError> {
+        match self.call(Op::NextCallbackAt).await? {
+            Reply::At(t) => Ok(t),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// Records a callback attempt's outcome.
+    pub async fn callback_attempted(
+        &self,
+        id: &str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> Result<(), StoreError> {
+        self.call(Op::Callback {
+            id: id.to_string(),
+            state,
+            attempts,
+            next_at_ms,
+            error,
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// The submission kept under `id`.
+    pub async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
+        match self.call(Op::Load(id.to_string())).await? {
+            Reply::Loaded(s) => Ok(s.map(|b| *b)),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// Every submission that has not ended, with its job and deadline.
+    pub async fn pending(&self) -> Result<Vec<Pending>, StoreError> {
+        match self.call(Op::Pending).await? {
+            Reply::Pending(p) => Ok(p),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// Callbacks due at `now_ms`, oldest first, at most `limit`.
+    pub async fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<DueCallback>, StoreError> {
+        match self.call(Op::DueCallbacks { now_ms, limit }).await? {
+            Reply::Due(d) => Ok(d),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// Reachable and writable: a probe write commits, and the last write before it did not
+    /// fail. A store whose last write failed stays unhealthy until a write succeeds again.
+    pub async fn health(&self) -> Result<(), StoreError> {
+        // A full disk can still take writes that fit in pages the files already hold (a
+        // probe, a state change), while a new submission needs new pages: the free space is
+        // what says whether the store can take work.
+        if let Some(dir) = self.path().and_then(Path::parent) {
+            if let Ok(fs) = rustix::fs::statvfs(dir) {
+                let free = fs.f_bavail.saturating_mul(fs.f_frsize);
+                if free < MIN_FREE_BYTES {
+                    return Err(StoreError::Write(format!(
+                        "{free} bytes free on the disk of {} (fewer than {MIN_FREE_BYTES})",
+                        dir.display()
+                    )));
+                }
+            }
+        }
+        if let Some(why) = self
+            .shared
+            .last_write_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(StoreError::Write(why));
+        }
+        self.call(Op::Probe).await.map(|_| ())
+    }
+
+    /// Why the last write failed, while the store has not written successfully since.
+    pub fn last_write_error(&self) -> Option<String> {
+        self.shared
+            .last_write_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// Creates the data dir (0700) and the database file (0600) when missing, and narrows the
+/// modes of existing files: SQLite gives its -wal and -shm files the database file's mode.
+fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    for suffix in ["", "-wal", "-shm"] {
+        let f = PathBuf::from(format!("{}{suffix}", path.display()));
+        if let Ok(meta) = std::fs::metadata(&f) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Opens the connections (the writer's first: it checks the file and migrates), and reads
+/// the submissions that had not ended, on a helper thread: connecting needs no runtime, so
+/// this works in or out of one, and blocks only the caller.
+fn open_connections(
+    opts: SqliteConnectOptions,
+    path: PathBuf,
+    reader: bool,
+) -> Result<(SqliteConnection, Option<SqliteConnection>, Vec<Pending>), StoreError> {
+    let open_err = |path: &Path, cause: String| StoreError::Open {
+        path: path.to_path_buf(),
+        cause,
+    };
+    let thread_path = path.clone();
+    let handle = std::thread::Builder::new()
+        .name("kernelkite-db-open".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| open_err(&thread_path, e.to_string()))?;
+            rt.block_on(async move {
+                let mut w = connect(&opts, &thread_path, true).await?;
+                let pending = match read(&mut w, Op::Pending).await {
+                    Ok(Reply::Pending(p)) => p,
+                    Ok(_) => Vec::new(),
+                    Err(e) => return Err(StoreError::Read(report(&e))),
+                };
+                let r = if reader {
+                    Some(connect(&opts, &thread_path, false).await?)
+                } else {
+                    None
+                };
+                Ok((w, r, pending))
+            })
+        })
+        .map_err(|e| open_err(&path, e.to_string()))?;
+    handle
+        .join()
+        .map_err(|_| open_err(&path, "the opening thread panicked".into()))?
+}
+
+/// Connects; the writer also checks the file and migrates the schema.
+async fn connect(
+    opts: &SqliteConnectOptions,
+    path: &Path,
+    writer: bool,
+) -> Result<SqliteConnection, StoreError> {
+    let classify = |e: sqlx::Error| classify_open(path, e);
+    let mut conn = opts.connect().await.map_err(classify)?;
+    sqlx::query("PRAGMA cache_size = -8192")
+        .execute(&mut conn)
+        .await
+        .map_err(classify)?;
+    if writer && path != Path::new(":memory:") {
+        // Checkpoints (which fsync the database file) are the reader's job, off the commit
+        // path; see `serve`.
+        sqlx::query("PRAGMA wal_autocheckpoint = 0")
+            .execute(&mut conn)
+            .await
+            .map_err(classify)?;
+    }
+    if writer {
+        // A damaged file is refused before anything is written to it.
+        let rows = sqlx::query("PRAGMA quick_check")
+            .fetch_all(&mut conn)
+            .await
+            .map_err(classify)?;
+        let verdict: Vec<String> = rows
+            .iter()
+            .filter_map(|r| r.try_get::<String, _>(0).ok())
+            .collect();
+        if verdict != ["ok"] {
+            return Err(StoreError::Corrupt {
+                path: path.to_path_buf(),
+                detail: verdict.join("; ").chars().take(500).collect(),
+            });
+        }
+        migrate(&mut conn).await.map_err(classify)?;
+    }
+    Ok(conn)
+}
+
+fn classify_open(path: &Path, e: sqlx::Error) -> StoreError {
+    let text = report(&e);
+    // SQLITE_NOTADB (26) and SQLITE_CORRUPT (11): the bytes are not a sound database.
+    let corrupt = match &e {
+        sqlx::Error::Database(d) => matches!(d.code().as_deref(), Some("26" | "11")),
+        _ => false,
+    } || text.contains("not a database")
+        || text.contains("malformed");
+    if corrupt {
+        StoreError::Corrupt {
+            path: path.to_path_buf(),
+            detail: text,
+        }
+    } else {
+        StoreError::Open {
+            path: path.to_path_buf(),
+            cause: text,
+        }
+    }
+}
+
+/// The schema, one step per version; a step runs once, in a transaction, and is recorded.
+const MIGRATIONS: &[(i64, &str)] = &[(
+    1,
+    "CREATE TABLE submissions (
+        id TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        terminal BIGINT NOT NULL,
+        created_at_ms BIGINT NOT NULL,
+        deadline_ms BIGINT NOT NULL,
+        build_id TEXT,
+        build_number BIGINT,
+        idempotency_key TEXT UNIQUE,
+        request_sha256 TEXT,
+        job TEXT,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX submissions_open ON submissions (terminal);
+    CREATE TABLE callbacks (
+        submission_id TEXT PRIMARY KEY,
+        url TEXT NOT NULL,
+        body TEXT NOT NULL,
+        state TEXT NOT NULL,
+        attempts BIGINT NOT NULL,
+        next_at_ms BIGINT NOT NULL,
+        give_up_at_ms BIGINT NOT NULL,
+        last_error TEXT
+    );
+    CREATE INDEX callbacks_due ON callbacks (state, next_at_ms);
+    CREATE TABLE kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
+    INSERT INTO kernelkite_health (id, checked_at_ms) VALUES (1, 0);",
+)];
+
+async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)")
+        .execute(&mut *conn)
+        .await?;
+    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM kernelkite_schema")
+        .fetch_one(&mut *conn)
+        .await?
+        .try_get(0)?;
+    for (version, sql) in MIGRATIONS {
+        if current.is_some_and(|c| c >= *version) {
+            continue;
+        }
+        let mut tx = conn.begin().await?;
+        sqlx::raw_sql(sql).execute(&mut *tx).await?;
+        sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
+            .bind(version)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// Now, unix milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+async fn serve(
+    mut conn: SqliteConnection,
+    mut rx: mpsc::Receiver<Request>,
+    writer: bool,
+    shared: Arc<Shared>,
+) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut checkpoints = tokio::time::interval(CHECKPOINT_EVERY);
+    checkpoints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let first = tokio::select! {
+            r = rx.recv() => match r {
+                Some(r) => r,
+                None => break,
+            },
+            // The reader copies the WAL into the database file now and then (a passive
+            // checkpoint never blocks the writer), so no commit pays for it.
+            _ = checkpoints.tick(), if !writer => {
+                checkpoint(&mut conn, &shared).await;
+                continue;
+            }
+        };
+        if writer && shared.wal_too_big.swap(false, Ordering::AcqRel) {
+            let t = Instant::now();
+            if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                .execute(&mut conn)
+                .await
+            {
+                tracing::warn!(error = %report(&e), "could not truncate the WAL");
+            }
+            shared.observe("truncate", t);
+        }
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let (writes, reads): (Vec<Request>, Vec<Request>) =
+            batch.drain(..).partition(|r| r.op.is_write());
+        if writer && !writes.is_empty() {
+            commit_batch(&mut conn, writes, &shared).await;
+        }
+        for r in reads {
+            let t = Instant::now();
+            let out = read(&mut conn, r.op)
+                .await
+                .map_err(|e| StoreError::Read(report(&e)));
+            shared.observe("read", t);
+            let _ = r.reply.send(out);
+        }
+    }
+}
+
+/// A passive checkpoint; a WAL that keeps growing (it only restarts when a checkpoint
+/// catches up with the writer) is handed to the writer to truncate.
+async fn checkpoint(conn: &mut SqliteConnection, shared: &Shared) {
+    let t = Instant::now();
+    match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+        .fetch_optional(&mut *conn)
+        .await
+    {
+        Ok(Some(row)) => {
+            let frames: i64 = row.try_get(1).unwrap_or(0);
+            if frames > WAL_LIMIT_FRAMES {
+                shared.wal_too_big.store(true, Ordering::Release);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %report(&e), "WAL checkpoint failed"),
+    }
+    shared.observe("checkpoint", t);
+}
+
+/// Commits `writes` in one transaction and answers each after the commit. When the batch
+/// fails, each write is tried alone, so one bad write cannot sink the others.
+async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared: &Shared) {
+    let t = Instant::now();
+    if writes.len() == 1 && writes[0].op.is_one_statement() {
+        // One statement is its own transaction: no BEGIN and COMMIT round trips.
+        let r = writes.into_iter().next();
+        if let Some(r) = r {
+            match write(conn, &r.op).await {
+                Ok(reply) => {
+                    shared.observe("commit", t);
+                    set_failed(shared, None);
+                    let _ = r.reply.send(Ok(reply));
+                }
+                Err(e) => {
+                    let why = report(&e);
+                    tracing::error!(error = %why, "the store could not commit");
+                    set_failed(shared, Some(why.clone()));
+                    let _ = r.reply.send(Err(StoreError::Write(why)));
+                }
+            }
+        }
+        return;
+    }
+    let together = async {
+        let mut tx = conn.begin().await?;
+        let mut out = Vec::with_capacity(writes.len());
+        for r in &writes {
+            out.push(write(&mut tx, &r.op).await?);
+        }
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(out)
+    }
+    .await;
+    match together {
+        Ok(replies) => {
+            shared.observe("commit", t);
+            set_failed(shared, None);
+            for (r, reply) in writes.into_iter().zip(replies) {
+                let _ = r.reply.send(Ok(reply));
+            }
+        }
+        Err(e) if writes.len() == 1 => {
+            let why = report(&e);
+            tracing::error!(error = %why, "the store could not commit");
+            set_failed(shared, Some(why.clone()));
+            for r in writes {
+                let _ = r.reply.send(Err(StoreError::Write(why.clone())));
+            }
+        }
+        Err(_) => {
+            for r in writes {
+                let one = async {
+                    let mut tx = conn.begin().await?;
+                    let reply = write(&mut tx, &r.op).await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(reply)
+                }
+                .await;
+                match one {
+                    Ok(reply) => {
+                        set_failed(shared, None);
+                        let _ = r.reply.send(Ok(reply));
+                    }
+                    Err(e) => {
+                        let why = report(&e);
+                        tracing::error!(error = %why, "the store could not commit");
+                        set_failed(shared, Some(why.clone()));
+                        let _ = r.reply.send(Err(StoreError::Write(why)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Below this much free space on the data dir's disk the store reports itself unhealthy.
+const MIN_FREE_BYTES: u64 = 1 << 20;
+
+fn set_failed(shared: &Shared, why: Option<String>) {
+    *shared
+        .last_write_failed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = why;
+}
+
+fn encode<T: serde::Serialize>(v: &T) -> Result<String, sqlx::Error> {
+    serde_json::to_string(v).map_err(|e| sqlx::Error::Encode(e.into()))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, sqlx::Error> {
+    serde_json::from_str(text).map_err(|e| sqlx::Error::Decode(e.into()))
+}
+
+async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Error> {
+    match op {
+        Op::Insert(new) => {
+            if let Some((key, hash)) = &new.idempotency {
+                let row = sqlx::query(
+                    "SELECT request_sha256, doc FROM submissions WHERE idempotency_key = $1",
+                )
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await?;
+                if let Some(row) = row {
+                    let earlier: Option<String> = row.try_get(0)?;
+                    let doc: String = row.try_get(1)?;
+                    return Ok(Reply::Inserted(Inserted::Existing {
+                        sub: Box::new(decode(&doc)?),
+                        same_request: earlier.as_deref() == Some(hash.as_str()),
+                    }));
+                }
+            }
+            let s = &new.sub;
+            sqlx::query(
+                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            )
+            .bind(&s.id)
+            .bind(s.state.as_str())
+            .bind(i64::from(s.state.is_terminal()))
+            .bind(s.created_at.timestamp_millis())
+            .bind(new.deadline_ms)
+            .bind(s.build.as_ref().map(|b| b.id.clone()))
+            .bind(s.build.as_ref().map(|b| b.number as i64))
+            .bind(new.idempotency.as_ref().map(|k| k.0.clone()))
+            .bind(new.idempotency.as_ref().map(|k| k.1.clone()))
+            .bind(encode(&new.job)?)
+            .bind(encode(s)?)
+            .execute(&mut *conn)
+            .await?;
+            Ok(Reply::Inserted(Inserted::Created))
+        }
+        Op::Save(s) => {
+            let done = sqlx::query(
+                "UPDATE submissions SET state = $2, doc = $3, build_id = $4, build_number = $5
+                 WHERE id = $1 AND terminal = 0",
+            )
+            .bind(&s.id)
+            .bind(s.state.as_str())
+            .bind(encode(&**s)?)
+            .bind(s.build.as_ref().map(|b| b.id.clone()))
+            .bind(s.build.as_ref().map(|b| b.number as i64))
+            .execute(&mut *conn)
+            .await?;
+            Ok(Reply::Done(done.rows_affected() == 1))
+        }
+        Op::Finish(s, callback) => {
+            let done = sqlx::query(
+                "UPDATE submissions SET state = $2, terminal = 1, doc = $3, build_id = $4, build_number = $5, job = NULL
+                 WHERE id = $1 AND terminal = 0",
+            )
+            .bind(&s.id)
+            .bind(s.state.as_str())
+            .bind(encode(&**s)?)
+            .bind(s.build.as_ref().map(|b| b.id.clone()))
+            .bind(s.build.as_ref().map(|b| b.number as i64))
+            .execute(&mut *conn)
+            .await?;
+            let ended = done.rows_affected() == 1;
+            if let (true, Some(cb)) = (ended, callback) {
+                sqlx::query(
+                    "INSERT INTO callbacks (submission_id, url, body, state, attempts, next_at_ms, give_up_at_ms, last_error)
+                     VALUES ($1, $2, $3, $4, 0, $5, $6, NULL)",
+                )
+                .bind(&s.id)
+                .bind(&cb.url)
+                .bind(&cb.body)
+                .bind(CallbackState::Pending.as_str())
+                .bind(now_ms())
+                .bind(cb.give_up_at_ms)
+                .execute(&mut *conn)
+                .await?;
+            }
+            Ok(Reply::Done(ended))
+        }
+        Op::Callback {
+            id,
+            state,
+            attempts,
+            next_at_ms,
+            error,
+        } => {
+            sqlx::query(
+                "UPDATE callbacks SET state = $2, attempts = $3, next_at_ms = $4, last_error = $5
+                 WHERE submission_id = $1",
+            )
+            .bind(id)
+            .bind(state.as_str())
+            .bind(attempts)
+            .bind(next_at_ms)
+            .bind(error)
+            .execute(&mut *conn)
+            .await?;
+            Ok(Reply::Done(true))
+        }
+        Op::Probe => {
+            sqlx::query("UPDATE kernelkite_health SET checked_at_ms = $1 WHERE id = 1")
+                .bind(now_ms())
+                .execute(&mut *conn)
+                .await?;
+            Ok(Reply::Done(true))
+        }
+        Op::Load(_) | Op::Pending | Op::DueCallbacks { .. } | Op::NextCallbackAt => {
+            Ok(Reply::Done(false))
+        }
+    }
+}
+
+async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error> {
+    match op {
+        Op::Load(id) => {
+            let row = sqlx::query("SELECT doc FROM submissions WHERE id = $1")
+                .bind(&id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            match row {
+                Some(r) => Ok(Reply::Loaded(Some(Box::new(decode(
+                    &r.try_get::<String, _>(0)?,
+                )?)))),
+                None => Ok(Reply::Loaded(None)),
+            }
+        }
+        Op::Pending => {
+            let rows = sqlx::query(
+                "SELECT doc, job, deadline_ms FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
+            )
+            .fetch_all(&mut *conn)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                let job: Option<String> = r.try_get(1)?;
+                out.push(Pending {
+                    sub: decode(&r.try_get::<String, _>(0)?)?,
+                    job: job.map(|j| decode(&j)).transpose()?,
+                    deadline_ms: r.try_get(2)?,
+                });
+            }
+            Ok(Reply::Pending(out))
+        }
+        Op::DueCallbacks { now_ms, limit } => {
+            let rows = sqlx::query(
+                "SELECT submission_id, url, body, attempts, give_up_at_ms FROM callbacks
+                 WHERE state = $1 AND next_at_ms <= $2 ORDER BY next_at_ms LIMIT $3",
+            )
+            .bind(CallbackState::Pending.as_str())
+            .bind(now_ms)
+            .bind(limit)
+            .fetch_all(&mut *conn)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                out.push(DueCallback {
+                    submission_id: r.try_get(0)?,
+                    url: r.try_get(1)?,
+                    body: r.try_get(2)?,
+                    attempts: r.try_get(3)?,
+                    give_up_at_ms: r.try_get(4)?,
+                });
+            }
+            Ok(Reply::Due(out))
+        }
+        Op::NextCallbackAt => {
+            let at: Option<i64> =
+                sqlx::query("SELECT MIN(next_at_ms) FROM callbacks WHERE state = $1")
+                    .bind(CallbackState::Pending.as_str())
+                    .fetch_one(&mut *conn)
+                    .await?
+                    .try_get(0)?;
+            Ok(Reply::At(at))
+        }
+        other => write(conn, &other).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::submission::{Outcome, State};
+
+    fn job(id: &str) -> Job {
+        Job {
+            submission_id: id.into(),
+            run_id: "r".into(),
+            queue: "q".into(),
+            mode: "test".into(),
+            payload: "eJw=".into(),
+        }
+    }
+
+    fn new_sub(key: Option<(&str, &str)>) -> NewSubmission {
+        let id = uuid::Uuid::new_v4().to_string();
+        NewSubmission {
+            sub: Submission::new(id.clone(), "q".into(), None, None, 60, chrono::Utc::now()),
+            job: job(&id),
+            deadline_ms: now_ms() + 60_000,
+            idempotency: key.map(|(k, h)| (k.to_string(), h.to_string())),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_submission_survives_reopening_and_its_end_is_final() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = new_sub(None);
+        let id = n.sub.id.clone();
+        {
+            let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+            assert!(matches!(
+                db.insert(n.clone()).await.unwrap(),
+                Inserted::Created
+            ));
+            let mut s = n.sub.clone();
+            s.advance(State::Running, chrono::Utc::now());
+            db.save(&s).await.unwrap();
+            let pending = db.pending().await.unwrap();
+            assert_eq!(pending.len(), 1);
+            assert_eq!(pending[0].sub, s);
+            assert_eq!(pending[0].job.as_ref(), Some(&n.job));
+        }
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let mut s = db.load(&id).await.unwrap().unwrap();
+        assert_eq!(s.state, State::Running);
+        s.finish(Outcome::Failed("x".into()), chrono::Utc::now());
+        let cb = NewCallback {
+            url: "http://127.0.0.1:1/cb".into(),
+            body: "{}".into(),
+            give_up_at_ms: now_ms() + 1000,
+        };
+        assert!(db.finish(&s, Some(cb.clone())).await.unwrap());
+        assert!(
+            !db.finish(&s, Some(cb)).await.unwrap(),
+            "a second end is refused"
+        );
+        assert!(db.pending().await.unwrap().is_empty());
+        let due = db.due_callbacks(now_ms() + 1, 10).await.unwrap();
+        assert_eq!(due.len(), 1, "one callback, written with the end");
+        db.callback_attempted(&id, CallbackState::Delivered, 1, 0, None)
+            .await
+            .unwrap();
+        assert!(db.due_callbacks(now_ms() + 1, 10).await.unwrap().is_empty());
+        db.health().await.unwrap();
+        for f in ["kernelkite.db", "kernelkite.db-wal", "kernelkite.db-shm"] {
+            let mode = std::fs::metadata(dir.path().join(f))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{f}: {mode:o}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_idempotency_key_returns_the_first_submission() {
+        let db = Sqlite::open(None, SyncMode::Normal, None).unwrap();
+        let a = new_sub(Some(("k1", "h1")));
+        assert!(matches!(
+            db.insert(a.clone()).await.unwrap(),
+            Inserted::Created
+        ));
+        match db.insert(new_sub(Some(("k1", "h1")))).await.unwrap() {
+            Inserted::Existing { sub, same_request } => {
+                assert_eq!(sub.id, a.sub.id);
+                assert!(same_request);
+            }
+            Inserted::Created => panic!("key reused"),
+        }
+        match db.insert(new_sub(Some(("k1", "h2")))).await.unwrap() {
+            Inserted::Existing { same_request, .. } => assert!(!same_request),
+            Inserted::Created => panic!("key reused"),
+        }
+        assert_eq!(db.pending().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn garbage_is_refused_as_corrupt_with_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(DB_FILE), vec![0x5a; 8192]).unwrap();
+        let e = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap_err();
+        assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+        assert!(e.to_string().contains("restore it from a backup"), "{e}");
+    }
+}

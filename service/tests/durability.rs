@@ -1,0 +1,700 @@
+//! Nothing lost, nothing exhausted: the real `kernelkite-service` binary over loopback against
+//! the fake Buildkite (in this process), killed with SIGKILL at random points, with webhooks
+//! lost, a create-build answer that never comes back, a callback receiver that is down, a
+//! store that is damaged, unreadable or full, and a spent rate limit.
+//!
+//! Its own test binary: each test runs the service as a child process.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kernelkite_testkit::callback_receiver::{signature_valid, CallbackReceiver, Mode};
+use kernelkite_testkit::fake_buildkite::{ArtifactSpec, FakeBuildkite, Fault, Route};
+use kernelkite_testkit::harness::CALLBACK_SECRET;
+use kernelkite_testkit::service_process::{Limits, ServiceProcess};
+use kernelkite_testkit::{sample_config, sample_result_json, skip};
+use serde_json::{json, Value};
+
+const EXE: &str = env!("CARGO_BIN_EXE_kernelkite-service");
+
+/// The result a build of `run_id` uploads: the sample with the run id as the host name, so
+/// every submission's result is its own.
+fn result_for(run_id: &str) -> ArtifactSpec {
+    ArtifactSpec::result_json(sample_result_json().replace("gpu-node-1", run_id))
+}
+
+/// Plays Buildkite's agents: every build created runs for a random while, then finishes
+/// `passed` with its own result (its webhooks go wherever the service is, or are lost when
+/// it is down).
+fn spawn_agents(fake: Arc<FakeBuildkite>, seed: u64) -> tokio::task::JoinHandle<()> {
+    spawn_agents_for(fake, seed, 30..300)
+}
+
+/// [`spawn_agents`], each build running for a time drawn from `run_ms`.
+fn spawn_agents_for(
+    fake: Arc<FakeBuildkite>,
+    seed: u64,
+    run_ms: std::ops::Range<u64>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        while let Some(n) = fake.next_created(Duration::from_secs(120)).await {
+            let ms = rng.u64(run_ms.clone());
+            let fake = fake.clone();
+            tokio::spawn(async move {
+                let run_id = fake.build(n).unwrap()["meta_data"]["run_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string();
+                fake.start_build(n).await;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                fake.finish_build(n, "passed", Some(result_for(&run_id)))
+                    .await;
+            });
+        }
+    })
+}
+
+/// Submits with an idempotency key, retrying through restarts and 503s until the service
+/// answers; returns the submission id.
+async fn submit_until_accepted(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    body: &Value,
+) -> String {
+    loop {
+        match http
+            .post(format!("{base}/v1/submissions"))
+            .header("Idempotency-Key", key)
+            .json(body)
+            .send()
+            .await
+        {
+            Ok(r) if matches!(r.status().as_u16(), 200 | 202) => {
+                let v: Value = r.json().await.unwrap();
+                return v["id"].as_str().unwrap().to_string();
+            }
+            Ok(r) => assert!(
+                matches!(r.status().as_u16(), 503),
+                "{}: {:?}",
+                r.status(),
+                r.text().await
+            ),
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Long-polls until the submission ended, through restarts; its final JSON.
+async fn long_poll(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    loop {
+        if let Ok(r) = http
+            .get(format!("{base}/v1/submissions/{id}?wait=3"))
+            .send()
+            .await
+        {
+            if r.status() == 200 {
+                if let Ok(v) = r.json::<Value>().await {
+                    let terminal = matches!(
+                        v["state"].as_str(),
+                        Some("succeeded" | "failed" | "canceled" | "timed_out")
+                    );
+                    if terminal {
+                        return v;
+                    }
+                    continue;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Builds per submission id, from the builds' meta-data.
+fn builds_per_submission(fake: &FakeBuildkite) -> HashMap<String, Vec<u64>> {
+    let mut out: HashMap<String, Vec<u64>> = HashMap::new();
+    for (n, meta) in fake.builds_meta() {
+        if let Some(id) = meta["kernelkite_submission_id"].as_str() {
+            out.entry(id.to_string()).or_default().push(n);
+        }
+    }
+    out
+}
+
+fn log_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
+    dir.path().join("service.log")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_submissions_survive_kill_9_at_random_points() {
+    const N: usize = 200;
+    const KILLS: usize = 5;
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let receiver = CallbackReceiver::start().await;
+    // Slow answers, so kills land while callbacks are in flight.
+    receiver.set_mode(Mode::Slow(Duration::from_millis(100)));
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+    svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
+    svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
+    svc.start().await.unwrap();
+    // Slow downloads, so kills land while results are being fetched.
+    for _ in 0..40 {
+        fake.inject(Route::Download, Fault::Delay(Duration::from_millis(150)));
+    }
+    // Slow creates, so kills land while builds are being created: some made and answered
+    // late, some not made yet.
+    for _ in 0..40 {
+        fake.inject(
+            Route::CreateBuild,
+            Fault::DelayResponse(Duration::from_millis(300)),
+        );
+        fake.inject(Route::CreateBuild, Fault::Delay(Duration::from_millis(300)));
+    }
+    let agents = spawn_agents_for(fake.clone(), 7, 100..600);
+    let started = Instant::now();
+    let http = reqwest::Client::new();
+    let base = svc.base.clone();
+    let mut clients = Vec::new();
+    for i in 0..N {
+        let (http, base, cb) = (http.clone(), base.clone(), receiver.url());
+        clients.push(tokio::spawn(async move {
+            // Spread over 2.4 s, so every kill lands among submissions at every stage.
+            tokio::time::sleep(Duration::from_millis(i as u64 * 12)).await;
+            let run_id = format!("run-{i}");
+            let body =
+                json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb});
+            let id = submit_until_accepted(&http, &base, &format!("key-{i}"), &body).await;
+            let done = long_poll(&http, &base, &id).await;
+            (run_id, id, done)
+        }));
+    }
+    let mut rng = fastrand::Rng::with_seed(42);
+    for _ in 0..KILLS {
+        tokio::time::sleep(Duration::from_millis(rng.u64(350..650))).await;
+        svc.kill9().await;
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..150))).await;
+        svc.start().await.unwrap();
+    }
+    let mut results = Vec::new();
+    for c in clients {
+        results.push(
+            tokio::time::timeout(Duration::from_secs(90), c)
+                .await
+                .expect("every client hears the end")
+                .unwrap(),
+        );
+    }
+    let took = started.elapsed();
+
+    let mut ids = BTreeMap::new();
+    for (run_id, id, done) in &results {
+        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
+        assert_eq!(
+            done["result"]["system"]["hostname"], *run_id,
+            "{id} has another submission's result"
+        );
+        assert_eq!(done["run_id"], *run_id);
+        ids.insert(id.clone(), run_id.clone());
+    }
+    assert_eq!(ids.len(), N, "one submission per idempotency key");
+    // Exactly one build per submission: no twins, none lost.
+    let builds = builds_per_submission(&fake);
+    for id in ids.keys() {
+        assert_eq!(
+            builds.get(id).map(Vec::len),
+            Some(1),
+            "{id}: builds {:?}",
+            builds.get(id)
+        );
+    }
+    assert_eq!(builds.len(), N);
+    // Every callback arrived at least once, signed, with the submission id as its key.
+    let all_called = receiver
+        .wait_for(Duration::from_secs(60), |d| {
+            let mut seen = std::collections::HashSet::new();
+            for x in d {
+                if let Some(k) = &x.idempotency_key {
+                    seen.insert(k.clone());
+                }
+            }
+            ids.keys().all(|id| seen.contains(id))
+        })
+        .await;
+    assert!(all_called, "some callbacks never arrived");
+    for d in receiver.deliveries() {
+        let key = d.idempotency_key.clone().unwrap();
+        let v: Value = serde_json::from_slice(&d.body).unwrap();
+        assert_eq!(v["id"], key);
+        assert_eq!(v["state"], "succeeded");
+        assert_eq!(v["result"]["system"]["hostname"], ids[&key]);
+        assert!(signature_valid(
+            CALLBACK_SECRET,
+            d.signature.as_deref().unwrap_or_default(),
+            &d.body,
+            300
+        ));
+    }
+    let deliveries = receiver.deliveries().len();
+    // Where the kills landed, as the restarted service saw it.
+    let log = svc.log_text();
+    let count = |needle: &str| log.matches(needle).count();
+    println!(
+        "recovery: {} restarts reloaded unfinished submissions; {} builds of interrupted creates adopted, {} created after a restart; {} results collected after the reconciler found them; {} callback attempts failed and retried",
+        count("reloading submissions that had not ended"),
+        count("adopting the build an interrupted create made"),
+        count("creating the build of an interrupted submission"),
+        count("reconciler found a finished build"),
+        count("callback failed; retrying"),
+    );
+    assert!(
+        count("reloading submissions that had not ended") >= 3,
+        "kills missed the submissions in flight: {log}"
+    );
+    assert!(
+        count("adopting the build an interrupted create made")
+            + count("creating the build of an interrupted submission")
+            >= 1,
+        "no kill landed while a build was being created: {log}"
+    );
+    println!(
+        "{N} submissions, {KILLS} kill -9 restarts: all succeeded in {took:?}; {} builds; {deliveries} callback deliveries",
+        fake.builds_meta().len()
+    );
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_webhooks_are_reconciled_in_batched_listings() {
+    const N: usize = 100;
+    const MIN_MS: u64 = 300;
+    const MAX_MS: u64 = 1200;
+    let fake = Arc::new(FakeBuildkite::start().await);
+    fake.drop_webhooks(0.3, 11);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.set_env("KERNELKITE_RECONCILE_MIN_MS", MIN_MS.to_string());
+    svc.set_env("KERNELKITE_RECONCILE_MAX_MS", MAX_MS.to_string());
+    svc.start().await.unwrap();
+    let agents = spawn_agents(fake.clone(), 3);
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for i in 0..N {
+        let (http, base) = (http.clone(), svc.base.clone());
+        clients.push(tokio::spawn(async move {
+            let body =
+                json!({"config": sample_config(), "queue": "h100", "run_id": format!("run-{i}")});
+            let id = submit_until_accepted(&http, &base, &format!("k{i}"), &body).await;
+            let done = long_poll(&http, &base, &id).await;
+            (i, done, Instant::now())
+        }));
+    }
+    let mut last = started;
+    for c in clients {
+        let (i, done, at) = tokio::time::timeout(Duration::from_secs(60), c)
+            .await
+            .expect("finished")
+            .unwrap();
+        assert_eq!(done["state"], "succeeded", "{done}");
+        assert_eq!(done["result"]["system"]["hostname"], format!("run-{i}"));
+        last = last.max(at);
+    }
+    let elapsed = last - started;
+    let dropped_finished = fake
+        .dropped_webhooks()
+        .iter()
+        .filter(|(e, _)| e == "build.finished")
+        .count();
+    assert!(dropped_finished >= 15, "only {dropped_finished} dropped");
+    let lists: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.route == Route::ListBuilds)
+        .collect();
+    // Batched: the passes, not the builds, decide the calls. A pass runs at most once per
+    // MIN_MS (while something is due), so the calls are bounded by time, and fewer than the
+    // lost webhooks.
+    let bound = (elapsed.as_millis() as u64 / MIN_MS) as usize + 2;
+    println!(
+        "{N} submissions, {dropped_finished} build.finished webhooks lost: all succeeded within {elapsed:?}; the reconciler spent {} list-builds calls (bound {bound})",
+        lists.len()
+    );
+    assert!(!lists.is_empty());
+    assert!(lists.len() <= bound, "{} listings > {bound}", lists.len());
+    assert!(
+        lists.len() < dropped_finished,
+        "{} listings for {dropped_finished} lost webhooks: not batched",
+        lists.len()
+    );
+    for l in &lists {
+        let q = l.query.clone().unwrap_or_default();
+        for part in [
+            "state%5B%5D=passed",
+            "finished_from=",
+            "exclude_jobs=true",
+            "exclude_pipeline=true",
+            "per_page=100",
+        ] {
+            assert!(q.contains(part), "{part} not in {q}");
+        }
+    }
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test]
+async fn a_create_that_times_out_after_buildkite_made_the_build_leaves_exactly_one_build() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "1");
+    svc.set_env("KERNELKITE_CREATE_LOOKUP_DELAY_MS", "300");
+    svc.start().await.unwrap();
+    // Buildkite makes the build, then answers after the client gave up (and once, the
+    // request is held before anything is made, so the client's lookup finds nothing).
+    fake.inject(
+        Route::CreateBuild,
+        Fault::DelayResponse(Duration::from_millis(2500)),
+    );
+    let agents = spawn_agents(fake.clone(), 5);
+    let http = reqwest::Client::new();
+    let body = json!({"config": sample_config(), "queue": "h100", "run_id": "solo"});
+    let id = submit_until_accepted(&http, &svc.base, "solo", &body).await;
+    let done = long_poll(&http, &svc.base, &id).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    let builds = builds_per_submission(&fake);
+    assert_eq!(builds[&id].len(), 1, "{builds:?}");
+    let creates = fake
+        .requests()
+        .iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .count();
+    assert_eq!(creates, 1, "the create was repeated");
+    let log = svc.log_text();
+    assert!(
+        log.contains("no answer within KERNELKITE_HTTP_TIMEOUT_S"),
+        "a timeout is named as one: {log}"
+    );
+    assert!(log.contains("adopted the build"), "{log}");
+
+    // Held before Buildkite made anything: the lookup finds nothing, a second create makes
+    // the one build.
+    fake.inject(
+        Route::CreateBuild,
+        Fault::Delay(Duration::from_millis(2500)),
+    );
+    let body = json!({"config": sample_config(), "queue": "h100", "run_id": "second"});
+    let id = submit_until_accepted(&http, &svc.base, "second", &body).await;
+    let done = long_poll(&http, &svc.base, &id).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(builds_per_submission(&fake)[&id].len(), 1);
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test]
+async fn callbacks_survive_a_receiver_outage_and_a_restart_and_arrive_signed() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut receiver = CallbackReceiver::start().await;
+    receiver.down();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    let agents = spawn_agents(fake.clone(), 9);
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let body = json!({"config": sample_config(), "queue": "h100", "run_id": format!("cb-{i}"), "callback_url": receiver.url()});
+        ids.push(submit_until_accepted(&http, &svc.base, &format!("cb-{i}"), &body).await);
+    }
+    let mut finals = HashMap::new();
+    for id in &ids {
+        finals.insert(id.clone(), long_poll(&http, &svc.base, id).await);
+    }
+    // Attempts fail while the receiver is down; the service is killed meanwhile.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    svc.kill9().await;
+    svc.start().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    receiver.up().await;
+    let all = receiver
+        .wait_for(Duration::from_secs(30), |d| {
+            ids.iter()
+                .all(|id| d.iter().any(|x| x.idempotency_key.as_deref() == Some(id)))
+        })
+        .await;
+    assert!(all, "callbacks lost: {:?}", receiver.deliveries());
+    for d in receiver.deliveries() {
+        let key = d.idempotency_key.clone().unwrap();
+        assert!(signature_valid(
+            CALLBACK_SECRET,
+            d.signature.as_deref().unwrap_or_default(),
+            &d.body,
+            300
+        ));
+        let v: Value = serde_json::from_slice(&d.body).unwrap();
+        assert_eq!(v, finals[&key], "the callback is the final submission");
+    }
+    let log = svc.log_text();
+    assert!(log.contains("callback failed; retrying"), "{log}");
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test]
+async fn a_damaged_or_unreadable_store_is_refused_at_start_with_what_to_do() {
+    let fake = FakeBuildkite::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    // Damaged: bytes that are not a database.
+    std::fs::write(data.path().join("kernelkite.db"), vec![0x42u8; 16 * 1024]).unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    let (code, log) = svc.run_to_exit(Duration::from_secs(20)).await;
+    assert_eq!(code, Some(1), "{log}");
+    assert!(
+        log.contains("is corrupted") && log.contains("restore it from a backup"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read(data.path().join("kernelkite.db")).unwrap(),
+        vec![0x42u8; 16 * 1024],
+        "a damaged store is left as it was"
+    );
+
+    // Unreadable by the service's user.
+    let data = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    svc.kill9().await;
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        data.path().join("kernelkite.db"),
+        std::fs::Permissions::from_mode(0o000),
+    )
+    .unwrap();
+    if root {
+        // Root reads any file: run the service as nobody, which may enter the directory
+        // but not read the file.
+        std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        svc.limits = Limits {
+            user: Some(65534),
+            ..Limits::default()
+        };
+    }
+    let (code, log) = svc.run_to_exit(Duration::from_secs(20)).await;
+    assert_eq!(code, Some(1), "{log}");
+    assert!(
+        log.contains("cannot open the store") && log.contains("readable and writable"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_new_submissions_and_loses_nothing_acknowledged() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    svc.kill9().await;
+    // The files may not grow past 160 KiB: a full disk, for this process only.
+    let base_size = std::fs::metadata(data.path().join("kernelkite.db"))
+        .unwrap()
+        .len();
+    svc.limits = Limits {
+        file_size: Some(base_size.max(32 * 1024) + 160 * 1024),
+        ..Limits::default()
+    };
+    if let Err(e) = svc.start().await {
+        skip(format!(
+            "the service does not start under RLIMIT_FSIZE here: {e}"
+        ));
+        return;
+    }
+    let http = reqwest::Client::new();
+    let mut accepted = Vec::new();
+    let mut refused = None;
+    for i in 0..2000 {
+        let r = http
+            .post(format!("{}/v1/submissions", svc.base))
+            .json(
+                &json!({"config": sample_config(), "queue": "h100", "run_id": format!("full-{i}")}),
+            )
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            202 => accepted.push(
+                r.json::<Value>().await.unwrap()["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            ),
+            503 => {
+                refused = Some(r.json::<Value>().await.unwrap());
+                break;
+            }
+            s => panic!("{s}: {:?}", r.text().await),
+        }
+    }
+    let refused = refused.expect("the store filled up");
+    let msg = refused["error"].as_str().unwrap();
+    assert!(
+        msg.contains("free disk space") && msg.contains("nothing was kept"),
+        "{msg}"
+    );
+    assert!(!accepted.is_empty());
+    // Builds finish while nothing can be written: nobody may hear "succeeded" for a result
+    // that is not kept.
+    let agents = spawn_agents(fake.clone(), 13);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for id in &accepted {
+        let v: Value = http
+            .get(format!("{}/v1/submissions/{id}", svc.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_ne!(
+            v["state"], "succeeded",
+            "told succeeded while the store cannot write: {v}"
+        );
+    }
+    // Space again: restart without the limit; everything acknowledged is there and finishes.
+    svc.kill9().await;
+    svc.limits = Limits::default();
+    svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+    svc.start().await.unwrap();
+    for id in &accepted {
+        let v = tokio::time::timeout(Duration::from_secs(60), long_poll(&http, &svc.base, id))
+            .await
+            .expect("finished after the restart");
+        assert_eq!(v["state"], "succeeded", "{v}");
+    }
+    // Nothing was made for the refused submission: one build per accepted one.
+    let builds = builds_per_submission(&fake);
+    assert_eq!(builds.len(), accepted.len(), "{builds:?}");
+    assert!(builds.values().all(|b| b.len() == 1));
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_rate_limit_queues_submissions_then_runs_them_all() {
+    const N: usize = 8;
+    let fake = Arc::new(FakeBuildkite::start().await);
+    // 8 calls a second: 8 submissions need 24.
+    fake.set_rate_limit(1_000_000, 8, Duration::from_secs(1));
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    let agents = spawn_agents(fake.clone(), 17);
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let body = json!({"config": sample_config(), "queue": "h100", "run_id": format!("rl-{i}")});
+        ids.push(submit_until_accepted(&http, &svc.base, &format!("rl-{i}"), &body).await);
+    }
+    // A 429 first: the budget learns the window from it.
+    fake.inject(Route::ListArtifacts, Fault::RateLimited { reset_s: 1 });
+    let mut queued_seen = false;
+    for id in &ids {
+        let v: Value = http
+            .get(format!("{}/v1/submissions/{id}", svc.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        queued_seen |= v["state"] == "queued";
+    }
+    for id in &ids {
+        let v = tokio::time::timeout(Duration::from_secs(60), long_poll(&http, &svc.base, id))
+            .await
+            .expect("finished");
+        assert_eq!(v["state"], "succeeded", "{v}");
+    }
+    assert!(queued_seen, "no submission waited for the budget");
+    let statuses: Vec<u16> = fake
+        .requests()
+        .iter()
+        .filter(|r| r.route.is_api())
+        .map(|r| r.status)
+        .collect();
+    let limited = statuses.iter().filter(|s| **s == 429).count();
+
+    println!(
+        "{N} submissions under 8 calls/s: {} API calls, {limited} answered 429",
+        statuses.len()
+    );
+    // The budget waits for the reset instead of earning 429s.
+    assert!(limited <= 2, "{limited} 429s in {statuses:?}");
+    agents.abort();
+    svc.kill9().await;
+}
+
+#[tokio::test]
+async fn zero_timeouts_and_limits_are_refused_at_start() {
+    let fake = FakeBuildkite::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    for var in [
+        "KERNELKITE_HTTP_TIMEOUT_S",
+        "KERNELKITE_MAX_SUBMISSION_BYTES",
+    ] {
+        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+        svc.set_env(var, "0");
+        let (code, log) = svc.run_to_exit(Duration::from_secs(20)).await;
+        assert_eq!(code, Some(1), "{var}: {log}");
+        assert!(log.contains(&format!("{var} must be at least 1")), "{log}");
+    }
+}
+
+#[tokio::test]
+async fn deadlines_hold_across_a_restart_while_buildkite_is_down() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    // Buildkite answers nothing but 503 for a long while: no build can be created or found.
+    fake.fail_api_until(Instant::now() + Duration::from_secs(600));
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let body = json!({"config": sample_config(), "queue": "h100", "run_id": format!("dl-{i}"), "timeout_s": 3});
+        ids.push(submit_until_accepted(&http, &svc.base, &format!("dl-{i}"), &body).await);
+    }
+    let accepted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    svc.kill9().await;
+    svc.start().await.unwrap();
+    for id in &ids {
+        let v = tokio::time::timeout(Duration::from_secs(20), long_poll(&http, &svc.base, id))
+            .await
+            .expect("the deadline ends it");
+        assert_eq!(v["state"], "timed_out", "{v}");
+        assert_eq!(v["timeout_s"], 3);
+    }
+    let took = accepted.elapsed();
+    // The absolute deadline was kept through the restart, not started again.
+    assert!(took < Duration::from_secs(6), "ended after {took:?}");
+    assert!(builds_per_submission(&fake).is_empty());
+    svc.kill9().await;
+}
