@@ -309,46 +309,69 @@ fn submit_refuses_what_is_not_a_task_or_a_submission() {
 struct Served {
     child: std::process::Child,
     base: String,
+    log: std::path::PathBuf,
 }
 
 impl Drop for Served {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            eprintln!("--- service log {} ---\n{log}", self.log.display());
+        }
     }
 }
 
+/// Starts `kernelkite-service local` on a port the kernel picks (`--listen 127.0.0.1:0`) and
+/// reads the bound address from its log, so that two tests (or a test and any other process)
+/// can never race for one port between a probe and the service's bind.
 fn serve_local(bins: &Bins, scratch: &Path, data: &Path, token: Option<&str>) -> Served {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    let log = tempfile::Builder::new()
+        .prefix("service-")
+        .suffix(".log")
+        .tempfile_in(scratch)
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+        .into_temp_path()
+        .keep()
+        .unwrap();
     let mut c = service(bins);
-    c.args([
-        "local",
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--data-dir",
-    ])
-    .arg(data)
-    .args(local_flags(bins, scratch))
-    .stdout(Stdio::null())
-    .stderr(Stdio::null());
+    c.args(["local", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data)
+        .args(local_flags(bins, scratch))
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
     if let Some(t) = token {
         c.env("KERNELKITE_API_TOKEN", t);
     }
     let child = c.spawn().unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let mut served = Served {
+        child,
+        base: String::new(),
+        log,
+    };
     let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    served.base = loop {
+        let text = std::fs::read_to_string(&served.log).unwrap_or_default();
+        if let Some(addr) = text
+            .lines()
+            .filter(|l| l.contains("kernelkite-service listening"))
+            .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")))
+        {
+            break format!("http://{addr}");
+        }
+        if let Ok(Some(status)) = served.child.try_wait() {
+            panic!("the service exited before listening ({status}):\n{text}");
+        }
         assert!(
             start.elapsed() < Duration::from_secs(30),
-            "the service did not start"
+            "the service did not start:\n{text}"
         );
         std::thread::sleep(Duration::from_millis(20));
-    }
-    Served { child, base }
+    };
+    served
 }
 
 #[test]

@@ -71,7 +71,10 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
         .with_context(|| {
             format!("cannot listen on {listen}; set KERNELKITE_LISTEN to a free address")
         })?;
-    tracing::info!(%listen, executor = app.executor.name(), "kernelkite-service listening");
+    // The bound address, not the configured one: with port 0 this is how a caller (a test, a
+    // supervisor) learns which port the kernel picked.
+    let addr = listener.local_addr().unwrap_or(listen);
+    tracing::info!(%addr, executor = app.executor.name(), "kernelkite-service listening");
     serve(app, listener, shutdown_signal())
         .await
         .context("server failed")?;

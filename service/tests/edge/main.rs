@@ -63,13 +63,9 @@ impl Service {
 
     pub async fn start_with(opts: Options) -> Service {
         let fake = FakeBuildkite::start().await;
-        let (host, port) = if opts.dual_stack {
-            let l = std::net::TcpListener::bind("[::]:0").unwrap();
-            ("[::]", l.local_addr().unwrap().port())
-        } else {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            ("127.0.0.1", l.local_addr().unwrap().port())
-        };
+        // Port 0: the service binds whatever the kernel picks and logs it, so no other test
+        // can take the port between a probe and the bind.
+        let host = if opts.dual_stack { "[::]" } else { "127.0.0.1" };
         let (data, tmp) = match opts.data_dir {
             Some(d) => (d, None),
             None => {
@@ -94,7 +90,7 @@ impl Service {
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
-            .env("KERNELKITE_LISTEN", format!("{host}:{port}"))
+            .env("KERNELKITE_LISTEN", format!("{host}:0"))
             .env("BUILDKITE_API_URL", fake.api_url())
             .env("BUILDKITE_ORG", FAKE_ORG)
             .env("BUILDKITE_PIPELINE", FAKE_PIPELINE)
@@ -123,6 +119,27 @@ impl Service {
                 s.push('\n');
             }
         });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let port = loop {
+            let log = stderr.lock().unwrap().clone();
+            if let Some(port) = log
+                .lines()
+                .filter(|l| l.contains("kernelkite-service listening"))
+                .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")))
+                .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+                .map(|a| a.port())
+            {
+                break port;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("the service exited ({status}) before listening: {log}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the service did not start: {log}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         let base = format!("http://127.0.0.1:{port}");
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
