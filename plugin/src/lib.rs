@@ -17,3 +17,4 @@ pub mod jobapi;
 pub mod lease;
 pub mod mountinfo;
 pub mod process;
+pub mod sandbox;

@@ -6,6 +6,8 @@
 //!   design: only async-signal-safe calls, no allocation);
 //! * `clone3` with `CLONE_INTO_CGROUP`, which neither std, rustix nor nix offers;
 //! * `close_range`, `unshare` and the interface-flags `ioctl` used in those children;
+//! * the sandbox helper's `unshare` of its mount, IPC and network namespaces, adopting the
+//!   descriptor its parent handed it by number, and marking every other one close-on-exec;
 //! * glibc's own version string (Python's `platform.platform()` names it).
 
 use std::ffi::{c_char, CStr, CString};
@@ -117,8 +119,97 @@ fn enter_new_network_namespace() -> io::Result<()> {
     loopback_up()
 }
 
+/// Moves the calling thread into new namespaces: mount (with `mount`), IPC (`ipc`) and network
+/// (`net`, with `lo` brought up). Meant for a single-threaded process about to set up a view
+/// of the machine and `exec` (the sandbox helper); on a multi-threaded one the kernel refuses
+/// a new mount namespace.
+pub fn unshare_namespaces(mount: bool, ipc: bool, net: bool) -> io::Result<()> {
+    use rustix::thread::UnshareFlags;
+    let mut flags = UnshareFlags::empty();
+    if mount {
+        flags |= UnshareFlags::NEWNS;
+    }
+    if ipc {
+        flags |= UnshareFlags::NEWIPC;
+    }
+    if net {
+        flags |= UnshareFlags::NEWNET;
+    }
+    if flags.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: rustix marks unshare unsafe for CLONE_FILES only (a thread could then see
+    // descriptors another thread does not); these flags never include it. New mount, IPC and
+    // network namespaces change what this thread sees of the machine, not its memory.
+    unsafe { rustix::thread::unshare_unsafe(flags) }?;
+    if net {
+        loopback_up()?;
+    }
+    Ok(())
+}
+
+/// Takes ownership of descriptor `fd`, which this process's parent left open for it and named
+/// on the command line (the sandbox helper's report pipe). Fails unless `fd` is open and at
+/// least 3 (stdio is not ours to take).
+///
+/// Call it once per descriptor, before anything else in the process could have opened or
+/// closed `fd`: at the start of `main`.
+pub fn adopt_inherited_fd(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 3 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is stdio, not an inherited pipe"),
+        ));
+    }
+    // SAFETY: fcntl(F_GETFD) only reads the flags of `fd`; a closed number fails with EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is open (checked above) and was inherited from the parent for this process
+    // to own; the caller adopts it once, before anything else could refer to it by number.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Marks every descriptor from `first` up close-on-exec, so that a program about to `exec`
+/// hands on only what it means to (stdio, and below `first`). Kernels before 5.11 lack the
+/// flag; there the descriptors are marked one by one from `/proc/self/fd`.
+pub fn cloexec_from(first: RawFd) -> io::Result<()> {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    let first = first.max(0);
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors at or above
+    // `first`; it touches no memory.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let listed: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd >= first)
+        .collect();
+    for fd in listed {
+        // SAFETY: F_GETFD/F_SETFD only read and set the flags of `fd`; a number that closed
+        // since the listing (the listing's own directory descriptor) fails harmlessly.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Brings up `lo` in the current network namespace (a new namespace starts with it down).
-fn loopback_up() -> io::Result<()> {
+pub fn loopback_up() -> io::Result<()> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     let sock = rustix::net::socket_with(
         AddressFamily::INET,
@@ -377,6 +468,72 @@ mod tests {
                 assert!(status.success(), "{status:?}");
             }
         }
+    }
+
+    #[test]
+    fn only_an_open_inherited_descriptor_can_be_adopted() {
+        assert!(adopt_inherited_fd(2).is_err(), "stdio is not adoptable");
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let n = w.as_raw_fd();
+        // Hand the number over as a parent would, then adopt it.
+        std::mem::forget(w);
+        let adopted = adopt_inherited_fd(n).unwrap();
+        rustix::io::write(&adopted, b"x").unwrap();
+        drop(adopted);
+        let mut buf = [0u8; 2];
+        assert_eq!(rustix::io::read(&r, &mut buf).unwrap(), 1);
+        // Closed with `adopted`: the number is free again.
+        assert!(adopt_inherited_fd(n).is_err());
+    }
+
+    #[test]
+    fn cloexec_from_keeps_only_lower_descriptors_across_exec() {
+        // A child that marks everything from 4 up, then execs `ls /proc/self/fd`: it still has
+        // 3 (kept on purpose) and not 4.
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        let (_r2, w2) = rustix::pipe::pipe().unwrap();
+        let low = w.as_raw_fd().min(w2.as_raw_fd());
+        let high = w.as_raw_fd().max(w2.as_raw_fd());
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &format!("ls /proc/self/fd >&{low}")]);
+        let setup = move || -> io::Result<()> { cloexec_from(high) };
+        // SAFETY: close_range is async-signal-safe and allocates nothing when it works, which
+        // it does on the kernels this suite runs on (5.11+).
+        unsafe { cmd.pre_exec(setup) };
+        let status = cmd.status().unwrap();
+        assert!(status.success());
+        drop(w);
+        drop(w2);
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut File::from(r), &mut out).unwrap();
+        let fds: Vec<i32> = out.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        assert!(fds.contains(&low), "{fds:?}");
+        assert!(!fds.contains(&high), "{fds:?}");
+    }
+
+    #[test]
+    fn a_thread_can_move_into_new_ipc_and_network_namespaces() {
+        if !rustix::process::geteuid().is_root() {
+            kernelkite_testkit::skip("new namespaces need root");
+            return;
+        }
+        let before = std::fs::read_link("/proc/thread-self/ns/ipc").unwrap();
+        // A thread of its own: the namespaces are per thread and die with it.
+        let after = std::thread::spawn(|| {
+            unshare_namespaces(false, true, true).unwrap();
+            (
+                std::fs::read_link("/proc/thread-self/ns/ipc").unwrap(),
+                std::fs::read_link("/proc/thread-self/ns/net").unwrap(),
+            )
+        })
+        .join()
+        .unwrap();
+        assert_ne!(before, after.0);
+        assert_ne!(
+            std::fs::read_link("/proc/thread-self/ns/net").unwrap(),
+            after.1
+        );
+        unshare_namespaces(false, false, false).unwrap();
     }
 
     #[test]

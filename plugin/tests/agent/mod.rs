@@ -481,6 +481,9 @@ impl Node {
             "KERNELKITE_CGROUP_ROOT".into(),
             root.join("cgroot").display().to_string(),
         );
+        // A fake node tests the hooks' bookkeeping; the sandbox needs root and a real kernel
+        // and has its own tests (`hooks_sandbox_real`).
+        env.insert("KERNELKITE_SANDBOX".into(), "off".into());
         Node { dir, env }
     }
 
