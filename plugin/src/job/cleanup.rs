@@ -8,7 +8,7 @@ use kernelkite_topology::plan::SliceGpu;
 use serde::Serialize;
 
 use super::error::Chain;
-use super::state::{listed_jobs, read_state, remove_state, state_path};
+use super::state::{listed_jobs, read_state, remove_state, state_path, CheckoutOwner};
 use super::{GpuOpener, JobError, Settings};
 use crate::cgroup::Cgroups;
 use crate::config::Mode;
@@ -128,7 +128,16 @@ pub fn clean_job(
         }
     }
     // After the kill: nothing of the job is left to race the walk.
-    if let Some(o) = state.as_ref().and_then(|s| s.checkout_owner.as_ref()) {
+    // Only a checkout the command was handed (its top is no longer its owner's) is walked: a
+    // job that never got to its command leaves nothing to give back.
+    let handed_over = |o: &CheckoutOwner| {
+        ownership::owner(&o.path).is_ok_and(|(uid, gid)| (uid, gid) != (o.uid, o.gid))
+    };
+    if let Some(o) = state
+        .as_ref()
+        .and_then(|s| s.checkout_owner.as_ref())
+        .filter(|o| handed_over(o))
+    {
         match ownership::chown_tree(&o.path, o.uid, o.gid) {
             Ok(_) => report.checkout_returned = true,
             // The agent removed the checkout: nothing to give back.

@@ -226,14 +226,13 @@ fn on_host(
             if me == 0 { " (root)" } else { "" }
         ));
         let isolate_network = !state.config.network_allowed();
-        start_in_cgroup(
-            job_id,
-            &argv,
-            child_env,
-            cgroups.as_ref(),
-            isolate_network,
-            None,
-        )?
+        // Even unsandboxed, the command does not get the agent's credentials.
+        let env: BTreeMap<String, String> = child_env
+            .iter()
+            .filter(|(k, _)| !sandbox::scrubbed(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        start_in_cgroup(job_id, &argv, &env, cgroups.as_ref(), isolate_network, None)?
     };
     let status = child.wait().map_err(JobError::Wait)?;
     if let Some(cg) = &cgroups {
@@ -318,27 +317,27 @@ fn start_in_cgroup(
     started
 }
 
-/// Hands the checkout to `user` for the command, recording its owner first so that `pre-exit`
-/// (or the clean-up after a lost job) gives it back whatever happens next.
+/// Hands the checkout to `user` for the command. `environment` recorded whose it is to be again
+/// (the agent's); a state from before that record gets it now, before anything changes hands,
+/// so that `pre-exit` (or the clean-up after a lost job) gives it back whatever happens next.
 fn give_checkout(
     settings: &Settings,
     state: &JobState,
     checkout: &Path,
     user: &JobUser,
 ) -> Result<(), JobError> {
-    if state.checkout_owner.is_none() {
-        let (uid, gid) = ownership::owner(checkout).map_err(|source| JobError::Checkout {
+    let recorded = state
+        .checkout_owner
+        .as_ref()
+        .is_some_and(|o| o.path == checkout);
+    if !recorded {
+        let mut updated = state.clone();
+        updated.checkout_owner = Some(CheckoutOwner {
             path: checkout.to_path_buf(),
-            uid: user.uid,
-            source,
-        })?;
-        let mut recorded = state.clone();
-        recorded.checkout_owner = Some(CheckoutOwner {
-            path: checkout.to_path_buf(),
-            uid,
-            gid,
+            uid: rustix::process::geteuid().as_raw(),
+            gid: rustix::process::getegid().as_raw(),
         });
-        write_state(settings, &recorded)?;
+        write_state(settings, &updated)?;
     }
     ownership::chown_tree(checkout, user.uid, user.gid)
         .map(drop)

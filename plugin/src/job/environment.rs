@@ -128,7 +128,7 @@ pub fn run(
                 cgroup_version: None,
                 clocks_locked,
                 job_user: job_user.clone(),
-                checkout_owner: None,
+                checkout_owner: checkout_owner(env, &config, job_user.as_ref()),
             };
             // The state goes first: a job cgroup without state is an orphan to other jobs.
             write_state(settings, &state)?;
@@ -208,6 +208,29 @@ pub(super) fn job_user(
         ));
     }
     Ok(Some(user))
+}
+
+/// Where the checkout will be and whose it is to be again after the command: the agent's (these
+/// hooks' user). Recorded now, before the agent checks out, so that `command` need not write
+/// the state again and a lost job's clean-up still knows what to give back. `None` when the
+/// command runs as the agent's user or the checkout is not mounted into the container.
+fn checkout_owner(
+    env: &BTreeMap<String, String>,
+    config: &PluginConfig,
+    job_user: Option<&JobUser>,
+) -> Option<crate::job::state::CheckoutOwner> {
+    job_user?;
+    if config.mode == Mode::Docker && !config.mount_checkout {
+        return None;
+    }
+    let path = env
+        .get("BUILDKITE_BUILD_CHECKOUT_PATH")
+        .filter(|p| p.starts_with('/'))?;
+    Some(crate::job::state::CheckoutOwner {
+        path: path.into(),
+        uid: rustix::process::geteuid().as_raw(),
+        gid: rustix::process::getegid().as_raw(),
+    })
 }
 
 /// The run dir holds every job's state and the node's leases: root's alone, so that a job

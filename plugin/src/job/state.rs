@@ -45,12 +45,13 @@ pub struct JobState {
     /// as the agent's user.
     #[serde(default)]
     pub job_user: Option<JobUser>,
-    /// The checkout's owner before `command` gave it to the job user; `pre-exit` gives it back.
+    /// The checkout and whose it is outside the command (the agent's user): `command` gives it
+    /// to the job user, `pre-exit` gives it back.
     #[serde(default)]
     pub checkout_owner: Option<CheckoutOwner>,
 }
 
-/// Whose the checkout was before the job user got it.
+/// The checkout and the owner it returns to after the command.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckoutOwner {
     /// The checkout.
