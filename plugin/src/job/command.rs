@@ -348,13 +348,12 @@ fn give_checkout(
         })
 }
 
-/// The job's checkout: `BUILDKITE_BUILD_CHECKOUT_PATH` when it is a directory, else the
-/// directory the hook runs in (the agent runs hooks in the checkout).
+/// The job's checkout: `BUILDKITE_BUILD_CHECKOUT_PATH` when it is a directory. Nothing else is
+/// ever handed to the job user (not the working directory, which could be anything).
 fn checkout_dir(env: &BTreeMap<String, String>) -> Option<PathBuf> {
     env.get("BUILDKITE_BUILD_CHECKOUT_PATH")
         .map(PathBuf::from)
-        .filter(|p| p.is_dir())
-        .or_else(|| std::env::current_dir().ok())
+        .filter(|p| p.is_absolute() && p.is_dir())
 }
 
 /// What the sandbox helper is to build for this job.
