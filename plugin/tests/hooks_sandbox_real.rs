@@ -726,3 +726,29 @@ fn a_missing_job_user_fails_the_job_before_anything_is_held() {
     );
     assert!(!node.run_dir.join("leases").exists(), "no lease was taken");
 }
+
+#[test]
+fn a_command_the_sandbox_cannot_start_fails_the_step_with_the_reason() {
+    let _one = serial();
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(node) = SandboxNode::new("x", 64 << 20, None) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    let id = format!("{}-noshell", prefix());
+    let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
+    let mut job = node.job(&id, "true");
+    job.set_env("BUILDKITE_SHELL", "/nonexistent/shell -c");
+    assert!(job.run_hook("environment").status.success());
+    let cmd = job.run_hook("command");
+    assert_eq!(cmd.status.code(), Some(1), "{}", output_text(&cmd));
+    let err = String::from_utf8_lossy(&cmd.stderr);
+    assert!(
+        err.contains("cannot start the command in its sandbox: cannot run \"/nonexistent/shell\""),
+        "{err}"
+    );
+    let exit = job.run_hook("pre-exit");
+    assert!(exit.status.success(), "{}", output_text(&exit));
+}
