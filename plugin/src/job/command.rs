@@ -449,3 +449,64 @@ fn start_sandboxed(
     let _ = child.wait();
     Err(JobError::Sandbox(why))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sandbox helper's report pipe reaches it on cgroup v2's `clone3` path too (the child
+    /// is not std's, so the descriptor is inherited only because it was made inheritable for
+    /// the spawn), and the parent's copy is close-on-exec again afterwards.
+    #[test]
+    fn a_kept_descriptor_reaches_a_child_born_in_a_cgroup2_directory() {
+        if !rustix::process::geteuid().is_root() {
+            kernelkite_testkit::skip("creating cgroups needs root");
+            return;
+        }
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let Some(mount) = crate::cgroup::parse_mountinfo(&text)
+            .into_iter()
+            .find(|m| m.fs_type == "cgroup2")
+        else {
+            kernelkite_testkit::skip("no cgroup2 mount");
+            return;
+        };
+        let v2 = crate::cgroup::v2::V2::new(PathBuf::from(&mount.mount_point));
+        let job = format!("kk-unit-keepfd-{}", std::process::id());
+        let dir = v2.base().join(&job);
+        if std::fs::create_dir_all(&dir).is_err() {
+            kernelkite_testkit::skip("the cgroup2 mount is not writable");
+            return;
+        }
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let fd = w.as_raw_fd();
+        let argv: Vec<OsString> = [
+            "sh".to_string(),
+            "-c".to_string(),
+            format!("echo kept >&{fd}; cat /proc/self/cgroup >&{fd}"),
+        ]
+        .map(OsString::from)
+        .to_vec();
+        let env: BTreeMap<String, String> =
+            [("PATH".to_string(), "/usr/bin:/bin".to_string())].into();
+        let cgroups = Cgroups::V2(v2.clone());
+        let mut child =
+            start_in_cgroup(&job, &argv, &env, Some(&cgroups), false, Some(w.as_fd())).unwrap();
+        let flags = rustix::io::fcntl_getfd(&w).unwrap();
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        drop(w);
+        let status = child.wait().unwrap();
+        let mut out = String::new();
+        std::fs::File::from(r).read_to_string(&mut out).unwrap();
+        let _ = v2.clean_up(&job);
+        assert!(status.success(), "{out}");
+        assert!(out.starts_with("kept\n"), "{out}");
+        eprintln!(
+            "born by clone3: {}",
+            matches!(child, confine::Started::Raw(_))
+        );
+        if matches!(child, confine::Started::Raw(_)) {
+            assert!(out.contains(&format!("/kernelkite/{job}")), "{out}");
+        }
+    }
+}
