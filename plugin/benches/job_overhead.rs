@@ -103,6 +103,13 @@ struct JobTimes {
     command_start: Duration,
     command: Duration,
     pre_exit: Duration,
+    /// CPU time (user + system) of the three hooks and everything they waited for, the job
+    /// (`printf` in bash) included: what the job costs a machine that is not busy otherwise.
+    cpu: Duration,
+}
+
+fn cpu_now() -> Duration {
+    kernelkite_sys::raw::children_cpu_time().unwrap_or_default()
 }
 
 struct Bench {
@@ -163,6 +170,7 @@ impl Bench {
             env.insert(k.to_string(), v.to_string());
         }
         std::thread::sleep(gap);
+        let cpu_before = cpu_now();
         let environment = run(&mut self.hook(install, "environment", &env));
         std::thread::sleep(gap);
         let wall = SystemTime::now();
@@ -173,12 +181,14 @@ impl Bench {
         let command_start = started.duration_since(wall).unwrap_or_default();
         std::thread::sleep(gap);
         let pre_exit = run(&mut self.hook(install, "pre-exit", &env));
+        let cpu = cpu_now().saturating_sub(cpu_before);
         let _ = std::fs::remove_dir_all(&checkout);
         JobTimes {
             environment,
             command_start,
             command,
             pre_exit,
+            cpu,
         }
     }
 
@@ -215,6 +225,10 @@ fn report(table: &Table, title: &str, jobs: &[JobTimes]) -> Stats {
     table.row("  pre-exit", &col(|j| j.pre_exit));
     let sum = col(|j| j.environment + j.command_start + j.pre_exit);
     table.row("  environment + command start + pre-exit", &sum);
+    table.row(
+        "  CPU time of the three hooks and the job (user + sys)",
+        &col(|j| j.cpu),
+    );
     sum
 }
 
@@ -520,11 +534,14 @@ fn main() {
     std::fs::create_dir_all(&bare_dir).unwrap();
     let mut bare_start = Vec::new();
     let mut bare = Vec::new();
+    let mut bare_cpu = Vec::new();
     for _ in 0..b2b_jobs {
         let wall = SystemTime::now();
+        let cpu_before = cpu_now();
         bare.push(run(Command::new("/bin/bash")
             .args(["-e", "-c", r#"printf %s "$EPOCHREALTIME" > started"#])
             .current_dir(&bare_dir)));
+        bare_cpu.push(cpu_now().saturating_sub(cpu_before));
         let marker = std::fs::read_to_string(bare_dir.join("started")).unwrap();
         let started =
             SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
@@ -535,6 +552,7 @@ fn main() {
         &stats(bare_start),
     );
     table.row("the command alone: whole process", &stats(bare));
+    table.row("the command alone: CPU time (user + sys)", &stats(bare_cpu));
 
     let path_with_stub = path_with(&stub_nvidia_smi_bin(shm.path()));
     let proto_hook = manifest.join("benches/prototype-environment-hook.sh");
