@@ -33,6 +33,22 @@ use common::{ms, output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table}
 /// The agent's idle time between two hooks of a job.
 const GAP: Duration = Duration::from_millis(200);
 
+/// Runs `cmd`; its duration, or its stderr when it failed.
+fn try_run(cmd: &mut Command) -> Result<Duration, String> {
+    let t = Instant::now();
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    if out.status.success() {
+        Ok(took)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
 fn run(cmd: &mut Command) -> Duration {
     let t = Instant::now();
     let out = cmd
@@ -148,20 +164,23 @@ impl Bench {
         c
     }
 
-    /// One job through the three hooks, `gap` before each.
+    /// One job through the three hooks, `gap` before each; `None` (said why) when a hook
+    /// failed because something else on this shared machine removed the job's cgroup: every
+    /// `environment` hook cleans up job cgroups that have no state in its run dir, and other
+    /// checkouts' tests run their hooks with run dirs of their own.
     fn job(
         &mut self,
         install: Install,
         gap: Duration,
         extra: &[(&str, &str)],
         tag: &str,
-    ) -> JobTimes {
+    ) -> Option<JobTimes> {
         self.n += 1;
         let job = format!("bench-{}-{tag}-{}", std::process::id(), self.n);
         let checkout = self.dir.join("builds/agent").join(&job);
         std::fs::create_dir_all(&checkout).unwrap();
         let mut env = self.env.clone();
-        env.insert("BUILDKITE_JOB_ID".into(), job);
+        env.insert("BUILDKITE_JOB_ID".into(), job.clone());
         env.insert(
             "BUILDKITE_BUILD_CHECKOUT_PATH".into(),
             checkout.display().to_string(),
@@ -169,26 +188,37 @@ impl Bench {
         for (k, v) in extra {
             env.insert(k.to_string(), v.to_string());
         }
-        std::thread::sleep(gap);
-        let cpu_before = cpu_now();
-        let environment = run(&mut self.hook(install, "environment", &env));
-        std::thread::sleep(gap);
-        let wall = SystemTime::now();
-        let command = run(&mut self.hook(install, "command", &env));
-        let marker = std::fs::read_to_string(checkout.join("started")).unwrap();
-        let started =
-            SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
-        let command_start = started.duration_since(wall).unwrap_or_default();
-        std::thread::sleep(gap);
-        let pre_exit = run(&mut self.hook(install, "pre-exit", &env));
-        let cpu = cpu_now().saturating_sub(cpu_before);
+        let times = (|| -> Result<JobTimes, String> {
+            std::thread::sleep(gap);
+            let cpu_before = cpu_now();
+            let environment = try_run(&mut self.hook(install, "environment", &env))?;
+            std::thread::sleep(gap);
+            let wall = SystemTime::now();
+            let command = try_run(&mut self.hook(install, "command", &env))?;
+            let marker = std::fs::read_to_string(checkout.join("started")).unwrap();
+            let started =
+                SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
+            let command_start = started.duration_since(wall).unwrap_or_default();
+            std::thread::sleep(gap);
+            let pre_exit = try_run(&mut self.hook(install, "pre-exit", &env))?;
+            let cpu = cpu_now().saturating_sub(cpu_before);
+            Ok(JobTimes {
+                environment,
+                command_start,
+                command,
+                pre_exit,
+                cpu,
+            })
+        })();
         let _ = std::fs::remove_dir_all(&checkout);
-        JobTimes {
-            environment,
-            command_start,
-            command,
-            pre_exit,
-            cpu,
+        match times {
+            Ok(t) => Some(t),
+            Err(e) if e.contains("cgroup.procs") || e.contains("/kernelkite/") => {
+                let _ = try_run(&mut self.hook(install, "pre-exit", &env));
+                println!("  (job {job} discarded: its cgroup went away under it: {e})");
+                None
+            }
+            Err(e) => panic!("job {job} failed: {e}"),
         }
     }
 
@@ -204,9 +234,21 @@ impl Bench {
         for _ in 0..2 {
             self.job(install, Duration::ZERO, extra, tag);
         }
-        (0..count)
-            .map(|_| self.job(install, gap, extra, tag))
-            .collect()
+        let mut out = Vec::new();
+        let mut discarded = 0;
+        while out.len() < count {
+            match self.job(install, gap, extra, tag) {
+                Some(t) => out.push(t),
+                None => {
+                    discarded += 1;
+                    assert!(
+                        discarded <= count,
+                        "too many jobs disturbed; is the machine shared?"
+                    );
+                }
+            }
+        }
+        out
     }
 }
 

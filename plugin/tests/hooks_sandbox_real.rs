@@ -728,7 +728,7 @@ fn a_missing_job_user_fails_the_job_before_anything_is_held() {
 }
 
 #[test]
-fn a_command_the_sandbox_cannot_start_fails_the_step_with_the_reason() {
+fn a_command_that_cannot_start_fails_the_step_with_the_reason() {
     let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
@@ -746,7 +746,23 @@ fn a_command_the_sandbox_cannot_start_fails_the_step_with_the_reason() {
     assert_eq!(cmd.status.code(), Some(1), "{}", output_text(&cmd));
     let err = String::from_utf8_lossy(&cmd.stderr);
     assert!(
-        err.contains("cannot start the command in its sandbox: cannot run \"/nonexistent/shell\""),
+        err.contains("cannot start \"/nonexistent/shell\" in the job's cgroup")
+            && err.contains("No such file or directory"),
+        "{err}"
+    );
+    // A failure inside the sandbox's own set-up comes back with its reason: the hook running
+    // in a directory the sandbox hides (another job's checkout) cannot be entered again.
+    let other = node.dir.path().join("builds/other-job/checkout");
+    job.set_env("BUILDKITE_SHELL", "/bin/bash -e -c");
+    job.wrapper = node.holder.wrapper(&other);
+    let cmd = job.run_hook("command");
+    assert_eq!(cmd.status.code(), Some(1), "{}", output_text(&cmd));
+    let err = String::from_utf8_lossy(&cmd.stderr);
+    assert!(
+        err.contains(&format!(
+            "cannot start the command in its sandbox: cannot enter {}: No such file or directory",
+            other.display()
+        )),
         "{err}"
     );
     let exit = job.run_hook("pre-exit");

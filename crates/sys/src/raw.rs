@@ -6,8 +6,10 @@
 //!   design: only async-signal-safe calls, no allocation);
 //! * `clone3` with `CLONE_INTO_CGROUP`, which neither std, rustix nor nix offers;
 //! * `close_range`, `unshare` and the interface-flags `ioctl` used in those children;
-//! * the sandbox helper's `unshare` of its mount, IPC and network namespaces, adopting the
-//!   descriptor its parent handed it by number, and marking every other one close-on-exec;
+//! * running a set-up closure that may do anything (allocate, read files) in the child of a
+//!   single-threaded process, between fork (or `clone3`) and exec: the sandbox's set-up;
+//! * `unshare` of the sandbox's mount, IPC and network namespaces, and marking every inherited
+//!   descriptor close-on-exec before the job is executed;
 //! * `getrusage` of waited-for children (benchmarks tell CPU cost from waiting);
 //! * glibc's own version string (Python's `platform.platform()` names it).
 
@@ -97,6 +99,42 @@ pub fn join_before_exec(cmd: &mut Command, procs: Vec<File>, isolate_network: bo
     }
 }
 
+/// Work a child does between fork (or `clone3`) and exec: see [`spawn_with_setup`].
+pub type ChildSetup = Box<dyn FnMut() -> io::Result<()> + Send + Sync>;
+
+/// Whether this process has exactly one thread (`/proc/self/task`).
+pub fn is_single_threaded() -> bool {
+    std::fs::read_dir("/proc/self/task").is_ok_and(|d| d.count() == 1)
+}
+
+fn require_single_thread() -> io::Result<()> {
+    if is_single_threaded() {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a child set-up that may allocate needs a single-threaded parent, and this process has other threads",
+        ))
+    }
+}
+
+/// Spawns `cmd` with `setup` run in the child between fork and exec, after whatever set-up
+/// `cmd` already has (joining cgroups). Unlike a bare `pre_exec` closure, `setup` may do what
+/// any program does (allocate, read files, format messages): this process is single-threaded,
+/// checked right here before the fork, so no other thread can hold a lock (the allocator's,
+/// stdio's) that the child would inherit held; glibc's `fork` also re-initialises the
+/// allocator's locks in the child. Refuses (spawning nothing) when there are other threads.
+pub fn spawn_with_setup(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
+    require_single_thread()?;
+    // SAFETY: the closure runs in the forked child of a process that had one thread at the
+    // fork (checked above, on the thread that forks: no thread can start in between), so
+    // every lock in the copied address space is free and the child may run ordinary code.
+    unsafe {
+        cmd.pre_exec(setup);
+    }
+    cmd.spawn()
+}
+
 /// Formats a pid into `buf` without allocating (this runs after `fork`).
 pub fn format_pid(mut pid: u32, buf: &mut [u8; 12]) -> &[u8] {
     let mut i = buf.len();
@@ -147,29 +185,6 @@ pub fn unshare_namespaces(mount: bool, ipc: bool, net: bool) -> io::Result<()> {
         loopback_up()?;
     }
     Ok(())
-}
-
-/// Takes ownership of descriptor `fd`, which this process's parent left open for it and named
-/// on the command line (the sandbox helper's report pipe). Fails unless `fd` is open and at
-/// least 3 (stdio is not ours to take).
-///
-/// Call it once per descriptor, before anything else in the process could have opened or
-/// closed `fd`: at the start of `main`.
-pub fn adopt_inherited_fd(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    if fd < 3 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("descriptor {fd} is stdio, not an inherited pipe"),
-        ));
-    }
-    // SAFETY: fcntl(F_GETFD) only reads the flags of `fd`; a closed number fails with EBADF.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is open (checked above) and was inherited from the parent for this process
-    // to own; the caller adopts it once, before anything else could refer to it by number.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
 /// Marks every descriptor from `first` up close-on-exec, so that a program about to `exec`
@@ -283,6 +298,28 @@ pub fn clone3_into_cgroup(
     cgroup: BorrowedFd<'_>,
     isolate_network: bool,
 ) -> io::Result<Option<u32>> {
+    clone3_into_cgroup_inner(exec, cgroup, isolate_network, None)
+}
+
+/// [`clone3_into_cgroup`] with `setup` run in the child before it executes the program, as
+/// [`spawn_with_setup`] does after a fork (and on the same condition: this process is
+/// single-threaded, checked before the clone; an error otherwise). `setup` is borrowed, so a
+/// caller whose kernel answers `Ok(None)` can hand it to [`spawn_with_setup`] instead.
+pub fn clone3_into_cgroup_with_setup(
+    exec: &Exec<'_>,
+    cgroup: BorrowedFd<'_>,
+    setup: &mut ChildSetup,
+) -> io::Result<Option<u32>> {
+    require_single_thread()?;
+    clone3_into_cgroup_inner(exec, cgroup, false, Some(setup))
+}
+
+fn clone3_into_cgroup_inner(
+    exec: &Exec<'_>,
+    cgroup: BorrowedFd<'_>,
+    isolate_network: bool,
+    setup: Option<&mut ChildSetup>,
+) -> io::Result<Option<u32>> {
     let mut argv: Vec<*const c_char> = exec.argv.iter().map(|c| c.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const c_char> = exec.envp.iter().map(|c| c.as_ptr()).collect();
@@ -296,7 +333,9 @@ pub fn clone3_into_cgroup(
     };
     // SAFETY: clone3 without CLONE_VM and without a new stack behaves like fork: the child
     // gets a copy of this address space. It runs `exec_child` only, which makes
-    // async-signal-safe calls on data prepared above and then execs or exits.
+    // async-signal-safe calls on data prepared above and then execs or exits; or, given a
+    // `setup`, first runs it, which the public callers allow only in a single-threaded
+    // process (no lock can be held by a thread the child lacks).
     let rc = unsafe {
         libc::syscall(
             libc::SYS_clone3,
@@ -305,7 +344,7 @@ pub fn clone3_into_cgroup(
         )
     };
     if rc == 0 {
-        exec_child(exec.path, &argv, &envp, wr.as_fd(), isolate_network);
+        exec_child(exec.path, &argv, &envp, wr.as_fd(), isolate_network, setup);
     }
     drop(wr);
     if rc < 0 {
@@ -348,6 +387,7 @@ fn exec_child(
     envp: &[*const c_char],
     report: BorrowedFd<'_>,
     isolate_network: bool,
+    setup: Option<&mut ChildSetup>,
 ) -> ! {
     let fail = |errno: i32| -> ! {
         let _ = rustix::io::write(report, &errno.to_ne_bytes());
@@ -357,6 +397,11 @@ fn exec_child(
     };
     if isolate_network {
         if let Err(e) = enter_new_network_namespace() {
+            fail(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+    }
+    if let Some(setup) = setup {
+        if let Err(e) = setup() {
             fail(e.raw_os_error().unwrap_or(libc::EIO));
         }
     }
@@ -489,19 +534,130 @@ mod tests {
     }
 
     #[test]
-    fn only_an_open_inherited_descriptor_can_be_adopted() {
-        assert!(adopt_inherited_fd(2).is_err(), "stdio is not adoptable");
+    fn a_child_set_up_is_refused_in_a_multi_threaded_process() {
+        // The test harness runs tests on threads: this process is not single-threaded, so the
+        // set-up is refused and nothing is spawned.
+        let mut cmd = Command::new("true");
+        let refused = spawn_with_setup(&mut cmd, Box::new(|| Ok(())));
+        if is_single_threaded() {
+            return;
+        }
+        let e = refused.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("single-threaded"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let mut setup: ChildSetup = Box::new(|| Ok(()));
+        let path = CString::new("/bin/true").unwrap();
+        let argv = [CString::new("true").unwrap()];
+        let exec = Exec {
+            path: &path,
+            argv: &argv,
+            envp: &[],
+        };
+        let d = File::open(dir.path()).unwrap();
+        assert!(clone3_into_cgroup_with_setup(&exec, d.as_fd(), &mut setup).is_err());
+    }
+
+    /// Runs `body` in a forked child of this (multi-threaded) test process, where it is the
+    /// only thread, and returns its exit status.
+    fn in_single_threaded_child(body: impl FnOnce() -> i32) -> i32 {
+        // SAFETY: the child calls `body` and `_exit`s: it never returns into the test harness.
+        // It inherits the test threads' locks in whatever state they were; glibc's fork
+        // re-initialises the allocator's, and `body` prints nothing (stdio's lock is the
+        // other one a test thread might hold).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            let code = body();
+            // SAFETY: ends the child without running the harness's destructors twice.
+            unsafe { libc::_exit(code) }
+        }
+        let (_, status) = rustix::process::waitpid(
+            rustix::process::Pid::from_raw(pid),
+            rustix::process::WaitOptions::empty(),
+        )
+        .unwrap()
+        .unwrap();
+        status.exit_status().unwrap_or(-1)
+    }
+
+    #[test]
+    fn a_single_threaded_parent_s_child_runs_its_set_up_before_exec() {
         let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-        let n = w.as_raw_fd();
-        // Hand the number over as a parent would, then adopt it.
-        std::mem::forget(w);
-        let adopted = adopt_inherited_fd(n).unwrap();
-        rustix::io::write(&adopted, b"x").unwrap();
-        drop(adopted);
-        let mut buf = [0u8; 2];
-        assert_eq!(rustix::io::read(&r, &mut buf).unwrap(), 1);
-        // Closed with `adopted`: the number is free again.
-        assert!(adopt_inherited_fd(n).is_err());
+        let plain = tempfile::tempdir().unwrap();
+        // A cgroup2 directory where this is root and one is mounted, else a plain directory
+        // (clone3 refuses it and the fork path runs the set-up instead).
+        let cgroup2 = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let (left, right) = l.split_once(" - ")?;
+                right
+                    .starts_with("cgroup2 ")
+                    .then(|| left.split_whitespace().nth(4).map(str::to_string))?
+            })
+            .next()
+            .map(|m| {
+                std::path::PathBuf::from(m).join(format!("kk-raw-setup-{}", std::process::id()))
+            })
+            .filter(|d| rustix::process::geteuid().is_root() && std::fs::create_dir(d).is_ok());
+        let dir = cgroup2
+            .clone()
+            .unwrap_or_else(|| plain.path().to_path_buf());
+        let w_fd = w.as_raw_fd();
+        let code = in_single_threaded_child(|| {
+            if !is_single_threaded() {
+                return 10;
+            }
+            let path = CString::new("/bin/true").unwrap();
+            let argv = [CString::new("true").unwrap()];
+            let exec = Exec {
+                path: &path,
+                argv: &argv,
+                envp: &[],
+            };
+            let setup = || -> ChildSetup {
+                Box::new(move || {
+                    // Allocation and formatting, which a bare pre_exec closure could not do.
+                    let line = format!("set up in {}\n", std::process::id());
+                    // SAFETY: `w_fd` is the pipe's write end, open in this child (inherited).
+                    let fd = unsafe { BorrowedFd::borrow_raw(w_fd) };
+                    rustix::io::write(fd, line.as_bytes())?;
+                    Ok(())
+                })
+            };
+            let Ok(d) = File::open(&dir) else { return 11 };
+            let mut first = setup();
+            let pid = match clone3_into_cgroup_with_setup(&exec, d.as_fd(), &mut first) {
+                Ok(Some(pid)) => pid,
+                Ok(None) => match spawn_with_setup(&mut Command::new("/bin/true"), setup()) {
+                    Ok(mut child) => {
+                        return if child.wait().is_ok_and(|s| s.success()) {
+                            0
+                        } else {
+                            12
+                        }
+                    }
+                    Err(_) => return 13,
+                },
+                Err(_) => return 14,
+            };
+            match rustix::process::waitpid(
+                rustix::process::Pid::from_raw(pid as i32),
+                rustix::process::WaitOptions::empty(),
+            ) {
+                Ok(Some((_, st))) if st.exit_status() == Some(0) => 0,
+                _ => 15,
+            }
+        });
+        if let Some(d) = &cgroup2 {
+            let _ = std::fs::remove_dir(d);
+        }
+        assert_eq!(code, 0);
+        drop(w);
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut File::from(r), &mut out).unwrap();
+        assert!(out.starts_with("set up in "), "{out:?}");
     }
 
     #[test]

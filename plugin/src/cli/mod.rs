@@ -13,7 +13,6 @@ pub mod doctor;
 pub mod fixture;
 pub mod hook;
 pub mod plan;
-pub mod sandbox;
 
 /// Give each Buildkite job one GPU, NUMA-local whole CPU cores and a memory limit, enforced by
 /// the kernel, and clean up after it.
@@ -38,27 +37,18 @@ pub enum Command {
     /// The hooks (`environment`, `command`, `pre-exit`).
     #[command(flatten)]
     Hook(hook::HookCommand),
-    /// Started by the `command` hook inside the job's cgroup: builds the sandbox, drops
-    /// privileges and runs the command (not for direct use).
-    #[command(hide = true)]
-    SandboxExec(sandbox::SandboxExecArgs),
 }
 
 /// Entry point used by `main.rs`.
 pub fn main() -> ExitCode {
     let args: Vec<OsString> = hook::subcommand_for_argv0(std::env::args_os().collect());
     let cli = Cli::parse_from(args);
-    if let Command::SandboxExec(a) = cli.command {
-        // Before anything else: the helper stays single-threaded and quiet.
-        return sandbox::run(a);
-    }
     init_tracing();
     let outcome = match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Doctor(a) => doctor::run(a),
         Command::Fixture(a) => fixture::run(a),
         Command::Hook(h) => hook::run(h),
-        Command::SandboxExec(a) => return sandbox::run(a),
     };
     match outcome {
         Ok(code) => code,

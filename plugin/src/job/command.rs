@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -121,7 +120,7 @@ pub fn docker_run_for(
 /// The `command` hook: runs `BUILDKITE_COMMAND` held to the job's slice and reports how it ended.
 ///
 /// `say` gets the lines the job log needs before the command's own output (warnings); the
-/// sandbox helper prints what the job can see itself, just before it runs the command.
+/// sandbox prints what the job can see from the command's child, just before the command.
 pub fn run(
     settings: &Settings,
     env: &BTreeMap<String, String>,
@@ -253,14 +252,15 @@ fn on_host(
 /// Starts `argv` with exactly `env` in the job's cgroup: born there on cgroup v2
 /// (`clone3`), written into the `cgroup.procs` files between fork and exec otherwise, not
 /// confined at all without cgroups. With `isolate_network`, in a new network namespace with
-/// only loopback (the sandbox makes its own). `keep_fd` is left open for the child.
+/// only loopback (the sandbox makes its own). `setup` runs in the child, in its cgroups,
+/// before the program (the sandbox).
 fn start_in_cgroup(
     job_id: &str,
     argv: &[OsString],
     env: &BTreeMap<String, String>,
     cgroups: Option<&Cgroups>,
     isolate_network: bool,
-    keep_fd: Option<std::os::fd::BorrowedFd<'_>>,
+    mut setup: Option<confine::ChildSetup>,
 ) -> Result<confine::Started, JobError> {
     let (program, args) = argv.split_first().ok_or_else(|| JobError::Spawn {
         what: "an empty command".into(),
@@ -275,7 +275,7 @@ fn start_in_cgroup(
     }
     let spawn_error = |source: std::io::Error| JobError::Spawn {
         what: format!(
-            "the command in the job's cgroup{}",
+            "{program:?} in the job's cgroup{}",
             if isolate_network {
                 " and a new network namespace (needs root or CAP_SYS_ADMIN; or set `network: true`)"
             } else {
@@ -284,37 +284,29 @@ fn start_in_cgroup(
         ),
         source,
     };
-    // The kept descriptor must survive exec in the child only: it is inheritable just for the
-    // spawn (the hooks are single-threaded, so no other spawn can catch it in between).
-    if let Some(fd) = keep_fd {
-        rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())
-            .map_err(|e| spawn_error(e.into()))?;
-    }
     // On cgroup v2 the command is born in its cgroup (no migration to wait for).
     let born_inside = match (
         cgroups,
         confinement.procs_files.first().and_then(|p| p.parent()),
     ) {
-        (Some(Cgroups::V2(_)), Some(dir)) => {
-            confine::spawn_into_cgroup2(program, args, env, dir, isolate_network)
-                .map_err(spawn_error)?
+        (Some(Cgroups::V2(_)), Some(dir)) => match setup.as_mut() {
+            Some(setup) => confine::spawn_into_cgroup2_with_setup(program, args, env, dir, setup),
+            None => confine::spawn_into_cgroup2(program, args, env, dir, isolate_network),
         }
+        .map_err(spawn_error)?,
         _ => None,
     };
-    let started = match born_inside {
-        Some(started) => Ok(started),
-        None => {
-            let mut cmd = Command::new(program);
-            cmd.args(args).env_clear().envs(env);
-            confine::spawn(&mut cmd, &confinement)
-                .map(confine::Started::Std)
-                .map_err(spawn_error)
-        }
-    };
-    if let Some(fd) = keep_fd {
-        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    if let Some(started) = born_inside {
+        return Ok(started);
     }
-    started
+    let mut cmd = Command::new(program);
+    cmd.args(args).env_clear().envs(env);
+    match setup {
+        Some(setup) => confine::spawn_with_setup(&mut cmd, &confinement, setup),
+        None => confine::spawn(&mut cmd, &confinement),
+    }
+    .map(confine::Started::Std)
+    .map_err(spawn_error)
 }
 
 /// Hands the checkout to `user` for the command. `environment` recorded whose it is to be again
@@ -356,7 +348,7 @@ fn checkout_dir(env: &BTreeMap<String, String>) -> Option<PathBuf> {
         .filter(|p| p.is_absolute() && p.is_dir())
 }
 
-/// What the sandbox helper is to build for this job.
+/// What the sandbox is to build for this job.
 pub fn sandbox_spec(
     settings: &Settings,
     state: &JobState,
@@ -390,9 +382,8 @@ pub fn sandbox_spec(
     }
 }
 
-/// Starts the sandbox helper in the job's cgroup, as root, with the command to `exec` once it
-/// has built the job's view and dropped privileges; returns the command (the helper's pid)
-/// once it runs, or why it could not.
+/// Starts the step's shell in the job's cgroup with the sandbox set up in the child first (as
+/// root, then dropped); returns the command once it runs, or why it could not start.
 fn start_sandboxed(
     settings: &Settings,
     state: &JobState,
@@ -412,101 +403,28 @@ fn start_sandboxed(
         give_checkout(settings, state, c, &user)?;
     }
     let spec = sandbox_spec(settings, state, env, &user, checkout.as_deref());
-    let spec_json = serde_json::to_string(&spec).map_err(|e| JobError::Sandbox(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|source| JobError::Spawn {
-        what: "the sandbox helper (this binary, from /proc/self/exe)".into(),
-        source,
-    })?;
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
-    let mut helper: Vec<OsString> = vec![
-        exe.into_os_string(),
-        "sandbox-exec".into(),
-        "--spec".into(),
-        spec_json.into(),
-        "--report-fd".into(),
-        report_w.as_raw_fd().to_string().into(),
-        "--".into(),
-    ];
-    helper.extend(argv.iter().cloned());
     let env = sandbox::job_env(child_env, &user);
     let started = start_in_cgroup(
         &state.job_id,
-        &helper,
+        argv,
         &env,
         cgroups,
         false,
-        Some(report_w.as_fd()),
+        Some(sandbox::child_setup(spec, report_w)),
     );
-    drop(report_w);
-    let mut child = started?;
-    // End of file: the command was executed (the pipe is close-on-exec). Text: why not.
+    // End of file: the command was executed (the pipe is close-on-exec). Text: why not. The
+    // write end went with the set-up (closed here once the spawn returned).
     let mut why = String::new();
     let _ = std::fs::File::from(report_r).read_to_string(&mut why);
-    if why.is_empty() {
-        return Ok(child);
-    }
-    let _ = child.wait();
-    Err(JobError::Sandbox(why))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The sandbox helper's report pipe reaches it on cgroup v2's `clone3` path too (the child
-    /// is not std's, so the descriptor is inherited only because it was made inheritable for
-    /// the spawn), and the parent's copy is close-on-exec again afterwards.
-    #[test]
-    fn a_kept_descriptor_reaches_a_child_born_in_a_cgroup2_directory() {
-        if !rustix::process::geteuid().is_root() {
-            kernelkite_testkit::skip("creating cgroups needs root");
-            return;
+    match started {
+        Ok(child) if why.is_empty() => Ok(child),
+        Ok(mut child) => {
+            let _ = child.wait();
+            Err(JobError::Sandbox(why))
         }
-        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let Some(mount) = crate::cgroup::parse_mountinfo(&text)
-            .into_iter()
-            .find(|m| m.fs_type == "cgroup2")
-        else {
-            kernelkite_testkit::skip("no cgroup2 mount");
-            return;
-        };
-        let v2 = crate::cgroup::v2::V2::new(PathBuf::from(&mount.mount_point));
-        let job = format!("kk-unit-keepfd-{}", std::process::id());
-        let dir = v2.base().join(&job);
-        if std::fs::create_dir_all(&dir).is_err() {
-            kernelkite_testkit::skip("the cgroup2 mount is not writable");
-            return;
-        }
-        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-        let fd = w.as_raw_fd();
-        let argv: Vec<OsString> = [
-            "sh".to_string(),
-            "-c".to_string(),
-            format!("echo kept >&{fd}; cat /proc/self/cgroup >&{fd}"),
-        ]
-        .map(OsString::from)
-        .to_vec();
-        let env: BTreeMap<String, String> =
-            [("PATH".to_string(), "/usr/bin:/bin".to_string())].into();
-        let cgroups = Cgroups::V2(v2.clone());
-        let mut child =
-            start_in_cgroup(&job, &argv, &env, Some(&cgroups), false, Some(w.as_fd())).unwrap();
-        let flags = rustix::io::fcntl_getfd(&w).unwrap();
-        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
-        drop(w);
-        let status = child.wait().unwrap();
-        let mut out = String::new();
-        std::fs::File::from(r).read_to_string(&mut out).unwrap();
-        let _ = v2.clean_up(&job);
-        assert!(status.success(), "{out}");
-        assert!(out.starts_with("kept\n"), "{out}");
-        eprintln!(
-            "born by clone3: {}",
-            matches!(child, confine::Started::Raw(_))
-        );
-        if matches!(child, confine::Started::Raw(_)) {
-            assert!(out.contains(&format!("/kernelkite/{job}")), "{out}");
-        }
+        Err(e) if why.is_empty() => Err(e),
+        Err(_) => Err(JobError::Sandbox(why)),
     }
 }

@@ -180,7 +180,7 @@ pub enum JobError {
         /// The hooks' uid.
         uid: u32,
     },
-    /// The sandbox helper could not start the command.
+    /// The sandbox could not be set up for the command.
     #[error("cannot start the command in its sandbox: {0}")]
     Sandbox(String),
     /// The checkout could not change hands.

@@ -1,4 +1,4 @@
-//! The job's private view of the machine, built by the sandbox helper (as root, in a new mount
+//! The job's private view of the machine, built in the command's child (as root, in a new mount
 //! namespace, before it drops privileges):
 //!
 //! 1. every mount made private (`MS_REC|MS_PRIVATE`): nothing done here reaches the host, and

@@ -5,7 +5,7 @@
 //! Chosen over an idmapped bind mount, which would need no walk: `chown` works on every file
 //! system and kernel (idmapped mounts need 5.12+, a file system that supports them, NFS does
 //! not, and a user namespace to describe the mapping), and a competition checkout is small
-//! (the walk costs about a microsecond per file; `docs/BENCHMARKS.md`).
+//! (the walk costs a few microseconds per file; `docs/BENCHMARKS.md`).
 //!
 //! The walk never follows a symbolic link (`lchown` semantics, directories opened with
 //! `O_NOFOLLOW` relative to their parent), so a link the job planted cannot redirect it, and

@@ -3,7 +3,8 @@
 //! effective and saved), then every remaining capability (root's, with `allow-root`).
 //!
 //! rustix's calls act on the calling thread only (Linux keeps credentials per thread); the
-//! helper checks that it is single-threaded before it starts, so thread and process are one.
+//! command's child is the only thread of its process (the hooks are single-threaded, checked
+//! before each fork), so thread and process are one.
 
 use rustix::process::{Gid, Uid};
 use rustix::thread::{CapabilitySet, CapabilitySets};

@@ -1,6 +1,5 @@
-//! What the sandbox helper is to build, decided by the `command` hook from the job's state,
-//! the node settings and the agent's variables, and handed to the helper as JSON on its
-//! command line (no secret is in it: paths, numbers, the job user).
+//! What the sandbox is to build, decided by the `command` hook from the job's state, the node
+//! settings and the agent's variables, before it forks the command's child.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
@@ -8,13 +7,12 @@ use std::path::{Component, Path, PathBuf};
 
 use kernelkite_topology::cpulist::format_cpu_list;
 use kernelkite_topology::plan::{Slice, Vendor};
-use serde::{Deserialize, Serialize};
 
 use super::user::JobUser;
 use crate::docker;
 
 /// A device node of the job's GPU(s): bound from `source` (the real node) to `/dev/<target>`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceNode {
     /// The node on the host (`/dev/nvidia3`, or a directory such as `/dev/nvidia-caps`).
     pub source: PathBuf,
@@ -22,9 +20,9 @@ pub struct DeviceNode {
     pub target: PathBuf,
 }
 
-/// The job's limits as the job log states them (the cgroup enforces them; the helper only
-/// reports).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The job's limits as the job log states them (the cgroup enforces them; the sandbox only
+/// reports them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LimitsNote {
     /// Memory limit in bytes.
     pub memory_bytes: u64,
@@ -34,8 +32,8 @@ pub struct LimitsNote {
     pub cgroup: Option<u8>,
 }
 
-/// Everything the sandbox helper does before it runs the command.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Everything the sandbox does before the command runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxSpec {
     /// Who the command runs as.
     pub user: JobUser,
