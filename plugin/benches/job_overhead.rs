@@ -1,21 +1,53 @@
-//! Benchmark: the whole per-job overhead of the hooks in host mode on the DGX H100 fixture —
-//! `environment` (orphan scan, plan, lease, cgroup), `command` (confined start of a command
-//! that does nothing) and `pre-exit` (kill, remove, release) — each a separate process as the
-//! agent runs them, next to the prototype's environment hook in the same run.
+//! Benchmark: the per-job overhead of the hooks in host mode on the DGX H100 fixture —
+//! `environment` (orphan scan, plan, lease, cgroup), `command` (the sandbox helper started in
+//! the job's cgroup, its namespaces and mounts, the privilege drop, then the step's command)
+//! and `pre-exit` (kill, checkout ownership back, cgroup removal, lease release).
 //!
-//! `cargo bench -p kernelkite-isolate --bench job_overhead` (`KERNELKITE_BENCH_SHORT=1` for a
-//! run under 30 s). Uses the machine's real cgroups when root and writable, else a fake v2 tree.
+//! Measured the way the agent runs a job: every hook a separate process, through the plugin's
+//! shell shims (`hooks/*`, sourced by bash in a wrapper as the agent does) or as agent-level
+//! binary hooks, with idle gaps between hooks (the agent checks out, uploads, ...; 200 ms
+//! here). The gaps matter on cgroup v1: a task's first migration into a cgroup after a quiet
+//! spell waits for an RCU grace period unless the kernel favours dynamic cgroup changes
+//! (`favordynmods`). "Command start" is from the hook's spawn to the first instruction of the
+//! step's command (the command writes `$EPOCHREALTIME`). Next to it, in the same run: the old
+//! back-to-back loop (binary hooks, no gaps), the same hooks with the sandbox off, the bare
+//! command, the RCU grace period of this kernel, the start of a process in a cgroup v2
+//! directory by migration or by `clone3(CLONE_INTO_CGROUP)`, the checkout hand-over per file,
+//! and the prototype's environment hook.
+//!
+//! `cargo bench -p kernelkite-isolate --bench job_overhead` (`KERNELKITE_BENCH_SHORT=1`: a run
+//! of about 30 s). Uses the machine's real cgroups when root and writable (the sandbox needs
+//! root), else a fake v2 tree with the sandbox off.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kernelkite_isolate::cgroup::{Cgroups, Limits};
 use kernelkite_topology::fakesys;
 
 mod common;
 use common::{ms, output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table};
+
+/// The agent's idle time between two hooks of a job.
+const GAP: Duration = Duration::from_millis(200);
+
+/// Runs `cmd`; its duration, or its stderr when it failed.
+fn try_run(cmd: &mut Command) -> Result<Duration, String> {
+    let t = Instant::now();
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    if out.status.success() {
+        Ok(took)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
 
 fn run(cmd: &mut Command) -> Duration {
     let t = Instant::now();
@@ -51,7 +83,7 @@ fn fake_cgroup_v2(dir: &Path) -> PathBuf {
 }
 
 /// Real cgroups when usable (root, writable), else the fake v2 tree.
-fn cgroup_root(fake: &Path) -> (PathBuf, String) {
+fn cgroup_root(fake: &Path) -> (PathBuf, Option<Cgroups>) {
     if rustix::process::geteuid().is_root() {
         if let Ok(cg) = Cgroups::detect(Path::new("/")) {
             let probe = format!("kk-bench-probe-{}", std::process::id());
@@ -65,15 +97,222 @@ fn cgroup_root(fake: &Path) -> (PathBuf, String) {
             let ok = cg.create(&probe, &limits).is_ok();
             let _ = cg.clean_up(&probe);
             if ok {
-                return ("/".into(), format!("real cgroup v{}", cg.version()));
+                return ("/".into(), Some(cg));
             }
         }
     }
-    (fake.to_path_buf(), "fake cgroup v2 tree (not root)".into())
+    (fake.to_path_buf(), None)
 }
 
-/// Start cost of a process in a cgroup v2 directory: migrated after fork vs born inside.
-fn cgroup2_start_costs(iterations: usize) -> Option<(Stats, Stats, Stats)> {
+/// How the agent runs the hooks.
+#[derive(Clone, Copy, PartialEq)]
+enum Install {
+    /// The plugin's `hooks/*` shims, each sourced by bash in a wrapper that saves the
+    /// environment afterwards, as the agent does.
+    Shims,
+    /// The binary under the hook's name (agent-level hooks, vendors).
+    Binary,
+}
+
+struct JobTimes {
+    environment: Duration,
+    command_start: Duration,
+    command: Duration,
+    pre_exit: Duration,
+    /// CPU time (user + system) of the three hooks and everything they waited for, the job
+    /// (`printf` in bash) included: what the job costs a machine that is not busy otherwise.
+    cpu: Duration,
+}
+
+fn cpu_now() -> Duration {
+    kernelkite_sys::raw::children_cpu_time().unwrap_or_default()
+}
+
+struct Bench {
+    exe: PathBuf,
+    plugin: PathBuf,
+    dir: PathBuf,
+    env: BTreeMap<String, String>,
+    n: usize,
+}
+
+impl Bench {
+    fn hook(&self, install: Install, name: &str, env: &BTreeMap<String, String>) -> Command {
+        let mut c = match install {
+            Install::Shims => {
+                let mut c = Command::new("bash");
+                c.arg("-c")
+                    .arg(r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#)
+                    .arg("kernelkite-bench-wrapper")
+                    .arg(self.plugin.join("hooks").join(name))
+                    .arg(self.dir.join("env-after"));
+                c
+            }
+            Install::Binary => {
+                let mut c = Command::new(&self.exe);
+                c.arg(name);
+                if name == "environment" {
+                    c.args(["--export", "shell"]);
+                }
+                c
+            }
+        };
+        c.env_clear().envs(env);
+        if let Some(cwd) = env.get("BUILDKITE_BUILD_CHECKOUT_PATH") {
+            c.current_dir(cwd);
+        }
+        c
+    }
+
+    /// One job through the three hooks, `gap` before each; `None` (said why) when a hook
+    /// failed because something else on this shared machine removed the job's cgroup: every
+    /// `environment` hook cleans up job cgroups that have no state in its run dir, and other
+    /// checkouts' tests run their hooks with run dirs of their own.
+    fn job(
+        &mut self,
+        install: Install,
+        gap: Duration,
+        extra: &[(&str, &str)],
+        tag: &str,
+    ) -> Option<JobTimes> {
+        self.n += 1;
+        let job = format!("bench-{}-{tag}-{}", std::process::id(), self.n);
+        let checkout = self.dir.join("builds/agent").join(&job);
+        std::fs::create_dir_all(&checkout).unwrap();
+        let mut env = self.env.clone();
+        env.insert("BUILDKITE_JOB_ID".into(), job.clone());
+        env.insert(
+            "BUILDKITE_BUILD_CHECKOUT_PATH".into(),
+            checkout.display().to_string(),
+        );
+        for (k, v) in extra {
+            env.insert(k.to_string(), v.to_string());
+        }
+        let times = (|| -> Result<JobTimes, String> {
+            std::thread::sleep(gap);
+            let cpu_before = cpu_now();
+            let environment = try_run(&mut self.hook(install, "environment", &env))?;
+            std::thread::sleep(gap);
+            let wall = SystemTime::now();
+            let command = try_run(&mut self.hook(install, "command", &env))?;
+            let marker = std::fs::read_to_string(checkout.join("started")).unwrap();
+            let started =
+                SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
+            let command_start = started.duration_since(wall).unwrap_or_default();
+            std::thread::sleep(gap);
+            let pre_exit = try_run(&mut self.hook(install, "pre-exit", &env))?;
+            let cpu = cpu_now().saturating_sub(cpu_before);
+            Ok(JobTimes {
+                environment,
+                command_start,
+                command,
+                pre_exit,
+                cpu,
+            })
+        })();
+        let _ = std::fs::remove_dir_all(&checkout);
+        match times {
+            Ok(t) => Some(t),
+            Err(e) if e.contains("cgroup.procs") || e.contains("/kernelkite/") => {
+                let _ = try_run(&mut self.hook(install, "pre-exit", &env));
+                println!("  (job {job} discarded: its cgroup went away under it: {e})");
+                None
+            }
+            Err(e) => panic!("job {job} failed: {e}"),
+        }
+    }
+
+    fn jobs(
+        &mut self,
+        count: usize,
+        install: Install,
+        gap: Duration,
+        extra: &[(&str, &str)],
+        tag: &str,
+    ) -> Vec<JobTimes> {
+        // Two jobs to warm the caches, not counted.
+        for _ in 0..2 {
+            self.job(install, Duration::ZERO, extra, tag);
+        }
+        let mut out = Vec::new();
+        let mut discarded = 0;
+        while out.len() < count {
+            match self.job(install, gap, extra, tag) {
+                Some(t) => out.push(t),
+                None => {
+                    discarded += 1;
+                    assert!(
+                        discarded <= count,
+                        "too many jobs disturbed; is the machine shared?"
+                    );
+                }
+            }
+        }
+        out
+    }
+}
+
+fn report(table: &Table, title: &str, jobs: &[JobTimes]) -> Stats {
+    println!("{title}");
+    let col = |f: fn(&JobTimes) -> Duration| stats(jobs.iter().map(f).collect());
+    table.row("  environment", &col(|j| j.environment));
+    table.row(
+        "  command start (hook spawn -> job's first instruction)",
+        &col(|j| j.command_start),
+    );
+    table.row(
+        "  command, whole hook (job is `printf`)",
+        &col(|j| j.command),
+    );
+    table.row("  pre-exit", &col(|j| j.pre_exit));
+    let sum = col(|j| j.environment + j.command_start + j.pre_exit);
+    table.row("  environment + command start + pre-exit", &sum);
+    table.row(
+        "  CPU time of the three hooks and the job (user + sys)",
+        &col(|j| j.cpu),
+    );
+    sum
+}
+
+/// Median of `synchronize_rcu()` (what `membarrier(MEMBARRIER_CMD_GLOBAL)` waits for): the wait
+/// a v1 migration pays after a quiet spell when the kernel does not favour dynamic changes.
+fn rcu_grace_period(n: usize) -> Option<Stats> {
+    let mut samples = Vec::new();
+    for _ in 0..n {
+        std::thread::sleep(Duration::from_millis(50));
+        let t = Instant::now();
+        rustix::thread::membarrier(rustix::thread::MembarrierCommand::Global).ok()?;
+        samples.push(t.elapsed());
+    }
+    Some(stats(samples))
+}
+
+/// One migration into a cgroup after a quiet spell, timed: whether this kernel favours dynamic
+/// cgroup changes (a fraction of a millisecond) or waits for a grace period (milliseconds).
+fn isolated_migration(cg_root: &Path, n: usize) -> Option<Stats> {
+    let dir = cg_root.join(format!("kk-bench-migrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let mut samples = Vec::new();
+    for _ in 0..n {
+        std::thread::sleep(GAP);
+        let mut child = Command::new("sleep").arg("5").spawn().ok()?;
+        let t = Instant::now();
+        let ok = std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).is_ok();
+        samples.push(t.elapsed());
+        let _ = child.kill();
+        let _ = child.wait();
+        if !ok {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+    }
+    let _ = std::fs::remove_dir(&dir);
+    Some(stats(samples))
+}
+
+/// Start cost of a process in a cgroup v2 directory after a quiet spell: migrated after fork
+/// (what v1 must do) vs born inside (`clone3`, what `command` does on v2).
+fn cgroup2_start_costs(iterations: usize, gap: Duration) -> Option<(Stats, Stats, Stats)> {
     use kernelkite_isolate::cgroup::v2::V2;
     use kernelkite_isolate::confine::{spawn, spawn_into_cgroup2, Confinement};
     if !rustix::process::geteuid().is_root() {
@@ -96,13 +335,16 @@ fn cgroup2_start_costs(iterations: usize) -> Option<(Stats, Stats, Stats)> {
     let mut born = Vec::new();
     let mut plain = Vec::new();
     for _ in 0..iterations {
+        std::thread::sleep(gap);
         let t = Instant::now();
         assert!(Command::new("/bin/true").status().unwrap().success());
         plain.push(t.elapsed());
+        std::thread::sleep(gap);
         let t = Instant::now();
         let mut child = spawn(&mut Command::new("/bin/true"), &c).unwrap();
         assert!(child.wait().unwrap().success());
         migrate.push(t.elapsed());
+        std::thread::sleep(gap);
         let t = Instant::now();
         let mut child =
             spawn_into_cgroup2("/bin/true".as_ref(), &[], &env, &dir, false).unwrap()?;
@@ -113,27 +355,61 @@ fn cgroup2_start_costs(iterations: usize) -> Option<(Stats, Stats, Stats)> {
     Some((stats(migrate), stats(born), stats(plain)))
 }
 
+/// The checkout's hand-over to the job user and back, per file (1000 files in 10 directories).
+fn chown_per_file() -> Option<Duration> {
+    use kernelkite_isolate::sandbox::ownership::chown_tree;
+    if !rustix::process::geteuid().is_root() {
+        return None;
+    }
+    let dir = tempfile::tempdir().ok()?;
+    for d in 0..10 {
+        let sub = dir.path().join(format!("d{d}"));
+        std::fs::create_dir_all(&sub).ok()?;
+        for f in 0..99 {
+            std::fs::write(sub.join(format!("f{f}")), "x").ok()?;
+        }
+    }
+    let t = Instant::now();
+    let mut files = 0;
+    for _ in 0..5 {
+        files += chown_tree(dir.path(), 65534, 65534).ok()?.entries;
+        files += chown_tree(dir.path(), 0, 0).ok()?.entries;
+    }
+    Some(t.elapsed() / files as u32)
+}
+
 fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
-    let iterations = if short { 40 } else { 300 };
+    let (b2b_jobs, gap_jobs) = if short { (30, 8) } else { (200, 60) };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = env!("CARGO_BIN_EXE_kernelkite-isolate");
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate"));
     // The run dir is /run/kernelkite in production, a tmpfs; /dev/shm stands in for it (and for
-    // sysfs, which is in memory too) where this machine's /tmp is a disk.
-    let dir = if Path::new("/dev/shm").is_dir() {
+    // sysfs). Checkouts live on disk, as the agent's do (and outside /dev, which the sandbox
+    // replaces).
+    let shm = if Path::new("/dev/shm").is_dir() {
         tempfile::tempdir_in("/dev/shm").unwrap()
     } else {
         tempfile::tempdir().unwrap()
     };
-    let sys = dir.path().join("dgx-h100");
+    let disk = tempfile::Builder::new()
+        .prefix("kk-bench")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    std::fs::set_permissions(
+        disk.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let sys = shm.path().join("dgx-h100");
     fakesys::dgx_h100().write_to(&sys).unwrap();
-    let fake = fake_cgroup_v2(dir.path());
-    let (cgroot, cg_kind) = cgroup_root(&fake);
+    let fake = fake_cgroup_v2(shm.path());
+    let (cgroot, real) = cgroup_root(&fake);
+    let sandbox = real.is_some();
 
     // The live machine has fewer CPUs than the fixture: the job's cgroup gets one of ours, so
     // the plan file is the fixture's plan with CPUs folded onto this machine (same sizes).
     let plan_out = output_ok(
-        Command::new(exe)
+        Command::new(&exe)
             .args(["plan", "--json", "--sysfs-root"])
             .arg(&sys),
     );
@@ -143,86 +419,186 @@ fn main() {
         s["mems"] = serde_json::json!([0]);
         s["memory_bytes"] = serde_json::json!(1u64 << 30);
     }
-    let plan_file = dir.path().join("plan.json");
+    let plan_file = shm.path().join("plan.json");
     std::fs::write(&plan_file, plan.to_string()).unwrap();
 
-    let base_env = |job: &str| -> BTreeMap<String, String> {
-        let mut e = BTreeMap::new();
-        e.insert("PATH".into(), std::env::var("PATH").unwrap_or_default());
-        e.insert("BUILDKITE_JOB_ID".into(), job.into());
-        e.insert("BUILDKITE_AGENT_NAME".into(), "dgx01".into());
-        e.insert("BUILDKITE_COMMAND".into(), "true".into());
-        e.insert(
-            "KERNELKITE_RUN_DIR".into(),
-            dir.path().join("run").display().to_string(),
-        );
-        e.insert(
-            "KERNELKITE_CGROUP_ROOT".into(),
-            cgroot.display().to_string(),
-        );
-        e.insert("KERNELKITE_JOB_PID".into(), std::process::id().to_string());
-        e
+    let mut env = BTreeMap::new();
+    let mut set = |k: &str, v: String| {
+        env.insert(k.to_string(), v);
     };
-    let hook = |sub: &str, env: &BTreeMap<String, String>| {
-        let mut c = Command::new(exe);
-        c.arg(sub).env_clear().envs(env);
-        if sub == "environment" {
-            c.args(["--export", "shell"]);
-        }
-        c
+    set("PATH", std::env::var("PATH").unwrap_or_default());
+    set("BUILDKITE_AGENT_NAME", "dgx01".into());
+    set(
+        "BUILDKITE_COMMAND",
+        r#"printf %s "$EPOCHREALTIME" > started"#.into(),
+    );
+    set("BUILDKITE_SHELL", "/bin/bash -e -c".into());
+    set(
+        "BUILDKITE_BUILD_PATH",
+        disk.path().join("builds").display().to_string(),
+    );
+    set(
+        "KERNELKITE_RUN_DIR",
+        shm.path().join("run").display().to_string(),
+    );
+    set("KERNELKITE_CGROUP_ROOT", cgroot.display().to_string());
+    set("KERNELKITE_PLAN_FILE", plan_file.display().to_string());
+    set("KERNELKITE_JOB_PID", std::process::id().to_string());
+    set("KERNELKITE_ISOLATE_BIN", exe.display().to_string());
+    set("KERNELKITE_CONFIG", r#"{"user":"nobody"}"#.into());
+    set(
+        "KERNELKITE_SANDBOX",
+        if sandbox { "on" } else { "off" }.into(),
+    );
+    let mut bench = Bench {
+        exe: exe.clone(),
+        plugin: manifest.to_path_buf(),
+        dir: disk.path().to_path_buf(),
+        env,
+        n: 0,
     };
 
-    // One job, both ways of finding the slice.
-    let mut env_live = Vec::new();
-    let mut env_file = Vec::new();
-    let mut command = Vec::new();
-    let mut pre_exit = Vec::new();
-    let mut total = Vec::new();
-    for i in 0..iterations + 3 {
-        let job = format!("bench-{}-{i}", std::process::id());
-        let mut env = base_env(&job);
-        let live_or_file = i % 2 == 0;
-        if live_or_file {
-            // Planned live from the fixture, whose CPUs this machine lacks: its cgroup goes into
-            // the fake tree.
-            env.insert("KERNELKITE_SYSFS_ROOT".into(), sys.display().to_string());
-            env.insert("KERNELKITE_CGROUP_ROOT".into(), fake.display().to_string());
-            let t = run(&mut hook("environment", &env));
-            run(&mut hook("pre-exit", &env));
-            if i >= 3 {
-                env_live.push(t);
-            }
-            env.remove("KERNELKITE_SYSFS_ROOT");
-            env.insert(
-                "KERNELKITE_CGROUP_ROOT".into(),
-                cgroot.display().to_string(),
+    let cg_kind = match &real {
+        Some(cg) => format!(
+            "real cgroup v{}, sandbox on (job user nobody)",
+            cg.version()
+        ),
+        None => "fake cgroup v2 tree, sandbox off (not root)".into(),
+    };
+    println!(
+        "job overhead benchmark: DGX H100 fixture (224 CPUs, 8 GPUs), host mode, {cg_kind}; {gap_jobs} jobs per agent-style row ({} ms idle before each hook), {b2b_jobs} back to back",
+        GAP.as_millis()
+    );
+    let table = Table::new(60);
+
+    // Is the v1 migration wait there on this kernel right now?
+    if let Some(Cgroups::V1(_)) = &real {
+        if let Some(m) = isolated_migration(Path::new("/sys/fs/cgroup/pids"), 5) {
+            let favoured = m.median < Duration::from_millis(2);
+            println!(
+                "one cgroup v1 migration after {} ms idle: median {} -> the threadgroup rwsem {}",
+                GAP.as_millis(),
+                ms(m.median),
+                if favoured {
+                    "is in favordynmods mode (no grace-period wait)"
+                } else {
+                    "waits for an RCU grace period (no favordynmods)"
+                }
             );
-        }
-        env.insert(
-            "KERNELKITE_PLAN_FILE".into(),
-            plan_file.display().to_string(),
-        );
-        let job = format!("{job}-f");
-        env.insert("BUILDKITE_JOB_ID".into(), job);
-        let e = run(&mut hook("environment", &env));
-        let c = run(&mut hook("command", &env));
-        let p = run(&mut hook("pre-exit", &env));
-        if i >= 3 {
-            env_file.push(e);
-            command.push(c);
-            pre_exit.push(p);
-            total.push(e + c + p);
         }
     }
 
-    // What the command itself costs without any hook: the agent would run it anyway.
-    let bare: Vec<Duration> = (0..iterations)
-        .map(|_| run(Command::new("/bin/bash").args(["-e", "-c", "true"])))
+    // What the agent's wrapper costs around any plugin's hook: an empty hook sourced the same
+    // way. Every plugin pays it; the shims' own cost is the difference.
+    let empty_hook = disk.path().join("empty-hook");
+    std::fs::write(&empty_hook, "").unwrap();
+    let empty: Vec<Duration> = (0..gap_jobs + 2)
+        .map(|_| {
+            std::thread::sleep(GAP);
+            run(Command::new("bash")
+                .arg("-c")
+                .arg(r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#)
+                .arg("kernelkite-bench-wrapper")
+                .arg(&empty_hook)
+                .arg(disk.path().join("env-after"))
+                .env_clear()
+                .envs(&bench.env))
+        })
+        .skip(2)
         .collect();
+    let empty = stats(empty);
+    let agent = bench.jobs(gap_jobs, Install::Shims, GAP, &[], "shim");
+    let shim_sum = report(
+        &table,
+        "agent-style: plugin shims (bash sources hooks/*), idle gaps",
+        &agent,
+    );
+    table.row(
+        "  the agent's wrapper around an empty hook (any plugin pays it)",
+        &empty,
+    );
+    println!(
+        "  the shims' own cost for environment + command start + pre-exit: {} (median sum - 3 x empty hook)",
+        ms(shim_sum.median.saturating_sub(empty.median * 3))
+    );
+    let binary = bench.jobs(gap_jobs, Install::Binary, GAP, &[], "bin");
+    let binary_sum = report(
+        &table,
+        "agent-style: agent-level binary hooks, idle gaps",
+        &binary,
+    );
+    if sandbox {
+        let off = bench.jobs(
+            gap_jobs,
+            Install::Binary,
+            GAP,
+            &[("KERNELKITE_SANDBOX", "off")],
+            "nosbx",
+        );
+        report(
+            &table,
+            "  same, sandbox off (command as root, no namespaces): the sandbox's own cost is the difference",
+            &off,
+        );
+    }
+    let b2b = bench.jobs(b2b_jobs, Install::Binary, Duration::ZERO, &[], "b2b");
+    let b2b_sum = report(
+        &table,
+        "back to back (the previous benchmark): binary hooks, no gaps",
+        &b2b,
+    );
 
-    let path_with_stub = path_with(&stub_nvidia_smi_bin(dir.path()));
+    // Planning live instead of from a plan file (fixture sysfs, fake cgroups: the fixture's
+    // CPUs are not this machine's).
+    let mut env_live = Vec::new();
+    for i in 0..b2b_jobs + 3 {
+        let mut env = bench.env.clone();
+        env.remove("KERNELKITE_PLAN_FILE");
+        env.insert("KERNELKITE_SYSFS_ROOT".into(), sys.display().to_string());
+        env.insert("KERNELKITE_CGROUP_ROOT".into(), fake.display().to_string());
+        env.insert(
+            "BUILDKITE_JOB_ID".into(),
+            format!("bench-{}-live-{i}", std::process::id()),
+        );
+        let t = run(&mut bench.hook(Install::Binary, "environment", &env));
+        run(&mut bench.hook(Install::Binary, "pre-exit", &env));
+        if i >= 3 {
+            env_live.push(t);
+        }
+    }
+    table.row(
+        "environment, live plan from sysfs (binary, fake cgroups)",
+        &stats(env_live),
+    );
+
+    // What the command itself costs without any hook: the agent would run it anyway.
+    let bare_dir = disk.path().join("bare");
+    std::fs::create_dir_all(&bare_dir).unwrap();
+    let mut bare_start = Vec::new();
+    let mut bare = Vec::new();
+    let mut bare_cpu = Vec::new();
+    for _ in 0..b2b_jobs {
+        let wall = SystemTime::now();
+        let cpu_before = cpu_now();
+        bare.push(run(Command::new("/bin/bash")
+            .args(["-e", "-c", r#"printf %s "$EPOCHREALTIME" > started"#])
+            .current_dir(&bare_dir)));
+        bare_cpu.push(cpu_now().saturating_sub(cpu_before));
+        let marker = std::fs::read_to_string(bare_dir.join("started")).unwrap();
+        let started =
+            SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
+        bare_start.push(started.duration_since(wall).unwrap_or_default());
+    }
+    table.row(
+        "the command alone: start (bash -e -c printf, bare)",
+        &stats(bare_start),
+    );
+    table.row("the command alone: whole process", &stats(bare));
+    table.row("the command alone: CPU time (user + sys)", &stats(bare_cpu));
+
+    let path_with_stub = path_with(&stub_nvidia_smi_bin(shm.path()));
     let proto_hook = manifest.join("benches/prototype-environment-hook.sh");
-    let proto: Vec<Duration> = (0..iterations + 3)
+    let proto: Vec<Duration> = (0..b2b_jobs + 3)
         .map(|_| {
             run(Command::new("bash")
                 .arg(&proto_hook)
@@ -232,53 +608,51 @@ fn main() {
         })
         .skip(3)
         .collect();
+    table.row("prototype environment hook (bash, baseline)", &stats(proto));
 
-    let total = stats(total);
-    let bare = stats(bare);
-    println!("job overhead benchmark: DGX H100 fixture (224 CPUs, 8 GPUs), host mode, {cg_kind}, {iterations} jobs");
-    let table = Table::new(58);
-    let row = |name: &str, s: &Stats| table.row(name, s);
-    row(
-        "environment, live plan from sysfs (process, fake cgroups)",
-        &stats(env_live),
-    );
-    row("environment, plan file (process)", &stats(env_file));
-    row(
-        "command, running `true` in the job cgroup (process)",
-        &stats(command),
-    );
-    row("pre-exit (process)", &stats(pre_exit));
-    row(
-        "total per job: environment(plan file)+command+pre-exit",
-        &total,
-    );
-    row(
-        "  of which the command itself (bash -e -c true, bare)",
-        &bare,
-    );
-    row(
-        "prototype environment hook (bash, baseline)",
-        &stats(proto.clone()),
-    );
-    if let Some((migrate, born, plain)) = cgroup2_start_costs(iterations) {
-        println!(
-            "starting /bin/true in a real cgroup v2 directory (this machine's cgroup2 mount):"
+    if let Some(rcu) = rcu_grace_period(if short { 10 } else { 40 }) {
+        table.row(
+            "RCU grace period (membarrier GLOBAL = synchronize_rcu)",
+            &rcu,
         );
-        row("  plain spawn, no cgroup", &plain);
-        row(
+        if let Some(Cgroups::V1(_)) = &real {
+            println!(
+                "  cgroup v1 without favordynmods: the command's first migration waits about one grace period more ({} median)",
+                ms(rcu.median)
+            );
+        }
+    }
+    if let Some((migrate, born, plain)) = cgroup2_start_costs(if short { 5 } else { 30 }, GAP) {
+        println!(
+            "starting /bin/true in a real cgroup v2 directory (this machine's cgroup2 mount), {} ms idle before each:",
+            GAP.as_millis()
+        );
+        table.row("  plain spawn, no cgroup", &plain);
+        table.row(
             "  spawn + write cgroup.procs (migration, as on v1)",
             &migrate,
         );
-        row("  clone3(CLONE_INTO_CGROUP) (`command` on v2)", &born);
+        table.row("  clone3(CLONE_INTO_CGROUP) (`command` on v2)", &born);
     }
-    let overhead = total.median.saturating_sub(bare.median);
-    println!(
-        "hook overhead per job (total - bare command, medians): {}; target <= 10 ms total: {}",
-        ms(overhead),
-        if total.median <= Duration::from_millis(10) {
-            "met"
-        } else {
-            "MISSED"
-        }
-    );
+    if let Some(per_file) = chown_per_file() {
+        println!(
+            "checkout hand-over (chown walk, no links followed): {:.2} us per file",
+            per_file.as_secs_f64() * 1e6
+        );
+    }
+    for (name, sum) in [
+        ("agent-style, shims", &shim_sum),
+        ("agent-style, binary hooks", &binary_sum),
+        ("back to back", &b2b_sum),
+    ] {
+        println!(
+            "environment + command start + pre-exit, {name}: median {}; target <= 10 ms: {}",
+            ms(sum.median),
+            if sum.median <= Duration::from_millis(10) {
+                "met"
+            } else {
+                "MISSED"
+            }
+        );
+    }
 }

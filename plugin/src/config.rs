@@ -48,10 +48,20 @@ pub const KEYS: &[&str] = &[
     "lock-clocks",
     "lease-wait",
     "allow-unenforced",
+    "user",
+    "allow-root",
+    "tmp-size",
+    "shm-size",
 ];
 
-/// The parsed configuration, with defaults filled in.
+/// The account host mode runs the command as, unless the step names another: a system user
+/// without a login shell or home, made by `kernelkite-isolate setup` (or `useradd --system`).
+pub const DEFAULT_JOB_USER: &str = "kernelkite-job";
+
+/// The parsed configuration, with defaults filled in. Keys added later default when a state
+/// file written by an older version is read back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PluginConfig {
     /// GPUs the job gets (each with its slice of CPUs and memory).
     pub gpus: u32,
@@ -86,6 +96,15 @@ pub struct PluginConfig {
     pub lease_wait_secs: u64,
     /// Run without cgroup enforcement when cgroups are not writable (loud warning).
     pub allow_unenforced: bool,
+    /// Who the command runs as: a user name, a uid, or `uid:gid`.
+    pub user: String,
+    /// Whether `user` may be root (uid 0); refused otherwise.
+    pub allow_root: bool,
+    /// Size of the job's private `/tmp` (bytes); at most the job's memory limit, which is
+    /// also the default (its pages are charged to the job's memory cgroup).
+    pub tmp_size: Option<u64>,
+    /// Size of the job's private `/dev/shm` (bytes; docker `--shm-size`); as `tmp_size`.
+    pub shm_size: Option<u64>,
 }
 
 impl Default for PluginConfig {
@@ -107,6 +126,10 @@ impl Default for PluginConfig {
             lock_clocks: None,
             lease_wait_secs: 300,
             allow_unenforced: false,
+            user: DEFAULT_JOB_USER.into(),
+            allow_root: false,
+            tmp_size: None,
+            shm_size: None,
         }
     }
 }
@@ -179,6 +202,12 @@ const FORBIDDEN_DOCKER_ARGS: &[&str] = &[
     "--name",
     // A file of variables could set NVIDIA_VISIBLE_DEVICES (see `sets_nvidia_variable`).
     "--env-file",
+    // The plugin runs the container as the job's user, without capabilities, in a cgroup and
+    // IPC namespace of its own, with a shared-memory size within the job's memory.
+    "--user",
+    "--group-add",
+    "--cgroupns",
+    "--shm-size",
 ];
 
 /// Single-letter `docker run` flags that take a value (`-e X`, `-eX`); the rest of a
@@ -198,7 +227,7 @@ fn sets_nvidia_variable(value: &str) -> bool {
 fn refused_short_cluster(arg: &str) -> Option<String> {
     let cluster = arg.strip_prefix('-').filter(|c| !c.starts_with('-'))?;
     for (i, c) in cluster.char_indices() {
-        if c == 'v' || c == 'm' {
+        if c == 'v' || c == 'm' || c == 'u' {
             return Some(format!(
                 "`-{c}` is set by the plugin from the job's slice and may not be overridden"
             ));
@@ -314,6 +343,36 @@ fn want_memory(key: &str, v: &Value) -> Result<u64, ConfigError> {
             format!("expected a size like \"64G\", \"512M\" or a number of bytes, got {v}"),
         )),
     }
+}
+
+/// A user name as `useradd` accepts it (`kernelkite-job`), a uid (`1500`) or `uid:gid`.
+fn want_user(key: &str, v: &Value) -> Result<String, ConfigError> {
+    let user = want_string(key, v)?;
+    let numeric = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
+    let ok = match user.split_once(':') {
+        Some((uid, gid)) => numeric(uid) && numeric(gid),
+        None => {
+            let name = user.strip_suffix('$').unwrap_or(&user);
+            numeric(&user)
+                || (name.len() <= 32
+                    && name
+                        .bytes()
+                        .next()
+                        .is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+                    && name.bytes().all(|b| {
+                        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                    }))
+        }
+    };
+    if !ok {
+        return Err(bad(
+            key,
+            format!(
+                "expected a user name (\"{DEFAULT_JOB_USER}\"), a uid or \"uid:gid\", got {user:?}"
+            ),
+        ));
+    }
+    Ok(user)
 }
 
 fn want_docker_args(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
@@ -453,6 +512,10 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
             "lock-clocks" => c.lock_clocks = want_lock_clocks(key, v)?,
             "lease-wait" => c.lease_wait_secs = want_u64(key, v, 0, 86_400)?,
             "allow-unenforced" => c.allow_unenforced = want_bool(key, v)?,
+            "user" => c.user = want_user(key, v)?,
+            "allow-root" => c.allow_root = want_bool(key, v)?,
+            "tmp-size" => c.tmp_size = Some(want_memory(key, v)?),
+            "shm-size" => c.shm_size = Some(want_memory(key, v)?),
             other => {
                 return Err(bad(
                     other,
@@ -497,16 +560,61 @@ mod tests {
             r#"{"gpus":2,"mode":"docker","image":"ghcr.io/x/y:1","network":true,
                 "memory":"64G","cpus-per-gpu":8,"pids-limit":1000,"require-idle-gpu":true,
                 "idle-memory-mib":512,"lock-clocks":1410,"lease-wait":30,
-                "environment":["HF_TOKEN"],"docker-args":["--shm-size=8g"],"workdir":"/w",
-                "mount-checkout":false,"allow-unenforced":true}"#,
+                "environment":["HF_TOKEN"],"docker-args":["--tmpfs=/scratch"],"workdir":"/w",
+                "mount-checkout":false,"allow-unenforced":true,"user":"eval","allow-root":false,
+                "tmp-size":"1G","shm-size":"8G"}"#,
         )
         .unwrap();
         assert_eq!(c.gpus, 2);
         assert_eq!(c.mode, Mode::Docker);
         assert_eq!(c.memory_bytes, Some(64 << 30));
         assert_eq!(c.lock_clocks, Some(LockClocks::Mhz(1410)));
-        assert_eq!(c.docker_args, vec!["--shm-size=8g"]);
+        assert_eq!(c.docker_args, vec!["--tmpfs=/scratch"]);
         assert!(c.network_allowed());
+        assert_eq!(c.user, "eval");
+        assert_eq!((c.tmp_size, c.shm_size), (Some(1 << 30), Some(8 << 30)));
+    }
+
+    #[test]
+    fn the_job_user_is_a_name_a_uid_or_uid_gid() {
+        assert_eq!(PluginConfig::default().user, DEFAULT_JOB_USER);
+        assert!(!PluginConfig::default().allow_root);
+        for ok in [
+            "kernelkite-job",
+            "_eval",
+            "build$",
+            "1500",
+            "1500:1500",
+            "root",
+        ] {
+            let json = serde_json::json!({ "user": ok });
+            assert_eq!(parse_config(&json.to_string()).unwrap().user, ok);
+        }
+        for bad in ["", "Eval", "1500:", ":1", "a b", "-x", "../x", "a:b"] {
+            let json = serde_json::json!({ "user": bad });
+            let e = parse_config(&json.to_string()).unwrap_err();
+            assert_eq!(e.key, "user", "{bad}");
+        }
+        assert_eq!(parse_config(r#"{"user":15}"#).unwrap_err().key, "user");
+        assert_eq!(
+            parse_config(r#"{"allow-root":"yes"}"#).unwrap_err().key,
+            "allow-root"
+        );
+        assert_eq!(
+            parse_config(r#"{"shm-size":"1M"}"#).unwrap_err().key,
+            "shm-size"
+        );
+    }
+
+    #[test]
+    fn an_old_state_s_configuration_reads_back_with_the_new_defaults() {
+        // Written by a version without `user`, `allow-root`, `tmp-size` and `shm-size`.
+        let mut old = serde_json::to_value(PluginConfig::default()).unwrap();
+        for k in ["user", "allow_root", "tmp_size", "shm_size"] {
+            old.as_object_mut().unwrap().remove(k);
+        }
+        let back: PluginConfig = serde_json::from_value(old).unwrap();
+        assert_eq!(back, PluginConfig::default());
     }
 
     #[test]
@@ -561,6 +669,13 @@ mod tests {
             "--env=NVIDIA_VISIBLE_DEVICES=all",
             "-eNVIDIA_VISIBLE_DEVICES=all",
             "-Z",
+            // The plugin picks the container's user, groups, cgroup namespace and /dev/shm.
+            "--user=0",
+            "-u0",
+            "-tu0",
+            "--group-add=disk",
+            "--cgroupns=host",
+            "--shm-size=8g",
         ] {
             let json = serde_json::json!({"mode":"docker","image":"x","docker-args":[arg]});
             let e = parse_config(&json.to_string()).unwrap_err();
@@ -571,9 +686,9 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.key, "docker-args[0]");
-        // Harmless flags still pass, including values that merely contain a `v` or `m`.
+        // Harmless flags still pass, including values that merely contain a `v`, `m` or `u`.
         let ok = parse_config(
-            r#"{"mode":"docker","image":"x","docker-args":["-it","-eVERBOSE=1","--env","MODE=v","--shm-size=8g","-uvm"]}"#,
+            r#"{"mode":"docker","image":"x","docker-args":["-it","-eVERBOSE=1","--env","MODE=v","--tmpfs=/x","-evm"]}"#,
         )
         .unwrap();
         assert_eq!(ok.docker_args.len(), 6);

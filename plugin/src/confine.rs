@@ -11,6 +11,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
+pub use kernelkite_sys::raw::ChildSetup;
+
 /// What the child joins before `exec`.
 #[derive(Debug, Clone, Default)]
 pub struct Confinement {
@@ -82,6 +84,30 @@ pub fn spawn_into_cgroup2(
     cgroup_dir: &Path,
     isolate_network: bool,
 ) -> io::Result<Option<Started>> {
+    into_cgroup2(program, args, env, cgroup_dir, isolate_network, None)
+}
+
+/// [`spawn_into_cgroup2`] with `setup` run in the child before the program (the sandbox): see
+/// [`kernelkite_sys::raw::spawn_with_setup`] for when a set-up may do more than a `pre_exec`
+/// closure. `Ok(None)` leaves `setup` to the caller for [`spawn_with_setup`].
+pub fn spawn_into_cgroup2_with_setup(
+    program: &OsStr,
+    args: &[OsString],
+    env: &std::collections::BTreeMap<String, String>,
+    cgroup_dir: &Path,
+    setup: &mut ChildSetup,
+) -> io::Result<Option<Started>> {
+    into_cgroup2(program, args, env, cgroup_dir, false, Some(setup))
+}
+
+fn into_cgroup2(
+    program: &OsStr,
+    args: &[OsString],
+    env: &std::collections::BTreeMap<String, String>,
+    cgroup_dir: &Path,
+    isolate_network: bool,
+    setup: Option<&mut ChildSetup>,
+) -> io::Result<Option<Started>> {
     let dir = match File::open(cgroup_dir) {
         Ok(d) => d,
         Err(_) => return Ok(None),
@@ -117,15 +143,36 @@ pub fn spawn_into_cgroup2(
         argv: &argv,
         envp: &envp,
     };
-    Ok(
-        kernelkite_sys::raw::clone3_into_cgroup(&exec, dir.as_fd(), isolate_network)?
-            .map(Started::Raw),
-    )
+    let started = match setup {
+        Some(setup) => {
+            kernelkite_sys::raw::clone3_into_cgroup_with_setup(&exec, dir.as_fd(), setup)?
+        }
+        None => kernelkite_sys::raw::clone3_into_cgroup(&exec, dir.as_fd(), isolate_network)?,
+    };
+    Ok(started.map(Started::Raw))
 }
 
 /// Spawns `cmd` confined as `c` says. Errors from the child's set-up (a cgroup that refuses
 /// the task, no permission for a network namespace) come back from `spawn`.
 pub fn spawn(cmd: &mut Command, c: &Confinement) -> io::Result<Child> {
+    join(cmd, c)?;
+    cmd.spawn()
+}
+
+/// [`spawn`], with `setup` run in the child once it is in its cgroups, before `cmd`'s program
+/// (the sandbox); refused in a process with more than one thread (see
+/// [`kernelkite_sys::raw::spawn_with_setup`]).
+pub fn spawn_with_setup(
+    cmd: &mut Command,
+    c: &Confinement,
+    setup: ChildSetup,
+) -> io::Result<Child> {
+    join(cmd, c)?;
+    kernelkite_sys::raw::spawn_with_setup(cmd, setup)
+}
+
+/// Makes `cmd`'s child join `c`'s cgroups (and network namespace) before anything else.
+fn join(cmd: &mut Command, c: &Confinement) -> io::Result<()> {
     let files: Vec<File> = c
         .procs_files
         .iter()
@@ -140,7 +187,7 @@ pub fn spawn(cmd: &mut Command, c: &Confinement) -> io::Result<Child> {
         })
         .collect::<io::Result<_>>()?;
     kernelkite_sys::raw::join_before_exec(cmd, files, c.isolate_network);
-    cmd.spawn()
+    Ok(())
 }
 
 #[cfg(test)]

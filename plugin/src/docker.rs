@@ -29,6 +29,16 @@ pub struct DockerRun {
     pub workdir: String,
     /// Render nodes (`/dev/dri/renderD128`) of AMD GPUs, in slice order.
     pub amd_render_nodes: Vec<PathBuf>,
+    /// Groups (numeric) the container's user needs for the GPU device nodes (AMD); `video` is
+    /// used when none could be read.
+    pub device_groups: Vec<u32>,
+    /// The container's user and group (the job user's numbers on the host, so the mounted
+    /// checkout's ownership means the same inside); `None` keeps the image's user.
+    pub user: Option<(u32, u32)>,
+    /// `--shm-size` in bytes: within the job's memory limit.
+    pub shm_size: u64,
+    /// Mount the checkout's `.git` read-only over the writable checkout.
+    pub git_read_only: bool,
     /// Names of the variables passed into the container, sorted.
     pub env_names: Vec<String>,
     /// Values set inside the container that differ from the host's (device numbering).
@@ -183,8 +193,14 @@ pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
                     a.push(s("--device"));
                     a.push(node.display().to_string());
                 }
-                a.push(s("--group-add"));
-                a.push(s("video"));
+                if r.device_groups.is_empty() {
+                    a.push(s("--group-add"));
+                    a.push(s("video"));
+                }
+                for g in &r.device_groups {
+                    a.push(s("--group-add"));
+                    a.push(g.to_string());
+                }
             }
         }
     }
@@ -201,6 +217,25 @@ pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
         s("--pids-limit"),
         r.pids_limit.to_string(),
     ]);
+    if let Some((uid, gid)) = r.user {
+        a.push(s("--user"));
+        a.push(format!("{uid}:{gid}"));
+    }
+    // No capabilities and no way to gain any; SysV IPC, /dev/shm and the cgroup namespace the
+    // container's own (docker mounts the cgroup file system read-only for a container that is
+    // not privileged; a private cgroup namespace shows it only its own cgroup).
+    a.extend([
+        s("--cap-drop"),
+        s("ALL"),
+        s("--security-opt"),
+        s("no-new-privileges"),
+        s("--ipc"),
+        s("private"),
+        s("--shm-size"),
+        r.shm_size.to_string(),
+        s("--cgroupns"),
+        s("private"),
+    ]);
     if !r.network {
         a.push(s("--network"));
         a.push(s("none"));
@@ -208,6 +243,14 @@ pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
     if let Some(checkout) = &r.checkout {
         a.push(s("--volume"));
         a.push(format!("{}:{}", checkout.display(), r.workdir));
+        if r.git_read_only {
+            a.push(s("--volume"));
+            a.push(format!(
+                "{}:{}/.git:ro",
+                checkout.join(".git").display(),
+                r.workdir.trim_end_matches('/')
+            ));
+        }
     }
     a.push(s("--workdir"));
     a.push(r.workdir.clone());

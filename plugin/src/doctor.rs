@@ -173,6 +173,7 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
     let mut checks = Vec::new();
     let mounts = std::fs::read_to_string(opts.root.join("proc/self/mountinfo")).unwrap_or_default();
     checks.push(check_cgroups(&opts.root, &mounts));
+    checks.push(check_migrations(&opts.root, &mounts));
     let topo = Topology::discover(&opts.root);
     checks.push(check_topology(topo.as_ref().map_err(|e| e.to_string())));
     let gpus: Vec<Vendor> = topo
@@ -191,6 +192,46 @@ const NEEDED: [&str; 3] = ["cpuset", "memory", "pids"];
 
 /// Where the hooks create job cgroups under a hierarchy (see `cgroup::PARENT`).
 const JOB_PARENT: &str = "kernelkite";
+
+/// Whether a job's command starts without waiting for an RCU grace period: on cgroup v2 it is
+/// born in its cgroup (`clone3`); on v1 it is migrated, which is quick only when the kernel
+/// favours dynamic cgroup changes (`favordynmods`, seen in any cgroup mount's options).
+pub fn check_migrations(root: &Path, mountinfo: &str) -> Check {
+    const NAME: &str = "migrations";
+    let mounts = parse_mountinfo(mountinfo);
+    let v2_usable = mounts.iter().filter(|m| m.fs_type == "cgroup2").any(|m| {
+        let controllers =
+            std::fs::read_to_string(under_root(root, &m.mount_point).join("cgroup.controllers"))
+                .unwrap_or_default();
+        NEEDED
+            .iter()
+            .all(|c| controllers.split_whitespace().any(|h| h == *c))
+    });
+    if v2_usable {
+        return Check::ok(
+            NAME,
+            "cgroup v2: the command is born in its cgroup (clone3), nothing to migrate",
+        );
+    }
+    let favoured = mounts.iter().find(|m| {
+        (m.fs_type == "cgroup" || m.fs_type == "cgroup2")
+            && m.super_options.iter().any(|o| o == "favordynmods")
+    });
+    match favoured {
+        Some(m) => Check::ok(
+            NAME,
+            format!(
+                "favordynmods is on ({}): moving the command into its v1 cgroups does not wait for an RCU grace period",
+                m.mount_point
+            ),
+        ),
+        None => Check::warn(
+            NAME,
+            "cgroup v1 without favordynmods: every job's command waits for an RCU grace period (10-31 ms) as it joins its cgroups",
+            "at node set-up, `mkdir -p /run/kernelkite-favordynmods && mount -t cgroup -o none,name=kernelkite,favordynmods cgroup /run/kernelkite-favordynmods` (Linux 6.0+; it stays on until reboot), or boot with cgroup_favordynmods=true; see the plugin README",
+        ),
+    }
+}
 
 /// Whether this user may create job cgroups under `dir`: its `kernelkite/` subtree when it
 /// exists (it may have been delegated to the agent's user), else `dir` itself. `access(2)`
@@ -615,6 +656,27 @@ mod tests {
     }
 
     #[test]
+    fn migrations_are_quick_on_v2_and_on_v1_with_favordynmods() {
+        let dir = tempfile::tempdir().unwrap();
+        fakesys::cpu_only().write_to(dir.path()).unwrap();
+        let mounts = std::fs::read_to_string(dir.path().join("proc/self/mountinfo")).unwrap();
+        let c = check_migrations(dir.path(), &mounts);
+        assert!(c.status == Status::Ok && c.detail.contains("clone3"), "{c}");
+        let v1 = v1_tree();
+        let c = check_migrations(v1.path(), V1);
+        assert_eq!(c.status, Status::Warn, "{c}");
+        assert!(c.fix.unwrap().contains("favordynmods"));
+        let favoured = format!(
+            "{V1}90 27 0:60 / /run/kernelkite-favordynmods rw,relatime - cgroup cgroup rw,favordynmods,name=kernelkite\n"
+        );
+        let c = check_migrations(v1.path(), &favoured);
+        assert!(
+            c.status == Status::Ok && c.detail.contains("/run/kernelkite-favordynmods"),
+            "{c}"
+        );
+    }
+
+    #[test]
     fn agent_version_gate() {
         let c = check_agent(&FakeHost::default());
         assert_eq!(c.status, Status::Fail);
@@ -710,7 +772,7 @@ mod tests {
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 6);
+        assert_eq!(checks.len(), 7);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);

@@ -17,4 +17,5 @@ pub mod jobapi;
 pub mod lease;
 pub mod mountinfo;
 pub mod process;
+pub mod sandbox;
 pub mod setup;

@@ -95,3 +95,33 @@ fn schema_bounds_match_the_parser() {
         .collect();
     assert_eq!(modes, ["host", "docker"]);
 }
+
+#[test]
+fn schema_user_pattern_matches_the_parser() {
+    let s = schema();
+    let pattern = s["configuration"]["properties"]["user"]["pattern"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The pattern, spelled out: a lowercase name of at most 32 characters plus an optional
+    // trailing `$` (machine accounts), a uid, or `uid:gid`.
+    assert_eq!(
+        pattern,
+        "^([a-z_][a-z0-9_-]{0,31}[$]?|[0-9]{1,10}(:[0-9]{1,10})?)$"
+    );
+    let name32 = format!("a{}", "b".repeat(31));
+    let name33 = format!("a{}", "b".repeat(32));
+    for (user, ok) in [
+        ("kernelkite-job", true),
+        ("build$", true),
+        (name32.as_str(), true),
+        (name33.as_str(), false),
+        ("1500:1500", true),
+        ("12345678901", false),
+        ("Eval", false),
+        ("a$$", false),
+    ] {
+        let doc = json!({ "user": user }).to_string();
+        assert_eq!(parse_config(&doc).is_ok(), ok, "{user}");
+    }
+}

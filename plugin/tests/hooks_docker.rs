@@ -15,7 +15,7 @@ fn docker_stub(dir: &Path, exit: i32) -> PathBuf {
     std::fs::write(
         &stub,
         format!(
-            "#!/bin/bash\nn=$(ls {rec} | grep -c args)\nprintf '%s\\0' \"$@\" > {rec}/$n.args\nenv -0 > {rec}/$n.env\n[[ $1 == run ]] && exit {exit}\nexit 0\n",
+            "#!/bin/bash\nn=$(ls {rec} | grep -c args)\nprintf '%s\\0' \"$@\" > {rec}/$n.args\nenv -0 > {rec}/$n.env\nstat -c %u:%g . > {rec}/$n.owner\n[[ $1 == run ]] && exit {exit}\nexit 0\n",
             rec = rec.display()
         ),
     )
@@ -64,9 +64,12 @@ fn docker_run_gets_exactly_the_slice() {
     let mut job = agent.start_job(
         id,
         "python3 eval.py",
-        Some(r#"{"mode":"docker","image":"ghcr.io/kernelkite/runner:1","environment":["HF_TOKEN"],"docker-args":["--shm-size=8g"]}"#),
+        Some(r#"{"mode":"docker","image":"ghcr.io/kernelkite/runner:1","environment":["HF_TOKEN"],"docker-args":["--tmpfs=/scratch"],"user":"1000:1000","shm-size":"128M"}"#),
         Install::PluginShell,
     );
+    let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+    std::fs::create_dir_all(checkout.join(".git")).unwrap();
+    let owner_before = owner(&checkout);
     let outs = job.run_all();
     for (hook, o) in &outs {
         assert!(o.status.success(), "{hook}: {}", output_text(o));
@@ -90,7 +93,19 @@ fn docker_run_gets_exactly_the_slice() {
     let name = format!("kernelkite-{id}");
     let label = format!("kernelkite.job={id}");
     let volume = format!("{checkout}:/workdir");
+    let git = format!("{checkout}/.git:/workdir/.git:ro");
     let gpus = format!("device={uuid}");
+    // Only root can hand the checkout over: without it the container runs as the agent.
+    let user = if rustix::process::geteuid().is_root() {
+        "1000:1000".to_string()
+    } else {
+        format!(
+            "{}:{}",
+            rustix::process::geteuid().as_raw(),
+            rustix::process::getegid().as_raw()
+        )
+    };
+    let shm = (128u64 << 20).to_string();
     let prefix = strings(&[
         "run",
         "--rm",
@@ -111,10 +126,24 @@ fn docker_run_gets_exactly_the_slice() {
         &mem,
         "--pids-limit",
         "4096",
+        "--user",
+        &user,
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "--ipc",
+        "private",
+        "--shm-size",
+        &shm,
+        "--cgroupns",
+        "private",
         "--network",
         "none",
         "--volume",
         &volume,
+        "--volume",
+        &git,
         "--workdir",
         "/workdir",
     ]);
@@ -123,7 +152,7 @@ fn docker_run_gets_exactly_the_slice() {
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         "--env",
         &format!("CUDA_VISIBLE_DEVICES={uuid}"),
-        "--shm-size=8g",
+        "--tmpfs=/scratch",
         "ghcr.io/kernelkite/runner:1",
         "/bin/sh",
         "-e",
@@ -175,6 +204,21 @@ fn docker_run_gets_exactly_the_slice() {
 
     let (rm, _) = &calls[1];
     assert_eq!(rm, &strings(&["rm", "--force", &name]));
+    // The container's user owned the checkout while it ran; its owner has it back after.
+    let during = std::fs::read_to_string(node.path().join("docker-calls/0.owner")).unwrap();
+    assert_eq!(during.trim(), user);
+    assert_eq!(owner(Path::new(&checkout)), owner_before);
+    let pre_exit = String::from_utf8_lossy(&outs[2].1.stdout);
+    assert!(
+        pre_exit.contains("returned the checkout to its owner"),
+        "{pre_exit}"
+    );
+}
+
+fn owner(p: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).unwrap();
+    format!("{}:{}", m.uid(), m.gid())
 }
 
 #[test]
@@ -187,7 +231,7 @@ fn network_opt_in_exit_codes_and_multi_gpu() {
     let mut job = agent.start_job(
         "job-multi",
         "nvidia-smi",
-        Some(r#"{"mode":"docker","image":"img","gpus":2,"network":true,"mount-checkout":false}"#),
+        Some(r#"{"mode":"docker","image":"img","gpus":2,"network":true,"mount-checkout":false,"user":"65534"}"#),
         Install::AgentBinary,
     );
     let outs = job.run_all();
@@ -235,7 +279,7 @@ fn amd_gpus_are_passed_as_devices() {
     let mut job = agent.start_job(
         "job-amd",
         "true",
-        Some(r#"{"mode":"docker","image":"rocm"}"#),
+        Some(r#"{"mode":"docker","image":"rocm","user":"65534"}"#),
         Install::AgentBinary,
     );
     let outs = job.run_all();

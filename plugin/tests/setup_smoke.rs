@@ -22,11 +22,28 @@ impl Installed {
     }
 }
 
-fn install(plan_args: &[&str], sysfs: &Path, config: &str, runner_exit: i32) -> Installed {
-    let inst = Installed {
-        dir: tempfile::tempdir().unwrap(),
+/// `sandbox`: whether the hooks run commands in the sandbox (as the configuration's `user`);
+/// without it the env file says `KERNELKITE_SANDBOX=off`, as fake trees need (the sandbox
+/// wants root and a job user).
+fn install(
+    plan_args: &[&str],
+    sysfs: &Path,
+    config: &str,
+    runner_exit: i32,
+    sandbox: bool,
+) -> Installed {
+    use std::os::unix::fs::PermissionsExt;
+    // The sandbox gives the job a fresh /tmp: a runner it must find lives elsewhere, as in
+    // /opt/kernelkite/bin on a real node.
+    let dir = if sandbox {
+        tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+    } else {
+        tempfile::tempdir()
     };
+    let inst = Installed { dir: dir.unwrap() };
     let d = inst.path();
+    // The job user runs the stand-in runner from here.
+    std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
     let hooks = d.join("hooks");
     std::fs::create_dir_all(&hooks).unwrap();
     for h in ["environment", "command", "pre-exit"] {
@@ -55,15 +72,15 @@ fn install(plan_args: &[&str], sysfs: &Path, config: &str, runner_exit: i32) -> 
         format!("#!/bin/sh\necho \"runner saw $*\" >&2\n[ \"$1\" = --example ] || exit 2\necho 'python3 not found' >&2\nexit {runner_exit}\n"),
     )
     .unwrap();
-    use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&runner, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::write(
         d.join("agent.env"),
         format!(
-            "# as setup writes it\nPATH={}:/usr/local/bin:/usr/bin:/bin\nKERNELKITE_PLAN_FILE={}\nKERNELKITE_RUN_DIR={}\nKERNELKITE_CONFIG='{config}'\n",
+            "# as setup writes it\nPATH={}:/usr/local/bin:/usr/bin:/bin\nKERNELKITE_PLAN_FILE={}\nKERNELKITE_RUN_DIR={}\nKERNELKITE_CONFIG='{config}'\n{}",
             bin.display(),
             d.join("plan.json").display(),
-            d.join("run").display()
+            d.join("run").display(),
+            if sandbox { "" } else { "KERNELKITE_SANDBOX=off\n" }
         ),
     )
     .unwrap();
@@ -108,7 +125,7 @@ fn on_a_fake_tree_the_hooks_side_holds_and_the_kernels_side_is_reported() {
     let trees = tempfile::tempdir().unwrap();
     // The fixture has a cgroup v2 mount (plain files) and the NVIDIA driver's files.
     let sysfs = fixture("workstation-1gpu", trees.path());
-    let inst = install(&[], &sysfs, r#"{"mode":"host"}"#, 0);
+    let inst = install(&[], &sysfs, r#"{"mode":"host"}"#, 0, false);
     let set = |k: &str| format!("{k}={}", sysfs.display());
     let out = smoke(
         &inst,
@@ -141,6 +158,15 @@ fn on_a_fake_tree_the_hooks_side_holds_and_the_kernels_side_is_reported() {
         "{t}"
     );
     assert!(t.contains("smoke: 0 of 1 slice(s) ok"), "{t}");
+    // Without the sandbox the command runs as whoever runs the hooks: as root, that fails.
+    if rustix::process::geteuid().is_root() {
+        assert!(
+            t.contains("fail  user      the command ran as root: the sandbox is off"),
+            "{t}"
+        );
+    } else {
+        assert!(t.contains("ok    user      the command ran as uid "), "{t}");
+    }
     assert!(
         !inst.path().join("run/jobs").exists()
             || std::fs::read_dir(inst.path().join("run/jobs"))
@@ -155,7 +181,7 @@ fn on_a_fake_tree_the_hooks_side_holds_and_the_kernels_side_is_reported() {
 fn a_runner_that_cannot_run_fails_the_smoke_job_with_its_log() {
     let trees = tempfile::tempdir().unwrap();
     let sysfs = fixture("workstation-1gpu", trees.path());
-    let inst = install(&[], &sysfs, r#"{"mode":"host"}"#, 3);
+    let inst = install(&[], &sysfs, r#"{"mode":"host"}"#, 3, false);
     let out = smoke(
         &inst,
         &[
@@ -257,13 +283,26 @@ fn on_this_machines_cgroups_every_check_holds() {
         ));
         return;
     }
-    let inst = install(args, Path::new("/"), r#"{"mode":"host"}"#, 0);
+    // The command runs in the sandbox, as a job user made for the test, which must reach
+    // the stand-in runner installed under the target dir.
+    let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    if let Some(blocked) = kernelkite_testkit::users::unreachable_for_others(target_tmp) {
+        kernelkite_testkit::skip(format_args!(
+            "the job user cannot reach {} (through {})",
+            target_tmp.display(),
+            blocked.display()
+        ));
+        return;
+    }
+    let user = kernelkite_testkit::users::TestUser::new("smk");
+    let config = serde_json::json!({"mode": "host", "user": user.name}).to_string();
+    let inst = install(args, Path::new("/"), &config, 0, true);
     let out = smoke(&inst, &[]);
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert!(!t.contains("fail "), "{t}");
     for check in [
-        "hooks", "gpu", "cpuset", "affinity", "cgroup", "runner", "clean-up",
+        "hooks", "gpu", "cpuset", "affinity", "cgroup", "user", "runner", "clean-up",
     ] {
         assert!(
             t.contains(&format!("ok    {check:<9} ")),

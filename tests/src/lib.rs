@@ -13,6 +13,7 @@ pub mod harness;
 pub mod local;
 pub mod service_process;
 pub mod skip;
+pub mod users;
 
 pub use skip::skip;
 

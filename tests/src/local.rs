@@ -146,7 +146,8 @@ pub fn real_cgroups() -> Result<(), String> {
         .map_err(|e| format!("cgroups not writable here: {e}"))
 }
 
-fn is_root() -> bool {
+/// Whether this process runs with effective uid 0.
+pub fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -216,6 +217,9 @@ pub fn local_args(bins: &Bins, node: Option<&Node>, how: Confinement, dir: &Path
         cgroup_root,
         plugin_config: kernelkite_service::local::settings::DEFAULT_PLUGIN_CONFIG.into(),
         enforce: false,
+        // Off unless a test asks: whether `auto` turns it on depends on the machine (root, a
+        // job user), and a test must mean the same everywhere.
+        sandbox: kernelkite_service::local::SandboxChoice::Off,
     }
 }
 
@@ -340,7 +344,7 @@ impl LocalStack {
 }
 
 /// A POPCORN harness for tests, in Python: every case of every mode reports where and when
-/// it ran (`probe.<i>.slice`, `.cpus` (its CPU affinity), `.start_ns`, `.end_ns`, `.pid`) and
+/// it ran (`probe.<i>.slice`, `.cpus` (its CPU affinity), `.start_ns`, `.end_ns`, `.pid`, `.uid`) and
 /// passes, after doing what the case asks: `sleep_ms: N`, `hang: 1` (sleep for an hour),
 /// `fail: 1`, `pidfile: PATH` (write its pid there), `marker: PATH` (append a line there when
 /// it starts).
@@ -373,6 +377,7 @@ for i, line in enumerate(lines):
     out.write(f"probe.{i}.cpus: {','.join(map(str, sorted(os.sched_getaffinity(0))))}\n")
     out.write(f"probe.{i}.cpuset: {os.environ.get('KERNELBOT_CPUSET', '')}\n")
     out.write(f"probe.{i}.pid: {os.getpid()}\n")
+    out.write(f"probe.{i}.uid: {os.getuid()}\n")
     out.write(f"probe.{i}.start_ns: {start}\n")
     out.write(f"probe.{i}.end_ns: {time.time_ns()}\n")
     out.write(f"{prefix}.{i}.spec: {line}\n")

@@ -29,6 +29,9 @@ fn local_flags(bins: &Bins, scratch: &Path) -> Vec<String> {
         p(&empty),
         "--local-dir".into(),
         p(&scratch.join("local")),
+        // `auto` would depend on this machine's users; these tests are about the CLI.
+        "--sandbox".into(),
+        "off".into(),
     ]
 }
 
@@ -42,6 +45,22 @@ fn service(bins: &Bins) -> Command {
     }
     c.env("RUST_LOG", "warn");
     c
+}
+
+/// One HTTP request (`POST` with `body`, else `GET`), its JSON answer (`null` if none).
+fn http(req: &str, url: &str, body: Option<Value>) -> Value {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        let r = match (req, body) {
+            ("POST", Some(b)) => c.post(url).json(&b).send().await,
+            _ => c.get(url).send().await,
+        };
+        r.unwrap().json::<Value>().await.unwrap_or(Value::Null)
+    })
 }
 
 fn text(o: &Output) -> (String, String) {
@@ -327,6 +346,21 @@ impl Drop for Served {
 /// reads the bound address from its log, so that two tests (or a test and any other process)
 /// can never race for one port between a probe and the service's bind.
 fn serve_local(bins: &Bins, scratch: &Path, data: &Path, token: Option<&str>) -> Served {
+    let env: Vec<(&str, &str)> = token
+        .map(|t| ("KERNELKITE_API_TOKEN", t))
+        .into_iter()
+        .collect();
+    serve_local_with(bins, scratch, data, &[], &env)
+}
+
+/// [`serve_local`] with `extra` flags (a `--sandbox` there replaces the usual one) and `env`.
+fn serve_local_with(
+    bins: &Bins,
+    scratch: &Path,
+    data: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Served {
     let log = tempfile::Builder::new()
         .prefix("service-")
         .suffix(".log")
@@ -335,17 +369,21 @@ fn serve_local(bins: &Bins, scratch: &Path, data: &Path, token: Option<&str>) ->
         .into_temp_path()
         .keep()
         .unwrap();
+    let mut flags = local_flags(bins, scratch);
+    if let Some(at) = flags.iter().position(|f| f == "--sandbox") {
+        if extra.contains(&"--sandbox") {
+            flags.drain(at..at + 2);
+        }
+    }
     let mut c = service(bins);
     c.args(["local", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data)
-        .args(local_flags(bins, scratch))
+        .args(flags)
+        .args(extra)
+        .envs(env.iter().copied())
         .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
-    if let Some(t) = token {
-        c.env("KERNELKITE_API_TOKEN", t);
-    }
     let child = c.spawn().unwrap();
     let mut served = Served {
         child,
@@ -421,20 +459,6 @@ fn a_service_killed_mid_run_delivers_every_result_after_its_restart() {
     let data = scratch.path().join("data");
     let marker = scratch.path().join("starts");
     let served = serve_local(&bins, scratch.path(), &data, None);
-    let http = |req: &str, url: &str, body: Option<Value>| -> Value {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let c = reqwest::Client::new();
-            let r = match (req, body) {
-                ("POST", Some(b)) => c.post(url).json(&b).send().await,
-                _ => c.get(url).send().await,
-            };
-            r.unwrap().json::<Value>().await.unwrap_or(Value::Null)
-        })
-    };
     let probe = |sleep: u64| {
         kernelkite_testkit::local::probe_config(
             "test",
@@ -479,4 +503,70 @@ fn a_service_killed_mid_run_delivers_every_result_after_its_restart() {
         assert_eq!(v["state"], "succeeded", "{v}");
         assert_eq!(v["result"]["runs"]["test"]["run"]["passed"], true, "{v}");
     }
+}
+
+#[test]
+fn local_jobs_run_in_the_sandbox_as_the_job_user() {
+    if need_python().is_none() {
+        return;
+    }
+    if !kernelkite_testkit::local::is_root() {
+        kernelkite_testkit::skip("the sandbox needs root");
+        return;
+    }
+    // The job user runs Python and the runner: both must be reachable for it (a python
+    // under /root, as pyenv installs it, is not).
+    let python = Path::new("/usr/bin/python3");
+    let bins = local_bins!();
+    for p in [python, bins.runner.as_path()] {
+        if let Some(blocked) = kernelkite_testkit::users::unreachable_for_others(p) {
+            kernelkite_testkit::skip(format!(
+                "{} is not reachable by another user (through {})",
+                p.display(),
+                blocked.display()
+            ));
+            return;
+        }
+    }
+    let user = kernelkite_testkit::users::TestUser::new("loc");
+    let scratch = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        scratch.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let data = scratch.path().join("data");
+    let config = json!({"allow-unenforced": true, "user": user.name}).to_string();
+    let served = serve_local_with(
+        &bins,
+        scratch.path(),
+        &data,
+        &["--sandbox", "on", "--plugin-config", &config],
+        &[("KERNELKITE_PYTHON", "/usr/bin/python3")],
+    );
+    let probe = kernelkite_testkit::local::probe_config("test", json!([{"sleep_ms": 1}]));
+    let v = http(
+        "POST",
+        &format!("{}/v1/submissions", served.base),
+        Some(json!({"config": probe, "queue": "local"})),
+    );
+    let id = v["id"].as_str().unwrap().to_string();
+    let v = http(
+        "GET",
+        &format!("{}/v1/submissions/{id}?wait=60", served.base),
+        None,
+    );
+    assert_eq!(v["state"], "succeeded", "{v}");
+    let run = &v["result"]["runs"]["test"]["run"];
+    assert_eq!(run["passed"], true, "{v}");
+    assert_eq!(
+        run["result"]["probe.0.uid"],
+        user.uid.to_string(),
+        "the command ran as the job user: {v}"
+    );
+    let log = std::fs::read_to_string(&served.log).unwrap();
+    assert!(
+        log.contains("commands run in the plugin's sandbox"),
+        "{log}"
+    );
 }

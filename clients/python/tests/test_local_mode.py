@@ -38,6 +38,8 @@ async def local(tmp_path: Path) -> AsyncIterator[Service]:
         "KERNELKITE_LISTEN": f"127.0.0.1:{port}",
         "KERNELKITE_API_TOKEN": API_TOKEN,
         "KERNELKITE_DATA_DIR": str(data),
+        # `auto` would depend on this machine's users; these tests are about the client.
+        "KERNELKITE_LOCAL_SANDBOX": "off",
     }
     service = Service(["serve", "--executor", "local"], env, port, tmp_path)
     service.start()

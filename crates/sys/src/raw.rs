@@ -6,6 +6,11 @@
 //!   design: only async-signal-safe calls, no allocation);
 //! * `clone3` with `CLONE_INTO_CGROUP`, which neither std, rustix nor nix offers;
 //! * `close_range`, `unshare` and the interface-flags `ioctl` used in those children;
+//! * running a set-up closure that may do anything (allocate, read files) in the child of a
+//!   single-threaded process, between fork (or `clone3`) and exec: the sandbox's set-up;
+//! * `unshare` of the sandbox's mount, IPC and network namespaces, and marking every inherited
+//!   descriptor close-on-exec before the job is executed;
+//! * `getrusage` of waited-for children (benchmarks tell CPU cost from waiting);
 //! * glibc's own version string (Python's `platform.platform()` names it).
 
 use std::ffi::{c_char, CStr, CString};
@@ -94,6 +99,42 @@ pub fn join_before_exec(cmd: &mut Command, procs: Vec<File>, isolate_network: bo
     }
 }
 
+/// Work a child does between fork (or `clone3`) and exec: see [`spawn_with_setup`].
+pub type ChildSetup = Box<dyn FnMut() -> io::Result<()> + Send + Sync>;
+
+/// Whether this process has exactly one thread (`/proc/self/task`).
+pub fn is_single_threaded() -> bool {
+    std::fs::read_dir("/proc/self/task").is_ok_and(|d| d.count() == 1)
+}
+
+fn require_single_thread() -> io::Result<()> {
+    if is_single_threaded() {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a child set-up that may allocate needs a single-threaded parent, and this process has other threads",
+        ))
+    }
+}
+
+/// Spawns `cmd` with `setup` run in the child between fork and exec, after whatever set-up
+/// `cmd` already has (joining cgroups). Unlike a bare `pre_exec` closure, `setup` may do what
+/// any program does (allocate, read files, format messages): this process is single-threaded,
+/// checked right here before the fork, so no other thread can hold a lock (the allocator's,
+/// stdio's) that the child would inherit held; glibc's `fork` also re-initialises the
+/// allocator's locks in the child. Refuses (spawning nothing) when there are other threads.
+pub fn spawn_with_setup(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
+    require_single_thread()?;
+    // SAFETY: the closure runs in the forked child of a process that had one thread at the
+    // fork (checked above, on the thread that forks: no thread can start in between), so
+    // every lock in the copied address space is free and the child may run ordinary code.
+    unsafe {
+        cmd.pre_exec(setup);
+    }
+    cmd.spawn()
+}
+
 /// Formats a pid into `buf` without allocating (this runs after `fork`).
 pub fn format_pid(mut pid: u32, buf: &mut [u8; 12]) -> &[u8] {
     let mut i = buf.len();
@@ -117,8 +158,74 @@ fn enter_new_network_namespace() -> io::Result<()> {
     loopback_up()
 }
 
+/// Moves the calling thread into new namespaces: mount (with `mount`), IPC (`ipc`) and network
+/// (`net`, with `lo` brought up). Meant for a single-threaded process about to set up a view
+/// of the machine and `exec` (the sandbox helper); on a multi-threaded one the kernel refuses
+/// a new mount namespace.
+pub fn unshare_namespaces(mount: bool, ipc: bool, net: bool) -> io::Result<()> {
+    use rustix::thread::UnshareFlags;
+    let mut flags = UnshareFlags::empty();
+    if mount {
+        flags |= UnshareFlags::NEWNS;
+    }
+    if ipc {
+        flags |= UnshareFlags::NEWIPC;
+    }
+    if net {
+        flags |= UnshareFlags::NEWNET;
+    }
+    if flags.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: rustix marks unshare unsafe for CLONE_FILES only (a thread could then see
+    // descriptors another thread does not); these flags never include it. New mount, IPC and
+    // network namespaces change what this thread sees of the machine, not its memory.
+    unsafe { rustix::thread::unshare_unsafe(flags) }?;
+    if net {
+        loopback_up()?;
+    }
+    Ok(())
+}
+
+/// Marks every descriptor from `first` up close-on-exec, so that a program about to `exec`
+/// hands on only what it means to (stdio, and below `first`). Kernels before 5.11 lack the
+/// flag; there the descriptors are marked one by one from `/proc/self/fd`.
+pub fn cloexec_from(first: RawFd) -> io::Result<()> {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    let first = first.max(0);
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors at or above
+    // `first`; it touches no memory.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let listed: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd >= first)
+        .collect();
+    for fd in listed {
+        // SAFETY: F_GETFD/F_SETFD only read and set the flags of `fd`; a number that closed
+        // since the listing (the listing's own directory descriptor) fails harmlessly.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Brings up `lo` in the current network namespace (a new namespace starts with it down).
-fn loopback_up() -> io::Result<()> {
+pub fn loopback_up() -> io::Result<()> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     let sock = rustix::net::socket_with(
         AddressFamily::INET,
@@ -191,6 +298,28 @@ pub fn clone3_into_cgroup(
     cgroup: BorrowedFd<'_>,
     isolate_network: bool,
 ) -> io::Result<Option<u32>> {
+    clone3_into_cgroup_inner(exec, cgroup, isolate_network, None)
+}
+
+/// [`clone3_into_cgroup`] with `setup` run in the child before it executes the program, as
+/// [`spawn_with_setup`] does after a fork (and on the same condition: this process is
+/// single-threaded, checked before the clone; an error otherwise). `setup` is borrowed, so a
+/// caller whose kernel answers `Ok(None)` can hand it to [`spawn_with_setup`] instead.
+pub fn clone3_into_cgroup_with_setup(
+    exec: &Exec<'_>,
+    cgroup: BorrowedFd<'_>,
+    setup: &mut ChildSetup,
+) -> io::Result<Option<u32>> {
+    require_single_thread()?;
+    clone3_into_cgroup_inner(exec, cgroup, false, Some(setup))
+}
+
+fn clone3_into_cgroup_inner(
+    exec: &Exec<'_>,
+    cgroup: BorrowedFd<'_>,
+    isolate_network: bool,
+    setup: Option<&mut ChildSetup>,
+) -> io::Result<Option<u32>> {
     let mut argv: Vec<*const c_char> = exec.argv.iter().map(|c| c.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const c_char> = exec.envp.iter().map(|c| c.as_ptr()).collect();
@@ -204,7 +333,9 @@ pub fn clone3_into_cgroup(
     };
     // SAFETY: clone3 without CLONE_VM and without a new stack behaves like fork: the child
     // gets a copy of this address space. It runs `exec_child` only, which makes
-    // async-signal-safe calls on data prepared above and then execs or exits.
+    // async-signal-safe calls on data prepared above and then execs or exits; or, given a
+    // `setup`, first runs it, which the public callers allow only in a single-threaded
+    // process (no lock can be held by a thread the child lacks).
     let rc = unsafe {
         libc::syscall(
             libc::SYS_clone3,
@@ -213,7 +344,7 @@ pub fn clone3_into_cgroup(
         )
     };
     if rc == 0 {
-        exec_child(exec.path, &argv, &envp, wr.as_fd(), isolate_network);
+        exec_child(exec.path, &argv, &envp, wr.as_fd(), isolate_network, setup);
     }
     drop(wr);
     if rc < 0 {
@@ -256,6 +387,7 @@ fn exec_child(
     envp: &[*const c_char],
     report: BorrowedFd<'_>,
     isolate_network: bool,
+    setup: Option<&mut ChildSetup>,
 ) -> ! {
     let fail = |errno: i32| -> ! {
         let _ = rustix::io::write(report, &errno.to_ne_bytes());
@@ -268,6 +400,11 @@ fn exec_child(
             fail(e.raw_os_error().unwrap_or(libc::EIO));
         }
     }
+    if let Some(setup) = setup {
+        if let Err(e) = setup() {
+            fail(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+    }
     // SAFETY: `path` is NUL-terminated, and `argv` and `envp` are NULL-terminated arrays of
     // pointers to NUL-terminated strings that the parent keeps alive (this is its copy).
     unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
@@ -276,6 +413,23 @@ fn exec_child(
             .raw_os_error()
             .unwrap_or(libc::EIO),
     )
+}
+
+/// CPU time (user + system) used so far by this process's children that have been waited for
+/// (and their waited-for descendants): `getrusage(RUSAGE_CHILDREN)`. Benchmarks difference it
+/// around a child to tell its CPU cost from the time it spent waiting for a busy machine.
+pub fn children_cpu_time() -> io::Result<std::time::Duration> {
+    // SAFETY: rusage is plain old data, for which all zero bytes are a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage into the struct we pass, which lives on this frame.
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let tv = |t: libc::timeval| {
+        std::time::Duration::from_secs(t.tv_sec.max(0) as u64)
+            + std::time::Duration::from_micros(t.tv_usec.max(0) as u64)
+    };
+    Ok(tv(usage.ru_utime) + tv(usage.ru_stime))
 }
 
 /// glibc's version (`2.36`), as Python's `platform.libc_ver()` reports it; `None` on other
@@ -377,6 +531,203 @@ mod tests {
                 assert!(status.success(), "{status:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_child_set_up_is_refused_in_a_multi_threaded_process() {
+        // The test harness runs tests on threads: this process is not single-threaded, so the
+        // set-up is refused and nothing is spawned.
+        let mut cmd = Command::new("true");
+        let refused = spawn_with_setup(&mut cmd, Box::new(|| Ok(())));
+        if is_single_threaded() {
+            return;
+        }
+        let e = refused.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("single-threaded"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let mut setup: ChildSetup = Box::new(|| Ok(()));
+        let path = CString::new("/bin/true").unwrap();
+        let argv = [CString::new("true").unwrap()];
+        let exec = Exec {
+            path: &path,
+            argv: &argv,
+            envp: &[],
+        };
+        let d = File::open(dir.path()).unwrap();
+        assert!(clone3_into_cgroup_with_setup(&exec, d.as_fd(), &mut setup).is_err());
+    }
+
+    /// Runs `body` in a forked child of this (multi-threaded) test process, where it is the
+    /// only thread, and returns its exit status.
+    fn in_single_threaded_child(body: impl FnOnce() -> i32) -> i32 {
+        // SAFETY: the child calls `body` and `_exit`s: it never returns into the test harness.
+        // It inherits the test threads' locks in whatever state they were; glibc's fork
+        // re-initialises the allocator's, and `body` prints nothing (stdio's lock is the
+        // other one a test thread might hold).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            let code = body();
+            // SAFETY: ends the child without running the harness's destructors twice.
+            unsafe { libc::_exit(code) }
+        }
+        let (_, status) = rustix::process::waitpid(
+            rustix::process::Pid::from_raw(pid),
+            rustix::process::WaitOptions::empty(),
+        )
+        .unwrap()
+        .unwrap();
+        status.exit_status().unwrap_or(-1)
+    }
+
+    #[test]
+    fn a_single_threaded_parent_s_child_runs_its_set_up_before_exec() {
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let plain = tempfile::tempdir().unwrap();
+        // A cgroup2 directory where this is root and one is mounted, else a plain directory
+        // (clone3 refuses it and the fork path runs the set-up instead).
+        let cgroup2 = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let (left, right) = l.split_once(" - ")?;
+                right
+                    .starts_with("cgroup2 ")
+                    .then(|| left.split_whitespace().nth(4).map(str::to_string))?
+            })
+            .next()
+            .map(|m| {
+                std::path::PathBuf::from(m).join(format!("kk-raw-setup-{}", std::process::id()))
+            })
+            .filter(|d| rustix::process::geteuid().is_root() && std::fs::create_dir(d).is_ok());
+        let dir = cgroup2
+            .clone()
+            .unwrap_or_else(|| plain.path().to_path_buf());
+        let w_fd = w.as_raw_fd();
+        let code = in_single_threaded_child(|| {
+            if !is_single_threaded() {
+                return 10;
+            }
+            let path = CString::new("/bin/true").unwrap();
+            let argv = [CString::new("true").unwrap()];
+            let exec = Exec {
+                path: &path,
+                argv: &argv,
+                envp: &[],
+            };
+            let setup = || -> ChildSetup {
+                Box::new(move || {
+                    // Allocation and formatting, which a bare pre_exec closure could not do.
+                    let line = format!("set up in {}\n", std::process::id());
+                    // SAFETY: `w_fd` is the pipe's write end, open in this child (inherited).
+                    let fd = unsafe { BorrowedFd::borrow_raw(w_fd) };
+                    rustix::io::write(fd, line.as_bytes())?;
+                    Ok(())
+                })
+            };
+            let Ok(d) = File::open(&dir) else { return 11 };
+            let mut first = setup();
+            let pid = match clone3_into_cgroup_with_setup(&exec, d.as_fd(), &mut first) {
+                Ok(Some(pid)) => pid,
+                Ok(None) => match spawn_with_setup(&mut Command::new("/bin/true"), setup()) {
+                    Ok(mut child) => {
+                        return if child.wait().is_ok_and(|s| s.success()) {
+                            0
+                        } else {
+                            12
+                        }
+                    }
+                    Err(_) => return 13,
+                },
+                Err(_) => return 14,
+            };
+            match rustix::process::waitpid(
+                rustix::process::Pid::from_raw(pid as i32),
+                rustix::process::WaitOptions::empty(),
+            ) {
+                Ok(Some((_, st))) if st.exit_status() == Some(0) => 0,
+                _ => 15,
+            }
+        });
+        if let Some(d) = &cgroup2 {
+            let _ = std::fs::remove_dir(d);
+        }
+        assert_eq!(code, 0);
+        drop(w);
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut File::from(r), &mut out).unwrap();
+        assert!(out.starts_with("set up in "), "{out:?}");
+    }
+
+    #[test]
+    fn cloexec_from_keeps_only_lower_descriptors_across_exec() {
+        // A child marks everything from `high` up, then execs a shell that writes to `low` and
+        // tries `high` (a redirection, which opens nothing of its own).
+        let (ra, wa) = rustix::pipe::pipe().unwrap();
+        let (rb, wb) = rustix::pipe::pipe().unwrap();
+        let (low, high) = if wa.as_raw_fd() < wb.as_raw_fd() {
+            (wa.as_raw_fd(), wb.as_raw_fd())
+        } else {
+            (wb.as_raw_fd(), wa.as_raw_fd())
+        };
+        let report = if low == wa.as_raw_fd() { ra } else { rb };
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            &format!(
+                "echo low >&{low}; if (: >&{high}) 2>/dev/null; then echo high-open >&{low}; fi"
+            ),
+        ]);
+        let setup = move || -> io::Result<()> { cloexec_from(high) };
+        // SAFETY: close_range is async-signal-safe and allocates nothing when it works, which
+        // it does on the kernels this suite runs on (5.11+).
+        unsafe { cmd.pre_exec(setup) };
+        let status = cmd.status().unwrap();
+        assert!(status.success());
+        drop(wa);
+        drop(wb);
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut File::from(report), &mut out).unwrap();
+        assert_eq!(out, "low\n");
+    }
+
+    #[test]
+    fn a_thread_can_move_into_new_ipc_and_network_namespaces() {
+        if !rustix::process::geteuid().is_root() {
+            kernelkite_testkit::skip("new namespaces need root");
+            return;
+        }
+        let before = std::fs::read_link("/proc/thread-self/ns/ipc").unwrap();
+        // A thread of its own: the namespaces are per thread and die with it.
+        let after = std::thread::spawn(|| {
+            unshare_namespaces(false, true, true).unwrap();
+            (
+                std::fs::read_link("/proc/thread-self/ns/ipc").unwrap(),
+                std::fs::read_link("/proc/thread-self/ns/net").unwrap(),
+            )
+        })
+        .join()
+        .unwrap();
+        assert_ne!(before, after.0);
+        assert_ne!(
+            std::fs::read_link("/proc/thread-self/ns/net").unwrap(),
+            after.1
+        );
+        unshare_namespaces(false, false, false).unwrap();
+    }
+
+    #[test]
+    fn a_waited_child_s_cpu_time_is_counted() {
+        let before = children_cpu_time().unwrap();
+        // A child that burns some CPU: 200,000 shell arithmetic steps.
+        let status = Command::new("sh")
+            .args(["-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let used = children_cpu_time().unwrap() - before;
+        assert!(used > std::time::Duration::ZERO, "{used:?}");
     }
 
     #[test]

@@ -59,6 +59,27 @@ pub struct NodeArgs {
     /// among the hook's ancestors, else the hook's parent.
     #[arg(long, env = "KERNELKITE_JOB_PID")]
     pub job_pid: Option<u32>,
+    /// Host mode runs the step's command in the sandbox: as the job user (plugin option
+    /// `user`), without capabilities, in private mount and IPC namespaces (needs root). `off`
+    /// runs it as the agent's user with the agent's view of the machine (a warning says so).
+    #[arg(long, env = "KERNELKITE_SANDBOX", value_enum, default_value = "on")]
+    pub sandbox: OnOff,
+    /// Directory holding the GPU device nodes the sandbox binds into the job's `/dev`.
+    #[arg(long, env = "KERNELKITE_DEV_ROOT", default_value = "/dev")]
+    pub dev_root: PathBuf,
+    /// Further paths the sandbox hides from the job (`:`-separated; directories get an empty
+    /// read-only tmpfs, files `/dev/null`).
+    #[arg(long, env = "KERNELKITE_HIDE", value_delimiter = ':')]
+    pub hide: Vec<PathBuf>,
+}
+
+/// A node switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
 }
 
 impl NodeArgs {
@@ -71,6 +92,14 @@ impl NodeArgs {
             proc_root: self.proc_root.clone(),
             docker: self.docker.clone(),
             job_pid: self.job_pid,
+            sandbox: self.sandbox == OnOff::On,
+            dev_root: self.dev_root.clone(),
+            hide: self
+                .hide
+                .iter()
+                .filter(|p| !p.as_os_str().is_empty())
+                .cloned()
+                .collect(),
         }
     }
 }
@@ -155,6 +184,18 @@ pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
                     None => String::new(),
                 }
             );
+            if let Some(u) = &s.job_user {
+                eprintln!(
+                    "kernelkite: the command will run as {} (uid {}, gid {}){}",
+                    u.name,
+                    u.uid,
+                    u.gid,
+                    match s.config.mode {
+                        crate::config::Mode::Host => " in the sandbox",
+                        crate::config::Mode::Docker => " in its container",
+                    }
+                );
+            }
             let via = match args.export {
                 ExportVia::Auto if job::env::job_api_socket(&env).is_some() => ExportVia::JobApi,
                 ExportVia::Auto => ExportVia::Shell,
@@ -169,7 +210,9 @@ pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         HookCommand::Command(args) => {
-            let outcome = job::command::run(&args.settings(), &env)?;
+            let outcome = job::command::run(&args.settings(), &env, &mut |line| {
+                eprintln!("kernelkite: {line}")
+            })?;
             for n in &outcome.notices {
                 eprintln!("kernelkite: {n}");
             }

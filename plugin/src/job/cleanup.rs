@@ -8,13 +8,14 @@ use kernelkite_topology::plan::SliceGpu;
 use serde::Serialize;
 
 use super::error::Chain;
-use super::state::{listed_jobs, read_state, remove_state, state_path};
+use super::state::{listed_jobs, read_state, remove_state, state_path, CheckoutOwner};
 use super::{GpuOpener, JobError, Settings};
 use crate::cgroup::Cgroups;
 use crate::config::Mode;
 use crate::docker;
 use crate::gpucheck;
 use crate::process;
+use crate::sandbox::ownership;
 
 /// What `pre-exit` (or orphan clean-up) did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -31,6 +32,8 @@ pub struct CleanupReport {
     pub clocks_reset: bool,
     /// The job's container was removed (docker mode).
     pub container_removed: bool,
+    /// The checkout went back to its owner from before the command (the job user had it).
+    pub checkout_returned: bool,
     /// What could not be cleaned up, one sentence each.
     pub problems: Vec<String>,
 }
@@ -58,6 +61,9 @@ impl CleanupReport {
         }
         if self.container_removed {
             parts.push("removed the job's container".into());
+        }
+        if self.checkout_returned {
+            parts.push("returned the checkout to its owner".into());
         }
         for p in &self.problems {
             parts.push(format!("PROBLEM: {p}"));
@@ -119,6 +125,28 @@ pub fn clean_job(
                 report.cgroup_removed = c.removed;
             }
             Err(e) => report.problem(&e),
+        }
+    }
+    // After the kill: nothing of the job is left to race the walk.
+    // Only a checkout the command was handed (its top is no longer its owner's) is walked: a
+    // job that never got to its command leaves nothing to give back.
+    let handed_over = |o: &CheckoutOwner| {
+        ownership::owner(&o.path).is_ok_and(|(uid, gid)| (uid, gid) != (o.uid, o.gid))
+    };
+    if let Some(o) = state
+        .as_ref()
+        .and_then(|s| s.checkout_owner.as_ref())
+        .filter(|o| handed_over(o))
+    {
+        match ownership::chown_tree(&o.path, o.uid, o.gid) {
+            Ok(_) => report.checkout_returned = true,
+            // The agent removed the checkout: nothing to give back.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => report.problems.push(format!(
+                "cannot give the checkout {} back to uid {}: {e}",
+                o.path.display(),
+                o.uid
+            )),
         }
     }
     if let Some(s) = state.as_ref().filter(|s| s.clocks_locked) {

@@ -3,18 +3,21 @@
 //! how it ended. Nothing here needs undoing: what the command leaves is `pre-exit`'s.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kernelkite_topology::plan::Vendor;
 
 use super::env::var;
-use super::state::{jobs_dir, read_state, JobState};
+use super::state::{jobs_dir, read_state, write_state, CheckoutOwner, JobState};
 use super::{JobError, Settings};
 use crate::cgroup::Cgroups;
 use crate::config::{ConfigError, Mode};
 use crate::confine::{self, Confinement};
 use crate::docker;
+use crate::sandbox::{self, ownership, spec, JobUser, SandboxSpec};
 
 /// Exit status of a command as the agent reports it: the code, or 128 + the signal.
 fn exit_code(status: std::process::ExitStatus) -> i32 {
@@ -69,19 +72,38 @@ pub fn docker_run_for(
     };
     let mut job_env = env.clone();
     job_env.extend(state.exports.clone());
+    let amd_render_nodes: Vec<PathBuf> = docker::slice_gpus(&state.slice)
+        .iter()
+        .filter(|g| g.vendor == Vendor::Amd)
+        .filter_map(|g| docker::amd_render_node(&settings.sysfs_root, &g.pci_bus_id))
+        .collect();
+    let amd_nodes: Vec<spec::DeviceNode> = amd_render_nodes
+        .iter()
+        .cloned()
+        .chain((!amd_render_nodes.is_empty()).then(|| PathBuf::from("/dev/kfd")))
+        .map(|p| spec::DeviceNode {
+            target: p.clone(),
+            source: match p.strip_prefix("/dev") {
+                Ok(rel) => settings.dev_root.join(rel),
+                Err(_) => p,
+            },
+        })
+        .collect();
     let run = docker::DockerRun {
         job_id: state.job_id.clone(),
         image,
         slice: state.slice.clone(),
         pids_limit: c.pids_limit,
         network: c.network_allowed(),
+        git_read_only: checkout
+            .as_ref()
+            .is_some_and(|p| std::fs::symlink_metadata(p.join(".git")).is_ok()),
         checkout,
         workdir: c.workdir.clone(),
-        amd_render_nodes: docker::slice_gpus(&state.slice)
-            .iter()
-            .filter(|g| g.vendor == Vendor::Amd)
-            .filter_map(|g| docker::amd_render_node(&settings.sysfs_root, &g.pci_bus_id))
-            .collect(),
+        amd_render_nodes,
+        device_groups: spec::device_groups(&amd_nodes),
+        user: state.job_user.as_ref().map(|u| (u.uid, u.gid)),
+        shm_size: spec::tmpfs_size(c.shm_size, state.slice.memory_bytes),
         env_names: docker::pass_through_names(&job_env, &c.environment),
         env_overrides: docker::container_device_env(&state.slice),
         extra_args: c.docker_args.clone(),
@@ -96,9 +118,13 @@ pub fn docker_run_for(
 }
 
 /// The `command` hook: runs `BUILDKITE_COMMAND` held to the job's slice and reports how it ended.
+///
+/// `say` gets the lines the job log needs before the command's own output (warnings); the
+/// sandbox prints what the job can see from the command's child, just before the command.
 pub fn run(
     settings: &Settings,
     env: &BTreeMap<String, String>,
+    say: &mut dyn FnMut(&str),
 ) -> Result<CommandOutcome, JobError> {
     let job_id = var(env, "BUILDKITE_JOB_ID")?;
     let state = read_state(settings, job_id)?.ok_or_else(|| JobError::NoState {
@@ -120,7 +146,7 @@ pub fn run(
     child_env.extend(state.exports.clone());
     match state.config.mode {
         Mode::Docker => in_container(settings, &state, env, command, &child_env),
-        Mode::Host => on_host(settings, &state, env, command, &child_env),
+        Mode::Host => on_host(settings, &state, env, command, &child_env, say),
     }
 }
 
@@ -133,6 +159,11 @@ fn in_container(
     child_env: &BTreeMap<String, String>,
 ) -> Result<CommandOutcome, JobError> {
     let mut notices = Vec::new();
+    if let (Some(user), true) = (&state.job_user, state.config.mount_checkout) {
+        if let Some(c) = checkout_dir(env) {
+            give_checkout(settings, state, &c, user)?;
+        }
+    }
     let args = docker_run_for(settings, state, env, command)?;
     let status = Command::new(&settings.docker)
         .args(&args)
@@ -159,77 +190,48 @@ fn in_container(
     })
 }
 
-/// Host mode: the shell in the job's cgroup (born there on cgroup v2), in a network namespace
-/// of its own unless the step allows the network.
+/// Host mode: the shell in the job's cgroup (born there on cgroup v2), inside the sandbox
+/// (or, with the sandbox off, as the agent's user in a network namespace of its own unless the
+/// step allows the network).
 fn on_host(
     settings: &Settings,
     state: &JobState,
     env: &BTreeMap<String, String>,
     command: &str,
     child_env: &BTreeMap<String, String>,
+    say: &mut dyn FnMut(&str),
 ) -> Result<CommandOutcome, JobError> {
     let job_id = state.job_id.as_str();
     let mut notices = Vec::new();
-    let words = shell_words(env);
-    let mut cmd = Command::new(&words[0]);
-    cmd.args(&words[1..])
-        .arg(command)
-        .env_clear()
-        .envs(child_env);
-    let mut confinement = Confinement {
-        procs_files: Vec::new(),
-        isolate_network: !state.config.network_allowed(),
-    };
+    let mut argv: Vec<OsString> = shell_words(env).into_iter().map(OsString::from).collect();
+    argv.push(OsString::from(command));
     let cgroups = match state.cgroup_version {
-        Some(_) => {
-            let cg = Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root)?;
-            confinement.procs_files = cg.procs_files(job_id)?;
-            Some(cg)
-        }
+        Some(_) => Some(Cgroups::detect_with(
+            &settings.cgroup_root,
+            &settings.proc_root,
+        )?),
         None => {
-            notices.push(
-                "WARNING: RUNNING UNENFORCED: the command has no CPU, memory or pids limits".into(),
-            );
+            say("WARNING: RUNNING UNENFORCED: the command has no CPU, memory or pids limits");
             None
         }
     };
     let oom_before = cgroups.as_ref().map_or(0, |c| c.oom_kills(job_id));
-    let spawn_error = |source: std::io::Error| JobError::Spawn {
-        what: format!(
-            "the command in the job's cgroup{}",
-            if confinement.isolate_network {
-                " and a new network namespace (needs root or CAP_SYS_ADMIN; or set `network: true`)"
-            } else {
-                ""
-            }
-        ),
-        source,
-    };
-    // On cgroup v2 the command is born in its cgroup (no migration to wait for).
-    let born_inside = match (
-        &cgroups,
-        confinement.procs_files.first().and_then(|p| p.parent()),
-    ) {
-        (Some(Cgroups::V2(_)), Some(dir)) => {
-            let args: Vec<std::ffi::OsString> = words[1..]
-                .iter()
-                .map(std::ffi::OsString::from)
-                .chain([std::ffi::OsString::from(command)])
-                .collect();
-            confine::spawn_into_cgroup2(
-                std::ffi::OsStr::new(&words[0]),
-                &args,
-                child_env,
-                dir,
-                confinement.isolate_network,
-            )
-            .map_err(spawn_error)?
-        }
-        _ => None,
-    };
-    let mut child = match born_inside {
-        Some(started) => started,
-        None => confine::Started::Std(confine::spawn(&mut cmd, &confinement).map_err(spawn_error)?),
+    let mut child = if settings.sandbox {
+        start_sandboxed(settings, state, env, &argv, child_env, cgroups.as_ref())?
+    } else {
+        let me = rustix::process::geteuid().as_raw();
+        say(&format!(
+            "WARNING: RUNNING WITHOUT THE SANDBOX (KERNELKITE_SANDBOX=off): the command runs as uid {me}{} with the agent's view of the machine",
+            if me == 0 { " (root)" } else { "" }
+        ));
+        let isolate_network = !state.config.network_allowed();
+        // Even unsandboxed, the command does not get the agent's credentials.
+        let env: BTreeMap<String, String> = child_env
+            .iter()
+            .filter(|(k, _)| !sandbox::scrubbed(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        start_in_cgroup(job_id, &argv, &env, cgroups.as_ref(), isolate_network, None)?
     };
     let status = child.wait().map_err(JobError::Wait)?;
     if let Some(cg) = &cgroups {
@@ -245,4 +247,184 @@ fn on_host(
         exit_code: exit_code(status),
         notices,
     })
+}
+
+/// Starts `argv` with exactly `env` in the job's cgroup: born there on cgroup v2
+/// (`clone3`), written into the `cgroup.procs` files between fork and exec otherwise, not
+/// confined at all without cgroups. With `isolate_network`, in a new network namespace with
+/// only loopback (the sandbox makes its own). `setup` runs in the child, in its cgroups,
+/// before the program (the sandbox).
+fn start_in_cgroup(
+    job_id: &str,
+    argv: &[OsString],
+    env: &BTreeMap<String, String>,
+    cgroups: Option<&Cgroups>,
+    isolate_network: bool,
+    mut setup: Option<confine::ChildSetup>,
+) -> Result<confine::Started, JobError> {
+    let (program, args) = argv.split_first().ok_or_else(|| JobError::Spawn {
+        what: "an empty command".into(),
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    let mut confinement = Confinement {
+        procs_files: Vec::new(),
+        isolate_network,
+    };
+    if let Some(cg) = cgroups {
+        confinement.procs_files = cg.procs_files(job_id)?;
+    }
+    let spawn_error = |source: std::io::Error| JobError::Spawn {
+        what: format!(
+            "{program:?} in the job's cgroup{}",
+            if isolate_network {
+                " and a new network namespace (needs root or CAP_SYS_ADMIN; or set `network: true`)"
+            } else {
+                ""
+            }
+        ),
+        source,
+    };
+    // On cgroup v2 the command is born in its cgroup (no migration to wait for).
+    let born_inside = match (
+        cgroups,
+        confinement.procs_files.first().and_then(|p| p.parent()),
+    ) {
+        (Some(Cgroups::V2(_)), Some(dir)) => match setup.as_mut() {
+            Some(setup) => confine::spawn_into_cgroup2_with_setup(program, args, env, dir, setup),
+            None => confine::spawn_into_cgroup2(program, args, env, dir, isolate_network),
+        }
+        .map_err(spawn_error)?,
+        _ => None,
+    };
+    if let Some(started) = born_inside {
+        return Ok(started);
+    }
+    let mut cmd = Command::new(program);
+    cmd.args(args).env_clear().envs(env);
+    match setup {
+        Some(setup) => confine::spawn_with_setup(&mut cmd, &confinement, setup),
+        None => confine::spawn(&mut cmd, &confinement),
+    }
+    .map(confine::Started::Std)
+    .map_err(spawn_error)
+}
+
+/// Hands the checkout to `user` for the command. `environment` recorded whose it is to be again
+/// (the agent's); a state from before that record gets it now, before anything changes hands,
+/// so that `pre-exit` (or the clean-up after a lost job) gives it back whatever happens next.
+fn give_checkout(
+    settings: &Settings,
+    state: &JobState,
+    checkout: &Path,
+    user: &JobUser,
+) -> Result<(), JobError> {
+    let recorded = state
+        .checkout_owner
+        .as_ref()
+        .is_some_and(|o| o.path == checkout);
+    if !recorded {
+        let mut updated = state.clone();
+        updated.checkout_owner = Some(CheckoutOwner {
+            path: checkout.to_path_buf(),
+            uid: rustix::process::geteuid().as_raw(),
+            gid: rustix::process::getegid().as_raw(),
+        });
+        write_state(settings, &updated)?;
+    }
+    ownership::chown_tree(checkout, user.uid, user.gid)
+        .map(drop)
+        .map_err(|source| JobError::Checkout {
+            path: checkout.to_path_buf(),
+            uid: user.uid,
+            source,
+        })
+}
+
+/// The job's checkout: `BUILDKITE_BUILD_CHECKOUT_PATH` when it is a directory. Nothing else is
+/// ever handed to the job user (not the working directory, which could be anything).
+fn checkout_dir(env: &BTreeMap<String, String>) -> Option<PathBuf> {
+    env.get("BUILDKITE_BUILD_CHECKOUT_PATH")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute() && p.is_dir())
+}
+
+/// What the sandbox is to build for this job.
+pub fn sandbox_spec(
+    settings: &Settings,
+    state: &JobState,
+    env: &BTreeMap<String, String>,
+    user: &JobUser,
+    checkout: Option<&Path>,
+) -> SandboxSpec {
+    let devices = spec::gpu_device_nodes(&settings.sysfs_root, &settings.dev_root, &state.slice);
+    let git = checkout
+        .map(|c| c.join(".git"))
+        .filter(|g| std::fs::symlink_metadata(g).is_ok());
+    SandboxSpec {
+        user: user.clone(),
+        groups: spec::device_groups(&devices),
+        cwd: std::env::current_dir()
+            .ok()
+            .or_else(|| checkout.map(Path::to_path_buf))
+            .unwrap_or_else(|| PathBuf::from("/")),
+        isolate_network: !state.config.network_allowed(),
+        tmp_size: spec::tmpfs_size(state.config.tmp_size, state.slice.memory_bytes),
+        shm_size: spec::tmpfs_size(state.config.shm_size, state.slice.memory_bytes),
+        devices,
+        hide: spec::hidden_paths(env, &settings.run_dir, checkout, &settings.hide),
+        writable: checkout.map(Path::to_path_buf).into_iter().collect(),
+        read_only: git.into_iter().collect(),
+        limits: spec::LimitsNote {
+            memory_bytes: state.slice.memory_bytes,
+            pids: state.config.pids_limit,
+            cgroup: state.cgroup_version,
+        },
+    }
+}
+
+/// Starts the step's shell in the job's cgroup with the sandbox set up in the child first (as
+/// root, then dropped); returns the command once it runs, or why it could not start.
+fn start_sandboxed(
+    settings: &Settings,
+    state: &JobState,
+    env: &BTreeMap<String, String>,
+    argv: &[OsString],
+    child_env: &BTreeMap<String, String>,
+    cgroups: Option<&Cgroups>,
+) -> Result<confine::Started, JobError> {
+    let user = match &state.job_user {
+        Some(u) => u.clone(),
+        // Prepared on a node whose sandbox was off: settle the user now, with the same rules.
+        None => super::environment::job_user(settings, &state.config, &mut Vec::new())?
+            .ok_or_else(|| JobError::Sandbox("no job user for the sandbox".into()))?,
+    };
+    let checkout = checkout_dir(env);
+    if let Some(c) = &checkout {
+        give_checkout(settings, state, c, &user)?;
+    }
+    let spec = sandbox_spec(settings, state, env, &user, checkout.as_deref());
+    let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
+    let env = sandbox::job_env(child_env, &user);
+    let started = start_in_cgroup(
+        &state.job_id,
+        argv,
+        &env,
+        cgroups,
+        false,
+        Some(sandbox::child_setup(spec, report_w)),
+    );
+    // End of file: the command was executed (the pipe is close-on-exec). Text: why not. The
+    // write end went with the set-up (closed here once the spawn returned).
+    let mut why = String::new();
+    let _ = std::fs::File::from(report_r).read_to_string(&mut why);
+    match started {
+        Ok(child) if why.is_empty() => Ok(child),
+        Ok(mut child) => {
+            let _ = child.wait();
+            Err(JobError::Sandbox(why))
+        }
+        Err(e) if why.is_empty() => Err(e),
+        Err(_) => Err(JobError::Sandbox(why)),
+    }
 }

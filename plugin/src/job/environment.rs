@@ -23,6 +23,7 @@ use crate::gpucheck;
 use crate::jobapi::JobApi;
 use crate::lease::{Holder, Want};
 use crate::process;
+use crate::sandbox::JobUser;
 
 /// The result of the `environment` hook.
 #[derive(Debug, Clone)]
@@ -45,6 +46,9 @@ pub fn run(
     crate::cgroup::job_cgroup_name(&job_id)?;
     let agent = env.get("BUILDKITE_AGENT_NAME").cloned().unwrap_or_default();
     let mut notices = Vec::new();
+    // Who runs the command is settled before anything is held: a missing user or a refused
+    // root fails the job up front.
+    let job_user = job_user(settings, &config, &mut notices)?;
 
     // Decided before anything is held: a broken cgroup set-up fails the job up front.
     let cgroups = match Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root) {
@@ -103,6 +107,15 @@ pub fn run(
             if devices.is_empty() {
                 devices = gpus.clone();
             }
+            for (key, asked) in [("tmp-size", config.tmp_size), ("shm-size", config.shm_size)] {
+                if let Some(asked) = asked.filter(|a| *a > slice.memory_bytes) {
+                    return Err(JobError::OverSlice {
+                        key,
+                        asked: format!("{asked} bytes"),
+                        has: format!("a memory limit of {} bytes", slice.memory_bytes),
+                    });
+                }
+            }
             let mut state = JobState {
                 job_id: job_id.clone(),
                 agent,
@@ -114,9 +127,14 @@ pub fn run(
                 config: config.clone(),
                 cgroup_version: None,
                 clocks_locked,
+                job_user: job_user.clone(),
+                checkout_owner: checkout_owner(env, &config, job_user.as_ref()),
             };
             // The state goes first: a job cgroup without state is an orphan to other jobs.
             write_state(settings, &state)?;
+            if config.mode == Mode::Host && settings.sandbox {
+                restrict_run_dir(&settings.run_dir);
+            }
             if config.mode == Mode::Host {
                 let deny = other_gpu_devices(&settings.sysfs_root, &plan, &state.slice);
                 state.cgroup_version = create_cgroup(
@@ -143,6 +161,85 @@ pub fn run(
                 gpu,
             );
             Err(e)
+        }
+    }
+}
+
+/// Who the command will run as: the step's `user` (default `kernelkite-job`) in host mode with
+/// the sandbox and in docker mode; `None` (the agent's user) in host mode without it. Root is
+/// refused unless the step allows it, and the sandbox needs the hooks to be root.
+pub(super) fn job_user(
+    settings: &Settings,
+    config: &PluginConfig,
+    notices: &mut Vec<String>,
+) -> Result<Option<JobUser>, JobError> {
+    if config.mode == Mode::Host && !settings.sandbox {
+        return Ok(None);
+    }
+    let me = rustix::process::geteuid();
+    if config.mode == Mode::Host && !me.is_root() {
+        return Err(JobError::SandboxNeedsRoot { uid: me.as_raw() });
+    }
+    if !me.is_root() {
+        // Only root can hand the checkout to another user: the container runs as the agent's
+        // own user, which owns the checkout already (docker still confines it).
+        let gid = rustix::process::getegid().as_raw();
+        notices.push(format!(
+            "the hooks are not root: the container runs as the agent's user (uid {}) instead of `user: {}`",
+            me.as_raw(),
+            config.user
+        ));
+        return Ok(Some(JobUser {
+            name: format!("uid {}", me.as_raw()),
+            uid: me.as_raw(),
+            gid,
+        }));
+    }
+    let user = crate::sandbox::user::resolve(Path::new("/"), &config.user)?;
+    if user.is_root() {
+        if !config.allow_root {
+            return Err(JobError::RootRefused {
+                user: config.user.clone(),
+            });
+        }
+        notices.push(format!(
+            "WARNING: the command will run as root ({}, allow-root: true)",
+            config.user
+        ));
+    }
+    Ok(Some(user))
+}
+
+/// Where the checkout will be and whose it is to be again after the command: the agent's (these
+/// hooks' user). Recorded now, before the agent checks out, so that `command` need not write
+/// the state again and a lost job's clean-up still knows what to give back. `None` when the
+/// command runs as the agent's user or the checkout is not mounted into the container.
+fn checkout_owner(
+    env: &BTreeMap<String, String>,
+    config: &PluginConfig,
+    job_user: Option<&JobUser>,
+) -> Option<crate::job::state::CheckoutOwner> {
+    job_user?;
+    if config.mode == Mode::Docker && !config.mount_checkout {
+        return None;
+    }
+    let path = env
+        .get("BUILDKITE_BUILD_CHECKOUT_PATH")
+        .filter(|p| p.starts_with('/'))?;
+    Some(crate::job::state::CheckoutOwner {
+        path: path.into(),
+        uid: rustix::process::geteuid().as_raw(),
+        gid: rustix::process::getegid().as_raw(),
+    })
+}
+
+/// The run dir holds every job's state and the node's leases: root's alone, so that a job
+/// that somehow reached it could not read it (the sandbox also hides it).
+fn restrict_run_dir(run_dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(run_dir) {
+        if meta.permissions().mode() & 0o077 != 0 {
+            let _ = std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(0o700));
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::config::ConfigError;
 use crate::gpucheck::GpuCheckError;
 use crate::jobapi::JobApiError;
 use crate::lease::LeaseError;
+use crate::sandbox::user::UserError;
 
 /// Why a hook could not do its part. Each message says what to change; the underlying error,
 /// where there is one, is the [`source`](std::error::Error::source) (printed after a `: ` by
@@ -164,6 +165,35 @@ pub enum JobError {
     /// The Job API refused or failed the export.
     #[error("cannot export the job's slice through the Job API")]
     Export(#[source] JobApiError),
+    /// The job user cannot be used.
+    #[error(transparent)]
+    User(#[from] UserError),
+    /// The step would run its command as root without saying so.
+    #[error("the command would run as root ({user}); untrusted code must not: name an unprivileged `user`, or set `allow-root: true` if this step is trusted")]
+    RootRefused {
+        /// The `user` option as given.
+        user: String,
+    },
+    /// The sandbox needs root and the hooks do not have it.
+    #[error("the sandbox needs root (new mount namespaces, switching to the job user) and the hooks run as uid {uid}; run the agent as root, or set KERNELKITE_SANDBOX=off on this node to run commands as the agent's user without it")]
+    SandboxNeedsRoot {
+        /// The hooks' uid.
+        uid: u32,
+    },
+    /// The sandbox could not be set up for the command.
+    #[error("cannot start the command in its sandbox: {0}")]
+    Sandbox(String),
+    /// The checkout could not change hands.
+    #[error("cannot give the checkout {path} to uid {uid}")]
+    Checkout {
+        /// The checkout.
+        path: PathBuf,
+        /// The new owner.
+        uid: u32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// An error followed by its causes, `: `-separated, as the CLI prints it: for report lines and

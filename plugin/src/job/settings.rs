@@ -21,6 +21,13 @@ pub struct Settings {
     pub docker: PathBuf,
     /// The process standing for the job; found from the process tree when `None`.
     pub job_pid: Option<u32>,
+    /// Host mode runs the command in the sandbox (as the job user, in private namespaces);
+    /// off, it runs as the agent's user with the agent's view of the machine.
+    pub sandbox: bool,
+    /// Where the GPU device nodes the sandbox binds are found (`/dev`).
+    pub dev_root: PathBuf,
+    /// Further paths the sandbox hides from the job.
+    pub hide: Vec<PathBuf>,
 }
 
 impl Default for Settings {
@@ -33,6 +40,9 @@ impl Default for Settings {
             proc_root: "/proc".into(),
             docker: "docker".into(),
             job_pid: None,
+            sandbox: true,
+            dev_root: "/dev".into(),
+            hide: Vec::new(),
         }
     }
 }

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::{JobError, Settings};
 use crate::config::PluginConfig;
 use crate::process::ProcessId;
+use crate::sandbox::JobUser;
 
 /// What `environment` leaves for the job's later hooks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +41,25 @@ pub struct JobState {
     pub clocks_locked: bool,
     /// Variables exported to the job.
     pub exports: BTreeMap<String, String>,
+    /// Who the command runs as (host mode with the sandbox, docker mode); `None` when it runs
+    /// as the agent's user.
+    #[serde(default)]
+    pub job_user: Option<JobUser>,
+    /// The checkout and whose it is outside the command (the agent's user): `command` gives it
+    /// to the job user, `pre-exit` gives it back.
+    #[serde(default)]
+    pub checkout_owner: Option<CheckoutOwner>,
+}
+
+/// The checkout and the owner it returns to after the command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckoutOwner {
+    /// The checkout.
+    pub path: PathBuf,
+    /// Its owner's uid.
+    pub uid: u32,
+    /// Its owner's gid.
+    pub gid: u32,
 }
 
 /// The directory holding every job's state.
@@ -128,6 +148,8 @@ mod tests {
             cgroup_version: Some(2),
             clocks_locked: false,
             exports: [("K".to_string(), "v".to_string())].into(),
+            job_user: None,
+            checkout_owner: None,
         }
     }
 

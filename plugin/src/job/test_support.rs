@@ -100,6 +100,8 @@ pub fn fake_node() -> (tempfile::TempDir, Settings) {
         plan_file: Some(root.join("plan.json")),
         cgroup_root: root.join("cg"),
         job_pid: Some(std::process::id()),
+        // These tests are about the hooks' bookkeeping; the sandbox has its own.
+        sandbox: false,
         ..Settings::default()
     };
     (dir, settings)

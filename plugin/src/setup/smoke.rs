@@ -390,6 +390,25 @@ pub fn judge(
     out
 }
 
+/// Who the command ran as: never root (the sandbox runs it as the job user) unless the
+/// configuration says `allow-root`.
+pub fn judge_user(seen: &Seen, allow_root: bool) -> Check {
+    match seen.uid {
+        None => check("user", false, "the command did not say its uid".into()),
+        Some(0) if allow_root => check(
+            "user",
+            true,
+            "the command ran as root (allow-root: true in KERNELKITE_CONFIG)".into(),
+        ),
+        Some(0) => check(
+            "user",
+            false,
+            "the command ran as root: the sandbox is off (KERNELKITE_SANDBOX=off in the agents' environment?) or `user` names root; submissions must never run as root".into(),
+        ),
+        Some(uid) => check("user", true, format!("the command ran as uid {uid}, not root")),
+    }
+}
+
 /// What the smoke job is given.
 #[derive(Debug, Clone)]
 pub struct SmokeOptions {
@@ -476,7 +495,7 @@ fn plan_of(env: &BTreeMap<String, String>) -> Result<Plan, SetupError> {
 
 /// The agent-level configuration with a short lease wait: a slice a real job holds is
 /// reported, not waited for for minutes.
-fn smoke_config(env: &BTreeMap<String, String>) -> Result<(String, Mode), SetupError> {
+fn smoke_config(env: &BTreeMap<String, String>) -> Result<(String, Mode, bool), SetupError> {
     let text = env
         .get("KERNELKITE_CONFIG")
         .map(String::as_str)
@@ -493,7 +512,7 @@ fn smoke_config(env: &BTreeMap<String, String>) -> Result<(String, Mode), SetupE
         let wait = parsed.lease_wait_secs.min(LEASE_WAIT_SECS);
         map.insert("lease-wait".into(), Value::from(wait));
     }
-    Ok((value.to_string(), parsed.mode))
+    Ok((value.to_string(), parsed.mode, parsed.allow_root))
 }
 
 fn random_token() -> String {
@@ -511,6 +530,7 @@ pub fn run_slice(
     slice: &Slice,
     config: &str,
     mode: Mode,
+    allow_root: bool,
 ) -> Result<SliceReport, SetupError> {
     let job_id = format!("kernelkite-smoke-{}-{}", std::process::id(), slice.index);
     let dir = tempfile::Builder::new()
@@ -636,7 +656,18 @@ pub fn run_slice(
             format_cpu_list(&slice.cpus),
             format_bytes(slice.memory_bytes)
         ),
-        checks: judge(plan, slice, mode, &job_id, &results, &seen),
+        checks: {
+            let mut checks = judge(plan, slice, mode, &job_id, &results, &seen);
+            if command_out.is_some() {
+                // After the checks of where it ran, before the runner's and the clean-up.
+                let at = checks
+                    .iter()
+                    .position(|c| c.name == "runner" || c.name == "clean-up")
+                    .unwrap_or(checks.len());
+                checks.insert(at, judge_user(&seen, allow_root));
+            }
+            checks
+        },
     })
 }
 
@@ -652,7 +683,7 @@ pub fn run(opts: &SmokeOptions) -> Result<Vec<SliceReport>, SetupError> {
         }
     }
     let plan = plan_of(&opts.env)?;
-    let (config, mode) = smoke_config(&opts.env)?;
+    let (config, mode, allow_root) = smoke_config(&opts.env)?;
     let mut reports = Vec::new();
     for slice in &plan.slices {
         if opts
@@ -662,7 +693,7 @@ pub fn run(opts: &SmokeOptions) -> Result<Vec<SliceReport>, SetupError> {
         {
             continue;
         }
-        reports.push(run_slice(opts, &plan, slice, &config, mode)?);
+        reports.push(run_slice(opts, &plan, slice, &config, mode, allow_root)?);
     }
     if reports.is_empty() {
         return Err(SetupError::Invalid(
@@ -731,6 +762,24 @@ mod tests {
 
     fn failed(checks: &[Check]) -> Vec<&'static str> {
         checks.iter().filter(|c| !c.ok).map(|c| c.name).collect()
+    }
+
+    #[test]
+    fn a_command_that_ran_as_root_fails_the_user_check() {
+        let seen = |uid| Seen {
+            uid,
+            ..Seen::default()
+        };
+        assert!(judge_user(&seen(Some(997)), false).ok);
+        let root = judge_user(&seen(Some(0)), false);
+        assert!(!root.ok);
+        assert!(
+            root.detail.contains("KERNELKITE_SANDBOX=off"),
+            "{}",
+            root.detail
+        );
+        assert!(judge_user(&seen(Some(0)), true).ok);
+        assert!(!judge_user(&seen(None), false).ok);
     }
 
     #[test]
@@ -860,13 +909,19 @@ mod tests {
             "KERNELKITE_CONFIG".to_string(),
             r#"{"mode":"host","network":false}"#.to_string(),
         )]);
-        let (c, mode) = smoke_config(&env).unwrap();
+        let (c, mode, allow_root) = smoke_config(&env).unwrap();
         assert_eq!(mode, Mode::Host);
+        assert!(!allow_root);
         let v: Value = serde_json::from_str(&c).unwrap();
         assert_eq!(v["network"], false);
         assert_eq!(v["lease-wait"], LEASE_WAIT_SECS);
-        let (c, _) = smoke_config(&BTreeMap::new()).unwrap();
+        let (c, _, _) = smoke_config(&BTreeMap::new()).unwrap();
         assert_eq!(c, format!(r#"{{"lease-wait":{LEASE_WAIT_SECS}}}"#));
+        let root = BTreeMap::from([(
+            "KERNELKITE_CONFIG".to_string(),
+            r#"{"user":"root","allow-root":true}"#.to_string(),
+        )]);
+        assert!(smoke_config(&root).unwrap().2);
         let bad = BTreeMap::from([("KERNELKITE_CONFIG".to_string(), r#"{"gpu":1}"#.to_string())]);
         assert!(smoke_config(&bad).is_err());
     }

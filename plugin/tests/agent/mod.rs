@@ -192,6 +192,9 @@ pub struct Job {
     pub api: JobApiServer,
     pub install: Install,
     pub hooks_dir: PathBuf,
+    /// A program (and its arguments) each hook is run through, such as `nsenter` into a
+    /// namespace standing for the node; empty runs hooks directly.
+    pub wrapper: Vec<String>,
 }
 
 impl Drop for Job {
@@ -331,26 +334,45 @@ impl Agent {
             api,
             install,
             hooks_dir,
+            wrapper: Vec::new(),
         }
     }
 }
 
 impl Job {
+    /// Sets a variable of the job, as the pipeline's step `env` would (the Job API serves it
+    /// too, so it survives the agent re-reading the environment after a hook).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.insert(key.into(), value.into());
+        self.api
+            .env
+            .lock()
+            .unwrap()
+            .insert(key.into(), value.into());
+    }
+
     fn hook_command(&self, hook: &str, cwd: &Path) -> Command {
         let path = self.hooks_dir.join(hook);
-        let mut cmd = match self.install {
-            Install::AgentBinary => Command::new(&path),
+        let mut argv: Vec<std::ffi::OsString> = self.wrapper.iter().map(Into::into).collect();
+        match self.install {
+            Install::AgentBinary => argv.push(path.into()),
             Install::PluginShell => {
                 // The agent sources shell hooks in a wrapper and captures the environment after.
-                let mut c = Command::new("bash");
-                c.arg("-c")
-                    .arg(r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#)
-                    .arg("kernelkite-hook-wrapper")
-                    .arg(&path)
-                    .arg(self.env_capture_path(hook));
-                c
+                argv.extend(
+                    [
+                        "bash",
+                        "-c",
+                        r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#,
+                        "kernelkite-hook-wrapper",
+                    ]
+                    .map(Into::into),
+                );
+                argv.push(path.into());
+                argv.push(self.env_capture_path(hook).into());
             }
-        };
+        }
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]);
         cmd.env_clear().envs(&self.env).current_dir(cwd);
         cmd
     }
@@ -481,6 +503,9 @@ impl Node {
             "KERNELKITE_CGROUP_ROOT".into(),
             root.join("cgroot").display().to_string(),
         );
+        // A fake node tests the hooks' bookkeeping; the sandbox needs root and a real kernel
+        // and has its own tests (`hooks_sandbox_real`).
+        env.insert("KERNELKITE_SANDBOX".into(), "off".into());
         Node { dir, env }
     }
 

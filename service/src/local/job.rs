@@ -112,7 +112,13 @@ impl LocalExecutor {
             command: &command,
             build_env: &build_env,
         };
-        let env = hooks::hook_env(std::env::vars(), &job);
+        let mut env = hooks::hook_env(std::env::vars(), &job);
+        let sandbox = if self.settings.sandbox.on {
+            "on"
+        } else {
+            "off"
+        };
+        env.insert("KERNELKITE_SANDBOX".into(), sandbox.into());
 
         // environment: lease, cgroup, exports.
         let environment = self

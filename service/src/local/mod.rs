@@ -50,7 +50,7 @@ use crate::result::ResultJson;
 use crate::submission::{BuildInfo, Outcome};
 use jobdir::{JobDir, JobFile};
 pub use plan::PlannedSlice;
-pub use settings::{LocalArgs, LocalSettings};
+pub use settings::{LocalArgs, LocalSettings, SandboxChoice, SandboxDecision};
 use timing::Timings;
 
 /// Why local mode cannot start.
@@ -277,6 +277,15 @@ impl LocalExecutor {
                 self.wake.clone(),
                 slice.clone(),
             ));
+        }
+        match &self.settings.sandbox.why_off {
+            Some(why) => tracing::warn!("local executor: no sandbox: {why}"),
+            None if self.settings.sandbox.on => {
+                tracing::info!("local executor: commands run in the plugin's sandbox")
+            }
+            None => tracing::warn!(
+                "local executor: no sandbox (--sandbox off): commands run as this service's user"
+            ),
         }
         tracing::info!(
             slices = self.slices.len(),

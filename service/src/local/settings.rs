@@ -81,6 +81,95 @@ pub struct LocalArgs {
     /// running with a warning (sets the plugin's `allow-unenforced: false`).
     #[arg(long, env = "KERNELKITE_LOCAL_ENFORCE")]
     pub enforce: bool,
+
+    /// Run each command in the plugin's sandbox (as the unprivileged job user, in private
+    /// namespaces). `auto`: when this service runs as root and the job user (the plugin
+    /// configuration's `user`, default `kernelkite-job`) exists; else without it, with a
+    /// warning at start. `on`: always (a job fails with the reason where it cannot be used).
+    /// The job user must be able to reach the runner binary and the local dir.
+    #[arg(
+        long,
+        env = "KERNELKITE_LOCAL_SANDBOX",
+        value_enum,
+        default_value = "auto",
+        value_name = "WHEN"
+    )]
+    pub sandbox: SandboxChoice,
+}
+
+/// `--sandbox`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SandboxChoice {
+    /// On where it can work (root, the job user exists), else off with a warning.
+    #[default]
+    Auto,
+    /// Always on.
+    On,
+    /// Always off: commands run as this service's user.
+    Off,
+}
+
+/// Whether local jobs run in the sandbox, and why not when they do not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxDecision {
+    /// `KERNELKITE_SANDBOX` for the hooks.
+    pub on: bool,
+    /// Why it is off under `auto` (printed at start), `None` when on or chosen off.
+    pub why_off: Option<String>,
+}
+
+/// The job user the plugin configuration names (its `user` key, else the plugin's default).
+fn job_user(config: &serde_json::Map<String, serde_json::Value>) -> String {
+    match config.get("user") {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "kernelkite-job".into(),
+    }
+}
+
+/// Decides `--sandbox` for a service running as `euid` on a node whose `/etc/passwd` reads
+/// `passwd`. A numeric user (`"1500"`, `"1500:1500"`) needs no account.
+pub fn decide_sandbox(
+    choice: SandboxChoice,
+    euid: u32,
+    passwd: &str,
+    config: &serde_json::Map<String, serde_json::Value>,
+) -> SandboxDecision {
+    let off = |why: Option<String>| SandboxDecision {
+        on: false,
+        why_off: why,
+    };
+    match choice {
+        SandboxChoice::On => SandboxDecision {
+            on: true,
+            why_off: None,
+        },
+        SandboxChoice::Off => off(None),
+        SandboxChoice::Auto => {
+            let user = job_user(config);
+            let numeric = user
+                .split(':')
+                .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            let exists = numeric
+                || passwd
+                    .lines()
+                    .any(|l| l.split(':').next() == Some(user.as_str()));
+            if euid != 0 {
+                off(Some(format!(
+                    "the sandbox needs root and this service runs as uid {euid}: commands run as uid {euid}, unsandboxed (fine for your own code; run as root with --sandbox on for untrusted submissions)"
+                )))
+            } else if !exists {
+                off(Some(format!(
+                    "the job user {user:?} does not exist: commands run as root, unsandboxed; create it (`kernelkite-isolate setup`, or `useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {user}`) to run them in the sandbox"
+                )))
+            } else {
+                SandboxDecision {
+                    on: true,
+                    why_off: None,
+                }
+            }
+        }
+    }
 }
 
 /// [`LocalArgs`] resolved: every path known and checked.
@@ -102,6 +191,8 @@ pub struct LocalSettings {
     pub cgroup_root: PathBuf,
     /// The plugin configuration (a JSON object).
     pub plugin_config: serde_json::Map<String, serde_json::Value>,
+    /// Whether commands run in the plugin's sandbox.
+    pub sandbox: SandboxDecision,
 }
 
 impl LocalArgs {
@@ -139,7 +230,14 @@ impl LocalArgs {
         if self.enforce {
             plugin_config.insert("allow-unenforced".into(), serde_json::Value::Bool(false));
         }
+        let sandbox = decide_sandbox(
+            self.sandbox,
+            rustix::process::geteuid().as_raw(),
+            &std::fs::read_to_string("/etc/passwd").unwrap_or_default(),
+            &plugin_config,
+        );
         Ok(LocalSettings {
+            sandbox,
             bins,
             local_dir,
             run_dir,
@@ -218,5 +316,47 @@ mod tests {
         a.runner_bin = Some(d.path().join("missing"));
         let e = a.resolve(None, || Ok(d.path().join("tmp"))).unwrap_err();
         assert!(e.to_string().contains("not an executable file"), "{e}");
+    }
+
+    #[test]
+    fn the_sandbox_is_used_where_it_can_work_unless_chosen() {
+        let passwd = "root:x:0:0::/root:/bin/sh\nkernelkite-job:x:999:999::/:/usr/sbin/nologin\n";
+        let cfg = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let default = cfg(serde_json::json!({}));
+        let auto = |euid, passwd, c: &serde_json::Map<_, _>| {
+            decide_sandbox(SandboxChoice::Auto, euid, passwd, c)
+        };
+        assert!(auto(0, passwd, &default).on);
+        // Not root: off, saying why.
+        let d = auto(1000, passwd, &default);
+        assert!(!d.on);
+        assert!(d.why_off.unwrap().contains("needs root"));
+        // No job user: off, naming how to make one.
+        let d = auto(0, "root:x:0:0::/root:/bin/sh\n", &default);
+        assert!(!d.on);
+        let why = d.why_off.unwrap();
+        assert!(why.contains("\"kernelkite-job\" does not exist"), "{why}");
+        assert!(why.contains("useradd"), "{why}");
+        // The configured user is the one looked up; a number needs no account.
+        assert!(!auto(0, passwd, &cfg(serde_json::json!({"user": "alice"}))).on);
+        assert!(auto(0, "", &cfg(serde_json::json!({"user": "1500:1500"}))).on);
+        assert!(!auto(0, "", &cfg(serde_json::json!({"user": "15a"}))).on);
+        // Chosen: no second guessing, and no warning for off.
+        let on = decide_sandbox(SandboxChoice::On, 1000, "", &default);
+        assert_eq!(
+            on,
+            SandboxDecision {
+                on: true,
+                why_off: None
+            }
+        );
+        let off = decide_sandbox(SandboxChoice::Off, 0, passwd, &default);
+        assert_eq!(
+            off,
+            SandboxDecision {
+                on: false,
+                why_off: None
+            }
+        );
     }
 }

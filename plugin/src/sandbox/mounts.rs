@@ -1,0 +1,504 @@
+//! The job's private view of the machine, built in the command's child (as root, in a new mount
+//! namespace, before it drops privileges):
+//!
+//! 1. every mount made private (`MS_REC|MS_PRIVATE`): nothing done here reaches the host, and
+//!    nothing mounted on the host later appears in the job;
+//! 2. every cgroup mount (and the tmpfs holding v1's hierarchies) read-only;
+//! 3. layers, shallowest first: fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's
+//!    world-writable directories; gone with the namespace), an empty read-only tmpfs over each
+//!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back, writable,
+//!    over whatever hid it (its path is made inside the covering tmpfs first);
+//! 4. the checkout's `.git` read-only (and, being a mount point, impossible to rename away);
+//! 5. a private `/dev`: a read-only tmpfs holding `null`, `zero`, `full`, `random`, `urandom`,
+//!    `tty`, a new `devpts` instance with `ptmx`, a fresh `/dev/shm`, `mqueue` (in the new IPC
+//!    namespace) where the host has one, the `fd`/`stdin`/`stdout`/`stderr` links and the job's
+//!    GPU nodes, bound from the real ones (never `mknod`): other GPUs' nodes do not exist;
+//! 6. a new `/proc` that shows only the job user's processes (`hidepid`, Linux 5.8+, where it
+//!    is per mount);
+//! 7. the working directory entered again, so that it resolves through the new mounts.
+//!
+//! Sources are cloned (`open_tree`) before anything covers them. Only `rustix` system calls;
+//! the namespaces themselves are `kernelkite_sys::raw::unshare_namespaces`.
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags, CWD};
+use rustix::mount::{MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags};
+
+use super::spec::SandboxSpec;
+use super::SandboxError;
+
+/// The device nodes every job gets, from the host's `/dev`.
+pub const STANDARD_NODES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+/// Host directories anyone may write to, each replaced by a fresh tmpfs: what the job leaves
+/// there goes with its namespace.
+pub const FRESH_DIRS: &[&str] = &["/tmp", "/var/tmp", "/run/lock"];
+
+/// One mount of step 3.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layer {
+    /// A fresh, writable tmpfs of this size (`/tmp`).
+    Fresh(PathBuf, u64),
+    /// An empty read-only tmpfs (a hidden directory) or `/dev/null` (a hidden file).
+    Hidden(PathBuf),
+    /// A directory bound back, writable (the checkout).
+    Writable(PathBuf),
+}
+
+impl Layer {
+    /// Where the layer is mounted.
+    pub fn path(&self) -> &Path {
+        match self {
+            Layer::Fresh(p, _) | Layer::Hidden(p) | Layer::Writable(p) => p,
+        }
+    }
+}
+
+fn depth(p: &Path) -> usize {
+    p.components().count()
+}
+
+/// Step 3's mounts in the order they are made: shallowest first, covering layers before a
+/// writable one at the same depth, so that a layer never hides one made before it that it
+/// should not. Layers under `/dev` and `/proc` are dropped (both are replaced whole).
+pub fn order_layers(mut layers: Vec<Layer>) -> Vec<Layer> {
+    layers.retain(|l| !l.path().starts_with("/dev") && !l.path().starts_with("/proc"));
+    layers.sort_by_key(|l| (depth(l.path()), matches!(l, Layer::Writable(_))));
+    let mut out: Vec<Layer> = Vec::with_capacity(layers.len());
+    for l in layers {
+        if !out.contains(&l) {
+            out.push(l);
+        }
+    }
+    out
+}
+
+/// The directories to make inside a covering tmpfs at `cover` so that the writable paths
+/// under it can be mounted there: each one's path relative to `cover`, parents first.
+pub fn dirs_to_make(cover: &Path, writable: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for w in writable {
+        let Ok(rel) = w.strip_prefix(cover) else {
+            continue;
+        };
+        let mut acc = PathBuf::new();
+        for c in rel.components() {
+            acc.push(c);
+            if !out.contains(&acc) {
+                out.push(acc.clone());
+            }
+        }
+    }
+    out
+}
+
+/// What [`build`] made, for the job log.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Built {
+    /// Cgroup mounts (and v1's tmpfs) made read-only.
+    pub read_only_cgroups: Vec<PathBuf>,
+    /// Other paths made read-only (`.git`).
+    pub read_only: Vec<PathBuf>,
+    /// Fresh tmpfs mounts and their sizes, `/dev/shm` included.
+    pub fresh: Vec<(PathBuf, u64)>,
+    /// Hidden paths.
+    pub hidden: Vec<PathBuf>,
+    /// Writable paths bound back.
+    pub writable: Vec<PathBuf>,
+    /// Device nodes under the private `/dev` (GPU nodes first).
+    pub devices: Vec<PathBuf>,
+    /// `/proc` shows only the job user's processes.
+    pub private_proc: bool,
+}
+
+fn step(what: &'static str, path: &Path) -> impl FnOnce(rustix::io::Errno) -> SandboxError {
+    let path = path.to_path_buf();
+    move |e| SandboxError::Step {
+        what,
+        path,
+        source: e.into(),
+    }
+}
+
+fn io_step(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let path = path.to_path_buf();
+    move |source| SandboxError::Step { what, path, source }
+}
+
+/// A detached copy of the mount tree at `path` (recursive), to be attached elsewhere later.
+fn clone_tree(path: &Path) -> Result<OwnedFd, SandboxError> {
+    rustix::mount::open_tree(
+        CWD,
+        path,
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_RECURSIVE,
+    )
+    .map_err(step("clone the mount of", path))
+}
+
+/// Attaches a detached copy at `target`.
+fn attach(tree: &OwnedFd, target: &Path) -> Result<(), SandboxError> {
+    rustix::mount::move_mount(
+        tree,
+        "",
+        CWD,
+        target,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(step("mount onto", target))
+}
+
+fn tmpfs(target: &Path, flags: MountFlags, options: &str) -> Result<(), SandboxError> {
+    let data = std::ffi::CString::new(options).map_err(|e| SandboxError::Step {
+        what: "mount a tmpfs on",
+        path: target.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    rustix::mount::mount("tmpfs", target, "tmpfs", flags, data.as_c_str())
+        .map_err(step("mount a tmpfs on", target))
+}
+
+/// Makes an existing mount read-only, keeping its other flags (`nosuid`, `noexec`, ...).
+fn bind_read_only(target: &Path) -> Result<(), SandboxError> {
+    use rustix::fs::StatVfsMountFlags as V;
+    let st = rustix::fs::statvfs(target).map_err(step("inspect the mount", target))?;
+    let mut flags = MountFlags::BIND | MountFlags::RDONLY;
+    for (v, m) in [
+        (V::NOSUID, MountFlags::NOSUID),
+        (V::NODEV, MountFlags::NODEV),
+        (V::NOEXEC, MountFlags::NOEXEC),
+        (V::NOATIME, MountFlags::NOATIME),
+        (V::NODIRATIME, MountFlags::NODIRATIME),
+        (V::RELATIME, MountFlags::RELATIME),
+    ] {
+        if st.f_flag.contains(v) {
+            flags |= m;
+        }
+    }
+    rustix::mount::mount_remount(target, flags, "").map_err(step("make read-only", target))
+}
+
+fn mkdir_p(base: &Path, rel: &[PathBuf]) -> Result<(), SandboxError> {
+    for r in rel {
+        let p = base.join(r);
+        match rustix::fs::mkdir(&p, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(step("make the directory", &p)(e)),
+        }
+    }
+    Ok(())
+}
+
+/// An empty file to mount a device node on.
+fn touch(path: &Path) -> Result<(), SandboxError> {
+    rustix::fs::open(
+        path,
+        OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map(drop)
+    .map_err(step("make the mount point", path))
+}
+
+/// Whether this kernel keeps `/proc` options per mount (5.8+): before that, a `hidepid` given
+/// to a new mount would change the host's `/proc` too.
+fn proc_options_are_per_mount() -> bool {
+    let uname = rustix::system::uname();
+    let release = uname.release().to_string_lossy();
+    let mut nums = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok());
+    matches!((nums.next(), nums.next()), (Some(major), Some(minor)) if (major, minor) >= (5, 8))
+}
+
+/// Cgroup file systems and v1's tmpfs at `/sys/fs/cgroup`, from this namespace's mountinfo.
+fn cgroup_mounts() -> Result<Vec<PathBuf>, SandboxError> {
+    let path = Path::new("/proc/self/mountinfo");
+    let text = std::fs::read_to_string(path).map_err(io_step("read", path))?;
+    let mut out: Vec<PathBuf> = crate::mountinfo::parse_mountinfo(&text)
+        .into_iter()
+        .filter(|m| {
+            m.fs_type == "cgroup"
+                || m.fs_type == "cgroup2"
+                || (m.fs_type == "tmpfs" && m.mount_point == "/sys/fs/cgroup")
+        })
+        .map(|m| PathBuf::from(m.mount_point))
+        .collect();
+    out.dedup();
+    Ok(out)
+}
+
+/// A path's real location (links resolved), when it exists.
+fn real(path: &Path) -> Option<PathBuf> {
+    std::fs::canonicalize(path).ok()
+}
+
+/// Builds the job's view (see the module's documentation). The caller has already entered new
+/// mount and IPC (and, when asked, network) namespaces.
+pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
+    let mut built = Built::default();
+    let root = Path::new("/");
+    rustix::mount::mount_change(
+        root,
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(step("make every mount private under", root))?;
+
+    // Everything to be attached later is cloned before anything covers it.
+    let writable: Vec<(PathBuf, OwnedFd)> = spec
+        .writable
+        .iter()
+        .filter_map(|p| real(p))
+        .map(|p| clone_tree(&p).map(|fd| (p, fd)))
+        .collect::<Result<_, _>>()?;
+    let hide: Vec<(PathBuf, bool)> = spec
+        .hide
+        .iter()
+        .filter_map(|p| real(p))
+        .filter(|p| super::spec::hideable(p))
+        .filter_map(|p| {
+            let is_dir = std::fs::metadata(&p).ok()?.is_dir();
+            Some((p, is_dir))
+        })
+        .collect();
+    let mut null_copies: Vec<OwnedFd> = hide
+        .iter()
+        .filter(|(_, dir)| !dir)
+        .map(|_| clone_tree(Path::new("/dev/null")))
+        .collect::<Result<_, _>>()?;
+    let dev = Path::new("/dev");
+    let mut nodes: Vec<(PathBuf, OwnedFd, bool)> = Vec::new();
+    for d in &spec.devices {
+        let is_dir = std::fs::metadata(&d.source).is_ok_and(|m| m.is_dir());
+        nodes.push((d.target.clone(), clone_tree(&d.source)?, is_dir));
+    }
+    for n in STANDARD_NODES {
+        let source = dev.join(n);
+        if source.exists() {
+            nodes.push((PathBuf::from(n), clone_tree(&source)?, false));
+        }
+    }
+    let host_pts = clone_tree(&dev.join("pts")).ok();
+    let host_ptmx = clone_tree(&dev.join("ptmx")).ok();
+    let mqueue = dev.join("mqueue").is_dir();
+
+    for mp in cgroup_mounts()? {
+        bind_read_only(&mp)?;
+        built.read_only_cgroups.push(mp);
+    }
+
+    // Step 3.
+    let mut layers: Vec<Layer> = FRESH_DIRS
+        .iter()
+        .map(Path::new)
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+        .map(|p| {
+            let size = if p == Path::new("/run/lock") {
+                spec.tmp_size.min(16 << 20)
+            } else {
+                spec.tmp_size
+            };
+            Layer::Fresh(p.to_path_buf(), size)
+        })
+        .collect();
+    layers.extend(hide.iter().map(|(p, _)| Layer::Hidden(p.clone())));
+    layers.extend(writable.iter().map(|(p, _)| Layer::Writable(p.clone())));
+    let writable_paths: Vec<PathBuf> = writable.iter().map(|(p, _)| p.clone()).collect();
+    for layer in order_layers(layers) {
+        match &layer {
+            Layer::Fresh(p, size) => {
+                tmpfs(
+                    p,
+                    MountFlags::NOSUID | MountFlags::NODEV,
+                    &format!("size={size},mode=1777"),
+                )?;
+                mkdir_p(p, &dirs_to_make(p, &writable_paths))?;
+                built.fresh.push((p.clone(), *size));
+            }
+            Layer::Hidden(p) => {
+                // A layer made before may have covered it (a hidden path under /tmp).
+                let Ok(meta) = std::fs::metadata(p) else {
+                    continue;
+                };
+                if meta.is_dir() {
+                    let inner = dirs_to_make(p, &writable_paths);
+                    let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+                    tmpfs(p, flags, "size=64k,mode=755")?;
+                    mkdir_p(p, &inner)?;
+                    rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
+                        .map_err(step("make read-only", p))?;
+                } else {
+                    let Some(null) = null_copies.pop() else {
+                        continue;
+                    };
+                    attach(&null, p)?;
+                }
+                built.hidden.push(p.clone());
+            }
+            Layer::Writable(p) => {
+                if let Some((_, tree)) = writable.iter().find(|(w, _)| w == p) {
+                    attach(tree, p)?;
+                    built.writable.push(p.clone());
+                }
+            }
+        }
+    }
+
+    // Step 4.
+    for p in spec.read_only.iter().filter_map(|p| real(p)) {
+        rustix::mount::mount_bind(&p, &p).map_err(step("bind", &p))?;
+        bind_read_only(&p)?;
+        built.read_only.push(p);
+    }
+
+    // Step 5.
+    tmpfs(
+        dev,
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "size=1m,nr_inodes=4096,mode=755",
+    )?;
+    for (target, tree, is_dir) in &nodes {
+        let at = dev.join(target);
+        if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
+            mkdir_p(dev, &[parent.to_path_buf()])?;
+        }
+        if *is_dir {
+            mkdir_p(dev, std::slice::from_ref(target))?;
+        } else {
+            touch(&at)?;
+        }
+        attach(tree, &at)?;
+        built.devices.push(at);
+    }
+    let pts = dev.join("pts");
+    mkdir_p(dev, &[PathBuf::from("pts")])?;
+    let new_pts = rustix::mount::mount(
+        "devpts",
+        &pts,
+        "devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        c"newinstance,ptmxmode=0666,mode=0620",
+    );
+    match (new_pts, &host_pts, &host_ptmx) {
+        (Ok(()), _, _) => {
+            rustix::fs::symlink("pts/ptmx", dev.join("ptmx"))
+                .map_err(step("link", &dev.join("ptmx")))?;
+        }
+        // A kernel without multiple devpts instances: the host's, as it is.
+        (Err(_), Some(host_pts), Some(host_ptmx)) => {
+            attach(host_pts, &pts)?;
+            touch(&dev.join("ptmx"))?;
+            attach(host_ptmx, &dev.join("ptmx"))?;
+        }
+        (Err(e), _, _) => return Err(step("mount a devpts instance on", &pts)(e)),
+    }
+    let shm = dev.join("shm");
+    mkdir_p(dev, &[PathBuf::from("shm")])?;
+    tmpfs(
+        &shm,
+        MountFlags::NOSUID | MountFlags::NODEV,
+        &format!("size={},mode=1777", spec.shm_size),
+    )?;
+    built.fresh.push((shm, spec.shm_size));
+    if mqueue {
+        let mq = dev.join("mqueue");
+        mkdir_p(dev, &[PathBuf::from("mqueue")])?;
+        rustix::mount::mount(
+            "mqueue",
+            &mq,
+            "mqueue",
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+            None,
+        )
+        .map_err(step("mount mqueue on", &mq))?;
+    }
+    for (name, to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        rustix::fs::symlink(to, dev.join(name)).map_err(step("link", &dev.join(name)))?;
+    }
+    rustix::mount::mount_remount(
+        dev,
+        MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NOEXEC,
+        "",
+    )
+    .map_err(step("make read-only", dev))?;
+
+    // Step 6.
+    if proc_options_are_per_mount() {
+        let proc = Path::new("/proc");
+        rustix::mount::mount(
+            "proc",
+            proc,
+            "proc",
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+            c"hidepid=invisible",
+        )
+        .map_err(step("mount a private /proc on", proc))?;
+        built.private_proc = true;
+    }
+
+    // Step 7.
+    rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
+    Ok(built)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> PathBuf {
+        PathBuf::from(s)
+    }
+
+    #[test]
+    fn layers_go_shallowest_first_and_cover_before_binding_back() {
+        let ordered = order_layers(vec![
+            Layer::Writable(p("/builds/a/org/pipe")),
+            Layer::Hidden(p("/builds/a/org/pipe/.sockets")),
+            Layer::Hidden(p("/builds")),
+            Layer::Fresh(p("/tmp"), 1),
+            Layer::Hidden(p("/tmp/kk/run")),
+            Layer::Hidden(p("/dev/shm/x")),
+            Layer::Hidden(p("/builds")),
+            Layer::Writable(p("/srv")),
+            Layer::Hidden(p("/srv")),
+        ]);
+        let paths: Vec<&str> = ordered.iter().filter_map(|l| l.path().to_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/builds",
+                "/tmp",
+                "/srv",
+                "/srv",
+                "/tmp/kk/run",
+                "/builds/a/org/pipe",
+                "/builds/a/org/pipe/.sockets"
+            ]
+        );
+        // At one depth the covering layer goes first.
+        assert!(matches!(ordered[2], Layer::Hidden(_)));
+        assert!(matches!(ordered[3], Layer::Writable(_)));
+    }
+
+    #[test]
+    fn the_path_to_a_writable_directory_is_made_inside_its_cover() {
+        let w = vec![p("/builds/a/org/pipe"), p("/builds/a/other"), p("/srv/x")];
+        assert_eq!(
+            dirs_to_make(Path::new("/builds"), &w),
+            [p("a"), p("a/org"), p("a/org/pipe"), p("a/other")]
+        );
+        assert!(dirs_to_make(Path::new("/tmp"), &w).is_empty());
+        assert_eq!(
+            dirs_to_make(Path::new("/builds/a/org/pipe"), &w),
+            [] as [PathBuf; 0]
+        );
+    }
+}

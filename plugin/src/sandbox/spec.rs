@@ -1,0 +1,435 @@
+//! What the sandbox is to build, decided by the `command` hook from the job's state, the node
+//! settings and the agent's variables, before it forks the command's child.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
+
+use kernelkite_topology::cpulist::format_cpu_list;
+use kernelkite_topology::plan::{Slice, Vendor};
+
+use super::user::JobUser;
+use crate::docker;
+
+/// A device node of the job's GPU(s): bound from `source` (the real node) to `/dev/<target>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceNode {
+    /// The node on the host (`/dev/nvidia3`, or a directory such as `/dev/nvidia-caps`).
+    pub source: PathBuf,
+    /// Where it appears under the private `/dev` (`nvidia3`, `dri/renderD130`).
+    pub target: PathBuf,
+}
+
+/// The job's limits as the job log states them (the cgroup enforces them; the sandbox only
+/// reports them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LimitsNote {
+    /// Memory limit in bytes.
+    pub memory_bytes: u64,
+    /// Most tasks.
+    pub pids: u32,
+    /// The cgroup version holding the job, `None` when unenforced.
+    pub cgroup: Option<u8>,
+}
+
+/// Everything the sandbox does before the command runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxSpec {
+    /// Who the command runs as.
+    pub user: JobUser,
+    /// Supplementary groups the command keeps: the groups owning GPU device nodes that are
+    /// not open to everyone (AMD's `render`/`video`); none otherwise.
+    pub groups: Vec<u32>,
+    /// The command's working directory (the checkout), entered again once the view is built.
+    pub cwd: PathBuf,
+    /// A network namespace with only loopback.
+    pub isolate_network: bool,
+    /// Size of the private `/tmp` (and `/var/tmp`), bytes.
+    pub tmp_size: u64,
+    /// Size of the private `/dev/shm`, bytes.
+    pub shm_size: u64,
+    /// The job's GPU device nodes (and the driver's shared ones).
+    pub devices: Vec<DeviceNode>,
+    /// Paths the job must not reach: directories are covered by an empty read-only tmpfs,
+    /// files and sockets by `/dev/null`.
+    pub hide: Vec<PathBuf>,
+    /// Directories bound back, writable, over whatever hides them: the checkout.
+    pub writable: Vec<PathBuf>,
+    /// Paths made read-only inside the view: the checkout's `.git`.
+    pub read_only: Vec<PathBuf>,
+    /// What the job log says about the limits.
+    pub limits: LimitsNote,
+}
+
+/// Top-level directories the system needs: a setting that would hide one of them (say an
+/// agent whose config lives directly in `/etc`) hides nothing instead.
+const NEVER_HIDDEN: &[&str] = &[
+    "bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys",
+    "tmp", "usr", "var",
+];
+
+/// Whether a path may be hidden: absolute, normalised, and not `/` or a system directory.
+pub fn hideable(path: &Path) -> bool {
+    let parts: Vec<&std::ffi::OsStr> = match path
+        .components()
+        .map(|c| match c {
+            Component::RootDir => Ok(None),
+            Component::Normal(n) => Ok(Some(n)),
+            _ => Err(()),
+        })
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(p) if path.is_absolute() => p.into_iter().flatten().collect(),
+        _ => return false,
+    };
+    match parts.as_slice() {
+        [] => false,
+        [top] => !NEVER_HIDDEN.iter().any(|n| top.to_str() == Some(n)),
+        _ => true,
+    }
+}
+
+/// What the job must not reach, from the agent's variables and the node settings: the run dir
+/// (leases, job state), the Job API socket's directory (every job's socket), the builds root
+/// (other jobs' checkouts; the job's own is bound back), the agent's configuration file (its
+/// token), hooks and plugins directories, and `extra`. Paths that are not [`hideable`], the
+/// checkout itself and duplicates are dropped.
+pub fn hidden_paths(
+    env: &BTreeMap<String, String>,
+    run_dir: &Path,
+    checkout: Option<&Path>,
+    extra: &[PathBuf],
+) -> Vec<PathBuf> {
+    let var = |k: &str| {
+        env.get(k)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let mut out: Vec<PathBuf> = vec![run_dir.to_path_buf()];
+    if let Some(socket) = var("BUILDKITE_AGENT_JOB_API_SOCKET") {
+        out.extend(socket.parent().map(Path::to_path_buf));
+    }
+    // The builds root holds every job's checkout; without the variable, the checkout's parent
+    // (the pipeline's directory, beside other pipelines' checkouts) is the most that is known.
+    match (var("BUILDKITE_BUILD_PATH"), checkout) {
+        (Some(builds), _) => out.push(builds),
+        (None, Some(c)) => out.extend(c.parent().map(Path::to_path_buf)),
+        (None, None) => {}
+    }
+    for k in [
+        "BUILDKITE_CONFIG_PATH",
+        "BUILDKITE_HOOKS_PATH",
+        "BUILDKITE_PLUGINS_PATH",
+    ] {
+        out.extend(var(k));
+    }
+    out.extend(extra.iter().cloned());
+    let mut kept: Vec<PathBuf> = Vec::new();
+    for p in out {
+        if hideable(&p) && Some(p.as_path()) != checkout && !kept.contains(&p) {
+            kept.push(p);
+        }
+    }
+    kept
+}
+
+/// Device nodes of a slice's GPUs under `dev_root` (the host's `/dev`, or a test's tree):
+/// NVIDIA `nvidia<minor>` (minor from the driver's `/proc/driver/nvidia/gpus/<bdf>/information`
+/// under `sysfs_root`) plus the driver's shared nodes (`nvidiactl`, `nvidia-uvm`,
+/// `nvidia-uvm-tools`, `nvidia-modeset`, `nvidia-caps/`); AMD `kfd` plus `dri/card<n>` and
+/// `dri/renderD<n>` of each GPU (from its sysfs `drm` directory). Only nodes that exist are
+/// listed; other GPUs' nodes never are.
+pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Vec<DeviceNode> {
+    let mut out: Vec<DeviceNode> = Vec::new();
+    let mut add = |target: PathBuf| {
+        let source = dev_root.join(&target);
+        if std::fs::symlink_metadata(&source).is_ok() && !out.iter().any(|d| d.target == target) {
+            out.push(DeviceNode { source, target });
+        }
+    };
+    let gpus = docker::slice_gpus(slice);
+    for g in &gpus {
+        match g.vendor {
+            Vendor::Nvidia => {
+                let info = sysfs_root
+                    .join("proc/driver/nvidia/gpus")
+                    .join(&g.pci_bus_id)
+                    .join("information");
+                let minor: Option<u32> = std::fs::read_to_string(info).ok().and_then(|t| {
+                    t.lines()
+                        .find_map(|l| l.strip_prefix("Device Minor:")?.trim().parse().ok())
+                });
+                if let Some(m) = minor {
+                    add(PathBuf::from(format!("nvidia{m}")));
+                }
+            }
+            Vendor::Amd => {
+                let drm = sysfs_root
+                    .join("sys/bus/pci/devices")
+                    .join(&g.pci_bus_id)
+                    .join("drm");
+                let mut names: Vec<String> = std::fs::read_dir(drm)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter(|n| n.starts_with("card") || n.starts_with("renderD"))
+                    .collect();
+                names.sort();
+                for n in names {
+                    add(Path::new("dri").join(n));
+                }
+            }
+        }
+    }
+    if gpus.iter().any(|g| g.vendor == Vendor::Nvidia) {
+        for shared in [
+            "nvidiactl",
+            "nvidia-uvm",
+            "nvidia-uvm-tools",
+            "nvidia-modeset",
+            "nvidia-caps",
+        ] {
+            add(PathBuf::from(shared));
+        }
+    }
+    if gpus.iter().any(|g| g.vendor == Vendor::Amd) {
+        add(PathBuf::from("kfd"));
+    }
+    out.sort_by(|a, b| a.target.cmp(&b.target));
+    out
+}
+
+/// The groups the job needs to open `devices`: for each node that others may not read and
+/// write but its group may, that group (AMD's `render` or `video`); NVIDIA's nodes are usually
+/// `0666` and need none.
+pub fn device_groups(devices: &[DeviceNode]) -> Vec<u32> {
+    let mut out: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| std::fs::metadata(&d.source).ok())
+        .filter(|m| m.mode() & 0o006 != 0o006 && m.mode() & 0o060 == 0o060)
+        .map(|m| m.gid())
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// A size for the private `/tmp` or `/dev/shm`: the step's, else the job's memory limit (the
+/// pages are charged to the job's memory cgroup either way, so a larger size could not be
+/// used; the environment hook refuses a step's size above the limit).
+pub fn tmpfs_size(asked: Option<u64>, memory_bytes: u64) -> u64 {
+    asked.unwrap_or(memory_bytes).min(memory_bytes).max(1 << 20)
+}
+
+/// A one-line description of a size: `64 MiB`, `230 GiB`.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: &[(&str, u32)] = &[("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
+    for (unit, shift) in UNITS {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{} {unit}", bytes >> shift);
+        }
+    }
+    for (unit, shift) in UNITS {
+        if bytes >= 1 << shift {
+            return format!("{:.1} {unit}", bytes as f64 / (1u64 << shift) as f64);
+        }
+    }
+    format!("{bytes} B")
+}
+
+/// The slice's CPUs and memory nodes as the log states them.
+pub fn slice_note(slice: &Slice) -> String {
+    format!(
+        "CPUs {} ({} CPU{}), memory nodes {}",
+        format_cpu_list(&slice.cpus),
+        slice.cpus.len(),
+        if slice.cpus.len() == 1 { "" } else { "s" },
+        format_cpu_list(&slice.mems)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernelkite_topology::plan::SliceGpu;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn system_directories_are_never_hidden() {
+        for p in ["/", "/etc", "/usr", "/var", "/tmp", "relative", "/a/../etc"] {
+            assert!(!hideable(Path::new(p)), "{p}");
+        }
+        for p in [
+            "/builds",
+            "/run/kernelkite",
+            "/etc/buildkite-agent",
+            "/var/lib/x",
+        ] {
+            assert!(hideable(Path::new(p)), "{p}");
+        }
+    }
+
+    #[test]
+    fn what_the_agent_knows_is_hidden_and_the_checkout_is_not() {
+        let e = env(&[
+            (
+                "BUILDKITE_AGENT_JOB_API_SOCKET",
+                "/var/lib/bk/sockets/job-api/1.sock",
+            ),
+            ("BUILDKITE_BUILD_PATH", "/var/lib/bk/builds"),
+            (
+                "BUILDKITE_CONFIG_PATH",
+                "/etc/buildkite-agent/buildkite-agent.cfg",
+            ),
+            ("BUILDKITE_HOOKS_PATH", "/etc/buildkite-agent/hooks"),
+            ("BUILDKITE_PLUGINS_PATH", ""),
+        ]);
+        let checkout = Path::new("/var/lib/bk/builds/a/org/p");
+        let h = hidden_paths(
+            &e,
+            Path::new("/run/kernelkite"),
+            Some(checkout),
+            &[
+                PathBuf::from("/etc"),
+                PathBuf::from("/srv/secrets"),
+                checkout.into(),
+            ],
+        );
+        let h: Vec<&str> = h.iter().filter_map(|p| p.to_str()).collect();
+        assert_eq!(
+            h,
+            [
+                "/run/kernelkite",
+                "/var/lib/bk/sockets/job-api",
+                "/var/lib/bk/builds",
+                "/etc/buildkite-agent/buildkite-agent.cfg",
+                "/etc/buildkite-agent/hooks",
+                "/srv/secrets",
+            ]
+        );
+        // Without BUILDKITE_BUILD_PATH the checkout's parent stands in.
+        let h = hidden_paths(&env(&[]), Path::new("/run/kk"), Some(checkout), &[]);
+        assert_eq!(
+            h,
+            [
+                PathBuf::from("/run/kk"),
+                PathBuf::from("/var/lib/bk/builds/a/org")
+            ]
+        );
+    }
+
+    fn slice(gpus: Vec<SliceGpu>) -> Slice {
+        let mut g = gpus.into_iter();
+        Slice {
+            index: 0,
+            gpu: g.next(),
+            extra_gpus: g.collect(),
+            cpus: vec![1, 2],
+            mems: vec![0],
+            memory_bytes: 64 << 20,
+        }
+    }
+
+    #[test]
+    fn only_the_job_s_gpu_nodes_and_the_shared_ones_are_listed() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let dev = r.join("dev");
+        std::fs::create_dir_all(dev.join("dri")).unwrap();
+        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for n in [
+            "nvidia0",
+            "nvidia1",
+            "nvidiactl",
+            "nvidia-uvm",
+            "kfd",
+            "dri/card1",
+            "dri/renderD129",
+            "dri/card2",
+            "dri/renderD130",
+        ] {
+            std::fs::write(dev.join(n), "").unwrap();
+        }
+        for (bus, minor) in [("0000:18:00.0", 0), ("0000:2a:00.0", 1)] {
+            let d = r.join("proc/driver/nvidia/gpus").join(bus);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("information"), format!("Device Minor: \t {minor}\n")).unwrap();
+        }
+        for (bus, n) in [("0000:0c:00.0", 1), ("0000:0d:00.0", 2)] {
+            let d = r.join("sys/bus/pci/devices").join(bus).join("drm");
+            std::fs::create_dir_all(d.join(format!("card{n}"))).unwrap();
+            std::fs::create_dir_all(d.join(format!("renderD{}", 128 + n))).unwrap();
+        }
+        let nv = SliceGpu {
+            vendor: Vendor::Nvidia,
+            pci_bus_id: "0000:2a:00.0".into(),
+            uuid: None,
+            numa_node: Some(0),
+        };
+        let targets = |s: &Slice| -> Vec<String> {
+            gpu_device_nodes(r, &dev, s)
+                .iter()
+                .map(|d| d.target.display().to_string())
+                .collect()
+        };
+        assert_eq!(
+            targets(&slice(vec![nv.clone()])),
+            ["nvidia-caps", "nvidia-uvm", "nvidia1", "nvidiactl"]
+        );
+        let amd = SliceGpu {
+            vendor: Vendor::Amd,
+            pci_bus_id: "0000:0d:00.0".into(),
+            ..nv
+        };
+        assert_eq!(
+            targets(&slice(vec![amd])),
+            ["dri/card2", "dri/renderD130", "kfd"]
+        );
+        let nodes = gpu_device_nodes(r, &dev, &slice(vec![]));
+        assert!(nodes.is_empty());
+    }
+
+    #[test]
+    fn a_group_is_kept_only_for_nodes_closed_to_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = |name: &str, mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, "").unwrap();
+            std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .unwrap();
+            DeviceNode {
+                source: p,
+                target: name.into(),
+            }
+        };
+        let open = node("nvidia0", 0o666);
+        let render = node("renderD128", 0o660);
+        let gid = std::fs::metadata(&render.source).unwrap().gid();
+        assert!(device_groups(std::slice::from_ref(&open)).is_empty());
+        assert_eq!(device_groups(&[open, render.clone(), render]), vec![gid]);
+    }
+
+    #[test]
+    fn sizes_stay_within_the_memory_limit_and_read_well() {
+        assert_eq!(tmpfs_size(None, 64 << 20), 64 << 20);
+        assert_eq!(tmpfs_size(Some(8 << 30), 64 << 20), 64 << 20);
+        assert_eq!(tmpfs_size(Some(16 << 20), 64 << 20), 16 << 20);
+        assert_eq!(human_size(64 << 20), "64 MiB");
+        assert_eq!(human_size(230 << 30), "230 GiB");
+        assert_eq!(human_size(1536 << 20), "1536 MiB");
+        assert_eq!(human_size((1 << 30) + 1), "1.0 GiB");
+        assert_eq!(human_size(12), "12 B");
+        assert_eq!(
+            slice_note(&slice(vec![])),
+            "CPUs 1-2 (2 CPUs), memory nodes 0"
+        );
+    }
+}

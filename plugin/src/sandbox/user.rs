@@ -1,0 +1,155 @@
+//! Who the command runs as: the plugin's `user` option (a name, a uid or `uid:gid`) looked up
+//! in `<root>/etc/passwd`.
+//!
+//! Read from the file rather than through NSS (`getpwnam`): the job user is a local system
+//! account node set-up creates (`kernelkite-isolate setup`, `useradd --system`), the lookup runs
+//! in a hook that must not load NSS modules, and tests point the root at a fixture. An account
+//! that lives only in a directory service can still be named by number (`user: "1500:1500"`).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::DEFAULT_JOB_USER;
+
+/// The account the command runs as.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobUser {
+    /// The user name (`uid N` when named by a number `/etc/passwd` does not list).
+    pub name: String,
+    /// Its uid.
+    pub uid: u32,
+    /// Its primary gid.
+    pub gid: u32,
+}
+
+impl JobUser {
+    /// Whether this is root.
+    pub fn is_root(&self) -> bool {
+        self.uid == 0
+    }
+}
+
+/// Why the job user cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UserError {
+    /// The default job user has not been created on this node.
+    #[error("the job user {DEFAULT_JOB_USER:?} does not exist on this node; create it with `kernelkite-isolate setup` (or `useradd --system --no-create-home --shell /usr/sbin/nologin {DEFAULT_JOB_USER}`)")]
+    MissingDefault,
+    /// A user the step names does not exist.
+    #[error("the job user {name:?} (plugin option `user`) does not exist on this node; create it (`useradd --system --no-create-home --shell /usr/sbin/nologin {name}`) or name one that does")]
+    Missing {
+        /// The name asked for.
+        name: String,
+    },
+    /// `/etc/passwd` cannot be read.
+    #[error("cannot read {path} to look up the job user")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One `/etc/passwd` entry: (name, uid, gid).
+fn entries(passwd: &str) -> impl Iterator<Item = (&str, u32, u32)> {
+    passwd.lines().filter_map(|line| {
+        let mut f = line.split(':');
+        let name = f.next()?;
+        let _password = f.next()?;
+        let uid = f.next()?.parse().ok()?;
+        let gid = f.next()?.parse().ok()?;
+        Some((name, uid, gid))
+    })
+}
+
+/// Looks `user` up in a `/etc/passwd` text: a name, a uid (its primary group from the file,
+/// else the same number) or `uid:gid` (as given).
+pub fn lookup(passwd: &str, user: &str) -> Result<JobUser, UserError> {
+    let numeric = |s: &str| s.parse::<u32>().ok();
+    let by_uid = |uid: u32| entries(passwd).find(|e| e.1 == uid);
+    let name_of = |uid: u32| by_uid(uid).map_or_else(|| format!("uid {uid}"), |e| e.0.to_string());
+    if let Some((uid, gid)) = user.split_once(':') {
+        if let (Some(uid), Some(gid)) = (numeric(uid), numeric(gid)) {
+            return Ok(JobUser {
+                name: name_of(uid),
+                uid,
+                gid,
+            });
+        }
+    }
+    if let Some(uid) = numeric(user) {
+        let gid = by_uid(uid).map_or(uid, |e| e.2);
+        return Ok(JobUser {
+            name: name_of(uid),
+            uid,
+            gid,
+        });
+    }
+    match entries(passwd).find(|e| e.0 == user) {
+        Some((name, uid, gid)) => Ok(JobUser {
+            name: name.to_string(),
+            uid,
+            gid,
+        }),
+        None if user == DEFAULT_JOB_USER => Err(UserError::MissingDefault),
+        None => Err(UserError::Missing {
+            name: user.to_string(),
+        }),
+    }
+}
+
+/// Resolves `user` against `<etc_root>/etc/passwd`.
+pub fn resolve(etc_root: &Path, user: &str) -> Result<JobUser, UserError> {
+    let path = etc_root.join("etc/passwd");
+    let text = std::fs::read_to_string(&path).map_err(|source| UserError::Read { path, source })?;
+    lookup(&text, user)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PASSWD: &str = "\
+root:x:0:0:root:/root:/bin/bash
+daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin
+kernelkite-job:x:998:997::/nonexistent:/usr/sbin/nologin
+broken line
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+";
+
+    #[test]
+    fn names_uids_and_pairs_resolve() {
+        let u = lookup(PASSWD, "kernelkite-job").unwrap();
+        assert_eq!(
+            (u.name.as_str(), u.uid, u.gid),
+            ("kernelkite-job", 998, 997)
+        );
+        let u = lookup(PASSWD, "65534").unwrap();
+        assert_eq!((u.name.as_str(), u.uid, u.gid), ("nobody", 65534, 65534));
+        let u = lookup(PASSWD, "1500").unwrap();
+        assert_eq!((u.name.as_str(), u.uid, u.gid), ("uid 1500", 1500, 1500));
+        let u = lookup(PASSWD, "998:44").unwrap();
+        assert_eq!((u.name.as_str(), u.uid, u.gid), ("kernelkite-job", 998, 44));
+        assert!(lookup(PASSWD, "root").unwrap().is_root());
+        assert!(!lookup(PASSWD, "daemon").unwrap().is_root());
+    }
+
+    #[test]
+    fn a_missing_user_names_the_way_to_create_it() {
+        let without = PASSWD.replace("kernelkite-job", "someone-else");
+        let e = lookup(&without, DEFAULT_JOB_USER).unwrap_err().to_string();
+        assert!(e.contains("kernelkite-isolate setup"), "{e}");
+        assert!(e.contains("useradd --system"), "{e}");
+        let e = lookup(PASSWD, "evaluator").unwrap_err().to_string();
+        assert!(
+            e.contains("\"evaluator\"") && e.contains("plugin option `user`"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let e = resolve(dir.path(), "x").unwrap_err().to_string();
+        assert!(e.contains("etc/passwd"), "{e}");
+    }
+}
