@@ -186,18 +186,7 @@ fn split_lines(text: &str, keepends: bool) -> Vec<&str> {
     let mut start = 0;
     let mut iter = text.char_indices().peekable();
     while let Some((i, c)) = iter.next() {
-        let is_break = matches!(
-            c,
-            '\n' | '\r'
-                | '\x0b'
-                | '\x0c'
-                | '\x1c'
-                | '\x1d'
-                | '\x1e'
-                | '\u{85}'
-                | '\u{2028}'
-                | '\u{2029}'
-        );
+        let is_break = kernelkite_kernelbot::pyrepr::is_line_break(c);
         if is_break {
             let mut end = i + c.len_utf8();
             if c == '\r' {

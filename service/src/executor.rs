@@ -123,6 +123,16 @@ pub struct Listing {
     pub complete: bool,
 }
 
+impl Listing {
+    /// A complete listing that found no build: an executor whose events cannot be lost.
+    pub fn nothing() -> Listing {
+        Listing {
+            builds: Vec::new(),
+            complete: true,
+        }
+    }
+}
+
 /// Runs builds for submissions.
 pub trait Executor: Send + Sync + 'static {
     /// Who runs the builds, for messages ("Buildkite").
@@ -149,12 +159,7 @@ pub trait Executor: Send + Sync + 'static {
         since: chrono::DateTime<chrono::Utc>,
     ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         let _ = since;
-        Box::pin(async {
-            Ok(Listing {
-                builds: Vec::new(),
-                complete: true,
-            })
-        })
+        Box::pin(async { Ok(Listing::nothing()) })
     }
 
     /// Builds created since `since`, whatever their state: after a restart, the builds of
@@ -164,12 +169,7 @@ pub trait Executor: Send + Sync + 'static {
         since: chrono::DateTime<chrono::Utc>,
     ) -> BoxFuture<'_, Result<Listing, BoxError>> {
         let _ = since;
-        Box::pin(async {
-            Ok(Listing {
-                builds: Vec::new(),
-                complete: true,
-            })
-        })
+        Box::pin(async { Ok(Listing::nothing()) })
     }
 
     /// Called on start for each submission that had a build and had not ended when the

@@ -2,6 +2,7 @@
 //! this service does not know (a newer kernelbot's) at any depth, naive timestamps, number
 //! spellings and spacing all survive GET, SSE, the callback and the store.
 
+use kernelkite_testkit::callback_receiver::CallbackReceiver;
 use kernelkite_testkit::fake_buildkite::ArtifactSpec;
 use kernelkite_testkit::harness::{harness, WAIT};
 use kernelkite_testkit::sample_config;
@@ -39,24 +40,10 @@ fn raw_result(doc: &str) -> String {
 #[tokio::test]
 async fn the_result_comes_back_byte_for_byte_through_get_sse_callback_and_store() {
     // The callback receiver keeps the raw body.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let cb = axum::Router::new().route(
-        "/done",
-        axum::routing::post(move |body: String| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(body);
-                axum::http::StatusCode::NO_CONTENT
-            }
-        }),
-    );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let cb_url = format!("http://{}/done", l.local_addr().unwrap());
-    let server = tokio::spawn(async move { axum::serve(l, cb).await.unwrap() });
-
+    let cb = CallbackReceiver::start().await;
     let h = harness().await;
     let (id, number) = h
-        .submit_body(json!({"config": sample_config(), "queue": "h100", "callback_url": cb_url}))
+        .submit_body(json!({"config": sample_config(), "queue": "h100", "callback_url": cb.url()}))
         .await;
     h.wait_build_attached(&id).await;
     let mut events = h
@@ -106,12 +93,9 @@ async fn the_result_comes_back_byte_for_byte_through_get_sse_callback_and_store(
     assert_eq!(ev.submission.result.get(), ARTIFACT);
 
     // The callback.
-    let body = tokio::time::timeout(WAIT, rx.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    assert!(cb.wait_for(WAIT, |d| !d.is_empty()).await, "no callback");
+    let body = String::from_utf8(cb.deliveries()[0].body.to_vec()).unwrap();
     assert_eq!(raw_result(&body), ARTIFACT);
-
     // And after a restart, GET serves the stored copy unchanged too.
     let restarted = kernelkite_service::App::new(h.app.cfg.clone()).unwrap();
     let after = restarted
@@ -123,5 +107,4 @@ async fn the_result_comes_back_byte_for_byte_through_get_sse_callback_and_store(
         raw_result(&serde_json::to_string(&after).unwrap()),
         ARTIFACT
     );
-    server.abort();
 }

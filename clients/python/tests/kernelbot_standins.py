@@ -9,69 +9,19 @@ replaces the last line and fails when nothing was pushed). `RecordingReporter` k
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from enum import Enum
 from typing import Any
 
+from kernelbot_results import (  # the repository's tests/python, on pytest's pythonpath
+    CompileResult,
+    EvalResult,
+    FullResult,
+    ProfileResult,
+    RunResult,
+    SystemInfo,
+)
+
 from kernelkite.kernelbot_launcher import KernelbotTypes
-
-
-@dataclasses.dataclass
-class ProfileResult:
-    profiler: str
-    trace: str
-    download_url: str | None
-
-
-@dataclasses.dataclass
-class CompileResult:
-    nvcc_found: bool
-    nvcc_version: str
-    success: bool
-    command: str
-    stdout: str
-    stderr: str
-    exit_code: int
-
-
-@dataclasses.dataclass
-class RunResult:
-    success: bool
-    passed: bool
-    command: str
-    stdout: str
-    stderr: str
-    exit_code: int
-    duration: float
-    result: dict
-
-
-@dataclasses.dataclass
-class SystemInfo:
-    gpu: str = ""
-    device_count: int = 1
-    cpu: str = ""
-    runtime: str = ""
-    platform: str = ""
-    torch: str = ""
-    hostname: str = ""
-
-
-@dataclasses.dataclass
-class EvalResult:
-    start: datetime.datetime
-    end: datetime.datetime
-    compilation: CompileResult | None
-    run: RunResult | None
-    profile: ProfileResult | None
-
-
-@dataclasses.dataclass
-class FullResult:
-    success: bool
-    error: str
-    system: SystemInfo
-    runs: dict[str, EvalResult] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

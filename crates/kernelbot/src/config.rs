@@ -360,7 +360,9 @@ impl RunConfig {
                     // Any break Python's splitlines() knows: kernelbot picks the last
                     // benchmark line and splits profile runs with it, so a case holding one
                     // would be cut in two there but not here.
-                    if k.contains(is_line_break) || case_value_text(v).contains(is_line_break) {
+                    if k.contains(crate::pyrepr::is_line_break)
+                        || case_value_text(v).contains(crate::pyrepr::is_line_break)
+                    {
                         return Err(ConfigError::BadCase(field));
                     }
                 }
@@ -394,22 +396,6 @@ pub fn cases_text(cases: &[IndexMap<String, Value>]) -> String {
 /// Python's `str()` of a value as `json.loads` gives it (see [`crate::pyrepr`]).
 pub fn case_value_text(v: &Value) -> String {
     crate::pyrepr::str_of(v)
-}
-
-/// A line boundary of Python's `str.splitlines()`.
-fn is_line_break(c: char) -> bool {
-    matches!(
-        c,
-        '\n' | '\r'
-            | '\x0b'
-            | '\x0c'
-            | '\x1c'
-            | '\x1d'
-            | '\x1e'
-            | '\u{85}'
-            | '\u{2028}'
-            | '\u{2029}'
-    )
 }
 
 fn is_identifier(s: &str) -> bool {

@@ -232,6 +232,22 @@ pub fn strip(s: &str) -> &str {
     s.trim_matches(is_space)
 }
 
+/// A line boundary of Python's `str.splitlines()`.
+pub fn is_line_break(c: char) -> bool {
+    matches!(
+        c,
+        '\n' | '\r'
+            | '\x0b'
+            | '\x0c'
+            | '\x1c'
+            | '\x1d'
+            | '\x1e'
+            | '\u{85}'
+            | '\u{2028}'
+            | '\u{2029}'
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,72 +1,25 @@
 """Rebuilds result.json the way kernelbot's launcher does: `Dataclass(**dict)` on every level.
 
 The dataclasses follow DESIGN.md (kernelbot's run_eval.py, SystemInfo with hostname,
-ProfileResult with trace). A missing or extra field raises TypeError; this script then
+ProfileResult with trace); they are tests/python/kernelbot_results.py. A missing or extra field raises TypeError; this script then
 exits 1 with the message. Usage: python3 rebuild_result.py result.json [...]
 """
 import dataclasses
 import datetime
 import json
+import os
 import sys
-from typing import Optional
 
-
-@dataclasses.dataclass
-class ProfileResult:
-    profiler: str
-    trace: str
-    download_url: Optional[str]
-
-
-@dataclasses.dataclass
-class CompileResult:
-    nvcc_found: bool
-    nvcc_version: str
-    success: bool
-    command: str
-    stdout: str
-    stderr: str
-    exit_code: int
-
-
-@dataclasses.dataclass
-class RunResult:
-    success: bool
-    passed: bool
-    command: str
-    stdout: str
-    stderr: str
-    exit_code: int
-    duration: float
-    result: dict
-
-
-@dataclasses.dataclass
-class SystemInfo:
-    gpu: str = ""
-    device_count: int = 1
-    cpu: str = ""
-    runtime: str = ""
-    platform: str = ""
-    torch: str = ""
-    hostname: str = ""
-
-
-@dataclasses.dataclass
-class EvalResult:
-    start: datetime.datetime
-    end: datetime.datetime
-    compilation: Optional[CompileResult]
-    run: Optional[RunResult]
-    profile: Optional[ProfileResult]
-
-
-@dataclasses.dataclass
-class FullResult:
-    success: bool
-    error: str
-    system: SystemInfo
-    runs: dict = dataclasses.field(default_factory=dict)
+# The dataclasses live once, in the repository's tests/python.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "python"))
+from kernelbot_results import (  # noqa: E402
+    CompileResult,
+    EvalResult,
+    FullResult,
+    ProfileResult,
+    RunResult,
+    SystemInfo,
+)
 
 
 def check_types(obj):
