@@ -230,17 +230,6 @@ pub async fn start_stack(
     dir: Arc<tempfile::TempDir>,
     tweak: impl FnOnce(&mut Config),
 ) -> LocalStack {
-    start_stack_with(args, dir, tweak, Vec::new()).await
-}
-
-/// [`start_stack`] for a service that restarted: `kept` are the submissions its store brought
-/// back (what a durable store reloads), adopted before the executor starts and recovers them.
-pub async fn start_stack_with(
-    args: LocalArgs,
-    dir: Arc<tempfile::TempDir>,
-    tweak: impl FnOnce(&mut Config),
-    kept: Vec<kernelkite_service::submission::Submission>,
-) -> LocalStack {
     let mut cfg = Config::local();
     tweak(&mut cfg);
     let local = LocalExecutor::new(&args, None)
@@ -248,9 +237,6 @@ pub async fn start_stack_with(
         .expect("local executor starts");
     let clock: Clock = Arc::new(|| chrono::Utc::now().timestamp());
     let app = App::with_executor(cfg, clock, local.clone()).expect("service starts");
-    for sub in kept {
-        app.adopt(sub);
-    }
     local.start(&app).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -17,7 +17,7 @@ use kernelkite_service::local::UNENFORCED;
 use kernelkite_service::task::{self, Mode};
 use kernelkite_testkit::local::{
     examples_dir, fixture_node, local_args, local_stack, probe_config, probes, real_cgroups,
-    start_stack, start_stack_with, Confinement, LocalStack,
+    start_stack, Confinement, LocalStack,
 };
 use kernelkite_testkit::{local_bins, need_python, skip};
 use serde_json::{json, Value};
@@ -420,6 +420,12 @@ struct Crashable {
     thread: std::thread::JoinHandle<()>,
 }
 
+/// The service's durable store for the restart tests: both lives of the service open it.
+fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut kernelkite_service::config::Config) {
+    let data = dir.path().join("data");
+    move |c| c.data_dir = Some(data)
+}
+
 fn crashable(args: kernelkite_service::local::LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
     let (tx, rx) = std::sync::mpsc::channel();
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
@@ -429,7 +435,8 @@ fn crashable(args: kernelkite_service::local::LocalArgs, dir: Arc<tempfile::Temp
             .enable_all()
             .build()
             .unwrap();
-        let stack = rt.block_on(start_stack(args, dir, |_| {}));
+        let durable = data_dir(&dir);
+        let stack = rt.block_on(start_stack(args, dir, durable));
         tx.send((stack.app.clone(), stack.base.clone())).unwrap();
         let _ = stopped.recv();
         // Every task of the service goes at once; its jobs' processes are not touched.
@@ -504,13 +511,15 @@ async fn a_job_interrupted_by_a_restart_runs_again_and_delivers_one_result() {
     .await;
     wait_until("the harness to start", || lines(&marker).len() == 1).await;
     let app = first.crash();
-    let kept = app.store.get(&id).expect("the submission");
-    assert_eq!(kept.state.as_str(), "running");
+    assert_eq!(
+        app.store.get(&id).expect("the submission").state.as_str(),
+        "running"
+    );
     drop(app);
 
-    // The restarted service: its store brought the submission back (issue 11's durable store
-    // does this; here it is handed over), and the executor finds the job's directory.
-    let second = start_stack_with(args, dir.clone(), |_| {}, vec![kept]).await;
+    // The restarted service: its durable store brings the submission back, and the executor
+    // finds the job's directory.
+    let second = start_stack(args, dir.clone(), data_dir(&dir)).await;
     let done = second.wait(&id).await;
     assert_eq!(done["state"], "succeeded", "{done}");
     let starts = lines(&marker);
@@ -559,10 +568,13 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
     // The slots stay held: the first service never collects.
     std::mem::forget(slots);
     let app = first.crash();
-    let kept = app.store.get(&id).expect("the submission");
+    assert_eq!(
+        app.store.get(&id).expect("the submission").state.as_str(),
+        "fetching"
+    );
     drop(app);
 
-    let second = start_stack_with(args, dir.clone(), |_| {}, vec![kept]).await;
+    let second = start_stack(args, dir.clone(), data_dir(&dir)).await;
     let done = second.wait(&id).await;
     assert_eq!(done["state"], "succeeded", "{done}");
     let starts = lines(&marker);
