@@ -32,6 +32,38 @@ pub struct JobApiServer {
     pub env: Arc<Mutex<BTreeMap<String, String>>>,
     pub requests: Arc<Mutex<Vec<String>>>,
     _rt: tokio::runtime::Runtime,
+    /// The directory made for a socket whose natural path was too long; removed on drop.
+    short_dir: Option<PathBuf>,
+}
+
+impl Drop for JobApiServer {
+    fn drop(&mut self) {
+        if let Some(d) = &self.short_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// Where the socket of a job in `dir` goes: `dir/job-api.sock`, unless that is longer than a
+/// unix socket path may be (108 bytes, which a deep checkout such as the test script's fresh
+/// clone exceeds); then a fresh directory in `/run` (outside `/tmp`, which the sandbox
+/// replaces, so hiding the socket is still the sandbox's doing) or, where `/run` is not
+/// writable, in the temp dir.
+fn socket_place(dir: &Path) -> (PathBuf, Option<PathBuf>) {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let natural = dir.join("job-api.sock");
+    if natural.as_os_str().len() < 100 {
+        return (natural, None);
+    }
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("kk-api-{}-{n}", std::process::id());
+    for base in [PathBuf::from("/run"), std::env::temp_dir()] {
+        let d = base.join(&name);
+        if std::fs::create_dir_all(&d).is_ok() {
+            return (d.join("job-api.sock"), Some(d));
+        }
+    }
+    panic!("no directory for a job API socket")
 }
 
 #[derive(Clone)]
@@ -128,7 +160,7 @@ async fn delete_env(
 
 impl JobApiServer {
     pub fn start(dir: &Path, token: &str, env: BTreeMap<String, String>) -> JobApiServer {
-        let socket = dir.join("job-api.sock");
+        let (socket, short_dir) = socket_place(dir);
         // A job id run again by the same agent gets a fresh socket, like a fresh job.
         let _ = std::fs::remove_file(&socket);
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -157,6 +189,7 @@ impl JobApiServer {
             env: state.env,
             requests: state.requests,
             _rt: rt,
+            short_dir,
         }
     }
 
