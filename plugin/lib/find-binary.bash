@@ -8,13 +8,14 @@
 # command that installs it. Developers can opt in to building it from this plugin checkout
 # with KERNELKITE_BUILD_FROM_SOURCE=1: `cargo build --release --locked`, once per plugin
 # version, cached under $KERNELKITE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/kernelkite).
-# Prints the path; on failure prints why on stderr and returns 1.
+# `kernelkite_find_binary PLUGIN_DIR VAR` stores the path in the caller's variable VAR (no
+# command substitution, so no subshell per hook); on failure prints why on stderr and returns 1.
 
 kernelkite_find_binary() {
-  local plugin_dir="$1"
+  local plugin_dir="$1" into="$2"
   if [[ -n "${KERNELKITE_ISOLATE_BIN:-}" ]]; then
     if [[ -x "$KERNELKITE_ISOLATE_BIN" && ! -d "$KERNELKITE_ISOLATE_BIN" ]]; then
-      printf '%s\n' "$KERNELKITE_ISOLATE_BIN"
+      printf -v "$into" '%s' "$KERNELKITE_ISOLATE_BIN"
       return 0
     fi
     echo "kernelkite: KERNELKITE_ISOLATE_BIN=$KERNELKITE_ISOLATE_BIN is not an executable file" >&2
@@ -22,12 +23,12 @@ kernelkite_find_binary() {
   fi
   local installed="${KERNELKITE_PREFIX:-/opt/kernelkite}/bin/kernelkite-isolate"
   if [[ -x "$installed" && ! -d "$installed" ]]; then
-    printf '%s\n' "$installed"
+    printf -v "$into" '%s' "$installed"
     return 0
   fi
   local on_path
-  if on_path="$(command -v kernelkite-isolate 2>/dev/null)" && [[ -n "$on_path" ]]; then
-    printf '%s\n' "$on_path"
+  if on_path="$(type -P kernelkite-isolate)" && [[ -n "$on_path" ]]; then
+    printf -v "$into" '%s' "$on_path"
     return 0
   fi
   if [[ "${KERNELKITE_BUILD_FROM_SOURCE:-}" != 1 ]]; then
@@ -39,12 +40,16 @@ kernelkite_find_binary() {
     } >&2
     return 1
   fi
-  kernelkite_build_binary "$plugin_dir"
+  local built
+  built="$(kernelkite_build_binary "$plugin_dir")" || return 1
+  printf -v "$into" '%s' "$built"
 }
 
 # The developers' opt-in: builds this plugin checkout once per version and prints the path.
 kernelkite_build_binary() {
-  local plugin_dir="$1"
+  local plugin_dir
+  # The developers' path only: a subshell here costs nothing that matters next to cargo.
+  plugin_dir="$(cd "$1" && pwd)" || return 1
   local cache="${KERNELKITE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/kernelkite}"
   local key
   key="$(git -C "$plugin_dir" rev-parse HEAD 2>/dev/null || true)"

@@ -148,6 +148,11 @@ fn hooks_alone(bins: &kernelkite_testkit::local::Bins, stack: &LocalStack, n: us
                     serde_json::Value::Object(s.plugin_config.clone()).to_string(),
                 )
                 .env("BUILDKITE_COMMAND", "true")
+                // As the executor runs them: in the sandbox only where it decided so.
+                .env(
+                    "KERNELKITE_SANDBOX",
+                    if s.sandbox.on { "on" } else { "off" },
+                )
                 .current_dir(dir.path());
             c
         };
