@@ -286,7 +286,7 @@ fn on_this_machines_cgroups_every_check_holds() {
     // The command runs in the sandbox, as a job user made for the test, which must reach
     // the stand-in runner installed under the target dir.
     let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    if let Some(blocked) = kernelkite_testkit::users::unreachable_for_others(target_tmp) {
+    if let Some(blocked) = kernelkite_testkit::users::out_of_the_job_users_reach(target_tmp) {
         kernelkite_testkit::skip(format_args!(
             "the job user cannot reach {} (through {})",
             target_tmp.display(),

@@ -1,7 +1,9 @@
 //! A system user made for a test (as root) and removed after it: the job user of sandbox tests.
 
-use std::path::Path;
 use std::process::Command;
+
+/// Whether the job user can reach a path (local mode decides its sandbox with it).
+pub use kernelkite_service::local::settings::out_of_the_job_users_reach;
 
 /// A system user made for the test and removed when dropped; `nobody` where `useradd` is
 /// missing or fails.
@@ -52,12 +54,4 @@ impl Drop for TestUser {
             let _ = Command::new("userdel").arg(&self.name).status();
         }
     }
-}
-
-/// The first of `path` and its directories that others may not search (a directory) or
-/// execute (`path`), if any: a user other than the owner cannot run `path` because of it.
-pub fn unreachable_for_others(path: &Path) -> Option<&Path> {
-    use std::os::unix::fs::PermissionsExt;
-    path.ancestors()
-        .find(|p| std::fs::metadata(p).map_or(true, |m| m.permissions().mode() & 0o001 == 0))
 }

@@ -519,7 +519,7 @@ fn local_jobs_run_in_the_sandbox_as_the_job_user() {
     let python = Path::new("/usr/bin/python3");
     let bins = local_bins!();
     for p in [python, bins.runner.as_path()] {
-        if let Some(blocked) = kernelkite_testkit::users::unreachable_for_others(p) {
+        if let Some(blocked) = kernelkite_testkit::users::out_of_the_job_users_reach(p) {
             kernelkite_testkit::skip(format!(
                 "{} is not reachable by another user (through {})",
                 p.display(),

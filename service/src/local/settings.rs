@@ -84,8 +84,8 @@ pub struct LocalArgs {
 
     /// Run each command in the plugin's sandbox (as the unprivileged job user, in private
     /// namespaces). `auto`: when this service runs as root and the job user (the plugin
-    /// configuration's `user`, default `kernelkite-job`) exists; else without it, with a
-    /// warning at start. `on`: always (a job fails with the reason where it cannot be used).
+    /// configuration's `user`, default `kernelkite-job`) exists and can run the runner binary;
+    /// else without it, with a warning at start. `on`: always (a job fails with the reason where it cannot be used).
     /// The job user must be able to reach the runner binary and the local dir.
     #[arg(
         long,
@@ -123,17 +123,34 @@ fn job_user(config: &serde_json::Map<String, serde_json::Value>) -> String {
     match config.get("user") {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
+        // The plugin's default `user` (plugin.yml; the service does not link the plugin).
         None => "kernelkite-job".into(),
     }
 }
 
+/// The first of `path` and its directories that users other than the owner may not search
+/// (a directory) or execute (`path`): the job user cannot run `path` because of it. `/tmp` too:
+/// the sandbox gives the job a fresh one.
+pub fn out_of_the_job_users_reach(path: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if path.starts_with("/tmp") {
+        return Some(PathBuf::from("/tmp"));
+    }
+    path.ancestors()
+        .find(|p| std::fs::metadata(p).map_or(true, |m| m.permissions().mode() & 0o001 == 0))
+        .map(Path::to_path_buf)
+}
+
 /// Decides `--sandbox` for a service running as `euid` on a node whose `/etc/passwd` reads
-/// `passwd`. A numeric user (`"1500"`, `"1500:1500"`) needs no account.
+/// `passwd`; `runner_blocked_at` is where the job user's way to the runner binary ends, if it
+/// does ([`out_of_the_job_users_reach`]). A numeric user (`"1500"`, `"1500:1500"`) needs no
+/// account.
 pub fn decide_sandbox(
     choice: SandboxChoice,
     euid: u32,
     passwd: &str,
     config: &serde_json::Map<String, serde_json::Value>,
+    runner_blocked_at: Option<&Path>,
 ) -> SandboxDecision {
     let off = |why: Option<String>| SandboxDecision {
         on: false,
@@ -161,6 +178,11 @@ pub fn decide_sandbox(
             } else if !exists {
                 off(Some(format!(
                     "the job user {user:?} does not exist: commands run as root, unsandboxed; create it (`kernelkite-isolate setup`, or `useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {user}`) to run them in the sandbox"
+                )))
+            } else if let Some(at) = runner_blocked_at {
+                off(Some(format!(
+                    "the job user {user:?} cannot run the runner binary (the way to it ends at {}): commands run as root, unsandboxed; install the binaries where every user can run them (`kernelkite-isolate setup` puts them in /opt/kernelkite/bin) and pass --runner-bin, or --sandbox on to fail such jobs instead",
+                    at.display()
                 )))
             } else {
                 SandboxDecision {
@@ -235,6 +257,7 @@ impl LocalArgs {
             rustix::process::geteuid().as_raw(),
             &std::fs::read_to_string("/etc/passwd").unwrap_or_default(),
             &plugin_config,
+            out_of_the_job_users_reach(&bins.runner).as_deref(),
         );
         Ok(LocalSettings {
             sandbox,
@@ -319,12 +342,46 @@ mod tests {
     }
 
     #[test]
+    fn the_way_to_a_binary_ends_where_others_may_not_pass() {
+        use std::os::unix::fs::PermissionsExt;
+        // Beside this test binary: not under /tmp, which counts as out of reach on its own.
+        let here = std::env::current_exe().unwrap();
+        let d = tempfile::tempdir_in(here.parent().unwrap()).unwrap();
+        let dir = d.path().join("closed");
+        std::fs::create_dir(&dir).unwrap();
+        let exe = dir.join("kernelkite-runner");
+        std::fs::write(&exe, "").unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let open_all_the_way = out_of_the_job_users_reach(d.path()).is_none();
+        assert_eq!(
+            out_of_the_job_users_reach(&exe).as_deref(),
+            Some(dir.as_path())
+        );
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        if open_all_the_way {
+            assert_eq!(out_of_the_job_users_reach(&exe), None);
+        }
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(
+            out_of_the_job_users_reach(&exe).as_deref(),
+            Some(exe.as_path())
+        );
+        // The job's /tmp is a fresh one.
+        assert_eq!(
+            out_of_the_job_users_reach(Path::new("/tmp/x/kernelkite-runner")).as_deref(),
+            Some(Path::new("/tmp"))
+        );
+    }
+
+    #[test]
     fn the_sandbox_is_used_where_it_can_work_unless_chosen() {
         let passwd = "root:x:0:0::/root:/bin/sh\nkernelkite-job:x:999:999::/:/usr/sbin/nologin\n";
         let cfg = |v: serde_json::Value| v.as_object().unwrap().clone();
         let default = cfg(serde_json::json!({}));
         let auto = |euid, passwd, c: &serde_json::Map<_, _>| {
-            decide_sandbox(SandboxChoice::Auto, euid, passwd, c)
+            decide_sandbox(SandboxChoice::Auto, euid, passwd, c, None)
         };
         assert!(auto(0, passwd, &default).on);
         // Not root: off, saying why.
@@ -342,7 +399,25 @@ mod tests {
         assert!(auto(0, "", &cfg(serde_json::json!({"user": "1500:1500"}))).on);
         assert!(!auto(0, "", &cfg(serde_json::json!({"user": "15a"}))).on);
         // Chosen: no second guessing, and no warning for off.
-        let on = decide_sandbox(SandboxChoice::On, 1000, "", &default);
+        // A runner the job user cannot reach: off, saying where the way ends.
+        let d = decide_sandbox(
+            SandboxChoice::Auto,
+            0,
+            passwd,
+            &default,
+            Some(Path::new("/root")),
+        );
+        assert!(!d.on);
+        let why = d.why_off.unwrap();
+        assert!(why.contains("cannot run the runner binary"), "{why}");
+        assert!(why.contains("/root"), "{why}");
+        let on = decide_sandbox(
+            SandboxChoice::On,
+            1000,
+            "",
+            &default,
+            Some(Path::new("/root")),
+        );
         assert_eq!(
             on,
             SandboxDecision {
@@ -350,7 +425,7 @@ mod tests {
                 why_off: None
             }
         );
-        let off = decide_sandbox(SandboxChoice::Off, 0, passwd, &default);
+        let off = decide_sandbox(SandboxChoice::Off, 0, passwd, &default, None);
         assert_eq!(
             off,
             SandboxDecision {
