@@ -224,6 +224,17 @@ async fn wake_to_result(s: &Service, n: usize) -> (Vec<Duration>, Vec<u64>) {
     (samples, numbers)
 }
 
+/// A row of the completion-latency table without a mean: n, p50, p99, max of sorted `samples`.
+fn print_row(label: &str, samples: &[Duration]) {
+    println!(
+        "| {label} | {} | {} | {} | - | {} |",
+        samples.len(),
+        ms(pct(samples, 0.5)),
+        ms(pct(samples, 0.99)),
+        ms(*samples.last().unwrap_or(&Duration::ZERO))
+    );
+}
+
 async fn latency(sizes: &Sizes) {
     let s = service().await;
     s.fake.clear_requests();
@@ -273,27 +284,20 @@ async fn latency(sizes: &Sizes) {
         ms(mean),
         ms(*samples.last().unwrap_or(&Duration::ZERO))
     );
-    println!(
-        "| webhook + long-poll, store in memory (no data dir; same-run baseline) | {} | {} | {} | - | {} |",
-        in_memory.len(),
-        ms(pct(&in_memory, 0.5)),
-        ms(pct(&in_memory, 0.99)),
-        ms(*in_memory.last().unwrap_or(&Duration::ZERO))
+    print_row(
+        "webhook + long-poll, store in memory (no data dir; same-run baseline)",
+        &in_memory,
     );
-    println!(
-        "| webhook + long-poll, store fsyncs every commit (KERNELKITE_STORE_SYNC=full) | {} | {} | {} | - | {} |",
-        full_sync.len(),
-        ms(pct(&full_sync, 0.5)),
-        ms(pct(&full_sync, 0.99)),
-        ms(*full_sync.last().unwrap_or(&Duration::ZERO))
+    print_row(
+        "webhook + long-poll, store fsyncs every commit (KERNELKITE_STORE_SYNC=full)",
+        &full_sync,
     );
-    println!(
-        "| poll every 10 s (prototype), scaled run: poll every {} ms, measured | {} | {} | {} | - | {} |",
-        (PROTOTYPE_POLL / SCALE).as_millis(),
-        scaled.len(),
-        ms(pct(&scaled, 0.5)),
-        ms(pct(&scaled, 0.99)),
-        ms(*scaled.last().unwrap_or(&Duration::ZERO))
+    print_row(
+        &format!(
+            "poll every 10 s (prototype), scaled run: poll every {} ms, measured",
+            (PROTOTYPE_POLL / SCALE).as_millis()
+        ),
+        &scaled,
     );
     println!(
         "| poll every 10 s (prototype), scaled back (detection delay x{SCALE} + fetch) | {} | {} | {} | {} | {} |",
@@ -304,13 +308,12 @@ async fn latency(sizes: &Sizes) {
         ms(*scaled_back.last().unwrap_or(&Duration::ZERO))
     );
     println!("| poll every 10 s (prototype), analytic: delay ~ U(0, 10 s) | - | 5000 ms | 9900 ms | 5000 ms | 10000 ms |");
-    println!(
-        "| webhook + long-poll, burst: {} builds finish at once (from the burst's start) | {} | {} | {} | - | {} |",
-        burst.len(),
-        burst.len(),
-        ms(pct(&burst, 0.5)),
-        ms(pct(&burst, 0.99)),
-        ms(*burst.last().unwrap_or(&Duration::ZERO))
+    print_row(
+        &format!(
+            "webhook + long-poll, burst: {} builds finish at once (from the burst's start)",
+            burst.len()
+        ),
+        &burst,
     );
     let p99 = pct(&samples, 0.99);
     let bound = pct(&in_memory, 0.99) * 2;

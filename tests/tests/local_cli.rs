@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 /// without cgroups (an empty cgroup root, a run dir of the test's own). Real cgroups are
 /// `local_executor.rs`'s confinement test: every user of a node's job cgroups must share one
 /// run dir, and commands of parallel tests would clean up each other's jobs as lost.
-fn local_flags(bins: &Bins, scratch: &Path) -> Vec<String> {
+/// `sandbox` is `--sandbox`: these tests say it (`auto` would depend on this machine's users).
+fn local_flags(bins: &Bins, scratch: &Path, sandbox: &str) -> Vec<String> {
     let empty = scratch.join("no-cgroups");
     std::fs::create_dir_all(&empty).unwrap();
     let p = |p: &Path| p.to_str().unwrap().to_string();
@@ -29,9 +30,8 @@ fn local_flags(bins: &Bins, scratch: &Path) -> Vec<String> {
         p(&empty),
         "--local-dir".into(),
         p(&scratch.join("local")),
-        // `auto` would depend on this machine's users; these tests are about the CLI.
         "--sandbox".into(),
-        "off".into(),
+        sandbox.into(),
     ]
 }
 
@@ -74,7 +74,7 @@ fn submit(bins: &Bins, scratch: &Path, args: &[&str]) -> (i32, String, String) {
     let out = service(bins)
         .arg("submit")
         .args(args)
-        .args(local_flags(bins, scratch))
+        .args(local_flags(bins, scratch, "off"))
         .output()
         .unwrap();
     let (o, e) = text(&out);
@@ -90,7 +90,7 @@ fn the_demo_runs_every_mode_and_prints_results_and_timings() {
     let scratch = tempfile::tempdir().unwrap();
     let out = service(&bins)
         .args(["demo", "--example", "cpu"])
-        .args(local_flags(&bins, scratch.path()))
+        .args(local_flags(&bins, scratch.path(), "off"))
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
@@ -350,14 +350,15 @@ fn serve_local(bins: &Bins, scratch: &Path, data: &Path, token: Option<&str>) ->
         .map(|t| ("KERNELKITE_API_TOKEN", t))
         .into_iter()
         .collect();
-    serve_local_with(bins, scratch, data, &[], &env)
+    serve_local_with(bins, scratch, data, "off", &[], &env)
 }
 
-/// [`serve_local`] with `extra` flags (a `--sandbox` there replaces the usual one) and `env`.
+/// [`serve_local`] with `--sandbox sandbox`, `extra` flags and `env`.
 fn serve_local_with(
     bins: &Bins,
     scratch: &Path,
     data: &Path,
+    sandbox: &str,
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Served {
@@ -369,16 +370,10 @@ fn serve_local_with(
         .into_temp_path()
         .keep()
         .unwrap();
-    let mut flags = local_flags(bins, scratch);
-    if let Some(at) = flags.iter().position(|f| f == "--sandbox") {
-        if extra.contains(&"--sandbox") {
-            flags.drain(at..at + 2);
-        }
-    }
     let mut c = service(bins);
     c.args(["local", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data)
-        .args(flags)
+        .args(local_flags(bins, scratch, sandbox))
         .args(extra)
         .envs(env.iter().copied())
         .env("RUST_LOG", "info")
@@ -541,7 +536,8 @@ fn local_jobs_run_in_the_sandbox_as_the_job_user() {
         &bins,
         scratch.path(),
         &data,
-        &["--sandbox", "on", "--plugin-config", &config],
+        "on",
+        &["--plugin-config", &config],
         &[("KERNELKITE_PYTHON", "/usr/bin/python3")],
     );
     let probe = kernelkite_testkit::local::probe_config("test", json!([{"sleep_ms": 1}]));

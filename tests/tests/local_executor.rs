@@ -418,6 +418,9 @@ struct Crashable {
     base: String,
     stop: std::sync::mpsc::Sender<()>,
     thread: std::thread::JoinHandle<()>,
+    /// What the next life of the service starts with: the same flags and data dir.
+    args: kernelkite_service::local::LocalArgs,
+    dir: Arc<tempfile::TempDir>,
 }
 
 /// The service's durable store for the restart tests: both lives of the service open it.
@@ -429,6 +432,7 @@ fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut kernelkite_service::con
 fn crashable(args: kernelkite_service::local::LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
     let (tx, rx) = std::sync::mpsc::channel();
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let (next_args, next_dir) = (args.clone(), dir.clone());
     let thread = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -449,14 +453,29 @@ fn crashable(args: kernelkite_service::local::LocalArgs, dir: Arc<tempfile::Temp
         base,
         stop,
         thread,
+        args: next_args,
+        dir: next_dir,
     }
 }
 
 impl Crashable {
-    fn crash(self) -> Arc<kernelkite_service::App> {
+    /// Kills the service while submission `id` is in `state` (checked), then starts it again
+    /// on the same data dir: its durable store brings the submission back, and the executor
+    /// finds the job's directory.
+    async fn crash_and_restart(self, id: &str, state: &str) -> LocalStack {
         self.stop.send(()).unwrap();
         self.thread.join().unwrap();
-        self.app
+        assert_eq!(
+            self.app
+                .store
+                .get(id)
+                .expect("the submission")
+                .state
+                .as_str(),
+            state
+        );
+        drop(self.app);
+        start_stack(self.args, self.dir.clone(), data_dir(&self.dir)).await
     }
 }
 
@@ -500,7 +519,7 @@ async fn a_job_interrupted_by_a_restart_runs_again_and_delivers_one_result() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let args = local_args(&bins, None, Confinement::Unenforced, dir.path());
     let marker = dir.path().join("starts");
-    let first = crashable(args.clone(), dir.clone());
+    let first = crashable(args, dir.clone());
     let id = post_to(
         &first.base,
         probe_config(
@@ -510,16 +529,7 @@ async fn a_job_interrupted_by_a_restart_runs_again_and_delivers_one_result() {
     )
     .await;
     wait_until("the harness to start", || lines(&marker).len() == 1).await;
-    let app = first.crash();
-    assert_eq!(
-        app.store.get(&id).expect("the submission").state.as_str(),
-        "running"
-    );
-    drop(app);
-
-    // The restarted service: its durable store brings the submission back, and the executor
-    // finds the job's directory.
-    let second = start_stack(args, dir.clone(), data_dir(&dir)).await;
+    let second = first.crash_and_restart(&id, "running").await;
     let done = second.wait(&id).await;
     assert_eq!(done["state"], "succeeded", "{done}");
     let starts = lines(&marker);
@@ -547,7 +557,7 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let args = local_args(&bins, None, Confinement::Unenforced, dir.path());
     let marker = dir.path().join("starts");
-    let first = crashable(args.clone(), dir.clone());
+    let first = crashable(args, dir.clone());
     // Results are not collected in the first service (every collection slot held): it dies
     // with the job finished and its result.json on disk.
     let slots = first
@@ -567,14 +577,7 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
     .await;
     // The slots stay held: the first service never collects.
     std::mem::forget(slots);
-    let app = first.crash();
-    assert_eq!(
-        app.store.get(&id).expect("the submission").state.as_str(),
-        "fetching"
-    );
-    drop(app);
-
-    let second = start_stack(args, dir.clone(), data_dir(&dir)).await;
+    let second = first.crash_and_restart(&id, "fetching").await;
     let done = second.wait(&id).await;
     assert_eq!(done["state"], "succeeded", "{done}");
     let starts = lines(&marker);
