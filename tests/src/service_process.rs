@@ -31,6 +31,16 @@ pub struct ServiceProcess {
     pub limits: Limits,
 }
 
+/// The address a `kernelkite-service` bound, from its log (the `kernelkite-service listening
+/// addr=...` line), once it is there: with `--listen 127.0.0.1:0` the only way to learn the port
+/// without racing other processes for a probed one.
+pub fn bound_addr(log: &str) -> Option<std::net::SocketAddr> {
+    log.lines()
+        .filter(|l| l.contains("kernelkite-service listening"))
+        .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")))
+        .and_then(|a| a.parse().ok())
+}
+
 /// A free loopback port.
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");

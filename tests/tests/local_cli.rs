@@ -388,11 +388,7 @@ fn serve_local_with(
     let start = Instant::now();
     served.base = loop {
         let text = std::fs::read_to_string(&served.log).unwrap_or_default();
-        if let Some(addr) = text
-            .lines()
-            .filter(|l| l.contains("kernelkite-service listening"))
-            .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")))
-        {
+        if let Some(addr) = kernelkite_testkit::service_process::bound_addr(&text) {
             break format!("http://{addr}");
         }
         if let Ok(Some(status)) = served.child.try_wait() {

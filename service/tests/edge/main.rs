@@ -122,14 +122,8 @@ impl Service {
         let deadline = Instant::now() + Duration::from_secs(20);
         let port = loop {
             let log = stderr.lock().unwrap().clone();
-            if let Some(port) = log
-                .lines()
-                .filter(|l| l.contains("kernelkite-service listening"))
-                .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")))
-                .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
-                .map(|a| a.port())
-            {
-                break port;
+            if let Some(addr) = kernelkite_testkit::service_process::bound_addr(&log) {
+                break addr.port();
             }
             if let Ok(Some(status)) = child.try_wait() {
                 panic!("the service exited ({status}) before listening: {log}");
