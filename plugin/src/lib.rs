@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod cli;
 pub mod config;
 pub mod confine;
+pub mod delegate;
 pub mod docker;
 pub mod doctor;
 pub mod gpucheck;

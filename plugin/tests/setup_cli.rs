@@ -808,3 +808,28 @@ fn a_reader_that_stops_early_does_not_break_setup() {
     assert!(out.status.success(), "{:?}: {err}", out.status);
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn the_nvml_build_is_installed_beside_a_static_kernelkite_isolate_when_given() {
+    let node = prepare(&DGX);
+    write(
+        &node.from().join("kernelkite-isolate-nvml"),
+        "#!/bin/sh\n# stands in for the dynamically linked build\n",
+        0o755,
+    );
+    stdout_ok(&setup(&node, &DGX, &[]));
+    let installed = node
+        .root()
+        .join("opt/kernelkite/bin/kernelkite-isolate-nvml");
+    assert_eq!(
+        std::fs::read(&installed).unwrap(),
+        std::fs::read(node.from().join("kernelkite-isolate-nvml")).unwrap()
+    );
+    assert_eq!(
+        std::fs::metadata(&installed).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    // And `--uninstall` removes it with the rest.
+    stdout_ok(&uninstall(&node));
+    assert!(!installed.exists());
+}

@@ -240,12 +240,18 @@ pub fn loopback_up() -> io::Result<()> {
     }
     // SAFETY: SIOCGIFFLAGS reads the interface named in `req` and writes its flags into the
     // ifreq we pass, which lives on this stack frame.
-    let mut rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
+    let mut rc = unsafe {
+        libc::ioctl(
+            sock.as_raw_fd(),
+            libc::SIOCGIFFLAGS as libc::Ioctl,
+            &mut req,
+        )
+    };
     if rc == 0 {
         // SAFETY: SIOCGIFFLAGS succeeded, so `ifru_flags` is the union member it wrote.
         unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
         // SAFETY: SIOCSIFFLAGS only reads the ifreq we pass.
-        rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) };
+        rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as libc::Ioctl, &req) };
     }
     if rc != 0 {
         return Err(io::Error::last_os_error());

@@ -161,12 +161,14 @@ fn job_env() -> BTreeMap<String, String> {
 }
 
 /// Runs a hook subcommand: its lines for the job log on stderr, `export` lines (sourced shell
-/// hook) or the `pre-exit` report on stdout.
-pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
+/// hook) or the `pre-exit` report on stdout. `argv` are the arguments after the program name,
+/// for the static build to hand the hook over with ([`crate::delegate`]).
+pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
     let env = job_env();
     match cmd {
         HookCommand::Environment(args) => {
             let settings = args.node.settings();
+            crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
             let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;
             for n in &prepared.notices {
                 eprintln!("kernelkite: {n}");
@@ -219,7 +221,9 @@ pub fn run(cmd: HookCommand) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
         HookCommand::PreExit(args) => {
-            let report = job::pre_exit::run(&args.settings(), &env, &mut open_nvml)?;
+            let settings = args.settings();
+            crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
+            let report = job::pre_exit::run(&settings, &env, &mut open_nvml)?;
             println!("kernelkite: {}", report.summary());
             if report.problems.is_empty() {
                 Ok(ExitCode::SUCCESS)

@@ -69,7 +69,7 @@ pub enum Command {
 /// Entry point used by `main.rs`.
 pub fn main() -> ExitCode {
     let args: Vec<OsString> = hook::subcommand_for_argv0(std::env::args_os().collect());
-    let cli = Cli::parse_from(args);
+    let cli = Cli::parse_from(&args);
     init_tracing();
     let outcome = match cli.command {
         Command::Plan(a) => plan::run(a),
@@ -77,7 +77,7 @@ pub fn main() -> ExitCode {
         Command::Fixture(a) => fixture::run(a),
         Command::Setup(a) => setup::run_setup(a),
         Command::Smoke(a) => setup::run_smoke(a),
-        Command::Hook(h) => hook::run(h),
+        Command::Hook(h) => hook::run(h, args.get(1..).unwrap_or_default()),
     };
     match outcome {
         Ok(code) => code,

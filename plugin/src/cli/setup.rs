@@ -356,6 +356,11 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
     let queue = args.queue.clone().unwrap_or_default();
     let opts = Options {
         prefix: args.prefix.clone(),
+        optional_binaries: OPTIONAL_BINARIES
+            .iter()
+            .filter(|b| from.join(b).is_file())
+            .map(|b| b.to_string())
+            .collect(),
         binaries_from: from,
         queue: queue.clone(),
         node: args.node.clone().unwrap_or_else(|| hostname(&root)),

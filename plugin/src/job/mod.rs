@@ -32,7 +32,7 @@ pub mod settings;
 pub mod slice;
 pub mod state;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 pub use cleanup::CleanupReport;
 pub use command::CommandOutcome;

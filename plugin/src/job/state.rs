@@ -127,31 +127,7 @@ pub fn remove_state(settings: &Settings, job_id: &str) -> Result<(), JobError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn state(job_id: &str) -> JobState {
-        JobState {
-            job_id: job_id.into(),
-            agent: "a".into(),
-            anchor: crate::process::identify(&Settings::default().proc_root, std::process::id())
-                .unwrap(),
-            gpus: vec![1],
-            device_indices: vec![1],
-            slice: Slice {
-                index: 1,
-                gpu: None,
-                extra_gpus: vec![],
-                cpus: vec![0],
-                mems: vec![0],
-                memory_bytes: 1 << 30,
-            },
-            config: PluginConfig::default(),
-            cgroup_version: Some(2),
-            clocks_locked: false,
-            exports: [("K".to_string(), "v".to_string())].into(),
-            job_user: None,
-            checkout_owner: None,
-        }
-    }
+    use crate::job::test_support::state;
 
     #[test]
     fn state_is_replaced_whole_and_leaves_no_temporary_file() {

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 
 use kernelkite_topology::plan::{Plan, Slice, SliceGpu, Vendor};
 
+use super::state::JobState;
 use super::Settings;
+use crate::config::PluginConfig;
 use crate::gpucheck::{self, GpuCheckError, GpuControl};
 
 pub fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -105,4 +107,30 @@ pub fn fake_node() -> (tempfile::TempDir, Settings) {
         ..Settings::default()
     };
     (dir, settings)
+}
+
+/// A job's state as `environment` leaves it (one GPU, cgroup v2, clocks not locked).
+pub fn state(job_id: &str) -> JobState {
+    JobState {
+        job_id: job_id.into(),
+        agent: "a".into(),
+        anchor: crate::process::identify(&Settings::default().proc_root, std::process::id())
+            .unwrap(),
+        gpus: vec![1],
+        device_indices: vec![1],
+        slice: Slice {
+            index: 1,
+            gpu: None,
+            extra_gpus: vec![],
+            cpus: vec![0],
+            mems: vec![0],
+            memory_bytes: 1 << 30,
+        },
+        config: PluginConfig::default(),
+        cgroup_version: Some(2),
+        clocks_locked: false,
+        exports: [("K".to_string(), "v".to_string())].into(),
+        job_user: None,
+        checkout_owner: None,
+    }
 }

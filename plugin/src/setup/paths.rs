@@ -42,6 +42,9 @@ pub const DEFAULT_BUILDKITE_AGENT: &str = "/usr/bin/buildkite-agent";
 pub const HOOKS: &[&str] = crate::cli::hook::HOOK_NAMES;
 /// The binaries setup installs, from `--from` (or beside the running binary).
 pub const BINARIES: &[&str] = &["kernelkite-isolate", "kernelkite-runner"];
+/// Binaries setup installs when `--from` holds them: the dynamically linked build a static
+/// `kernelkite-isolate` hands hooks that need NVML to ([`crate::delegate`]).
+pub const OPTIONAL_BINARIES: &[&str] = &[crate::delegate::NVML_BUILD];
 /// What a file replaced with `--replace` is renamed to (and restored from by `--uninstall`).
 pub const BACKUP_SUFFIX: &str = ".kernelkite-orig";
 /// Where the documentation of setup lives, for the units' `Documentation=`.

@@ -30,6 +30,8 @@ pub struct Options {
     pub prefix: PathBuf,
     /// Where the binaries come from.
     pub binaries_from: PathBuf,
+    /// Those of [`OPTIONAL_BINARIES`] that `binaries_from` holds.
+    pub optional_binaries: Vec<String>,
     /// The Buildkite queue the node serves (the backend's `queue`).
     pub queue: String,
     /// The node's name in agent names and the `node` tag.
@@ -470,6 +472,8 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
     ];
     let mut files: Vec<File> = BINARIES
         .iter()
+        .copied()
+        .chain(opts.optional_binaries.iter().map(String::as_str))
         .map(|b| File {
             path: bin.join(b),
             mode: 0o755,

@@ -249,13 +249,23 @@ pub fn output_text(o: &Output) -> String {
 impl Agent {
     /// An agent whose node state lives under `node_dir` (run dir, fake cgroups, plan).
     pub fn new(node_dir: &Path, name: &str, node_env: &BTreeMap<String, String>) -> Agent {
+        Agent::with_binary(node_dir, name, node_env, Path::new(BIN))
+    }
+
+    /// The same, its agent-level hooks links to `bin` instead of this build.
+    pub fn with_binary(
+        node_dir: &Path,
+        name: &str,
+        node_env: &BTreeMap<String, String>,
+        bin: &Path,
+    ) -> Agent {
         let dir = node_dir.join(format!("agent-{name}"));
         let hooks_dir = dir.join("hooks");
         std::fs::create_dir_all(&hooks_dir).unwrap();
         for hook in ["environment", "command", "pre-exit"] {
             let link = hooks_dir.join(hook);
             if !link.exists() {
-                std::os::unix::fs::symlink(BIN, &link).unwrap();
+                std::os::unix::fs::symlink(bin, &link).unwrap();
             }
         }
         let mut env = node_env.clone();
@@ -548,6 +558,11 @@ impl Node {
 
     pub fn agent(&self, name: &str) -> Agent {
         Agent::new(self.path(), name, &self.env)
+    }
+
+    /// An agent whose agent-level hooks run `bin` instead of this build.
+    pub fn agent_running(&self, name: &str, bin: &Path) -> Agent {
+        Agent::with_binary(self.path(), name, &self.env, bin)
     }
 
     pub fn cgroup_dir(&self, job: &str) -> PathBuf {

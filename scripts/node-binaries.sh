@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds what a GPU node runs into DIR, ready for `kernelkite-isolate setup --from DIR`:
+#   kernelkite-isolate       statically linked (musl): the hooks a job starts three times, with
+#                            no dynamic loader to pay at each start (docs/BENCHMARKS.md, issue 10),
+#                            and no glibc version to match on the node;
+#   kernelkite-isolate-nvml  the ordinary, dynamically linked build: a hook that needs NVML
+#                            (`require-idle-gpu`, `lock-clocks`) is handed to it, since a static
+#                            binary cannot load libnvidia-ml.so.1 (plugin/src/delegate.rs);
+#   kernelkite-runner        the evaluator.
+# Adds the musl target with rustup when it is missing. Usage: scripts/node-binaries.sh DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:-}
+if [ -z "$out" ] || [ "$out" = -h ] || [ "$out" = --help ]; then
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  [ -n "$out" ]
+  exit
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "error: cargo is not installed. Install Rust with rustup (https://rustup.rs), then re-run." >&2
+  exit 1
+fi
+target="$(uname -m)-unknown-linux-musl"
+if ! rustc --print target-libdir --target "$target" 2>/dev/null | xargs -r test -d; then
+  if ! command -v rustup >/dev/null 2>&1; then
+    echo "error: the Rust standard library for $target is not installed, and rustup is not here to add it; install Rust with rustup (https://rustup.rs)" >&2
+    exit 1
+  fi
+  echo "adding the Rust target $target (rustup target add $target)" >&2
+  rustup target add "$target"
+fi
+target_dir=${CARGO_TARGET_DIR:-target}
+echo "building kernelkite-isolate, static ($target), and kernelkite-isolate-nvml and kernelkite-runner, dynamic (release; the first build takes a few minutes)" >&2
+cargo build --release --locked --quiet --target "$target" -p kernelkite-isolate --bin kernelkite-isolate
+cargo build --release --locked --quiet -p kernelkite-isolate -p kernelkite-runner --bins
+mkdir -p "$out"
+install -m 0755 "$target_dir/$target/release/kernelkite-isolate" "$out/kernelkite-isolate"
+install -m 0755 "$target_dir/release/kernelkite-isolate" "$out/kernelkite-isolate-nvml"
+install -m 0755 "$target_dir/release/kernelkite-runner" "$out/kernelkite-runner"
+echo "wrote $out/kernelkite-isolate (static), $out/kernelkite-isolate-nvml and $out/kernelkite-runner; on the node: sudo ./kernelkite-isolate setup --from . ..." >&2
