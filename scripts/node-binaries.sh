@@ -7,13 +7,14 @@
 #                            (`require-idle-gpu`, `lock-clocks`) is handed to it, since a static
 #                            binary cannot load libnvidia-ml.so.1 (plugin/src/delegate.rs);
 #   kernelkite-runner        the evaluator.
-# Adds the musl target with rustup when it is missing. Usage: scripts/node-binaries.sh DIR
+# Adds the musl target with rustup when it is missing (exit status 3 when that cannot be done).
+# Usage: scripts/node-binaries.sh DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 out=${1:-}
 if [ -z "$out" ] || [ "$out" = -h ] || [ "$out" = --help ]; then
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
   [ -n "$out" ]
   exit
 fi
@@ -25,10 +26,13 @@ target="$(uname -m)-unknown-linux-musl"
 if ! rustc --print target-libdir --target "$target" 2>/dev/null | xargs -r test -d; then
   if ! command -v rustup >/dev/null 2>&1; then
     echo "error: the Rust standard library for $target is not installed, and rustup is not here to add it; install Rust with rustup (https://rustup.rs)" >&2
-    exit 1
+    exit 3
   fi
   echo "adding the Rust target $target (rustup target add $target)" >&2
-  rustup target add "$target"
+  if ! rustup target add "$target"; then
+    echo "error: rustup could not add the target $target (offline?)" >&2
+    exit 3
+  fi
 fi
 target_dir=${CARGO_TARGET_DIR:-target}
 echo "building kernelkite-isolate, static ($target), and kernelkite-isolate-nvml and kernelkite-runner, dynamic (release; the first build takes a few minutes)" >&2

@@ -102,6 +102,19 @@ clone_dir=""
 py_junit=""
 trap 'rm -rf "$log" "$checks" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
+section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
+# The hooks' static build, which its own tests (plugin/tests/static_build.rs) and the job
+# overhead benchmark run. Without the musl target (rustup offline) those tests skip, saying so.
+node_rc=0
+./scripts/node-binaries.sh target/node || node_rc=$?
+if [ "$node_rc" = 0 ]; then
+  export KERNELKITE_STATIC_ISOLATE="$PWD/target/node/kernelkite-isolate"
+elif [ "$node_rc" = 3 ]; then
+  echo "note: no static build here (the musl target cannot be added); its tests skip"
+else
+  exit "$node_rc"
+fi
+
 section "cargo test"
 cargo test --workspace --locked 2>&1 | tee "$log"
 

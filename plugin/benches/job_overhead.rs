@@ -231,7 +231,20 @@ impl Bench {
         tag: &str,
     ) -> Vec<JobTimes> {
         // Two jobs to warm the caches, not counted.
-        for _ in 0..2 {
+        self.jobs_warmed(count, 2, install, gap, extra, tag)
+    }
+
+    /// `count` jobs after `warm` uncounted ones.
+    fn jobs_warmed(
+        &mut self,
+        count: usize,
+        warm: usize,
+        install: Install,
+        gap: Duration,
+        extra: &[(&str, &str)],
+        tag: &str,
+    ) -> Vec<JobTimes> {
+        for _ in 0..warm {
             self.job(install, Duration::ZERO, extra, tag);
         }
         let mut out = Vec::new();
@@ -378,11 +391,30 @@ fn chown_per_file() -> Option<Duration> {
     Some(t.elapsed() / files as u32)
 }
 
+/// The static build of the hooks: `KERNELKITE_STATIC_ISOLATE`, else what
+/// `scripts/node-binaries.sh target/node` wrote; `None` when there is neither.
+fn static_build() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KERNELKITE_STATIC_ISOLATE") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "KERNELKITE_STATIC_ISOLATE={} is not a file",
+            p.display()
+        );
+        return Some(p);
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent()?;
+    Some(target.join("node/kernelkite-isolate")).filter(|p| p.is_file())
+}
+
 fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
     let (b2b_jobs, gap_jobs) = if short { (30, 8) } else { (200, 60) };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate"));
+    // What nodes run the hooks from (scripts/node-binaries.sh); the ordinary build above is
+    // measured beside it, in the same run, as the baseline.
+    let static_exe = static_build();
     // The run dir is /run/kernelkite in production, a tmpfs; /dev/shm stands in for it (and for
     // sysfs). Checkouts live on disk, as the agent's do (and outside /dev, which the sandbox
     // replaces).
@@ -444,14 +476,18 @@ fn main() {
     set("KERNELKITE_CGROUP_ROOT", cgroot.display().to_string());
     set("KERNELKITE_PLAN_FILE", plan_file.display().to_string());
     set("KERNELKITE_JOB_PID", std::process::id().to_string());
-    set("KERNELKITE_ISOLATE_BIN", exe.display().to_string());
+    // The shims run what setup installs: the static build when there is one.
+    set(
+        "KERNELKITE_ISOLATE_BIN",
+        static_exe.as_ref().unwrap_or(&exe).display().to_string(),
+    );
     set("KERNELKITE_CONFIG", r#"{"user":"nobody"}"#.into());
     set(
         "KERNELKITE_SANDBOX",
         if sandbox { "on" } else { "off" }.into(),
     );
     let mut bench = Bench {
-        exe: exe.clone(),
+        exe: static_exe.clone().unwrap_or_else(|| exe.clone()),
         plugin: manifest.to_path_buf(),
         dir: disk.path().to_path_buf(),
         env,
@@ -521,12 +557,37 @@ fn main() {
         "  the shims' own cost for environment + command start + pre-exit: {} (median sum - 3 x empty hook)",
         ms(shim_sum.median.saturating_sub(empty.median * 3))
     );
-    let binary = bench.jobs(gap_jobs, Install::Binary, GAP, &[], "bin");
-    let binary_sum = report(
-        &table,
-        "agent-style: agent-level binary hooks, idle gaps",
-        &binary,
-    );
+    // The two builds' jobs alternate, so a slow spell of this shared machine falls on both.
+    let builds: Vec<(&str, PathBuf)> = match &static_exe {
+        Some(st) => vec![
+            ("static build (what nodes run)", st.clone()),
+            ("ordinary build (dynamically linked; baseline)", exe.clone()),
+        ],
+        None => vec![("ordinary build (dynamically linked)", exe.clone())],
+    };
+    let mut per_build: Vec<Vec<JobTimes>> = builds.iter().map(|_| Vec::new()).collect();
+    for round in 0..gap_jobs {
+        for (i, (_, bin)) in builds.iter().enumerate() {
+            bench.exe = bin.clone();
+            let warm = if round == 0 { 2 } else { 0 };
+            per_build[i].extend(bench.jobs_warmed(1, warm, Install::Binary, GAP, &[], "bin"));
+        }
+    }
+    bench.exe = builds[0].1.clone();
+    let sums: Vec<Stats> = builds
+        .iter()
+        .zip(&per_build)
+        .map(|((name, _), jobs)| {
+            report(
+                &table,
+                &format!("agent-style: agent-level binary hooks, idle gaps, {name}"),
+                jobs,
+            )
+        })
+        .collect();
+    if static_exe.is_none() {
+        println!("  the static build was not measured: build it with `scripts/node-binaries.sh target/node` (or name it in KERNELKITE_STATIC_ISOLATE)");
+    }
     if sandbox {
         let off = bench.jobs(
             gap_jobs,
@@ -537,14 +598,17 @@ fn main() {
         );
         report(
             &table,
-            "  same, sandbox off (command as root, no namespaces): the sandbox's own cost is the difference",
+            &format!("  same, {}, sandbox off (command as root, no namespaces): the sandbox's own cost is the difference", builds[0].0),
             &off,
         );
     }
     let b2b = bench.jobs(b2b_jobs, Install::Binary, Duration::ZERO, &[], "b2b");
     let b2b_sum = report(
         &table,
-        "back to back (the previous benchmark): binary hooks, no gaps",
+        &format!(
+            "back to back (the previous benchmark): binary hooks, no gaps, {}",
+            builds[0].0
+        ),
         &b2b,
     );
 
@@ -640,11 +704,12 @@ fn main() {
             per_file.as_secs_f64() * 1e6
         );
     }
-    for (name, sum) in [
-        ("agent-style, shims", &shim_sum),
-        ("agent-style, binary hooks", &binary_sum),
-        ("back to back", &b2b_sum),
-    ] {
+    let mut totals = vec![("agent-style, shims".to_string(), &shim_sum)];
+    for ((name, _), sum) in builds.iter().zip(&sums) {
+        totals.push((format!("agent-style, binary hooks, {name}"), sum));
+    }
+    totals.push(("back to back".to_string(), &b2b_sum));
+    for (name, sum) in totals {
         println!(
             "environment + command start + pre-exit, {name}: median {}; target <= 10 ms: {}",
             ms(sum.median),

@@ -121,6 +121,15 @@ impl Host for LiveHost {
     }
 
     fn nvml_gpus(&self) -> Result<usize, String> {
+        if !crate::delegate::LOADS_NVML {
+            let exe = std::env::current_exe().unwrap_or_default();
+            let nvml_build = crate::delegate::nvml_build(&std::collections::BTreeMap::new(), &exe);
+            return Err(format!(
+                "this is the static build of kernelkite-isolate, which cannot load NVML; hooks that need it run in {} ({}); run its `doctor` for the NVML check",
+                nvml_build.display(),
+                if nvml_build.is_file() { "present" } else { "missing: put the dynamically linked build there" }
+            ));
+        }
         let nvml = kernelkite_sys::nvml::Nvml::load().map_err(|e| e.to_string())?;
         nvml.devices().map(|d| d.len()).map_err(|e| e.to_string())
     }
