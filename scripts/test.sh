@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
-# It installs what it needs, then runs, in order: formatting, lints, the API docs, every
-# crate's tests (shellcheck on every shell script, hadolint on the Dockerfiles and
-# systemd-analyze on the units among them), the plugin's bats tests, the Python client's ruff
-# and pytest suite (in a venv at target/py-venv, against the real service binary), the Docker
-# images' builds, the unit and integration tests again in a fresh clone with nothing beside
-# it, and each benchmark in its short mode. The closing line counts passed, failed and skipped
-# tests; a test that could not run here (no root, no GPU, no cgroups, no Docker daemon) is
-# listed with its reason and never counted as passed.
+# It installs what it needs, then runs, in order: formatting, lints, the API docs, the node's
+# binaries (scripts/node-binaries.sh: the static kernelkite-isolate, which needs the musl
+# target, added with rustup), every crate's tests (shellcheck on every shell script, hadolint
+# on the Dockerfiles and systemd-analyze on the units among them), the plugin's bats tests,
+# the Python client's ruff and pytest suite (in a venv at target/py-venv, against the real
+# service binary), the Docker images' builds, the unit and integration tests again in a fresh
+# clone with nothing beside it, and each benchmark in its short mode. The closing line counts
+# passed, failed and skipped tests; a test that could not run here (no root, no GPU, no
+# cgroups, no Docker daemon) is listed with its reason and never counted as passed.
 #
 # Environment:
 #   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3/shellcheck/
