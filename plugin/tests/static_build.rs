@@ -59,6 +59,36 @@ fn recording_nvml_build(dir: &Path) -> (PathBuf, PathBuf) {
     (script, record)
 }
 
+/// A two-GPU node whose agent runs `bin`'s hooks, with a recording stand-in for the NVML
+/// build named in the agent's environment.
+struct Staged {
+    node: Node,
+    agent: agent::Agent,
+    nvml: PathBuf,
+    record: PathBuf,
+    /// Holds the stand-in: bind it by name (not `..`), or it is deleted at once.
+    _scratch: tempfile::TempDir,
+}
+
+fn staged(bin: &Path, agent_name: &str) -> Staged {
+    let node = Node::new(2);
+    let scratch = tempfile::tempdir().unwrap();
+    let (nvml, record) = recording_nvml_build(scratch.path());
+    let mut env = node.env.clone();
+    env.insert(
+        "KERNELKITE_ISOLATE_NVML_BIN".into(),
+        nvml.display().to_string(),
+    );
+    let agent = agent::Agent::with_binary(node.path(), agent_name, &env, bin);
+    Staged {
+        node,
+        agent,
+        nvml,
+        record,
+        _scratch: scratch,
+    }
+}
+
 fn job_id(n: u32) -> String {
     format!("0190b8c2-5a71-4000-8000-{n:012}")
 }
@@ -73,15 +103,13 @@ fn the_static_build_is_static_and_the_ordinary_build_is_not() {
 #[test]
 fn a_job_runs_whole_in_the_static_build() {
     let Some(bin) = static_build() else { return };
-    let node = Node::new(2);
-    let scratch = tempfile::tempdir().unwrap();
-    let (nvml, record) = recording_nvml_build(scratch.path());
-    let mut env = node.env.clone();
-    env.insert(
-        "KERNELKITE_ISOLATE_NVML_BIN".into(),
-        nvml.display().to_string(),
-    );
-    let agent = agent::Agent::with_binary(node.path(), "dgx01-gpu1", &env, &bin);
+    let Staged {
+        node,
+        agent,
+        record,
+        nvml: _,
+        _scratch,
+    } = staged(&bin, "dgx01-gpu1");
     let id = job_id(1);
     let mut job = agent.start_job(
         &id,
@@ -112,15 +140,13 @@ fn a_job_runs_whole_in_the_static_build() {
 #[test]
 fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
     let Some(bin) = static_build() else { return };
-    let node = Node::new(2);
-    let scratch = tempfile::tempdir().unwrap();
-    let (nvml, record) = recording_nvml_build(scratch.path());
-    let mut env = node.env.clone();
-    env.insert(
-        "KERNELKITE_ISOLATE_NVML_BIN".into(),
-        nvml.display().to_string(),
-    );
-    let agent = agent::Agent::with_binary(node.path(), "dgx01-gpu0", &env, &bin);
+    let Staged {
+        node,
+        agent,
+        nvml,
+        record,
+        _scratch,
+    } = staged(&bin, "dgx01-gpu0");
     let mut job = agent.start_job(
         &job_id(2),
         "true",
@@ -149,15 +175,13 @@ fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
 #[test]
 fn pre_exit_of_a_job_with_locked_clocks_runs_in_the_nvml_build() {
     let Some(bin) = static_build() else { return };
-    let node = Node::new(2);
-    let scratch = tempfile::tempdir().unwrap();
-    let (nvml, record) = recording_nvml_build(scratch.path());
-    let mut env = node.env.clone();
-    env.insert(
-        "KERNELKITE_ISOLATE_NVML_BIN".into(),
-        nvml.display().to_string(),
-    );
-    let agent = agent::Agent::with_binary(node.path(), "dgx01-gpu0", &env, &bin);
+    let Staged {
+        node,
+        agent,
+        record,
+        nvml: _,
+        _scratch,
+    } = staged(&bin, "dgx01-gpu0");
     let id = job_id(3);
     let mut job = agent.start_job(&id, "true", None, Install::AgentBinary);
     let out = job.run_hook("environment");
