@@ -77,15 +77,12 @@ pub fn why_nvml(config: &crate::config::PluginConfig, locked: &[String]) -> Opti
 }
 
 /// The jobs on the node whose state says their clocks are locked. A state that cannot be read
-/// counts as locked: the hook that meets it should be able to reset clocks.
+/// does not count: the hook reports it as it always does, and handing every later hook to a
+/// build an AMD or CPU-only node does not have would stop the node.
 pub fn jobs_with_locked_clocks(settings: &Settings) -> Vec<String> {
     state::listed_jobs(settings)
         .into_iter()
-        .filter(|job| {
-            state::read_state(settings, job)
-                .map(|s| s.is_some_and(|s| s.clocks_locked))
-                .unwrap_or(true)
-        })
+        .filter(|job| matches!(state::read_state(settings, job), Ok(Some(s)) if s.clocks_locked))
         .collect()
 }
 
@@ -179,9 +176,7 @@ mod tests {
         s.clocks_locked = true;
         state::write_state(&settings, &s).unwrap();
         std::fs::write(jobs.join("job-3.json"), "{\"job_id\":").unwrap();
-        let mut locked = jobs_with_locked_clocks(&settings);
-        locked.sort();
-        assert_eq!(locked, ["job-2", "job-3"]);
+        assert_eq!(jobs_with_locked_clocks(&settings), ["job-2"]);
     }
 
     #[test]
