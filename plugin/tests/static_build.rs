@@ -66,7 +66,7 @@ struct Staged {
     agent: agent::Agent,
     nvml: PathBuf,
     record: PathBuf,
-    /// Holds the stand-in: bind it by name (not `..`), or it is deleted at once.
+    /// Holds the stand-in.
     _scratch: tempfile::TempDir,
 }
 
@@ -103,15 +103,9 @@ fn the_static_build_is_static_and_the_ordinary_build_is_not() {
 #[test]
 fn a_job_runs_whole_in_the_static_build() {
     let Some(bin) = static_build() else { return };
-    let Staged {
-        node,
-        agent,
-        record,
-        nvml: _,
-        _scratch,
-    } = staged(&bin, "dgx01-gpu1");
+    let st = staged(&bin, "dgx01-gpu1");
     let id = job_id(1);
-    let mut job = agent.start_job(
+    let mut job = st.agent.start_job(
         &id,
         "echo \"seen=$CUDA_VISIBLE_DEVICES|$KERNELBOT_CPUSET\"",
         None,
@@ -128,11 +122,11 @@ fn a_job_runs_whole_in_the_static_build() {
         }
     }
     assert!(
-        !record.exists(),
+        !st.record.exists(),
         "no hook needed NVML, none was handed over"
     );
     assert!(
-        !node.cgroup_dir(&id).exists(),
+        !st.node.cgroup_dir(&id).exists(),
         "pre-exit removed the cgroup"
     );
 }
@@ -140,14 +134,8 @@ fn a_job_runs_whole_in_the_static_build() {
 #[test]
 fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
     let Some(bin) = static_build() else { return };
-    let Staged {
-        node,
-        agent,
-        nvml,
-        record,
-        _scratch,
-    } = staged(&bin, "dgx01-gpu0");
-    let mut job = agent.start_job(
+    let st = staged(&bin, "dgx01-gpu0");
+    let mut job = st.agent.start_job(
         &job_id(2),
         "true",
         Some(r#"{"lock-clocks":1410}"#),
@@ -159,15 +147,15 @@ fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("the step asks for lock-clocks")
-            && stderr.contains(&nvml.display().to_string()),
+            && stderr.contains(&st.nvml.display().to_string()),
         "{stderr}"
     );
     assert_eq!(
-        std::fs::read_to_string(&record).unwrap(),
+        std::fs::read_to_string(&st.record).unwrap(),
         "environment\n--export\njob-api\n"
     );
     // Nothing was done before the hand-over: no lease, no state, no cgroup.
-    let run = node.path().join("run");
+    let run = st.node.path().join("run");
     let leftovers: Vec<_> = walk(&run).into_iter().filter(|p| p.is_file()).collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
@@ -175,19 +163,13 @@ fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
 #[test]
 fn pre_exit_of_a_job_with_locked_clocks_runs_in_the_nvml_build() {
     let Some(bin) = static_build() else { return };
-    let Staged {
-        node,
-        agent,
-        record,
-        nvml: _,
-        _scratch,
-    } = staged(&bin, "dgx01-gpu0");
+    let st = staged(&bin, "dgx01-gpu0");
     let id = job_id(3);
-    let mut job = agent.start_job(&id, "true", None, Install::AgentBinary);
+    let mut job = st.agent.start_job(&id, "true", None, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
     // As the NVML build leaves a job that locked its clocks.
-    let state = node.path().join("run/jobs").join(format!("{id}.json"));
+    let state = st.node.path().join("run/jobs").join(format!("{id}.json"));
     let text = std::fs::read_to_string(&state).unwrap();
     assert!(text.contains(r#""clocks_locked":false"#), "{text}");
     std::fs::write(
@@ -203,7 +185,7 @@ fn pre_exit_of_a_job_with_locked_clocks_runs_in_the_nvml_build() {
         "{}",
         output_text(&out)
     );
-    assert_eq!(std::fs::read_to_string(&record).unwrap(), "pre-exit\n");
+    assert_eq!(std::fs::read_to_string(&st.record).unwrap(), "pre-exit\n");
 }
 
 #[test]
