@@ -241,15 +241,21 @@ fn prepare(case: &Case) -> Node {
     node
 }
 
-fn setup(node: &Node, case: &Case, extra: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("setup")
+/// `kernelkite-isolate setup` on `node`'s root and sysfs tree, its binaries from `from`.
+fn setup_command(node: &Node, from: &Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("setup")
         .arg("--root")
         .arg(node.root())
         .arg("--sysfs-root")
         .arg(node.sysfs())
         .arg("--from")
-        .arg(node.from())
+        .arg(from);
+    c
+}
+
+fn setup(node: &Node, case: &Case, extra: &[&str]) -> Output {
+    setup_command(node, &node.from())
         .args(["--queue", case.queue, "--node", case.node])
         .arg("--agent-token-file")
         .arg(node.tmp().join("agent-token"))
@@ -468,14 +474,7 @@ fn run_case(case: &Case) {
     assert!(!again.contains("directories:"), "{again}");
 
     // Without the token: the one an earlier run wrote is kept.
-    let out = Command::new(BIN)
-        .arg("setup")
-        .arg("--root")
-        .arg(node.root())
-        .arg("--sysfs-root")
-        .arg(node.sysfs())
-        .arg("--from")
-        .arg(node.from())
+    let out = setup_command(&node, &node.from())
         .args(["--queue", case.queue, "--node", case.node])
         .args(case.args)
         .env_remove("BUILDKITE_AGENT_TOKEN")
@@ -697,15 +696,8 @@ fn setup_refuses_what_it_cannot_use_before_touching_anything() {
     let node = prepare(&DGX);
     let before = snapshot(&node);
     let run = |extra: &[&str], token: bool, from: &Path| {
-        let mut c = Command::new(BIN);
-        c.arg("setup")
-            .arg("--root")
-            .arg(node.root())
-            .arg("--sysfs-root")
-            .arg(node.sysfs())
-            .arg("--from")
-            .arg(from)
-            .args(["--node", "dgx01"])
+        let mut c = setup_command(&node, from);
+        c.args(["--node", "dgx01"])
             .args(extra)
             .env_remove("BUILDKITE_AGENT_TOKEN")
             .env_remove("KERNELKITE_QUEUE");
@@ -743,14 +735,7 @@ fn setup_refuses_what_it_cannot_use_before_touching_anything() {
     assert_eq!(snapshot(&node), before);
 
     // A dry run without a token shows where it goes, and writes nothing.
-    let out = Command::new(BIN)
-        .arg("setup")
-        .arg("--root")
-        .arg(node.root())
-        .arg("--sysfs-root")
-        .arg(node.sysfs())
-        .arg("--from")
-        .arg(node.from())
+    let out = setup_command(&node, &node.from())
         .args(["--queue", "h100", "--node", "dgx01", "--dry-run"])
         .env_remove("BUILDKITE_AGENT_TOKEN")
         .output()
@@ -765,14 +750,7 @@ fn setup_refuses_what_it_cannot_use_before_touching_anything() {
     assert_eq!(snapshot(&node), before);
 
     // The token from the environment is used, and never printed.
-    let out = Command::new(BIN)
-        .arg("setup")
-        .arg("--root")
-        .arg(node.root())
-        .arg("--sysfs-root")
-        .arg(node.sysfs())
-        .arg("--from")
-        .arg(node.from())
+    let out = setup_command(&node, &node.from())
         .args(["--queue", "h100", "--node", "dgx01"])
         .env("BUILDKITE_AGENT_TOKEN", "bkct_from-env")
         .output()
@@ -787,14 +765,7 @@ fn setup_refuses_what_it_cannot_use_before_touching_anything() {
 fn a_reader_that_stops_early_does_not_break_setup() {
     // `setup --dry-run | head` (or quitting `less`): the output goes nowhere, setup still ends well.
     let node = prepare(&DGX);
-    let mut child = Command::new(BIN)
-        .arg("setup")
-        .arg("--root")
-        .arg(node.root())
-        .arg("--sysfs-root")
-        .arg(node.sysfs())
-        .arg("--from")
-        .arg(node.from())
+    let mut child = setup_command(&node, &node.from())
         .args(["--queue", "h100", "--node", "dgx01", "--dry-run"])
         .arg("--agent-token-file")
         .arg(node.tmp().join("agent-token"))
