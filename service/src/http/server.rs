@@ -55,6 +55,9 @@ const REFUSING_MAX: usize = 16;
 /// Connections closed to make room whose tasks have not ended yet; past this, no more are
 /// closed and new connections go to the reserve.
 const EVICTING_MAX: usize = 32;
+/// A connection idle for less than this, nothing of a request read, is closed to make room
+/// only when no other will do (see `Slot::eviction_rank`).
+const SETTLING_MS: u64 = 1000;
 /// Largest request head, bytes; also the most a connection's read buffer grows to.
 pub const MAX_HEAD_BYTES: usize = 32 * 1024;
 /// The automatic cap's upper bound (each connection costs some memory as well as a file).
@@ -162,6 +165,26 @@ impl Slot {
 
     fn idle(&self) -> bool {
         self.inflight.load(Ordering::Acquire) == 0
+    }
+
+    /// Which evictable connection to close first (lowest first), at `now` on the edge's
+    /// clock: a head arriving too slowly, then the longest idle, then unauthenticated body
+    /// readers (they may yet be real), and last the connections idle for less than
+    /// [`SETTLING_MS`] with nothing read: on a loaded machine the accept loop runs ahead of
+    /// the connection tasks, and a request already in the socket's buffer looks idle until
+    /// its task reads it. Ties: idle the longest first.
+    fn eviction_rank(&self, now: u64) -> (u8, u64) {
+        let since = self.idle_since.load(Ordering::Relaxed);
+        let rank = if !self.idle() {
+            2
+        } else if self.head_started.load(Ordering::Relaxed) != 0 {
+            0
+        } else if now.saturating_sub(since) < SETTLING_MS {
+            3
+        } else {
+            1
+        };
+        (rank, since)
     }
 
     /// Bytes arrived while no request was in the router: a head is starting.
@@ -453,14 +476,7 @@ impl Conns {
             slots
                 .values()
                 .filter(|s| !s.evicted.load(Ordering::Relaxed) && s.evictable())
-                .min_by_key(|s| {
-                    // Unauthenticated readers after the idle ones: they may yet be real.
-                    (
-                        !s.idle(),
-                        s.head_started.load(Ordering::Relaxed) == 0,
-                        s.idle_since.load(Ordering::Relaxed),
-                    )
-                })
+                .min_by_key(|s| s.eviction_rank(now_ms(s.epoch)))
                 .cloned()
         };
         match victim {
@@ -828,6 +844,49 @@ mod tests {
         assert!(head.contains("retry-after: 1"), "{head}");
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert!(v["error"].as_str().unwrap().contains("connection"), "{v}");
+    }
+
+    #[test]
+    fn slow_heads_go_first_and_connections_just_accepted_last() {
+        let epoch = Instant::now();
+        let at = |idle_since: u64| {
+            let s = Slot::new(epoch);
+            s.idle_since.store(idle_since, Ordering::Relaxed);
+            s
+        };
+        let now = 10_000;
+        let slow_head = at(9_900);
+        slow_head.head_started.store(9_950, Ordering::Relaxed);
+        let idle_long = at(2_000);
+        let idle = at(5_000);
+        let unauthenticated = at(1_000);
+        unauthenticated.inflight.store(1, Ordering::Relaxed);
+        unauthenticated.unauthenticated.store(1, Ordering::Relaxed);
+        let just_accepted = at(9_990);
+        let mut order = [
+            ("just accepted", &just_accepted),
+            ("unauthenticated", &unauthenticated),
+            ("idle", &idle),
+            ("slow head", &slow_head),
+            ("idle long", &idle_long),
+        ];
+        order.sort_by_key(|(_, s)| s.eviction_rank(now));
+        let names: Vec<&str> = order.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "slow head",
+                "idle long",
+                "idle",
+                "unauthenticated",
+                "just accepted"
+            ]
+        );
+        // Settled: an ordinary idle connection.
+        assert_eq!(
+            just_accepted.eviction_rank(9_990 + SETTLING_MS).0,
+            idle.eviction_rank(now).0
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
-use sqlx::{ConnectOptions, Connection, Row, SqliteConnection};
+use sqlx::{ConnectOptions, Row, SqliteConnection};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::executor::Job;
@@ -228,7 +228,7 @@ struct Request {
 
 /// What every database thread shares: the last write's outcome and the latency metric.
 struct Shared {
-    last_write_failed: Mutex<Option<String>>,
+    last_write_failed: Mutex<Option<WriteFailure>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     /// The reader's checkpoints cannot keep the WAL small (writes never pause): the writer
     /// truncates it at its next turn.
@@ -448,7 +448,10 @@ impl Sqlite {
     }
 
     /// Reachable and writable: a probe write commits, and the last write before it did not
-    /// fail. A store whose last write failed stays unhealthy until a write succeeds again.
+    /// fail. A store whose last write failed stays unhealthy until a write succeeds again;
+    /// when that write failed for want of space and the disk has room again, the probe is
+    /// that write (nothing else may write on an idle service, and it must not stay
+    /// unhealthy, and be restarted, only because nobody submitted since).
     pub async fn health(&self) -> Result<(), StoreError> {
         // A full disk can still take writes that fit in pages the files already hold (a
         // probe, a state change), while a new submission needs new pages: the free space is
@@ -464,20 +467,20 @@ impl Sqlite {
                 }
             }
         }
-        if let Some(why) = self
-            .shared
-            .last_write_failed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-        {
-            return Err(StoreError::Write(why));
+        // Any other failure (an I/O error, a corrupted table) is not cured by a probe of
+        // one row that happens to commit.
+        if let Some(f) = self.last_failure().filter(|f| !f.disk_full) {
+            return Err(StoreError::Write(f.why));
         }
         self.call(Op::Probe).await.map(|_| ())
     }
 
     /// Why the last write failed, while the store has not written successfully since.
     pub fn last_write_error(&self) -> Option<String> {
+        self.last_failure().map(|f| f.why)
+    }
+
+    fn last_failure(&self) -> Option<WriteFailure> {
         self.shared
             .last_write_failed
             .lock()
@@ -660,16 +663,46 @@ async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
         if current.is_some_and(|c| c >= *version) {
             continue;
         }
-        let mut tx = conn.begin().await?;
-        sqlx::raw_sql(sql).execute(&mut *tx).await?;
-        sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
-            .bind(version)
-            .bind(now_ms())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
+        begin(conn).await?;
+        let applied = async {
+            sqlx::raw_sql(sql).execute(&mut *conn).await?;
+            sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
+                .bind(version)
+                .bind(now_ms())
+                .execute(&mut *conn)
+                .await?;
+            commit(conn).await
+        }
+        .await;
+        if let Err(e) = applied {
+            rollback(conn).await;
+            return Err(e);
+        }
     }
     Ok(())
+}
+
+// Transactions are begun and ended by hand, not with sqlx's `Transaction`: sqlx counts the
+// nesting itself and loses count when SQLite rolls a transaction back on its own (it may,
+// on SQLITE_FULL and I/O errors). Its ROLLBACK then fails, it believes a transaction is still
+// open, the next `begin` becomes a SAVEPOINT, and after one more failed write a transaction
+// stays open that every later write joins and nothing commits: each acknowledged, all lost
+// (seen on a full disk; `every_write_acknowledged_on_a_filling_disk_is_kept`).
+
+async fn begin(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("BEGIN").execute(&mut *conn).await.map(drop)
+}
+
+async fn commit(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("COMMIT").execute(&mut *conn).await.map(drop)
+}
+
+/// Ends a failed transaction. When SQLite has already rolled it back, ROLLBACK answers that
+/// no transaction is active: that is the state wanted.
+async fn rollback(conn: &mut SqliteConnection) {
+    if let Err(e) = sqlx::query("ROLLBACK").execute(&mut *conn).await {
+        tracing::debug!(error = %report(&e), "ROLLBACK after a failed transaction");
+    }
 }
 
 /// Now, unix milliseconds.
@@ -767,9 +800,10 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
                     let _ = r.reply.send(Ok(reply));
                 }
                 Err(e) => {
-                    let why = report(&e);
-                    tracing::error!(error = %why, "the store could not commit");
-                    set_failed(shared, Some(why.clone()));
+                    let failure = WriteFailure::of(&e);
+                    tracing::error!(error = %failure.why, "the store could not commit");
+                    let why = failure.why.clone();
+                    set_failed(shared, Some(failure));
                     let _ = r.reply.send(Err(StoreError::Write(why)));
                 }
             }
@@ -777,15 +811,18 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
         return;
     }
     let together = async {
-        let mut tx = conn.begin().await?;
+        begin(conn).await?;
         let mut out = Vec::with_capacity(writes.len());
         for r in &writes {
-            out.push(write(&mut tx, &r.op).await?);
+            out.push(write(conn, &r.op).await?);
         }
-        tx.commit().await?;
+        commit(conn).await?;
         Ok::<_, sqlx::Error>(out)
     }
     .await;
+    if together.is_err() {
+        rollback(conn).await;
+    }
     match together {
         Ok(replies) => {
             shared.observe("commit", t);
@@ -795,9 +832,10 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
             }
         }
         Err(e) if writes.len() == 1 => {
-            let why = report(&e);
-            tracing::error!(error = %why, "the store could not commit");
-            set_failed(shared, Some(why.clone()));
+            let failure = WriteFailure::of(&e);
+            tracing::error!(error = %failure.why, "the store could not commit");
+            let why = failure.why.clone();
+            set_failed(shared, Some(failure));
             for r in writes {
                 let _ = r.reply.send(Err(StoreError::Write(why.clone())));
             }
@@ -805,21 +843,25 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
         Err(_) => {
             for r in writes {
                 let one = async {
-                    let mut tx = conn.begin().await?;
-                    let reply = write(&mut tx, &r.op).await?;
-                    tx.commit().await?;
+                    begin(conn).await?;
+                    let reply = write(conn, &r.op).await?;
+                    commit(conn).await?;
                     Ok::<_, sqlx::Error>(reply)
                 }
                 .await;
+                if one.is_err() {
+                    rollback(conn).await;
+                }
                 match one {
                     Ok(reply) => {
                         set_failed(shared, None);
                         let _ = r.reply.send(Ok(reply));
                     }
                     Err(e) => {
-                        let why = report(&e);
-                        tracing::error!(error = %why, "the store could not commit");
-                        set_failed(shared, Some(why.clone()));
+                        let failure = WriteFailure::of(&e);
+                        tracing::error!(error = %failure.why, "the store could not commit");
+                        let why = failure.why.clone();
+                        set_failed(shared, Some(failure));
                         let _ = r.reply.send(Err(StoreError::Write(why)));
                     }
                 }
@@ -831,11 +873,40 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
 /// Below this much free space on the data dir's disk the store reports itself unhealthy.
 const MIN_FREE_BYTES: u64 = 1 << 20;
 
-fn set_failed(shared: &Shared, why: Option<String>) {
+/// A write that failed, and whether for want of space (`SQLITE_FULL`, or the disk's
+/// `ENOSPC` as an I/O error).
+#[derive(Debug, Clone)]
+struct WriteFailure {
+    why: String,
+    disk_full: bool,
+}
+
+impl WriteFailure {
+    fn of(e: &sqlx::Error) -> WriteFailure {
+        WriteFailure {
+            why: report(e),
+            disk_full: is_disk_full(e),
+        }
+    }
+}
+
+fn is_disk_full(e: &sqlx::Error) -> bool {
+    const SQLITE_FULL: i64 = 13;
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i64>().ok())
+            .is_some_and(|c| c & 0xff == SQLITE_FULL),
+        sqlx::Error::Io(io) => io.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()),
+        _ => false,
+    }
+}
+
+fn set_failed(shared: &Shared, failure: Option<WriteFailure>) {
     *shared
         .last_write_failed
         .lock()
-        .unwrap_or_else(|p| p.into_inner()) = why;
+        .unwrap_or_else(|p| p.into_inner()) = failure;
 }
 
 fn encode<T: serde::Serialize>(v: &T) -> Result<String, sqlx::Error> {
@@ -1100,6 +1171,127 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o777, 0o600, "{f}: {mode:o}");
         }
+    }
+
+    /// A write that failed for want of space is retried by the health probe once there is
+    /// room (nothing else need write on an idle service); any other failure keeps the store
+    /// unhealthy until a real write succeeds.
+    #[tokio::test]
+    async fn only_a_disk_full_failure_is_cleared_by_the_health_probe() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let fail = |why: &str, disk_full| {
+            set_failed(
+                &db.shared,
+                Some(WriteFailure {
+                    why: why.into(),
+                    disk_full,
+                }),
+            )
+        };
+
+        fail("database or disk is full", true);
+        db.health().await.expect("room again: the probe commits");
+        assert_eq!(db.last_write_error(), None);
+
+        fail("disk I/O error", false);
+        let e = db.health().await.unwrap_err();
+        assert!(e.to_string().contains("disk I/O error"), "{e}");
+        assert_eq!(db.last_write_error().as_deref(), Some("disk I/O error"));
+        db.insert(new_sub(None)).await.unwrap();
+        db.health().await.expect("a write succeeded since");
+    }
+
+    /// Writes acknowledged on a disk that fills up are all there after reopening: a write that
+    /// fails with SQLITE_FULL must not leave the connection inside a transaction that later
+    /// "successful" writes join and nobody commits. Needs a small tmpfs (root).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_write_acknowledged_on_a_filling_disk_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            kernelkite_testkit::skip("cannot mount a small tmpfs to fill (needs root)");
+            return;
+        }
+        struct Unmount(std::path::PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount")
+                    .arg("-l")
+                    .arg(&self.0)
+                    .status();
+            }
+        }
+        let _unmount = Unmount(dir.path().to_path_buf());
+        let data = dir.path().join("data");
+        let db = Sqlite::open(Some(&data), SyncMode::Normal, None).unwrap();
+        // Room for a few dozen submissions: some writes commit, then the disk fills.
+        let fs = rustix::fs::statvfs(dir.path()).unwrap();
+        let free = (fs.f_bavail * fs.f_frsize) as usize;
+        std::fs::write(
+            dir.path().join("filler"),
+            vec![0u8; free.saturating_sub(96 << 10)],
+        )
+        .unwrap();
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..400 {
+            let db = db.clone();
+            tasks.spawn(async move {
+                let n = new_sub(None);
+                let mut s = n.sub.clone();
+                db.insert(n).await.ok()?;
+                s.advance(State::Running, chrono::Utc::now());
+                let saved = db.save(&s).await.is_ok();
+                Some((s, saved))
+            });
+        }
+        let mut acked = Vec::new();
+        let mut refused = 0;
+        while let Some(r) = tasks.join_next().await {
+            match r.unwrap() {
+                Some(x) => acked.push(x),
+                None => refused += 1,
+            }
+        }
+        eprintln!("{} writes acknowledged, {refused} refused", acked.len());
+        assert!(
+            refused > 0 && !acked.is_empty(),
+            "the disk must fill part way through for this test to prove anything"
+        );
+        drop(db);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = std::fs::remove_file(dir.path().join("filler"));
+        let db = Sqlite::open(Some(&data), SyncMode::Normal, None).unwrap();
+        let (mut lost, mut half) = (0, 0);
+        for (s, saved) in &acked {
+            match db.load(&s.id).await.unwrap() {
+                Some(got) if *saved && got.state == State::Running => {}
+                // A refused change left the submission as it was.
+                Some(got) if !saved && got.state == State::Queued => {}
+                Some(_) => half += 1,
+                None => lost += 1,
+            }
+        }
+        assert_eq!(
+            lost,
+            0,
+            "{lost} of {} acknowledged writes lost",
+            acked.len()
+        );
+        assert_eq!(half, 0, "{half} refused changes were kept anyway");
+    }
+
+    #[test]
+    fn disk_full_is_sqlite_full_or_enospc() {
+        let enospc = std::io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error());
+        assert!(is_disk_full(&sqlx::Error::Io(enospc)));
+        let eio = std::io::Error::from_raw_os_error(rustix::io::Errno::IO.raw_os_error());
+        assert!(!is_disk_full(&sqlx::Error::Io(eio)));
+        assert!(!is_disk_full(&sqlx::Error::RowNotFound));
     }
 
     #[tokio::test]

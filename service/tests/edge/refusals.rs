@@ -276,11 +276,14 @@ async fn healthz_fails_and_submissions_get_503_while_the_store_cannot_write() {
         );
         return;
     }
-    // Fill the disk. SQLite may still write a few submissions into space its files already
-    // hold (a checkpointed WAL is reused in place): those are accepted and kept. Once a write
-    // needs a new block, the submission is refused with 503 and nothing half-written.
+    // Fill the disk but for room for a few submissions: those are accepted and kept. Once a
+    // write needs a block the disk does not have, the submission is refused with 503 and
+    // nothing half-written, and every later write is refused too (none joins a transaction
+    // that SQLite abandoned and nothing commits).
     let filler = dir.path().join("filler");
-    let _ = std::fs::write(&filler, vec![0u8; 8 << 20]);
+    let fs = rustix::fs::statvfs(dir.path()).unwrap();
+    let free = (fs.f_bavail * fs.f_frsize) as usize;
+    std::fs::write(&filler, vec![0u8; free.saturating_sub(64 << 10)]).unwrap();
     let mut accepted = Vec::new();
     let mut refused = None;
     for _ in 0..500 {
@@ -309,11 +312,32 @@ async fn healthz_fails_and_submissions_get_503_while_the_store_cannot_write() {
     // Room again: healthy again.
     std::fs::remove_file(&filler).unwrap();
     let deadline = Instant::now() + 10 * SECOND;
-    while crate::healthz(svc.port, 5 * SECOND).await.ok() != Some(200) {
-        assert!(Instant::now() < deadline, "never healthy again");
+    loop {
+        let h = exchange(
+            svc.port,
+            b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            5 * SECOND,
+        )
+        .await;
+        if matches!(&h, Ok(a) if a.status == 200) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never healthy again: {h:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Every submission acknowledged on the full disk was kept.
+    // Every submission acknowledged on the full disk was kept: on disk, not only in memory
+    // (the service is killed and started again on the same data dir).
+    let mut svc = svc;
+    svc.child.kill().await.unwrap();
+    let svc = Service::start_with(Options {
+        data_dir: Some(data.clone()),
+        ..Options::default()
+    })
+    .await;
+    assert!(
+        !accepted.is_empty(),
+        "nothing was accepted before the disk filled"
+    );
     for id in &accepted {
         let g = exchange(
             svc.port,
