@@ -227,7 +227,7 @@ async fn over_the_cap_idle_and_unauthenticated_connections_make_room_and_busy_on
     };
     assert_eq!(status, 202, "{v}");
     let id = v["id"].as_str().unwrap().to_string();
-    let long_poll = format!("GET /v1/submissions/{id}?wait=30 HTTP/1.1\r\nhost: x\r\n\r\n");
+    let events = format!("GET /v1/submissions/{id}/events HTTP/1.1\r\nhost: x\r\n\r\n");
 
     // Eight connections that only send a webhook's headers and a byte of its body: they
     // hold the cap, but nobody has proved anything, so they make room for real requests.
@@ -246,13 +246,20 @@ async fn over_the_cap_idle_and_unauthenticated_connections_make_room_and_busy_on
         unauthenticated.push(s);
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // Real work displaces them: eight long-polls (each a request in flight).
+    // Real work displaces them: eight event streams (each a request in flight). Each one's
+    // first bytes are read before the next connects, so the service has it in flight (on a
+    // loaded machine a request not yet read is a connection with nothing to show).
     let mut polls = Vec::new();
     for _ in 0..8 {
         let mut s = TcpStream::connect(("127.0.0.1", svc.port)).await.unwrap();
-        s.write_all(long_poll.as_bytes()).await.unwrap();
+        s.write_all(events.as_bytes()).await.unwrap();
+        let mut first = [0u8; 12];
+        tokio::time::timeout(5 * SECOND, s.read_exact(&mut first))
+            .await
+            .expect("an event stream starts")
+            .unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
         polls.push(s);
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     for s in &mut unauthenticated {
@@ -300,14 +307,45 @@ async fn over_the_cap_idle_and_unauthenticated_connections_make_room_and_busy_on
             break a;
         }
     };
-    assert_eq!(fixed.status, 503, "{fixed:?}");
+    if fixed.status != 503 {
+        // What the service did meanwhile: the streams' submission, evictions, refusals.
+        let state = exchange(
+            svc.port,
+            format!("GET /v1/submissions/{id} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .as_bytes(),
+            3 * SECOND,
+        )
+        .await;
+        let metrics = exchange(
+            svc.port,
+            b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            3 * SECOND,
+        )
+        .await
+        .map(|a| {
+            a.body
+                .lines()
+                .filter(|l| l.starts_with("kernelkite_http"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        });
+        let log = svc.stderr();
+        let notable: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains(" INFO ") || l.contains("evict") || l.contains("refus"))
+            .collect();
+        panic!(
+            "past the reserve, healthz answered {fixed:?}\nthe submission: {state:?}\nmetrics: {metrics:?}\nthe service's warnings: {}",
+            notable.join("\n")
+        );
+    }
     assert!(fixed.json()["error"]
         .as_str()
         .unwrap()
         .contains("connection"));
     drop(reserve);
 
-    // The long-polls end: connections are free again.
+    // The streams end: connections are free again.
     drop(polls);
     let deadline = Instant::now() + 5 * SECOND;
     loop {
