@@ -89,6 +89,17 @@ async fn submit_until_accepted(
 }
 
 /// Long-polls until the submission ended, through restarts; its final JSON.
+/// The submission as `GET /v1/submissions/{id}` answers now.
+async fn get_submission(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    http.get(format!("{base}/v1/submissions/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn long_poll(http: &reqwest::Client, base: &str, id: &str) -> Value {
     loop {
         if let Ok(r) = http
@@ -562,14 +573,7 @@ async fn a_full_disk_refuses_new_submissions_and_loses_nothing_acknowledged() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut told = Vec::new();
     for id in &accepted {
-        let v: Value = http
-            .get(format!("{}/v1/submissions/{id}", svc.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = get_submission(&http, &svc.base, id).await;
         if v["state"] == "succeeded" {
             told.push(v);
         }
@@ -593,14 +597,7 @@ async fn a_full_disk_refuses_new_submissions_and_loses_nothing_acknowledged() {
     // What was told is what was kept: the same end, not a second one after the restart.
     for v in &told {
         let id = v["id"].as_str().unwrap();
-        let now: Value = http
-            .get(format!("{}/v1/submissions/{id}", svc.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let now = get_submission(&http, &svc.base, id).await;
         assert_eq!(now["finished_at"], v["finished_at"], "told {v}, kept {now}");
     }
     // Nothing was made for the refused submission: one build per accepted one.
@@ -632,14 +629,7 @@ async fn a_spent_rate_limit_queues_submissions_then_runs_them_all() {
     fake.inject(Route::ListArtifacts, Fault::RateLimited { reset_s: 1 });
     let mut queued_seen = false;
     for id in &ids {
-        let v: Value = http
-            .get(format!("{}/v1/submissions/{id}", svc.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = get_submission(&http, &svc.base, id).await;
         queued_seen |= v["state"] == "queued";
     }
     for id in &ids {

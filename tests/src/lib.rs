@@ -1,7 +1,7 @@
 //! kernelkite's test support. Cross-crate end-to-end tests live beside it in `tests/tests/`;
 //! this library holds what they and every crate's tests and benchmarks share: the fake
 //! Buildkite (also a process with a control API, the `fake-buildkite` binary, for the Python
-//! client's tests), the service on loopback against it, sample kernelbot documents, scratch trees,
+//! client's tests), the service on loopback against it, sample kernelbot documents, scratch trees, a small tmpfs to fill,
 //! and [`skip()`], which reports a test that could not run here as skipped. None of it is in a
 //! product's path.
 
@@ -13,6 +13,7 @@ pub mod harness;
 pub mod local;
 pub mod service_process;
 pub mod skip;
+pub mod tmpfs;
 pub mod users;
 
 pub use skip::skip;

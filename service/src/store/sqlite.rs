@@ -1207,36 +1207,13 @@ mod tests {
     /// "successful" writes join and nobody commits. Needs a small tmpfs (root).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_write_acknowledged_on_a_filling_disk_is_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-            .arg(dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !mounted {
-            kernelkite_testkit::skip("cannot mount a small tmpfs to fill (needs root)");
+        let Some(disk) = kernelkite_testkit::tmpfs::SmallTmpfs::mount(1 << 20) else {
             return;
-        }
-        struct Unmount(std::path::PathBuf);
-        impl Drop for Unmount {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("umount")
-                    .arg("-l")
-                    .arg(&self.0)
-                    .status();
-            }
-        }
-        let _unmount = Unmount(dir.path().to_path_buf());
-        let data = dir.path().join("data");
+        };
+        let data = disk.path().join("data");
         let db = Sqlite::open(Some(&data), SyncMode::Normal, None).unwrap();
         // Room for a few dozen submissions: some writes commit, then the disk fills.
-        let fs = rustix::fs::statvfs(dir.path()).unwrap();
-        let free = (fs.f_bavail * fs.f_frsize) as usize;
-        std::fs::write(
-            dir.path().join("filler"),
-            vec![0u8; free.saturating_sub(96 << 10)],
-        )
-        .unwrap();
+        let filler = disk.fill_leaving(96 << 10);
         let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..400 {
             let db = db.clone();
@@ -1264,7 +1241,7 @@ mod tests {
         );
         drop(db);
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let _ = std::fs::remove_file(dir.path().join("filler"));
+        std::fs::remove_file(&filler).unwrap();
         let db = Sqlite::open(Some(&data), SyncMode::Normal, None).unwrap();
         let (mut lost, mut half) = (0, 0);
         for (s, saved) in &acked {

@@ -239,51 +239,21 @@ async fn every_413_is_json_and_names_its_setting() {
 /// fill (root).
 #[tokio::test]
 async fn healthz_fails_and_submissions_get_503_while_the_store_cannot_write() {
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
-        .arg(dir.path())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        kernelkite_testkit::skip("cannot mount a small tmpfs to fill (needs root)");
+    let Some(disk) = kernelkite_testkit::tmpfs::SmallTmpfs::mount(4 << 20) else {
         return;
-    }
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status();
-        }
-    }
-    let _unmount = Unmount(dir.path().to_path_buf());
-    let data = dir.path().join("data");
+    };
+    let data = disk.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let svc = Service::start_with(Options {
         data_dir: Some(data.clone()),
         ..Options::default()
     })
     .await;
-    let has_database = std::fs::read_dir(&data)
-        .unwrap()
-        .flatten()
-        .any(|e| e.file_type().is_ok_and(|t| t.is_file()));
-    if !has_database {
-        kernelkite_testkit::skip(
-            "the durable store is not yet merged: Store::health is a placeholder and nothing is written before a submission ends",
-        );
-        return;
-    }
     // Fill the disk but for room for a few submissions: those are accepted and kept. Once a
     // write needs a block the disk does not have, the submission is refused with 503 and
     // nothing half-written, and every later write is refused too (none joins a transaction
     // that SQLite abandoned and nothing commits).
-    let filler = dir.path().join("filler");
-    let fs = rustix::fs::statvfs(dir.path()).unwrap();
-    let free = (fs.f_bavail * fs.f_frsize) as usize;
-    std::fs::write(&filler, vec![0u8; free.saturating_sub(64 << 10)]).unwrap();
+    let filler = disk.fill_leaving(64 << 10);
     let mut accepted = Vec::new();
     let mut refused = None;
     for _ in 0..500 {
