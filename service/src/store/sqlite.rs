@@ -800,10 +800,7 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
                     let _ = r.reply.send(Ok(reply));
                 }
                 Err(e) => {
-                    let failure = WriteFailure::of(&e);
-                    tracing::error!(error = %failure.why, "the store could not commit");
-                    let why = failure.why.clone();
-                    set_failed(shared, Some(failure));
+                    let why = record_failure(shared, &e);
                     let _ = r.reply.send(Err(StoreError::Write(why)));
                 }
             }
@@ -832,10 +829,7 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
             }
         }
         Err(e) if writes.len() == 1 => {
-            let failure = WriteFailure::of(&e);
-            tracing::error!(error = %failure.why, "the store could not commit");
-            let why = failure.why.clone();
-            set_failed(shared, Some(failure));
+            let why = record_failure(shared, &e);
             for r in writes {
                 let _ = r.reply.send(Err(StoreError::Write(why.clone())));
             }
@@ -858,10 +852,7 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
                         let _ = r.reply.send(Ok(reply));
                     }
                     Err(e) => {
-                        let failure = WriteFailure::of(&e);
-                        tracing::error!(error = %failure.why, "the store could not commit");
-                        let why = failure.why.clone();
-                        set_failed(shared, Some(failure));
+                        let why = record_failure(shared, &e);
                         let _ = r.reply.send(Err(StoreError::Write(why)));
                     }
                 }
@@ -900,6 +891,15 @@ fn is_disk_full(e: &sqlx::Error) -> bool {
         sqlx::Error::Io(io) => io.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()),
         _ => false,
     }
+}
+
+/// Logs a failed write and keeps it for [`Sqlite::health`]; returns why, for the callers.
+fn record_failure(shared: &Shared, e: &sqlx::Error) -> String {
+    let failure = WriteFailure::of(e);
+    tracing::error!(error = %failure.why, "the store could not commit");
+    let why = failure.why.clone();
+    set_failed(shared, Some(failure));
+    why
 }
 
 fn set_failed(shared: &Shared, failure: Option<WriteFailure>) {
