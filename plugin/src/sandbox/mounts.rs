@@ -3,7 +3,8 @@
 //!
 //! 1. every mount made private (`MS_REC|MS_PRIVATE`): nothing done here reaches the host, and
 //!    nothing mounted on the host later appears in the job;
-//! 2. every cgroup mount (and the tmpfs holding v1's hierarchies) read-only;
+//! 2. every cgroup mount (and the tmpfs holding v1's hierarchies) read-only, the tree at
+//!    `/sys/fs/cgroup` in one `mount_setattr` where the kernel has it;
 //! 3. layers, shallowest first: fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's
 //!    world-writable directories; gone with the namespace), an empty read-only tmpfs over each
 //!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back, writable,
@@ -231,6 +232,24 @@ fn cgroup_mounts() -> Result<Vec<PathBuf>, SandboxError> {
     Ok(out)
 }
 
+/// Where the cgroup file systems live.
+const CGROUP_BASE: &str = "/sys/fs/cgroup";
+
+/// Makes the cgroup mounts read-only: the whole tree at [`CGROUP_BASE`] with one system call
+/// where the kernel has `mount_setattr` (5.12+), instead of a remount per hierarchy (about a
+/// dozen on a cgroup v1 node); any other (or, on an older kernel, every one) by a remount.
+fn read_only_cgroups(mounts: &[PathBuf]) -> Result<(), SandboxError> {
+    let base = Path::new(CGROUP_BASE);
+    let tree_done =
+        mounts.iter().any(|m| m == base) && kernelkite_sys::raw::make_tree_read_only(base).is_ok();
+    for mp in mounts {
+        if !(tree_done && mp.starts_with(base)) {
+            bind_read_only(mp)?;
+        }
+    }
+    Ok(())
+}
+
 /// A path's real location (links resolved), when it exists.
 fn real(path: &Path) -> Option<PathBuf> {
     std::fs::canonicalize(path).ok()
@@ -285,10 +304,8 @@ pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
     let host_ptmx = clone_tree(&dev.join("ptmx")).ok();
     let mqueue = dev.join("mqueue").is_dir();
 
-    for mp in cgroup_mounts()? {
-        bind_read_only(&mp)?;
-        built.read_only_cgroups.push(mp);
-    }
+    built.read_only_cgroups = cgroup_mounts()?;
+    read_only_cgroups(&built.read_only_cgroups)?;
 
     // Step 3.
     let mut layers: Vec<Layer> = FRESH_DIRS
