@@ -453,6 +453,8 @@ struct Conns {
     evicting: AtomicUsize,
     /// Notified whenever a connection ends.
     ended: tokio::sync::Notify,
+    /// The edge's clock, which the slots' times count from.
+    epoch: Instant,
 }
 
 impl Conns {
@@ -471,12 +473,13 @@ impl Conns {
         if self.evicting.load(Ordering::Relaxed) >= EVICTING_MAX {
             return false;
         }
+        let now = now_ms(self.epoch);
         let victim = {
             let slots = self.lock();
             slots
                 .values()
                 .filter(|s| !s.evicted.load(Ordering::Relaxed) && s.evictable())
-                .min_by_key(|s| s.eviction_rank(now_ms(s.epoch)))
+                .min_by_key(|s| s.eviction_rank(now))
                 .cloned()
         };
         match victim {
@@ -555,10 +558,11 @@ pub(crate) async fn run(
         refusing: AtomicUsize::new(0),
         evicting: AtomicUsize::new(0),
         ended: tokio::sync::Notify::new(),
+        epoch: Instant::now(),
     });
     // Dropping `run` (a test aborting its server) stops every connection task too.
     let _stop = StopOnDrop(edge.clone());
-    let epoch = Instant::now();
+    let epoch = conns.epoch;
     let mut normal = hyper::server::conn::http1::Builder::new();
     // The watchdog enforces the header and idle timeouts; hyper's own would need a timer per
     // request.
