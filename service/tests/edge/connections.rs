@@ -286,24 +286,43 @@ async fn over_the_cap_idle_and_unauthenticated_connections_make_room_and_busy_on
     );
     assert!(refused.head.to_ascii_lowercase().contains("retry-after"));
 
-    // Past the reserve, the fixed 503 — JSON as well. Idle connections fill the reserve one at
-    // a time until a probe gets the fixed answer: a reserve connection the service has just
-    // answered (the 503 above) may hold its place a moment longer, so fewer may do, never more
-    // than the reserve's size.
+    // Past the reserve, the fixed 503 — JSON as well. OPS_RESERVE idle connections fill the
+    // reserve (held there: nothing evicts a reserve connection, and the timeouts are long);
+    // then a probe gets the fixed answer. A reserve connection the service has just answered
+    // (the 503 above) may hold its place a moment longer; then one of the idle ones is the
+    // one refused, and its answer is the fixed 503 instead.
+    let reserve_size = kernelkite_service::http::server::OPS_RESERVE;
     let mut reserve = Vec::new();
-    let fixed = loop {
+    for _ in 0..reserve_size {
         reserve.push(TcpStream::connect(("127.0.0.1", svc.port)).await.unwrap());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let a = exchange(
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut answered_idle = None;
+    for s in &mut reserve {
+        let mut first = [0u8; 1];
+        // Only what has already arrived: a held connection has nothing to read.
+        if let Ok(peeked) = tokio::time::timeout(Duration::from_millis(1), s.peek(&mut first)).await
+        {
+            answered_idle = Some(match peeked {
+                Ok(0) => Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "an idle connection was closed without an answer",
+                )),
+                Ok(_) => read_answer(s).await,
+                Err(e) => Err(e),
+            });
+            break;
+        }
+    }
+    let fixed = match answered_idle {
+        Some(a) => a.unwrap(),
+        None => exchange(
             svc.port,
             b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
             3 * SECOND,
         )
         .await
-        .unwrap();
-        if a.status == 503 || reserve.len() > kernelkite_service::http::server::OPS_RESERVE {
-            break a;
-        }
+        .unwrap(),
     };
     if fixed.status != 503 {
         // What the service did meanwhile: the streams' submission, evictions, refusals.
