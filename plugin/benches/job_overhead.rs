@@ -657,6 +657,25 @@ fn main() {
         "the command alone: start (bash -e -c printf, bare)",
         &stats(bare_start),
     );
+    // The same after the agent's idle time, as the hooks are measured: the part of "command
+    // start" that a job pays with or without any hook.
+    let mut bare_idle = Vec::new();
+    for _ in 0..gap_jobs {
+        std::thread::sleep(GAP);
+        let wall = SystemTime::now();
+        run(Command::new("/bin/bash")
+            .args(["-e", "-c", r#"printf %s "$EPOCHREALTIME" > started"#])
+            .current_dir(&bare_dir));
+        let marker = std::fs::read_to_string(bare_dir.join("started")).unwrap();
+        let started =
+            SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
+        bare_idle.push(started.duration_since(wall).unwrap_or_default());
+    }
+    let bare_idle = stats(bare_idle);
+    table.row(
+        &format!("the command alone: start after {} ms idle", GAP.as_millis()),
+        &bare_idle,
+    );
     table.row("the command alone: whole process", &stats(bare));
     table.row("the command alone: CPU time (user + sys)", &stats(bare_cpu));
 
@@ -718,6 +737,14 @@ fn main() {
             } else {
                 "MISSED"
             }
+        );
+    }
+    // "Command start" runs to the command's first instruction, so it holds the shell's own
+    // start, which the agent pays without any hook; this is what the hooks add on top of it.
+    for ((name, _), sum) in builds.iter().zip(&sums) {
+        println!(
+            "what the hooks add to a job, agent-style, binary hooks, {name}: {} (median sum - the bare command's start after the same idle)",
+            ms(sum.median.saturating_sub(bare_idle.median))
         );
     }
 }

@@ -269,7 +269,8 @@ async fn twenty_submissions_share_the_slices_in_order_and_never_two_on_one_slice
     }
 
     let mut by_slice: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
-    let mut dequeued = Vec::new();
+    // (joined the queue, left it, accepted), in the order the submissions were accepted.
+    let mut queue = Vec::new();
     for id in &ids {
         let done = stack.wait(id).await;
         assert_eq!(done["state"], "succeeded", "{done}");
@@ -285,7 +286,12 @@ async fn twenty_submissions_share_the_slices_in_order_and_never_two_on_one_slice
             .entry(p[0].slice.clone())
             .or_default()
             .push((p[0].start_ns, p[0].end_ns));
-        dequeued.push(report.timings.dequeued.expect("dequeued"));
+        let t = &report.timings;
+        queue.push((
+            t.queued.expect("queued"),
+            t.dequeued.expect("dequeued"),
+            t.accepted.expect("accepted"),
+        ));
     }
     assert_eq!(
         by_slice.keys().collect::<Vec<_>>(),
@@ -303,12 +309,25 @@ async fn twenty_submissions_share_the_slices_in_order_and_never_two_on_one_slice
             );
         }
     }
-    // First come, first served: the jobs that waited left the queue in the order they were
-    // accepted (the first two found a free slice each, in either order).
-    let waited = &dequeued[2..];
+    // First come, first served: of two jobs in the queue together, the one accepted first
+    // left it first. (Launches run side by side, so on a loaded machine a job may join the
+    // queue after one accepted later has already left it; nothing can put it ahead then.)
+    let mut together = 0;
+    for (i, a) in queue.iter().enumerate() {
+        for (j, b) in queue.iter().enumerate().skip(i + 1) {
+            if a.0 < b.1 {
+                together += 1;
+                assert!(
+                    a.1 <= b.1,
+                    "job {j} left the queue before job {i}, accepted before it and queued since {}: {queue:?}",
+                    a.0
+                );
+            }
+        }
+    }
     assert!(
-        waited.windows(2).all(|w| w[0] <= w[1]) && waited[0] >= dequeued[0].max(dequeued[1]),
-        "jobs left the queue out of order: {dequeued:?}"
+        together >= 100,
+        "only {together} of 190 pairs were in the queue together: {queue:?}"
     );
     job_dirs_removed(&stack).await;
 }

@@ -390,6 +390,8 @@ impl LocalExecutor {
     /// also for jobs recovered after a restart).
     fn enqueue(&self, build_id: String, accepted_at: DateTime<Utc>) {
         let mut q = lock(&self.queue);
+        // Read under the queue's lock, like `pop`'s time: the two compare.
+        let queued = Utc::now();
         let at = q
             .iter()
             .position(|e| e.accepted_at > accepted_at)
@@ -397,11 +399,14 @@ impl LocalExecutor {
         q.insert(
             at,
             Queued {
-                build_id,
+                build_id: build_id.clone(),
                 accepted_at,
             },
         );
         drop(q);
+        if let Some(rec) = lock(&self.jobs).get_mut(&build_id) {
+            rec.timings.queued = Some(queued);
+        }
         self.wake.notify_one();
     }
 

@@ -14,6 +14,9 @@ use serde::Serialize;
 pub struct Timings {
     /// The executor took the job (the submission was accepted a moment before).
     pub accepted: Option<DateTime<Utc>>,
+    /// It joined the queue (its launch wrote the job's directory first; launches run
+    /// side by side, so this order may differ from `accepted`'s).
+    pub queued: Option<DateTime<Utc>>,
     /// A worker took it off the queue.
     pub dequeued: Option<DateTime<Utc>>,
     /// The `environment` hook leased the slice and prepared its cgroup.
