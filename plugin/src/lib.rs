@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod gpucheck;
 pub mod job;
 pub mod jobapi;
+pub mod joblog;
 pub mod lease;
 pub mod mountinfo;
 pub mod process;

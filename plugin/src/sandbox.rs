@@ -239,9 +239,8 @@ pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
     let reachable = rustix::fs::access(&spec.cwd, rustix::fs::Access::EXEC_OK).is_ok()
         || !spec.cwd.is_absolute();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    for line in describe(spec, &built, &creds, &status, reachable) {
-        eprintln!("kernelkite: sandbox: {line}");
-    }
+    let lines = describe(spec, &built, &creds, &status, reachable);
+    crate::joblog::say_all(lines.iter().map(|l| format!("sandbox: {l}")));
     // Only stdio goes on to the command (the report pipe closes with the exec: success).
     kernelkite_sys::raw::cloexec_from(3).map_err(|source| SandboxError::Privileges {
         what: "mark inherited descriptors close-on-exec",

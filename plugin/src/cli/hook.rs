@@ -170,12 +170,10 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             let settings = args.node.settings();
             crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
             let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;
-            for n in &prepared.notices {
-                eprintln!("kernelkite: {n}");
-            }
             let s = &prepared.state;
-            eprintln!(
-                "kernelkite: job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
+            let mut lines = prepared.notices.clone();
+            lines.push(format!(
+                "job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
                 s.job_id,
                 s.gpus,
                 format_cpu_list(&s.slice.cpus),
@@ -185,10 +183,10 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
                     Some(v) => format!(", cgroup v{v}"),
                     None => String::new(),
                 }
-            );
+            ));
             if let Some(u) = &s.job_user {
-                eprintln!(
-                    "kernelkite: the command will run as {} (uid {}, gid {}){}",
+                lines.push(format!(
+                    "the command will run as {} (uid {}, gid {}){}",
                     u.name,
                     u.uid,
                     u.gid,
@@ -196,8 +194,9 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
                         crate::config::Mode::Host => " in the sandbox",
                         crate::config::Mode::Docker => " in its container",
                     }
-                );
+                ));
             }
+            crate::joblog::say_all(&lines);
             let via = match args.export {
                 ExportVia::Auto if job::env::job_api_socket(&env).is_some() => ExportVia::JobApi,
                 ExportVia::Auto => ExportVia::Shell,
@@ -212,12 +211,9 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         HookCommand::Command(args) => {
-            let outcome = job::command::run(&args.settings(), &env, &mut |line| {
-                eprintln!("kernelkite: {line}")
-            })?;
-            for n in &outcome.notices {
-                eprintln!("kernelkite: {n}");
-            }
+            let outcome =
+                job::command::run(&args.settings(), &env, &mut |line| crate::joblog::say(line))?;
+            crate::joblog::say_all(&outcome.notices);
             Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
         HookCommand::PreExit(args) => {
