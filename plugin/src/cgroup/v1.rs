@@ -225,12 +225,15 @@ impl V1 {
         // reports its size.
         let left = || self.tree_pids(name);
         let mut killed: Vec<u32> = Vec::new();
+        // What the last look found: an empty look ends the loop and is the answer (another
+        // walk of every hierarchy would cost the common case, a job that left nothing, again).
+        let mut now = left();
         for _ in 0..50 {
-            if left().is_empty() {
+            if now.is_empty() {
                 break;
             }
             self.set_frozen(name, true);
-            let now = left();
+            now = left();
             for p in &now {
                 if !killed.contains(p) {
                     killed.push(*p);
@@ -239,8 +242,8 @@ impl V1 {
             kill_pids(&now);
             self.set_frozen(name, false);
             wait_until(Duration::from_millis(200), || left().is_empty());
+            now = left();
         }
-        let now = left();
         if !now.is_empty() {
             return Err(CgroupError::Unkillable {
                 path: Self::dir(&self.cpuset, name),
