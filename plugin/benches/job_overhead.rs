@@ -49,6 +49,14 @@ fn try_run(cmd: &mut Command) -> Result<Duration, String> {
     }
 }
 
+/// From `wall` to the first instruction of a command that wrote `$EPOCHREALTIME` to
+/// `dir/started`.
+fn command_started(dir: &Path, wall: SystemTime) -> Duration {
+    let marker = std::fs::read_to_string(dir.join("started")).unwrap();
+    let started = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
+    started.duration_since(wall).unwrap_or_default()
+}
+
 fn run(cmd: &mut Command) -> Duration {
     let t = Instant::now();
     let out = cmd
@@ -195,10 +203,7 @@ impl Bench {
             std::thread::sleep(gap);
             let wall = SystemTime::now();
             let command = try_run(&mut self.hook(install, "command", &env))?;
-            let marker = std::fs::read_to_string(checkout.join("started")).unwrap();
-            let started =
-                SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
-            let command_start = started.duration_since(wall).unwrap_or_default();
+            let command_start = command_started(&checkout, wall);
             std::thread::sleep(gap);
             let pre_exit = try_run(&mut self.hook(install, "pre-exit", &env))?;
             let cpu = cpu_now().saturating_sub(cpu_before);
@@ -648,10 +653,7 @@ fn main() {
             .args(["-e", "-c", r#"printf %s "$EPOCHREALTIME" > started"#])
             .current_dir(&bare_dir)));
         bare_cpu.push(cpu_now().saturating_sub(cpu_before));
-        let marker = std::fs::read_to_string(bare_dir.join("started")).unwrap();
-        let started =
-            SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
-        bare_start.push(started.duration_since(wall).unwrap_or_default());
+        bare_start.push(command_started(&bare_dir, wall));
     }
     table.row(
         "the command alone: start (bash -e -c printf, bare)",
@@ -666,10 +668,7 @@ fn main() {
         run(Command::new("/bin/bash")
             .args(["-e", "-c", r#"printf %s "$EPOCHREALTIME" > started"#])
             .current_dir(&bare_dir));
-        let marker = std::fs::read_to_string(bare_dir.join("started")).unwrap();
-        let started =
-            SystemTime::UNIX_EPOCH + Duration::from_secs_f64(marker.trim().parse().unwrap());
-        bare_idle.push(started.duration_since(wall).unwrap_or_default());
+        bare_idle.push(command_started(&bare_dir, wall));
     }
     let bare_idle = stats(bare_idle);
     table.row(
