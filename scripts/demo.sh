@@ -19,4 +19,5 @@ if ! command -v python3 >/dev/null 2>&1; then
 fi
 echo "building the binaries: cargo build --release --workspace --bins (the first build takes a few minutes)" >&2
 cargo build --release --locked --workspace --bins --quiet
-exec target/release/kernelkite-service demo "$@"
+# Where cargo put them: a CARGO_TARGET_DIR set in the environment moves the build directory.
+exec "${CARGO_TARGET_DIR:-target}/release/kernelkite-service" demo "$@"
