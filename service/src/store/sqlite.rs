@@ -663,21 +663,16 @@ async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
         if current.is_some_and(|c| c >= *version) {
             continue;
         }
-        begin(conn).await?;
-        let applied = async {
-            sqlx::raw_sql(sql).execute(&mut *conn).await?;
+        transaction(conn, async |c| {
+            sqlx::raw_sql(sql).execute(&mut *c).await?;
             sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
                 .bind(version)
                 .bind(now_ms())
-                .execute(&mut *conn)
-                .await?;
-            commit(conn).await
-        }
-        .await;
-        if let Err(e) = applied {
-            rollback(conn).await;
-            return Err(e);
-        }
+                .execute(&mut *c)
+                .await
+                .map(drop)
+        })
+        .await?;
     }
     Ok(())
 }
@@ -688,6 +683,25 @@ async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
 // open, the next `begin` becomes a SAVEPOINT, and after one more failed write a transaction
 // stays open that every later write joins and nothing commits: each acknowledged, all lost
 // (seen on a full disk; `every_write_acknowledged_on_a_filling_disk_is_kept`).
+
+/// Runs `body` in a transaction begun and ended by hand: committed when everything in it
+/// succeeded, rolled back when anything (the BEGIN included) failed.
+async fn transaction<T>(
+    conn: &mut SqliteConnection,
+    body: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    let done = async {
+        begin(&mut *conn).await?;
+        let out = body(&mut *conn).await?;
+        commit(&mut *conn).await?;
+        Ok(out)
+    }
+    .await;
+    if done.is_err() {
+        rollback(conn).await;
+    }
+    done
+}
 
 async fn begin(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
     sqlx::query("BEGIN").execute(&mut *conn).await.map(drop)
@@ -807,19 +821,14 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
         }
         return;
     }
-    let together = async {
-        begin(conn).await?;
+    let together = transaction(conn, async |c| {
         let mut out = Vec::with_capacity(writes.len());
         for r in &writes {
-            out.push(write(conn, &r.op).await?);
+            out.push(write(c, &r.op).await?);
         }
-        commit(conn).await?;
-        Ok::<_, sqlx::Error>(out)
-    }
+        Ok(out)
+    })
     .await;
-    if together.is_err() {
-        rollback(conn).await;
-    }
     match together {
         Ok(replies) => {
             shared.observe("commit", t);
@@ -836,17 +845,7 @@ async fn commit_batch(conn: &mut SqliteConnection, writes: Vec<Request>, shared:
         }
         Err(_) => {
             for r in writes {
-                let one = async {
-                    begin(conn).await?;
-                    let reply = write(conn, &r.op).await?;
-                    commit(conn).await?;
-                    Ok::<_, sqlx::Error>(reply)
-                }
-                .await;
-                if one.is_err() {
-                    rollback(conn).await;
-                }
-                match one {
+                match transaction(conn, async |c| write(c, &r.op).await).await {
                     Ok(reply) => {
                         set_failed(shared, None);
                         let _ = r.reply.send(Ok(reply));
