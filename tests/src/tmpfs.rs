@@ -11,9 +11,27 @@ impl SmallTmpfs {
     /// Mounts a tmpfs of `size` bytes on a new temporary directory. `None`, after recording
     /// the test as skipped, where this process may not mount (it needs root).
     pub fn mount(size: u64) -> Option<SmallTmpfs> {
-        let dir = tempfile::tempdir().expect("a temporary directory");
+        Self::mount_on(tempfile::tempdir(), size, "")
+    }
+
+    /// The same on a new directory inside `parent` (a mount inside another), with extra mount
+    /// `options` (`"noexec"`, ...).
+    pub fn mount_in(parent: &Path, size: u64, options: &str) -> Option<SmallTmpfs> {
+        Self::mount_on(tempfile::tempdir_in(parent), size, options)
+    }
+
+    fn mount_on(
+        dir: std::io::Result<tempfile::TempDir>,
+        size: u64,
+        options: &str,
+    ) -> Option<SmallTmpfs> {
+        let dir = dir.expect("a temporary directory");
+        let mut opts = format!("size={size}");
+        if !options.is_empty() {
+            opts = format!("{opts},{options}");
+        }
         let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args(["-t", "tmpfs", "-o", &opts, "tmpfs"])
             .arg(dir.path())
             .status()
             .is_ok_and(|s| s.success());

@@ -770,21 +770,10 @@ mod tests {
         let Some(outer) = kernelkite_testkit::tmpfs::SmallTmpfs::mount(1 << 20) else {
             return;
         };
-        let inner = outer.path().join("inner");
-        std::fs::create_dir(&inner).unwrap();
-        let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=64k,noexec", "tmpfs"])
-            .arg(&inner)
-            .status()
-            .unwrap();
-        assert!(mounted.success());
-        struct Unmount(std::path::PathBuf);
-        impl Drop for Unmount {
-            fn drop(&mut self) {
-                let _ = Command::new("umount").arg(&self.0).status();
-            }
-        }
-        let _inner = Unmount(inner.clone());
+        let inner_mount =
+            kernelkite_testkit::tmpfs::SmallTmpfs::mount_in(outer.path(), 64 << 10, "noexec")
+                .expect("a tmpfs inside the first");
+        let inner = inner_mount.path().to_path_buf();
         let writable = |p: &std::path::Path| std::fs::write(p.join("f"), b"x").is_ok();
         assert!(writable(outer.path()) && writable(&inner));
 
