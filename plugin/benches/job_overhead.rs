@@ -3,14 +3,17 @@
 //! the job's cgroup, its namespaces and mounts, the privilege drop, then the step's command)
 //! and `pre-exit` (kill, checkout ownership back, cgroup removal, lease release).
 //!
-//! Measured the way the agent runs a job: every hook a separate process, through the plugin's
-//! shell shims (`hooks/*`, sourced by bash in a wrapper as the agent does) or as agent-level
-//! binary hooks, with idle gaps between hooks (the agent checks out, uploads, ...; 200 ms
+//! Measured the way the agent runs a job: every hook a separate process, as the plugin's hook
+//! files (`hooks/*`, executed by the agent: the kernel runs the binary their first line names,
+//! which exports through a Job API served here) or as agent-level binary hooks, with idle gaps
+//! between hooks (the agent checks out, uploads, ...; 200 ms
 //! here). The gaps matter on cgroup v1: a task's first migration into a cgroup after a quiet
 //! spell waits for an RCU grace period unless the kernel favours dynamic cgroup changes
 //! (`favordynmods`). "Command start" is from the hook's spawn to the first instruction of the
 //! step's command (the command writes `$EPOCHREALTIME`). Next to it, in the same run: the old
-//! back-to-back loop (binary hooks, no gaps), the same hooks with the sandbox off, the bare
+//! back-to-back loop (binary hooks, no gaps), the plugin's previous hooks (shell shims the agent
+//! sources in its wrapper: the baseline of the plugin's row), the same hooks with the sandbox
+//! off, the bare
 //! command, the RCU grace period of this kernel, the start of a process in a cgroup v2
 //! directory by migration or by `clone3(CLONE_INTO_CGROUP)`, the checkout hand-over per file,
 //! and the prototype's environment hook.
@@ -115,8 +118,11 @@ fn cgroup_root(fake: &Path) -> (PathBuf, Option<Cgroups>) {
 /// How the agent runs the hooks.
 #[derive(Clone, Copy, PartialEq)]
 enum Install {
-    /// The plugin's `hooks/*` shims, each sourced by bash in a wrapper that saves the
-    /// environment afterwards, as the agent does.
+    /// The plugin's `hooks/*` files, executed (the agent runs a hook whose first line names no
+    /// shell directly); copies whose first line names the binary measured.
+    Plugin,
+    /// The plugin's previous hooks: shell shims, each sourced by bash in a wrapper that saves
+    /// the environment afterwards, as the agent does with shell hooks (the baseline).
     Shims,
     /// The binary under the hook's name (agent-level hooks, vendors).
     Binary,
@@ -138,7 +144,10 @@ fn cpu_now() -> Duration {
 
 struct Bench {
     exe: PathBuf,
-    plugin: PathBuf,
+    /// The plugin's hook files naming `exe` on their first line.
+    plugin_hooks: PathBuf,
+    /// The previous shell shims.
+    shims: PathBuf,
     dir: PathBuf,
     env: BTreeMap<String, String>,
     n: usize,
@@ -147,12 +156,13 @@ struct Bench {
 impl Bench {
     fn hook(&self, install: Install, name: &str, env: &BTreeMap<String, String>) -> Command {
         let mut c = match install {
+            Install::Plugin => Command::new(self.plugin_hooks.join(name)),
             Install::Shims => {
                 let mut c = Command::new("bash");
                 c.arg("-c")
                     .arg(r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#)
                     .arg("kernelkite-bench-wrapper")
-                    .arg(self.plugin.join("hooks").join(name))
+                    .arg(self.shims.join(name))
                     .arg(self.dir.join("env-after"));
                 c
             }
@@ -412,6 +422,43 @@ fn static_build() -> Option<PathBuf> {
     Some(target.join("node/kernelkite-isolate")).filter(|p| p.is_file())
 }
 
+/// The plugin's hook files as a node with `bin` installed runs them: copies in `dir` whose first
+/// line names `bin` instead of `/opt/kernelkite/bin/kernelkite-isolate`.
+fn plugin_hooks(manifest: &Path, bin: &Path, dir: &Path) -> PathBuf {
+    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
+    let installed = shebang
+        .strip_prefix("#!")
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    for hook in ["environment", "command", "pre-exit"] {
+        let text = std::fs::read_to_string(manifest.join("hooks").join(hook)).unwrap();
+        let copy = dir.join(hook);
+        std::fs::write(&copy, text.replacen(installed, bin.to_str().unwrap(), 1)).unwrap();
+        std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+    }
+    dir.to_path_buf()
+}
+
+/// The plugin's previous hooks, reduced to what they did per job: shell shims the agent
+/// sourced, running the binary named by `KERNELKITE_ISOLATE_BIN` (`environment` printed
+/// `export` lines for the shim to evaluate).
+fn shell_shims(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    for (hook, body) in [
+        (
+            "environment",
+            r#"exports="$("$KERNELKITE_ISOLATE_BIN" environment --export shell)" && eval "$exports""#,
+        ),
+        ("command", r#""$KERNELKITE_ISOLATE_BIN" command"#),
+        ("pre-exit", r#""$KERNELKITE_ISOLATE_BIN" pre-exit"#),
+    ] {
+        std::fs::write(dir.join(hook), format!("#!/bin/bash\n{body}\n")).unwrap();
+    }
+    dir.to_path_buf()
+}
+
 fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
     let (b2b_jobs, gap_jobs) = if short { (30, 8) } else { (200, 60) };
@@ -481,19 +528,30 @@ fn main() {
     set("KERNELKITE_CGROUP_ROOT", cgroot.display().to_string());
     set("KERNELKITE_PLAN_FILE", plan_file.display().to_string());
     set("KERNELKITE_JOB_PID", std::process::id().to_string());
-    // The shims run what setup installs: the static build when there is one.
+    // The hooks run what setup installs: the static build when there is one.
+    let node_exe = static_exe.clone().unwrap_or_else(|| exe.clone());
+    set("KERNELKITE_ISOLATE_BIN", node_exe.display().to_string());
+    // The agent's Job API, through which executed hooks export.
+    let job_api = kernelkite_isolate::setup::local_agent::JobApiServer::start(
+        &shm.path().join("job-api.sock"),
+        "bench-token",
+        BTreeMap::new(),
+    )
+    .unwrap();
     set(
-        "KERNELKITE_ISOLATE_BIN",
-        static_exe.as_ref().unwrap_or(&exe).display().to_string(),
+        "BUILDKITE_AGENT_JOB_API_SOCKET",
+        job_api.socket().display().to_string(),
     );
+    set("BUILDKITE_AGENT_JOB_API_TOKEN", "bench-token".into());
     set("KERNELKITE_CONFIG", r#"{"user":"nobody"}"#.into());
     set(
         "KERNELKITE_SANDBOX",
         if sandbox { "on" } else { "off" }.into(),
     );
     let mut bench = Bench {
-        exe: static_exe.clone().unwrap_or_else(|| exe.clone()),
-        plugin: manifest.to_path_buf(),
+        plugin_hooks: plugin_hooks(manifest, &node_exe, &disk.path().join("plugin-hooks")),
+        shims: shell_shims(&disk.path().join("shell-shims")),
+        exe: node_exe,
         dir: disk.path().to_path_buf(),
         env,
         n: 0,
@@ -529,8 +587,9 @@ fn main() {
         }
     }
 
-    // What the agent's wrapper costs around any plugin's hook: an empty hook sourced the same
-    // way. Every plugin pays it; the shims' own cost is the difference.
+    // What the agent's wrapper costs around any shell hook: an empty hook sourced the same way.
+    // The shims paid it three times per job; hook files the agent executes do not. (The real
+    // wrapper runs `buildkite-agent env dump`, a far larger program than `env`, twice.)
     let empty_hook = disk.path().join("empty-hook");
     std::fs::write(&empty_hook, "").unwrap();
     let empty: Vec<Duration> = (0..gap_jobs + 2)
@@ -548,19 +607,26 @@ fn main() {
         .skip(2)
         .collect();
     let empty = stats(empty);
-    let agent = bench.jobs(gap_jobs, Install::Shims, GAP, &[], "shim");
+    // The plugin's hooks now and before alternate, so a slow spell falls on both.
+    let (mut plugin_jobs, mut shim_jobs) = (Vec::new(), Vec::new());
+    for round in 0..gap_jobs {
+        let warm = if round == 0 { 2 } else { 0 };
+        plugin_jobs.extend(bench.jobs_warmed(1, warm, Install::Plugin, GAP, &[], "plugin"));
+        shim_jobs.extend(bench.jobs_warmed(1, warm, Install::Shims, GAP, &[], "shim"));
+    }
+    let plugin_sum = report(
+        &table,
+        "agent-style: the plugin's hook files (executed), idle gaps",
+        &plugin_jobs,
+    );
     let shim_sum = report(
         &table,
-        "agent-style: plugin shims (bash sources hooks/*), idle gaps",
-        &agent,
+        "agent-style: the plugin's previous shell shims (sourced in the agent's wrapper; baseline)",
+        &shim_jobs,
     );
     table.row(
-        "  the agent's wrapper around an empty hook (any plugin pays it)",
+        "  the agent's wrapper around an empty shell hook (with `env -0` for `buildkite-agent env dump`)",
         &empty,
-    );
-    println!(
-        "  the shims' own cost for environment + command start + pre-exit: {} (median sum - 3 x empty hook)",
-        ms(shim_sum.median.saturating_sub(empty.median * 3))
     );
     // The two builds' jobs alternate, so a slow spell of this shared machine falls on both.
     let builds: Vec<(&str, PathBuf)> = match &static_exe {
@@ -722,7 +788,16 @@ fn main() {
             per_file.as_secs_f64() * 1e6
         );
     }
-    let mut totals = vec![("agent-style, shims".to_string(), &shim_sum)];
+    let mut totals = vec![
+        (
+            "agent-style, the plugin's hook files".to_string(),
+            &plugin_sum,
+        ),
+        (
+            "agent-style, the plugin's previous shell shims (baseline)".to_string(),
+            &shim_sum,
+        ),
+    ];
     for ((name, _), sum) in builds.iter().zip(&sums) {
         totals.push((format!("agent-style, binary hooks, {name}"), sum));
     }

@@ -50,8 +50,8 @@ const SHELLS: &[&str] = &["bash", "sh", "dash", "zsh", "ksh", "mksh", "busybox"]
 /// `buildkite-agent` (the agent's per-job bootstrap: binary hooks are its children, sourced
 /// shell hooks its grandchildren or deeper), else the nearest ancestor that is not a shell.
 ///
-/// Not simply our parent: under the sourced shim the parent is the `$(...)` subshell, which
-/// exits with the hook. A lease anchored there would look dead, and free for another job,
+/// Not simply our parent: a caller that runs the binary from a shell (a wrapper script, a
+/// `$(...)` subshell) exits with the hook. A lease anchored there would look dead, and free for another job,
 /// while this job still runs.
 pub fn job_anchor(proc_root: &Path, me: u32, explicit: Option<u32>) -> Option<ProcessId> {
     if let Some(pid) = explicit {

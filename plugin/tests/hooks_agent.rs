@@ -1,10 +1,11 @@
-//! The hooks as the agent runs them (see `agent/`): exports through the Job API and through
-//! sourced shims, leases by tag and pool, bad configuration, faults, clean-up. Cgroups here are
+//! The hooks as the agent runs them (see `agent/`): agent-level links and the plugin's hook
+//! files, exports through the Job API, leases by tag and pool, bad configuration, faults, clean-up. Cgroups here are
 //! a fake v2 tree; `hooks_cgroup_real*.rs` run the same hooks against the real kernel.
 
 mod agent;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use agent::{output_text, Install, Node};
 use serde_json::json;
@@ -84,25 +85,31 @@ fn binary_hooks_export_through_the_job_api() {
 }
 
 #[test]
-fn shell_shims_export_by_being_sourced() {
+fn plugin_hook_files_are_executed_and_export_through_the_job_api() {
     let node = Node::new(2);
     let agent = node.agent("pool-1");
     let mut job = agent.start_job(
         &job_id(2),
         "echo \"gpu=$KERNELBOT_GPU_INDEX\"; exit 7",
         Some(r#"{"gpus":1,"memory":"128M","pids-limit":64}"#),
-        Install::PluginShell,
+        Install::Plugin,
     );
     let outs = job.run_all();
     let (_, env_out) = &outs[0];
     assert!(env_out.status.success(), "{}", output_text(env_out));
+    // Executed, not sourced: nothing on stdout for a shell to evaluate, one PATCH instead.
     assert!(
-        !job.api
+        !String::from_utf8_lossy(&env_out.stdout).contains("export "),
+        "{}",
+        output_text(env_out)
+    );
+    assert!(
+        job.api
             .requests
             .lock()
             .unwrap()
             .contains(&"PATCH".to_string()),
-        "shell hooks export with `export`, not the Job API"
+        "the plugin's environment hook did not export through the Job API"
     );
     assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0");
     assert_eq!(job.env["KERNELBOT_MEMORY"], "128m");
@@ -178,7 +185,7 @@ fn bad_configuration_fails_at_environment_with_the_schema_error() {
         (r#"{"mode":"docker"}"#, "image", "required"),
         (r#"{"lock-clocks":"fast"}"#, "lock-clocks", "expected true"),
     ] {
-        for install in [Install::AgentBinary, Install::PluginShell] {
+        for install in [Install::AgentBinary, Install::Plugin] {
             let mut job = agent.start_job(&job_id(7), "true", Some(cfg), install);
             let out = job.run_hook("environment");
             assert!(!out.status.success(), "{cfg} was accepted");
@@ -394,10 +401,8 @@ fn environment_twice_in_one_job_keeps_one_lease() {
     let mut job = agent.start_job(&job_id(19), "true", None, Install::AgentBinary);
     assert!(job.run_hook("environment").status.success());
     let first: BTreeMap<_, _> = job.env.clone();
-    job.install = Install::PluginShell;
-    job.hooks_dir = agent::plugin_dir().join("hooks");
-    job.env
-        .insert("KERNELKITE_ISOLATE_BIN".into(), agent::BIN.into());
+    job.install = Install::Plugin;
+    job.hooks_dir = agent::plugin_hooks(Path::new(agent::BIN), &node.path().join("plugin"));
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
     assert_eq!(job.env["KERNELBOT_GPU_INDEX"], first["KERNELBOT_GPU_INDEX"]);
@@ -418,7 +423,7 @@ fn environment_twice_in_one_job_keeps_one_lease() {
 #[test]
 fn the_lease_follows_the_agent_bootstrap_found_among_ancestors() {
     // A process named `buildkite-agent` (a copy of bash) plays the agent's per-job bootstrap and
-    // sources the shim, which runs the binary two levels down; no KERNELKITE_JOB_PID is set.
+    // executes the plugin's hook file; no KERNELKITE_JOB_PID is set.
     let node = Node::new(1);
     let bash = String::from_utf8(
         std::process::Command::new("bash")
@@ -431,17 +436,20 @@ fn the_lease_follows_the_agent_bootstrap_found_among_ancestors() {
     let fake_agent = node.path().join("buildkite-agent");
     std::fs::copy(bash.trim(), &fake_agent).unwrap();
     let pidfile = node.path().join("bootstrap.pid");
+    let hooks = agent::plugin_hooks(Path::new(agent::BIN), &node.path().join("plugin"));
     let script = format!(
-        "echo $$ > {}; source {}/hooks/environment; sleep 30",
+        "echo $$ > {}; {}/environment; sleep 30",
         pidfile.display(),
-        agent::plugin_dir().display()
+        hooks.display()
     );
+    let api = agent::JobApiServer::start(node.path(), "anchor-token", node.env.clone());
     let mut bootstrap = std::process::Command::new(&fake_agent)
         .args(["-c", &script])
         .envs(&node.env)
         .env("BUILDKITE_JOB_ID", "job-anchor")
         .env("BUILDKITE_AGENT_NAME", "pool")
-        .env("KERNELKITE_ISOLATE_BIN", agent::BIN)
+        .env("BUILDKITE_AGENT_JOB_API_SOCKET", &api.socket)
+        .env("BUILDKITE_AGENT_JOB_API_TOKEN", &api.token)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

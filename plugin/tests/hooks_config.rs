@@ -24,6 +24,14 @@ fn plugin_yml_has_the_agent_fields_and_hooks_exist() {
             meta.permissions().mode() & 0o111 != 0,
             "hooks/{hook} must be executable"
         );
+        // The agent executes it (its first line names no shell) and the kernel runs the
+        // binary `setup` installs.
+        let text = std::fs::read_to_string(hooks.join(hook)).unwrap();
+        assert_eq!(
+            text.lines().next(),
+            Some(kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG),
+            "hooks/{hook}"
+        );
     }
 }
 

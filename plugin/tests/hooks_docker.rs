@@ -65,7 +65,7 @@ fn docker_run_gets_exactly_the_slice() {
         id,
         "python3 eval.py",
         Some(r#"{"mode":"docker","image":"ghcr.io/kernelkite/runner:1","environment":["HF_TOKEN"],"docker-args":["--tmpfs=/scratch"],"user":"1000:1000","shm-size":"128M"}"#),
-        Install::PluginShell,
+        Install::Plugin,
     );
     let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
     std::fs::create_dir_all(checkout.join(".git")).unwrap();

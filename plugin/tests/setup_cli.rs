@@ -804,3 +804,26 @@ fn the_nvml_build_is_installed_beside_a_static_kernelkite_isolate_when_given() {
     stdout_ok(&uninstall(&node));
     assert!(!installed.exists());
 }
+
+#[test]
+fn with_another_prefix_the_plugin_hooks_path_leads_to_the_installed_binary() {
+    // The plugin's hook files run /opt/kernelkite/bin/kernelkite-isolate (a shebang cannot
+    // search), so a node installed elsewhere links that path to its binary.
+    let node = prepare(&DGX);
+    let out = stdout_ok(&setup(&node, &DGX, &["--prefix", "/srv/kernelkite"]));
+    let link = node.root().join("opt/kernelkite/bin/kernelkite-isolate");
+    assert_eq!(
+        std::fs::read_link(&link).unwrap(),
+        Path::new("/srv/kernelkite/bin/kernelkite-isolate"),
+        "{out}"
+    );
+    assert!(node
+        .root()
+        .join("srv/kernelkite/bin/kernelkite-isolate")
+        .is_file());
+    stdout_ok(&uninstall(&node));
+    assert!(std::fs::symlink_metadata(&link).is_err(), "the link stayed");
+    // At the default prefix the binary itself is there: no link.
+    stdout_ok(&setup(&node, &DGX, &[]));
+    assert!(std::fs::symlink_metadata(&link).unwrap().is_file());
+}

@@ -1,10 +1,12 @@
 //! Hook subcommands: `environment`, `command`, `pre-exit`: the command-line edge of
 //! [`crate::job`], which does the work (undoing what fails included).
 //!
-//! The same binary serves the plugin's shell shims (`kernelkite-isolate environment --export
-//! shell`, evaluated by the sourced hook) and agent-level hooks (links named `environment`,
-//! `command`, `pre-exit` in the agent's hooks-path, dispatched by [`subcommand_for_argv0`],
-//! exporting through the Job API).
+//! The same binary serves the plugin's hooks (files whose first line is
+//! [`PLUGIN_HOOK_SHEBANG`]: the agent executes them, and the kernel runs this binary with
+//! `plugin-hook <the file>`), agent-level hooks (links named `environment`, `command`,
+//! `pre-exit` in the agent's hooks-path), both dispatched by [`subcommand_for_argv0`] and
+//! exporting through the Job API, and callers that evaluate `environment --export shell`
+//! (the local executor).
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -19,6 +21,14 @@ use crate::job::{self, Settings};
 /// Hook names the binary answers to when linked under that name.
 pub const HOOK_NAMES: &[&str] = &["environment", "command", "pre-exit"];
 
+/// The subcommand the plugin's hook files name on their first line.
+pub const PLUGIN_HOOK: &str = "plugin-hook";
+
+/// The first line of each of the plugin's `hooks/*` files: where `setup` installs the binary
+/// (its default prefix), and [`PLUGIN_HOOK`]. Not a shell, so the agent executes the file
+/// rather than sourcing it in its wrapper.
+pub const PLUGIN_HOOK_SHEBANG: &str = "#!/opt/kernelkite/bin/kernelkite-isolate plugin-hook";
+
 /// The hook subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum HookCommand {
@@ -31,6 +41,17 @@ pub enum HookCommand {
     /// The `pre-exit` hook: kill what the job left running, remove its cgroup, reset clocks,
     /// release its lease(s). Idempotent.
     PreExit(NodeArgs),
+    /// Run the plugin hook file PATH: the hook it is named after (`environment`, `command` or
+    /// `pre-exit`), exporting through the Job API. The plugin's `hooks/*` files name this on
+    /// their first line, so the agent executes them and the kernel runs this.
+    PluginHook(PluginHookArgs),
+}
+
+/// Arguments of `plugin-hook`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PluginHookArgs {
+    /// The hook file the kernel ran this for (`.../hooks/environment`).
+    pub path: PathBuf,
 }
 
 /// Where things are on the node.
@@ -126,15 +147,29 @@ pub struct EnvironmentArgs {
     pub export: ExportVia,
 }
 
-/// When the binary is invoked through a link named after a hook, rewrite argv so clap sees the
-/// matching subcommand.
-pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
-    let name = args
-        .first()
-        .and_then(|a| std::path::Path::new(a).file_name())
+/// The hook a path names by its file name, if it is one of [`HOOK_NAMES`].
+fn hook_named(path: &std::ffi::OsStr) -> Option<String> {
+    std::path::Path::new(path)
+        .file_name()
         .and_then(|n| n.to_str())
-        .map(str::to_string);
-    if let Some(name) = name.filter(|n| HOOK_NAMES.contains(&n.as_str())) {
+        .filter(|n| HOOK_NAMES.contains(n))
+        .map(str::to_string)
+}
+
+/// When the binary is invoked as a hook, rewrite argv so clap sees the matching subcommand:
+/// through a link named after the hook (agent-level hooks), or by the kernel for one of the
+/// plugin's hook files (`plugin-hook .../hooks/<name>`, see [`PLUGIN_HOOK_SHEBANG`]). Either
+/// way the hook is executed, not sourced, so `environment` exports through the Job API.
+pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
+    if args.get(1).is_some_and(|a| a == PLUGIN_HOOK) {
+        if let Some(name) = args.get(2).and_then(|p| hook_named(p)) {
+            // The hook file's path stands where a link's would: argv[0].
+            args.drain(0..2);
+            args[0] = OsString::from(name);
+        }
+    }
+    let name = args.first().and_then(|a| hook_named(a));
+    if let Some(name) = name {
         args[0] = OsString::from("kernelkite-isolate");
         // An executed hook cannot export: its variables must go through the Job API.
         if name == "environment" {
@@ -216,6 +251,11 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             crate::joblog::say_all(&outcome.notices);
             Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
+        HookCommand::PluginHook(args) => anyhow::bail!(
+            "{} is not one of the plugin's hooks ({}): `{PLUGIN_HOOK}` runs the hook its file is named after",
+            args.path.display(),
+            HOOK_NAMES.join(", ")
+        ),
         HookCommand::PreExit(args) => {
             let settings = args.settings();
             crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
@@ -251,5 +291,39 @@ mod tests {
         );
         let args: Vec<OsString> = vec!["kernelkite-isolate".into(), "plan".into()];
         assert_eq!(subcommand_for_argv0(args.clone()), args);
+    }
+
+    #[test]
+    fn plugin_hook_files_dispatch_on_their_file_name() {
+        // What the kernel makes of `#!/opt/kernelkite/bin/kernelkite-isolate plugin-hook`.
+        let argv = |hook: &str| -> Vec<OsString> {
+            vec![
+                "/opt/kernelkite/bin/kernelkite-isolate".into(),
+                PLUGIN_HOOK.into(),
+                format!("/var/lib/buildkite-agent/plugins/github-com-kernelkite-kernelkite-plugin-v1-0-0/plugin/hooks/{hook}").into(),
+            ]
+        };
+        assert_eq!(
+            subcommand_for_argv0(argv("environment")),
+            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+        );
+        assert_eq!(
+            subcommand_for_argv0(argv("command")),
+            ["kernelkite-isolate", "command"].map(OsString::from)
+        );
+        assert_eq!(
+            subcommand_for_argv0(argv("pre-exit")),
+            ["kernelkite-isolate", "pre-exit"].map(OsString::from)
+        );
+        // Any other file is left for clap and `run` to refuse by name.
+        assert_eq!(
+            subcommand_for_argv0(argv("post-command")),
+            argv("post-command")
+        );
+        assert!(PLUGIN_HOOK_SHEBANG.ends_with(&format!(" {PLUGIN_HOOK}")));
+        assert!(PLUGIN_HOOK_SHEBANG.starts_with(&format!(
+            "#!{}/bin/kernelkite-isolate ",
+            crate::setup::paths::DEFAULT_PREFIX
+        )));
     }
 }

@@ -1,5 +1,5 @@
 //! One Buildkite job's life on the node: what the `environment`, `command` and `pre-exit`
-//! hooks do, independent of how they were invoked (plugin shim, agent-level binary hook).
+//! hooks do, independent of how they were invoked (the plugin's hook files, agent-level links, the local executor).
 //!
 //! State passes between the hooks of a job in `<run dir>/jobs/<job id>.json` ([`state`]).
 //! Every step that touches the machine is undone by [`cleanup::clean_job`], which `pre-exit`

@@ -40,20 +40,20 @@ impl JobApiServer {
     ) -> std::io::Result<JobApiServer> {
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket)?;
-        listener.set_nonblocking(true)?;
         let env = Arc::new(Mutex::new(env));
         let stop = Arc::new(AtomicBool::new(false));
+        // A blocking accept answers a hook at once, as the agent does (a polling loop would add
+        // its period to every request); `drop` wakes it with a connection of its own.
         let thread = {
             let (env, stop, token) = (env.clone(), stop.clone(), token.to_string());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    match listener.accept() {
-                        Ok((stream, _)) => serve(stream, &token, &env),
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(2))
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                    }
+            std::thread::spawn(move || loop {
+                let accepted = listener.accept();
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                match accepted {
+                    Ok((stream, _)) => serve(stream, &token, &env),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             })
         };
@@ -80,7 +80,10 @@ impl Drop for JobApiServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // Only a thread that is surely woken is waited for.
+            if UnixStream::connect(&self.socket).is_ok() {
+                let _ = t.join();
+            }
         }
         let _ = std::fs::remove_file(&self.socket);
     }

@@ -2,7 +2,7 @@
 //! hooks, the deployment guide and a second run of setup all agree on them.
 
 /// Default prefix of the binaries (`<prefix>/bin/kernelkite-isolate`, `kernelkite-runner`);
-/// the plugin's hook shims look there first.
+/// the plugin's hook files name `<this>/bin/kernelkite-isolate` on their first line.
 pub const DEFAULT_PREFIX: &str = "/opt/kernelkite";
 /// Configuration: plan, agent environment, agent configurations, agent-level hooks.
 pub const ETC_DIR: &str = "/etc/kernelkite";

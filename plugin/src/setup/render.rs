@@ -261,11 +261,6 @@ pub fn agent_env(plan: &Plan, opts: &Options) -> String {
     let _ = writeln!(s, "HOME={STATE_DIR}");
     let _ = writeln!(s, "KERNELKITE_PLAN_FILE={PLAN_FILE}");
     let _ = writeln!(s, "KERNELKITE_RUN_DIR={RUN_DIR}");
-    let _ = writeln!(
-        s,
-        "KERNELKITE_ISOLATE_BIN={}",
-        bin.join("kernelkite-isolate").display()
-    );
     s.push_str("# The agent-level hooks' configuration (the plugin's keys); a step using the plugin overrides it.\n");
     let _ = writeln!(s, "KERNELKITE_CONFIG='{}'", opts.job_config);
     if has_gpus(plan) {
@@ -431,7 +426,7 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         ..opts.clone()
     };
     let bin = opts.prefix.join("bin");
-    let dirs = vec![
+    let mut dirs = vec![
         Dir {
             path: opts.prefix.clone(),
             mode: 0o755,
@@ -488,6 +483,19 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
     for hook in HOOKS {
         files.push(File {
             path: Path::new(HOOKS_DIR).join(hook),
+            mode: 0o777,
+            content: Content::Link(bin.join("kernelkite-isolate")),
+        });
+    }
+    // The plugin's hook files name the binary at the default prefix on their first line (a
+    // shebang cannot search): with another prefix, that path leads to this one.
+    let default_bin = Path::new(DEFAULT_PREFIX).join("bin");
+    if bin != default_bin {
+        for path in [PathBuf::from(DEFAULT_PREFIX), default_bin.clone()] {
+            dirs.push(Dir { path, mode: 0o755 });
+        }
+        files.push(File {
+            path: default_bin.join("kernelkite-isolate"),
             mode: 0o777,
             content: Content::Link(bin.join("kernelkite-isolate")),
         });

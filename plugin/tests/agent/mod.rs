@@ -3,9 +3,9 @@
 //! It sets the `BUILDKITE_*` variables a real agent sets, serves the Job API on a unix socket
 //! (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise), runs hooks in the
 //! agent's order (`environment` → `command` → `pre-exit`), either as agent-level binary hooks
-//! (links named after the hook, exporting through the Job API) or as the plugin's shell shims
-//! (sourced by bash, their exports collected), and keeps a "bootstrap" process alive for the
-//! job's lifetime as the job's anchor.
+//! (links named after the hook) or as the plugin's hook files (whose first line names the
+//! binary: the agent executes them, the kernel runs the binary), each exporting through the
+//! Job API, and keeps a "bootstrap" process alive for the job's lifetime as the job's anchor.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -23,6 +23,54 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-isolate");
 
 pub fn plugin_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The plugin's `hooks/*` as a node with `bin` installed would run them: copies in `dir/hooks`
+/// whose first line names `bin` where the shipped files name `/opt/kernelkite/bin`, the rest
+/// unchanged. Each shipped file must start with exactly that line.
+pub fn plugin_hooks(bin: &Path, dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
+    let installed = shebang
+        .strip_prefix("#!")
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap();
+    let out = dir.join("hooks");
+    std::fs::create_dir_all(&out).unwrap();
+    for hook in ["environment", "command", "pre-exit"] {
+        let text = std::fs::read_to_string(plugin_dir().join("hooks").join(hook)).unwrap();
+        let (first, rest) = text.split_once('\n').unwrap();
+        assert_eq!(first, shebang, "hooks/{hook}");
+        let copy = out.join(hook);
+        let line = first.replacen(installed, bin.to_str().unwrap(), 1);
+        std::fs::write(&copy, format!("{line}\n{rest}")).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    out
+}
+
+/// Whether the agent would source `path` in its shell wrapper instead of executing it: its
+/// rule (`hook.Type`) is a file without a `#!` line, or whose `#!` line names a POSIX shell
+/// (directly or through `env`), unless it is a binary.
+pub fn agent_wraps(path: &Path) -> bool {
+    let bytes = std::fs::read(path).unwrap();
+    if bytes.starts_with(b"\x7fELF") {
+        return false;
+    }
+    let first = bytes.split(|b| *b == b'\n').next().unwrap_or_default();
+    let Some(line) = std::str::from_utf8(first)
+        .ok()
+        .and_then(|l| l.strip_prefix("#!"))
+    else {
+        return true;
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let base = |w: &str| w.rsplit('/').next().unwrap_or(w).to_string();
+    let mut bin = words.first().map(|w| base(w)).unwrap_or_default();
+    if bin == "env" {
+        bin = words.get(1).map(|w| base(w)).unwrap_or_default();
+    }
+    ["bash", "dash", "ksh", "sh", "zsh"].contains(&bin.as_str())
 }
 
 /// The Job API as the agent serves it.
@@ -203,8 +251,8 @@ impl JobApiServer {
 pub enum Install {
     /// Agent-level hooks: links named `environment`, `command`, `pre-exit` to the binary.
     AgentBinary,
-    /// The plugin's `hooks/` shims, sourced by bash.
-    PluginShell,
+    /// The plugin's `hooks/` files, executed (their first line names the binary).
+    Plugin,
 }
 
 /// One agent on a node (several may share a run dir, like agents on one machine).
@@ -339,9 +387,6 @@ impl Agent {
         );
         add(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
         add(&mut env, "KERNELKITE_JOB_PID", &bootstrap.id().to_string());
-        if install == Install::PluginShell {
-            add(&mut env, "KERNELKITE_ISOLATE_BIN", BIN);
-        }
         if let Some(cfg) = plugin_config {
             add(&mut env, "BUILDKITE_PLUGIN_CONFIGURATION", cfg);
             add(
@@ -366,7 +411,7 @@ impl Agent {
         }
         let hooks_dir = match install {
             Install::AgentBinary => self.hooks_dir.clone(),
-            Install::PluginShell => plugin_dir().join("hooks"),
+            Install::Plugin => plugin_hooks(Path::new(BIN), &job_dir),
         };
         // The Job API serves the job's environment as the agent knows it.
         *api.env.lock().unwrap() = env.clone();
@@ -396,32 +441,29 @@ impl Job {
 
     fn hook_command(&self, hook: &str, cwd: &Path) -> Command {
         let path = self.hooks_dir.join(hook);
+        // Both kinds are executed; a hook the agent would source instead is not what either
+        // installs.
+        assert!(
+            !agent_wraps(&path),
+            "the agent would source {} in its shell wrapper",
+            path.display()
+        );
         let mut argv: Vec<std::ffi::OsString> = self.wrapper.iter().map(Into::into).collect();
-        match self.install {
-            Install::AgentBinary => argv.push(path.into()),
-            Install::PluginShell => {
-                // The agent sources shell hooks in a wrapper and captures the environment after.
-                argv.extend(
-                    [
-                        "bash",
-                        "-c",
-                        r#"set -e; source "$1"; status=$?; env -0 > "$2"; exit $status"#,
-                        "kernelkite-hook-wrapper",
-                    ]
-                    .map(Into::into),
-                );
-                argv.push(path.into());
-                argv.push(self.env_capture_path(hook).into());
-            }
-        }
+        argv.push(path.clone().into());
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]);
         cmd.env_clear().envs(&self.env).current_dir(cwd);
+        // What the agent adds for a hook it executes.
+        cmd.env("BUILDKITE_HOOK_PHASE", hook)
+            .env("BUILDKITE_HOOK_PATH", &path)
+            .env(
+                "BUILDKITE_HOOK_SCOPE",
+                match self.install {
+                    Install::AgentBinary => "agent",
+                    Install::Plugin => "plugin",
+                },
+            );
         cmd
-    }
-
-    fn env_capture_path(&self, hook: &str) -> PathBuf {
-        self.api.socket.with_file_name(format!("env-after-{hook}"))
     }
 
     fn checkout(&self) -> PathBuf {
@@ -436,36 +478,8 @@ impl Job {
             .output()
             .unwrap();
         if out.status.success() {
-            match self.install {
-                Install::AgentBinary => {
-                    self.env = self.api.env();
-                }
-                Install::PluginShell => {
-                    let raw = std::fs::read(self.env_capture_path(hook)).unwrap_or_default();
-                    let mut after = BTreeMap::new();
-                    for entry in raw.split(|b| *b == 0).filter(|e| !e.is_empty()) {
-                        let e = String::from_utf8_lossy(entry);
-                        if let Some((k, v)) = e.split_once('=') {
-                            after.insert(k.to_string(), v.to_string());
-                        }
-                    }
-                    // Only what the hook changed is carried over (shell internals are not).
-                    for (k, v) in after {
-                        if k.starts_with("BASH")
-                            || k == "SHLVL"
-                            || k == "_"
-                            || k == "PWD"
-                            || k == "OLDPWD"
-                        {
-                            continue;
-                        }
-                        if self.env.get(&k) != Some(&v) {
-                            self.env.insert(k, v);
-                        }
-                    }
-                    *self.api.env.lock().unwrap() = self.env.clone();
-                }
-            }
+            // An executed hook changes the job's environment through the Job API only.
+            self.env = self.api.env();
         }
         out
     }
