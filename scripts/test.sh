@@ -124,7 +124,7 @@ fi
 section "cargo test"
 cargo test --workspace --locked 2>&1 | tee "$log"
 
-section "bats (plugin hook shims)"
+section "bats (the plugin's hook files)"
 bats plugin/tests/bats 2>&1 | tee -a "$log"
 
 section "python client (clients/python): ruff, pytest against the real service"

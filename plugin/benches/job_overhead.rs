@@ -126,7 +126,15 @@ enum Install {
     Shims,
     /// The binary under the hook's name (agent-level hooks, vendors).
     Binary,
+    /// Both, as on a node `setup` made running a step that names the plugin (the deployment
+    /// pipelines): the agent runs `environment` agent-level first (which leaves the job to the
+    /// plugin's), then the plugin's; the plugin's `command` only; `pre-exit` the plugin's, then
+    /// the agent-level one (which finds nothing left).
+    SetupNode,
 }
+
+/// The plugin's location in the step, as the deployment pipelines name it.
+const PLUGIN_LOCATION: &str = "github.com/kernelkite/kernelkite/plugin#v0.1.0";
 
 struct JobTimes {
     environment: Duration,
@@ -156,7 +164,7 @@ struct Bench {
 impl Bench {
     fn hook(&self, install: Install, name: &str, env: &BTreeMap<String, String>) -> Command {
         let mut c = match install {
-            Install::Plugin => Command::new(self.plugin_hooks.join(name)),
+            Install::Plugin | Install::SetupNode => Command::new(self.plugin_hooks.join(name)),
             Install::Shims => {
                 let mut c = Command::new("bash");
                 c.arg("-c")
@@ -206,16 +214,34 @@ impl Bench {
         for (k, v) in extra {
             env.insert(k.to_string(), v.to_string());
         }
+        // On a set-up node the agent-level hooks see the step's plugins but not the plugin's
+        // configuration, which the agent gives the plugin's hooks only.
+        let agent_level = (install == Install::SetupNode).then(|| {
+            let cfg = env["KERNELKITE_CONFIG"].clone();
+            let plugins = format!(r#"[{{"{PLUGIN_LOCATION}":{cfg}}}]"#);
+            env.insert("BUILDKITE_PLUGINS".into(), plugins);
+            let agent_env = env.clone();
+            env.insert("BUILDKITE_PLUGIN_CONFIGURATION".into(), cfg);
+            agent_env
+        });
+        let agent_hook = |bench: &Bench, name: &str| -> Result<Duration, String> {
+            match &agent_level {
+                Some(agent_env) => try_run(&mut bench.hook(Install::Binary, name, agent_env)),
+                None => Ok(Duration::ZERO),
+            }
+        };
         let times = (|| -> Result<JobTimes, String> {
             std::thread::sleep(gap);
             let cpu_before = cpu_now();
-            let environment = try_run(&mut self.hook(install, "environment", &env))?;
+            let environment = agent_hook(self, "environment")?
+                + try_run(&mut self.hook(install, "environment", &env))?;
             std::thread::sleep(gap);
             let wall = SystemTime::now();
             let command = try_run(&mut self.hook(install, "command", &env))?;
             let command_start = command_started(&checkout, wall);
             std::thread::sleep(gap);
-            let pre_exit = try_run(&mut self.hook(install, "pre-exit", &env))?;
+            let pre_exit =
+                try_run(&mut self.hook(install, "pre-exit", &env))? + agent_hook(self, "pre-exit")?;
             let cpu = cpu_now().saturating_sub(cpu_before);
             Ok(JobTimes {
                 environment,
@@ -608,11 +634,12 @@ fn main() {
         .collect();
     let empty = stats(empty);
     // The plugin's hooks now and before alternate, so a slow spell falls on both.
-    let (mut plugin_jobs, mut shim_jobs) = (Vec::new(), Vec::new());
+    let (mut plugin_jobs, mut shim_jobs, mut node_jobs) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..gap_jobs {
         let warm = if round == 0 { 2 } else { 0 };
         plugin_jobs.extend(bench.jobs_warmed(1, warm, Install::Plugin, GAP, &[], "plugin"));
         shim_jobs.extend(bench.jobs_warmed(1, warm, Install::Shims, GAP, &[], "shim"));
+        node_jobs.extend(bench.jobs_warmed(1, warm, Install::SetupNode, GAP, &[], "node"));
     }
     let plugin_sum = report(
         &table,
@@ -623,6 +650,11 @@ fn main() {
         &table,
         "agent-style: the plugin's previous shell shims (sourced in the agent's wrapper; baseline)",
         &shim_jobs,
+    );
+    let node_sum = report(
+        &table,
+        "agent-style: a node `setup` made (agent-level hooks too) running a step that names the plugin",
+        &node_jobs,
     );
     table.row(
         "  the agent's wrapper around an empty shell hook (with `env -0` for `buildkite-agent env dump`)",
@@ -796,6 +828,10 @@ fn main() {
         (
             "agent-style, the plugin's previous shell shims (baseline)".to_string(),
             &shim_sum,
+        ),
+        (
+            "agent-style, agent-level hooks and the plugin (a set-up node)".to_string(),
+            &node_sum,
         ),
     ];
     for ((name, _), sum) in builds.iter().zip(&sums) {

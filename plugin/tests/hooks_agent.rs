@@ -394,6 +394,84 @@ fn command_hook_without_environment_refuses_to_run_unconfined() {
 }
 
 #[test]
+fn a_step_naming_the_plugin_on_a_node_with_agent_level_hooks_is_prepared_once() {
+    // What `setup` makes and the deployment pipelines use: agent-level hooks, and a step that
+    // names the plugin. The agent runs environment agent-level first, then the plugin's; the
+    // plugin's command only; pre-exit the plugin's first, then the agent-level one.
+    let node = Node::new(2);
+    let agent = node.agent("pool");
+    let cfg = r#"{"gpus":1,"memory":"128M","lease-wait":0}"#;
+    let mut job = agent.start_job(
+        &job_id(22),
+        "echo \"gpu=$KERNELBOT_GPU_INDEX mem=$KERNELBOT_MEMORY\"",
+        Some(cfg),
+        Install::AgentBinary,
+    );
+    // The agent gives the step's plugin configuration to the plugin's hooks only.
+    let plugin_vars: Vec<String> = job
+        .env
+        .keys()
+        .filter(|k| k.starts_with("BUILDKITE_PLUGIN_"))
+        .cloned()
+        .collect();
+    let mut for_plugin = BTreeMap::new();
+    for k in &plugin_vars {
+        for_plugin.insert(k.clone(), job.env.remove(k).unwrap());
+        job.api.env.lock().unwrap().remove(k);
+    }
+    assert!(job.env.contains_key("BUILDKITE_PLUGINS"));
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the step uses the kernelkite plugin"),
+        "{}",
+        output_text(&out)
+    );
+    assert!(!job.env.contains_key("KERNELBOT_GPU_INDEX"));
+    let jobs_dir = node.path().join("run/jobs");
+    let states = || {
+        std::fs::read_dir(&jobs_dir)
+            .map(|d| d.filter_map(Result::ok).count())
+            .unwrap_or(0)
+    };
+    assert_eq!(states(), 0, "the agent-level hook prepared the job");
+    assert!(!node.cgroup_dir(&job.id).exists());
+
+    job.install = Install::Plugin;
+    job.hooks_dir = agent::plugin_hooks(Path::new(agent::BIN), &node.path().join("plugin"));
+    for (k, v) in &for_plugin {
+        job.set_env(k, v);
+    }
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(
+        job.env["KERNELBOT_MEMORY"], "128m",
+        "the step's configuration"
+    );
+    assert_eq!(states(), 1);
+    let out = job.run_hook("command");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("mem=128m"));
+    assert!(job.run_hook("pre-exit").status.success());
+    job.install = Install::AgentBinary;
+    job.hooks_dir = agent.hooks_dir.clone();
+    let out = job.run_hook("pre-exit");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(states(), 0);
+    assert!(!node.cgroup_dir(&job.id).exists());
+    // Both GPUs are free again.
+    for n in [23, 24] {
+        let mut next = agent.start_job(
+            &job_id(n),
+            "true",
+            Some(r#"{"lease-wait":0}"#),
+            Install::Plugin,
+        );
+        assert!(next.run_hook("environment").status.success());
+    }
+}
+
+#[test]
 fn environment_twice_in_one_job_keeps_one_lease() {
     // Agent-level hooks and the plugin both installed: two environment hooks per job.
     let node = Node::new(2);

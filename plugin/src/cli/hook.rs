@@ -202,6 +202,10 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
     let env = job_env();
     match cmd {
         HookCommand::Environment(args) => {
+            if let Some(why) = job::environment::left_to_the_plugin(&env) {
+                crate::joblog::say(why);
+                return Ok(ExitCode::SUCCESS);
+            }
             let settings = args.node.settings();
             crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
             let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;

@@ -32,6 +32,46 @@ pub fn job_config(env: &BTreeMap<String, String>) -> Result<PluginConfig, Config
     config::parse_config(text)
 }
 
+/// Whether this hook runs as the plugin's (the agent gives plugin hooks their step's
+/// configuration) rather than as an agent-level hook.
+pub fn is_plugin_hook(env: &BTreeMap<String, String>) -> bool {
+    env.contains_key("BUILDKITE_PLUGIN_CONFIGURATION")
+}
+
+/// Whether a plugin location (a key of `BUILDKITE_PLUGINS`, `<location>#<ref>`) is this plugin:
+/// the repository's plugin directory (`github.com/kernelkite/kernelkite/plugin`), or a copy
+/// published as a plugin repository of its own (`.../kernelkite`,
+/// `.../kernelkite-buildkite-plugin`, or the shorthand `kernelkite`).
+pub fn is_this_plugin(location: &str) -> bool {
+    let place = location.split('#').next().unwrap_or_default();
+    let place = place.trim_end_matches('/').to_ascii_lowercase();
+    let mut segments = place
+        .rsplit('/')
+        .map(|s| s.strip_suffix(".git").unwrap_or(s));
+    match segments.next() {
+        Some("kernelkite" | "kernelkite-buildkite-plugin") => true,
+        Some("plugin") => segments.next() == Some("kernelkite"),
+        _ => false,
+    }
+}
+
+/// Whether the step names this plugin (`BUILDKITE_PLUGINS`, a JSON list of one-key objects
+/// `{"<location>#<ref>": config}`). Unreadable JSON names nothing.
+pub fn step_names_this_plugin(env: &BTreeMap<String, String>) -> bool {
+    let Some(text) = env.get("BUILDKITE_PLUGINS") else {
+        return false;
+    };
+    let Ok(serde_json::Value::Array(plugins)) = serde_json::from_str::<serde_json::Value>(text)
+    else {
+        return false;
+    };
+    plugins
+        .iter()
+        .filter_map(serde_json::Value::as_object)
+        .flat_map(|o| o.keys())
+        .any(|k| is_this_plugin(k))
+}
+
 fn parse_index_list(name: &'static str, value: &str) -> Result<Vec<u32>, JobError> {
     let bad = || JobError::BadGpuIndex {
         name,
@@ -77,6 +117,38 @@ pub fn agent_gpus(env: &BTreeMap<String, String>) -> Result<Option<Vec<u32>>, Jo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn this_plugin_is_recognised_by_its_location_in_the_step() {
+        for yes in [
+            "github.com/kernelkite/kernelkite/plugin#v0.1.0",
+            "https://github.com/kernelkite/kernelkite.git/plugin#main",
+            "ssh://git@github.com/kernelkite/kernelkite/plugin/#v1",
+            "github.com/vendor/kernelkite-buildkite-plugin#v2.0.0",
+            "kernelkite#v1.0.0",
+            "git.example.com/mirror/kernelkite.git#abc",
+        ] {
+            assert!(is_this_plugin(yes), "{yes}");
+        }
+        for no in [
+            "docker#v5.12.0",
+            "github.com/buildkite-plugins/docker-buildkite-plugin#v5",
+            "github.com/other/tools/plugin#v1",
+            "github.com/kernelkite/kernelkite-extras#v1",
+            "",
+        ] {
+            assert!(!is_this_plugin(no), "{no}");
+        }
+        let env = |plugins: &str| -> BTreeMap<String, String> {
+            [("BUILDKITE_PLUGINS".to_string(), plugins.to_string())].into()
+        };
+        assert!(step_names_this_plugin(&env(
+            r#"[{"docker#v5.12.0":{"image":"x"}},{"github.com/kernelkite/kernelkite/plugin#v0.1.0":{"gpus":1}}]"#
+        )));
+        assert!(!step_names_this_plugin(&env(r#"[{"docker#v5.12.0":{}}]"#)));
+        assert!(!step_names_this_plugin(&env("not json")));
+        assert!(!step_names_this_plugin(&BTreeMap::new()));
+    }
     use crate::job::test_support::env;
 
     #[test]

@@ -10,7 +10,9 @@ use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
 
 use super::cleanup::{clean_job, clean_orphans};
 use super::devices::{device_indices, other_gpu_devices};
-use super::env::{agent_gpus, job_api_socket, job_config, var};
+use super::env::{
+    agent_gpus, is_plugin_hook, job_api_socket, job_config, step_names_this_plugin, var,
+};
 use super::error::Chain;
 use super::exports::exports_for;
 use super::slice::{job_slice, node_plan};
@@ -32,6 +34,18 @@ pub struct Prepared {
     pub state: JobState,
     /// Lines for the job log (orphans cleaned, unenforced warnings, ...).
     pub notices: Vec<String>,
+}
+
+/// Why an agent-level `environment` hook leaves this job to the plugin's, if it does: the step
+/// names the plugin, whose `environment` hook the agent runs next (agent-level hooks first)
+/// with the step's configuration, which replaces whatever was prepared before. Preparing here
+/// too would lease, check and make the job's cgroup twice per job on a node whose agents have
+/// the agent-level hooks and run the plugin's pipelines. (Should the plugin's hook not run, its
+/// `command` hook does not either, and the agent-level `command` finds no state and fails the job.)
+pub fn left_to_the_plugin(env: &BTreeMap<String, String>) -> Option<&'static str> {
+    (!is_plugin_hook(env) && step_names_this_plugin(env)).then_some(
+        "the step uses the kernelkite plugin: its own environment hook prepares this job with the step's configuration",
+    )
 }
 
 /// The `environment` hook: clean orphans, lease GPU(s), check and prepare the slice, record

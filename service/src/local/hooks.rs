@@ -1,6 +1,6 @@
 //! Running the plugin's job hooks the way a Buildkite agent runs them: the variables an agent
 //! gives every hook, the `environment` hook's exports handed on to the command (as the
-//! plugin's sourced shell shim hands them on: `environment --export shell`, evaluated), and the
+//! plugin's hooks hand them on through the agent: `environment --export shell`, evaluated), and the
 //! processes behind a job.
 
 use std::collections::BTreeMap;
@@ -127,7 +127,7 @@ pub fn shell_quote(v: &str) -> String {
 }
 
 /// The variables in `export NAME='value'` lines, as `kernelkite-isolate environment --export
-/// shell` prints them and the plugin's shim evaluates them. Strict: anything else is an error,
+/// shell` prints them and the local executor evaluates them. Strict: anything else is an error,
 /// since a job must not run without the variables that tell it its slice.
 pub fn parse_exports(text: &str) -> Result<BTreeMap<String, String>, String> {
     let mut out = BTreeMap::new();
