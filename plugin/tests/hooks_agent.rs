@@ -453,11 +453,19 @@ fn a_step_naming_the_plugin_on_a_node_with_agent_level_hooks_is_prepared_once() 
     assert!(out.status.success(), "{}", output_text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("mem=128m"));
     assert!(job.run_hook("pre-exit").status.success());
+    assert_eq!(states(), 0);
     job.install = Install::AgentBinary;
     job.hooks_dir = agent.hooks_dir.clone();
+    for (k, _) in &for_plugin {
+        job.env.remove(k);
+    }
     let out = job.run_hook("pre-exit");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(states(), 0);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("the step uses the kernelkite plugin"),
+        "{}",
+        output_text(&out)
+    );
     assert!(!node.cgroup_dir(&job.id).exists());
     // Both GPUs are free again.
     for n in [23, 24] {

@@ -261,6 +261,10 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             HOOK_NAMES.join(", ")
         ),
         HookCommand::PreExit(args) => {
+            if let Some(why) = job::environment::left_to_the_plugin(&env) {
+                println!("kernelkite: {why}");
+                return Ok(ExitCode::SUCCESS);
+            }
             let settings = args.settings();
             crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
             let report = job::pre_exit::run(&settings, &env, &mut open_nvml)?;

@@ -36,15 +36,19 @@ pub struct Prepared {
     pub notices: Vec<String>,
 }
 
-/// Why an agent-level `environment` hook leaves this job to the plugin's, if it does: the step
-/// names the plugin, whose `environment` hook the agent runs next (agent-level hooks first)
-/// with the step's configuration, which replaces whatever was prepared before. Preparing here
-/// too would lease, check and make the job's cgroup twice per job on a node whose agents have
-/// the agent-level hooks and run the plugin's pipelines. (Should the plugin's hook not run, its
-/// `command` hook does not either, and the agent-level `command` finds no state and fails the job.)
+/// Why an agent-level hook (`environment` or `pre-exit`) leaves this job to the plugin's, if it
+/// does: the step names the plugin, whose hooks the agent runs with the step's configuration,
+/// which replaces whatever an agent-level `environment` prepared. The agent runs
+/// `environment` agent-level first, then the plugin's, and `pre-exit` the plugin's first, then
+/// agent-level, so the plugin's hooks do the work and the agent-level ones would only repeat
+/// it: a second lease, check and cgroup per job, and a second clean-up walk, on a node whose
+/// agents have the agent-level hooks and run the plugin's pipelines. Should the plugin's hooks
+/// not run, its `command` does not either, and the agent-level `command` finds no state and
+/// fails the job; a job the plugin prepared and did not clean up is cleaned up as an orphan by
+/// the next `environment` on the node.
 pub fn left_to_the_plugin(env: &BTreeMap<String, String>) -> Option<&'static str> {
     (!is_plugin_hook(env) && step_names_this_plugin(env)).then_some(
-        "the step uses the kernelkite plugin: its own environment hook prepares this job with the step's configuration",
+        "the step uses the kernelkite plugin, whose own hooks prepare and clean up this job",
     )
 }
 
