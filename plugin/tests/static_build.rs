@@ -132,6 +132,42 @@ fn a_job_runs_whole_in_the_static_build() {
 }
 
 #[test]
+fn the_plugin_s_hook_files_run_the_static_build_and_hand_over_the_same_way() {
+    let Some(bin) = static_build() else { return };
+    let st = staged(&bin, "dgx01-gpu1");
+    let mut job = st.agent.start_job(
+        &job_id(5),
+        "echo \"seen=$CUDA_VISIBLE_DEVICES\"",
+        Some("{}"),
+        Install::Plugin,
+    );
+    job.hooks_dir = agent::plugin_hooks(&bin, &st.node.path().join("plugin"));
+    for (hook, out) in job.run_all() {
+        assert!(out.status.success(), "{hook}: {}", output_text(&out));
+        if hook == "command" {
+            assert!(String::from_utf8_lossy(&out.stdout)
+                .contains("seen=GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"));
+        }
+    }
+    assert!(!st.record.exists(), "no hook needed NVML");
+    // A step asking for locked clocks: `plugin-hook .../environment` becomes the NVML build's
+    // `environment --export job-api`, as for an agent-level link.
+    let mut job = st.agent.start_job(
+        &job_id(6),
+        "true",
+        Some(r#"{"lock-clocks":1410}"#),
+        Install::Plugin,
+    );
+    job.hooks_dir = agent::plugin_hooks(&bin, &st.node.path().join("plugin"));
+    let out = job.run_hook("environment");
+    assert_eq!(out.status.code(), Some(7), "{}", output_text(&out));
+    assert_eq!(
+        std::fs::read_to_string(&st.record).unwrap(),
+        "environment\n--export\njob-api\n"
+    );
+}
+
+#[test]
 fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
     let Some(bin) = static_build() else { return };
     let st = staged(&bin, "dgx01-gpu0");
