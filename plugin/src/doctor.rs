@@ -194,7 +194,35 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
         checks.extend(check_docker(&opts.root, &gpus, host));
     }
     checks.push(check_agent(host));
+    checks.push(check_plugin_binary(&opts.root));
     checks
+}
+
+/// The binary the plugin's hook files name on their first line (a shebang cannot search):
+/// without it every step that names the plugin fails at `environment`.
+pub fn check_plugin_binary(root: &Path) -> Check {
+    const NAME: &str = "plugin hooks";
+    let line = crate::cli::hook::PLUGIN_HOOK_SHEBANG;
+    let bin = line
+        .strip_prefix("#!")
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_default();
+    let at = root.join(bin.trim_start_matches('/'));
+    let executable = std::fs::metadata(&at).is_ok_and(|m| {
+        m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
+    });
+    if executable {
+        Check::ok(
+            NAME,
+            format!("{bin} is there for the plugin's hook files to run"),
+        )
+    } else {
+        Check::warn(
+            NAME,
+            format!("{bin} is missing: steps that name the plugin fail at `environment` (its hook files run that path)"),
+            "install the binaries with `kernelkite-isolate setup` (with another --prefix it links that path)",
+        )
+    }
 }
 
 const NEEDED: [&str; 3] = ["cpuset", "memory", "pids"];
@@ -687,6 +715,20 @@ mod tests {
 
     #[test]
     fn agent_version_gate() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(check_plugin_binary(root.path()).status, Status::Warn);
+        let bin = root.path().join("opt/kernelkite/bin/kernelkite-isolate");
+        std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+        std::fs::write(&bin, "").unwrap();
+        assert_eq!(
+            check_plugin_binary(root.path()).status,
+            Status::Warn,
+            "not executable"
+        );
+        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let c = check_plugin_binary(root.path());
+        assert_eq!(c.status, Status::Ok, "{c}");
         let c = check_agent(&FakeHost::default());
         assert_eq!(c.status, Status::Fail);
         assert!(c.fix.unwrap().contains("3.108"));
@@ -775,13 +817,18 @@ mod tests {
     fn a_healthy_fixture_node_passes_and_exit_code_follows_fails() {
         let dir = tempfile::tempdir().unwrap();
         fakesys::dgx_h100().write_to(dir.path()).unwrap();
+        let bin = dir.path().join("opt/kernelkite/bin/kernelkite-isolate");
+        std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+        std::fs::write(&bin, "").unwrap();
+        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         let opts = DoctorOptions {
             root: dir.path().to_path_buf(),
             docker: true,
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 7);
+        assert_eq!(checks.len(), 8);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);
