@@ -456,7 +456,7 @@ fn a_step_naming_the_plugin_on_a_node_with_agent_level_hooks_is_prepared_once() 
     assert_eq!(states(), 0);
     job.install = Install::AgentBinary;
     job.hooks_dir = agent.hooks_dir.clone();
-    for (k, _) in &for_plugin {
+    for k in for_plugin.keys() {
         job.env.remove(k);
     }
     let out = job.run_hook("pre-exit");
