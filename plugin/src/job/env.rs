@@ -117,6 +117,7 @@ pub fn agent_gpus(env: &BTreeMap<String, String>) -> Result<Option<Vec<u32>>, Jo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::test_support::env;
 
     #[test]
     fn this_plugin_is_recognised_by_its_location_in_the_step() {
@@ -139,17 +140,16 @@ mod tests {
         ] {
             assert!(!is_this_plugin(no), "{no}");
         }
-        let env = |plugins: &str| -> BTreeMap<String, String> {
-            [("BUILDKITE_PLUGINS".to_string(), plugins.to_string())].into()
-        };
-        assert!(step_names_this_plugin(&env(
+        let plugins = |json: &str| env(&[("BUILDKITE_PLUGINS", json)]);
+        assert!(step_names_this_plugin(&plugins(
             r#"[{"docker#v5.12.0":{"image":"x"}},{"github.com/kernelkite/kernelkite/plugin#v0.1.0":{"gpus":1}}]"#
         )));
-        assert!(!step_names_this_plugin(&env(r#"[{"docker#v5.12.0":{}}]"#)));
-        assert!(!step_names_this_plugin(&env("not json")));
+        assert!(!step_names_this_plugin(&plugins(
+            r#"[{"docker#v5.12.0":{}}]"#
+        )));
+        assert!(!step_names_this_plugin(&plugins("not json")));
         assert!(!step_names_this_plugin(&BTreeMap::new()));
     }
-    use crate::job::test_support::env;
 
     #[test]
     fn agent_binding_from_tag_or_name() {
