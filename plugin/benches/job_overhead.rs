@@ -31,7 +31,7 @@ use kernelkite_isolate::cgroup::{Cgroups, Limits};
 use kernelkite_topology::fakesys;
 
 mod common;
-use common::{ms, output_ok, path_with, stats, stub_nvidia_smi_bin, Stats, Table};
+use common::{ms, output_ok, path_with, plugin_hooks, stats, stub_nvidia_smi_bin, Stats, Table};
 
 /// The agent's idle time between two hooks of a job.
 const GAP: Duration = Duration::from_millis(200);
@@ -448,25 +448,6 @@ fn static_build() -> Option<PathBuf> {
     Some(target.join("node/kernelkite-isolate")).filter(|p| p.is_file())
 }
 
-/// The plugin's hook files as a node with `bin` installed runs them: copies in `dir` whose first
-/// line names `bin` instead of `/opt/kernelkite/bin/kernelkite-isolate`.
-fn plugin_hooks(manifest: &Path, bin: &Path, dir: &Path) -> PathBuf {
-    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
-    let installed = shebang
-        .strip_prefix("#!")
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap();
-    std::fs::create_dir_all(dir).unwrap();
-    for hook in ["environment", "command", "pre-exit"] {
-        let text = std::fs::read_to_string(manifest.join("hooks").join(hook)).unwrap();
-        let copy = dir.join(hook);
-        std::fs::write(&copy, text.replacen(installed, bin.to_str().unwrap(), 1)).unwrap();
-        std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-    }
-    dir.to_path_buf()
-}
-
 /// The plugin's previous hooks, reduced to what they did per job: shell shims the agent
 /// sourced, running the binary named by `KERNELKITE_ISOLATE_BIN` (`environment` printed
 /// `export` lines for the shim to evaluate).
@@ -575,7 +556,7 @@ fn main() {
         if sandbox { "on" } else { "off" }.into(),
     );
     let mut bench = Bench {
-        plugin_hooks: plugin_hooks(manifest, &node_exe, &disk.path().join("plugin-hooks")),
+        plugin_hooks: plugin_hooks(&node_exe, &disk.path().join("plugin")),
         shims: shell_shims(&disk.path().join("shell-shims")),
         exe: node_exe,
         dir: disk.path().to_path_buf(),

@@ -1,14 +1,13 @@
 //! Real processes racing for pooled GPUs: 8 jobs, 4 GPUs, one run dir.
 
 mod agent;
-mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use agent::common::output_ok;
 use agent::{Node, BIN};
-use common::output_ok;
 
 struct Racer {
     job: String,

@@ -25,29 +25,11 @@ pub fn plugin_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The plugin's `hooks/*` as a node with `bin` installed would run them: copies in `dir/hooks`
-/// whose first line names `bin` where the shipped files name `/opt/kernelkite/bin`, the rest
-/// unchanged. Each shipped file must start with exactly that line.
-pub fn plugin_hooks(bin: &Path, dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
-    let installed = shebang
-        .strip_prefix("#!")
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap();
-    let out = dir.join("hooks");
-    std::fs::create_dir_all(&out).unwrap();
-    for hook in ["environment", "command", "pre-exit"] {
-        let text = std::fs::read_to_string(plugin_dir().join("hooks").join(hook)).unwrap();
-        let (first, rest) = text.split_once('\n').unwrap();
-        assert_eq!(first, shebang, "hooks/{hook}");
-        let copy = out.join(hook);
-        let line = first.replacen(installed, bin.to_str().unwrap(), 1);
-        std::fs::write(&copy, format!("{line}\n{rest}")).unwrap();
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    out
-}
+/// The helpers every test and benchmark shares (a test that includes this harness reaches them
+/// here rather than including them a second time).
+#[path = "../common/mod.rs"]
+pub mod common;
+pub use common::plugin_hooks;
 
 /// Whether the agent would source `path` in its shell wrapper instead of executing it: its
 /// rule (`hook.Type`) is a file without a `#!` line, or whose `#!` line names a POSIX shell

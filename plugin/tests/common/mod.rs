@@ -37,3 +37,28 @@ pub fn path_with(bin: &Path) -> String {
         std::env::var("PATH").unwrap_or_default()
     )
 }
+
+/// The plugin's hook files as a node with `bin` installed runs them: copies in `dir/hooks`
+/// whose first line names `bin` where the shipped files name `/opt/kernelkite/bin`, the rest
+/// unchanged. Each shipped file must start with exactly that line.
+pub fn plugin_hooks(bin: &Path, dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
+    let installed = shebang
+        .strip_prefix("#!")
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap();
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks");
+    let out = dir.join("hooks");
+    std::fs::create_dir_all(&out).unwrap();
+    for hook in ["environment", "command", "pre-exit"] {
+        let text = std::fs::read_to_string(shipped.join(hook)).unwrap();
+        let (first, rest) = text.split_once('\n').unwrap();
+        assert_eq!(first, shebang, "hooks/{hook}");
+        let copy = out.join(hook);
+        let line = first.replacen(installed, bin.to_str().unwrap(), 1);
+        std::fs::write(&copy, format!("{line}\n{rest}")).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    out
+}
