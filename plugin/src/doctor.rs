@@ -202,11 +202,7 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
 /// without it every step that names the plugin fails at `environment`.
 pub fn check_plugin_binary(root: &Path) -> Check {
     const NAME: &str = "plugin hooks";
-    let line = crate::cli::hook::PLUGIN_HOOK_SHEBANG;
-    let bin = line
-        .strip_prefix("#!")
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap_or_default();
+    let bin = crate::cli::hook::plugin_hook_binary();
     let at = root.join(bin.trim_start_matches('/'));
     let executable = std::fs::metadata(&at).is_ok_and(|m| {
         m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0

@@ -29,6 +29,14 @@ pub const PLUGIN_HOOK: &str = "plugin-hook";
 /// rather than sourcing it in its wrapper.
 pub const PLUGIN_HOOK_SHEBANG: &str = "#!/opt/kernelkite/bin/kernelkite-isolate plugin-hook";
 
+/// The binary [`PLUGIN_HOOK_SHEBANG`] names: where the plugin's hook files need it.
+pub fn plugin_hook_binary() -> &'static str {
+    PLUGIN_HOOK_SHEBANG
+        .strip_prefix("#!")
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_default()
+}
+
 /// The hook subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum HookCommand {
@@ -328,10 +336,16 @@ mod tests {
             subcommand_for_argv0(argv("post-command")),
             argv("post-command")
         );
-        assert!(PLUGIN_HOOK_SHEBANG.ends_with(&format!(" {PLUGIN_HOOK}")));
-        assert!(PLUGIN_HOOK_SHEBANG.starts_with(&format!(
-            "#!{}/bin/kernelkite-isolate ",
-            crate::setup::paths::DEFAULT_PREFIX
-        )));
+        assert_eq!(
+            PLUGIN_HOOK_SHEBANG,
+            format!("#!{} {PLUGIN_HOOK}", plugin_hook_binary())
+        );
+        assert_eq!(
+            plugin_hook_binary(),
+            format!(
+                "{}/bin/kernelkite-isolate",
+                crate::setup::paths::DEFAULT_PREFIX
+            )
+        );
     }
 }

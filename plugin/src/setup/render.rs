@@ -489,13 +489,16 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
     }
     // The plugin's hook files name the binary at the default prefix on their first line (a
     // shebang cannot search): with another prefix, that path leads to this one.
-    let default_bin = Path::new(DEFAULT_PREFIX).join("bin");
-    if bin != default_bin {
-        for path in [PathBuf::from(DEFAULT_PREFIX), default_bin.clone()] {
+    let plugin_bin = Path::new(crate::cli::hook::plugin_hook_binary());
+    if plugin_bin != bin.join("kernelkite-isolate") {
+        for path in [
+            PathBuf::from(DEFAULT_PREFIX),
+            PathBuf::from(DEFAULT_PREFIX).join("bin"),
+        ] {
             dirs.push(Dir { path, mode: 0o755 });
         }
         files.push(File {
-            path: default_bin.join("kernelkite-isolate"),
+            path: plugin_bin.to_path_buf(),
             mode: 0o777,
             content: Content::Link(bin.join("kernelkite-isolate")),
         });

@@ -44,10 +44,7 @@ pub fn path_with(bin: &Path) -> String {
 pub fn plugin_hooks(bin: &Path, dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
-    let installed = shebang
-        .strip_prefix("#!")
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap();
+    let installed = kernelkite_isolate::cli::hook::plugin_hook_binary();
     let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks");
     let out = dir.join("hooks");
     std::fs::create_dir_all(&out).unwrap();
