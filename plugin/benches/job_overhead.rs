@@ -1,25 +1,25 @@
 //! Benchmark: the per-job overhead of the hooks in host mode on the DGX H100 fixture —
-//! `environment` (orphan scan, plan, lease, cgroup), `command` (the sandbox helper started in
-//! the job's cgroup, its namespaces and mounts, the privilege drop, then the step's command)
-//! and `pre-exit` (kill, checkout ownership back, cgroup removal, lease release).
+//! `environment` (orphan scan, plan, lease, cgroup), `command` (the step's shell started in the
+//! job's cgroup, the sandbox set up in its child first: namespaces and mounts, the privilege
+//! drop) and `pre-exit` (kill, checkout ownership back, cgroup removal, lease release).
 //!
 //! Measured the way the agent runs a job: every hook a separate process, as the plugin's hook
 //! files (`hooks/*`, executed by the agent: the kernel runs the binary their first line names,
-//! which exports through a Job API served here) or as agent-level binary hooks, with idle gaps
-//! between hooks (the agent checks out, uploads, ...; 200 ms
-//! here). The gaps matter on cgroup v1: a task's first migration into a cgroup after a quiet
-//! spell waits for an RCU grace period unless the kernel favours dynamic cgroup changes
-//! (`favordynmods`). "Command start" is from the hook's spawn to the first instruction of the
-//! step's command (the command writes `$EPOCHREALTIME`). Next to it, in the same run: the old
-//! back-to-back loop (binary hooks, no gaps), the plugin's previous hooks (shell shims the agent
-//! sources in its wrapper: the baseline of the plugin's row), the same hooks with the sandbox
-//! off, the bare
-//! command, the RCU grace period of this kernel, the start of a process in a cgroup v2
-//! directory by migration or by `clone3(CLONE_INTO_CGROUP)`, the checkout hand-over per file,
-//! and the prototype's environment hook.
+//! which exports through a Job API served here), as agent-level binary hooks, or both (a node
+//! `setup` made, running a step that names the plugin), with idle gaps between hooks (the
+//! agent checks out, uploads, ...; 200 ms here). The gaps matter on cgroup v1: a task's first
+//! migration into a cgroup after a quiet spell waits for an RCU grace period unless the kernel
+//! favours dynamic cgroup changes (`favordynmods`). "Command start" is from the hook's spawn to
+//! the first instruction of the step's command (the command writes `$EPOCHREALTIME`). Next to
+//! it, in the same run: the plugin's previous hooks (shell shims the agent sources in its
+//! wrapper: the baseline of the plugin's row), the old back-to-back loop (binary hooks, no
+//! gaps), the same hooks with the sandbox off, the bare command, the RCU grace period of this
+//! kernel, the start of a process in a cgroup v2 directory by migration or by
+//! `clone3(CLONE_INTO_CGROUP)`, the checkout hand-over per file, and the prototype's
+//! environment hook.
 //!
 //! `cargo bench -p kernelkite-isolate --bench job_overhead` (`KERNELKITE_BENCH_SHORT=1`: a run
-//! of about 30 s). Uses the machine's real cgroups when root and writable (the sandbox needs
+//! of about a minute). Uses the machine's real cgroups when root and writable (the sandbox needs
 //! root), else a fake v2 tree with the sandbox off.
 
 use std::collections::BTreeMap;
@@ -129,7 +129,7 @@ enum Install {
     /// Both, as on a node `setup` made running a step that names the plugin (the deployment
     /// pipelines): the agent runs `environment` agent-level first (which leaves the job to the
     /// plugin's), then the plugin's; the plugin's `command` only; `pre-exit` the plugin's, then
-    /// the agent-level one (which finds nothing left).
+    /// the agent-level one (which leaves it to the plugin's too).
     SetupNode,
 }
 
