@@ -709,22 +709,31 @@ mod tests {
         );
     }
 
-    #[test]
-    fn agent_version_gate() {
-        let root = tempfile::tempdir().unwrap();
-        assert_eq!(check_plugin_binary(root.path()).status, Status::Warn);
-        let bin = root.path().join("opt/kernelkite/bin/kernelkite-isolate");
+    /// A file at the path the plugin's hook files run, under `root`, with `mode`.
+    fn plugin_binary(root: &Path, mode: u32) {
+        let bin = root.join("opt/kernelkite/bin/kernelkite-isolate");
         std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
         std::fs::write(&bin, "").unwrap();
+        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn the_plugin_hooks_binary_must_be_an_executable_file() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(check_plugin_binary(root.path()).status, Status::Warn);
+        plugin_binary(root.path(), 0o644);
         assert_eq!(
             check_plugin_binary(root.path()).status,
             Status::Warn,
             "not executable"
         );
-        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
+        plugin_binary(root.path(), 0o755);
         let c = check_plugin_binary(root.path());
         assert_eq!(c.status, Status::Ok, "{c}");
+    }
+
+    #[test]
+    fn agent_version_gate() {
         let c = check_agent(&FakeHost::default());
         assert_eq!(c.status, Status::Fail);
         assert!(c.fix.unwrap().contains("3.108"));
@@ -813,11 +822,7 @@ mod tests {
     fn a_healthy_fixture_node_passes_and_exit_code_follows_fails() {
         let dir = tempfile::tempdir().unwrap();
         fakesys::dgx_h100().write_to(dir.path()).unwrap();
-        let bin = dir.path().join("opt/kernelkite/bin/kernelkite-isolate");
-        std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
-        std::fs::write(&bin, "").unwrap();
-        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
+        plugin_binary(dir.path(), 0o755);
         let opts = DoctorOptions {
             root: dir.path().to_path_buf(),
             docker: true,

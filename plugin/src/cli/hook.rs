@@ -210,7 +210,7 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
     let env = job_env();
     match cmd {
         HookCommand::Environment(args) => {
-            if let Some(why) = job::environment::left_to_the_plugin(&env) {
+            if let Some(why) = job::env::left_to_the_plugin(&env) {
                 crate::joblog::say(why);
                 return Ok(ExitCode::SUCCESS);
             }
@@ -269,7 +269,7 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             HOOK_NAMES.join(", ")
         ),
         HookCommand::PreExit(args) => {
-            if let Some(why) = job::environment::left_to_the_plugin(&env) {
+            if let Some(why) = job::env::left_to_the_plugin(&env) {
                 println!("kernelkite: {why}");
                 return Ok(ExitCode::SUCCESS);
             }

@@ -34,7 +34,7 @@ pub fn job_config(env: &BTreeMap<String, String>) -> Result<PluginConfig, Config
 
 /// Whether this hook runs as the plugin's (the agent gives plugin hooks their step's
 /// configuration) rather than as an agent-level hook.
-pub fn is_plugin_hook(env: &BTreeMap<String, String>) -> bool {
+fn is_plugin_hook(env: &BTreeMap<String, String>) -> bool {
     env.contains_key("BUILDKITE_PLUGIN_CONFIGURATION")
 }
 
@@ -70,6 +70,22 @@ pub fn step_names_this_plugin(env: &BTreeMap<String, String>) -> bool {
         .filter_map(serde_json::Value::as_object)
         .flat_map(|o| o.keys())
         .any(|k| is_this_plugin(k))
+}
+
+/// Why an agent-level hook (`environment` or `pre-exit`) leaves this job to the plugin's, if it
+/// does: the step names the plugin, whose hooks the agent runs with the step's configuration,
+/// which replaces whatever an agent-level `environment` prepared. The agent runs
+/// `environment` agent-level first, then the plugin's, and `pre-exit` the plugin's first, then
+/// agent-level, so the plugin's hooks do the work and the agent-level ones would only repeat
+/// it: a second lease, check and cgroup per job, and a second clean-up walk, on a node whose
+/// agents have the agent-level hooks and run the plugin's pipelines. Should the plugin's hooks
+/// not run, its `command` does not either, and the agent-level `command` finds no state and
+/// fails the job; a job the plugin prepared and did not clean up is cleaned up as an orphan by
+/// the next `environment` on the node.
+pub fn left_to_the_plugin(env: &BTreeMap<String, String>) -> Option<&'static str> {
+    (!is_plugin_hook(env) && step_names_this_plugin(env)).then_some(
+        "the step uses the kernelkite plugin, whose own hooks prepare and clean up this job",
+    )
 }
 
 fn parse_index_list(name: &'static str, value: &str) -> Result<Vec<u32>, JobError> {

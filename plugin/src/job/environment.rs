@@ -10,9 +10,7 @@ use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
 
 use super::cleanup::{clean_job, clean_orphans};
 use super::devices::{device_indices, other_gpu_devices};
-use super::env::{
-    agent_gpus, is_plugin_hook, job_api_socket, job_config, step_names_this_plugin, var,
-};
+use super::env::{agent_gpus, job_api_socket, job_config, var};
 use super::error::Chain;
 use super::exports::exports_for;
 use super::slice::{job_slice, node_plan};
@@ -34,22 +32,6 @@ pub struct Prepared {
     pub state: JobState,
     /// Lines for the job log (orphans cleaned, unenforced warnings, ...).
     pub notices: Vec<String>,
-}
-
-/// Why an agent-level hook (`environment` or `pre-exit`) leaves this job to the plugin's, if it
-/// does: the step names the plugin, whose hooks the agent runs with the step's configuration,
-/// which replaces whatever an agent-level `environment` prepared. The agent runs
-/// `environment` agent-level first, then the plugin's, and `pre-exit` the plugin's first, then
-/// agent-level, so the plugin's hooks do the work and the agent-level ones would only repeat
-/// it: a second lease, check and cgroup per job, and a second clean-up walk, on a node whose
-/// agents have the agent-level hooks and run the plugin's pipelines. Should the plugin's hooks
-/// not run, its `command` does not either, and the agent-level `command` finds no state and
-/// fails the job; a job the plugin prepared and did not clean up is cleaned up as an orphan by
-/// the next `environment` on the node.
-pub fn left_to_the_plugin(env: &BTreeMap<String, String>) -> Option<&'static str> {
-    (!is_plugin_hook(env) && step_names_this_plugin(env)).then_some(
-        "the step uses the kernelkite plugin, whose own hooks prepare and clean up this job",
-    )
 }
 
 /// The `environment` hook: clean orphans, lease GPU(s), check and prepare the slice, record
