@@ -52,6 +52,7 @@ pub const KEYS: &[&str] = &[
     "allow-root",
     "tmp-size",
     "shm-size",
+    "allow-syscalls",
 ];
 
 /// The account host mode runs the command as, unless the step names another: a system user
@@ -69,14 +70,15 @@ pub struct PluginConfig {
     pub mode: Mode,
     /// Docker image (docker mode; required there).
     pub image: Option<String>,
-    /// Whether the command may reach the network. `None`: the mode's default (host: yes,
-    /// docker: no).
+    /// Whether the command may reach the network. `None`: the default, no (loopback only, in
+    /// host and docker mode alike).
     pub network: Option<bool>,
     /// Docker mode: mount the checkout at `workdir`.
     pub mount_checkout: bool,
     /// Docker mode: where the checkout is mounted and the command runs.
     pub workdir: String,
-    /// Docker mode: further environment variable names passed into the container.
+    /// Further environment variable names the command gets (host mode: besides the sandbox's
+    /// allow-list; docker mode: passed into the container).
     pub environment: Vec<String>,
     /// Docker mode: extra `docker run` arguments (ones that would undo isolation are refused).
     pub docker_args: Vec<String>,
@@ -105,6 +107,9 @@ pub struct PluginConfig {
     pub tmp_size: Option<u64>,
     /// Size of the job's private `/dev/shm` (bytes; docker `--shm-size`); as `tmp_size`.
     pub shm_size: Option<u64>,
+    /// System calls the sandbox's filter lets through for this step (only the names
+    /// `sandbox::seccomp::opt_outs` lists: what a profiling or debugging task may need).
+    pub allow_syscalls: Vec<String>,
 }
 
 impl Default for PluginConfig {
@@ -130,14 +135,17 @@ impl Default for PluginConfig {
             allow_root: false,
             tmp_size: None,
             shm_size: None,
+            allow_syscalls: Vec::new(),
         }
     }
 }
 
 impl PluginConfig {
-    /// Whether the command may reach the network, after the mode's default.
+    /// Whether the command may reach the network: only with `network: true`. A job on the
+    /// host's network could reach the node's own services on loopback (the service's API: a
+    /// job that submits jobs) and the outside world.
     pub fn network_allowed(&self) -> bool {
-        self.network.unwrap_or(self.mode == Mode::Host)
+        self.network.unwrap_or(false)
     }
 }
 
@@ -426,6 +434,24 @@ fn want_lock_clocks(key: &str, v: &Value) -> Result<Option<LockClocks>, ConfigEr
     }
 }
 
+/// `allow-syscalls`: names from the sandbox filter's opt-outs only.
+fn want_syscalls(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let names = want_strings(key, v)?;
+    let allowed = crate::sandbox::seccomp::opt_outs();
+    for (i, n) in names.iter().enumerate() {
+        if !allowed.contains(&n.as_str()) {
+            return Err(bad(
+                &format!("{key}[{i}]"),
+                format!(
+                    "{n:?} cannot be let through the sandbox's system-call filter; a step may allow only {}",
+                    allowed.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(names)
+}
+
 /// Parses the configuration JSON (`BUILDKITE_PLUGIN_CONFIGURATION`); blank or `null` means all
 /// defaults.
 pub fn parse_config(json: &str) -> Result<PluginConfig, ConfigError> {
@@ -516,6 +542,7 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
             "allow-root" => c.allow_root = want_bool(key, v)?,
             "tmp-size" => c.tmp_size = Some(want_memory(key, v)?),
             "shm-size" => c.shm_size = Some(want_memory(key, v)?),
+            "allow-syscalls" => c.allow_syscalls = want_syscalls(key, v)?,
             other => {
                 return Err(bad(
                     other,
@@ -695,10 +722,22 @@ mod tests {
     }
 
     #[test]
-    fn network_defaults_follow_the_mode() {
-        assert!(PluginConfig::default().network_allowed());
+    fn the_network_is_off_unless_the_step_asks() {
+        assert!(!PluginConfig::default().network_allowed());
         let c = parse_config(r#"{"mode":"docker","image":"x"}"#).unwrap();
         assert!(!c.network_allowed());
+        assert!(parse_config(r#"{"network":true}"#)
+            .unwrap()
+            .network_allowed());
+    }
+
+    #[test]
+    fn only_listed_system_calls_may_be_let_through() {
+        let c = parse_config(r#"{"allow-syscalls":["ptrace"]}"#).unwrap();
+        assert_eq!(c.allow_syscalls, ["ptrace"]);
+        let e = parse_config(r#"{"allow-syscalls":["ptrace","unshare"]}"#).unwrap_err();
+        assert_eq!(e.key, "allow-syscalls[1]");
+        assert!(e.message.contains("perf_event_open, ptrace"), "{e}");
     }
 
     #[test]

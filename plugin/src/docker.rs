@@ -73,28 +73,19 @@ pub fn gpus_flag(gpus: &[&SliceGpu], host_indices: &[u32]) -> String {
 /// Variables never passed into the container: agent credentials, and NVIDIA runtime variables,
 /// which the NVIDIA container runtime reads to decide which GPUs to mount.
 pub fn is_withheld(name: &str) -> bool {
-    matches!(
-        name,
-        "BUILDKITE_AGENT_ACCESS_TOKEN"
-            | "BUILDKITE_AGENT_JOB_API_SOCKET"
-            | "BUILDKITE_AGENT_JOB_API_TOKEN"
-    ) || name.starts_with("NVIDIA_")
+    crate::sandbox::environ::withheld(name) || name.starts_with("NVIDIA_")
 }
 
-/// The names of the job's variables that go into the container: `BUILDKITE_*`, `KERNELBOT_*`,
-/// `KERNELKITE_*`, the device variables, and whatever the step lists in `environment`.
+/// The names of the job's variables that go into the container: the host-mode sandbox's
+/// allow-list (`sandbox::environ`: kernelbot's, the job's identity, the device variables)
+/// and whatever the step lists in `environment`.
 pub fn pass_through_names(job_env: &BTreeMap<String, String>, extra: &[String]) -> Vec<String> {
+    // The host-mode sandbox's allow-list, less what the image sets for itself (`PATH`).
     let mut names: Vec<String> = job_env
         .keys()
-        .filter(|k| {
-            k.starts_with("BUILDKITE_")
-                || k.starts_with("KERNELBOT_")
-                || k.starts_with("KERNELKITE_")
-                || k.starts_with("POPCORN_")
-        })
-        .cloned()
-        .chain(extra.iter().filter(|n| job_env.contains_key(*n)).cloned())
+        .filter(|k| *k != "PATH" && crate::sandbox::environ::passed(k, extra))
         .filter(|k| !is_withheld(k))
+        .cloned()
         .collect();
     names.sort();
     names.dedup();

@@ -25,13 +25,15 @@
 //! | [`privileges`] | dropping root |
 //! | [`ownership`] | the checkout handed to the job user and back |
 
-use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
+pub mod environ;
+pub mod init;
 pub mod mounts;
 pub mod ownership;
 pub mod privileges;
+pub mod seccomp;
 pub mod spec;
 pub mod user;
 
@@ -55,6 +57,9 @@ pub enum SandboxError {
         #[source]
         source: std::io::Error,
     },
+    /// The system-call filter could not be installed.
+    #[error(transparent)]
+    Seccomp(#[from] seccomp::SeccompError),
     /// Dropping privileges failed.
     #[error("cannot {what}")]
     Privileges {
@@ -73,6 +78,8 @@ impl SandboxError {
             SandboxError::Namespaces(e)
             | SandboxError::Step { source: e, .. }
             | SandboxError::Privileges { source: e, .. } => e,
+            SandboxError::Seccomp(seccomp::SeccompError::Install(e)) => e,
+            SandboxError::Seccomp(_) => return rustix::io::Errno::INVAL.raw_os_error(),
         };
         source
             .raw_os_error()
@@ -80,26 +87,7 @@ impl SandboxError {
     }
 }
 
-/// Variables the command never sees: the agent's credentials and its Job API (whose socket is
-/// hidden anyway). Artifacts go up through the step's `artifact_paths`, which the agent uploads.
-pub fn scrubbed(name: &str) -> bool {
-    name == "BUILDKITE_AGENT_ACCESS_TOKEN" || name.starts_with("BUILDKITE_AGENT_JOB_API_")
-}
-
-/// The command's environment: the job's, without [`scrubbed`] variables, with `HOME` and
-/// `TMPDIR` in the private `/tmp` (the job user has no home) and `USER`/`LOGNAME` naming it.
-pub fn job_env(env: &BTreeMap<String, String>, user: &JobUser) -> BTreeMap<String, String> {
-    let mut out: BTreeMap<String, String> = env
-        .iter()
-        .filter(|(k, _)| !scrubbed(k))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    out.insert("HOME".into(), "/tmp".into());
-    out.insert("TMPDIR".into(), "/tmp".into());
-    out.insert("USER".into(), user.name.clone());
-    out.insert("LOGNAME".into(), user.name.clone());
-    out
-}
+pub use environ::{job_env, withheld as scrubbed};
 
 /// The lines the job log gets: what the job can see.
 pub fn describe(
@@ -227,15 +215,36 @@ pub fn describe(
     lines
 }
 
-/// Everything between the fork and the command's `exec`, in the child, as root: namespaces,
-/// the private view, the privilege drop, the job log's lines, and every inherited descriptor
-/// but stdio marked close-on-exec. The child must be the only thread of its process (it is:
-/// see [`child_setup`]).
+/// Everything between the fork and the command's `exec`, in the child, as root: namespaces
+/// (PID included: see [`init`] for the waiter and init this forks above the command), the
+/// private view, the privilege drop, the system-call filter, the job log's lines, and every
+/// inherited descriptor but stdio marked close-on-exec. The child must be the only thread of
+/// its process (it is: see [`child_setup`]). Returns only in the command's process; the
+/// waiter and the init above it never return.
 pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
-    kernelkite_sys::raw::unshare_namespaces(true, true, spec.isolate_network)
-        .map_err(SandboxError::Namespaces)?;
+    use kernelkite_sys::raw::{self, Forked};
+    raw::unshare_namespaces(true, true, spec.isolate_network).map_err(SandboxError::Namespaces)?;
+    raw::unshare_pid_namespace().map_err(SandboxError::Namespaces)?;
+    let fork = |what| move |source| SandboxError::Privileges { what, source };
+    if let Forked::Parent(init) =
+        raw::fork_single_threaded().map_err(fork("start the job's init"))?
+    {
+        // The waiter holds nothing open (the spawn's pipes say "executed" at the command's exec).
+        raw::close_from(3);
+        init::wait_then_exit(init);
+    }
+    // The init: pid 1 of the job's namespace, dying with the waiter.
+    raw::die_with_parent(rustix::process::Signal::KILL)
+        .map_err(fork("tie the init to its parent"))?;
     let built = mounts::build(spec)?;
+    if let Forked::Parent(command) =
+        raw::fork_single_threaded().map_err(fork("start the job's command"))?
+    {
+        raw::close_from(3);
+        init::reap_until(command);
+    }
     let creds = privileges::drop_to(&spec.user, &spec.groups)?;
+    seccomp::install(&spec.allow_syscalls)?;
     let reachable = rustix::fs::access(&spec.cwd, rustix::fs::Access::EXEC_OK).is_ok()
         || !spec.cwd.is_absolute();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -274,36 +283,6 @@ mod tests {
     }
 
     #[test]
-    fn the_command_never_sees_the_agent_s_credentials() {
-        let env: BTreeMap<String, String> = [
-            ("BUILDKITE_AGENT_ACCESS_TOKEN", "secret"),
-            ("BUILDKITE_AGENT_JOB_API_SOCKET", "/s"),
-            ("BUILDKITE_AGENT_JOB_API_TOKEN", "t"),
-            ("BUILDKITE_JOB_ID", "j"),
-            ("HOME", "/root"),
-            ("KERNELBOT_PAYLOAD", "p"),
-        ]
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-        let e = job_env(&env, &user());
-        let keys: Vec<&str> = e.keys().map(String::as_str).collect();
-        assert_eq!(
-            keys,
-            [
-                "BUILDKITE_JOB_ID",
-                "HOME",
-                "KERNELBOT_PAYLOAD",
-                "LOGNAME",
-                "TMPDIR",
-                "USER"
-            ]
-        );
-        assert_eq!(e["HOME"], "/tmp");
-        assert_eq!(e["USER"], "kernelkite-job");
-    }
-
-    #[test]
     fn the_log_says_what_the_job_can_see() {
         let spec = SandboxSpec {
             user: user(),
@@ -319,6 +298,7 @@ mod tests {
             hide: vec![],
             writable: vec![],
             read_only: vec![],
+            allow_syscalls: vec![],
             limits: spec::LimitsNote {
                 memory_bytes: 64 << 20,
                 pids: 4096,

@@ -24,10 +24,10 @@ use std::io::BufRead;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agent::{output_text, Agent, Install, Job};
-use real_cgroups::{alive, online_cpus, real_cgroups};
+use real_cgroups::{online_cpus, real_cgroups};
 use serde_json::json;
 
 /// One sandbox test at a time (see the module's documentation).
@@ -46,8 +46,60 @@ fn prefix() -> String {
 /// `/dev/shm`: the node as the hooks see it.
 struct Holder(Child);
 
+/// The directories the tests need inside the holder (the workspace, its build directory)
+/// that the holder's fresh `/tmp`, `/var/tmp` or `/dev/shm` would cover: a checkout under
+/// `/tmp` is where many try a project first. Shallowest only.
+fn kept_under_covered_dirs() -> Vec<PathBuf> {
+    let target_tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf);
+    let mut keep: Vec<PathBuf> = [workspace, target_tmp.parent().map(Path::to_path_buf)]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .filter(|p| {
+            ["/tmp", "/var/tmp", "/dev/shm"]
+                .iter()
+                .any(|d| p.starts_with(d))
+        })
+        .collect();
+    keep.sort();
+    let mut out: Vec<PathBuf> = Vec::new();
+    for p in keep {
+        if !out.iter().any(|o| p.starts_with(o)) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// A shell word for `path` (single-quoted).
+fn quoted(path: &Path) -> String {
+    format!("'{}'", path.display().to_string().replace('\'', r"'\''"))
+}
+
 impl Holder {
     fn start() -> Option<Holder> {
+        // Each kept directory is opened before the covering mounts and bound back from its
+        // descriptor afterwards (`/proc/self/fd/N` names the covered directory itself).
+        let keep = kept_under_covered_dirs();
+        let mut script = String::new();
+        for (i, k) in keep.iter().enumerate().take(6) {
+            script.push_str(&format!("exec {}< {} || exit 1; ", i + 3, quoted(k)));
+        }
+        script.push_str(
+            "for d in /tmp /var/tmp /dev/shm; do \
+               mount -t tmpfs -o size=16m,mode=1777 kk-node $d || exit 1; done; ",
+        );
+        for (i, k) in keep.iter().enumerate().take(6) {
+            script.push_str(&format!(
+                "mkdir -p {k} && mount --no-canonicalize --bind /proc/self/fd/{fd} {k} || exit 1; exec {fd}<&-; ",
+                k = quoted(k),
+                fd = i + 3
+            ));
+        }
+        script.push_str("echo ready; exec sleep 600");
         let mut child = Command::new("unshare")
             .args([
                 "--mount",
@@ -58,11 +110,7 @@ impl Holder {
                 "sh",
                 "-c",
             ])
-            .arg(
-                "for d in /tmp /var/tmp /dev/shm; do \
-                   mount -t tmpfs -o size=16m,mode=1777 kk-node $d || exit 1; done; \
-                 echo ready; exec sleep 600",
-            )
+            .arg(script)
             .stdout(Stdio::piped())
             .spawn()
             .ok()?;
@@ -93,7 +141,8 @@ impl Holder {
         cmd.args(&wrapper[1..]).args([
             "sh",
             "-c",
-            "find /tmp /var/tmp /dev/shm -mindepth 1 -printf '%p %M %u %s\\n' | sort; ipcs -a",
+            // -xdev: not into the test's own directories bound back under /tmp.
+            "find /tmp /var/tmp /dev/shm -xdev -mindepth 1 -printf '%p %M %u %s\\n' | sort; ipcs -a",
         ]);
         let out = cmd.output().unwrap();
         assert!(out.status.success(), "{}", output_text(&out));
@@ -262,9 +311,12 @@ impl SandboxNode {
         env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "0".into());
         env.insert("KK_OTHER_CPU".into(), other_cpu.to_string());
         let user_name = user_option.map_or_else(|| user.name.clone(), str::to_string);
+        // A credential of the node's, which the job must never see (the allow-list).
+        env.insert("AWS_SECRET_ACCESS_KEY".into(), "node-secret".into());
+        // The test's own variables reach the job only because the step lists them.
         env.insert(
             "KERNELKITE_CONFIG".into(),
-            json!({"network": false, "user": user_name}).to_string(),
+            json!({"user": user_name, "environment": TEST_VARIABLES}).to_string(),
         );
         // The agent's own directory holds the builds: jobs' checkouts are under it.
         let agent = Agent::new(&builds, &format!("sbx-{tag}"), &env);
@@ -306,6 +358,20 @@ impl SandboxNode {
     }
 }
 
+/// The runner as the job can run it: from the checkout when the build directory is under a
+/// directory the sandbox replaces (a workspace under `/tmp`), else where cargo built it.
+fn runner_for_the_job(runner: &Path, checkout: &Path) -> String {
+    let covered = ["/tmp", "/var/tmp", "/dev/shm"]
+        .iter()
+        .any(|d| runner.starts_with(d));
+    if !covered {
+        return runner.display().to_string();
+    }
+    let copy = checkout.join("kernelkite-runner");
+    std::fs::copy(runner, &copy).unwrap();
+    copy.display().to_string()
+}
+
 fn needs_root_and_cgroups() -> Option<kernelkite_isolate::cgroup::Cgroups> {
     let cg = real_cgroups()?;
     for tool in ["unshare", "nsenter", "ipcs", "ipcmk", "mknod"] {
@@ -320,6 +386,21 @@ fn needs_root_and_cgroups() -> Option<kernelkite_isolate::cgroup::Cgroups> {
     }
     Some(cg)
 }
+
+/// The variables the tests hand their jobs (by the step's `environment` list).
+const TEST_VARIABLES: &[&str] = &[
+    "KK_AGENT_CFG",
+    "KK_RUN_DIR",
+    "KK_FAKE_DEV",
+    "KK_OTHER_CHECKOUT",
+    "KK_OTHER_CPU",
+    "KK_OWN_CPUS",
+    "KK_ROOT_PROCS",
+    "KK_API_SOCKET",
+    "KK_BOOTSTRAP_PID",
+    "KK_RUNNER",
+    "KK_SERVICE_PORT",
+];
 
 const ESCAPES: &str = r#"set +e
 try() { name=$1; shift; ( "$@" ) >/dev/null 2>&1 && echo "ESCAPED $name" || echo "blocked $name"; }
@@ -349,6 +430,18 @@ try mknod mknod /tmp/kk-node c 195 1
 try write-etc touch /etc/kk-escape
 try signal-agent kill -0 "$KK_BOOTSTRAP_PID"
 try see-agent test -e "/proc/$KK_BOOTSTRAP_PID"
+try see-agent-in-proc sh -c 'for d in /proc/[0-9]*; do [ "$(stat -c %u $d)" = 0 ] && exit 0; done; exit 1'
+try pid-namespace-is-the-host-s test "$(readlink /proc/self/ns/pid)" = "pid:[4026531836]"
+echo "pid-of-the-job-shell $$"
+try node-secret-in-env test -n "$AWS_SECRET_ACCESS_KEY"
+try user-namespace unshare --user true
+try mount-namespace unshare --mount true
+try io-uring python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(425,1,0); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
+try keyring python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(248,b"user",b"kk",b"x",1,-3); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
+try userfaultfd python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(323,0); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
+try perf python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(298,0,0,-1,-1,0); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
+try personality python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.personality(0x0040000); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
+try loopback-service sh -c 'exec 3<>/dev/tcp/127.0.0.1/$KK_SERVICE_PORT'
 try network bash -c 'exec 3<>/dev/tcp/192.0.2.1/80'
 echo leak > /dev/shm/kk-leak && echo "left /dev/shm/kk-leak"
 echo leak > /tmp/kk-leak && echo "left /tmp/kk-leak"
@@ -395,6 +488,13 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
     job.set_env("KK_API_SOCKET", &socket);
     let bootstrap = job.bootstrap.id().to_string();
     job.set_env("KK_BOOTSTRAP_PID", &bootstrap);
+    // A service of the node's on loopback (the kernelkite service's API, say): a job must not
+    // reach it (a job that submits jobs). It would answer a connection from the host's network.
+    let service = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    job.set_env(
+        "KK_SERVICE_PORT",
+        &service.local_addr().unwrap().port().to_string(),
+    );
 
     let env_out = job.run_hook("environment");
     assert!(env_out.status.success(), "{}", output_text(&env_out));
@@ -425,6 +525,17 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         "write-etc",
         "signal-agent",
         "see-agent",
+        "see-agent-in-proc",
+        "pid-namespace-is-the-host-s",
+        "node-secret-in-env",
+        "user-namespace",
+        "mount-namespace",
+        "io-uring",
+        "keyring",
+        "userfaultfd",
+        "perf",
+        "personality",
+        "loopback-service",
         "network",
     ] {
         assert!(
@@ -505,27 +616,16 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         node.run_dir.display()
     );
 
-    // The daemon is still in the job's cgroup; pre-exit kills it and hands the checkout back.
-    let daemon: u32 = std::fs::read_to_string(checkout.join("daemon.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(alive(daemon));
-    assert!(cg.pids(&id).unwrap().contains(&daemon));
+    // The setsid daemon ended with the command: the job's PID namespace died with it, so
+    // nothing of the job is left in its cgroup even before pre-exit, which hands the checkout
+    // back.
+    assert!(checkout.join("daemon.pid").exists());
+    assert_eq!(cg.pids(&id).unwrap(), Vec::<u32>::new());
     assert_eq!(std::fs::metadata(&checkout).unwrap().uid(), node.user.uid);
     let exit = job.run_hook("pre-exit");
     assert!(exit.status.success(), "{}", output_text(&exit));
     let report = String::from_utf8_lossy(&exit.stdout);
-    assert!(
-        report.contains(&daemon.to_string()) && report.contains("returned the checkout"),
-        "{report}"
-    );
-    let start = Instant::now();
-    while alive(daemon) && start.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert!(!alive(daemon));
+    assert!(report.contains("returned the checkout"), "{report}");
     for f in ["", "daemon.pid", "escapes.sh"] {
         assert_eq!(std::fs::metadata(checkout.join(f)).unwrap().uid(), 0, "{f}");
     }
@@ -572,9 +672,9 @@ fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
         &id,
         r#""$KK_RUNNER" --payload-file payload.txt --output result.json"#,
     );
-    job.set_env("KK_RUNNER", &runner.display().to_string());
     job.set_env("KERNELKITE_PYTHON", python);
     let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+    job.set_env("KK_RUNNER", &runner_for_the_job(&runner, &checkout));
     // The payload kernelbot would send, in the checkout as a pipeline would carry it.
     let payload = Command::new(&runner)
         .args(["--example", "--print-payload"])
@@ -607,6 +707,196 @@ fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
         log.contains(&format!("the command runs as {}", node.user.name)),
         "{log}"
     );
+    assert_eq!(before, node.snapshot());
+}
+
+/// What a hostile submission adds to the example's `submission.py`: it tries to stop, read and
+/// kill the runner that evaluates it (its harness's parent), reports each try into the
+/// checkout, and leaves a forger behind: a chain of forks, out of the harness's session, that
+/// rewrites `result.json` with a forged success for 5 s, long after the runner wrote the real
+/// one, unless something ends it with the job.
+const HOSTILE_SUBMISSION: &str = r#"
+import json as _j, os as _o, signal as _s, time as _t
+_runner = _o.getppid()
+_out = _o.path.join(_o.environ["BUILDKITE_BUILD_CHECKOUT_PATH"], "attacks.json")
+if not _o.path.exists(_out):
+    _tries = {}
+    def _try(name, fn):
+        try:
+            fn()
+            _tries[name] = "ESCAPED"
+        except OSError as e:
+            _tries[name] = "blocked (%s)" % e.strerror
+    _try("stop-runner", lambda: _o.kill(_runner, _s.SIGSTOP))
+    _try("kill-runner", lambda: _o.kill(_runner, _s.SIGKILL))
+    _try("kill-everyone", lambda: _o.kill(-1, _s.SIGKILL))
+    _try("read-runner-environ", lambda: open("/proc/%d/environ" % _runner).read())
+    _try("read-runner-memory", lambda: open("/proc/%d/mem" % _runner, "rb").read(1))
+    _try("pidfd-of-runner", lambda: _o.pidfd_open(_runner))
+    with open(_out, "w") as f:
+        _j.dump(_tries, f)
+    if _o.fork() == 0:
+        _o.setsid()
+        for _ in range(30):
+            if _o.fork() != 0:
+                _o._exit(0)
+        _result = _o.path.join(_o.environ["BUILDKITE_BUILD_CHECKOUT_PATH"], "result.json")
+        _forged = _j.dumps({"success": True, "error": "", "system": {}, "runs": {"forged": {}}})
+        _end = _t.time() + 5
+        while _t.time() < _end:
+            try:
+                with open(_result + ".f", "w") as f:
+                    f.write(_forged)
+                _o.replace(_result + ".f", _result)
+            except OSError:
+                pass
+            _t.sleep(0.01)
+        _o._exit(0)
+"#;
+
+/// The runner and the submission run as the same job user: the submission still cannot stop,
+/// kill, read or trace the runner, and nothing it starts outlives the job to rewrite
+/// `result.json` (the job's PID namespace ends with the runner). The result is the runner's.
+#[test]
+fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
+    let _one = serial();
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(python) = ["/usr/bin/python3", "/usr/local/bin/python3"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+    else {
+        kernelkite_testkit::skip("no system python3 the job user can run");
+        return;
+    };
+    let runner = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/kernelkite-runner");
+    let Some(node) = SandboxNode::new("f", 256 << 20, None) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    node.warm_up();
+    let before = node.snapshot();
+    let id = format!("{}-forge", prefix());
+    let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
+    let mut job = node.job(
+        &id,
+        r#""$KK_RUNNER" --payload-file payload.txt --output result.json"#,
+    );
+    job.set_env("KERNELKITE_PYTHON", python);
+    let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+    job.set_env("KK_RUNNER", &runner_for_the_job(&runner, &checkout));
+    let mut config = kernelkite_runner::example::config(kernelkite_kernelbot::config::Mode::Test);
+    let honest = kernelkite_runner::example::SUBMISSION;
+    config["sources"]["submission.py"] = format!("{honest}\n{HOSTILE_SUBMISSION}").into();
+    let payload = kernelkite_kernelbot::payload::encode(&config).unwrap();
+    std::fs::write(checkout.join("payload.txt"), payload).unwrap();
+    let outs = job.run_all();
+    let attacks = std::fs::read_to_string(checkout.join("attacks.json")).unwrap_or_default();
+    for (hook, o) in &outs {
+        assert!(
+            o.status.success(),
+            "{hook}: {}\nattacks: {attacks}",
+            output_text(o)
+        );
+    }
+    let tries: BTreeMap<String, String> =
+        serde_json::from_slice(&std::fs::read(checkout.join("attacks.json")).unwrap()).unwrap();
+    assert_eq!(tries.len(), 6, "{tries:?}");
+    for (name, verdict) in &tries {
+        assert!(verdict.starts_with("blocked"), "{name}: {verdict}");
+    }
+    // Well past the moment the forger would have rewritten it, the result is the runner's.
+    std::thread::sleep(Duration::from_millis(300));
+    let result: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(checkout.join("result.json")).unwrap()).unwrap();
+    assert!(result["runs"].get("forged").is_none(), "{result}");
+    assert_eq!(result["runs"]["test"]["run"]["passed"], true, "{result}");
+    assert_eq!(before, node.snapshot());
+}
+
+/// Two jobs at once on two slices, each as the default job user: each runs as its slice's own
+/// uid, in its own PID namespace, so one cannot see, signal or trace the other's processes
+/// (not even with `kill -9 -1`), and the node is the same afterwards.
+#[test]
+fn two_jobs_on_two_slices_cannot_reach_each_other() {
+    let _one = serial();
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(node) = SandboxNode::new("x", 64 << 20, Some("kernelkite-job")) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    node.warm_up();
+    // Slice 1's lease file too, which stays for later jobs.
+    let mut warm = node.job(&format!("{}-warm1", prefix()), "true");
+    warm.set_env("BUILDKITE_AGENT_META_DATA_GPU_INDEX", "1");
+    for (hook, o) in warm.run_all() {
+        assert!(o.status.success(), "{hook}: {}", output_text(&o));
+    }
+    let before = node.snapshot();
+    let a_id = format!("{}-a", prefix());
+    let b_id = format!("{}-b", prefix());
+    let _guard = real_cgroups::CgroupGuard(vec![a_id.clone(), b_id.clone()]);
+    let mut a = node.job(&a_id, "echo \"uid $(id -u)\"; touch started; exec sleep 4");
+    let mut b = node.job(
+        &b_id,
+        r#"set +e
+try() { name=$1; shift; ( "$@" ) >/dev/null 2>&1 && echo "ESCAPED $name" || echo "blocked $name"; }
+echo "uid $(id -u)"
+try see-other-job sh -c 'for p in /proc/[0-9]*; do [ "$(cat $p/comm 2>/dev/null)" = sleep ] && exit 0; done; exit 1'
+try other-job-in-cgroups sh -c 'grep -qs . /sys/fs/cgroup/pids/kernelkite/*-a/cgroup.procs'
+echo "processes-seen $(ls -d /proc/[0-9]* | wc -l)"
+kill -9 -1
+echo "survived kill -9 -1"
+"#,
+    );
+    b.set_env("BUILDKITE_AGENT_META_DATA_GPU_INDEX", "1");
+    for job in [&mut a, &mut b] {
+        let out = job.run_hook("environment");
+        assert!(out.status.success(), "{}", output_text(&out));
+    }
+    let a_checkout = PathBuf::from(&a.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+    let a_command = std::thread::spawn(move || {
+        let out = a.run_hook("command");
+        (a, out)
+    });
+    let start = std::time::Instant::now();
+    while !a_checkout.join("started").exists() && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(a_checkout.join("started").exists(), "job a did not start");
+    let b_out = b.run_hook("command");
+    let (mut a, a_out) = a_command.join().unwrap();
+    let a_text = String::from_utf8_lossy(&a_out.stdout).into_owned();
+    let b_text = String::from_utf8_lossy(&b_out.stdout).into_owned();
+    // a ran its whole sleep: b's `kill -9 -1` never reached it.
+    assert!(a_out.status.success(), "{}", output_text(&a_out));
+    assert!(!b_text.contains("ESCAPED"), "{b_text}");
+    assert!(b_text.contains("blocked see-other-job"), "{b_text}");
+    // kill(-1) spares its caller: b's shell goes on, having killed nothing of a's.
+    assert!(b_text.contains("survived kill -9 -1"), "{b_text}");
+    let uid = |text: &str| -> u32 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("uid "))
+            .and_then(|u| u.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no uid line in {text}"))
+    };
+    let base = kernelkite_isolate::sandbox::user::SLICE_ID_BASE;
+    assert_eq!(uid(&a_text), base, "{a_text}");
+    assert_eq!(uid(&b_text), base + 1, "{b_text}");
+    let b_log = String::from_utf8_lossy(&b_out.stderr);
+    assert!(b_log.contains("runs as kernelkite-job-1"), "{b_log}");
+    for job in [&mut a, &mut b] {
+        let out = job.run_hook("pre-exit");
+        assert!(out.status.success(), "{}", output_text(&out));
+    }
     assert_eq!(before, node.snapshot());
 }
 

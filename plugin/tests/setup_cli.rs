@@ -250,7 +250,8 @@ fn setup_command(node: &Node, from: &Path) -> Command {
         .arg("--sysfs-root")
         .arg(node.sysfs())
         .arg("--from")
-        .arg(from);
+        .arg(from)
+        .env_remove("KERNELKITE_PLUGIN_LOCATION");
     c
 }
 
@@ -429,6 +430,54 @@ fn command_lines(out: &str) -> Vec<&str> {
         .collect()
 }
 
+/// A setting of an agent's configuration as the agent reads it: the value after `key=`, its
+/// double quotes taken off.
+fn agent_setting<'t>(cfg: &'t str, key: &str) -> Option<&'t str> {
+    cfg.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+        .map(|v| {
+            v.strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .unwrap_or(v)
+        })
+}
+
+/// The default agent configuration of every node runs nothing but kernelkite's hooks: no
+/// repository hooks, no plugin but kernelkite's (the docker plugin neither, docker mode or
+/// not), no repository but kernelkite's, no job variable but Buildkite's and kernelbot's, and
+/// no command evaluated by the agent itself.
+fn assert_locked_down(cfg: &str, path: &Path) {
+    for (key, value) in [
+        ("no-local-hooks", "true"),
+        ("no-plugins", "false"),
+        (
+            "allowed-plugins",
+            r"^github\.com/kernelkite/kernelkite/plugin#v[0-9]+(\.[0-9]+)*(-[0-9A-Za-z.]+)?$",
+        ),
+        ("no-command-eval", "true"),
+        ("strict-single-hooks", "true"),
+        (
+            "allowed-repositories",
+            r"^(https://github\.com/|git@github\.com:|ssh://git@github\.com/)kernelkite/kernelkite(\.git)?$",
+        ),
+        ("enable-environment-variable-allowlist", "true"),
+        (
+            "allowed-environment-variables",
+            "^KERNELBOT_[A-Za-z0-9_]*$,^KERNELKITE_SUBMISSION_ID$",
+        ),
+        ("no-plugin-validation", "true"),
+        ("plugins-always-clone-fresh", "false"),
+    ] {
+        assert_eq!(
+            agent_setting(cfg, key),
+            Some(value),
+            "{}: {key}\n{cfg}",
+            path.display()
+        );
+    }
+}
+
 fn run_case(case: &Case) {
     let node = prepare(case);
     let before = snapshot(&node);
@@ -443,12 +492,14 @@ fn run_case(case: &Case) {
     let tree = snapshot(&node);
     expect(case, "tree.txt", &tree);
     for cfg in std::fs::read_dir(node.root().join("etc/kernelkite/agents")).unwrap() {
-        let meta = std::fs::metadata(cfg.unwrap().path()).unwrap();
+        let cfg = cfg.unwrap().path();
+        let meta = std::fs::metadata(&cfg).unwrap();
         assert_eq!(
             meta.permissions().mode() & 0o777,
             0o600,
             "a token file is not root-only"
         );
+        assert_locked_down(&std::fs::read_to_string(&cfg).unwrap(), &cfg);
     }
 
     // Again, once the recorded commands have done their part: nothing changes.
@@ -826,4 +877,169 @@ fn with_another_prefix_the_plugin_hooks_path_leads_to_the_installed_binary() {
     // At the default prefix the binary itself is there: no link.
     stdout_ok(&setup(&node, &DGX, &[]));
     assert!(std::fs::symlink_metadata(&link).unwrap().is_file());
+}
+
+#[test]
+fn the_agents_run_only_the_plugin_from_plugin_location_and_the_job_variables_allowed() {
+    // The workstation is in docker mode: the official docker plugin is refused there too.
+    let node = prepare(&WORKSTATION);
+    let out = stdout_ok(&setup(
+        &node,
+        &WORKSTATION,
+        &[
+            "--plugin-location",
+            "github.com/acme-gpu/kernelkite.fork/plugin",
+            "--allow-job-env",
+            "HF_TOKEN",
+            "--allow-job-env",
+            "POPCORN_*",
+        ],
+    ));
+    let path = node.root().join("etc/kernelkite/agents/gpu0.cfg");
+    let cfg = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}\n{out}"));
+    let pattern = |key: &str| {
+        let value = agent_setting(&cfg, key).unwrap_or_else(|| panic!("no {key}:\n{cfg}"));
+        // The agent compiles each comma-separated pattern with Go's regexp and calls
+        // MatchString, which finds a match anywhere; `is_match` does the same.
+        value
+            .split(',')
+            .map(|p| regex::Regex::new(p.trim()).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let matches = |key: &str, value: &str| pattern(key).iter().any(|r| r.is_match(value));
+
+    for yes in [
+        "github.com/acme-gpu/kernelkite.fork/plugin#v0.1.0",
+        "github.com/acme-gpu/kernelkite.fork/plugin#v2",
+    ] {
+        assert!(matches("allowed-plugins", yes), "{yes} refused:\n{cfg}");
+    }
+    for no in [
+        // The default location is not this node's any more.
+        "github.com/kernelkite/kernelkite/plugin#v0.1.0",
+        "github.com/acme-gpu/kernelkiteXfork/plugin#v1",
+        "github.com/evil/kernelkite-plugin#v1",
+        "github.com/evil/acme-gpu/kernelkite.fork/plugin#v1",
+        "github.com/acme-gpu/kernelkite.fork/plugin#main",
+        // `docker#v5.0.0` as the agent matches it.
+        "github.com/buildkite-plugins/docker-buildkite-plugin#v5.0.0",
+    ] {
+        assert!(!matches("allowed-plugins", no), "{no} allowed:\n{cfg}");
+    }
+    assert!(matches(
+        "allowed-repositories",
+        "https://github.com/acme-gpu/kernelkite.fork.git"
+    ));
+    assert!(matches(
+        "allowed-repositories",
+        "git@github.com:acme-gpu/kernelkite.fork.git"
+    ));
+    assert!(!matches(
+        "allowed-repositories",
+        "https://github.com/kernelkite/kernelkite.git"
+    ));
+    for yes in [
+        "KERNELBOT_PAYLOAD_3",
+        "KERNELKITE_SUBMISSION_ID",
+        "HF_TOKEN",
+        "POPCORN_FD",
+    ] {
+        assert!(matches("allowed-environment-variables", yes), "{yes}");
+    }
+    for no in [
+        "LD_PRELOAD",
+        "KERNELKITE_CGROUP_ROOT",
+        "HF_TOKENS",
+        "BASH_ENV",
+    ] {
+        assert!(!matches("allowed-environment-variables", no), "{no}");
+    }
+
+    // What setup cannot make a safe pattern of is refused before anything is written.
+    let fresh = prepare(&WORKSTATION);
+    let before = snapshot(&fresh);
+    for (flag, value, says) in [
+        (
+            "--plugin-location",
+            "github.com/kernelkite/kernelkite/plugin#v0.1.0",
+            "must be the plugin's place on GitHub",
+        ),
+        (
+            "--plugin-location",
+            "github.com/kernelkite/.*",
+            "must be the plugin's place on GitHub",
+        ),
+        (
+            "--plugin-location",
+            "gitlab.com/kernelkite/kernelkite/plugin",
+            "must be the plugin's place on GitHub",
+        ),
+        ("--allow-job-env", "*", "must be a variable's name"),
+        ("--allow-job-env", "LD_PRELOAD", "a job may not set LD_*"),
+        (
+            "--allow-job-env",
+            "KERNELKITE_CGROUP_ROOT",
+            "a job may not set KERNELKITE_*",
+        ),
+    ] {
+        let out = setup(&fresh, &WORKSTATION, &[flag, value]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+    }
+    assert_eq!(snapshot(&fresh), before);
+}
+
+#[test]
+fn the_deployments_pipelines_pass_a_set_up_nodes_allow_lists() {
+    // What a set-up node accepts by default, against what deployment/pipelines/*.yml run:
+    // their plugin (every reference), and the env they set besides the service's build env.
+    use kernelkite_isolate::setup::render::{
+        allowed_environment_variables, allowed_plugins, DEFAULT_PLUGIN_LOCATION,
+    };
+    let plugin = regex::Regex::new(&allowed_plugins(DEFAULT_PLUGIN_LOCATION)).unwrap();
+    let env: Vec<regex::Regex> = allowed_environment_variables(&[])
+        .iter()
+        .map(|p| regex::Regex::new(p).unwrap())
+        .collect();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for rel in [
+        "deployment/pipelines/host.yml",
+        "deployment/pipelines/docker.yml",
+    ] {
+        let text = std::fs::read_to_string(repo.join(rel)).unwrap();
+        let pipeline: serde_json::Value =
+            serde_json::to_value(serde_norway::from_str::<serde_norway::Value>(&text).unwrap())
+                .unwrap();
+        let mut names = Vec::new();
+        let mut references = Vec::new();
+        let blocks = std::iter::once(&pipeline)
+            .chain(pipeline["steps"].as_array().unwrap())
+            .collect::<Vec<_>>();
+        for block in blocks {
+            if let Some(vars) = block["env"].as_object() {
+                names.extend(vars.keys().cloned());
+            }
+            for p in block["plugins"].as_array().into_iter().flatten() {
+                match p {
+                    serde_json::Value::String(s) => references.push(s.clone()),
+                    serde_json::Value::Object(o) => references.extend(o.keys().cloned()),
+                    other => panic!("{rel}: plugin {other}"),
+                }
+            }
+        }
+        assert!(!references.is_empty(), "{rel}");
+        for r in &references {
+            assert!(plugin.is_match(r), "{rel}: a set-up node refuses {r}");
+        }
+        for n in &names {
+            assert!(
+                n == "CI" || n.starts_with("BUILDKITE") || env.iter().any(|e| e.is_match(n)),
+                "{rel}: a set-up node refuses jobs with {n}"
+            );
+        }
+    }
 }

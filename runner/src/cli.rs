@@ -361,11 +361,19 @@ fn evaluate_in_workdir(
             false
         }
     };
+    let guard = match crate::guard::Guard::for_this_process(std::path::Path::new("/proc")) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            tracing::warn!("{e}; the submission can signal the runner");
+            None
+        }
+    };
     let opts = Options {
         python: args.python.clone(),
         system: Some(system),
         require_gpu: args.require_gpu,
         reap_orphans,
+        guard,
         nvcc: args.nvcc.clone(),
         ..Options::new(dir)
     };

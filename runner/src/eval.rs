@@ -49,6 +49,8 @@ pub struct Options {
     pub reap_orphans: bool,
     /// procfs the orphan reaping walks (`/proc`).
     pub proc_root: PathBuf,
+    /// The evaluator's guard against the harness (`crate::guard`); `None` for library callers.
+    pub guard: Option<crate::guard::Guard>,
     /// nvcc to use instead of searching.
     pub nvcc: Option<PathBuf>,
     /// CUDA installs searched for `bin/nvcc` after PATH, `$CUDA_HOME` and `$CUDA_PATH`.
@@ -68,6 +70,7 @@ impl Options {
             require_gpu: false,
             reap_orphans: false,
             proc_root: PathBuf::from("/proc"),
+            guard: None,
             nvcc: None,
             cuda_fallbacks: vec![PathBuf::from("/usr/local/cuda")],
             compile_timeout: Duration::from_secs(COMPILE_TIMEOUT_S),
@@ -475,6 +478,7 @@ impl Job<'_> {
             popcorn: false,
             reap_orphans: self.opts.reap_orphans,
             proc_root: self.opts.proc_root.clone(),
+            guard: self.opts.guard.clone(),
         };
         process::run(&spec)
             .map_err(|e| Failure::infrastructure(format!("could not start {program}: {e}")))
@@ -607,6 +611,7 @@ impl Job<'_> {
             popcorn: true,
             reap_orphans: self.opts.reap_orphans,
             proc_root: self.opts.proc_root.clone(),
+            guard: self.opts.guard.clone(),
         };
         let out = process::run(&spec).map_err(|e| spawn_failure(&call[0], e))?;
         if out.popcorn_truncated {

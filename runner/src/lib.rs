@@ -10,6 +10,7 @@ pub mod cli;
 pub mod cuda;
 pub mod eval;
 pub mod example;
+pub mod guard;
 pub mod process;
 pub mod profile;
 pub mod sysinfo;

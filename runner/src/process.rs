@@ -54,6 +54,9 @@ pub struct Spec {
     pub reap_orphans: bool,
     /// procfs the orphan reaping walks for this process's children (`/proc`).
     pub proc_root: PathBuf,
+    /// The evaluator's guard against the child (`crate::guard`): its filter installed in the
+    /// child, and the namespace-wide kill after it. `None` for library callers.
+    pub guard: Option<crate::guard::Guard>,
 }
 
 /// How it went.
@@ -171,6 +174,9 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
     // A new session (so a new process group); nothing but stdio and the pipe crosses exec,
     // even descriptors a parent of ours leaked without CLOEXEC.
     let inherit = pipe.as_ref().map(|(_, w)| (w.as_fd(), POPCORN_FD));
+    if let Some(g) = &spec.guard {
+        kernelkite_sys::raw::harden_before_exec(&mut cmd, g.filter.clone());
+    }
     let start = Instant::now();
     let mut child = kernelkite_sys::raw::spawn_in_new_session(cmd, inherit)?;
     let pid = child.id() as i32;
@@ -384,11 +390,14 @@ fn kill_group(pid: i32) {
     }
 }
 
-/// After the child has been reaped: kill what it left in its group and, when we are the
-/// subreaper, descendants that left the group and were reparented to us.
+/// After the child has been reaped: kill what it left in its group and, at the top of a job's
+/// PID namespace, every other process in it; otherwise, when we are the subreaper,
+/// descendants that left the group and were reparented to us.
 fn cleanup_after(pid: i32, spec: &Spec) {
     kill_group(pid);
-    if spec.reap_orphans {
+    if spec.guard.as_ref().is_some_and(|g| g.kill_namespace) {
+        crate::guard::kill_all_others();
+    } else if spec.reap_orphans {
         kill_orphans(&spec.proc_root);
     }
 }
@@ -452,6 +461,7 @@ mod tests {
             popcorn: true,
             reap_orphans: false,
             proc_root: PathBuf::from("/proc"),
+            guard: None,
         })
         .unwrap()
     }
@@ -604,6 +614,7 @@ mod tests {
             popcorn: true,
             reap_orphans: false,
             proc_root: PathBuf::from("/proc"),
+            guard: None,
         })
         .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);

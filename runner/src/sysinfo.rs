@@ -120,6 +120,7 @@ fn tool_output(program: &str, args: &[&str], timeout: Duration) -> Option<String
         popcorn: false,
         reap_orphans: false,
         proc_root: PathBuf::from("/proc"),
+        guard: None,
     };
     let out = process::run(&spec).ok()?;
     if out.exit_code != 0 || out.timed_out {

@@ -99,6 +99,55 @@ pub fn join_before_exec(cmd: &mut Command, procs: Vec<File>, isolate_network: bo
     }
 }
 
+/// Has `cmd`'s child, just before `exec`: give up the parent's non-dumpable state (exec would
+/// anyway), raise its own OOM score to the maximum (`/proc/self/oom_score_adj` = 1000: when
+/// the job's memory runs out, the kernel kills the child, not the parent), and install
+/// `filter`, a compiled seccomp program, which holds for it and everything it starts. The
+/// evaluator uses it to run a submission that cannot signal the evaluator (its filter).
+pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
+    let setup = move || -> io::Result<()> {
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::Dumpable)?;
+        if let Ok(fd) = rustix::fs::open(
+            c"/proc/self/oom_score_adj",
+            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) {
+            // Best effort: a /proc without the file (or read-only) leaves the score as it is.
+            let _ = rustix::io::write(&fd, b"1000");
+        }
+        seccompiler::apply_filter(&filter).map_err(|e| match e {
+            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
+            _ => io::Error::from_raw_os_error(libc::EINVAL),
+        })
+    };
+    // SAFETY: `setup` runs between fork and exec and makes only async-signal-safe system calls
+    // (prctl, open, write, close, seccomp) on a constant path and on the program it owns,
+    // which was built before the fork; it allocates nothing (an error from a raw OS code does
+    // not allocate).
+    unsafe {
+        cmd.pre_exec(setup);
+    }
+}
+
+/// This process's process group as its own PID namespace numbers it: 0 when the group's
+/// leader lives outside the namespace (a job's command, whose group the hook leads), where
+/// rustix's `getpgrp` would assert.
+pub fn process_group_in_namespace() -> i32 {
+    // SAFETY: getpgrp takes nothing, touches no memory and cannot fail.
+    unsafe { libc::getpgrp() }
+}
+
+/// `kill(-1, signal)`: every process this one may signal, except itself and its PID
+/// namespace's init (rustix has no call for it). `Err` with `ESRCH` when there was none.
+pub fn kill_all_signallable(signal: i32) -> io::Result<()> {
+    // SAFETY: kill takes two integers and touches no memory of this process.
+    if unsafe { libc::kill(-1, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Work a child does between fork (or `clone3`) and exec: see [`spawn_with_setup`].
 pub type ChildSetup = Box<dyn FnMut() -> io::Result<()> + Send + Sync>;
 
@@ -183,6 +232,97 @@ pub fn unshare_namespaces(mount: bool, ipc: bool, net: bool) -> io::Result<()> {
     unsafe { rustix::thread::unshare_unsafe(flags) }?;
     if net {
         loopback_up()?;
+    }
+    Ok(())
+}
+
+/// Moves the calling process's future children into a new PID namespace: the next child it
+/// forks is that namespace's pid 1, and the namespace ends (every process in it killed) when
+/// that child exits. The caller itself stays where it is. Meant for the sandbox's set-up in a
+/// single-threaded child.
+pub fn unshare_pid_namespace() -> io::Result<()> {
+    // SAFETY: CLONE_NEWPID changes only which PID namespace this process's later children are
+    // born in; it touches no memory and breaks no invariant of the Rust runtime.
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWPID) }?;
+    Ok(())
+}
+
+/// Who goes on after [`fork_single_threaded`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forked {
+    /// The parent, with the child's pid.
+    Parent(rustix::process::Pid),
+    /// The child.
+    Child,
+}
+
+/// `fork(2)` for a process with exactly one thread (checked first, as
+/// [`spawn_with_setup`] does): the child is a whole copy and may run ordinary code. The
+/// sandbox's set-up uses it to put a waiting parent and the namespace's init above the job.
+pub fn fork_single_threaded() -> io::Result<Forked> {
+    require_single_thread()?;
+    // SAFETY: this process has one thread (checked just above, on the thread that forks), so
+    // the child inherits no lock held by a thread it lacks and may allocate and run any code.
+    let rc = unsafe { libc::fork() };
+    match rc {
+        0 => Ok(Forked::Child),
+        n if n > 0 => rustix::process::Pid::from_raw(n)
+            .map(Forked::Parent)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ECHILD)),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// Closes every descriptor from `first` up. For a forked copy that goes on without `exec`
+/// (the sandbox's waiting parent and init): it must not keep pipes open whose end of file
+/// tells the hook that the job's command was executed.
+pub fn close_from(first: RawFd) {
+    let first = first.max(0);
+    // SAFETY: close_range closes descriptors at or above `first`; the callers own every one of
+    // them in this process (a forked copy whose Rust objects are never used again).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            0 as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        // Kernels before 5.9: one by one, up to the soft limit.
+        let max = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(1024)
+            .min(1 << 20) as RawFd;
+        for fd in first..max {
+            // SAFETY: closing a number this copy owns or that is not open (EBADF, ignored).
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// Ends this process at once with `code`, running no destructor and no `atexit` handler: for
+/// a forked copy, whose parent's state must not be torn down twice.
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit ends the process; nothing of this address space is used afterwards.
+    unsafe { libc::_exit(code) }
+}
+
+/// Has the kernel send `signal` to this process when its parent dies (`PR_SET_PDEATHSIG`).
+/// A PID namespace's init gets it even though it ignores other signals without a handler:
+/// the sender (the dying parent) lives in an ancestor namespace.
+pub fn die_with_parent(signal: rustix::process::Signal) -> io::Result<()> {
+    rustix::process::set_parent_process_death_signal(Some(signal))?;
+    Ok(())
+}
+
+/// Makes `signal` ignored in this process (`SIG_IGN`, which a later `exec` keeps): the
+/// sandbox's waiting parent leaves a cancellation to the job it waits for.
+pub fn ignore_signal(signal: i32) -> io::Result<()> {
+    // SAFETY: SIG_IGN installs no handler code; it only changes this process's disposition.
+    let prev = unsafe { libc::signal(signal, libc::SIG_IGN) };
+    if prev == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

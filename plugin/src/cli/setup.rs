@@ -32,6 +32,11 @@ WHAT IT DOES (see deployment/README.md, \"Vendor path\"):
   /etc/kernelkite/hooks/{environment,command,pre-exit} to the binary; then runs `doctor` and a
   smoke job through the installed hooks, and starts the agents.
 
+  The agents run nothing but those hooks: their configuration refuses the repository's
+  .buildkite/hooks, every plugin but kernelkite's (--plugin-location, at a version tag), every
+  repository but the plugin's, and job variables but Buildkite's and kernelbot's
+  (--allow-job-env adds more); the agent itself evaluates no command (no-command-eval).
+
   Idempotent: a second run changes nothing. What it wrote is listed in
   /var/lib/kernelkite/setup-manifest.json, and --uninstall removes exactly that.
 
@@ -82,6 +87,21 @@ pub struct SetupArgs {
         default_value = r#"{"mode":"host","network":false}"#
     )]
     pub job_config: String,
+    /// Where pipelines take the kernelkite plugin from, as their steps name it without the
+    /// version: the only plugin the agents run (at a version tag, LOCATION#vN...), and its
+    /// github.com/ORG/REPO the only repository they check out.
+    #[arg(
+        long,
+        env = "KERNELKITE_PLUGIN_LOCATION",
+        value_name = "LOCATION",
+        default_value = render::DEFAULT_PLUGIN_LOCATION
+    )]
+    pub plugin_location: String,
+    /// Accept jobs carrying this environment variable (NAME, or PREFIX*; repeatable), besides
+    /// Buildkite's own and kernelbot's (KERNELBOT_*, KERNELKITE_SUBMISSION_ID); a job carrying
+    /// any other is refused, since its variables reach the root checkout and hooks.
+    #[arg(long = "allow-job-env", value_name = "NAME")]
+    pub allow_job_env: Vec<String>,
     /// Write everything under DIR instead of / and only record the commands (for trying setup
     /// out, and for tests).
     #[arg(long, value_name = "DIR")]
@@ -368,6 +388,8 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
         job_config: args.job_config.clone(),
         buildkite_agent,
         token,
+        plugin_location: args.plugin_location.clone(),
+        job_env: args.allow_job_env.clone(),
     };
     let mut desired = render::render(&plan, &facts, &opts)?;
     if live {

@@ -374,6 +374,7 @@ pub fn sandbox_spec(
         hide: spec::hidden_paths(env, &settings.run_dir, checkout, &settings.hide),
         writable: checkout.map(Path::to_path_buf).into_iter().collect(),
         read_only: git.into_iter().collect(),
+        allow_syscalls: state.config.allow_syscalls.clone(),
         limits: spec::LimitsNote {
             memory_bytes: state.slice.memory_bytes,
             pids: state.config.pids_limit,
@@ -405,7 +406,7 @@ fn start_sandboxed(
     let spec = sandbox_spec(settings, state, env, &user, checkout.as_deref());
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
-    let env = sandbox::job_env(child_env, &user);
+    let env = sandbox::job_env(child_env, &user, &state.config.environment);
     let started = start_in_cgroup(
         &state.job_id,
         argv,

@@ -102,6 +102,7 @@ pub fn run(
             if clocks_locked {
                 locked_gpus = docker::slice_gpus(&slice).into_iter().cloned().collect();
             }
+            let job_user = slice_identity(job_user.clone(), &config, slice.index)?;
             // CPU-only slices have no devices; their slice numbers stand in, as before.
             let mut devices = device_indices(&plan, &slice);
             if devices.is_empty() {
@@ -168,6 +169,28 @@ pub fn run(
 /// Who the command will run as: the step's `user` (default `kernelkite-job`) in host mode with
 /// the sandbox and in docker mode; `None` (the agent's user) in host mode without it. Root is
 /// refused unless the step allows it, and the sandbox needs the hooks to be root.
+/// The default job user becomes the slice's own identity (`sandbox::user::for_slice`): one uid
+/// per slice, so no two concurrent jobs share one. A user the step names stays as named.
+fn slice_identity(
+    user: Option<JobUser>,
+    config: &PluginConfig,
+    slice: u32,
+) -> Result<Option<JobUser>, JobError> {
+    match user {
+        Some(u)
+            if config.user == crate::config::DEFAULT_JOB_USER
+                && !u.is_root()
+                && rustix::process::geteuid().is_root() =>
+        {
+            let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+            crate::sandbox::user::for_slice(&passwd, slice)
+                .map(Some)
+                .map_err(|e| JobError::Sandbox(e.to_string()))
+        }
+        other => Ok(other),
+    }
+}
+
 pub(super) fn job_user(
     settings: &Settings,
     config: &PluginConfig,
@@ -193,6 +216,16 @@ pub(super) fn job_user(
             name: format!("uid {}", me.as_raw()),
             uid: me.as_raw(),
             gid,
+        }));
+    }
+    if config.user == crate::config::DEFAULT_JOB_USER {
+        // The slice's own identity, settled once the slice is leased (`slice_identity`): no
+        // account needs to exist for it.
+        let id = crate::sandbox::user::SLICE_ID_BASE;
+        return Ok(Some(JobUser {
+            name: config.user.clone(),
+            uid: id,
+            gid: id,
         }));
     }
     let user = crate::sandbox::user::resolve(Path::new("/"), &config.user)?;

@@ -57,6 +57,8 @@ pub struct SandboxSpec {
     pub writable: Vec<PathBuf>,
     /// Paths made read-only inside the view: the checkout's `.git`.
     pub read_only: Vec<PathBuf>,
+    /// System calls the filter lets through for this step (`allow-syscalls`).
+    pub allow_syscalls: Vec<String>,
     /// What the job log says about the limits.
     pub limits: LimitsNote,
 }

@@ -101,6 +101,45 @@ pub fn lookup(passwd: &str, user: &str) -> Result<JobUser, UserError> {
     }
 }
 
+/// The first of the ids reserved for per-slice job identities: slice `n`'s command runs as uid
+/// and gid `SLICE_ID_BASE + n`. Above systemd's container ranges and below 2^31 (some tools
+/// read ids as signed), where no distribution allocates accounts; a node whose `/etc/passwd`
+/// names one of them is refused (see [`for_slice`]).
+pub const SLICE_ID_BASE: u32 = 1_950_000_000;
+
+/// Why a per-slice identity cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("uid {uid} (reserved by kernelkite for slice {slice}'s jobs) belongs to the account {account:?} on this node; remove or renumber that account, or name the job user with the plugin option `user`")]
+pub struct SliceIdTaken {
+    /// The slice.
+    pub slice: u32,
+    /// The reserved id.
+    pub uid: u32,
+    /// Who has it.
+    pub account: String,
+}
+
+/// The identity the default job user takes on slice `slice`: uid and gid
+/// `SLICE_ID_BASE + slice`, named `kernelkite-job-<slice>`. Two jobs that run at once never
+/// share a slice (the leases), so never a uid: neither can signal, trace or read `/proc` of
+/// the other, or write the other's files, whatever else went wrong. Refused when `passwd`
+/// gives that uid or gid to an account.
+pub fn for_slice(passwd: &str, slice: u32) -> Result<JobUser, SliceIdTaken> {
+    let id = SLICE_ID_BASE.saturating_add(slice);
+    if let Some((account, _, _)) = entries(passwd).find(|e| e.1 == id || e.2 == id) {
+        return Err(SliceIdTaken {
+            slice,
+            uid: id,
+            account: account.to_string(),
+        });
+    }
+    Ok(JobUser {
+        name: format!("{DEFAULT_JOB_USER}-{slice}"),
+        uid: id,
+        gid: id,
+    })
+}
+
 /// Resolves `user` against `<etc_root>/etc/passwd`.
 pub fn resolve(etc_root: &Path, user: &str) -> Result<JobUser, UserError> {
     let path = etc_root.join("etc/passwd");
@@ -135,6 +174,21 @@ nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
         assert_eq!((u.name.as_str(), u.uid, u.gid), ("kernelkite-job", 998, 44));
         assert!(lookup(PASSWD, "root").unwrap().is_root());
         assert!(!lookup(PASSWD, "daemon").unwrap().is_root());
+    }
+
+    #[test]
+    fn each_slice_has_its_own_identity_unless_an_account_has_it() {
+        let a = for_slice(PASSWD, 0).unwrap();
+        let b = for_slice(PASSWD, 7).unwrap();
+        assert_eq!(
+            (a.name.as_str(), a.uid, a.gid),
+            ("kernelkite-job-0", SLICE_ID_BASE, SLICE_ID_BASE)
+        );
+        assert_eq!(b.uid, SLICE_ID_BASE + 7);
+        assert_ne!(a.uid, b.uid);
+        let taken = format!("{PASSWD}intruder:x:{}:100::/:/bin/sh\n", SLICE_ID_BASE + 7);
+        let e = for_slice(&taken, 7).unwrap_err().to_string();
+        assert!(e.contains("\"intruder\"") && e.contains("slice 7"), "{e}");
     }
 
     #[test]

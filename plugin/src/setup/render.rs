@@ -44,6 +44,13 @@ pub struct Options {
     pub buildkite_agent: PathBuf,
     /// The agent token; `None` only to show what would be written (`--dry-run`).
     pub token: Option<String>,
+    /// Where pipelines take the kernelkite plugin from, as their steps name it without the
+    /// version (`github.com/ORG/REPO/plugin`): the one plugin the agents run, and ORG/REPO the
+    /// one repository they check out.
+    pub plugin_location: String,
+    /// Job environment variables the agents accept besides Buildkite's own and [`JOB_ENV`]:
+    /// `NAME`, or `PREFIX*`.
+    pub job_env: Vec<String>,
 }
 
 /// A directory setup makes sure exists.
@@ -132,6 +139,20 @@ pub const TOKEN_SHOWN: &str = "<redacted>";
 pub const TOKEN_MISSING: &str =
     "<missing: pass --agent-token-file FILE or set BUILDKITE_AGENT_TOKEN>";
 
+/// Where the deployment's pipelines take the kernelkite plugin from (`deployment/pipelines/*.yml`:
+/// `github.com/kernelkite/kernelkite/plugin#v0.1.0`), without the version.
+pub const DEFAULT_PLUGIN_LOCATION: &str = "github.com/kernelkite/kernelkite/plugin";
+
+/// The job environment variables the agents accept besides Buildkite's own (`BUILDKITE`,
+/// `BUILDKITE_*`, `CI`, which the agent always accepts): what kernelkite-service puts in each
+/// build's env (the payload, in one or in chunks, and the run's ids).
+pub const JOB_ENV: &[&str] = &["KERNELBOT_*", "KERNELKITE_SUBMISSION_ID"];
+
+/// Job variables `--allow-job-env` may not name: the hooks' own settings (they come from
+/// `agent.env`), and what makes a root process load or run something else (the dynamic
+/// loader, git during the checkout, a shell's start-up file, where commands are found).
+const REFUSED_JOB_ENV: &[&str] = &["KERNELKITE_", "LD_", "GIT_", "BASH_ENV", "ENV", "PATH"];
+
 /// Names and queues go into agent names, tags and file names.
 fn check_name(what: &str, flag: &str, value: &str) -> Result<(), SetupError> {
     let ok = !value.is_empty()
@@ -175,6 +196,169 @@ pub fn check_job_config(json: &str) -> Result<String, SetupError> {
         ));
     }
     Ok(compact)
+}
+
+/// The plugin's location: `github.com/ORG/REPO[/DIR...]`, without a version, of letters,
+/// digits, `.`, `_` and `-` (what goes into the agents' patterns is then literal but for `.`).
+pub fn check_plugin_location(location: &str) -> Result<(), SetupError> {
+    let segments: Vec<&str> = location.split('/').collect();
+    let ok = segments.len() >= 3
+        && segments[0] == "github.com"
+        && segments.iter().all(|s| {
+            !s.is_empty()
+                && *s != "."
+                && *s != ".."
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(SetupError::Invalid(format!(
+            "--plugin-location {location:?} must be the plugin's place on GitHub as pipelines name it, without the version: github.com/ORG/REPO/plugin (the default is {DEFAULT_PLUGIN_LOCATION})"
+        )))
+    }
+}
+
+/// A job variable's name for `--allow-job-env`: `NAME` or `PREFIX*`.
+pub fn check_job_env(name: &str) -> Result<(), SetupError> {
+    let stem = name.strip_suffix('*').unwrap_or(name);
+    let well_formed = !stem.is_empty()
+        && !stem.starts_with(|c: char| c.is_ascii_digit())
+        && stem.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !well_formed {
+        return Err(SetupError::Invalid(format!(
+            "--allow-job-env {name:?} must be a variable's name, or a prefix followed by * (e.g. HF_TOKEN, POPCORN_*)"
+        )));
+    }
+    let prefix = name.ends_with('*');
+    let refused = REFUSED_JOB_ENV.iter().find(|r| {
+        let family = r.ends_with('_');
+        (if family {
+            stem.starts_with(**r)
+        } else {
+            stem == **r
+        }) || (prefix && r.starts_with(stem))
+    });
+    match refused {
+        Some(r) => Err(SetupError::Invalid(format!(
+            "--allow-job-env {name:?}: a job may not set {r}{}: the checkout and the hooks run as root, and it would change what they load and run (or replace the hooks' own settings from agent.env)",
+            if r.ends_with('_') { "*" } else { "" }
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `.` is the only character of a checked location that means something in a pattern.
+fn literal(text: &str) -> String {
+    text.replace('.', r"\.")
+}
+
+/// The agents' `allowed-plugins`: the plugin's location at a version tag (`#v1`, `#v0.1.0`,
+/// `#v1.0.0-rc.1`), nothing before or after: not the bare location (the default branch), a
+/// branch like `main` or a commit, which could name code no release holds. (The agent checks
+/// out whatever ref has the name, so a branch someone with push access calls `v9` passes too.)
+pub fn allowed_plugins(location: &str) -> String {
+    format!(
+        r"^{}#v[0-9]+(\.[0-9]+)*(-[0-9A-Za-z.]+)?$",
+        literal(location)
+    )
+}
+
+/// The agents' `allowed-repositories`: the plugin's repository (the first three segments of its
+/// location, as the agent splits a GitHub location) in the forms a pipeline's repository URL
+/// takes: `https://github.com/ORG/REPO[.git]`, `git@github.com:ORG/REPO[.git]`,
+/// `ssh://git@github.com/ORG/REPO[.git]`.
+pub fn allowed_repositories(location: &str) -> String {
+    let org_repo: Vec<&str> = location.split('/').skip(1).take(2).collect();
+    format!(
+        r"^(https://github\.com/|git@github\.com:|ssh://git@github\.com/){}(\.git)?$",
+        literal(&org_repo.join("/"))
+    )
+}
+
+/// The agents' `allowed-environment-variables`: one anchored pattern per name of [`JOB_ENV`]
+/// and `extra` (`PREFIX*` → `^PREFIX[A-Za-z0-9_]*$`).
+pub fn allowed_environment_variables(extra: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for name in JOB_ENV
+        .iter()
+        .copied()
+        .chain(extra.iter().map(String::as_str))
+    {
+        let pattern = match name.strip_suffix('*') {
+            Some(prefix) => format!("^{prefix}[A-Za-z0-9_]*$"),
+            None => format!("^{name}$"),
+        };
+        if !out.contains(&pattern) {
+            out.push(pattern);
+        }
+    }
+    out
+}
+
+/// What an agent's configuration says so that jobs run nothing but kernelkite's hooks. Each
+/// option is named as `buildkite-agent start` reads it from its configuration file
+/// (clicommand/agent_start.go in github.com/buildkite/agent, 3.108 to 4.0: the `cli:` names of
+/// AgentStartConfig). The file is read by cliconfig/file.go: `#` starts a comment unless it is
+/// inside double quotes, and a list is split at commas, so no pattern here holds a comma.
+pub fn agent_lockdown(opts: &Options) -> String {
+    let mut s = String::new();
+    s.push_str("# Jobs run nothing but kernelkite's hooks. The agent runs as root: a step's plugin, a repository's\n# .buildkite/hooks or a job variable the checkout and the hooks read would run code as root outside\n# the hooks' confinement (a plugin's or the repository's `command` hook replaces ours). A job that\n# asks for any of these is refused (plugin/README.md, \"Node set-up\").\n");
+    // internal/job/executor.go (executeLocalHook): a repository hook fails the job, "refusing
+    // to run ..., local hooks are disabled"; agent/job_runner.go gives the bootstrap
+    // BUILDKITE_LOCAL_HOOKS_ENABLED, which a job cannot override (env/protected.go).
+    s.push_str(
+        "# The repository's .buildkite/hooks: a job that has one fails.\nno-local-hooks=true\n",
+    );
+    // clicommand/agent_start.go: no-local-hooks and no-command-eval turn plugins off unless the
+    // configuration sets no-plugins itself. allowed-plugins is checked before the job starts
+    // (agent/run_job.go, validatePlugins): each plugin of BUILDKITE_PLUGINS, as go-pipeline's
+    // Plugin.FullSource() writes it (a location of three or more segments as the step names
+    // it; `docker#v5` becomes github.com/buildkite-plugins/docker-buildkite-plugin#v5), must
+    // match one pattern, else the job ends at once with exit -1, signal reason agent_refused.
+    // Go's regexp.MatchString finds a match anywhere: the pattern is anchored at both ends.
+    let _ = writeln!(
+        s,
+        "# Plugins stay on (no-local-hooks and no-command-eval would turn them off), but only kernelkite's,\n# at a version: a job naming any other plugin (the docker plugin included) is refused.\nno-plugins=false\nallowed-plugins=\"{}\"",
+        allowed_plugins(&opts.plugin_location)
+    );
+    // Besides choosing an error message (internal/job/plugin.go), the bootstrap heeds
+    // command-eval only in internal/job/executor.go (defaultCommandPhase): the agent's own
+    // command phase, which runs only when no plugin, repository or agent command hook does
+    // (runCommand). Ours always does; were it ever missing, the agent would refuse to run the
+    // step's command rather than run it as root unconfined. Agents 3.134 and later also lock
+    // the checkout's git settings against hooks and plugins with it (env/protected.go,
+    // RestrictedForCommandEval); kernelkite's hooks set none.
+    s.push_str("# The step's command runs only through the hooks: were the command hook ever missing, the agent\n# would refuse to run it itself.\nno-command-eval=true\n");
+    // internal/job/plugin.go (executePluginHook): with it, only the first plugin's command hook
+    // runs when a step names the plugin twice.
+    s.push_str("# One command hook per job, even when a step names the plugin twice.\nstrict-single-hooks=true\n");
+    // agent/run_job.go (validateConfigAllowlists): BUILDKITE_REPO must match, else the job is
+    // refused like a plugin; the checkout runs as root (git clone, submodules).
+    let _ = writeln!(
+        s,
+        "# The one repository checked out (by git, as root; the step needs nothing from it): the plugin's.\nallowed-repositories=\"{}\"",
+        allowed_repositories(&opts.plugin_location)
+    );
+    // agent/run_job.go (validateEnv) with clicommand/agent_start.go: every variable of the job
+    // (pipeline, build and step env) must match a pattern, or be BUILDKITE, BUILDKITE_* or CI,
+    // which the agent always allows; else the job is refused. The job's variables are added
+    // after the agent's own environment (agent/job_runner.go), so without this a job could
+    // replace what agent.env gives the hooks (KERNELKITE_*), or set LD_PRELOAD, BASH_ENV or
+    // GIT_* for the root checkout and hooks.
+    let _ = writeln!(
+        s,
+        "# A job's variables (its pipeline's, build's and step's env) replace the agents' own: only kernelbot's\n# (the payload, the run's ids) and Buildkite's (BUILDKITE_*, CI, always allowed) are accepted.\nenable-environment-variable-allowlist=true\nallowed-environment-variables=\"{}\"",
+        allowed_environment_variables(&opts.job_env).join(",")
+    );
+    // internal/job/plugin.go (validatePluginCheckout, checkoutPlugin). Validation checks a
+    // step's configuration against the plugin's own plugin.yml: the one plugin allowed checks
+    // its configuration by the same rules in its hooks (crate::config, kept in step with
+    // plugin.yml by tests/hooks_config.rs), so it adds no boundary. A clone is kept per plugin version under plugins-path, which is
+    // root's; cloning afresh would fetch the repository for every job.
+    s.push_str("# The agent's defaults, said here: the plugin checks its configuration in its hooks, and its clone,\n# kept per version, is root's.\nno-plugin-validation=true\nplugins-always-clone-fresh=false\n");
+    s
 }
 
 /// The agents of the node.
@@ -311,6 +495,7 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
     let _ = writeln!(body, "hooks-path=\"{HOOKS_DIR}\"");
     let _ = writeln!(body, "build-path=\"{BUILD_DIR}\"");
     let _ = writeln!(body, "plugins-path=\"{PLUGINS_DIR}\"");
+    body.push_str(&agent_lockdown(opts));
     let token = opts.token.as_deref().unwrap_or(TOKEN_MISSING);
     let text = format!("{head}token=\"{token}\"\n{body}");
     let shown_token = if opts.token.is_some() {
@@ -419,6 +604,10 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         return Err(SetupError::Invalid(
             "the plan has no slice; check `kernelkite-isolate plan`".into(),
         ));
+    }
+    check_plugin_location(&opts.plugin_location)?;
+    for name in &opts.job_env {
+        check_job_env(name)?;
     }
     let job_config = check_job_config(&opts.job_config)?;
     let opts = &Options {
@@ -606,4 +795,277 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         job_user_groups,
         notes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(plugin_location: &str, job_env: &[&str]) -> Options {
+        Options {
+            prefix: DEFAULT_PREFIX.into(),
+            binaries_from: "/tmp/release".into(),
+            optional_binaries: Vec::new(),
+            queue: "h100".into(),
+            node: "dgx01".into(),
+            agents: AgentLayout::PerSlice,
+            job_config: r#"{"mode":"host"}"#.into(),
+            buildkite_agent: DEFAULT_BUILDKITE_AGENT.into(),
+            token: None,
+            plugin_location: plugin_location.into(),
+            job_env: job_env.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// The patterns as the agent's configuration holds them, for the default location.
+    #[test]
+    fn the_agents_patterns_are_anchored_and_literal() {
+        assert_eq!(
+            allowed_plugins(DEFAULT_PLUGIN_LOCATION),
+            r"^github\.com/kernelkite/kernelkite/plugin#v[0-9]+(\.[0-9]+)*(-[0-9A-Za-z.]+)?$"
+        );
+        assert_eq!(
+            allowed_repositories(DEFAULT_PLUGIN_LOCATION),
+            r"^(https://github\.com/|git@github\.com:|ssh://git@github\.com/)kernelkite/kernelkite(\.git)?$"
+        );
+        assert_eq!(
+            allowed_environment_variables(&[]),
+            ["^KERNELBOT_[A-Za-z0-9_]*$", "^KERNELKITE_SUBMISSION_ID$"]
+        );
+        assert_eq!(
+            allowed_environment_variables(&[
+                "HF_TOKEN".into(),
+                "POPCORN_*".into(),
+                "HF_TOKEN".into()
+            ]),
+            [
+                "^KERNELBOT_[A-Za-z0-9_]*$",
+                "^KERNELKITE_SUBMISSION_ID$",
+                "^HF_TOKEN$",
+                "^POPCORN_[A-Za-z0-9_]*$"
+            ]
+        );
+        // Another place: its dots escaped, its repository the first three segments.
+        assert_eq!(
+            allowed_plugins("github.com/acme.gpu/kk-fork/tools/plugin"),
+            r"^github\.com/acme\.gpu/kk-fork/tools/plugin#v[0-9]+(\.[0-9]+)*(-[0-9A-Za-z.]+)?$"
+        );
+        assert_eq!(
+            allowed_repositories("github.com/acme.gpu/kk-fork/tools/plugin"),
+            r"^(https://github\.com/|git@github\.com:|ssh://git@github\.com/)acme\.gpu/kk-fork(\.git)?$"
+        );
+    }
+
+    /// The agent reads its configuration file (cliconfig/file.go) `key=value` a line, a value
+    /// in double quotes taken as it is (a `#` in it included), a list split at commas: so no
+    /// pattern may hold a comma, a double quote, or `\n` (which it turns into a newline).
+    #[test]
+    fn the_lockdown_reads_back_as_the_agent_reads_its_configuration() {
+        let text = agent_lockdown(&options(DEFAULT_PLUGIN_LOCATION, &["HF_TOKEN"]));
+        let settings: Vec<(&str, &str)> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_once('=').unwrap())
+            .collect();
+        assert_eq!(
+            settings,
+            [
+                ("no-local-hooks", "true"),
+                ("no-plugins", "false"),
+                (
+                    "allowed-plugins",
+                    r#""^github\.com/kernelkite/kernelkite/plugin#v[0-9]+(\.[0-9]+)*(-[0-9A-Za-z.]+)?$""#
+                ),
+                ("no-command-eval", "true"),
+                ("strict-single-hooks", "true"),
+                (
+                    "allowed-repositories",
+                    r#""^(https://github\.com/|git@github\.com:|ssh://git@github\.com/)kernelkite/kernelkite(\.git)?$""#
+                ),
+                ("enable-environment-variable-allowlist", "true"),
+                (
+                    "allowed-environment-variables",
+                    r#""^KERNELBOT_[A-Za-z0-9_]*$,^KERNELKITE_SUBMISSION_ID$,^HF_TOKEN$""#
+                ),
+                ("no-plugin-validation", "true"),
+                ("plugins-always-clone-fresh", "false"),
+            ]
+        );
+        for pattern in [
+            allowed_plugins(DEFAULT_PLUGIN_LOCATION),
+            allowed_repositories(DEFAULT_PLUGIN_LOCATION),
+        ]
+        .into_iter()
+        .chain(allowed_environment_variables(&["HF_TOKEN".into()]))
+        {
+            assert!(
+                !pattern.contains([',', '"', '\'']) && !pattern.contains(r"\n"),
+                "{pattern}"
+            );
+            assert!(
+                pattern.starts_with('^') && pattern.ends_with('$'),
+                "{pattern}"
+            );
+        }
+    }
+
+    /// The agent matches each plugin as go-pipeline's `Plugin.FullSource()` writes it: a
+    /// location of three or more segments as the step names it, a short one expanded
+    /// (`docker#v5.0.0` is github.com/buildkite-plugins/docker-buildkite-plugin#v5.0.0).
+    /// Go's regexp and this crate share the syntax the pattern uses, and `is_match` finds a
+    /// match anywhere as Go's `MatchString` does.
+    #[test]
+    fn only_the_kernelkite_plugin_at_a_version_is_allowed() {
+        let allowed = regex::Regex::new(&allowed_plugins(DEFAULT_PLUGIN_LOCATION)).unwrap();
+        for yes in [
+            "github.com/kernelkite/kernelkite/plugin#v0.1.0",
+            "github.com/kernelkite/kernelkite/plugin#v1",
+            "github.com/kernelkite/kernelkite/plugin#v1.0",
+            "github.com/kernelkite/kernelkite/plugin#v12.3.4-rc.1",
+        ] {
+            assert!(allowed.is_match(yes), "{yes} refused");
+        }
+        for no in [
+            "github.com/evil/kernelkite-plugin#v1",
+            "github.com/evil/kernelkite/plugin#v1",
+            "github.com/kernelkite-evil/kernelkite/plugin#v1",
+            "github.com/kernelkite/kernelkite-evil/plugin#v1",
+            "github.com/kernelkite/kernelkite/plugin-evil#v1",
+            "github.com/kernelkite/kernelkite/plugin/evil#v1",
+            "github.com/kernelkite/kernelkite/evil/plugin#v1",
+            "github.comXkernelkite/kernelkite/plugin#v1",
+            "evil.example/github.com/kernelkite/kernelkite/plugin#v1",
+            "https://github.com/kernelkite/kernelkite/plugin#v1",
+            "ssh://git@evil.example/github.com/kernelkite/kernelkite/plugin#v1",
+            // docker#v5.0.0 and buildkite-plugins/docker#v5 as the agent matches them.
+            "github.com/buildkite-plugins/docker-buildkite-plugin#v5.0.0",
+            "github.com/buildkite-plugins/docker-buildkite-plugin#v5",
+            "docker#v5.0.0",
+            // No version, a branch, a commit, anything after the version.
+            "github.com/kernelkite/kernelkite/plugin",
+            "github.com/kernelkite/kernelkite/plugin#main",
+            "github.com/kernelkite/kernelkite/plugin#0123456789abcdef0123456789abcdef01234567",
+            "github.com/kernelkite/kernelkite/plugin#v1/../../evil",
+            "github.com/kernelkite/kernelkite/plugin#v1 ",
+            "github.com/kernelkite/kernelkite/plugin#v1\n",
+            "github.com/kernelkite/kernelkite/plugin#v1\ngithub.com/evil/x#v1",
+            // A plugin vendored in the checkout.
+            "./.buildkite/plugins/kernelkite",
+            "/var/lib/kernelkite/plugins/x",
+        ] {
+            assert!(!allowed.is_match(no), "{no:?} allowed");
+        }
+    }
+
+    #[test]
+    fn only_the_plugins_repository_is_checked_out() {
+        let allowed = regex::Regex::new(&allowed_repositories(DEFAULT_PLUGIN_LOCATION)).unwrap();
+        for yes in [
+            "https://github.com/kernelkite/kernelkite.git",
+            "https://github.com/kernelkite/kernelkite",
+            "git@github.com:kernelkite/kernelkite.git",
+            "ssh://git@github.com/kernelkite/kernelkite.git",
+        ] {
+            assert!(allowed.is_match(yes), "{yes} refused");
+        }
+        for no in [
+            "https://github.com/evil/kernelkite.git",
+            "https://github.com/kernelkite/kernelkite-evil.git",
+            "https://github.com/kernelkite/kernelkite.git/evil",
+            "https://evil.example/kernelkite/kernelkite.git",
+            "https://github.com.evil.example/kernelkite/kernelkite.git",
+            "git@github.com:evil/kernelkite.git",
+            "file:///srv/kernelkite/kernelkite.git",
+            "",
+        ] {
+            assert!(!allowed.is_match(no), "{no:?} allowed");
+        }
+    }
+
+    #[test]
+    fn only_buildkites_and_kernelbots_job_variables_are_accepted() {
+        let allowed: Vec<regex::Regex> = allowed_environment_variables(&["HF_TOKEN".into()])
+            .iter()
+            .map(|p| regex::Regex::new(p).unwrap())
+            .collect();
+        let accepted = |name: &str| allowed.iter().any(|r| r.is_match(name));
+        for yes in [
+            "KERNELBOT_PAYLOAD",
+            "KERNELBOT_PAYLOAD_CHUNKS",
+            "KERNELBOT_PAYLOAD_0",
+            "KERNELBOT_PAYLOAD_SHA256",
+            "KERNELBOT_RUN_ID",
+            "KERNELBOT_QUEUE",
+            "KERNELKITE_SUBMISSION_ID",
+            "HF_TOKEN",
+        ] {
+            assert!(accepted(yes), "{yes} refused");
+        }
+        for no in [
+            "LD_PRELOAD",
+            "BASH_ENV",
+            "PATH",
+            "GIT_SSH_COMMAND",
+            "GIT_CONFIG_COUNT",
+            "KERNELKITE_CONFIG",
+            "KERNELKITE_CGROUP_ROOT",
+            "KERNELKITE_SYSFS_ROOT",
+            "XKERNELBOT_PAYLOAD",
+            "HF_TOKEN_2",
+        ] {
+            assert!(!accepted(no), "{no} accepted");
+        }
+    }
+
+    #[test]
+    fn plugin_locations_and_job_variables_are_checked() {
+        for ok in [
+            DEFAULT_PLUGIN_LOCATION,
+            "github.com/acme/kernelkite-fork/plugin",
+            "github.com/acme/kernelkite-buildkite-plugin",
+        ] {
+            check_plugin_location(ok).unwrap();
+        }
+        for bad in [
+            "",
+            "github.com/kernelkite",
+            "github.com/kernelkite/kernelkite/plugin#v0.1.0",
+            "https://github.com/kernelkite/kernelkite/plugin",
+            "gitlab.com/kernelkite/kernelkite/plugin",
+            "github.com/kernelkite/kernelkite/plugin/",
+            "github.com/kernelkite/../plugin",
+            "github.com/kernel kite/kernelkite/plugin",
+            "github.com/kernelkite/kernelkite/(plugin|.*)",
+            "github.com/kernelkite/kernelkite,.*/plugin",
+        ] {
+            let err = check_plugin_location(bad).unwrap_err().to_string();
+            assert!(err.contains("--plugin-location"), "{bad}: {err}");
+        }
+        for ok in ["HF_TOKEN", "POPCORN_*", "_X", "MY_APP_*"] {
+            check_job_env(ok).unwrap();
+        }
+        for bad in [
+            "",
+            "*",
+            "1X",
+            "HF-TOKEN",
+            "A*B",
+            "A,B",
+            "^X$",
+            "LD_PRELOAD",
+            "LD_*",
+            "L*",
+            "GIT_SSH_COMMAND",
+            "PATH",
+            "PA*",
+            "BASH_ENV",
+            "ENV",
+            "KERNELKITE_CGROUP_ROOT",
+            "KERNELKITE_*",
+            "KERNEL*",
+        ] {
+            let err = check_job_env(bad).unwrap_err().to_string();
+            assert!(err.contains("--allow-job-env"), "{bad}: {err}");
+        }
+    }
 }

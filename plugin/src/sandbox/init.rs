@@ -1,0 +1,86 @@
+//! The job's process tree above its command, made in the command's child before the view is
+//! built (the hooks are single-threaded, so these are plain forks of ordinary Rust):
+//!
+//! ```text
+//! hook ── waiter (root, the hook's child: its exit status is the command's)
+//!           └── init (root, pid 1 of the job's PID namespace, no capabilities once the
+//!                 │    command is started; killed with the waiter by PR_SET_PDEATHSIG)
+//!                 └── command (the job user: the step's shell, then the runner, ...)
+//! ```
+//!
+//! Why three: `unshare(CLONE_NEWPID)` moves only later children into the new namespace, so the
+//! process that made it cannot be its pid 1. The init reaps every orphan and, when the command
+//! ends, exits with its status; the kernel then kills every process left in the namespace, as
+//! `docker run --init` does (a daemon a job left cannot outlive it, or rewrite its result after
+//! the evaluator exited). Inside, the job sees only its own processes: no other job's to
+//! signal, trace or read through `/proc`, and `kill(-1)` reaches only its own. The init ignores
+//! every signal its namespace sends it (the kernel's rule for a namespace's pid 1 without
+//! handlers), and runs as root, which a job user cannot signal anyway.
+
+use rustix::process::{Pid, WaitOptions, WaitStatus};
+
+/// The exit status the hook reports for a wait status: the code, or 128 + the signal, as a
+/// shell reports a command killed by a signal.
+pub fn status_code(status: WaitStatus) -> i32 {
+    code_of(status.exit_status(), status.terminating_signal())
+}
+
+fn code_of(exit: Option<i32>, signal: Option<i32>) -> i32 {
+    exit.or_else(|| signal.map(|s| 128 + s)).unwrap_or(1)
+}
+
+/// The waiter's whole life: waits for `child` (the init) and exits with its status. The
+/// signals a cancellation sends to the job's process group are left to the command (the init
+/// and its namespace die with the waiter if it is killed outright).
+pub fn wait_then_exit(child: Pid) -> ! {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        let _ = kernelkite_sys::raw::ignore_signal(sig);
+    }
+    let code = loop {
+        match rustix::process::waitpid(Some(child), WaitOptions::empty()) {
+            Ok(Some((_, status))) => break status_code(status),
+            Ok(None) | Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => break 1,
+        }
+    };
+    kernelkite_sys::raw::exit_now(code)
+}
+
+/// The init's whole life once the command is started: reaps every child (orphans of the job
+/// are re-parented here) and exits with the command's status when the command ends, which
+/// ends the namespace and every process left in it.
+pub fn reap_until(command: Pid) -> ! {
+    // Nothing above needs root any more: the init keeps its uid (so the job user cannot signal
+    // it) but no capability.
+    use rustix::thread::CapabilitySet;
+    let _ = rustix::thread::set_capabilities(
+        None,
+        rustix::thread::CapabilitySets {
+            effective: CapabilitySet::empty(),
+            permitted: CapabilitySet::empty(),
+            inheritable: CapabilitySet::empty(),
+        },
+    );
+    let code = loop {
+        match rustix::process::wait(WaitOptions::empty()) {
+            Ok(Some((pid, status))) if pid == command => break status_code(status),
+            Ok(_) | Err(rustix::io::Errno::INTR) => continue,
+            // No child at all: the command is gone without being seen (cannot happen).
+            Err(_) => break 1,
+        }
+    };
+    kernelkite_sys::raw::exit_now(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signal_reads_as_128_plus_its_number() {
+        assert_eq!(code_of(Some(9), None), 9);
+        assert_eq!(code_of(None, Some(libc::SIGKILL)), 137);
+        assert_eq!(code_of(Some(0), None), 0);
+        assert_eq!(code_of(None, None), 1);
+    }
+}

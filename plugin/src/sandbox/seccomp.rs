@@ -1,0 +1,449 @@
+//! The job's system-call filter: at least what Docker's default profile refuses a container
+//! without capabilities, installed in the command's process after it dropped root and before
+//! it executes the step's shell, so the whole job (and everything it forks) is held to it.
+//!
+//! Refused calls fail with `EPERM` (`clone3` with `ENOSYS`, below), never by killing the
+//! process: a library that probes a call (io_uring, `perf_event_open`) falls back as it would
+//! in a container. Built with `seccompiler` (rust-vmm's, Firecracker's filter compiler); the
+//! filter also refuses every call of another ABI (x32's numbers on x86-64; a 32-bit `int 0x80`
+//! is a different audit architecture, which seccompiler's program kills).
+//!
+//! Why each rule: [`RULES`], listed in `plugin/README.md` ("The system-call filter").
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+};
+
+/// One group of refused calls and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Rule {
+    /// The calls, by name (as `man 2` spells them).
+    pub calls: &'static [(&'static str, i64)],
+    /// Why a kernel task's job never needs them and an attacker wants them.
+    pub why: &'static str,
+    /// The `allow-syscalls` name that lifts this group for a pipeline, if any may.
+    pub opt_out: Option<&'static str>,
+}
+
+macro_rules! calls {
+    ($($name:ident),* $(,)?) => {
+        &[$((stringify!($name), libc::$name as i64)),*]
+    };
+}
+
+/// Calls that exist on x86-64 only (legacy interfaces aarch64 never had).
+#[cfg(target_arch = "x86_64")]
+const LEGACY: &[(&str, i64)] = calls!(
+    SYS_iopl,
+    SYS_ioperm,
+    SYS_uselib,
+    SYS__sysctl,
+    SYS_ustat,
+    SYS_sysfs,
+    SYS_nfsservctl
+);
+#[cfg(not(target_arch = "x86_64"))]
+const LEGACY: &[(&str, i64)] = &[];
+
+/// The refused groups. `clone` (namespace flags only) and `personality` (all but the values
+/// Docker allows) are refused by argument, in [`filter_rules`].
+pub const RULES: &[Rule] = &[
+    Rule {
+        calls: calls!(SYS_unshare, SYS_setns),
+        why: "new or other namespaces: a user namespace gives back every capability inside it and opens kernel code a job never needs (the same for `clone` with a CLONE_NEW* flag; `clone3`, whose flags a filter cannot read, answers ENOSYS so that libc falls back to `clone`)",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(
+            SYS_mount,
+            SYS_umount2,
+            SYS_pivot_root,
+            SYS_open_tree,
+            SYS_move_mount,
+            SYS_fsopen,
+            SYS_fsconfig,
+            SYS_fsmount,
+            SYS_fspick,
+            SYS_mount_setattr
+        ),
+        why: "changing the file system view (uncovering what the sandbox hides)",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(SYS_io_uring_setup, SYS_io_uring_enter, SYS_io_uring_register),
+        why: "io_uring: its operations are not seen by this filter, and it has been a steady source of kernel privilege escalations",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(SYS_keyctl, SYS_add_key, SYS_request_key),
+        why: "the kernel keyring is not namespaced: keys of the node and of other jobs",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(SYS_perf_event_open),
+        why: "performance counters: side channels on other jobs' CPUs and a large kernel surface; a profiling task may lift it",
+        opt_out: Some("perf_event_open"),
+    },
+    Rule {
+        calls: calls!(SYS_ptrace),
+        why: "tracing another process of the job user (the evaluator that writes result.json); a debugging task may lift it",
+        opt_out: Some("ptrace"),
+    },
+    Rule {
+        calls: calls!(
+            SYS_process_vm_readv,
+            SYS_process_vm_writev,
+            SYS_kcmp,
+            SYS_pidfd_getfd
+        ),
+        why: "reading or writing another process's memory or descriptors (the evaluator's)",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(SYS_userfaultfd),
+        why: "userfaultfd: stalls the kernel mid-copy, the usual way to win kernel races",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(SYS_bpf),
+        why: "BPF programs in the kernel",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(
+            SYS_kexec_load,
+            SYS_kexec_file_load,
+            SYS_reboot,
+            SYS_init_module,
+            SYS_finit_module,
+            SYS_delete_module
+        ),
+        why: "another kernel, a reboot, kernel modules",
+        opt_out: None,
+    },
+    Rule {
+        calls: calls!(
+            SYS_acct,
+            SYS_swapon,
+            SYS_swapoff,
+            SYS_syslog,
+            SYS_quotactl,
+            SYS_open_by_handle_at,
+            SYS_name_to_handle_at,
+            SYS_lookup_dcookie,
+            SYS_settimeofday,
+            SYS_clock_settime,
+            SYS_clock_adjtime,
+            SYS_vhangup,
+            SYS_fanotify_init
+        ),
+        why: "machine-wide state: accounting, swap, the kernel log, quotas, files by handle (outside the mount namespace), the clock, terminals, file system notifications",
+        opt_out: None,
+    },
+    Rule {
+        calls: LEGACY,
+        why: "legacy interfaces (I/O ports, old module and sysctl calls)",
+        opt_out: None,
+    },
+];
+
+/// `personality(2)` values Docker's default profile allows: `PER_LINUX`, `PER_LINUX32`,
+/// `UNAME26`, `PER_LINUX32|UNAME26` and the query `0xffffffff`. Anything else (turning off
+/// address-space randomisation, `READ_IMPLIES_EXEC`) is refused.
+pub const PERSONALITIES: &[u64] = &[0x0, 0x8, 0x2_0000, 0x2_0008, 0xffff_ffff];
+
+/// `clone` flags that make a namespace (`CLONE_NEWTIME` shares its bit with `CSIGNAL` in
+/// `clone`, which cannot make one).
+pub const NAMESPACE_FLAGS: &[(&str, u64)] = &[
+    ("CLONE_NEWNS", libc::CLONE_NEWNS as u64),
+    ("CLONE_NEWUTS", libc::CLONE_NEWUTS as u64),
+    ("CLONE_NEWIPC", libc::CLONE_NEWIPC as u64),
+    ("CLONE_NEWUSER", libc::CLONE_NEWUSER as u64),
+    ("CLONE_NEWPID", libc::CLONE_NEWPID as u64),
+    ("CLONE_NEWNET", libc::CLONE_NEWNET as u64),
+    ("CLONE_NEWCGROUP", libc::CLONE_NEWCGROUP as u64),
+];
+
+/// The names `allow-syscalls` accepts.
+pub fn opt_outs() -> Vec<&'static str> {
+    RULES.iter().filter_map(|r| r.opt_out).collect()
+}
+
+/// Why the filter could not be built or installed.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    /// This architecture has no filter here.
+    #[error("no system-call filter for this architecture ({0}); kernelkite's sandbox supports x86_64 and aarch64")]
+    Arch(&'static str),
+    /// seccompiler refused the rules (a bug here).
+    #[error("cannot build the system-call filter: {0}")]
+    Build(String),
+    /// The kernel refused it.
+    #[error("cannot install the system-call filter (does the kernel have CONFIG_SECCOMP_FILTER?)")]
+    Install(#[source] std::io::Error),
+}
+
+/// The x32 ABI's syscall numbers are x86-64's with this bit set, under the same audit
+/// architecture: each refused call is refused by that number too.
+#[cfg(target_arch = "x86_64")]
+const X32_BIT: i64 = 0x4000_0000;
+
+fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, SeccompError> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value)
+        .map_err(|e| SeccompError::Build(e.to_string()))
+}
+
+fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, SeccompError> {
+    SeccompRule::new(conditions).map_err(|e| SeccompError::Build(e.to_string()))
+}
+
+/// The EPERM filter's rules: every call of [`RULES`] not lifted by `allowed`, `clone` with a
+/// namespace flag, `personality` outside [`PERSONALITIES`].
+pub fn filter_rules(allowed: &[String]) -> Result<BTreeMap<i64, Vec<SeccompRule>>, SeccompError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    for r in RULES {
+        if r.opt_out.is_some_and(|o| allowed.iter().any(|a| a == o)) {
+            continue;
+        }
+        for (_, nr) in r.calls {
+            rules.insert(*nr, Vec::new());
+        }
+    }
+    let clone_rules = NAMESPACE_FLAGS
+        .iter()
+        .map(|(_, f)| cond(0, SeccompCmpOp::MaskedEq(*f), *f).and_then(|c| rule(vec![c])))
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_clone, clone_rules);
+    let personality = PERSONALITIES
+        .iter()
+        .map(|p| cond(0, SeccompCmpOp::Ne, *p))
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_personality, vec![rule(personality)?]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let x32: Vec<(i64, Vec<SeccompRule>)> = rules
+            .iter()
+            .map(|(nr, r)| (nr | X32_BIT, r.clone()))
+            .collect();
+        rules.extend(x32);
+    }
+    Ok(rules)
+}
+
+fn arch() -> Result<seccompiler::TargetArch, SeccompError> {
+    std::env::consts::ARCH
+        .try_into()
+        .map_err(|_| SeccompError::Arch(std::env::consts::ARCH))
+}
+
+fn compile(
+    rules: BTreeMap<i64, Vec<SeccompRule>>,
+    action: SeccompAction,
+) -> Result<seccompiler::BpfProgram, SeccompError> {
+    SeccompFilter::new(rules, SeccompAction::Allow, action, arch()?)
+        .and_then(TryInto::try_into)
+        .map_err(|e| SeccompError::Build(e.to_string()))
+}
+
+/// The two programs: `clone3` → `ENOSYS`, then the `EPERM` rules. (One seccompiler filter has
+/// one match action; the kernel runs both, and a call only one of them matches gets its answer.)
+pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, SeccompError> {
+    let mut clone3: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    clone3.insert(libc::SYS_clone3, Vec::new());
+    #[cfg(target_arch = "x86_64")]
+    clone3.insert(libc::SYS_clone3 | X32_BIT, Vec::new());
+    Ok(vec![
+        compile(clone3, SeccompAction::Errno(libc::ENOSYS as u32))?,
+        compile(
+            filter_rules(allowed)?,
+            SeccompAction::Errno(libc::EPERM as u32),
+        )?,
+    ])
+}
+
+/// Installs the filter on the calling thread (the command's process, single-threaded, after it
+/// dropped root; `no_new_privs` is already set). It holds for every process the job starts.
+pub fn install(allowed: &[String]) -> Result<(), SeccompError> {
+    for p in programs(allowed)? {
+        seccompiler::apply_filter(&p).map_err(|e| match e {
+            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => {
+                SeccompError::Install(io)
+            }
+            other => SeccompError::Build(other.to_string()),
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno_of(rc: libc::c_long) -> i32 {
+        if rc == -1 {
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Runs `body` in a forked child with the filter installed; the child's exit code is the
+    /// number of failed checks, its stderr says which.
+    fn in_filtered_child(allowed: &[String], body: fn() -> Vec<String>) -> Vec<String> {
+        let programs = programs(allowed).unwrap();
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        // SAFETY: the test forks to get a process whose filter dies with it; the child only
+        // installs the (prebuilt) filter, makes raw calls, writes to a pipe and _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            for p in &programs {
+                if seccompiler::apply_filter(p).is_err() {
+                    // SAFETY: ends the forked test child.
+                    unsafe { libc::_exit(99) };
+                }
+            }
+            let out = body().join("\n");
+            let _ = rustix::io::write(&w, out.as_bytes());
+            // SAFETY: ends the forked test child without running the test harness's code.
+            unsafe { libc::_exit(0) };
+        }
+        drop(w);
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::fs::File::from(r), &mut text).unwrap();
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child could not install the filter"
+        );
+        text.lines().map(str::to_string).collect()
+    }
+
+    /// Every refused call, made with arguments that would otherwise fail some other way (or
+    /// harmlessly), answers EPERM: each rule is tried, not just listed.
+    fn every_rule_answers_eperm() -> Vec<String> {
+        let mut bad = Vec::new();
+        for r in RULES {
+            for (name, nr) in r.calls {
+                // SAFETY: the arguments are all invalid (null pointers, -1 descriptors); the
+                // filter answers before the kernel would look at them.
+                let rc = unsafe { libc::syscall(*nr, -1i64, 0i64, 0i64, 0i64, 0i64, 0i64) };
+                let e = errno_of(rc);
+                if e != libc::EPERM {
+                    bad.push(format!("{name}: rc {rc}, errno {e}"));
+                }
+            }
+        }
+        for (name, flag) in NAMESPACE_FLAGS {
+            // SAFETY: clone with a namespace flag is refused by the filter before it forks.
+            let rc =
+                unsafe { libc::syscall(libc::SYS_clone, *flag | libc::SIGCHLD as u64, 0, 0, 0, 0) };
+            if rc == 0 {
+                // SAFETY: the (unexpected) child ends at once.
+                unsafe { libc::_exit(0) };
+            }
+            if errno_of(rc) != libc::EPERM {
+                bad.push(format!("clone({name}): rc {rc}"));
+            }
+        }
+        // SAFETY: clone3 with a null argument; the filter answers ENOSYS first.
+        let rc = unsafe { libc::syscall(libc::SYS_clone3, 0, 0) };
+        if errno_of(rc) != libc::ENOSYS {
+            bad.push(format!("clone3: rc {rc}, errno {}", errno_of(rc)));
+        }
+        // SAFETY: personality(ADDR_NO_RANDOMIZE) would turn ASLR off for later execs.
+        let rc = unsafe { libc::syscall(libc::SYS_personality, 0x0040000u64) };
+        if errno_of(rc) != libc::EPERM {
+            bad.push(format!("personality(ADDR_NO_RANDOMIZE): rc {rc}"));
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the x32 number of unshare; refused whatever the kernel's x32 support.
+            let rc = unsafe { libc::syscall(libc::SYS_unshare | X32_BIT, 0) };
+            if errno_of(rc) != libc::EPERM {
+                bad.push(format!("x32 unshare: rc {rc}, errno {}", errno_of(rc)));
+            }
+        }
+        bad
+    }
+
+    /// What a job needs still works: fork (clone without namespace flags), the personality
+    /// query, getpid, an ordinary file.
+    fn ordinary_calls_work() -> Vec<String> {
+        let mut bad = Vec::new();
+        // SAFETY: an ordinary fork; the child exits at once.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: ends the grandchild.
+            unsafe { libc::_exit(0) };
+        }
+        if pid < 0 {
+            bad.push(format!("fork: {}", std::io::Error::last_os_error()));
+        } else {
+            let mut st = 0;
+            // SAFETY: reaps the child forked above.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+        }
+        // SAFETY: the query form of personality changes nothing.
+        let rc = unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
+        if rc < 0 {
+            bad.push("personality query refused".into());
+        }
+        if std::fs::read("/proc/self/status").is_err() {
+            bad.push("read a file".into());
+        }
+        bad
+    }
+
+    #[test]
+    fn each_refused_call_answers_eperm_and_ordinary_ones_work() {
+        let bad = in_filtered_child(&[], every_rule_answers_eperm);
+        assert!(bad.is_empty(), "not refused: {bad:?}");
+        let bad = in_filtered_child(&[], ordinary_calls_work);
+        assert!(bad.is_empty(), "refused: {bad:?}");
+    }
+
+    fn perf_is_not_refused() -> Vec<String> {
+        // SAFETY: a null attribute pointer: EFAULT from the kernel, not the filter's EPERM.
+        let perf = errno_of(unsafe {
+            libc::syscall(libc::SYS_perf_event_open, 0i64, 0i64, -1i64, -1i64, 0i64)
+        });
+        // SAFETY: ptrace(PTRACE_PEEKDATA) of pid 0: ESRCH from the kernel, not the filter.
+        let pt = errno_of(unsafe {
+            libc::syscall(
+                libc::SYS_ptrace,
+                libc::PTRACE_PEEKDATA as i64,
+                0i64,
+                0i64,
+                0i64,
+            )
+        });
+        let mut bad = Vec::new();
+        if perf == libc::EPERM {
+            bad.push("perf_event_open still refused".into());
+        }
+        if pt != libc::EPERM {
+            bad.push(format!("ptrace was lifted too (errno {pt})"));
+        }
+        bad
+    }
+
+    #[test]
+    fn an_opt_out_lifts_its_own_group_only() {
+        let bad = in_filtered_child(&["perf_event_open".into()], perf_is_not_refused);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(opt_outs(), ["perf_event_open", "ptrace"]);
+    }
+
+    #[test]
+    fn every_rule_says_why() {
+        for r in RULES {
+            assert!(r.why.len() > 10, "{:?}", r.calls);
+        }
+    }
+}

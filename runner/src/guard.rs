@@ -1,0 +1,220 @@
+//! The evaluator's guard against the submission it runs.
+//!
+//! In the sandbox the runner and the submission's processes share one uid (the job's), so the
+//! kernel's ordinary rule ("the same user may signal, trace and read") would let a submission
+//! kill the runner and write `result.json` itself, or read the runner's environment. What
+//! stops each way instead:
+//!
+//! * **Reading or tracing the runner**: the runner makes itself non-dumpable at start
+//!   ([`protect_self`]): its `/proc/<pid>/*` files belong to root, and `ptrace`,
+//!   `process_vm_readv`/`writev` and `pidfd_getfd` need `CAP_SYS_PTRACE`, which no job has
+//!   (the sandbox's filter refuses those calls too).
+//! * **Signalling the runner**: every harness process carries a seccomp filter
+//!   ([`submission_filter`]) refusing `kill`, `tgkill`, `rt_sigqueueinfo`,
+//!   `rt_tgsigqueueinfo`, `pidfd_open` aimed at the runner's pid, `kill(-1)` (which would reach
+//!   it), the runner's process group, `tkill` and `pidfd_send_signal` (whose targets a filter
+//!   cannot read), and naming the runner as the owner of a file's `SIGIO`.
+//! * **Outliving the runner's clean-up**: at the top of the job's PID namespace (the sandbox
+//!   starts the command as the only child of the namespace's init), the runner kills every
+//!   other process of its namespace with one `kill(-1, SIGKILL)` after each run
+//!   ([`kill_all_others`]); the kernel refuses a `fork` to a process with a fatal signal
+//!   pending, so no fork chain escapes it. It writes `result.json` only after that.
+//! * **Being chosen by the OOM killer**: each harness process raises its own
+//!   `oom_score_adj` to 1000 before it executes.
+//!
+//! What stays the harness's limit: kernelbot's `eval.py` imports the submission into its own
+//! process, so the submission can rewrite the harness's checks and its POPCORN lines from the
+//! inside. The result is then the harness's word on itself; a task author who needs more runs
+//! the reference check in another process (see `runner/README.md`).
+
+use std::path::Path;
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BackendError, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
+
+/// What [`crate::process::run`] does for the evaluator's safety, decided once at start.
+#[derive(Debug, Clone)]
+pub struct Guard {
+    /// The seccomp program each harness process installs before it executes.
+    pub filter: seccompiler::BpfProgram,
+    /// After each run, kill every other process of the job's PID namespace
+    /// ([`kill_all_others`]).
+    pub kill_namespace: bool,
+}
+
+impl Guard {
+    /// This process's guard: non-dumpable from now on ([`protect_self`]), the filter built for
+    /// its pid, and the namespace-wide kill when it is [`at_top_of_job_namespace`].
+    pub fn for_this_process(proc_root: &Path) -> Result<Guard, String> {
+        protect_self().map_err(|e| format!("cannot make the runner non-dumpable: {e}"))?;
+        Ok(Guard {
+            filter: submission_filter()?,
+            kill_namespace: at_top_of_job_namespace(proc_root),
+        })
+    }
+}
+
+/// Makes this process non-dumpable: its `/proc/<pid>` files become root's, and a process of the
+/// same user without `CAP_SYS_PTRACE` can no longer trace it or read its memory, environment
+/// or descriptors.
+pub fn protect_self() -> std::io::Result<()> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)?;
+    Ok(())
+}
+
+/// The inode number of the kernel's initial PID namespace (`PROC_PID_INIT_INO`,
+/// include/linux/proc_ns.h): `/proc/self/ns/pid` reads `pid:[4026531836]` there and only there.
+const INITIAL_PID_NAMESPACE: &str = "pid:[4026531836]";
+
+/// Whether a `/proc/<pid>/ns/pid` link's text names a PID namespace other than the host's.
+pub fn names_a_nested_namespace(link: &str) -> bool {
+    link.starts_with("pid:[") && link != INITIAL_PID_NAMESPACE
+}
+
+/// Whether `kill(-1)` from this process reaches exactly the submission's processes: it is in a
+/// PID namespace of its own (not the host's), directly under that namespace's init (so no
+/// shell or other process of the job is above it), and not root.
+pub fn at_top_of_job_namespace(proc_root: &Path) -> bool {
+    let link = std::fs::read_link(proc_root.join("self/ns/pid")).unwrap_or_default();
+    names_a_nested_namespace(&link.to_string_lossy())
+        && rustix::process::getppid().is_some_and(|p| p.as_raw_nonzero().get() == 1)
+        && !rustix::process::geteuid().is_root()
+}
+
+/// Kills every other process of this PID namespace that this process may signal (every
+/// process of the job but the init) and reaps those that were its children, until none is
+/// left. Only for a process [`at_top_of_job_namespace`].
+pub fn kill_all_others() {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        let rc = kernelkite_sys::raw::kill_all_signallable(libc::SIGKILL);
+        // Reap whatever died (orphans are re-parented here: the runner is a subreaper).
+        while let Ok(Some(_)) = rustix::process::wait(rustix::process::WaitOptions::NOHANG) {}
+        // ESRCH: nothing left to signal.
+        if rc.is_err() || std::time::Instant::now() >= deadline {
+            return;
+        }
+    }
+}
+
+/// `F_SETOWN_EX` (include/uapi/asm-generic/fcntl.h), `FIOSETOWN` and `SIOCSPGRP`
+/// (include/uapi/asm-generic/sockios.h): the same numbers on x86-64 and aarch64; the libc crate
+/// does not export them for every target.
+const F_SETOWN_EX: u32 = 15;
+const FIOSETOWN: u32 = 0x8901;
+const SIOCSPGRP: u32 = 0x8902;
+
+/// One condition on a 32-bit argument (pids and commands: the kernel reads only the low half
+/// of the register, so the filter must not compare the high half an attacker controls).
+fn arg_is(arg: u8, value: u32) -> Result<SeccompCondition, BackendError> {
+    SeccompCondition::new(
+        arg,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        u64::from(value),
+    )
+}
+
+/// Rules matching when argument `arg` is any of `values`.
+fn any_of(arg: u8, values: &[u32]) -> Result<Vec<SeccompRule>, BackendError> {
+    values
+        .iter()
+        .map(|v| SeccompRule::new(vec![arg_is(arg, *v)?]))
+        .collect()
+}
+
+/// The rules of [`submission_filter`] for a runner with pid `me` in process group `group`.
+fn rules(me: u32, group: u32) -> Result<BTreeMap<i64, Vec<SeccompRule>>, BackendError> {
+    let minus = |v: u32| v.wrapping_neg();
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    // kill(me), kill(-1), kill(-group).
+    let mut kill_targets = vec![me, u32::MAX];
+    if group > 0 {
+        kill_targets.push(minus(group));
+    }
+    rules.insert(libc::SYS_kill, any_of(0, &kill_targets)?);
+    for call in [
+        libc::SYS_tgkill,
+        libc::SYS_rt_sigqueueinfo,
+        libc::SYS_rt_tgsigqueueinfo,
+        libc::SYS_pidfd_open,
+    ] {
+        rules.insert(call, any_of(0, &[me])?);
+    }
+    rules.insert(libc::SYS_tkill, Vec::new());
+    rules.insert(libc::SYS_pidfd_send_signal, Vec::new());
+    let mut fcntl = Vec::new();
+    for owner in [me, minus(group)].into_iter().filter(|o| *o != 0) {
+        fcntl.push(SeccompRule::new(vec![
+            arg_is(1, libc::F_SETOWN as u32)?,
+            arg_is(2, owner)?,
+        ])?);
+    }
+    fcntl.push(SeccompRule::new(vec![arg_is(1, F_SETOWN_EX)?])?);
+    rules.insert(libc::SYS_fcntl, fcntl);
+    // FIOSETOWN and SIOCSPGRP name a SIGIO owner too (through a pointer: refused whole).
+    rules.insert(libc::SYS_ioctl, any_of(1, &[FIOSETOWN, SIOCSPGRP])?);
+    Ok(rules)
+}
+
+/// The seccomp program every harness process gets (see the module's documentation): built
+/// before the spawn, from this process's pid and process group.
+pub fn submission_filter() -> Result<seccompiler::BpfProgram, String> {
+    let me = rustix::process::getpid().as_raw_nonzero().get() as u32;
+    // 0 when the group is led from outside the namespace: then no kill(-group) can name it.
+    let group = kernelkite_sys::raw::process_group_in_namespace().max(0) as u32;
+    let build = || -> Result<seccompiler::BpfProgram, BackendError> {
+        let arch: seccompiler::TargetArch = std::env::consts::ARCH.try_into()?;
+        SeccompFilter::new(
+            rules(me, group)?,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::EPERM as u32),
+            arch,
+        )?
+        .try_into()
+    };
+    build().map_err(|e| format!("cannot build the harness's system-call filter: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_namespace_other_than_the_host_s_counts() {
+        assert!(!names_a_nested_namespace("pid:[4026531836]"));
+        assert!(names_a_nested_namespace("pid:[4026532301]"));
+        assert!(!names_a_nested_namespace(""));
+    }
+
+    #[test]
+    fn a_test_process_is_never_at_the_top_of_a_job_namespace() {
+        // Its parent is the test harness, not a namespace's init.
+        assert!(!at_top_of_job_namespace(Path::new("/proc")));
+    }
+
+    /// A child under the filter cannot signal this process, by pid, by `-1` or by its group
+    /// (signal 0: the permission check only), while signalling itself still works.
+    #[test]
+    fn a_filtered_child_cannot_signal_its_evaluator() {
+        let filter = submission_filter().unwrap();
+        let me = std::process::id();
+        let script = format!(
+            "for t in {me} -1 -$(ps -o pgid= -p {me} | tr -d ' '); do \
+               if kill -0 -- $t 2>/dev/null; then echo \"ESCAPED $t\"; else echo \"blocked $t\"; fi; done; \
+             kill -0 $$ && echo self-ok"
+        );
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", &script]);
+        kernelkite_sys::raw::harden_before_exec(&mut cmd, filter);
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("ESCAPED"), "{text}");
+        assert_eq!(text.matches("blocked").count(), 3, "{text}");
+        assert!(text.contains("self-ok"), "{text}");
+    }
+}
