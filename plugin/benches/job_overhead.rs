@@ -524,6 +524,9 @@ fn main() {
         r#"printf %s "$EPOCHREALTIME" > started"#.into(),
     );
     set("BUILDKITE_SHELL", "/bin/bash -e -c".into());
+    // The step's artifact_paths: in the sandbox, the marker the command writes reaches the host's
+    // checkout only as an artifact (plugin/src/sandbox/disk.rs), as result.json does.
+    set("BUILDKITE_ARTIFACT_PATHS", "result.json;started".into());
     set(
         "BUILDKITE_BUILD_PATH",
         disk.path().join("builds").display().to_string(),
@@ -642,13 +645,21 @@ fn main() {
         &empty,
     );
     // The two builds' jobs alternate, so a slow spell of this shared machine falls on both.
-    let builds: Vec<(&str, PathBuf)> = match &static_exe {
+    let mut builds: Vec<(&str, PathBuf)> = match &static_exe {
         Some(st) => vec![
             ("static build (what nodes run)", st.clone()),
             ("ordinary build (dynamically linked; baseline)", exe.clone()),
         ],
         None => vec![("ordinary build (dynamically linked)", exe.clone())],
     };
+    // An earlier build to compare with in the same run (issue 19: the build before the job's
+    // PID namespace, seccomp filter, bounded checkout and per-slice identity).
+    if let Some(base) = std::env::var_os("KERNELKITE_BENCH_BASELINE_ISOLATE") {
+        builds.push((
+            "earlier build (KERNELKITE_BENCH_BASELINE_ISOLATE; baseline)",
+            PathBuf::from(base),
+        ));
+    }
     let mut per_build: Vec<Vec<JobTimes>> = builds.iter().map(|_| Vec::new()).collect();
     for round in 0..gap_jobs {
         for (i, (_, bin)) in builds.iter().enumerate() {

@@ -28,6 +28,7 @@
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
+pub mod disk;
 pub mod environ;
 pub mod init;
 pub mod mounts;
@@ -183,6 +184,9 @@ pub fn describe(
             }
         ));
     }
+    if built.host_read_only {
+        ro.push("every other file system of the host's".into());
+    }
     ro.extend(built.read_only.iter().map(|p| p.display().to_string()));
     if !ro.is_empty() {
         lines.push(format!("read-only: {}", ro.join(", ")));
@@ -192,9 +196,11 @@ pub fn describe(
     }
     if !built.writable.is_empty() {
         lines.push(format!(
-            "writable, owned by {}: {}",
+            "writable, owned by {}: {} (its writes held in a layer of the job's own, at most {} and {} files, carried back when the job ends; nothing else on the host's disks is writable)",
             spec.user.name,
-            list(&built.writable)
+            list(&built.writable),
+            spec::human_size(spec.tmp_size),
+            disk::MAX_FILES
         ));
     }
     lines.push(format!(
@@ -236,13 +242,13 @@ pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
     // The init: pid 1 of the job's namespace, dying with the waiter.
     raw::die_with_parent(rustix::process::Signal::KILL)
         .map_err(fork("tie the init to its parent"))?;
-    let built = mounts::build(spec)?;
+    let (built, overlays) = mounts::build(spec)?;
     if let Forked::Parent(command) =
         raw::fork_single_threaded().map_err(fork("start the job's command"))?
     {
-        raw::close_from(3);
-        init::reap_until(command);
+        init::reap_until(command, overlays);
     }
+    drop(overlays);
     let creds = privileges::drop_to(&spec.user, &spec.groups)?;
     seccomp::install(&spec.allow_syscalls)?;
     let reachable = rustix::fs::access(&spec.cwd, rustix::fs::Access::EXEC_OK).is_ok()
@@ -299,6 +305,7 @@ mod tests {
             writable: vec![],
             read_only: vec![],
             allow_syscalls: vec![],
+            artifacts: vec![],
             limits: spec::LimitsNote {
                 memory_bytes: 64 << 20,
                 pids: 4096,
@@ -313,6 +320,7 @@ mod tests {
             writable: vec!["/builds/a/checkout".into()],
             devices: vec![],
             private_proc: true,
+            host_read_only: true,
         };
         let creds = privileges::parse_status("Uid:\t998\t998\t998\t998\nGroups:\t\n");
         let status = "Cpus_allowed_list:\t3\nMems_allowed_list:\t0\n";
@@ -324,7 +332,7 @@ mod tests {
             "GPU device nodes: /dev/nvidia1 (no other GPU's node exists in this /dev)",
             "private: /tmp (64 MiB), /dev/shm (32 MiB), /dev",
             "/proc (only the job's processes)",
-            "read-only: the cgroup file system (2 mounts), /builds/a/checkout/.git",
+            "read-only: the cgroup file system (2 mounts), every other file system of the host's, /builds/a/checkout/.git",
             "hidden: /run/kernelkite",
             "writable, owned by kernelkite-job: /builds/a/checkout",
             "network: loopback only",

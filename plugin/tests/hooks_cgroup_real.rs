@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use agent::{output_text, Install};
 use real_cgroups::{
-    alive, claim, node, online_cpus, real_cgroups, unique, wait_for_file, CgroupGuard,
+    alive, claim, node, node_with_run_dir, online_cpus, real_cgroups, unique, wait_for_file,
+    CgroupGuard,
 };
 
 #[test]
@@ -166,6 +167,51 @@ fn next_job_cleans_up_after_a_lost_one() {
     assert!(!alive(pid));
     assert!(!cg.jobs().contains(&lost_id));
     assert!(next.run_hook("pre-exit").status.success());
+}
+
+/// A second kernelkite instance on the node (another run dir) does not take the first's
+/// running job for a lost one: its `environment` refuses, naming the job's cgroup and the run
+/// dir, holds nothing, and the job's processes live on until the first instance's `pre-exit`.
+#[test]
+fn a_second_instance_with_another_run_dir_is_refused_and_kills_nothing() {
+    let Some(cg) = real_cgroups() else { return };
+    let (dir, agent) = node(0, 5);
+    let id = unique("first");
+    let other_id = unique("second");
+    let _guard = CgroupGuard(vec![id.clone(), other_id.clone()]);
+    let pidfile = dir.path().join("first.pid");
+    let command = format!(
+        "(setsid sh -c 'echo $$ > {}; exec sleep 300' </dev/null >/dev/null 2>&1 &)",
+        pidfile.display()
+    );
+    let mut first = agent.start_job(&id, &command, None, Install::AgentBinary);
+    assert!(first.run_hook("environment").status.success());
+    assert!(first.run_hook("command").status.success());
+    let pid: u32 = wait_for_file(&pidfile).trim().parse().unwrap();
+
+    let other_run = tempfile::tempdir().unwrap();
+    let (_other_dir, other_agent) = node_with_run_dir(0, 6, &other_run.path().join("run"));
+    let mut second = other_agent.start_job(&other_id, "true", None, Install::AgentBinary);
+    let out = second.run_hook("environment");
+    let text = output_text(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("another kernelkite instance") && text.contains(&format!("kernelkite/{id}")),
+        "{text}"
+    );
+    assert!(
+        !cg.jobs().contains(&other_id),
+        "the refused job holds nothing"
+    );
+    assert!(alive(pid), "the first instance's job was killed");
+    assert!(cg.pids(&id).unwrap().contains(&pid));
+
+    assert!(first.run_hook("pre-exit").status.success());
+    let start = Instant::now();
+    while alive(pid) && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!alive(pid));
 }
 
 #[test]

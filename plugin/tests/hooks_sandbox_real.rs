@@ -308,6 +308,13 @@ impl SandboxNode {
         set("KK_RUN_DIR", &run_dir);
         set("KK_FAKE_DEV", &dev);
         set("KK_OTHER_CHECKOUT", &other);
+        // A directory of the host's that anyone may write to (as /var/crash or a forgotten
+        // 1777 directory would be): the job's view of it is read-only.
+        let open = root.join("open");
+        std::fs::create_dir_all(&open).unwrap();
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+            .unwrap();
+        set("KK_HOST_WRITABLE", &open);
         env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "0".into());
         env.insert("KK_OTHER_CPU".into(), other_cpu.to_string());
         let user_name = user_option.map_or_else(|| user.name.clone(), str::to_string);
@@ -338,6 +345,12 @@ impl SandboxNode {
             .start_job(id, command, None, Install::AgentBinary);
         let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
         job.wrapper = self.holder.wrapper(&checkout);
+        // The step's artifact_paths, as the agent hands them to the hooks: what of the job's
+        // writes to its checkout reaches the host.
+        job.set_env(
+            "BUILDKITE_ARTIFACT_PATHS",
+            "result.json;attacks.json;daemon.pid",
+        );
         job
     }
 
@@ -400,6 +413,7 @@ const TEST_VARIABLES: &[&str] = &[
     "KK_BOOTSTRAP_PID",
     "KK_RUNNER",
     "KK_SERVICE_PORT",
+    "KK_HOST_WRITABLE",
 ];
 
 const ESCAPES: &str = r#"set +e
@@ -826,7 +840,7 @@ fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
 #[test]
 fn two_jobs_on_two_slices_cannot_reach_each_other() {
     let _one = serial();
-    let Some(_cg) = needs_root_and_cgroups() else {
+    let Some(cg) = needs_root_and_cgroups() else {
         return;
     };
     let Some(node) = SandboxNode::new("x", 64 << 20, Some("kernelkite-job")) else {
@@ -844,7 +858,7 @@ fn two_jobs_on_two_slices_cannot_reach_each_other() {
     let a_id = format!("{}-a", prefix());
     let b_id = format!("{}-b", prefix());
     let _guard = real_cgroups::CgroupGuard(vec![a_id.clone(), b_id.clone()]);
-    let mut a = node.job(&a_id, "echo \"uid $(id -u)\"; touch started; exec sleep 4");
+    let mut a = node.job(&a_id, "echo \"uid $(id -u)\"; exec sleep 4");
     let mut b = node.job(
         &b_id,
         r#"set +e
@@ -862,16 +876,21 @@ echo "survived kill -9 -1"
         let out = job.run_hook("environment");
         assert!(out.status.success(), "{}", output_text(&out));
     }
-    let a_checkout = PathBuf::from(&a.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
     let a_command = std::thread::spawn(move || {
         let out = a.run_hook("command");
         (a, out)
     });
+    // a is running once its `sleep` is in its cgroup.
+    let sleeping = || {
+        cg.pids(&a_id).unwrap_or_default().iter().any(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        })
+    };
     let start = std::time::Instant::now();
-    while !a_checkout.join("started").exists() && start.elapsed() < Duration::from_secs(10) {
+    while !sleeping() && start.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(a_checkout.join("started").exists(), "job a did not start");
+    assert!(sleeping(), "job a did not start");
     let b_out = b.run_hook("command");
     let (mut a, a_out) = a_command.join().unwrap();
     let a_text = String::from_utf8_lossy(&a_out.stdout).into_owned();
@@ -897,6 +916,63 @@ echo "survived kill -9 -1"
         let out = job.run_hook("pre-exit");
         assert!(out.status.success(), "{}", output_text(&out));
     }
+    assert_eq!(before, node.snapshot());
+}
+
+/// A job that fills its disk: the checkout's writable layer is the job's own (`tmp-size`),
+/// so the write fails with "No space left on device"; nothing else on the host is writable
+/// (a world-writable directory of the host's is read-only in its view); of what it wrote only
+/// the artifact reaches the host's checkout; and the node is the same afterwards.
+#[test]
+fn a_job_that_fills_its_disk_fails_clearly_and_the_host_disk_is_untouched() {
+    let _one = serial();
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(node) = SandboxNode::new("d", 256 << 20, None) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    node.warm_up();
+    let before = node.snapshot();
+    let id = format!("{}-disk", prefix());
+    let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
+    let mut job = node.job(
+        &id,
+        r#"set +e
+head -c 100M /dev/zero > junk.bin; echo "fill-exit $?"
+truncate -s 1M junk.bin
+for d in "$KK_HOST_WRITABLE" /var/tmp/.. /opt /usr/local /etc; do
+  ( echo x > "$d/kk-leak" ) 2>/dev/null && echo "ESCAPED write $d" || echo "blocked write $d"
+done
+echo '{"ok": true}' > result.json
+"#,
+    );
+    job.set_env(
+        "KERNELKITE_CONFIG",
+        &json!({"user": node.user.name, "tmp-size": "64M", "environment": TEST_VARIABLES})
+            .to_string(),
+    );
+    let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let stdout = String::from_utf8_lossy(&outs[1].1.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&outs[1].1.stderr).into_owned();
+    assert!(stdout.contains("fill-exit 1"), "{stdout}");
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    assert!(!stdout.contains("ESCAPED"), "{stdout}");
+    assert_eq!(stdout.matches("blocked write").count(), 5, "{stdout}");
+    // The artifact arrived; the 64 MiB of junk did not.
+    assert_eq!(
+        std::fs::read_to_string(checkout.join("result.json")).unwrap(),
+        "{\"ok\": true}\n"
+    );
+    assert!(!checkout.join("junk.bin").exists());
+    let open = node.dir.path().join("open");
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
+    assert!(stderr.contains("carried 1 artifact file(s)"), "{stderr}");
     assert_eq!(before, node.snapshot());
 }
 

@@ -62,6 +62,8 @@ impl std::str::FromStr for Secret {
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Buildkite's REST API.
 pub const DEFAULT_API_URL: &str = "https://api.buildkite.com/v2";
+/// The largest result.json taken unless `--max-artifact-bytes` says otherwise.
+pub const DEFAULT_MAX_ARTIFACT_BYTES: u64 = 64 << 20;
 
 /// A setting that cannot work. Each message names the variable to fix and how.
 #[derive(Debug, thiserror::Error)]
@@ -253,8 +255,8 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_WEBHOOK_WINDOW_S", default_value_t = 300)]
     pub webhook_window_s: u64,
 
-    /// Largest result.json accepted, bytes.
-    #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = 64 << 20)]
+    /// Largest result.json accepted, bytes (a Buildkite artifact, or a local job's file).
+    #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = DEFAULT_MAX_ARTIFACT_BYTES)]
     pub max_artifact_bytes: u64,
 
     /// Timeout of one Buildkite HTTP request, seconds.

@@ -171,25 +171,39 @@ pub fn clean_job(
     report
 }
 
-/// Cleans up after jobs whose process is gone: state files whose anchor died, and job
-/// cgroups with no state at all. `me` is never touched.
+/// What [`clean_orphans`] did, and what it would not touch.
+#[derive(Debug, Default)]
+pub struct OrphanScan {
+    /// Lost jobs cleaned up.
+    pub cleaned: Vec<CleanupReport>,
+    /// Job cgroups with running processes and no state in this run dir: jobs of another
+    /// kernelkite instance (another run dir) on this node, never taken for lost ones.
+    pub foreign: Vec<String>,
+}
+
+/// Cleans up after jobs whose process is gone: state files whose anchor died, and empty job
+/// cgroups with no state at all. A job cgroup with running processes and no state here is
+/// never killed: it is listed in [`OrphanScan::foreign`] (another instance's job) for the
+/// caller to refuse to run beside. `me` is never touched.
 pub fn clean_orphans(
     settings: &Settings,
     me: &str,
     cgroups: Option<&Cgroups>,
     gpu: GpuOpener<'_>,
-) -> Vec<CleanupReport> {
-    let mut reports = Vec::new();
+) -> OrphanScan {
+    let mut scan = OrphanScan::default();
     let known = listed_jobs(settings);
     for job in known.iter().filter(|j| *j != me) {
         let orphaned = match read_state(settings, job) {
+            // Lost only when its anchor is really gone (pid and start time: a reused pid is
+            // not the anchor).
             Ok(Some(s)) => !process::is_alive(&settings.proc_root, s.anchor),
             Ok(None) => false,
             // Unreadable state cannot belong to a job that could use it.
             Err(_) => true,
         };
         if orphaned {
-            reports.push(clean_job(settings, job, cgroups, gpu));
+            scan.cleaned.push(clean_job(settings, job, cgroups, gpu));
         }
     }
     if let Some(cg) = cgroups {
@@ -199,10 +213,15 @@ pub fn clean_orphans(
             let has_state = state_path(settings, &job)
                 .map(|p| p.exists())
                 .unwrap_or(false);
-            if job != me && !known.contains(&job) && !has_state {
-                reports.push(clean_job(settings, &job, cgroups, gpu));
+            if job == me || known.contains(&job) || has_state {
+                continue;
+            }
+            if cg.pids(&job).is_ok_and(|p| !p.is_empty()) {
+                scan.foreign.push(job);
+            } else {
+                scan.cleaned.push(clean_job(settings, &job, cgroups, gpu));
             }
         }
     }
-    reports
+    scan
 }

@@ -375,6 +375,10 @@ pub fn sandbox_spec(
         writable: checkout.map(Path::to_path_buf).into_iter().collect(),
         read_only: git.into_iter().collect(),
         allow_syscalls: state.config.allow_syscalls.clone(),
+        artifacts: env
+            .get("BUILDKITE_ARTIFACT_PATHS")
+            .map(|v| crate::sandbox::disk::artifact_patterns(v))
+            .unwrap_or_default(),
         limits: spec::LimitsNote {
             memory_bytes: state.slice.memory_bytes,
             pids: state.config.pids_limit,

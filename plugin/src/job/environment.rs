@@ -62,8 +62,15 @@ pub fn run(
         }
     };
 
-    for r in clean_orphans(settings, &job_id, cgroups.as_ref(), gpu) {
+    let scan = clean_orphans(settings, &job_id, cgroups.as_ref(), gpu);
+    for r in scan.cleaned {
         notices.push(format!("cleaned up after a lost job: {}", r.summary()));
+    }
+    if !scan.foreign.is_empty() {
+        return Err(JobError::ForeignJobs {
+            jobs: scan.foreign,
+            run_dir: settings.run_dir.clone(),
+        });
     }
 
     // Hooks may run twice for one job (agent-level hook and plugin); the last config wins.

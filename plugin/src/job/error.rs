@@ -183,6 +183,14 @@ pub enum JobError {
     /// The sandbox could not be set up for the command.
     #[error("cannot start the command in its sandbox: {0}")]
     Sandbox(String),
+    /// Another kernelkite instance runs jobs on this node with another run dir.
+    #[error("job cgroup(s) {} hold running processes but have no state in {}: another kernelkite instance with another run dir (KERNELKITE_RUN_DIR) is running jobs on this node, and either would take the other's jobs for lost ones and kill them; every agent and local service on a node must use one run dir (stop the other instance, or point both at the same run dir)", .jobs.iter().map(|j| format!("kernelkite/{j}")).collect::<Vec<_>>().join(", "), .run_dir.display())]
+    ForeignJobs {
+        /// The job cgroups.
+        jobs: Vec<String>,
+        /// This instance's run dir.
+        run_dir: PathBuf,
+    },
     /// The checkout could not change hands.
     #[error("cannot give the checkout {path} to uid {uid}")]
     Checkout {

@@ -17,6 +17,8 @@
 //! every signal its namespace sends it (the kernel's rule for a namespace's pid 1 without
 //! handlers), and runs as root, which a job user cannot signal anyway.
 
+use std::os::fd::{AsFd, AsRawFd};
+
 use rustix::process::{Pid, WaitOptions, WaitStatus};
 
 /// The exit status the hook reports for a wait status: the code, or 128 + the signal, as a
@@ -47,20 +49,18 @@ pub fn wait_then_exit(child: Pid) -> ! {
 }
 
 /// The init's whole life once the command is started: reaps every child (orphans of the job
-/// are re-parented here) and exits with the command's status when the command ends, which
-/// ends the namespace and every process left in it.
-pub fn reap_until(command: Pid) -> ! {
-    // Nothing above needs root any more: the init keeps its uid (so the job user cannot signal
-    // it) but no capability.
-    use rustix::thread::CapabilitySet;
-    let _ = rustix::thread::set_capabilities(
-        None,
-        rustix::thread::CapabilitySets {
-            effective: CapabilitySet::empty(),
-            permitted: CapabilitySet::empty(),
-            inheritable: CapabilitySet::empty(),
-        },
-    );
+/// are re-parented here) until the command ends; then kills every other process of the
+/// namespace (`kill(-1)` from the init reaches all of them, and the kernel refuses a fork to
+/// a process with a fatal signal pending, so nothing escapes), reaps them, carries what the
+/// job wrote into its checkout back to the real one (`disk`), and exits with the command's
+/// status. Only the overlays' descriptors stay open: the spawn's pipes must see end of file
+/// when the command is executed.
+pub fn reap_until(command: Pid, overlays: Vec<super::disk::Overlaid>) -> ! {
+    let keep: Vec<i32> = overlays
+        .iter()
+        .flat_map(|o| [o.upper.as_raw_fd(), o.real.as_raw_fd()])
+        .collect();
+    close_all_but(&keep);
     let code = loop {
         match rustix::process::wait(WaitOptions::empty()) {
             Ok(Some((pid, status))) if pid == command => break status_code(status),
@@ -69,7 +69,48 @@ pub fn reap_until(command: Pid) -> ! {
             Err(_) => break 1,
         }
     };
+    kill_the_rest();
+    let mut lines = Vec::new();
+    for o in &overlays {
+        // Nothing of the job is left to write; the real checkout is no longer a layer.
+        let _ = rustix::mount::unmount(&o.mount_point, rustix::mount::UnmountFlags::DETACH);
+        let carried = super::disk::carry_back(o.upper.as_fd(), o.real.as_fd(), &o.carry);
+        lines.extend(super::disk::describe(&carried));
+    }
+    crate::joblog::say_all(lines);
     kernelkite_sys::raw::exit_now(code)
+}
+
+/// Kills every process of the namespace but this one and reaps them, until none is left.
+fn kill_the_rest() {
+    loop {
+        let signalled = kernelkite_sys::raw::kill_all_signallable(libc::SIGKILL).is_ok();
+        let mut reaped = false;
+        loop {
+            match rustix::process::wait(WaitOptions::empty()) {
+                Ok(Some(_)) => reaped = true,
+                Err(rustix::io::Errno::INTR) => continue,
+                _ => break,
+            }
+        }
+        if !signalled && !reaped {
+            return;
+        }
+    }
+}
+
+/// Closes every descriptor from 3 up except `keep`.
+fn close_all_but(keep: &[i32]) {
+    let mut keep: Vec<i32> = keep.iter().copied().filter(|fd| *fd >= 3).collect();
+    keep.sort_unstable();
+    let mut next = 3;
+    for fd in keep {
+        if fd > next {
+            kernelkite_sys::raw::close_range(next, fd - 1);
+        }
+        next = fd + 1;
+    }
+    kernelkite_sys::raw::close_from(next);
 }
 
 #[cfg(test)]

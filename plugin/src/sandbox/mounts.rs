@@ -4,11 +4,14 @@
 //! 1. every mount made private (`MS_REC|MS_PRIVATE`): nothing done here reaches the host, and
 //!    nothing mounted on the host later appears in the job;
 //! 2. every cgroup mount (and the tmpfs holding v1's hierarchies) read-only, the tree at
-//!    `/sys/fs/cgroup` in one `mount_setattr` where the kernel has it;
+//!    `/sys/fs/cgroup` in one `mount_setattr` where the kernel has it; then every mount of the
+//!    host's read-only (one recursive `mount_setattr` on `/`), so that the job writes no host
+//!    disk: what it may write is mounted afterwards, each bounded;
 //! 3. layers, shallowest first: fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's
 //!    world-writable directories; gone with the namespace), an empty read-only tmpfs over each
-//!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back, writable,
-//!    over whatever hid it (its path is made inside the covering tmpfs first);
+//!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back over
+//!    whatever hid it (its path is made inside the covering tmpfs first), under an overlay
+//!    whose writable layer is a tmpfs of the job's own (`disk`);
 //! 4. the checkout's `.git` read-only (and, being a mount point, impossible to rename away);
 //! 5. a private `/dev`: a read-only tmpfs holding `null`, `zero`, `full`, `random`, `urandom`,
 //!    `tty`, a new `devpts` instance with `ptmx`, a fresh `/dev/shm`, `mqueue` (in the new IPC
@@ -27,6 +30,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{Mode, OFlags, CWD};
 use rustix::mount::{MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags};
 
+use super::disk::{self, Overlaid};
 use super::spec::SandboxSpec;
 use super::SandboxError;
 
@@ -112,6 +116,8 @@ pub struct Built {
     pub devices: Vec<PathBuf>,
     /// `/proc` shows only the job user's processes.
     pub private_proc: bool,
+    /// Every host mount is read-only in the view (`mount_setattr`, Linux 5.12+).
+    pub host_read_only: bool,
 }
 
 fn step(what: &'static str, path: &Path) -> impl FnOnce(rustix::io::Errno) -> SandboxError {
@@ -256,9 +262,11 @@ fn real(path: &Path) -> Option<PathBuf> {
 }
 
 /// Builds the job's view (see the module's documentation). The caller has already entered new
-/// mount and IPC (and, when asked, network) namespaces.
-pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
+/// mount and IPC (and, when asked, network) namespaces. Returns what was built, and the
+/// overlaid checkouts whose writes the namespace's init carries back when the job ends.
+pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError> {
     let mut built = Built::default();
+    let mut overlays: Vec<Overlaid> = Vec::new();
     let root = Path::new("/");
     rustix::mount::mount_change(
         root,
@@ -306,6 +314,11 @@ pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
 
     built.read_only_cgroups = cgroup_mounts()?;
     read_only_cgroups(&built.read_only_cgroups)?;
+    // Step 2b: every mount of the host's read-only in this view, so that nothing the job can
+    // write lands on a host disk: what it may write (the fresh tmpfs mounts, the checkout's
+    // overlay, `/dev`) is mounted afterwards, each bounded. Device nodes stay usable (a
+    // read-only mount refuses writes to files and directories, not to devices).
+    built.host_read_only = kernelkite_sys::raw::make_tree_read_only(root).is_ok();
 
     // Step 3.
     let mut layers: Vec<Layer> = FRESH_DIRS
@@ -358,6 +371,7 @@ pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
             Layer::Writable(p) => {
                 if let Some((_, tree)) = writable.iter().find(|(w, _)| w == p) {
                     attach(tree, p)?;
+                    overlays.push(overlay(p, spec, overlays.len())?);
                     built.writable.push(p.clone());
                 }
             }
@@ -463,7 +477,87 @@ pub fn build(spec: &SandboxSpec) -> Result<Built, SandboxError> {
 
     // Step 7.
     rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
-    Ok(built)
+    Ok((built, overlays))
+}
+
+/// Puts an overlay over the checkout bound at `path`: the real checkout as its lower layer,
+/// a fresh tmpfs of `tmp-size` bytes and [`disk::MAX_FILES`] files as its writable layer (see
+/// [`disk`]). The tmpfs is mounted on a scratch directory of the private `/tmp` only while the
+/// overlay is made, then detached: the job cannot reach it by any path. Layers are named by
+/// `/proc/self/fd` so that no path needs escaping in the options.
+fn overlay(path: &Path, spec: &SandboxSpec, n: usize) -> Result<Overlaid, SandboxError> {
+    let size = spec.tmp_size;
+    let dir = |p: &Path| {
+        rustix::fs::open(
+            p,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(step("open", p))
+    };
+    let real = rustix::fs::open(
+        path,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(step("open", path))?;
+    let owner = rustix::fs::fstat(&real).map_err(step("inspect", path))?;
+    let scratch = PathBuf::from(format!("/tmp/.kernelkite-checkout-{n}"));
+    match rustix::fs::mkdir(&scratch, Mode::from_raw_mode(0o700)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => return Err(step("make the directory", &scratch)(e)),
+    }
+    tmpfs(
+        &scratch,
+        MountFlags::NOSUID | MountFlags::NODEV,
+        &format!("size={size},nr_inodes={},mode=0700", disk::MAX_FILES),
+    )?;
+    let upper_path = scratch.join("upper");
+    let work_path = scratch.join("work");
+    // The merged checkout's root takes the upper directory's owner and mode: the checkout's.
+    rustix::fs::mkdir(&upper_path, Mode::from_raw_mode(owner.st_mode & 0o7777))
+        .map_err(step("make the directory", &upper_path))?;
+    rustix::fs::chown(
+        &upper_path,
+        Some(rustix::process::Uid::from_raw(owner.st_uid)),
+        Some(rustix::process::Gid::from_raw(owner.st_gid)),
+    )
+    .map_err(step("hand over", &upper_path))?;
+    rustix::fs::mkdir(&work_path, Mode::from_raw_mode(0o700))
+        .map_err(step("make the directory", &work_path))?;
+    let upper = dir(&upper_path)?;
+    let work = dir(&work_path)?;
+    let options = format!(
+        "lowerdir=/proc/self/fd/{},upperdir=/proc/self/fd/{},workdir=/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&real),
+        std::os::fd::AsRawFd::as_raw_fd(&upper),
+        std::os::fd::AsRawFd::as_raw_fd(&work),
+    );
+    let data = std::ffi::CString::new(options).map_err(|e| SandboxError::Step {
+        what: "mount an overlay on",
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    rustix::mount::mount(
+        "kernelkite-checkout",
+        path,
+        "overlay",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        data.as_c_str(),
+    )
+    .map_err(step(
+        "mount an overlay (its writable layer bounded in memory) on",
+        path,
+    ))?;
+    rustix::mount::unmount(&scratch, rustix::mount::UnmountFlags::DETACH)
+        .map_err(step("detach", &scratch))?;
+    let _ = rustix::fs::rmdir(&scratch);
+    Ok(Overlaid {
+        mount_point: path.to_path_buf(),
+        upper,
+        real,
+        carry: spec.artifacts.clone(),
+    })
 }
 
 #[cfg(test)]

@@ -441,9 +441,23 @@ mod tests {
     }
 
     #[test]
-    fn every_rule_says_why() {
+    fn every_rule_says_why_and_the_readme_lists_every_call() {
+        let readme = include_str!("../../README.md");
+        let table = &readme[readme
+            .find("#### The system-call filter")
+            .expect("the README has the filter's section")..];
         for r in RULES {
             assert!(r.why.len() > 10, "{:?}", r.calls);
+            for (name, _) in r.calls {
+                let call = name.trim_start_matches("SYS_");
+                assert!(table.contains(&format!("`{call}`")), "README lacks {call}");
+            }
+            if let Some(o) = r.opt_out {
+                assert!(
+                    table.contains(&format!("| `{o}` |")),
+                    "README lacks opt-out {o}"
+                );
+            }
         }
     }
 }

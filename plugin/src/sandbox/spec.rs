@@ -57,6 +57,9 @@ pub struct SandboxSpec {
     pub writable: Vec<PathBuf>,
     /// Paths made read-only inside the view: the checkout's `.git`.
     pub read_only: Vec<PathBuf>,
+    /// The step's artifact patterns (`BUILDKITE_ARTIFACT_PATHS`): what of the job's writes to
+    /// its checkout is carried back to the host's disk (`sandbox::disk`).
+    pub artifacts: Vec<String>,
     /// System calls the filter lets through for this step (`allow-syscalls`).
     pub allow_syscalls: Vec<String>,
     /// What the job log says about the limits.

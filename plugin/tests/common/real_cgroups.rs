@@ -117,6 +117,11 @@ pub fn shared_run_dir() -> PathBuf {
 
 /// An agent bound to GPU `gpu` of a node whose slices all sit on `cpu` with a 64 MiB limit.
 pub fn node(cpu: u32, gpu: u32) -> (tempfile::TempDir, Agent) {
+    node_with_run_dir(cpu, gpu, &shared_run_dir())
+}
+
+/// [`node`] with a run dir of its own: another kernelkite instance on the same machine.
+pub fn node_with_run_dir(cpu: u32, gpu: u32, run_dir: &Path) -> (tempfile::TempDir, Agent) {
     let dir = tempfile::tempdir().unwrap();
     let slices: Vec<serde_json::Value> = (0..8)
         .map(|i| {
@@ -130,7 +135,7 @@ pub fn node(cpu: u32, gpu: u32) -> (tempfile::TempDir, Agent) {
     let mut env = std::collections::BTreeMap::new();
     env.insert(
         "KERNELKITE_RUN_DIR".to_string(),
-        shared_run_dir().display().to_string(),
+        run_dir.display().to_string(),
     );
     env.insert(
         "KERNELKITE_PLAN_FILE".to_string(),

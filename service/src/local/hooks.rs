@@ -81,6 +81,10 @@ pub fn hook_env(
         job.checkout.display().to_string(),
     );
     set("BUILDKITE_COMMAND", job.command.into());
+    // The step's artifact_paths, as the agent hands them to the hooks
+    // (internal/job/config.go in github.com/buildkite/agent): in the sandbox, what of the job's
+    // writes to its checkout reaches this machine's disk (plugin/src/sandbox/disk.rs).
+    set("BUILDKITE_ARTIFACT_PATHS", "result.json".into());
     set("BUILDKITE_PLUGIN_CONFIGURATION", config.to_string());
     set(
         "BUILDKITE_PLUGINS",
@@ -192,29 +196,107 @@ pub struct ProcessId {
     pub start_time: u64,
 }
 
-/// `pid`'s state letter and start time, or `None` when it is gone.
-fn stat(pid: u32) -> Option<(char, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses; fields resume after the last ')'.
-    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    Some((state, fields.nth(18)?.parse().ok()?))
+/// `pid` as `/proc/<pid>/stat` shows it, or `None` when it is gone.
+fn stat(pid: u32) -> Option<kernelkite_sys::procfs::Stat> {
+    kernelkite_sys::procfs::read_stat(Path::new("/proc"), pid)
 }
 
 /// `pid`'s start time, or `None` when it is gone.
 pub fn start_time(pid: u32) -> Option<u64> {
-    stat(pid).map(|(_, t)| t)
+    stat(pid)?.start_time
 }
 
 /// Whether the process is still the one recorded and still running (not gone, not a reused
 /// pid, not a zombie waiting for a parent that no longer reaps it).
 pub fn is_alive(p: ProcessId) -> bool {
-    matches!(stat(p.pid), Some((state, t)) if t == p.start_time && state != 'Z' && state != 'X')
+    stat(p.pid).is_some_and(|s| s.start_time == Some(p.start_time) && !s.is_exited())
 }
 
-/// Sends `signal` to process group `pgid` (a hook started as its group's leader).
+/// Why a recorded command hook is not signalled after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotTheHook {
+    /// Pid 0 or 1 (or past the pid range): as a process group, `kill(-1)` or `kill(0)` would
+    /// reach every process, or the service's own group.
+    #[error("pid {0} can never be a job's command hook")]
+    Reserved(u32),
+    /// The service itself, or its process group.
+    #[error("pid {0} is this service or its process group")]
+    Service(u32),
+    /// Recorded before the machine rebooted: the same pid and start time name another process.
+    #[error("pid {0} was recorded before this machine rebooted")]
+    OtherBoot(u32),
+    /// Nothing runs under the pid any more (the hook ended).
+    #[error("pid {0} has ended")]
+    Gone(u32),
+    /// The pid belongs to a process that started at another time.
+    #[error("pid {pid} is another process now (started at tick {now}, the hook at {recorded})")]
+    Reused {
+        /// The pid.
+        pid: u32,
+        /// The recorded start time.
+        recorded: u64,
+        /// The process's.
+        now: u64,
+    },
+    /// The process leads no process group of its own, as the hook (started with its own
+    /// group) does.
+    #[error("pid {0} does not lead its own process group, as the command hook does")]
+    NotLeader(u32),
+}
+
+/// The command hook a job's record names, if that process runs now: never pid 0 or 1 or this
+/// service, recorded in this boot, started at the recorded time, and the leader of its own
+/// process group (as the service started it). Only then may its group be signalled; the record
+/// is the service's own (`attempt-<n>.pid` in the job's directory, which the job cannot write),
+/// and this check keeps a stale one, or a damaged one, from reaching another process.
+pub fn verify_hook(pid: u32, start_time: u64, boot_id: &str) -> Result<ProcessId, NotTheHook> {
+    if group_target(pid).is_none() {
+        return Err(NotTheHook::Reserved(pid));
+    }
+    let me = std::process::id();
+    let my_group = rustix::process::getpgrp().as_raw_pid();
+    if pid == me || i64::from(pid) == i64::from(my_group) {
+        return Err(NotTheHook::Service(pid));
+    }
+    if boot_id != super::jobdir::boot_id() {
+        return Err(NotTheHook::OtherBoot(pid));
+    }
+    let Some(s) = stat(pid).filter(|s| !s.is_exited()) else {
+        return Err(NotTheHook::Gone(pid));
+    };
+    match s.start_time {
+        Some(t) if t == start_time => {}
+        now => {
+            return Err(NotTheHook::Reused {
+                pid,
+                recorded: start_time,
+                now: now.unwrap_or(0),
+            })
+        }
+    }
+    let leader = group_target(pid)
+        .and_then(|p| rustix::process::getpgid(Some(p)).ok())
+        .is_some_and(|g| i64::from(g.as_raw_pid()) == i64::from(pid));
+    if !leader {
+        return Err(NotTheHook::NotLeader(pid));
+    }
+    Ok(ProcessId { pid, start_time })
+}
+
+/// The process group `pgid` names for `kill`, or `None` for 0 and 1 and numbers past the pid
+/// range: `kill(-1)` reaches every process the caller may signal (as root: all of them) and
+/// `kill(0)` the caller's own group, so neither is ever a job's group.
+fn group_target(pgid: u32) -> Option<rustix::process::Pid> {
+    if pgid <= 1 {
+        return None;
+    }
+    rustix::process::Pid::from_raw(i32::try_from(pgid).ok()?)
+}
+
+/// Sends `signal` to process group `pgid` (a hook started as its group's leader); nothing for
+/// a number that names no single group ([`group_target`]).
 pub fn signal_group(pgid: u32, signal: rustix::process::Signal) {
-    if let Some(pid) = rustix::process::Pid::from_raw(pgid as i32) {
+    if let Some(pid) = group_target(pgid) {
         let _ = rustix::process::kill_process_group(pid, signal);
     }
 }
@@ -222,8 +304,7 @@ pub fn signal_group(pgid: u32, signal: rustix::process::Signal) {
 /// Whether any process is left in group `pgid` (the runner outlives a hook killed by a
 /// signal, for as long as it takes to stop its harness and write its result).
 pub fn group_exists(pgid: u32) -> bool {
-    rustix::process::Pid::from_raw(pgid as i32)
-        .is_some_and(|pid| rustix::process::test_kill_process_group(pid).is_ok())
+    group_target(pgid).is_some_and(|pid| rustix::process::test_kill_process_group(pid).is_ok())
 }
 
 #[cfg(test)]
@@ -307,5 +388,63 @@ mod tests {
             pid: me,
             start_time: t + 1
         }));
+    }
+
+    #[test]
+    fn no_signal_ever_goes_to_every_process_or_the_services_group() {
+        for pgid in [0, 1, u32::MAX, i32::MAX as u32 + 1] {
+            assert_eq!(group_target(pgid), None, "{pgid}");
+            assert!(!group_exists(pgid), "{pgid}");
+        }
+        assert!(group_target(2).is_some());
+        let boot = super::super::jobdir::boot_id();
+        // pid 1 with its true start time: still never the hook.
+        let init = start_time(1).unwrap_or(0);
+        assert_eq!(verify_hook(1, init, &boot), Err(NotTheHook::Reserved(1)));
+        assert_eq!(verify_hook(0, 0, &boot), Err(NotTheHook::Reserved(0)));
+        let me = std::process::id();
+        assert_eq!(
+            verify_hook(me, start_time(me).unwrap(), &boot),
+            Err(NotTheHook::Service(me))
+        );
+    }
+
+    #[test]
+    fn only_the_recorded_group_leader_of_this_boot_is_the_hook() {
+        use std::os::unix::process::CommandExt;
+        let boot = super::super::jobdir::boot_id();
+        // A process in this test's group (not a leader), and one leading its own group.
+        let mut member = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let mut leader = std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let (m, l) = (member.id(), leader.id());
+        let (mt, lt) = (start_time(m).unwrap(), start_time(l).unwrap());
+        assert_eq!(verify_hook(m, mt, &boot), Err(NotTheHook::NotLeader(m)));
+        assert!(matches!(
+            verify_hook(l, lt + 1, &boot),
+            Err(NotTheHook::Reused { pid, .. }) if pid == l
+        ));
+        assert_eq!(
+            verify_hook(l, lt, "another-boot"),
+            Err(NotTheHook::OtherBoot(l))
+        );
+        assert_eq!(
+            verify_hook(l, lt, &boot),
+            Ok(ProcessId {
+                pid: l,
+                start_time: lt
+            })
+        );
+        leader.kill().unwrap();
+        leader.wait().unwrap();
+        assert_eq!(verify_hook(l, lt, &boot), Err(NotTheHook::Gone(l)));
+        member.kill().unwrap();
+        member.wait().unwrap();
     }
 }

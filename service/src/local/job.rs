@@ -68,7 +68,7 @@ impl LocalExecutor {
         // cleans up, and the slice takes its next job only after that.
         self.emit(BuildEventKind::Finished, &build, state);
         if let Some(c) = cleanup {
-            self.pre_exit(&c.env, &c.checkout, &c.log).await;
+            self.pre_exit(&c.env, &c.checkout, Some(&c.log)).await;
         }
         if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
             rec.stage = Stage::Finished;
@@ -96,7 +96,18 @@ impl LocalExecutor {
             ));
             return (out, None);
         }
-        let log_path = dir.log(attempt);
+        // The log is opened here, by the service, in its own directory; the hooks and the
+        // command get the descriptor, never a path.
+        let log = match dir.open_log(attempt) {
+            Ok(f) => f,
+            Err(e) => {
+                out.failure = Some(format!(
+                    "cannot open the job log {}: {e}",
+                    dir.log(attempt).display()
+                ));
+                return (out, None);
+            }
+        };
         let job_id = format!("{}-{attempt}", file.build.id);
         let (command, build_env) = self.command_for(file, dir, attempt);
         let agent_name = format!("local-{}-{}", self.host, slice.index);
@@ -139,13 +150,13 @@ impl LocalExecutor {
                 return (out, None);
             }
         };
+        let env_log = String::from_utf8_lossy(&environment.stderr).into_owned();
+        append_log(&log, "environment", &env_log);
         let cleanup = PreExit {
             env: env.clone(),
             checkout: checkout.clone(),
-            log: log_path.clone(),
+            log,
         };
-        let env_log = String::from_utf8_lossy(&environment.stderr).into_owned();
-        append_log(&log_path, "environment", &env_log);
         out.isolation = isolation_of(&env_log);
         if out.isolation.as_deref() == Some(UNENFORCED) {
             // Loud once; then one line per job, which the job's log also has.
@@ -192,7 +203,15 @@ impl LocalExecutor {
 
         // command: the runner, confined.
         let status = self
-            .run_command(&env, &exports, &checkout, &log_path, dir, attempt, cancel)
+            .run_command(
+                &env,
+                &exports,
+                &checkout,
+                &cleanup.log,
+                dir,
+                attempt,
+                cancel,
+            )
             .await;
         out.command_done = Some(Utc::now());
         match status {
@@ -241,19 +260,16 @@ impl LocalExecutor {
         env: &BTreeMap<String, String>,
         exports: &BTreeMap<String, String>,
         checkout: &Path,
-        log_path: &Path,
+        log: &std::fs::File,
         dir: &JobDir,
         attempt: u32,
         cancel: &Notify,
     ) -> Result<i32, String> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log_path)
-            .map_err(|e| format!("cannot open the job log {}: {e}", log_path.display()))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| format!("cannot open the job log {}: {e}", log_path.display()))?;
+        let clone = || {
+            log.try_clone()
+                .map_err(|e| format!("cannot hand the job log to the command hook: {e}"))
+        };
+        let (log, log_err) = (clone()?, clone()?);
         let mut child = self
             .hook("command")
             .envs(env)
@@ -279,7 +295,11 @@ impl LocalExecutor {
             })
         });
         if let Some(p) = me {
-            let _ = dir.write_process(attempt, p);
+            if let Err(e) = dir.write_process(attempt, p) {
+                // Only a restart needs the record; without it a restarted service leaves the
+                // hook to `pre-exit`, which kills what is in the job's cgroup.
+                tracing::warn!(error = %e, pid = p.pid, "cannot record the command hook's process");
+            }
         }
         let status = tokio::select! {
             s = child.wait() => s,
@@ -293,7 +313,12 @@ impl LocalExecutor {
             .unwrap_or(1))
     }
 
-    async fn pre_exit(&self, env: &BTreeMap<String, String>, checkout: &Path, log_path: &Path) {
+    async fn pre_exit(
+        &self,
+        env: &BTreeMap<String, String>,
+        checkout: &Path,
+        log: Option<&std::fs::File>,
+    ) {
         let out = self
             .hook("pre-exit")
             .envs(env)
@@ -308,7 +333,9 @@ impl LocalExecutor {
                     String::from_utf8_lossy(&o.stdout),
                     String::from_utf8_lossy(&o.stderr)
                 );
-                append_log(log_path, "pre-exit", &text);
+                if let Some(log) = log {
+                    append_log(log, "pre-exit", &text);
+                }
                 if !o.status.success() {
                     tracing::warn!(report = %text.trim(), "pre-exit could not clean up everything");
                 }
@@ -320,12 +347,28 @@ impl LocalExecutor {
     /// Stops what attempt `n` of a job left running (its command hook's process group, then
     /// `pre-exit`, which kills what is left in its cgroup and releases its slice).
     pub(super) async fn stop_attempt(&self, dir: &JobDir, file: &JobFile, n: u32) {
-        if let Some(p) = dir.read_process(n) {
-            // Only a group whose leader is still the recorded process (or whose members
-            // outlived it) is signalled: after a long downtime the pid may be another's.
-            if hooks::is_alive(p) || hooks::group_exists(p.pid) {
-                stop_group(p.pid, || hooks::is_alive(p)).await;
-            }
+        // Only a group whose leader is still the recorded hook is signalled (while a group
+        // exists its number is not given to another process, so the group stays the hook's
+        // until it is empty). A group that outlived its leader is left to `pre-exit`, which
+        // kills what is in the job's cgroup: by pid alone it cannot be told from a later group
+        // that took the number over.
+        match dir.read_process(n) {
+            Ok(Some(rec)) => match hooks::verify_hook(rec.pid, rec.start_time, &rec.boot_id) {
+                Ok(p) => stop_group(p.pid, || hooks::is_alive(p)).await,
+                Err(hooks::NotTheHook::Gone(_)) => {}
+                Err(why) => tracing::warn!(
+                    job = file.build.number,
+                    attempt = n,
+                    "not signalling the recorded command hook: {why}"
+                ),
+            },
+            Ok(None) => {}
+            Err(e) => tracing::warn!(
+                job = file.build.number,
+                attempt = n,
+                error = %e,
+                "the command hook's record cannot be read; its job is left to pre-exit"
+            ),
         }
         let mut env = std::collections::BTreeMap::new();
         env.insert(
@@ -341,7 +384,8 @@ impl LocalExecutor {
         } else {
             self.settings.local_dir.clone()
         };
-        self.pre_exit(&env, &cwd, &dir.log(n)).await;
+        let log = dir.open_log(n).ok();
+        self.pre_exit(&env, &cwd, log.as_ref()).await;
     }
 }
 
@@ -406,23 +450,17 @@ fn isolation_of(log: &str) -> Option<String> {
         .map(|v| format!("cgroup {}", v.trim()))
 }
 
-fn append_log(path: &Path, hook: &str, text: &str) {
+fn append_log(mut log: &std::fs::File, hook: &str, text: &str) {
     use std::io::Write;
-    if let Ok(mut f) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        let _ = writeln!(f, "--- {hook}");
-        let _ = f.write_all(text.as_bytes());
-    }
+    let _ = writeln!(log, "--- {hook}");
+    let _ = log.write_all(text.as_bytes());
 }
 
 /// What `pre-exit` runs with: the hooks' environment, where they ran, the job's log.
 struct PreExit {
     env: BTreeMap<String, String>,
     checkout: std::path::PathBuf,
-    log: std::path::PathBuf,
+    log: std::fs::File,
 }
 
 #[derive(Debug, Default)]

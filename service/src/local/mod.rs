@@ -29,6 +29,7 @@ pub mod hooks;
 pub mod job;
 pub mod jobdir;
 pub mod plan;
+pub mod safe_read;
 pub mod settings;
 pub mod timing;
 
@@ -50,6 +51,7 @@ use crate::result::ResultJson;
 use crate::submission::{BuildInfo, Outcome};
 use jobdir::{JobDir, JobFile};
 pub use plan::PlannedSlice;
+use safe_read::ReadError;
 pub use settings::{LocalArgs, LocalSettings, SandboxChoice, SandboxDecision};
 use timing::Timings;
 
@@ -362,6 +364,15 @@ impl LocalExecutor {
         self.app.get().and_then(Weak::upgrade)
     }
 
+    /// The largest `result.json` taken from a job: the service's `--max-artifact-bytes`
+    /// (KERNELKITE_MAX_ARTIFACT_BYTES), the cap the Buildkite executor's downloads have.
+    fn result_cap(&self) -> u64 {
+        self.app()
+            .map_or(crate::config::DEFAULT_MAX_ARTIFACT_BYTES, |a| {
+                a.cfg.max_artifact_bytes
+            })
+    }
+
     fn node_args(&self) -> Vec<std::ffi::OsString> {
         hooks::node_args(
             &self.settings.run_dir,
@@ -580,41 +591,16 @@ impl Executor for LocalExecutor {
         Box::pin(async move {
             let outcome = async move {
                 let found = lock(&self.jobs).get(&build.id).map(|r| {
-                    (
-                        r.dir.result(r.attempt),
-                        r.dir.log(r.attempt),
-                        r.failure.clone(),
-                        r.exit_code,
-                    )
+                    (r.dir.clone(), r.attempt, r.failure.clone(), r.exit_code)
                 });
-                let Some((result, log, failure, exit_code)) = found else {
+                let Some((dir, attempt, failure, exit_code)) = found else {
                     return Outcome::Failed(format!(
                         "local job #{} is not known to this service",
                         build.number
                     ));
                 };
-                let bytes = match tokio::fs::read(&result).await {
-                    Ok(b) => b,
-                    Err(_) => {
-                        let why = failure.unwrap_or_else(|| {
-                            format!(
-                                "the job's command ended (exit {}) without writing result.json",
-                                exit_code.map_or("?".into(), |c| c.to_string())
-                            )
-                        });
-                        let tail = jobdir::tail(&log, 2000);
-                        return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
-                            format!("local job #{}: {why}", build.number)
-                        } else {
-                            format!(
-                                "local job #{}: {why}; its log ends with:\n{tail}",
-                                build.number
-                            )
-                        });
-                    }
-                };
                 // A job recovered as finished has no worker to clean up after it: its directory
-                // goes once its end is stored, as any other's.
+                // goes once its end is stored, as any other's, whatever its result turns out to be.
                 let recovered = {
                     let mut jobs = lock(&self.jobs);
                     jobs.get_mut(&build.id).and_then(|rec| {
@@ -625,6 +611,49 @@ impl Executor for LocalExecutor {
                 if let Some(submission_id) = recovered {
                     self.spawn_cleanup(submission_id, build.id.clone());
                 }
+                // Up to the cap of bytes, read off the async threads.
+                let cap = self.result_cap();
+                let reader = dir.clone();
+                let read =
+                    tokio::task::spawn_blocking(move || reader.read_result(attempt, cap)).await;
+                let bytes = match read {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(ReadError::Missing { .. })) => {
+                        let why = failure.unwrap_or_else(|| {
+                            format!(
+                                "the job's command ended (exit {}) without writing result.json",
+                                exit_code.map_or("?".into(), |c| c.to_string())
+                            )
+                        });
+                        let tail = dir.log_tail(attempt, 2000);
+                        return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
+                            format!("local job #{}: {why}", build.number)
+                        } else {
+                            format!(
+                                "local job #{}: {why}; its log ends with:\n{tail}",
+                                build.number
+                            )
+                        });
+                    }
+                    Ok(Err(e @ ReadError::TooLarge { .. })) => {
+                        return Outcome::Failed(format!(
+                            "local job #{}: its result.json is not used: {e}; the limit is the service's --max-artifact-bytes (KERNELKITE_MAX_ARTIFACT_BYTES): make the run's output smaller, or raise the limit",
+                            build.number
+                        ))
+                    }
+                    Ok(Err(e)) => {
+                        return Outcome::Failed(format!(
+                            "local job #{}: its result.json is not used: {e}",
+                            build.number
+                        ))
+                    }
+                    Err(e) => {
+                        return Outcome::Failed(format!(
+                            "local job #{}: reading its result.json failed: {e}",
+                            build.number
+                        ))
+                    }
+                };
                 match ResultJson::parse(&bytes) {
                     Ok(r) => {
                         if let Some(rec) = lock(&self.jobs).get_mut(&build.id) {
@@ -669,8 +698,9 @@ impl Executor for LocalExecutor {
             // A result written before anything is stopped is the attempt's own; one written
             // after is the runner reporting that it was stopped, and is not used.
             let last = dir.last_attempt();
+            let cap = self.result_cap();
             let finished = last.filter(|n| {
-                std::fs::read(dir.result(*n))
+                dir.read_result(*n, cap)
                     .ok()
                     .is_some_and(|b| ResultJson::parse(&b).is_ok())
             });
