@@ -195,7 +195,65 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
     }
     checks.push(check_agent(host));
     checks.push(check_plugin_binary(&opts.root));
+    checks.push(check_sandbox(&opts.root));
     checks
+}
+
+/// A `major.minor` kernel release from `proc/sys/kernel/osrelease` text (`6.18.44-fc`).
+fn kernel_version(osrelease: &str) -> Option<(u32, u32)> {
+    let mut nums = osrelease
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok());
+    Some((nums.next()?, nums.next()?))
+}
+
+/// What the host-mode sandbox needs from the kernel: overlayfs (the checkout's bounded layer),
+/// seccomp filters that can answer with an errno, and Linux 5.12+ (`mount_setattr`: the host's
+/// file systems read-only in the job's view; before it they stay writable where permissions
+/// allow, and the job log does not list them as read-only).
+pub fn check_sandbox(root: &Path) -> Check {
+    const NAME: &str = "sandbox";
+    let filesystems = std::fs::read_to_string(root.join("proc/filesystems")).unwrap_or_default();
+    let has_fs = |fs: &str| {
+        filesystems
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(fs))
+    };
+    let seccomp = std::fs::read_to_string(root.join("proc/sys/kernel/seccomp/actions_avail"))
+        .unwrap_or_default();
+    let release =
+        std::fs::read_to_string(root.join("proc/sys/kernel/osrelease")).unwrap_or_default();
+    let mut missing = Vec::new();
+    if !has_fs("overlay") {
+        missing.push("overlayfs (`modprobe overlay`): the job's checkout layer");
+    }
+    if !seccomp.split_whitespace().any(|a| a == "errno") {
+        missing.push(
+            "seccomp filters (a kernel with CONFIG_SECCOMP_FILTER): the job's system-call filter",
+        );
+    }
+    if !missing.is_empty() {
+        return Check::fail(
+            NAME,
+            format!(
+                "the kernel lacks {}; host-mode jobs fail at `command`",
+                missing.join(" and ")
+            ),
+            "load or build the kernel with what is missing, or run the pipelines in docker mode",
+        );
+    }
+    match kernel_version(&release) {
+        Some(v) if v >= (5, 12) => Check::ok(
+            NAME,
+            format!("Linux {}.{}: PID, mount, IPC and network namespaces, seccomp, overlayfs, the host's file systems read-only in a job's view", v.0, v.1),
+        ),
+        _ => Check::warn(
+            NAME,
+            format!("Linux {} has no mount_setattr: a job's view keeps the host's file systems writable where their permissions allow", release.trim()),
+            "run Linux 5.12 or later",
+        ),
+    }
 }
 
 /// The binary the plugin's hook files name on their first line (a shebang cannot search):
@@ -572,6 +630,37 @@ pub fn exit_code(checks: &[Check]) -> u8 {
 }
 
 #[cfg(test)]
+mod sandbox_check_tests {
+    use super::*;
+
+    fn root(filesystems: &str, seccomp: Option<&str>, release: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("proc/sys/kernel/seccomp")).unwrap();
+        std::fs::write(d.path().join("proc/filesystems"), filesystems).unwrap();
+        if let Some(s) = seccomp {
+            std::fs::write(d.path().join("proc/sys/kernel/seccomp/actions_avail"), s).unwrap();
+        }
+        std::fs::write(d.path().join("proc/sys/kernel/osrelease"), release).unwrap();
+        d
+    }
+
+    #[test]
+    fn the_sandbox_check_names_what_the_kernel_lacks() {
+        let fs = "nodev\ttmpfs\nnodev\tproc\nnodev\toverlay\n";
+        let acts = "kill_process kill_thread trap errno user_notif trace log allow\n";
+        let ok = check_sandbox(root(fs, Some(acts), "6.18.44-fc\n").path());
+        assert_eq!(ok.status, Status::Ok, "{ok}");
+        let old = check_sandbox(root(fs, Some(acts), "5.10.0\n").path());
+        assert_eq!(old.status, Status::Warn, "{old}");
+        let no_overlay = check_sandbox(root("nodev\ttmpfs\n", Some(acts), "6.1\n").path());
+        assert_eq!(no_overlay.status, Status::Fail);
+        assert!(no_overlay.to_string().contains("overlay"), "{no_overlay}");
+        let no_seccomp = check_sandbox(root(fs, None, "6.1\n").path());
+        assert!(no_seccomp.to_string().contains("seccomp"), "{no_seccomp}");
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use kernelkite_topology::fakesys;
@@ -818,18 +907,35 @@ mod tests {
         assert_eq!(c.len(), 1, "AMD needs no NVIDIA toolkit");
     }
 
+    /// The kernel files the sandbox check reads, as a kernel with all it needs has them.
+    fn sandbox_kernel(root: &Path) {
+        std::fs::create_dir_all(root.join("proc/sys/kernel/seccomp")).unwrap();
+        std::fs::write(
+            root.join("proc/filesystems"),
+            "nodev\ttmpfs\nnodev\toverlay\n",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("proc/sys/kernel/seccomp/actions_avail"),
+            "kill_process kill_thread trap errno user_notif trace log allow\n",
+        )
+        .unwrap();
+        std::fs::write(root.join("proc/sys/kernel/osrelease"), "6.8.0-generic\n").unwrap();
+    }
+
     #[test]
     fn a_healthy_fixture_node_passes_and_exit_code_follows_fails() {
         let dir = tempfile::tempdir().unwrap();
         fakesys::dgx_h100().write_to(dir.path()).unwrap();
         plugin_binary(dir.path(), 0o755);
+        sandbox_kernel(dir.path());
         let opts = DoctorOptions {
             root: dir.path().to_path_buf(),
             docker: true,
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 8);
+        assert_eq!(checks.len(), 9);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);

@@ -9,11 +9,15 @@
 //!   ([`protect_self`]): its `/proc/<pid>/*` files belong to root, and `ptrace`,
 //!   `process_vm_readv`/`writev` and `pidfd_getfd` need `CAP_SYS_PTRACE`, which no job has
 //!   (the sandbox's filter refuses those calls too).
-//! * **Signalling the runner**: every harness process carries a seccomp filter
-//!   ([`submission_filter`]) refusing `kill`, `tgkill`, `rt_sigqueueinfo`,
-//!   `rt_tgsigqueueinfo`, `pidfd_open` aimed at the runner's pid, `kill(-1)` (which would reach
-//!   it), the runner's process group, `tkill` and `pidfd_send_signal` (whose targets a filter
-//!   cannot read), and naming the runner as the owner of a file's `SIGIO`.
+//! * **Signalling or starving the runner**: every harness process carries a seccomp filter
+//!   ([`submission_filter`], with the x32 ABI refused whole) refusing `kill`, `tgkill`,
+//!   `rt_sigqueueinfo`, `rt_tgsigqueueinfo`, `pidfd_open` aimed at the runner's pid,
+//!   `kill(-1)` (which would reach it), the runner's process group, `tkill` and
+//!   `pidfd_send_signal` (whose targets a filter cannot read), naming the runner as the owner
+//!   of a file's `SIGIO`, and changing another process's limits, priority, CPUs or scheduling
+//!   (`prlimit64`, `setpriority`, `ioprio_set`, `sched_set*` with a pid other than 0). The
+//!   runner has one thread while a harness runs (its cancellation handler sets a flag), so its
+//!   pid is its only thread id.
 //! * **Outliving the runner's clean-up**: at the top of the job's PID namespace (the sandbox
 //!   starts the command as the only child of the namespace's init), the runner kills every
 //!   other process of its namespace with one `kill(-1, SIGKILL)` after each run
@@ -156,6 +160,28 @@ fn rules(me: u32, group: u32) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Backend
     }
     fcntl.push(SeccompRule::new(vec![arg_is(1, F_SETOWN_EX)?])?);
     rules.insert(libc::SYS_fcntl, fcntl);
+    // Changing another process's limits, priority, CPUs or scheduling needs only the same uid
+    // (not ptrace access): a submission could starve the runner or take its descriptors away
+    // (RLIMIT_NOFILE 0: no result.json). Only the caller's own (pid 0) stays allowed.
+    for (call, pid_arg) in [
+        (libc::SYS_prlimit64, 0),
+        (libc::SYS_setpriority, 1),
+        (libc::SYS_ioprio_set, 1),
+        (libc::SYS_sched_setaffinity, 0),
+        (libc::SYS_sched_setscheduler, 0),
+        (libc::SYS_sched_setparam, 0),
+        (libc::SYS_sched_setattr, 0),
+    ] {
+        rules.insert(
+            call,
+            vec![SeccompRule::new(vec![SeccompCondition::new(
+                pid_arg,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::Ne,
+                0,
+            )?])?],
+        );
+    }
     // FIOSETOWN and SIOCSPGRP name a SIGIO owner too (through a pointer: refused whole).
     rules.insert(libc::SYS_ioctl, any_of(1, &[FIOSETOWN, SIOCSPGRP])?);
     Ok(rules)
@@ -206,6 +232,7 @@ mod tests {
         let script = format!(
             "for t in {me} -1 -$(ps -o pgid= -p {me} | tr -d ' '); do \
                if kill -0 -- $t 2>/dev/null; then echo \"ESCAPED $t\"; else echo \"blocked $t\"; fi; done; \
+             if renice -n 1 -p {me} >/dev/null 2>&1; then echo \"ESCAPED renice\"; else echo \"blocked renice\"; fi; \
              kill -0 $$ && echo self-ok"
         );
         let mut cmd = std::process::Command::new("sh");
@@ -214,7 +241,7 @@ mod tests {
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(!text.contains("ESCAPED"), "{text}");
-        assert_eq!(text.matches("blocked").count(), 3, "{text}");
+        assert_eq!(text.matches("blocked").count(), 4, "{text}");
         assert!(text.contains("self-ok"), "{text}");
     }
 }

@@ -15,8 +15,8 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
@@ -78,48 +78,35 @@ pub struct Outcome {
     pub popcorn_truncated: bool,
 }
 
-/// Process group of the child being run, for the cancellation handler (0: none).
-static CURRENT_GROUP: AtomicI32 = AtomicI32::new(0);
-static CANCELLED: AtomicBool = AtomicBool::new(false);
+/// Set by the signal handler on SIGTERM, SIGINT or SIGHUP.
+fn cancel_flag() -> &'static Arc<AtomicBool> {
+    static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    FLAG.get_or_init(|| Arc::new(AtomicBool::new(false)))
+}
 
 /// On SIGTERM, SIGINT or SIGHUP (Buildkite cancelling the job signals the runner's process
-/// group, which the harness has left by `setsid`), kill the running child's group at once
-/// and mark the run cancelled; [`run`] returns and the caller sees [`cancelled`]. Meant for
-/// the CLI: the handler tracks one child at a time. Installing twice is harmless.
+/// group, which the harness has left by `setsid`), mark the run cancelled: [`run`] wakes (the
+/// signal interrupts its `poll`, which is never restarted), kills the running child's group at
+/// once and returns, and the caller sees [`cancelled`]. Installing twice is harmless.
 ///
-/// `signal-hook` turns each signal into a wake-up of a small thread, which marks the run and
-/// kills the group: the same moment as a handler would, without code in signal context.
+/// The handler only sets a flag (`signal_hook::flag`): no thread. The runner stays a single
+/// thread while a harness runs, so a submission that may signal no pid of the runner's
+/// (`crate::guard`) has no other thread id of it to aim at either.
 pub fn install_cancel_handlers() {
     static INSTALLED: Once = Once::new();
     INSTALLED.call_once(|| {
         use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-        let mut signals = match signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("cannot handle cancellation signals ({e}); a cancelled job may leave its processes running");
-                return;
+        for sig in [SIGTERM, SIGINT, SIGHUP] {
+            if let Err(e) = signal_hook::flag::register(sig, Arc::clone(cancel_flag())) {
+                tracing::warn!("cannot handle cancellation signal {sig} ({e}); a cancelled job may leave its processes running");
             }
-        };
-        let watcher = std::thread::Builder::new()
-            .name("cancel".into())
-            .spawn(move || {
-                for _ in signals.forever() {
-                    CANCELLED.store(true, Ordering::SeqCst);
-                    let group = CURRENT_GROUP.load(Ordering::SeqCst);
-                    if group > 0 {
-                        kill_group(group);
-                    }
-                }
-            });
-        if let Err(e) = watcher {
-            tracing::warn!("cannot start the cancellation watcher ({e}); a cancelled job may leave its processes running");
         }
     });
 }
 
 /// Whether a cancellation signal has arrived.
 pub fn cancelled() -> bool {
-    CANCELLED.load(Ordering::SeqCst)
+    cancel_flag().load(Ordering::SeqCst)
 }
 
 /// Makes this process the reaper of orphaned descendants, so a harness's `setsid` daemons
@@ -180,14 +167,12 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
     let start = Instant::now();
     let mut child = kernelkite_sys::raw::spawn_in_new_session(cmd, inherit)?;
     let pid = child.id() as i32;
-    CURRENT_GROUP.store(pid, Ordering::SeqCst);
     let result = supervise(spec, &mut child, pid, start, pipe);
     if result.is_err() {
         // Never leave a child behind, whatever failed while watching it.
         kill_group(pid);
         let _ = child.wait();
     }
-    CURRENT_GROUP.store(0, Ordering::SeqCst);
     result
 }
 

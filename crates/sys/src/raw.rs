@@ -99,12 +99,45 @@ pub fn join_before_exec(cmd: &mut Command, procs: Vec<File>, isolate_network: bo
     }
 }
 
+/// A seccomp program refusing (`EPERM`) every system call of the x32 ABI: on x86-64 their
+/// numbers are the 64-bit ABI's with bit 30 set (and some have numbers of their own, 512 and
+/// up), under the same audit architecture, so a filter keyed on 64-bit numbers would let them
+/// through on a kernel built with `CONFIG_X86_X32_ABI`. Installed beside every filter that
+/// refuses calls by number (the sandbox's, the evaluator's). Empty elsewhere (aarch64 has no
+/// second ABI under its audit architecture).
+pub fn x32_refusal() -> seccompiler::BpfProgram {
+    use seccompiler::sock_filter;
+    if !cfg!(target_arch = "x86_64") {
+        return Vec::new();
+    }
+    // linux/filter.h and linux/seccomp.h; struct seccomp_data has nr at 0, arch at 4.
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const JGE_K: u16 = 0x35;
+    const RET_K: u16 = 0x06;
+    const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+    const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+    const RET_ERRNO: u32 = 0x0005_0000;
+    const RET_ALLOW: u32 = 0x7fff_0000;
+    let op = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    vec![
+        op(LD_W_ABS, 0, 0, 4),
+        op(JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        op(LD_W_ABS, 0, 0, 0),
+        op(JGE_K, 0, 1, X32_SYSCALL_BIT),
+        op(RET_K, 0, 0, RET_ERRNO | libc::EPERM as u32),
+        op(RET_K, 0, 0, RET_ALLOW),
+    ]
+}
+
 /// Has `cmd`'s child, just before `exec`: give up the parent's non-dumpable state (exec would
 /// anyway), raise its own OOM score to the maximum (`/proc/self/oom_score_adj` = 1000: when
 /// the job's memory runs out, the kernel kills the child, not the parent), and install
-/// `filter`, a compiled seccomp program, which holds for it and everything it starts. The
+/// `filter`, a compiled seccomp program (and [`x32_refusal`]), which holds for it and
+/// everything it starts. The
 /// evaluator uses it to run a submission that cannot signal the evaluator (its filter).
 pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
+    let x32 = x32_refusal();
     let setup = move || -> io::Result<()> {
         rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::Dumpable)?;
         if let Ok(fd) = rustix::fs::open(
@@ -115,10 +148,13 @@ pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
             // Best effort: a /proc without the file (or read-only) leaves the score as it is.
             let _ = rustix::io::write(&fd, b"1000");
         }
-        seccompiler::apply_filter(&filter).map_err(|e| match e {
-            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
-            _ => io::Error::from_raw_os_error(libc::EINVAL),
-        })
+        for program in [&x32, &filter].into_iter().filter(|p| !p.is_empty()) {
+            seccompiler::apply_filter(program).map_err(|e| match e {
+                seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
+                _ => io::Error::from_raw_os_error(libc::EINVAL),
+            })?;
+        }
+        Ok(())
     };
     // SAFETY: `setup` runs between fork and exec and makes only async-signal-safe system calls
     // (prctl, open, write, close, seccomp) on a constant path and on the program it owns,

@@ -11,8 +11,11 @@
 //! the host's disk. The carry runs as root over files the job made, so it trusts none of them:
 //! every open is relative to a directory descriptor, with `O_NOFOLLOW` (a symbolic link is
 //! never followed, on either side) and `O_NONBLOCK` (a FIFO never blocks), only regular files
-//! are carried (links, FIFOs, sockets and devices are left behind and counted), and the walk is
-//! bounded in depth and count. At most `tmp-size` bytes reach the host disk per job.
+//! are carried (links, FIFOs, sockets and devices are left behind and counted), never one with
+//! other names (hard links), each written under a new name and renamed into place, and the
+//! walk is bounded in depth and count. At most `tmp-size` bytes reach the host disk per job,
+//! counted by the files' sizes (a sparse file's holes included). Nothing is carried from a
+//! command a signal ended (the evaluator killed: whatever it left is not its result).
 
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -38,6 +41,8 @@ pub struct Overlaid {
     pub real: OwnedFd,
     /// What is carried back when the job ends: the step's artifact patterns.
     pub carry: Vec<String>,
+    /// At most this many bytes of it (the layer's size, `tmp-size`).
+    pub budget: u64,
 }
 
 /// What [`carry_back`] did.
@@ -62,13 +67,17 @@ fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> rustix::io::Result<OwnedFd>
     )
 }
 
-/// Copies one regular file `name` of `from` into `to`, replacing whatever non-directory is
-/// there (a symbolic link is removed, never followed). Returns its bytes.
+/// Copies one regular file `name` of `from` into `to` under the same name, at most `budget`
+/// bytes: refused when its size is over (a sparse file's holes count: they would be written out
+/// in full) or it has other names (hard links would carry one file many times). Written to a
+/// new name first (`O_EXCL`) and renamed over the old one, so nothing already in the checkout,
+/// a link, a FIFO or another name of a file, is ever opened or written through. Returns its
+/// bytes.
 fn carry_file(
     from: BorrowedFd<'_>,
     to: BorrowedFd<'_>,
     name: &OsStr,
-    mode: u32,
+    budget: u64,
 ) -> std::io::Result<u64> {
     let src = rustix::fs::openat(
         from,
@@ -77,28 +86,47 @@ fn carry_file(
         Mode::empty(),
     )?;
     // The type seen by the walk is checked again on what was opened.
-    if FileType::from_raw_mode(rustix::fs::fstat(&src)?.st_mode) != FileType::RegularFile {
+    let st = rustix::fs::fstat(&src)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
         return Err(std::io::Error::other("not a regular file any more"));
     }
-    let flags =
-        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let perm = Mode::from_raw_mode(mode & 0o777);
-    let dst = match rustix::fs::openat(to, name, flags, perm) {
-        Ok(fd) => fd,
-        Err(rustix::io::Errno::LOOP) | Err(rustix::io::Errno::MLINK) => {
-            rustix::fs::unlinkat(to, name, AtFlags::empty())?;
-            rustix::fs::openat(to, name, flags | OFlags::EXCL, perm)?
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if FileType::from_raw_mode(rustix::fs::fstat(&dst)?.st_mode) != FileType::RegularFile {
-        return Err(std::io::Error::other(
-            "the checkout has something else there",
-        ));
+    if st.st_nlink > 1 {
+        return Err(std::io::Error::other(format!(
+            "has {} names (hard links); an artifact must have one",
+            st.st_nlink
+        )));
     }
+    let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+    if size > budget {
+        return Err(std::io::Error::other(format!(
+            "is {size} bytes, over the {budget} bytes left of the job's tmp-size"
+        )));
+    }
+    let mut temp = name.to_os_string();
+    temp.push(".kernelkite-carry");
+    let _ = rustix::fs::unlinkat(to, temp.as_os_str(), AtFlags::empty());
+    let dst = rustix::fs::openat(
+        to,
+        temp.as_os_str(),
+        OFlags::WRONLY
+            | OFlags::CREATE
+            | OFlags::EXCL
+            | OFlags::NOFOLLOW
+            | OFlags::NONBLOCK
+            | OFlags::CLOEXEC,
+        Mode::from_raw_mode(st.st_mode & 0o777),
+    )?;
     let mut src = std::fs::File::from(src);
     let mut dst = std::fs::File::from(dst);
-    std::io::copy(&mut src, &mut dst)
+    let copied = std::io::copy(&mut std::io::Read::take(&mut src, budget), &mut dst);
+    let renamed = copied.and_then(|n| {
+        rustix::fs::renameat(to, temp.as_os_str(), to, name)?;
+        Ok(n)
+    });
+    if renamed.is_err() {
+        let _ = rustix::fs::unlinkat(to, temp.as_os_str(), AtFlags::empty());
+    }
+    renamed
 }
 
 /// Whether `rel` (a path relative to the checkout) matches the artifact pattern `pattern`:
@@ -227,9 +255,14 @@ fn parents(
 }
 
 /// Carries the job's artifacts (regular files of the overlay's upper directory `upper` that
-/// match `patterns`) into the real checkout `real` (see the module's documentation). Every
-/// process of the job must be gone.
-pub fn carry_back(upper: BorrowedFd<'_>, real: BorrowedFd<'_>, patterns: &[String]) -> Carried {
+/// match `patterns`), `budget` bytes in all, into the real checkout `real` (see the module's
+/// documentation). Every process of the job must be gone.
+pub fn carry_back(
+    upper: BorrowedFd<'_>,
+    real: BorrowedFd<'_>,
+    patterns: &[String],
+    budget: u64,
+) -> Carried {
     let mut out = Carried::default();
     if patterns.is_empty() {
         return out;
@@ -246,10 +279,9 @@ pub fn carry_back(upper: BorrowedFd<'_>, real: BorrowedFd<'_>, patterns: &[Strin
         &mut seen,
     );
     for rel in found {
-        let carried = parents(upper, real, &rel).and_then(|(from, to, name)| {
-            let st = rustix::fs::statat(&from, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)?;
-            carry_file(from.as_fd(), to.as_fd(), &name, st.st_mode)
-        });
+        let left = budget.saturating_sub(out.bytes);
+        let carried = parents(upper, real, &rel)
+            .and_then(|(from, to, name)| carry_file(from.as_fd(), to.as_fd(), &name, left));
         match carried {
             Ok(n) => {
                 out.files += 1;
@@ -325,7 +357,12 @@ mod tests {
         symlink(secret.path(), real.path().join("result.json")).unwrap();
         let patterns = artifact_patterns("result.json;out/*.log; *.log ;/etc/passwd;../x");
         assert_eq!(patterns, ["result.json", "out/*.log", "*.log"]);
-        let c = carry_back(dir_fd(u).as_fd(), dir_fd(real.path()).as_fd(), &patterns);
+        let c = carry_back(
+            dir_fd(u).as_fd(),
+            dir_fd(real.path()).as_fd(),
+            &patterns,
+            1 << 20,
+        );
         assert_eq!((c.files, c.bytes, c.skipped), (2, 1002, 3), "{c:?}");
         assert!(c.errors.is_empty(), "{c:?}");
         assert_eq!(std::fs::read_to_string(secret.path()).unwrap(), "root's");
@@ -363,6 +400,7 @@ mod tests {
             dir_fd(upper.path()).as_fd(),
             dir_fd(real.path()).as_fd(),
             &["d/*".to_string()],
+            1 << 20,
         );
         assert!(!elsewhere.path().join("planted").exists());
         assert_eq!(c.files, 0, "{c:?}");
@@ -371,6 +409,37 @@ mod tests {
             std::fs::metadata(elsewhere.path()).unwrap().uid(),
             rustix::process::geteuid().as_raw()
         );
+    }
+
+    /// A sparse artifact of 4 GiB in a layer of 64 KiB, and one file under many names: neither
+    /// is written out; a small artifact still arrives, within the budget.
+    #[test]
+    fn sparse_and_many_named_artifacts_are_refused_within_a_byte_budget() {
+        let upper = tempfile::tempdir().unwrap();
+        let real = tempfile::tempdir().unwrap();
+        let u = upper.path();
+        let sparse = std::fs::File::create(u.join("big.json")).unwrap();
+        sparse.set_len(4 << 30).unwrap();
+        std::fs::write(u.join("one.json"), "x".repeat(100)).unwrap();
+        for i in 0..3 {
+            std::fs::hard_link(u.join("one.json"), u.join(format!("alias{i}.json"))).unwrap();
+        }
+        std::fs::write(u.join("result.json"), "{}").unwrap();
+        let c = carry_back(
+            dir_fd(u).as_fd(),
+            dir_fd(real.path()).as_fd(),
+            &["*.json".to_string()],
+            64 << 10,
+        );
+        assert_eq!((c.files, c.bytes), (1, 2), "{c:?}");
+        assert_eq!(c.errors.len(), 5, "{c:?}");
+        assert!(c.errors.iter().any(|e| e.contains("over the")), "{c:?}");
+        assert!(c.errors.iter().any(|e| e.contains("hard links")), "{c:?}");
+        let names: Vec<_> = std::fs::read_dir(real.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["result.json"]);
     }
 
     #[test]

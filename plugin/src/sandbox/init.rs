@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! hook ── waiter (root, the hook's child: its exit status is the command's)
-//!           └── init (root, pid 1 of the job's PID namespace, no capabilities once the
-//!                 │    command is started; killed with the waiter by PR_SET_PDEATHSIG)
+//!           └── init (root, pid 1 of the job's PID namespace, killed with the waiter by
+//!                 │    PR_SET_PDEATHSIG; it keeps root's capabilities for the carry)
 //!                 └── command (the job user: the step's shell, then the runner, ...)
 //! ```
 //!
@@ -51,9 +51,9 @@ pub fn wait_then_exit(child: Pid) -> ! {
 /// The init's whole life once the command is started: reaps every child (orphans of the job
 /// are re-parented here) until the command ends; then kills every other process of the
 /// namespace (`kill(-1)` from the init reaches all of them, and the kernel refuses a fork to
-/// a process with a fatal signal pending, so nothing escapes), reaps them, carries what the
-/// job wrote into its checkout back to the real one (`disk`), and exits with the command's
-/// status. Only the overlays' descriptors stay open: the spawn's pipes must see end of file
+/// a process with a fatal signal pending, so nothing escapes), reaps them, carries the job's
+/// artifacts back into the real checkout (`disk`; not when a signal ended the command), and
+/// exits with the command's status. Only the overlays' descriptors stay open: the spawn's pipes must see end of file
 /// when the command is executed.
 pub fn reap_until(command: Pid, overlays: Vec<super::disk::Overlaid>) -> ! {
     let keep: Vec<i32> = overlays
@@ -61,20 +61,28 @@ pub fn reap_until(command: Pid, overlays: Vec<super::disk::Overlaid>) -> ! {
         .flat_map(|o| [o.upper.as_raw_fd(), o.real.as_raw_fd()])
         .collect();
     close_all_but(&keep);
-    let code = loop {
+    let (code, signalled) = loop {
         match rustix::process::wait(WaitOptions::empty()) {
-            Ok(Some((pid, status))) if pid == command => break status_code(status),
+            Ok(Some((pid, status))) if pid == command => {
+                break (status_code(status), status.terminating_signal().is_some())
+            }
             Ok(_) | Err(rustix::io::Errno::INTR) => continue,
             // No child at all: the command is gone without being seen (cannot happen).
-            Err(_) => break 1,
+            Err(_) => break (1, true),
         }
     };
     kill_the_rest();
     let mut lines = Vec::new();
-    for o in &overlays {
+    if signalled && overlays.iter().any(|o| !o.carry.is_empty()) {
+        // The evaluator killed: what its job left in the checkout is not its result.
+        lines.push(format!(
+            "sandbox: the command was killed (exit {code}); its artifacts are not carried back"
+        ));
+    }
+    for o in overlays.iter().filter(|_| !signalled) {
         // Nothing of the job is left to write; the real checkout is no longer a layer.
         let _ = rustix::mount::unmount(&o.mount_point, rustix::mount::UnmountFlags::DETACH);
-        let carried = super::disk::carry_back(o.upper.as_fd(), o.real.as_fd(), &o.carry);
+        let carried = super::disk::carry_back(o.upper.as_fd(), o.real.as_fd(), &o.carry, o.budget);
         lines.extend(super::disk::describe(&carried));
     }
     crate::joblog::say_all(lines);

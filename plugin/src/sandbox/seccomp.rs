@@ -102,6 +102,17 @@ pub const RULES: &[Rule] = &[
         opt_out: None,
     },
     Rule {
+        calls: calls!(
+            SYS_mbind,
+            SYS_set_mempolicy,
+            SYS_move_pages,
+            SYS_migrate_pages,
+            SYS_process_madvise
+        ),
+        why: "placing memory on other NUMA nodes than the slice's, or advising on another process's memory (Docker allows the NUMA calls only with CAP_SYS_NICE)",
+        opt_out: None,
+    },
+    Rule {
         calls: calls!(SYS_userfaultfd),
         why: "userfaultfd: stalls the kernel mid-copy, the usual way to win kernel races",
         opt_out: None,
@@ -130,6 +141,7 @@ pub const RULES: &[Rule] = &[
             SYS_swapoff,
             SYS_syslog,
             SYS_quotactl,
+            SYS_quotactl_fd,
             SYS_open_by_handle_at,
             SYS_name_to_handle_at,
             SYS_lookup_dcookie,
@@ -166,6 +178,14 @@ pub const NAMESPACE_FLAGS: &[(&str, u64)] = &[
     ("CLONE_NEWCGROUP", libc::CLONE_NEWCGROUP as u64),
 ];
 
+/// `socket` families refused: `AF_VSOCK` (40) reaches the hypervisor's services on a virtual
+/// node whatever the network namespace (Docker refuses it too).
+pub const SOCKET_FAMILIES: &[(&str, u64)] = &[("AF_VSOCK", 40)];
+
+/// `ioctl` requests refused: `TIOCSTI` types into the terminal the job inherited (the agent's
+/// pty: input, a Ctrl-C for processes outside the job), `TIOCLINUX` does the same on a console.
+pub const IOCTLS: &[(&str, u64)] = &[("TIOCSTI", 0x5412), ("TIOCLINUX", 0x541C)];
+
 /// The names `allow-syscalls` accepts.
 pub fn opt_outs() -> Vec<&'static str> {
     RULES.iter().filter_map(|r| r.opt_out).collect()
@@ -184,11 +204,6 @@ pub enum SeccompError {
     #[error("cannot install the system-call filter (does the kernel have CONFIG_SECCOMP_FILTER?)")]
     Install(#[source] std::io::Error),
 }
-
-/// The x32 ABI's syscall numbers are x86-64's with this bit set, under the same audit
-/// architecture: each refused call is refused by that number too.
-#[cfg(target_arch = "x86_64")]
-const X32_BIT: i64 = 0x4000_0000;
 
 fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, SeccompError> {
     SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value)
@@ -221,14 +236,26 @@ pub fn filter_rules(allowed: &[String]) -> Result<BTreeMap<i64, Vec<SeccompRule>
         .map(|p| cond(0, SeccompCmpOp::Ne, *p))
         .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_personality, vec![rule(personality)?]);
-    #[cfg(target_arch = "x86_64")]
-    {
-        let x32: Vec<(i64, Vec<SeccompRule>)> = rules
+    // Families and requests are ints: compared on the low 32 bits the kernel reads.
+    let dword = |arg: u8, v: u64| {
+        SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, v)
+            .map_err(|e| SeccompError::Build(e.to_string()))
+            .and_then(|c| rule(vec![c]))
+    };
+    rules.insert(
+        libc::SYS_socket,
+        SOCKET_FAMILIES
             .iter()
-            .map(|(nr, r)| (nr | X32_BIT, r.clone()))
-            .collect();
-        rules.extend(x32);
-    }
+            .map(|(_, f)| dword(0, *f))
+            .collect::<Result<_, _>>()?,
+    );
+    rules.insert(
+        libc::SYS_ioctl,
+        IOCTLS
+            .iter()
+            .map(|(_, r)| dword(1, *r))
+            .collect::<Result<_, _>>()?,
+    );
     Ok(rules)
 }
 
@@ -247,20 +274,20 @@ fn compile(
         .map_err(|e| SeccompError::Build(e.to_string()))
 }
 
-/// The two programs: `clone3` → `ENOSYS`, then the `EPERM` rules. (One seccompiler filter has
-/// one match action; the kernel runs both, and a call only one of them matches gets its answer.)
+/// The programs: the x32 ABI refused whole (`kernelkite_sys::raw::x32_refusal`), `clone3` →
+/// `ENOSYS`, then the `EPERM` rules. (One seccompiler filter has one match action; the kernel
+/// runs them all, and a call only one of them matches gets its answer.)
 pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, SeccompError> {
     let mut clone3: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     clone3.insert(libc::SYS_clone3, Vec::new());
-    #[cfg(target_arch = "x86_64")]
-    clone3.insert(libc::SYS_clone3 | X32_BIT, Vec::new());
-    Ok(vec![
-        compile(clone3, SeccompAction::Errno(libc::ENOSYS as u32))?,
-        compile(
-            filter_rules(allowed)?,
-            SeccompAction::Errno(libc::EPERM as u32),
-        )?,
-    ])
+    let mut out: Vec<seccompiler::BpfProgram> = vec![kernelkite_sys::raw::x32_refusal()];
+    out.retain(|p| !p.is_empty());
+    out.push(compile(clone3, SeccompAction::Errno(libc::ENOSYS as u32))?);
+    out.push(compile(
+        filter_rules(allowed)?,
+        SeccompAction::Errno(libc::EPERM as u32),
+    )?);
+    Ok(out)
 }
 
 /// Installs the filter on the calling thread (the command's process, single-threaded, after it
@@ -362,12 +389,26 @@ mod tests {
             bad.push(format!("personality(ADDR_NO_RANDOMIZE): rc {rc}"));
         }
         #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: the x32 number of unshare; refused whatever the kernel's x32 support.
-            let rc = unsafe { libc::syscall(libc::SYS_unshare | X32_BIT, 0) };
+        for (name, nr) in [
+            ("unshare", libc::SYS_unshare | 0x4000_0000),
+            ("ptrace (x32's own number)", 521 | 0x4000_0000),
+            ("process_vm_readv (x32's own number)", 539 | 0x4000_0000),
+        ] {
+            // SAFETY: x32 numbers, refused by the filter whatever the kernel's x32 support.
+            let rc = unsafe { libc::syscall(nr, 0i64, 0i64, 0i64, 0i64) };
             if errno_of(rc) != libc::EPERM {
-                bad.push(format!("x32 unshare: rc {rc}, errno {}", errno_of(rc)));
+                bad.push(format!("x32 {name}: rc {rc}, errno {}", errno_of(rc)));
             }
+        }
+        // SAFETY: socket(AF_VSOCK, SOCK_STREAM, 0); refused before a socket is made.
+        let rc = unsafe { libc::syscall(libc::SYS_socket, 40i64, 1i64, 0i64) };
+        if errno_of(rc) != libc::EPERM {
+            bad.push(format!("socket(AF_VSOCK): rc {rc}"));
+        }
+        // SAFETY: ioctl(0, TIOCSTI, NULL): refused before the kernel reads the pointer.
+        let rc = unsafe { libc::syscall(libc::SYS_ioctl, 0i64, 0x5412i64, 0i64) };
+        if errno_of(rc) != libc::EPERM {
+            bad.push(format!("ioctl(TIOCSTI): rc {rc}"));
         }
         bad
     }
