@@ -221,27 +221,20 @@ pub fn describe(
     lines
 }
 
-/// Everything between the fork and the command's `exec`, in the child, as root: namespaces
-/// (PID included: see [`init`] for the waiter and init this forks above the command), the
-/// private view, the privilege drop, the system-call filter, the job log's lines, and every
+/// Everything between the fork and the command's `exec`, in the child (the init of the job's
+/// PID namespace, see [`init`]), as root: namespaces, the private view, the command's own
+/// process forked, the privilege drop, the system-call filter, the job log's lines, and every
 /// inherited descriptor but stdio marked close-on-exec. The child must be the only thread of
-/// its process (it is: see [`child_setup`]). Returns only in the command's process; the
-/// waiter and the init above it never return.
+/// its process (it is: see [`child_setup`]). Returns only in the command's process; the init
+/// never returns.
 pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
     use kernelkite_sys::raw::{self, Forked};
     raw::unshare_namespaces(true, true, spec.isolate_network).map_err(SandboxError::Namespaces)?;
-    raw::unshare_pid_namespace().map_err(SandboxError::Namespaces)?;
     let fork = |what| move |source| SandboxError::Privileges { what, source };
-    if let Forked::Parent(init) =
-        raw::fork_single_threaded().map_err(fork("start the job's init"))?
-    {
-        // The waiter holds nothing open (the spawn's pipes say "executed" at the command's exec).
-        raw::close_from(3);
-        init::wait_then_exit(init);
-    }
-    // The init: pid 1 of the job's namespace, dying with the waiter.
+    // This process is the init: pid 1 of the job's PID namespace (the hook made it before the
+    // spawn), dying with the hook.
     raw::die_with_parent(rustix::process::Signal::KILL)
-        .map_err(fork("tie the init to its parent"))?;
+        .map_err(fork("tie the init to the hook"))?;
     let (built, overlays) = mounts::build(spec)?;
     if let Forked::Parent(command) =
         raw::fork_single_threaded().map_err(fork("start the job's command"))?
@@ -281,11 +274,7 @@ mod tests {
     use super::*;
 
     fn user() -> JobUser {
-        JobUser {
-            name: "kernelkite-job".into(),
-            uid: 998,
-            gid: 997,
-        }
+        JobUser::example()
     }
 
     #[test]

@@ -354,6 +354,19 @@ impl SandboxNode {
         job
     }
 
+    /// A job whose command is the runner evaluating `payload.txt` of its checkout into
+    /// `result.json`, with `python`; the job and its checkout.
+    fn evaluation_job(&self, id: &str, python: &str, runner: &Path) -> (Job, PathBuf) {
+        let mut job = self.job(
+            id,
+            r#""$KK_RUNNER" --payload-file payload.txt --output result.json"#,
+        );
+        job.set_env("KERNELKITE_PYTHON", python);
+        let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+        job.set_env("KK_RUNNER", &runner_for_the_job(runner, &checkout));
+        (job, checkout)
+    }
+
     fn snapshot(&self) -> Snapshot {
         Snapshot {
             holder: self.holder.listing(),
@@ -369,6 +382,30 @@ impl SandboxNode {
             assert!(o.status.success(), "{hook}: {}", output_text(&o));
         }
     }
+}
+
+/// A system Python the job user can run and the runner (the `kernelkite-runner` example, built
+/// by `cargo test`); `None`, said as a skip, without Python.
+fn evaluation_tools() -> Option<(&'static str, PathBuf)> {
+    let Some(python) = ["/usr/bin/python3", "/usr/local/bin/python3"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+    else {
+        kernelkite_testkit::skip("no system python3 the job user can run");
+        return None;
+    };
+    let runner = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/kernelkite-runner");
+    assert!(
+        runner.exists(),
+        "{} (built by cargo test)",
+        runner.display()
+    );
+    Some((python, runner))
 }
 
 /// The runner as the job can run it: from the checkout when the build directory is under a
@@ -656,24 +693,9 @@ fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
-    let Some(python) = ["/usr/bin/python3", "/usr/local/bin/python3"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-    else {
-        kernelkite_testkit::skip("no system python3 the job user can run");
+    let Some((python, runner)) = evaluation_tools() else {
         return;
     };
-    let runner = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/kernelkite-runner");
-    assert!(
-        runner.exists(),
-        "{} (built by cargo test)",
-        runner.display()
-    );
     let Some(node) = SandboxNode::new("k", 256 << 20, None) else {
         kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
         return;
@@ -682,13 +704,7 @@ fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
     let before = node.snapshot();
     let id = format!("{}-eval", prefix());
     let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
-    let mut job = node.job(
-        &id,
-        r#""$KK_RUNNER" --payload-file payload.txt --output result.json"#,
-    );
-    job.set_env("KERNELKITE_PYTHON", python);
-    let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
-    job.set_env("KK_RUNNER", &runner_for_the_job(&runner, &checkout));
+    let (mut job, checkout) = node.evaluation_job(&id, python, &runner);
     // The payload kernelbot would send, in the checkout as a pipeline would carry it.
     let payload = Command::new(&runner)
         .args(["--example", "--print-payload"])
@@ -787,19 +803,9 @@ fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
-    let Some(python) = ["/usr/bin/python3", "/usr/local/bin/python3"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-    else {
-        kernelkite_testkit::skip("no system python3 the job user can run");
+    let Some((python, runner)) = evaluation_tools() else {
         return;
     };
-    let runner = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/kernelkite-runner");
     let Some(node) = SandboxNode::new("f", 256 << 20, None) else {
         kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
         return;
@@ -808,13 +814,7 @@ fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
     let before = node.snapshot();
     let id = format!("{}-forge", prefix());
     let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
-    let mut job = node.job(
-        &id,
-        r#""$KK_RUNNER" --payload-file payload.txt --output result.json"#,
-    );
-    job.set_env("KERNELKITE_PYTHON", python);
-    let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
-    job.set_env("KK_RUNNER", &runner_for_the_job(&runner, &checkout));
+    let (mut job, checkout) = node.evaluation_job(&id, python, &runner);
     let mut config = kernelkite_runner::example::config(kernelkite_kernelbot::config::Mode::Test);
     let honest = kernelkite_runner::example::SUBMISSION;
     config["sources"]["submission.py"] = format!("{honest}\n{HOSTILE_SUBMISSION}").into();

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kernelkite_service::config::Config;
 use kernelkite_service::local::{LocalArgs, SandboxChoice};
-use kernelkite_testkit::local::{start_stack, LocalStack};
+use kernelkite_testkit::local::{crashable, start_stack, LocalStack};
 use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::Value;
 
@@ -299,50 +299,6 @@ fn start_time(pid: u32) -> u64 {
     after.split_whitespace().nth(19).unwrap().parse().unwrap()
 }
 
-/// A service in a runtime of its own, to be killed (every task dropped at once, its jobs'
-/// processes left running) and started again on the same directories and store.
-struct Crashable {
-    app: Arc<kernelkite_service::App>,
-    stop: std::sync::mpsc::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
-    args: LocalArgs,
-    dir: Arc<tempfile::TempDir>,
-    base: String,
-}
-
-fn durable(dir: &tempfile::TempDir) -> impl FnOnce(&mut Config) {
-    let data = dir.path().join("data");
-    move |c| c.data_dir = Some(data)
-}
-
-fn crashable(args: LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (stop, stopped) = std::sync::mpsc::channel::<()>();
-    let (next_args, next_dir) = (args.clone(), dir.clone());
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let tweak = durable(&dir);
-        let stack = rt.block_on(start_stack(args, dir, tweak));
-        tx.send((stack.app.clone(), stack.base.clone())).unwrap();
-        let _ = stopped.recv();
-        rt.shutdown_background();
-        drop(stack);
-    });
-    let (app, base) = rx.recv().unwrap();
-    Crashable {
-        app,
-        stop,
-        thread,
-        args: next_args,
-        dir: next_dir,
-        base,
-    }
-}
-
 async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
@@ -414,11 +370,7 @@ esac"#,
     assert!(alive(sleeper));
 
     // Kill the service mid-run, and start it again on the same store and directories.
-    first.stop.send(()).unwrap();
-    first.thread.join().unwrap();
-    assert_eq!(first.app.store.get(&id).unwrap().state.as_str(), "running");
-    drop(first.app);
-    let second = start_stack(first.args, first.dir.clone(), durable(&first.dir)).await;
+    let second = first.crash_and_restart(&id, "running").await;
     let done = tokio::time::timeout(Duration::from_secs(90), second.wait(&id))
         .await
         .expect("the recovered submission ends");

@@ -434,3 +434,67 @@ pub fn examples_dir() -> PathBuf {
         .expect("workspace root")
         .join("examples")
 }
+
+/// A local-mode service on its own thread and runtime that a test can kill mid-run (every task
+/// of the service goes at once; its jobs' processes are not touched) and start again on the
+/// same data dir and directories: the restart tests.
+pub struct Crashable {
+    /// The service's core (its store, to check the state it died in).
+    pub app: Arc<App>,
+    /// `http://127.0.0.1:<port>`.
+    pub base: String,
+    stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+    /// What the next life of the service starts with: the same flags and data dir.
+    args: LocalArgs,
+    dir: Arc<tempfile::TempDir>,
+}
+
+/// The service's durable store for the restart tests: both lives of the service open it.
+fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut Config) {
+    let data = dir.path().join("data");
+    move |c| c.data_dir = Some(data)
+}
+
+/// Starts local mode with `args` and a durable store under `dir`, ready to be crashed.
+pub fn crashable(args: LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let (next_args, next_dir) = (args.clone(), dir.clone());
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let durable = data_dir(&dir);
+        let stack = rt.block_on(start_stack(args, dir, durable));
+        let _ = tx.send((stack.app.clone(), stack.base.clone()));
+        let _ = stopped.recv();
+        rt.shutdown_background();
+        drop(stack);
+    });
+    let (app, base) = rx.recv().expect("the service started");
+    Crashable {
+        app,
+        base,
+        stop,
+        thread,
+        args: next_args,
+        dir: next_dir,
+    }
+}
+
+impl Crashable {
+    /// Kills the service while submission `id` is in `state` (checked), then starts it again
+    /// on the same data dir: its durable store brings the submission back, and the executor
+    /// finds the job's directory.
+    pub async fn crash_and_restart(self, id: &str, state: &str) -> LocalStack {
+        let _ = self.stop.send(());
+        self.thread.join().expect("the service's thread");
+        let now = self.app.store.get(id).expect("the submission");
+        assert_eq!(now.state.as_str(), state);
+        drop(self.app);
+        start_stack(self.args, self.dir.clone(), data_dir(&self.dir)).await
+    }
+}

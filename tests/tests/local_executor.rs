@@ -16,8 +16,8 @@ use std::time::Duration;
 use kernelkite_service::local::UNENFORCED;
 use kernelkite_service::task::{self, Mode};
 use kernelkite_testkit::local::{
-    examples_dir, fixture_node, local_args, local_stack, probe_config, probes, real_cgroups,
-    start_stack, Confinement, LocalStack,
+    crashable, examples_dir, fixture_node, local_args, local_stack, probe_config, probes,
+    real_cgroups, start_stack, Confinement, LocalStack,
 };
 use kernelkite_testkit::{local_bins, need_python, skip};
 use serde_json::{json, Value};
@@ -428,74 +428,6 @@ async fn cancel_stops_a_running_job_and_drops_a_queued_one() {
     assert_eq!(stack.wait(&next).await["state"], "succeeded");
     assert!(!marker.exists(), "a canceled queued job ran");
     job_dirs_removed(&stack).await;
-}
-
-/// The service on a runtime of its own, so the whole service can die at once: its tasks go,
-/// and its jobs' processes live on, as when a service process is killed.
-struct Crashable {
-    app: Arc<kernelkite_service::App>,
-    base: String,
-    stop: std::sync::mpsc::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
-    /// What the next life of the service starts with: the same flags and data dir.
-    args: kernelkite_service::local::LocalArgs,
-    dir: Arc<tempfile::TempDir>,
-}
-
-/// The service's durable store for the restart tests: both lives of the service open it.
-fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut kernelkite_service::config::Config) {
-    let data = dir.path().join("data");
-    move |c| c.data_dir = Some(data)
-}
-
-fn crashable(args: kernelkite_service::local::LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (stop, stopped) = std::sync::mpsc::channel::<()>();
-    let (next_args, next_dir) = (args.clone(), dir.clone());
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let durable = data_dir(&dir);
-        let stack = rt.block_on(start_stack(args, dir, durable));
-        tx.send((stack.app.clone(), stack.base.clone())).unwrap();
-        let _ = stopped.recv();
-        // Every task of the service goes at once; its jobs' processes are not touched.
-        rt.shutdown_background();
-        drop(stack);
-    });
-    let (app, base) = rx.recv().unwrap();
-    Crashable {
-        app,
-        base,
-        stop,
-        thread,
-        args: next_args,
-        dir: next_dir,
-    }
-}
-
-impl Crashable {
-    /// Kills the service while submission `id` is in `state` (checked), then starts it again
-    /// on the same data dir: its durable store brings the submission back, and the executor
-    /// finds the job's directory.
-    async fn crash_and_restart(self, id: &str, state: &str) -> LocalStack {
-        self.stop.send(()).unwrap();
-        self.thread.join().unwrap();
-        assert_eq!(
-            self.app
-                .store
-                .get(id)
-                .expect("the submission")
-                .state
-                .as_str(),
-            state
-        );
-        drop(self.app);
-        start_stack(self.args, self.dir.clone(), data_dir(&self.dir)).await
-    }
 }
 
 async fn post_to(base: &str, config: Value) -> String {

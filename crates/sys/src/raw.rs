@@ -274,8 +274,8 @@ pub fn unshare_namespaces(mount: bool, ipc: bool, net: bool) -> io::Result<()> {
 
 /// Moves the calling process's future children into a new PID namespace: the next child it
 /// forks is that namespace's pid 1, and the namespace ends (every process in it killed) when
-/// that child exits. The caller itself stays where it is. Meant for the sandbox's set-up in a
-/// single-threaded child.
+/// that child exits; a fork after that fails. The caller itself stays where it is. The
+/// `command` hook calls it just before it spawns the job.
 pub fn unshare_pid_namespace() -> io::Result<()> {
     // SAFETY: CLONE_NEWPID changes only which PID namespace this process's later children are
     // born in; it touches no memory and breaks no invariant of the Rust runtime.
@@ -294,7 +294,7 @@ pub enum Forked {
 
 /// `fork(2)` for a process with exactly one thread (checked first, as
 /// [`spawn_with_setup`] does): the child is a whole copy and may run ordinary code. The
-/// sandbox's set-up uses it to put a waiting parent and the namespace's init above the job.
+/// sandbox's init uses it to start the job's command below itself.
 pub fn fork_single_threaded() -> io::Result<Forked> {
     require_single_thread()?;
     // SAFETY: this process has one thread (checked just above, on the thread that forks), so
@@ -310,34 +310,14 @@ pub fn fork_single_threaded() -> io::Result<Forked> {
 }
 
 /// Closes every descriptor from `first` up. For a forked copy that goes on without `exec`
-/// (the sandbox's waiting parent and init): it must not keep pipes open whose end of file
-/// tells the hook that the job's command was executed.
+/// (the sandbox's init): it must not keep pipes open whose end of file tells the hook that
+/// the job's command was executed.
 pub fn close_from(first: RawFd) {
-    let first = first.max(0);
-    // SAFETY: close_range closes descriptors at or above `first`; the callers own every one of
-    // them in this process (a forked copy whose Rust objects are never used again).
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            first as libc::c_uint,
-            libc::c_uint::MAX,
-            0 as libc::c_uint,
-        )
-    };
-    if rc != 0 {
-        // Kernels before 5.9: one by one, up to the soft limit.
-        let max = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-            .current
-            .unwrap_or(1024)
-            .min(1 << 20) as RawFd;
-        for fd in first..max {
-            // SAFETY: closing a number this copy owns or that is not open (EBADF, ignored).
-            unsafe { libc::close(fd) };
-        }
-    }
+    close_range(first.max(0), RawFd::MAX);
 }
 
-/// Closes the descriptors `first..=last` (`close_range`; one by one where the kernel lacks it).
+/// Closes the descriptors `first..=last` (`close_range`; one by one, up to the soft limit on
+/// open files, where the kernel lacks it: before 5.9).
 pub fn close_range(first: RawFd, last: RawFd) {
     if first > last || first < 0 {
         return;
@@ -353,7 +333,11 @@ pub fn close_range(first: RawFd, last: RawFd) {
         )
     };
     if rc != 0 {
-        for fd in first..=last {
+        let max = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(1024)
+            .min(1 << 20) as RawFd;
+        for fd in first..=last.min(max) {
             // SAFETY: as above; a number not open fails with EBADF, ignored.
             unsafe { libc::close(fd) };
         }
@@ -372,17 +356,6 @@ pub fn exit_now(code: i32) -> ! {
 /// the sender (the dying parent) lives in an ancestor namespace.
 pub fn die_with_parent(signal: rustix::process::Signal) -> io::Result<()> {
     rustix::process::set_parent_process_death_signal(Some(signal))?;
-    Ok(())
-}
-
-/// Makes `signal` ignored in this process (`SIG_IGN`, which a later `exec` keeps): the
-/// sandbox's waiting parent leaves a cancellation to the job it waits for.
-pub fn ignore_signal(signal: i32) -> io::Result<()> {
-    // SAFETY: SIG_IGN installs no handler code; it only changes this process's disposition.
-    let prev = unsafe { libc::signal(signal, libc::SIG_IGN) };
-    if prev == libc::SIG_ERR {
-        return Err(io::Error::last_os_error());
-    }
     Ok(())
 }
 

@@ -411,6 +411,10 @@ fn start_sandboxed(
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
     let env = sandbox::job_env(child_env, &user, &state.config.environment);
+    // The child this hook starts next is the job's PID namespace's init (`sandbox::init`): the
+    // hook starts nothing else after it.
+    kernelkite_sys::raw::unshare_pid_namespace()
+        .map_err(|e| JobError::Sandbox(format!("cannot make the job's PID namespace: {e}")))?;
     let started = start_in_cgroup(
         &state.job_id,
         argv,

@@ -92,11 +92,7 @@ mod tests {
     use super::*;
 
     fn user() -> JobUser {
-        JobUser {
-            name: "kernelkite-job".into(),
-            uid: 998,
-            gid: 997,
-        }
+        JobUser::example()
     }
 
     #[test]

@@ -1,21 +1,24 @@
-//! The job's process tree above its command, made in the command's child before the view is
-//! built (the hooks are single-threaded, so these are plain forks of ordinary Rust):
+//! The job's process tree above its command, made by the `command` hook (the hooks are
+//! single-threaded, so these are plain forks of ordinary Rust):
 //!
 //! ```text
-//! hook ── waiter (root, the hook's child: its exit status is the command's)
-//!           └── init (root, pid 1 of the job's PID namespace, killed with the waiter by
-//!                 │    PR_SET_PDEATHSIG; it keeps root's capabilities for the carry)
-//!                 └── command (the job user: the step's shell, then the runner, ...)
+//! hook ── init (root, pid 1 of the job's PID namespace, the hook's child: its exit status is
+//!           │    the command's; killed with the hook by PR_SET_PDEATHSIG; it keeps root's
+//!           │    capabilities for the carry)
+//!           └── command (the job user: the step's shell, then the runner, ...)
 //! ```
 //!
-//! Why three: `unshare(CLONE_NEWPID)` moves only later children into the new namespace, so the
-//! process that made it cannot be its pid 1. The init reaps every orphan and, when the command
-//! ends, exits with its status; the kernel then kills every process left in the namespace, as
-//! `docker run --init` does (a daemon a job left cannot outlive it, or rewrite its result after
-//! the evaluator exited). Inside, the job sees only its own processes: no other job's to
-//! signal, trace or read through `/proc`, and `kill(-1)` reaches only its own. The init ignores
-//! every signal its namespace sends it (the kernel's rule for a namespace's pid 1 without
-//! handlers), and runs as root, which a job user cannot signal anyway.
+//! The hook `unshare`s the PID namespace just before it spawns the job's process, which is
+//! then the namespace's pid 1 (`unshare(CLONE_NEWPID)` moves only later children); the hook
+//! starts nothing else afterwards. The init builds the view, forks the command, reaps every
+//! orphan and, when the command ends, kills every process left in the namespace and exits
+//! with the command's status, as `docker run --init` does (a daemon a job left cannot outlive
+//! it, or rewrite its result after the evaluator exited). Inside, the job sees only its own
+//! processes: no other job's to signal, trace or read through `/proc`, and `kill(-1)` reaches
+//! only its own. The init ignores every signal its namespace sends it (the kernel's rule for
+//! a namespace's pid 1 without handlers) and, from outside, all but SIGKILL: a cancellation
+//! the agent sends the hook's process group reaches the command (same group), which decides.
+//! It runs as root, which a job user cannot signal anyway.
 
 use std::os::fd::{AsFd, AsRawFd};
 
@@ -29,23 +32,6 @@ pub fn status_code(status: WaitStatus) -> i32 {
 
 fn code_of(exit: Option<i32>, signal: Option<i32>) -> i32 {
     exit.or_else(|| signal.map(|s| 128 + s)).unwrap_or(1)
-}
-
-/// The waiter's whole life: waits for `child` (the init) and exits with its status. The
-/// signals a cancellation sends to the job's process group are left to the command (the init
-/// and its namespace die with the waiter if it is killed outright).
-pub fn wait_then_exit(child: Pid) -> ! {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
-        let _ = kernelkite_sys::raw::ignore_signal(sig);
-    }
-    let code = loop {
-        match rustix::process::waitpid(Some(child), WaitOptions::empty()) {
-            Ok(Some((_, status))) => break status_code(status),
-            Ok(None) | Err(rustix::io::Errno::INTR) => continue,
-            Err(_) => break 1,
-        }
-    };
-    kernelkite_sys::raw::exit_now(code)
 }
 
 /// The init's whole life once the command is started: reaps every child (orphans of the job

@@ -24,6 +24,16 @@ pub struct JobUser {
 }
 
 impl JobUser {
+    /// The account `setup` makes, as the unit tests name it.
+    #[cfg(test)]
+    pub(crate) fn example() -> JobUser {
+        JobUser {
+            name: DEFAULT_JOB_USER.into(),
+            uid: 998,
+            gid: 997,
+        }
+    }
+
     /// Whether this is root.
     pub fn is_root(&self) -> bool {
         self.uid == 0
