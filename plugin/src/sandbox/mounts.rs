@@ -349,8 +349,10 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
                 built.fresh.push((p.clone(), *size));
             }
             Layer::Hidden(p) => {
-                // A layer made before may have covered it (a hidden path under /tmp).
+                // A layer made before may have covered it (a hidden path under /tmp): it is
+                // gone from the view already.
                 let Ok(meta) = std::fs::metadata(p) else {
+                    built.hidden.push(p.clone());
                     continue;
                 };
                 if meta.is_dir() {
