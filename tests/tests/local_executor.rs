@@ -17,7 +17,7 @@ use kernelkite_service::local::UNENFORCED;
 use kernelkite_service::task::{self, Mode};
 use kernelkite_testkit::local::{
     crashable, examples_dir, fixture_node, local_args, local_stack, probe_config, probes,
-    real_cgroups, start_stack, Confinement, LocalStack,
+    real_cgroups, Confinement, LocalStack,
 };
 use kernelkite_testkit::{local_bins, need_python, skip};
 use serde_json::{json, Value};
