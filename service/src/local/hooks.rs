@@ -294,7 +294,7 @@ fn group_target(pgid: u32) -> Option<rustix::process::Pid> {
 }
 
 /// Sends `signal` to process group `pgid` (a hook started as its group's leader); nothing for
-/// a number that names no single group ([`group_target`]).
+/// a number that names no single group (`group_target`).
 pub fn signal_group(pgid: u32, signal: rustix::process::Signal) {
     if let Some(pid) = group_target(pgid) {
         let _ = rustix::process::kill_process_group(pid, signal);
