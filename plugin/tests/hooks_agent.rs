@@ -284,16 +284,28 @@ fn lost_job_is_cleaned_up_by_the_next_environment_hook() {
 }
 
 #[test]
+/// An empty job cgroup without state, made over an hour ago, is a lost job's and goes; one
+/// made lately may be another instance's job between its `environment` and `command` hooks
+/// (its checkout running) and stays.
 fn orphaned_cgroup_without_state_is_removed() {
     let node = Node::new(1);
     let stray = node.cgroup_dir("stray-job");
-    std::fs::create_dir_all(&stray).unwrap();
-    std::fs::write(stray.join("cgroup.procs"), "").unwrap();
+    let recent = node.cgroup_dir("recent-job");
+    for dir in [&stray, &recent] {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("cgroup.procs"), "").unwrap();
+    }
+    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::open(&stray)
+        .unwrap()
+        .set_modified(two_hours_ago)
+        .unwrap();
     let agent = node.agent("pool");
     let mut job = agent.start_job(&job_id(13), "true", None, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
     assert!(!stray.exists());
+    assert!(recent.exists());
 }
 
 #[test]

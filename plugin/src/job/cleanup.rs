@@ -171,6 +171,23 @@ pub fn clean_job(
     report
 }
 
+/// How old an empty job cgroup without state must be before it is taken for a lost job's: a
+/// job of another instance spends its checkout (minutes, for a large repository) between the
+/// `environment` hook that made its cgroup and the `command` hook that fills it.
+pub const STALE_EMPTY_CGROUP: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Whether `job`'s cgroup directory was made more than [`STALE_EMPTY_CGROUP`] ago (a cgroup
+/// directory's modification time is its creation, or its last child's).
+fn stale(cg: &Cgroups, job: &str) -> bool {
+    let made = cg
+        .procs_files(job)
+        .ok()
+        .and_then(|files| files.first()?.parent().map(std::path::Path::to_path_buf))
+        .and_then(|dir| std::fs::metadata(dir).ok()?.modified().ok());
+    made.and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age > STALE_EMPTY_CGROUP)
+}
+
 /// What [`clean_orphans`] did, and what it would not touch.
 #[derive(Debug, Default)]
 pub struct OrphanScan {
@@ -182,7 +199,7 @@ pub struct OrphanScan {
 }
 
 /// Cleans up after jobs whose process is gone: state files whose anchor died, and empty job
-/// cgroups with no state at all. A job cgroup with running processes and no state here is
+/// cgroups with no state at all, made over an hour ago. A job cgroup with running processes and no state here is
 /// never killed: it is listed in [`OrphanScan::foreign`] (another instance's job) for the
 /// caller to refuse to run beside. `me` is never touched.
 pub fn clean_orphans(
@@ -218,9 +235,11 @@ pub fn clean_orphans(
             }
             if cg.pids(&job).is_ok_and(|p| !p.is_empty()) {
                 scan.foreign.push(job);
-            } else {
+            } else if stale(cg, &job) {
                 scan.cleaned.push(clean_job(settings, &job, cgroups, gpu));
             }
+            // An empty one made lately may be another instance's job between its
+            // `environment` and its `command` (its checkout can take minutes): left alone.
         }
     }
     scan
