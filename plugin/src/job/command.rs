@@ -399,9 +399,13 @@ fn start_sandboxed(
 ) -> Result<confine::Started, JobError> {
     let user = match &state.job_user {
         Some(u) => u.clone(),
-        // Prepared on a node whose sandbox was off: settle the user now, with the same rules.
-        None => super::environment::job_user(settings, &state.config, &mut Vec::new())?
-            .ok_or_else(|| JobError::Sandbox("no job user for the sandbox".into()))?,
+        // Prepared on a node whose sandbox was off: settle the user now, with the same rules
+        // (the default user is the slice's own identity, as `environment` makes it).
+        None => {
+            let user = super::environment::job_user(settings, &state.config, &mut Vec::new())?;
+            super::environment::slice_identity(user, &state.config, state.slice.index)?
+                .ok_or_else(|| JobError::Sandbox("no job user for the sandbox".into()))?
+        }
     };
     let checkout = checkout_dir(env);
     if let Some(c) = &checkout {

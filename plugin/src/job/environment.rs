@@ -173,12 +173,9 @@ pub fn run(
     }
 }
 
-/// Who the command will run as: the step's `user` (default `kernelkite-job`) in host mode with
-/// the sandbox and in docker mode; `None` (the agent's user) in host mode without it. Root is
-/// refused unless the step allows it, and the sandbox needs the hooks to be root.
 /// The default job user becomes the slice's own identity (`sandbox::user::for_slice`): one uid
 /// per slice, so no two concurrent jobs share one. A user the step names stays as named.
-fn slice_identity(
+pub(super) fn slice_identity(
     user: Option<JobUser>,
     config: &PluginConfig,
     slice: u32,
@@ -198,6 +195,10 @@ fn slice_identity(
     }
 }
 
+/// Who the command will run as: the step's `user` (default `kernelkite-job`, whose slice's own
+/// identity [`slice_identity`] settles once the slice is leased) in host mode with the sandbox
+/// and in docker mode; `None` (the agent's user) in host mode without it. Root is refused
+/// unless the step allows it, and the sandbox needs the hooks to be root.
 pub(super) fn job_user(
     settings: &Settings,
     config: &PluginConfig,
