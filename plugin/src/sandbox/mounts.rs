@@ -3,10 +3,10 @@
 //!
 //! 1. every mount made private (`MS_REC|MS_PRIVATE`): nothing done here reaches the host, and
 //!    nothing mounted on the host later appears in the job;
-//! 2. every cgroup mount (and the tmpfs holding v1's hierarchies) read-only, the tree at
-//!    `/sys/fs/cgroup` in one `mount_setattr` where the kernel has it; then every mount of the
-//!    host's read-only (one recursive `mount_setattr` on `/`), so that the job writes no host
-//!    disk: what it may write is mounted afterwards, each bounded;
+//! 2. every mount of the host's read-only, the cgroup file systems included (one recursive
+//!    `mount_setattr` on `/`), so that the job writes no host disk: what it may write is
+//!    mounted afterwards, each bounded; before Linux 5.12 only the cgroup mounts (and the tmpfs
+//!    holding v1's hierarchies), by a remount each;
 //! 3. layers, shallowest first: fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's
 //!    world-writable directories; gone with the namespace), an empty read-only tmpfs over each
 //!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back over
@@ -238,22 +238,10 @@ fn cgroup_mounts() -> Result<Vec<PathBuf>, SandboxError> {
     Ok(out)
 }
 
-/// Where the cgroup file systems live.
-const CGROUP_BASE: &str = "/sys/fs/cgroup";
-
-/// Makes the cgroup mounts read-only: the whole tree at [`CGROUP_BASE`] with one system call
-/// where the kernel has `mount_setattr` (5.12+), instead of a remount per hierarchy (about a
-/// dozen on a cgroup v1 node); any other (or, on an older kernel, every one) by a remount.
+/// Makes the cgroup mounts read-only, one remount each: for kernels without `mount_setattr`,
+/// where the host's tree cannot be made read-only in one call.
 fn read_only_cgroups(mounts: &[PathBuf]) -> Result<(), SandboxError> {
-    let base = Path::new(CGROUP_BASE);
-    let tree_done =
-        mounts.iter().any(|m| m == base) && kernelkite_sys::raw::make_tree_read_only(base).is_ok();
-    for mp in mounts {
-        if !(tree_done && mp.starts_with(base)) {
-            bind_read_only(mp)?;
-        }
-    }
-    Ok(())
+    mounts.iter().try_for_each(|mp| bind_read_only(mp))
 }
 
 /// A path's real location (links resolved), when it exists.
@@ -312,13 +300,17 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
     let host_ptmx = clone_tree(&dev.join("ptmx")).ok();
     let mqueue = dev.join("mqueue").is_dir();
 
+    // Every mount of the host's read-only in this view (the cgroup mounts with the rest), so
+    // that nothing the job can write lands on a host disk: what it may write (the fresh tmpfs
+    // mounts, the checkout's overlay, `/dev`) is mounted afterwards, each bounded. Device nodes
+    // stay usable (a read-only mount refuses writes to files and directories, not to
+    // devices). A kernel without `mount_setattr` (before 5.12) gets the cgroup mounts
+    // read-only one by one, and the host's other file systems stay as they are.
     built.read_only_cgroups = cgroup_mounts()?;
-    read_only_cgroups(&built.read_only_cgroups)?;
-    // Step 2b: every mount of the host's read-only in this view, so that nothing the job can
-    // write lands on a host disk: what it may write (the fresh tmpfs mounts, the checkout's
-    // overlay, `/dev`) is mounted afterwards, each bounded. Device nodes stay usable (a
-    // read-only mount refuses writes to files and directories, not to devices).
     built.host_read_only = kernelkite_sys::raw::make_tree_read_only(root).is_ok();
+    if !built.host_read_only {
+        read_only_cgroups(&built.read_only_cgroups)?;
+    }
 
     // Step 3.
     let mut layers: Vec<Layer> = FRESH_DIRS
