@@ -88,7 +88,7 @@ impl SandboxError {
     }
 }
 
-pub use environ::{job_env, withheld as scrubbed};
+pub use environ::job_env;
 
 /// The lines the job log gets: what the job can see.
 pub fn describe(

@@ -89,19 +89,11 @@ pub fn at_top_of_job_namespace(proc_root: &Path) -> bool {
         && !rustix::process::geteuid().is_root()
 }
 
-/// Kills every other process of this PID namespace that this process may signal (every
-/// process of the job but the init) and reaps those that were its children, until none is
-/// left. Only for a process [`at_top_of_job_namespace`].
+/// Kills every other process of this PID namespace (every process of the job but the init)
+/// and reaps them, for at most 2 s. Only for a process [`at_top_of_job_namespace`].
 pub fn kill_all_others() {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    loop {
-        let rc = kernelkite_sys::raw::kill_all_signallable(libc::SIGKILL);
-        // Reap whatever died (orphans are re-parented here: the runner is a subreaper).
-        while let Ok(Some(_)) = rustix::process::wait(rustix::process::WaitOptions::NOHANG) {}
-        // ESRCH: nothing left to signal.
-        if rc.is_err() || std::time::Instant::now() >= deadline {
-            return;
-        }
+    if !kernelkite_sys::raw::kill_all_others(std::time::Duration::from_secs(2)) {
+        tracing::warn!("processes of the submission did not die within 2 s of SIGKILL");
     }
 }
 

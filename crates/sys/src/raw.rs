@@ -148,13 +148,7 @@ pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
             // Best effort: a /proc without the file (or read-only) leaves the score as it is.
             let _ = rustix::io::write(&fd, b"1000");
         }
-        for program in [&x32, &filter].into_iter().filter(|p| !p.is_empty()) {
-            seccompiler::apply_filter(program).map_err(|e| match e {
-                seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
-                _ => io::Error::from_raw_os_error(libc::EINVAL),
-            })?;
-        }
-        Ok(())
+        apply_filters(&[&x32, &filter])
     };
     // SAFETY: `setup` runs between fork and exec and makes only async-signal-safe system calls
     // (prctl, open, write, close, seccomp) on a constant path and on the program it owns,
@@ -173,15 +167,41 @@ pub fn process_group_in_namespace() -> i32 {
     unsafe { libc::getpgrp() }
 }
 
-/// `kill(-1, signal)`: every process this one may signal, except itself and its PID
-/// namespace's init (rustix has no call for it). `Err` with `ESRCH` when there was none.
-pub fn kill_all_signallable(signal: i32) -> io::Result<()> {
-    // SAFETY: kill takes two integers and touches no memory of this process.
-    if unsafe { libc::kill(-1, signal) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+/// Kills (`SIGKILL`) every other process of this PID namespace that this one may signal, with
+/// `kill(-1)`, and reaps those that are its children (all of them, for a namespace's init or a
+/// child subreaper), again until none is left or `within` has passed (a process stuck in the
+/// kernel). One `kill(-1)` reaches every process at once, and the kernel refuses a `fork` to a
+/// process with a fatal signal pending, so no chain of forks escapes it. For the sandbox's
+/// init and the evaluator at the top of the job's namespace only: outside a namespace of its
+/// own it would kill every process of this user on the machine. Returns whether none is left.
+pub fn kill_all_others(within: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        // SAFETY: kill takes two integers and touches no memory of this process.
+        let signalled = unsafe { libc::kill(-1, libc::SIGKILL) } == 0;
+        while let Ok(Some(_)) = rustix::process::wait(rustix::process::WaitOptions::NOHANG) {}
+        // ESRCH: nothing left to signal (a zombie still counts until it is reaped).
+        if !signalled {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
     }
+}
+
+/// Installs seccomp `programs` on the calling thread, in order, skipping empty ones (the
+/// x32 program where there is no x32). Allocates nothing, so a child may call it between
+/// fork and exec on programs built before the fork.
+pub fn apply_filters(programs: &[&seccompiler::BpfProgram]) -> io::Result<()> {
+    for program in programs.iter().filter(|p| !p.is_empty()) {
+        seccompiler::apply_filter(program).map_err(|e| match e {
+            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
+            _ => io::Error::from_raw_os_error(libc::EINVAL),
+        })?;
+    }
+    Ok(())
 }
 
 /// Work a child does between fork (or `clone3`) and exec: see [`spawn_with_setup`].

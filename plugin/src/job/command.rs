@@ -228,7 +228,7 @@ fn on_host(
         // Even unsandboxed, the command does not get the agent's credentials.
         let env: BTreeMap<String, String> = child_env
             .iter()
-            .filter(|(k, _)| !sandbox::scrubbed(k))
+            .filter(|(k, _)| !sandbox::environ::withheld(k))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         start_in_cgroup(job_id, &argv, &env, cgroups.as_ref(), isolate_network, None)?

@@ -57,7 +57,8 @@ pub fn reap_until(command: Pid, overlays: Vec<super::disk::Overlaid>) -> ! {
             Err(_) => break (1, true),
         }
     };
-    kill_the_rest();
+    // A process stuck in the kernel for longer is left to the namespace's end.
+    kernelkite_sys::raw::kill_all_others(std::time::Duration::from_secs(2));
     let mut lines = Vec::new();
     if signalled && overlays.iter().any(|o| !o.carry.is_empty()) {
         // The evaluator killed: what its job left in the checkout is not its result.
@@ -73,24 +74,6 @@ pub fn reap_until(command: Pid, overlays: Vec<super::disk::Overlaid>) -> ! {
     }
     crate::joblog::say_all(lines);
     kernelkite_sys::raw::exit_now(code)
-}
-
-/// Kills every process of the namespace but this one and reaps them, until none is left.
-fn kill_the_rest() {
-    loop {
-        let signalled = kernelkite_sys::raw::kill_all_signallable(libc::SIGKILL).is_ok();
-        let mut reaped = false;
-        loop {
-            match rustix::process::wait(WaitOptions::empty()) {
-                Ok(Some(_)) => reaped = true,
-                Err(rustix::io::Errno::INTR) => continue,
-                _ => break,
-            }
-        }
-        if !signalled && !reaped {
-            return;
-        }
-    }
 }
 
 /// Closes every descriptor from 3 up except `keep`.

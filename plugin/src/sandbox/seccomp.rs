@@ -281,7 +281,6 @@ pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, Secc
     let mut clone3: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     clone3.insert(libc::SYS_clone3, Vec::new());
     let mut out: Vec<seccompiler::BpfProgram> = vec![kernelkite_sys::raw::x32_refusal()];
-    out.retain(|p| !p.is_empty());
     out.push(compile(clone3, SeccompAction::Errno(libc::ENOSYS as u32))?);
     out.push(compile(
         filter_rules(allowed)?,
@@ -293,15 +292,9 @@ pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, Secc
 /// Installs the filter on the calling thread (the command's process, single-threaded, after it
 /// dropped root; `no_new_privs` is already set). It holds for every process the job starts.
 pub fn install(allowed: &[String]) -> Result<(), SeccompError> {
-    for p in programs(allowed)? {
-        seccompiler::apply_filter(&p).map_err(|e| match e {
-            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => {
-                SeccompError::Install(io)
-            }
-            other => SeccompError::Build(other.to_string()),
-        })?;
-    }
-    Ok(())
+    let programs = programs(allowed)?;
+    let refs: Vec<&seccompiler::BpfProgram> = programs.iter().collect();
+    kernelkite_sys::raw::apply_filters(&refs).map_err(SeccompError::Install)
 }
 
 #[cfg(test)]
@@ -320,17 +313,16 @@ mod tests {
     /// number of failed checks, its stderr says which.
     fn in_filtered_child(allowed: &[String], body: fn() -> Vec<String>) -> Vec<String> {
         let programs = programs(allowed).unwrap();
+        let refs: Vec<&seccompiler::BpfProgram> = programs.iter().collect();
         let (r, w) = rustix::pipe::pipe().unwrap();
         // SAFETY: the test forks to get a process whose filter dies with it; the child only
         // installs the (prebuilt) filter, makes raw calls, writes to a pipe and _exits.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
-            for p in &programs {
-                if seccompiler::apply_filter(p).is_err() {
-                    // SAFETY: ends the forked test child.
-                    unsafe { libc::_exit(99) };
-                }
+            if kernelkite_sys::raw::apply_filters(&refs).is_err() {
+                // SAFETY: ends the forked test child.
+                unsafe { libc::_exit(99) };
             }
             let out = body().join("\n");
             let _ = rustix::io::write(&w, out.as_bytes());
