@@ -12,11 +12,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kernelkite_service::config::Config;
 use kernelkite_service::local::{LocalArgs, SandboxChoice};
-use kernelkite_testkit::local::{crashable, start_stack, LocalStack};
+use kernelkite_testkit::local::{crashable, start_stack, wait_until, LocalStack};
 use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::Value;
 
@@ -299,17 +299,6 @@ fn start_time(pid: u32) -> u64 {
     after.split_whitespace().nth(19).unwrap().parse().unwrap()
 }
 
-async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_command_pid_signals_nothing_after_a_restart() {
     use std::os::unix::process::CommandExt;
@@ -345,20 +334,9 @@ esac"#,
     );
     let args = local_args(dir.path(), &runner);
     let first = crashable(args, dir.clone());
-    let id = {
-        let v: Value = reqwest::Client::new()
-            .post(format!("{}/v1/submissions", first.base))
-            .json(&serde_json::json!({"config": sample_config(), "queue": "local"}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["id"].as_str().unwrap().to_string()
-    };
+    let id = first.submit(sample_config()).await;
     let mark = marks.join("attempt-1");
-    wait_until("attempt 1 to run", || {
+    wait_until("attempt 1 to run", Duration::from_secs(60), || {
         std::fs::read_to_string(&mark).is_ok_and(|s| s.ends_with('\n'))
     })
     .await;
@@ -380,7 +358,12 @@ esac"#,
     assert!(victim_survived, "the service signalled the forged pid {v}");
     // The attempt the restart interrupted was stopped: its recorded hook (the service's own
     // record) was signalled, with its group.
-    wait_until("the interrupted attempt to stop", || !alive(sleeper)).await;
+    wait_until(
+        "the interrupted attempt to stop",
+        Duration::from_secs(60),
+        || !alive(sleeper),
+    )
+    .await;
     assert_eq!(done["state"], "succeeded", "{done}");
     assert_eq!(
         done["result"]["system"]["hostname"], "second-attempt",

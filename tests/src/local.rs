@@ -486,6 +486,20 @@ pub fn crashable(args: LocalArgs, dir: Arc<tempfile::TempDir>) -> Crashable {
 }
 
 impl Crashable {
+    /// Submits `config` to the local queue over the API; the submission's id.
+    pub async fn submit(&self, config: Value) -> String {
+        let v: Value = reqwest::Client::new()
+            .post(format!("{}/v1/submissions", self.base))
+            .json(&json!({"config": config, "queue": "local"}))
+            .send()
+            .await
+            .expect("the service answers")
+            .json()
+            .await
+            .expect("a JSON answer");
+        v["id"].as_str().expect("an id").to_string()
+    }
+
     /// Kills the service while submission `id` is in `state` (checked), then starts it again
     /// on the same data dir: its durable store brings the submission back, and the executor
     /// finds the job's directory.
@@ -496,5 +510,14 @@ impl Crashable {
         assert_eq!(now.state.as_str(), state);
         drop(self.app);
         start_stack(self.args, self.dir.clone(), data_dir(&self.dir)).await
+    }
+}
+
+/// Waits until `f` holds, checking every 20 ms; fails the test, naming `what`, after `within`.
+pub async fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < within, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

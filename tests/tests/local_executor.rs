@@ -17,7 +17,7 @@ use kernelkite_service::local::UNENFORCED;
 use kernelkite_service::task::{self, Mode};
 use kernelkite_testkit::local::{
     crashable, examples_dir, fixture_node, local_args, local_stack, probe_config, probes,
-    real_cgroups, Confinement, LocalStack,
+    real_cgroups, wait_until, Confinement, LocalStack,
 };
 use kernelkite_testkit::{local_bins, need_python, skip};
 use serde_json::{json, Value};
@@ -429,29 +429,8 @@ async fn cancel_stops_a_running_job_and_drops_a_queued_one() {
     assert!(!marker.exists(), "a canceled queued job ran");
     job_dirs_removed(&stack).await;
 }
-
-async fn post_to(base: &str, config: Value) -> String {
-    let v: Value = reqwest::Client::new()
-        .post(format!("{base}/v1/submissions"))
-        .json(&json!({"config": config, "queue": "local"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["id"].as_str().unwrap().to_string()
-}
-
-async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..600 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
+/// How long the restart tests wait for a job to get somewhere (600 checks 20 ms apart before).
+const RESTART_WAIT: Duration = Duration::from_secs(12);
 
 fn lines(p: &Path) -> Vec<String> {
     std::fs::read_to_string(p)
@@ -471,15 +450,16 @@ async fn a_job_interrupted_by_a_restart_runs_again_and_delivers_one_result() {
     let args = local_args(&bins, None, Confinement::Unenforced, dir.path());
     let marker = dir.path().join("starts");
     let first = crashable(args, dir.clone());
-    let id = post_to(
-        &first.base,
-        probe_config(
+    let id = first
+        .submit(probe_config(
             "test",
             json!([{"sleep_ms": 1500, "marker": marker.to_str().unwrap()}]),
-        ),
-    )
+        ))
+        .await;
+    wait_until("the harness to start", RESTART_WAIT, || {
+        lines(&marker).len() == 1
+    })
     .await;
-    wait_until("the harness to start", || lines(&marker).len() == 1).await;
     let second = first.crash_and_restart(&id, "running").await;
     let done = second.wait(&id).await;
     assert_eq!(done["state"], "succeeded", "{done}");
@@ -516,13 +496,14 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
         .fetch_slots
         .try_acquire_many(first.app.cfg.fetch_concurrency as u32)
         .expect("all collection slots");
-    let id = post_to(
-        &first.base,
-        probe_config("test", json!([{"marker": marker.to_str().unwrap()}])),
-    )
-    .await;
+    let id = first
+        .submit(probe_config(
+            "test",
+            json!([{"marker": marker.to_str().unwrap()}]),
+        ))
+        .await;
     let app = first.app.clone();
-    wait_until("the job to finish", || {
+    wait_until("the job to finish", RESTART_WAIT, || {
         app.store.state(&id).map(|s| s.as_str()) == Some("fetching")
     })
     .await;
