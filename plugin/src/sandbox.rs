@@ -125,8 +125,15 @@ pub fn describe(
                 .join(",")
         )
     };
+    let caps = match &spec.submission {
+        Some(s) if creds.effective() != 0 => format!(
+            "no capabilities but CAP_SETUID, CAP_SETGID and CAP_KILL, with which its evaluator runs the submission as {} (uid {}): its filter lets it take no other id",
+            s.name, s.uid
+        ),
+        _ => "no capabilities".into(),
+    };
     lines.push(format!(
-        "the command runs as {} (uid {}, gid {}, {groups}), no_new_privs, no capabilities",
+        "the command runs as {} (uid {}, gid {}, {groups}), no_new_privs, {caps}",
         spec.user.name, spec.user.uid, spec.user.gid
     ));
     if spec.user.is_root() {
@@ -242,8 +249,12 @@ pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
         init::reap_until(command, overlays);
     }
     drop(overlays);
-    let creds = privileges::drop_to(&spec.user, &spec.groups)?;
-    seccomp::install(&spec.allow_syscalls)?;
+    let creds = privileges::drop_to(&spec.user, &spec.groups, spec.submission.is_some())?;
+    let ids = spec
+        .submission
+        .as_ref()
+        .map(|s| seccomp::Identities::of(&spec.user, s));
+    seccomp::install(&spec.allow_syscalls, ids.as_ref())?;
     let reachable = rustix::fs::access(&spec.cwd, rustix::fs::Access::EXEC_OK).is_ok()
         || !spec.cwd.is_absolute();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -281,6 +292,7 @@ mod tests {
     fn the_log_says_what_the_job_can_see() {
         let spec = SandboxSpec {
             user: user(),
+            submission: None,
             groups: vec![],
             cwd: "/builds/a/checkout".into(),
             isolate_network: true,

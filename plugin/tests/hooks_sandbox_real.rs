@@ -347,10 +347,7 @@ impl SandboxNode {
         job.wrapper = self.holder.wrapper(&checkout);
         // The step's artifact_paths, as the agent hands them to the hooks: what of the job's
         // writes to its checkout reaches the host.
-        job.set_env(
-            "BUILDKITE_ARTIFACT_PATHS",
-            "result.json;attacks.json;daemon.pid",
-        );
+        job.set_env("BUILDKITE_ARTIFACT_PATHS", "result.json;daemon.pid;planted");
         job
     }
 
@@ -493,6 +490,13 @@ try userfaultfd python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True
 try perf python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(298,0,0,-1,-1,0); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
 try personality python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.personality(0x0040000); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
 try loopback-service sh -c 'exec 3<>/dev/tcp/127.0.0.1/$KK_SERVICE_PORT'
+try setuid-root setpriv --reuid=0 --keep-groups true
+try setgid-root setpriv --regid=0 --keep-groups true
+try setgroups setpriv --clear-groups true
+try setuid-another-job setpriv --reuid=1950000001 --keep-groups true
+try setuid-another-submission setpriv --reuid=1960000001 --keep-groups true
+echo "submission-user $KERNELKITE_SUBMISSION_USER"
+echo "became $(setpriv --reuid="${KERNELKITE_SUBMISSION_USER%%:*}" --regid="${KERNELKITE_SUBMISSION_USER##*:}" --keep-groups id -u)"
 try network bash -c 'exec 3<>/dev/tcp/192.0.2.1/80'
 echo leak > /dev/shm/kk-leak && echo "left /dev/shm/kk-leak"
 echo leak > /tmp/kk-leak && echo "left /tmp/kk-leak"
@@ -588,6 +592,11 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         "personality",
         "loopback-service",
         "network",
+        "setuid-root",
+        "setgid-root",
+        "setgroups",
+        "setuid-another-job",
+        "setuid-another-submission",
     ] {
         assert!(
             stdout.contains(&format!("blocked {blocked}\n")),
@@ -599,12 +608,23 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         stdout.contains(&format!("uid {}\n", node.user.uid)),
         "{stdout}"
     );
+    // Only the evaluator's three capabilities (CAP_KILL, CAP_SETGID, CAP_SETUID: 0xe0), and
+    // with them only the slice's submission identity, not root or another slice's ids.
     for set in ["CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"] {
         assert!(
-            stdout.contains(&format!("{set}:\t0000000000000000")),
+            stdout.contains(&format!("{set}:\t00000000000000e0")),
             "{set}: {stdout}"
         );
     }
+    let submission = kernelkite_isolate::sandbox::user::SUBMISSION_ID_BASE;
+    assert!(
+        stdout.contains(&format!("submission-user {submission}:{submission}\n")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("became {submission}\n")),
+        "{stdout}"
+    );
     assert!(stdout.contains("NoNewPrivs:\t1"), "{stdout}");
     // Its cgroup is as the hooks made it, and so is what it runs on.
     assert_eq!(std::fs::read_to_string(&own_cpus).unwrap(), cpus_before);
@@ -650,7 +670,7 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
             "kernelkite: sandbox: the command runs as {} (uid {}",
             node.user.name, node.user.uid
         ),
-        "no_new_privs, no capabilities".into(),
+        format!("no_new_privs, no capabilities but CAP_SETUID, CAP_SETGID and CAP_KILL, with which its evaluator runs the submission as kernelkite-submission-0 (uid {submission}): its filter lets it take no other id"),
         format!(
             "kernelkite: sandbox: CPUs {}, memory nodes 0, memory limit 64 MiB",
             node.own_cpu
@@ -751,15 +771,18 @@ fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
 }
 
 /// What a hostile submission adds to the example's `submission.py`: it tries to stop, read and
-/// kill the runner that evaluates it (its harness's parent), reports each try into the
-/// checkout, and leaves a forger behind: a chain of forks, out of the harness's session, that
-/// rewrites `result.json` with a forged success for 5 s, long after the runner wrote the real
-/// one, unless something ends it with the job.
+/// kill the runner that evaluates it (its harness's parent), to take the runner's uid or root's,
+/// and to write the checkout where `result.json` goes; prints each try (the result carries the
+/// harness's output; only when `eval.py` imports it, not in kernelbot's pre-run, whose output
+/// is not kept), and leaves a forger behind: a chain of forks, out of the harness's
+/// session, that tries to rewrite `result.json` with a forged success for 5 s, long after the
+/// runner wrote the real one, unless something ends it with the job.
 const HOSTILE_SUBMISSION: &str = r#"
 import json as _j, os as _o, signal as _s, time as _t
 _runner = _o.getppid()
-_out = _o.path.join(_o.environ["BUILDKITE_BUILD_CHECKOUT_PATH"], "attacks.json")
-if not _o.path.exists(_out):
+_checkout = _o.environ["BUILDKITE_BUILD_CHECKOUT_PATH"]
+_result = _o.path.join(_checkout, "result.json")
+if __name__ != "__main__":
     _tries = {}
     def _try(name, fn):
         try:
@@ -783,14 +806,16 @@ if not _o.path.exists(_out):
     _try("take-runner-descriptors", lambda: _r.prlimit(_runner, _r.RLIMIT_NOFILE, (0, 0)))
     _try("move-runner-cpus", lambda: _o.sched_setaffinity(_runner, {0}))
     _try("deprioritise-runner", lambda: _o.setpriority(_o.PRIO_PROCESS, _runner, 19))
-    with open(_out, "w") as f:
-        _j.dump(_tries, f)
+    _try("become-the-runner", lambda: _o.setuid(_o.stat(_checkout).st_uid))
+    _try("become-root", lambda: _o.setuid(0))
+    _try("write-the-checkout", lambda: open(_o.path.join(_checkout, "planted"), "w"))
+    _try("write-result-json", lambda: open(_result, "w"))
+    print("KK-ATTACKS " + _j.dumps({"uid": _o.getuid(), "tries": _tries}), flush=True)
     if _o.fork() == 0:
         _o.setsid()
         for _ in range(30):
             if _o.fork() != 0:
                 _o._exit(0)
-        _result = _o.path.join(_o.environ["BUILDKITE_BUILD_CHECKOUT_PATH"], "result.json")
         _forged = _j.dumps({"success": True, "error": "", "system": {}, "runs": {"forged": {}}})
         _end = _t.time() + 5
         while _t.time() < _end:
@@ -804,9 +829,10 @@ if not _o.path.exists(_out):
         _o._exit(0)
 "#;
 
-/// The runner and the submission run as the same job user: the submission still cannot stop,
-/// kill, read or trace the runner, and nothing it starts outlives the job to rewrite
-/// `result.json` (the job's PID namespace ends with the runner). The result is the runner's.
+/// The submission runs as the slice's submission identity, not the runner's uid: it cannot
+/// stop, kill, read or trace the runner, take its uid or root's, or write the checkout, and
+/// nothing it starts outlives the job to rewrite `result.json` (the job's PID namespace ends
+/// with the runner). The result is the runner's.
 #[test]
 fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
     let _one = serial();
@@ -831,20 +857,39 @@ fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
     let payload = kernelkite_kernelbot::payload::encode(&config).unwrap();
     std::fs::write(checkout.join("payload.txt"), payload).unwrap();
     let outs = job.run_all();
-    let attacks = std::fs::read_to_string(checkout.join("attacks.json")).unwrap_or_default();
+    let result = std::fs::read_to_string(checkout.join("result.json")).unwrap_or_default();
     for (hook, o) in &outs {
         assert!(
             o.status.success(),
-            "{hook}: {}\nattacks: {attacks}",
+            "{hook}: {}\nresult: {result}",
             output_text(o)
         );
     }
-    let tries: BTreeMap<String, String> =
-        serde_json::from_slice(&std::fs::read(checkout.join("attacks.json")).unwrap()).unwrap();
-    assert_eq!(tries.len(), 10, "{tries:?}");
+    let parsed: serde_json::Value = serde_json::from_str(&result).unwrap();
+    let stdout = parsed["runs"]["test"]["run"]["stdout"]
+        .as_str()
+        .unwrap_or("");
+    let report = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("KK-ATTACKS "))
+        .unwrap_or_else(|| panic!("no report in {result}"));
+    let report: serde_json::Value = serde_json::from_str(report).unwrap();
+    let tries: BTreeMap<String, String> = serde_json::from_value(report["tries"].clone()).unwrap();
+    assert_eq!(tries.len(), 14, "{tries:?}");
     for (name, verdict) in &tries {
-        assert!(verdict.starts_with("blocked"), "{name}: {verdict}");
+        assert!(
+            verdict.starts_with("blocked"),
+            "{name}: {verdict} in {report}"
+        );
     }
+    // Another uid than the runner's (the node's test user): the slice's submission identity.
+    assert_eq!(
+        report["uid"],
+        kernelkite_isolate::sandbox::user::SUBMISSION_ID_BASE,
+        "{report}"
+    );
+    assert_ne!(report["uid"], node.user.uid);
+    assert!(!checkout.join("planted").exists());
     // Well past the moment the forger would have rewritten it, the result is the runner's.
     std::thread::sleep(Duration::from_millis(300));
     let result: serde_json::Value =

@@ -361,13 +361,31 @@ fn evaluate_in_workdir(
             false
         }
     };
-    let guard = match crate::guard::Guard::for_this_process(std::path::Path::new("/proc")) {
+    let named = std::env::var(kernelkite_sys::identity::SUBMISSION_USER_ENV).ok();
+    let guard = match crate::guard::Guard::for_this_process(
+        std::path::Path::new("/proc"),
+        named.as_deref(),
+    ) {
         Ok(g) => Some(g),
-        Err(e) => {
+        Err(crate::guard::GuardError::Unprotected(e)) => {
             tracing::warn!("{e}; the submission can signal the runner");
             None
         }
+        Err(crate::guard::GuardError::Identity(e)) => {
+            return fail(Failure::infrastructure(e), system);
+        }
     };
+    if guard.as_ref().is_some_and(|g| g.submission.is_some()) {
+        if let Err(e) = crate::guard::open_to_submission(&dir) {
+            return fail(
+                Failure::infrastructure(format!(
+                    "cannot open the work directory {} to the submission's uid: {e}",
+                    dir.display()
+                )),
+                system,
+            );
+        }
+    }
     let opts = Options {
         python: args.python.clone(),
         system: Some(system),

@@ -497,8 +497,21 @@ impl Job<'_> {
             "leaderboard" => self.cfg.ranked_timeout,
             _ => self.cfg.benchmark_timeout,
         };
+        // Readable by the harness when it runs as the submission's uid; the runner's alone
+        // otherwise.
+        let file_mode = if self
+            .opts
+            .guard
+            .as_ref()
+            .is_some_and(|g| g.submission.is_some())
+        {
+            0o644
+        } else {
+            0o600
+        };
         let mut file = tempfile::Builder::new()
             .prefix("kernelkite-cases-")
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(file_mode))
             .tempfile()
             .map_err(|e| {
                 Failure::infrastructure(format!(
@@ -536,6 +549,22 @@ impl Job<'_> {
         std::fs::create_dir(&out_dir).map_err(|e| {
             Failure::infrastructure(format!("cannot create {}: {e}", out_dir.display()))
         })?;
+        if self
+            .opts
+            .guard
+            .as_ref()
+            .is_some_and(|g| g.submission.is_some())
+        {
+            // The profiler runs as the submission's uid and writes here.
+            for d in [tmp.path(), out_dir.as_path()] {
+                crate::guard::open_to_submission(d).map_err(|e| {
+                    Failure::infrastructure(format!(
+                        "cannot open {} to the submission: {e}",
+                        d.display()
+                    ))
+                })?;
+            }
+        }
         let (program, args, env) = profiler.wrap(&out_dir, call);
         let mut full = vec![program];
         full.extend(args);

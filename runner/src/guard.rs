@@ -1,9 +1,17 @@
 //! The evaluator's guard against the submission it runs.
 //!
-//! In the sandbox the runner and the submission's processes share one uid (the job's), so the
-//! kernel's ordinary rule ("the same user may signal, trace and read") would let a submission
-//! kill the runner and write `result.json` itself, or read the runner's environment. What
-//! stops each way instead:
+//! In the sandbox the runner runs as the slice's job user and every harness process as the
+//! slice's submission identity, another uid ([`kernelkite_sys::identity`]): the kernel's own
+//! rules then keep the submission from signalling, tracing or reading the runner, and from
+//! writing the checkout, where `result.json` goes. The sandbox names that identity in
+//! `KERNELKITE_SUBMISSION_USER` and gives the runner the three capabilities that switch to it
+//! and clean up after it (`CAP_SETUID`, `CAP_SETGID`, `CAP_KILL`; its filter lets `set*id`
+//! name only the two identities); each harness process drops to it and drops every
+//! capability before it executes ([`submission_identity`]). The harness works in a work
+//! directory open to it (mode 0777, in the job's private `/tmp`) with `HOME` there.
+//!
+//! Outside the sandbox (no identity named) the runner and the submission share a uid, and
+//! the rest of this guard is all there is. Both ways:
 //!
 //! * **Reading or tracing the runner**: the runner makes itself non-dumpable at start
 //!   ([`protect_self`]): its `/proc/<pid>/*` files belong to root, and `ptrace`,
@@ -21,8 +29,9 @@
 //! * **Outliving the runner's clean-up**: at the top of the job's PID namespace (the sandbox
 //!   starts the command as the only child of the namespace's init), the runner kills every
 //!   other process of its namespace with one `kill(-1, SIGKILL)` after each run
-//!   ([`kill_all_others`]); the kernel refuses a `fork` to a process with a fatal signal
-//!   pending, so no fork chain escapes it. It writes `result.json` only after that.
+//!   ([`kill_all_others`]; `CAP_KILL` lets it reach the submission's uid); the kernel refuses
+//!   a `fork` to a process with a fatal signal pending, so no fork chain escapes it. It writes
+//!   `result.json` only after that.
 //! * **Being chosen by the OOM killer**: each harness process raises its own
 //!   `oom_score_adj` to 1000 before it executes.
 //!
@@ -34,6 +43,8 @@
 use std::path::Path;
 
 use std::collections::BTreeMap;
+
+use kernelkite_sys::identity::{Ids, EVALUATOR_CAPABILITY_MASK, SUBMISSION_USER_ENV};
 
 use seccompiler::{
     BackendError, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -48,18 +59,80 @@ pub struct Guard {
     /// After each run, kill every other process of the job's PID namespace
     /// ([`kill_all_others`]).
     pub kill_namespace: bool,
+    /// The uid and gid each harness process runs as ([`submission_identity`]); `None`: the
+    /// runner's own.
+    pub submission: Option<Ids>,
+}
+
+/// Why the guard could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    /// The runner cannot protect itself (non-dumpable, filter): it goes on unguarded, and says
+    /// so.
+    #[error("{0}")]
+    Unprotected(String),
+    /// The sandbox named a submission identity the runner cannot switch to: evaluating anyway
+    /// would run the submission as the runner's uid, so the evaluation fails.
+    #[error("{0}")]
+    Identity(String),
 }
 
 impl Guard {
     /// This process's guard: non-dumpable from now on ([`protect_self`]), the filter built for
     /// its pid, and the namespace-wide kill when it is [`at_top_of_job_namespace`].
-    pub fn for_this_process(proc_root: &Path) -> Result<Guard, String> {
-        protect_self().map_err(|e| format!("cannot make the runner non-dumpable: {e}"))?;
+    /// The submission identity comes from `named` (the sandbox's
+    /// `KERNELKITE_SUBMISSION_USER`).
+    pub fn for_this_process(proc_root: &Path, named: Option<&str>) -> Result<Guard, GuardError> {
+        let effective = rustix::thread::capabilities(None)
+            .map(|c| c.effective.bits())
+            .unwrap_or(0);
+        let me = rustix::process::getuid().as_raw();
+        let submission = submission_identity(named, effective, me).map_err(GuardError::Identity)?;
+        protect_self().map_err(|e| {
+            GuardError::Unprotected(format!("cannot make the runner non-dumpable: {e}"))
+        })?;
         Ok(Guard {
-            filter: submission_filter()?,
+            filter: submission_filter().map_err(GuardError::Unprotected)?,
             kill_namespace: at_top_of_job_namespace(proc_root),
+            submission,
         })
     }
+}
+
+/// The identity the submission runs as: the one the sandbox `named`
+/// (`KERNELKITE_SUBMISSION_USER`, `uid:gid`), once it is known usable: this process (uid `me`,
+/// `effective` capabilities) holds `CAP_SETUID`, `CAP_SETGID` and `CAP_KILL` and is not that
+/// uid already. `None` when nothing is named (outside the sandbox).
+pub fn submission_identity(
+    named: Option<&str>,
+    effective: u64,
+    me: u32,
+) -> Result<Option<Ids>, String> {
+    let Some(value) = named.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    let ids = Ids::from_env(value).ok_or_else(|| {
+        format!("{SUBMISSION_USER_ENV}={value:?} is not uid:gid (both non-zero); the sandbox sets it, so run the runner as the sandbox starts it, or unset it")
+    })?;
+    if ids.uid == me {
+        return Err(format!(
+            "{SUBMISSION_USER_ENV} names uid {me}, the runner's own: the submission would share the evaluator's uid; the sandbox gives them different ids"
+        ));
+    }
+    if effective & EVALUATOR_CAPABILITY_MASK != EVALUATOR_CAPABILITY_MASK {
+        return Err(format!(
+            "{SUBMISSION_USER_ENV} names uid {} for the submission, but the runner lacks the capabilities to switch to it (CAP_SETUID, CAP_SETGID, CAP_KILL; effective {effective:#x}): start it directly from the step's command in the kernelkite sandbox, not through sudo, su or a setuid wrapper",
+            ids.uid
+        ));
+    }
+    Ok(Some(ids))
+}
+
+/// Opens a directory the runner made to the submission's uid (mode 0777): it works and
+/// builds there. The runner's own writes into it never follow a link (`crate::workdir`).
+pub fn open_to_submission(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
 }
 
 /// Makes this process non-dumpable: its `/proc/<pid>` files become root's, and a process of the
@@ -203,6 +276,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_named_identity_is_used_only_with_the_capabilities_to_switch() {
+        let all = EVALUATOR_CAPABILITY_MASK;
+        assert_eq!(submission_identity(None, 0, 1000), Ok(None));
+        assert_eq!(submission_identity(Some(""), all, 1000), Ok(None));
+        assert_eq!(
+            submission_identity(Some("1960000001:1960000001"), all, 1950000001),
+            Ok(Some(Ids {
+                uid: 1960000001,
+                gid: 1960000001
+            }))
+        );
+        let without_kill = all & !(1 << 5);
+        let e = submission_identity(Some("7:7"), without_kill, 1000).unwrap_err();
+        assert!(
+            e.contains("lacks the capabilities") && e.contains("CAP_KILL"),
+            "{e}"
+        );
+        let e = submission_identity(Some("1000:1000"), all, 1000).unwrap_err();
+        assert!(e.contains("the runner's own"), "{e}");
+        let e = submission_identity(Some("0:0"), all, 1000).unwrap_err();
+        assert!(e.contains("not uid:gid"), "{e}");
+    }
+
+    #[test]
     fn only_a_namespace_other_than_the_host_s_counts() {
         assert!(!names_a_nested_namespace("pid:[4026531836]"));
         assert!(names_a_nested_namespace("pid:[4026532301]"));
@@ -213,6 +310,37 @@ mod tests {
     fn a_test_process_is_never_at_the_top_of_a_job_namespace() {
         // Its parent is the test harness, not a namespace's init.
         assert!(!at_top_of_job_namespace(Path::new("/proc")));
+    }
+
+    /// With a submission identity, the harness process runs as it, with no capability left in
+    /// any set but the bounding set (which only an exec with file capabilities, refused under
+    /// `no_new_privs`, could use). Needs root, which may switch to any id.
+    #[test]
+    fn a_harness_runs_as_the_submission_identity_without_capabilities() {
+        if !rustix::process::geteuid().is_root() {
+            kernelkite_testkit::skip("needs root to switch to another uid");
+            return;
+        }
+        let ids = Ids {
+            uid: 1_960_000_042,
+            gid: 1_960_000_042,
+        };
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args([
+            "-c",
+            "id -u; id -g; grep -E '^Cap(Eff|Prm|Inh|Amb)' /proc/self/status",
+        ]);
+        kernelkite_sys::raw::harden_before_exec(&mut cmd, submission_filter().unwrap(), Some(ids));
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}");
+        assert!(text.starts_with("1960000042\n1960000042\n"), "{text}");
+        for set in ["CapEff", "CapPrm", "CapInh", "CapAmb"] {
+            assert!(
+                text.contains(&format!("{set}:\t0000000000000000")),
+                "{set}: {text}"
+            );
+        }
     }
 
     /// A child under the filter cannot signal this process, by pid, by `-1` or by its group
@@ -229,7 +357,7 @@ mod tests {
         );
         let mut cmd = std::process::Command::new("sh");
         cmd.args(["-c", &script]);
-        kernelkite_sys::raw::harden_before_exec(&mut cmd, filter);
+        kernelkite_sys::raw::harden_before_exec(&mut cmd, filter, None);
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(!text.contains("ESCAPED"), "{text}");

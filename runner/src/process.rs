@@ -162,7 +162,12 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
     // even descriptors a parent of ours leaked without CLOEXEC.
     let inherit = pipe.as_ref().map(|(_, w)| (w.as_fd(), POPCORN_FD));
     if let Some(g) = &spec.guard {
-        kernelkite_sys::raw::harden_before_exec(&mut cmd, g.filter.clone());
+        if g.submission.is_some() {
+            // The job's HOME (its private /tmp) may hold the runner's files; the submission's
+            // caches (torch extensions, Triton) go to the directory it works in.
+            cmd.env("HOME", &spec.cwd);
+        }
+        kernelkite_sys::raw::harden_before_exec(&mut cmd, g.filter.clone(), g.submission);
     }
     let start = Instant::now();
     let mut child = kernelkite_sys::raw::spawn_in_new_session(cmd, inherit)?;

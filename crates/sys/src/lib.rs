@@ -3,6 +3,8 @@
 //! * [`nvml`]: NVIDIA's management library, loaded at run time through `nvml-wrapper`, so a
 //!   binary runs (and reports why not) on machines without the NVIDIA driver.
 //! * [`procfs`]: `/proc/<pid>/stat` and the process tree, under an injected procfs root.
+//! * [`identity`]: the job's two identities (the command's, the submission's) and the variable
+//!   that names the second.
 //! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
 //! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
 //!   that runs between `fork` and `exec`, glibc's version). Every `unsafe` block of the
@@ -14,6 +16,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod fs;
+pub mod identity;
 pub mod nvml;
 pub mod procfs;
 pub mod raw;

@@ -130,15 +130,24 @@ pub fn x32_refusal() -> seccompiler::BpfProgram {
     ]
 }
 
-/// Has `cmd`'s child, just before `exec`: give up the parent's non-dumpable state (exec would
-/// anyway), raise its own OOM score to the maximum (`/proc/self/oom_score_adj` = 1000: when
-/// the job's memory runs out, the kernel kills the child, not the parent), and install
-/// `filter`, a compiled seccomp program (and [`x32_refusal`]), which holds for it and
-/// everything it starts. The
-/// evaluator uses it to run a submission that cannot signal the evaluator (its filter).
-pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
+/// Has `cmd`'s child, just before `exec`: become `submission` if given (ambient capabilities
+/// cleared, gid then uid set, real, effective and saved, then every capability dropped: the
+/// caller needs `CAP_SETUID` and `CAP_SETGID`, see [`crate::identity`]), give up the parent's
+/// non-dumpable state (exec would anyway), raise its own OOM score to the maximum
+/// (`/proc/self/oom_score_adj` = 1000: when the job's memory runs out, the kernel kills the
+/// child, not the parent), and install `filter`, a compiled seccomp program (and
+/// [`x32_refusal`]), which holds for it and everything it starts. The evaluator uses it to
+/// run a submission that cannot signal the evaluator (its uid, and its filter).
+pub fn harden_before_exec(
+    cmd: &mut Command,
+    filter: seccompiler::BpfProgram,
+    submission: Option<crate::identity::Ids>,
+) {
     let x32 = x32_refusal();
     let setup = move || -> io::Result<()> {
+        if let Some(ids) = submission {
+            become_without_capabilities(ids)?;
+        }
         rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::Dumpable)?;
         if let Ok(fd) = rustix::fs::open(
             c"/proc/self/oom_score_adj",
@@ -151,12 +160,36 @@ pub fn harden_before_exec(cmd: &mut Command, filter: seccompiler::BpfProgram) {
         apply_filters(&[&x32, &filter])
     };
     // SAFETY: `setup` runs between fork and exec and makes only async-signal-safe system calls
-    // (prctl, open, write, close, seccomp) on a constant path and on the program it owns,
-    // which was built before the fork; it allocates nothing (an error from a raw OS code does
-    // not allocate).
+    // (prctl, setresgid, setresuid, capset, open, write, close, seccomp) on a constant path,
+    // plain integers and the program it owns, which was built before the fork; it allocates
+    // nothing (an error from a raw OS code does not allocate). rustix's credential calls are
+    // the raw per-thread system calls, and the forked child has one thread.
     unsafe {
         cmd.pre_exec(setup);
     }
+}
+
+/// The calling thread becomes `ids` with no capability left in any set (the bounding set
+/// stays as it is; `no_new_privs`, which the sandbox sets, keeps an exec from refilling the
+/// others). Between a non-root uid and another, `setresuid` keeps capabilities, so they are
+/// dropped explicitly after it.
+fn become_without_capabilities(ids: crate::identity::Ids) -> io::Result<()> {
+    use rustix::process::{Gid, Uid};
+    use rustix::thread::{CapabilitySet, CapabilitySets};
+    rustix::thread::clear_ambient_capability_set()?;
+    let gid = Gid::from_raw(ids.gid);
+    rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+    let uid = Uid::from_raw(ids.uid);
+    rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+    rustix::thread::set_capabilities(
+        None,
+        CapabilitySets {
+            effective: CapabilitySet::empty(),
+            permitted: CapabilitySet::empty(),
+            inheritable: CapabilitySet::empty(),
+        },
+    )?;
+    Ok(())
 }
 
 /// This process's process group as its own PID namespace numbers it: 0 when the group's

@@ -354,6 +354,7 @@ pub fn sandbox_spec(
     state: &JobState,
     env: &BTreeMap<String, String>,
     user: &JobUser,
+    submission: Option<&JobUser>,
     checkout: Option<&Path>,
 ) -> SandboxSpec {
     let devices = spec::gpu_device_nodes(&settings.sysfs_root, &settings.dev_root, &state.slice);
@@ -362,6 +363,7 @@ pub fn sandbox_spec(
         .filter(|g| std::fs::symlink_metadata(g).is_ok());
     SandboxSpec {
         user: user.clone(),
+        submission: submission.cloned(),
         groups: spec::device_groups(&devices),
         cwd: std::env::current_dir()
             .ok()
@@ -385,6 +387,18 @@ pub fn sandbox_spec(
             cgroup: state.cgroup_version,
         },
     }
+}
+
+/// The identity the evaluator runs this slice's submissions as
+/// (`sandbox::user::submission_for_slice`); none for a root command (`allow-root`).
+fn submission_identity(user: &JobUser, slice: u32) -> Result<Option<JobUser>, JobError> {
+    if user.is_root() {
+        return Ok(None);
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    sandbox::user::submission_for_slice(&passwd, slice)
+        .map(Some)
+        .map_err(|e| JobError::Sandbox(e.to_string()))
 }
 
 /// Starts the step's shell in the job's cgroup with the sandbox set up in the child first (as
@@ -411,10 +425,23 @@ fn start_sandboxed(
     if let Some(c) = &checkout {
         give_checkout(settings, state, c, &user)?;
     }
-    let spec = sandbox_spec(settings, state, env, &user, checkout.as_deref());
+    let submission = submission_identity(&user, state.slice.index)?;
+    let spec = sandbox_spec(
+        settings,
+        state,
+        env,
+        &user,
+        submission.as_ref(),
+        checkout.as_deref(),
+    );
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
-    let env = sandbox::job_env(child_env, &user, &state.config.environment);
+    let env = sandbox::job_env(
+        child_env,
+        &user,
+        submission.as_ref(),
+        &state.config.environment,
+    );
     // The child this hook starts next is the job's PID namespace's init (`sandbox::init`): the
     // hook starts nothing else after it.
     kernelkite_sys::raw::unshare_pid_namespace()

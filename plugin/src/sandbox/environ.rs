@@ -7,6 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use kernelkite_sys::identity::SUBMISSION_USER_ENV;
+
 use super::user::JobUser;
 
 /// Names passed through when the job has them.
@@ -70,20 +72,32 @@ pub fn passed(name: &str, extra: &[String]) -> bool {
 
 /// The command's environment: the allowed part of the job's, with `HOME` and `TMPDIR` in the
 /// private `/tmp` (the job user has no home) and `USER`/`LOGNAME` naming it.
+///
+/// `submission` is the identity the evaluator is to run the submission as, named in
+/// `KERNELKITE_SUBMISSION_USER` (`kernelkite_sys::identity`); only the sandbox sets that
+/// variable, whatever the job's environment or the step's list says.
 pub fn job_env(
     env: &BTreeMap<String, String>,
     user: &JobUser,
+    submission: Option<&JobUser>,
     extra: &[String],
 ) -> BTreeMap<String, String> {
     let mut out: BTreeMap<String, String> = env
         .iter()
-        .filter(|(k, _)| passed(k, extra))
+        .filter(|(k, _)| passed(k, extra) && k.as_str() != SUBMISSION_USER_ENV)
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     out.insert("HOME".into(), "/tmp".into());
     out.insert("TMPDIR".into(), "/tmp".into());
     out.insert("USER".into(), user.name.clone());
     out.insert("LOGNAME".into(), user.name.clone());
+    if let Some(s) = submission {
+        let ids = kernelkite_sys::identity::Ids {
+            uid: s.uid,
+            gid: s.gid,
+        };
+        out.insert(SUBMISSION_USER_ENV.into(), ids.to_env());
+    }
     out
 }
 
@@ -113,11 +127,17 @@ mod tests {
             ("CUDA_VISIBLE_DEVICES", "GPU-1"),
             ("MY_SETTING", "x"),
             ("SSH_AUTH_SOCK", "/run/ssh"),
+            ("KERNELKITE_SUBMISSION_USER", "0:0"),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        let e = job_env(&env, &user(), &["MY_SETTING".into()]);
+        let e = job_env(
+            &env,
+            &user(),
+            None,
+            &["MY_SETTING".into(), "KERNELKITE_SUBMISSION_USER".into()],
+        );
         let keys: Vec<&str> = e.keys().map(String::as_str).collect();
         assert_eq!(
             keys,
@@ -137,7 +157,20 @@ mod tests {
         assert_eq!(e["HOME"], "/tmp");
         assert_eq!(e["USER"], "kernelkite-job");
         // A step cannot list its way to the agent's token.
-        let e = job_env(&env, &user(), &["BUILDKITE_AGENT_ACCESS_TOKEN".into()]);
+        let e = job_env(
+            &env,
+            &user(),
+            None,
+            &["BUILDKITE_AGENT_ACCESS_TOKEN".into()],
+        );
         assert!(!e.contains_key("BUILDKITE_AGENT_ACCESS_TOKEN"));
+        // The submission's identity is the sandbox's word only.
+        let submission = JobUser {
+            name: "kernelkite-submission-3".into(),
+            uid: 1_960_000_003,
+            gid: 1_960_000_003,
+        };
+        let e = job_env(&env, &user(), Some(&submission), &[]);
+        assert_eq!(e["KERNELKITE_SUBMISSION_USER"], "1960000003:1960000003");
     }
 }

@@ -1,6 +1,10 @@
 //! Dropping root: `no_new_privs`, an empty capability bounding set and ambient set,
 //! supplementary groups replaced by the GPU device group (if any), then gid and uid (real,
-//! effective and saved), then every remaining capability (root's, with `allow-root`).
+//! effective and saved), then every remaining capability (root's, with `allow-root`). A
+//! command whose evaluator runs the submission as another uid keeps three capabilities
+//! instead of none (`kernelkite_sys::identity::EVALUATOR_CAPABILITIES`, in every set but the
+//! bounding set's others, and ambient, so that they survive the exec of the step's shell and
+//! of the runner); the system-call filter holds their use to the job's two identities.
 //!
 //! rustix's calls act on the calling thread only (Linux keeps credentials per thread); the
 //! command's child is the only thread of its process (the hooks are single-threaded, checked
@@ -8,6 +12,8 @@
 
 use rustix::process::{Gid, Uid};
 use rustix::thread::{CapabilitySet, CapabilitySets};
+
+use kernelkite_sys::identity::{EVALUATOR_CAPABILITIES, EVALUATOR_CAPABILITY_MASK};
 
 use super::user::JobUser;
 use super::SandboxError;
@@ -67,7 +73,20 @@ impl Credentials {
 
     /// Whether every capability set is empty.
     pub fn no_capabilities(&self) -> bool {
-        self.caps.iter().all(|(_, v)| *v == 0)
+        self.only_capabilities(0)
+    }
+
+    /// Whether every capability set is exactly `mask` (`0`: none at all).
+    pub fn only_capabilities(&self, mask: u64) -> bool {
+        !self.caps.is_empty() && self.caps.iter().all(|(_, v)| *v == mask)
+    }
+
+    /// The capabilities held (the effective set), `0` when unknown.
+    pub fn effective(&self) -> u64 {
+        self.caps
+            .iter()
+            .find(|(n, _)| n == "CapEff")
+            .map_or(0, |(_, v)| *v)
     }
 }
 
@@ -87,16 +106,27 @@ fn failed(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> SandboxError 
     }
 }
 
-/// Becomes `user` with supplementary `groups` only, no capabilities and `no_new_privs`, then
-/// checks that it took.
-pub fn drop_to(user: &JobUser, groups: &[u32]) -> Result<Credentials, SandboxError> {
+/// Becomes `user` with supplementary `groups` only, `no_new_privs`, and no capabilities or,
+/// with `evaluator`, only [`EVALUATOR_CAPABILITIES`] (ambient); then checks that it took.
+pub fn drop_to(
+    user: &JobUser,
+    groups: &[u32],
+    evaluator: bool,
+) -> Result<Credentials, SandboxError> {
+    let kept: CapabilitySet = if evaluator && !user.is_root() {
+        CapabilitySet::from_bits_retain(EVALUATOR_CAPABILITY_MASK)
+    } else {
+        CapabilitySet::empty()
+    };
     rustix::thread::set_no_new_privs(true).map_err(failed("set no_new_privs"))?;
     // The bounding set limits what any later exec could gain; dropping needs CAP_SETPCAP,
     // which goes with the uid below, so it comes first.
     for cap in 0..=last_capability() {
-        match rustix::thread::remove_capability_from_bounding_set(CapabilitySet::from_bits_retain(
-            1 << cap,
-        )) {
+        let one = CapabilitySet::from_bits_retain(1 << cap);
+        if kept.contains(one) {
+            continue;
+        }
+        match rustix::thread::remove_capability_from_bounding_set(one) {
             Ok(()) | Err(rustix::io::Errno::INVAL) => {}
             Err(e) => return Err(failed("empty the capability bounding set")(e)),
         }
@@ -107,19 +137,31 @@ pub fn drop_to(user: &JobUser, groups: &[u32]) -> Result<Credentials, SandboxErr
     rustix::thread::set_thread_groups(&gids).map_err(failed("set the supplementary groups"))?;
     let gid = Gid::from_raw(user.gid);
     rustix::thread::set_thread_res_gid(gid, gid, gid).map_err(failed("set the gid"))?;
+    // Leaving root clears the permitted set unless this is on (and always the ambient set).
+    rustix::thread::set_keep_capabilities(!kept.is_empty())
+        .map_err(failed("keep capabilities across the uid change"))?;
     let uid = Uid::from_raw(user.uid);
     rustix::thread::set_thread_res_uid(uid, uid, uid).map_err(failed("set the uid"))?;
-    // A non-root uid has lost every capability with the line above; root keeps them until
-    // this.
+    // A non-root uid has lost every other capability with the line above; root keeps them
+    // until this.
     rustix::thread::set_capabilities(
         None,
         CapabilitySets {
-            effective: CapabilitySet::empty(),
-            permitted: CapabilitySet::empty(),
-            inheritable: CapabilitySet::empty(),
+            effective: kept,
+            permitted: kept,
+            inheritable: kept,
         },
     )
     .map_err(failed("drop the capabilities"))?;
+    for cap in EVALUATOR_CAPABILITIES {
+        let one = CapabilitySet::from_bits_retain(1 << cap);
+        if kept.contains(one) {
+            rustix::thread::configure_capability_in_ambient_set(one, true)
+                .map_err(failed("keep the evaluator's capabilities across exec"))?;
+        }
+    }
+    rustix::thread::set_keep_capabilities(false)
+        .map_err(failed("stop keeping capabilities across uid changes"))?;
     let now = Credentials::current();
     let took = now.uids.iter().all(|u| *u == user.uid)
         && now.gids.iter().all(|g| *g == user.gid)
@@ -129,7 +171,7 @@ pub fn drop_to(user: &JobUser, groups: &[u32]) -> Result<Credentials, SandboxErr
             g.dedup();
             g
         }
-        && now.no_capabilities()
+        && now.only_capabilities(kept.bits())
         && now.no_new_privs;
     if !took {
         return Err(SandboxError::Privileges {
@@ -156,6 +198,10 @@ mod tests {
         assert_eq!(c.groups, [44, 993]);
         assert!(c.no_capabilities());
         assert!(c.no_new_privs);
+        let evaluator = parse_status(&status.replace("0000000000000000", "00000000000000e0"));
+        assert!(evaluator.only_capabilities(EVALUATOR_CAPABILITY_MASK));
+        assert!(!evaluator.no_capabilities());
+        assert_eq!(evaluator.effective(), 0xe0);
         let root =
             parse_status(&status.replace("CapBnd:\t0000000000000000", "CapBnd:\t000001ffffffffff"));
         assert!(!root.no_capabilities());

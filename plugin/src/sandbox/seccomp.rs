@@ -186,6 +186,72 @@ pub const SOCKET_FAMILIES: &[(&str, u64)] = &[("AF_VSOCK", 40)];
 /// pty: input, a Ctrl-C for processes outside the job), `TIOCLINUX` does the same on a console.
 pub const IOCTLS: &[(&str, u64)] = &[("TIOCSTI", 0x5412), ("TIOCLINUX", 0x541C)];
 
+/// The two identities a command holding the evaluator's capabilities
+/// (`kernelkite_sys::identity`) may take: its own and the submission's. With them the filter
+/// refuses every `set*id` call naming another id (`-1`, "unchanged", where the call has it) and
+/// `setgroups` whole (the command keeps the groups the sandbox gave it), so `CAP_SETUID` and
+/// `CAP_SETGID` reach neither root nor another job's uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identities {
+    /// The command's uid and the submission's.
+    pub uids: [u32; 2],
+    /// Their gids.
+    pub gids: [u32; 2],
+}
+
+impl Identities {
+    /// The command user's and the submission's ids.
+    pub fn of(command: &super::user::JobUser, submission: &super::user::JobUser) -> Identities {
+        Identities {
+            uids: [command.uid, submission.uid],
+            gids: [command.gid, submission.gid],
+        }
+    }
+}
+
+/// `set*id` calls and their id arguments; `true` where `-1` means "leave unchanged".
+const ID_CALLS: &[(&str, i64, &[u8], bool, bool)] = &[
+    // (name, number, id arguments, takes -1, names uids (else gids))
+    ("setuid", libc::SYS_setuid, &[0], false, true),
+    ("setreuid", libc::SYS_setreuid, &[0, 1], true, true),
+    ("setresuid", libc::SYS_setresuid, &[0, 1, 2], true, true),
+    ("setfsuid", libc::SYS_setfsuid, &[0], true, true),
+    ("setgid", libc::SYS_setgid, &[0], false, false),
+    ("setregid", libc::SYS_setregid, &[0, 1], true, false),
+    ("setresgid", libc::SYS_setresgid, &[0, 1, 2], true, false),
+    ("setfsgid", libc::SYS_setfsgid, &[0], true, false),
+];
+
+/// The rules refusing (by [`Identities`]) every id change but to the job's two identities.
+fn identity_rules(ids: &Identities) -> Result<BTreeMap<i64, Vec<SeccompRule>>, SeccompError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    for (_, nr, args, unchanged, uid) in ID_CALLS {
+        let allowed = if *uid { ids.uids } else { ids.gids };
+        let mut values: Vec<u64> = allowed.iter().map(|v| u64::from(*v)).collect();
+        if *unchanged {
+            values.push(u64::from(u32::MAX));
+        }
+        // One rule per argument: it matches (refused) when that argument is none of `values`.
+        // Ids are 32-bit: compared on the low half the kernel reads.
+        let per_arg = args
+            .iter()
+            .map(|arg| {
+                values
+                    .iter()
+                    .map(|v| {
+                        SeccompCondition::new(*arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, *v)
+                            .map_err(|e| SeccompError::Build(e.to_string()))
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .and_then(rule)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        rules.insert(*nr, per_arg);
+    }
+    rules.insert(libc::SYS_setgroups, Vec::new());
+    Ok(rules)
+}
+
 /// The names `allow-syscalls` accepts.
 pub fn opt_outs() -> Vec<&'static str> {
     RULES.iter().filter_map(|r| r.opt_out).collect()
@@ -277,7 +343,13 @@ fn compile(
 /// The programs: the x32 ABI refused whole (`kernelkite_sys::raw::x32_refusal`), `clone3` →
 /// `ENOSYS`, then the `EPERM` rules. (One seccompiler filter has one match action; the kernel
 /// runs them all, and a call only one of them matches gets its answer.)
-pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, SeccompError> {
+///
+/// With `ids` (a command holding the evaluator's capabilities), a fourth program holds
+/// `set*id` to the two identities ([`Identities`]).
+pub fn programs(
+    allowed: &[String],
+    ids: Option<&Identities>,
+) -> Result<Vec<seccompiler::BpfProgram>, SeccompError> {
     let mut clone3: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     clone3.insert(libc::SYS_clone3, Vec::new());
     let mut out: Vec<seccompiler::BpfProgram> = vec![kernelkite_sys::raw::x32_refusal()];
@@ -286,13 +358,19 @@ pub fn programs(allowed: &[String]) -> Result<Vec<seccompiler::BpfProgram>, Secc
         filter_rules(allowed)?,
         SeccompAction::Errno(libc::EPERM as u32),
     )?);
+    if let Some(ids) = ids {
+        out.push(compile(
+            identity_rules(ids)?,
+            SeccompAction::Errno(libc::EPERM as u32),
+        )?);
+    }
     Ok(out)
 }
 
 /// Installs the filter on the calling thread (the command's process, single-threaded, after it
 /// dropped root; `no_new_privs` is already set). It holds for every process the job starts.
-pub fn install(allowed: &[String]) -> Result<(), SeccompError> {
-    let programs = programs(allowed)?;
+pub fn install(allowed: &[String], ids: Option<&Identities>) -> Result<(), SeccompError> {
+    let programs = programs(allowed, ids)?;
     let refs: Vec<&seccompiler::BpfProgram> = programs.iter().collect();
     kernelkite_sys::raw::apply_filters(&refs).map_err(SeccompError::Install)
 }
@@ -312,7 +390,13 @@ mod tests {
     /// Runs `body` in a forked child with the filter installed; the child's exit code is the
     /// number of failed checks, its stderr says which.
     fn in_filtered_child(allowed: &[String], body: fn() -> Vec<String>) -> Vec<String> {
-        let programs = programs(allowed).unwrap();
+        in_child_with(programs(allowed, None).unwrap(), body)
+    }
+
+    fn in_child_with(
+        programs: Vec<seccompiler::BpfProgram>,
+        body: fn() -> Vec<String>,
+    ) -> Vec<String> {
         let refs: Vec<&seccompiler::BpfProgram> = programs.iter().collect();
         let (r, w) = rustix::pipe::pipe().unwrap();
         // SAFETY: the test forks to get a process whose filter dies with it; the child only
@@ -464,6 +548,68 @@ mod tests {
             bad.push(format!("ptrace was lifted too (errno {pt})"));
         }
         bad
+    }
+
+    const COMMAND_ID: u32 = 1234;
+    const SUBMISSION_ID: u32 = 5678;
+
+    /// As root (which may take any id without the filter), only the two identities are
+    /// reachable: root, a third id and `setgroups` are refused, the submission's id is not.
+    fn only_the_two_identities() -> Vec<String> {
+        let mut bad = Vec::new();
+        let refused: [(&str, i64, [i64; 3]); 6] = [
+            ("setuid(0)", libc::SYS_setuid, [0, 0, 0]),
+            ("setresuid(0, 0, 0)", libc::SYS_setresuid, [0, 0, 0]),
+            (
+                "setresuid(-1, 4242, -1)",
+                libc::SYS_setresuid,
+                [-1, 4242, -1],
+            ),
+            ("setreuid(1234, 0)", libc::SYS_setreuid, [1234, 0, 0]),
+            ("setgid(0)", libc::SYS_setgid, [0, 0, 0]),
+            ("setgroups(0, NULL)", libc::SYS_setgroups, [0, 0, 0]),
+        ];
+        for (name, nr, [a, b, c]) in refused {
+            // SAFETY: credential calls on this forked child only; refused before they act.
+            let rc = unsafe { libc::syscall(nr, a, b, c) };
+            if errno_of(rc) != libc::EPERM {
+                bad.push(format!("{name}: rc {rc}, errno {}", errno_of(rc)));
+            }
+        }
+        // A query (-1) of the file-system uid still answers.
+        // SAFETY: setfsuid(-1) changes nothing.
+        if unsafe { libc::syscall(libc::SYS_setfsuid, -1i64) } < 0 {
+            bad.push("setfsuid(-1) failed".into());
+        }
+        let s = i64::from(SUBMISSION_ID);
+        for (name, nr, args) in [
+            ("setresgid(s, s, s)", libc::SYS_setresgid, [s, s, s]),
+            ("setresuid(-1, s, -1)", libc::SYS_setresuid, [-1, s, -1]),
+        ] {
+            // SAFETY: this forked child becomes the submission's id, as the runner's does.
+            let rc = unsafe { libc::syscall(nr, args[0], args[1], args[2]) };
+            if rc != 0 {
+                bad.push(format!("{name}: rc {rc}, errno {}", errno_of(rc)));
+            }
+        }
+        bad
+    }
+
+    #[test]
+    fn with_the_evaluator_s_capabilities_only_the_two_identities_are_reachable() {
+        if !rustix::process::geteuid().is_root() {
+            kernelkite_testkit::skip("needs root: without it every id change fails anyway");
+            return;
+        }
+        let ids = Identities {
+            uids: [COMMAND_ID, SUBMISSION_ID],
+            gids: [COMMAND_ID, SUBMISSION_ID],
+        };
+        let bad = in_child_with(programs(&[], Some(&ids)).unwrap(), only_the_two_identities);
+        assert!(bad.is_empty(), "{bad:?}");
+        // Without the identities (a root command, `allow-root`) nothing of that is refused.
+        let bad = in_child_with(programs(&[], None).unwrap(), only_the_two_identities);
+        assert!(bad.len() >= 5, "the rules must be what refuses: {bad:?}");
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub struct LimitsNote {
 pub struct SandboxSpec {
     /// Who the command runs as.
     pub user: JobUser,
+    /// Who the evaluator runs the submission as (`kernelkite_sys::identity`): the command then
+    /// keeps `CAP_SETUID`, `CAP_SETGID` and `CAP_KILL`, its filter holding `set*id` to the
+    /// two identities. `None` for a root command (`allow-root`), which keeps nothing.
+    pub submission: Option<JobUser>,
     /// Supplementary groups the command keeps: the groups owning GPU device nodes that are
     /// not open to everyone (AMD's `render`/`video`); none otherwise.
     pub groups: Vec<u32>,

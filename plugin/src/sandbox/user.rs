@@ -117,9 +117,15 @@ pub fn lookup(passwd: &str, user: &str) -> Result<JobUser, UserError> {
 /// names one of them is refused (see [`for_slice`]).
 pub const SLICE_ID_BASE: u32 = 1_950_000_000;
 
+/// The first of the ids reserved for per-slice submission identities: on slice `n` the
+/// evaluator runs the submission as uid and gid `SUBMISSION_ID_BASE + n`
+/// (`kernelkite_sys::identity`). Ten million above [`SLICE_ID_BASE`], so the two ranges never
+/// meet.
+pub const SUBMISSION_ID_BASE: u32 = 1_960_000_000;
+
 /// Why a per-slice identity cannot be used.
 #[derive(Debug, thiserror::Error)]
-#[error("uid {uid} (reserved by kernelkite for slice {slice}'s jobs) belongs to the account {account:?} on this node; remove or renumber that account, or name the job user with the plugin option `user`")]
+#[error("uid {uid} (reserved by kernelkite for slice {slice}'s {what}) belongs to the account {account:?} on this node; remove or renumber that account{hint}")]
 pub struct SliceIdTaken {
     /// The slice.
     pub slice: u32,
@@ -127,6 +133,37 @@ pub struct SliceIdTaken {
     pub uid: u32,
     /// Who has it.
     pub account: String,
+    /// Which identity: "jobs" or "submissions".
+    pub what: &'static str,
+    /// What else the operator can do.
+    pub hint: &'static str,
+}
+
+/// The identity `base + slice` named `<prefix>-<slice>`, unless `passwd` gives that uid or gid
+/// to an account.
+fn reserved(
+    passwd: &str,
+    base: u32,
+    prefix: &str,
+    slice: u32,
+    what: &'static str,
+    hint: &'static str,
+) -> Result<JobUser, SliceIdTaken> {
+    let id = base.saturating_add(slice);
+    if let Some((account, _, _)) = entries(passwd).find(|e| e.1 == id || e.2 == id) {
+        return Err(SliceIdTaken {
+            slice,
+            uid: id,
+            account: account.to_string(),
+            what,
+            hint,
+        });
+    }
+    Ok(JobUser {
+        name: format!("{prefix}-{slice}"),
+        uid: id,
+        gid: id,
+    })
 }
 
 /// The identity the default job user takes on slice `slice`: uid and gid
@@ -135,19 +172,28 @@ pub struct SliceIdTaken {
 /// the other, or write the other's files, whatever else went wrong. Refused when `passwd`
 /// gives that uid or gid to an account.
 pub fn for_slice(passwd: &str, slice: u32) -> Result<JobUser, SliceIdTaken> {
-    let id = SLICE_ID_BASE.saturating_add(slice);
-    if let Some((account, _, _)) = entries(passwd).find(|e| e.1 == id || e.2 == id) {
-        return Err(SliceIdTaken {
-            slice,
-            uid: id,
-            account: account.to_string(),
-        });
-    }
-    Ok(JobUser {
-        name: format!("{DEFAULT_JOB_USER}-{slice}"),
-        uid: id,
-        gid: id,
-    })
+    reserved(
+        passwd,
+        SLICE_ID_BASE,
+        DEFAULT_JOB_USER,
+        slice,
+        "jobs",
+        ", or name the job user with the plugin option `user`",
+    )
+}
+
+/// The identity the evaluator runs slice `slice`'s submissions as: uid and gid
+/// `SUBMISSION_ID_BASE + slice`, named `kernelkite-submission-<slice>`: not the command's,
+/// not another slice's. Refused when `passwd` gives that uid or gid to an account.
+pub fn submission_for_slice(passwd: &str, slice: u32) -> Result<JobUser, SliceIdTaken> {
+    reserved(
+        passwd,
+        SUBMISSION_ID_BASE,
+        "kernelkite-submission",
+        slice,
+        "submissions",
+        "",
+    )
 }
 
 /// Resolves `user` against `<etc_root>/etc/passwd`.
@@ -199,6 +245,23 @@ nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
         let taken = format!("{PASSWD}intruder:x:{}:100::/:/bin/sh\n", SLICE_ID_BASE + 7);
         let e = for_slice(&taken, 7).unwrap_err().to_string();
         assert!(e.contains("\"intruder\"") && e.contains("slice 7"), "{e}");
+        // The submission's identity is another, and refused the same way.
+        let s = submission_for_slice(PASSWD, 7).unwrap();
+        assert_eq!(
+            (s.name.as_str(), s.uid, s.gid),
+            (
+                "kernelkite-submission-7",
+                SUBMISSION_ID_BASE + 7,
+                SUBMISSION_ID_BASE + 7
+            )
+        );
+        assert_ne!(s.uid, b.uid);
+        let taken = format!(
+            "{PASSWD}intruder:x:100:{}::/:/bin/sh\n",
+            SUBMISSION_ID_BASE + 7
+        );
+        let e = submission_for_slice(&taken, 7).unwrap_err().to_string();
+        assert!(e.contains("slice 7's submissions"), "{e}");
     }
 
     #[test]
