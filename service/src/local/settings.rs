@@ -118,13 +118,15 @@ pub struct SandboxDecision {
     pub why_off: Option<String>,
 }
 
+/// The plugin's default `user` (plugin.yml; the service does not link the plugin).
+const DEFAULT_JOB_USER: &str = "kernelkite-job";
+
 /// The job user the plugin configuration names (its `user` key, else the plugin's default).
 fn job_user(config: &serde_json::Map<String, serde_json::Value>) -> String {
     match config.get("user") {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
-        // The plugin's default `user` (plugin.yml; the service does not link the plugin).
-        None => "kernelkite-job".into(),
+        None => DEFAULT_JOB_USER.into(),
     }
 }
 
@@ -167,7 +169,10 @@ pub fn decide_sandbox(
             let numeric = user
                 .split(':')
                 .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            // The default user needs no account: each slice's job runs as that slice's own
+            // reserved uid (the plugin's `sandbox::user::for_slice`).
             let exists = numeric
+                || user == DEFAULT_JOB_USER
                 || passwd
                     .lines()
                     .any(|l| l.split(':').next() == Some(user.as_str()));
@@ -394,11 +399,17 @@ mod tests {
         let d = auto(1000, passwd, &default);
         assert!(!d.on);
         assert!(d.why_off.unwrap().contains("needs root"));
-        // No job user: off, naming how to make one.
-        let d = auto(0, "root:x:0:0::/root:/bin/sh\n", &default);
+        // The default user needs no account (one reserved uid per slice)...
+        assert!(auto(0, "root:x:0:0::/root:/bin/sh\n", &default).on);
+        // ... a user the config names does: off, naming how to make one.
+        let d = auto(
+            0,
+            "root:x:0:0::/root:/bin/sh\n",
+            &cfg(serde_json::json!({"user": "bob"})),
+        );
         assert!(!d.on);
         let why = d.why_off.unwrap();
-        assert!(why.contains("\"kernelkite-job\" does not exist"), "{why}");
+        assert!(why.contains("\"bob\" does not exist"), "{why}");
         assert!(why.contains("useradd"), "{why}");
         // The configured user is the one looked up; a number needs no account.
         assert!(!auto(0, passwd, &cfg(serde_json::json!({"user": "alice"}))).on);
