@@ -419,6 +419,15 @@ fn runner_for_the_job(runner: &Path, checkout: &Path) -> String {
     copy.display().to_string()
 }
 
+/// A host path the test made, removed when the test ends however it ends.
+struct RemovedAtEnd(PathBuf);
+
+impl Drop for RemovedAtEnd {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn needs_root_and_cgroups() -> Option<kernelkite_isolate::cgroup::Cgroups> {
     let cg = real_cgroups()?;
     for tool in ["unshare", "nsenter", "ipcs", "ipcmk", "mknod"] {
@@ -448,6 +457,7 @@ const TEST_VARIABLES: &[&str] = &[
     "KK_RUNNER",
     "KK_SERVICE_PORT",
     "KK_HOST_WRITABLE",
+    "KK_HOST_SOCKET",
 ];
 
 const ESCAPES: &str = r#"set +e
@@ -490,6 +500,7 @@ try userfaultfd python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True
 try perf python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(298,0,0,-1,-1,0); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
 try personality python3 -c 'import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.personality(0x0040000); sys.exit(1 if r<0 and ctypes.get_errno()==1 else 0)'
 try loopback-service sh -c 'exec 3<>/dev/tcp/127.0.0.1/$KK_SERVICE_PORT'
+try host-socket python3 -c 'import os,socket; socket.socket(socket.AF_UNIX).connect(os.environ["KK_HOST_SOCKET"])'
 try setuid-root setpriv --reuid=0 --keep-groups true
 try setgid-root setpriv --regid=0 --keep-groups true
 try setgroups setpriv --clear-groups true
@@ -551,6 +562,19 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         &service.local_addr().unwrap().port().to_string(),
     );
 
+    // A socket of the node's under /run (a database's, D-Bus's), open to everyone by its mode:
+    // the host reaches it, the job must not.
+    let host_socket = RemovedAtEnd(PathBuf::from(format!("/run/kk-{id}.sock")));
+    let _ = std::fs::remove_file(&host_socket.0);
+    let _listener = std::os::unix::net::UnixListener::bind(&host_socket.0).unwrap();
+    std::fs::set_permissions(
+        &host_socket.0,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    std::os::unix::net::UnixStream::connect(&host_socket.0).unwrap();
+    job.set_env("KK_HOST_SOCKET", &host_socket.0.display().to_string());
+
     let env_out = job.run_hook("environment");
     assert!(env_out.status.success(), "{}", output_text(&env_out));
     let cpus_before = std::fs::read_to_string(&own_cpus).unwrap();
@@ -592,6 +616,7 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         "personality",
         "loopback-service",
         "network",
+        "host-socket",
         "setuid-root",
         "setgid-root",
         "setgroups",
@@ -695,6 +720,12 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
             .is_some_and(|(_, list)| list.split(", ").any(|p| Path::new(p) == node.run_dir)),
         "{} not hidden: {hidden}",
         node.run_dir.display()
+    );
+    assert!(
+        hidden
+            .split_once("hidden: ")
+            .is_some_and(|(_, list)| list.split(", ").any(|p| p == "/run")),
+        "the host's /run not hidden: {hidden}"
     );
 
     // The setsid daemon ended with the command: the job's PID namespace died with it, so

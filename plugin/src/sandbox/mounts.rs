@@ -7,8 +7,11 @@
 //!    `mount_setattr` on `/`), so that the job writes no host disk: what it may write is
 //!    mounted afterwards, each bounded; before Linux 5.12 only the cgroup mounts (and the tmpfs
 //!    holding v1's hierarchies), by a remount each;
-//! 3. layers, shallowest first: fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's
-//!    world-writable directories; gone with the namespace), an empty read-only tmpfs over each
+//! 3. layers, shallowest first: an empty read-only tmpfs over the host's `/run` (its sockets:
+//!    D-Bus, databases, container runtimes, the journal; with the resolver file
+//!    `/etc/resolv.conf` points to there bound back, read-only, for a step with the network),
+//!    fresh tmpfs on `/tmp`, `/var/tmp` and `/run/lock` (the host's world-writable directories;
+//!    gone with the namespace), an empty read-only tmpfs over each
 //!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back over
 //!    whatever hid it (its path is made inside the covering tmpfs first), under an overlay
 //!    whose writable layer is a tmpfs of the job's own (`disk`);
@@ -41,6 +44,18 @@ pub const STANDARD_NODES: &[&str] = &["null", "zero", "full", "random", "urandom
 /// there goes with its namespace.
 pub const FRESH_DIRS: &[&str] = &["/tmp", "/var/tmp", "/run/lock"];
 
+/// The host's runtime directory: every daemon's sockets and state. Replaced whole by an empty
+/// read-only tmpfs (whatever the hide settings say: it is never the job's), so that no host
+/// socket (D-Bus, a database, a container runtime, the journal, which may take the command's
+/// `CAP_SETUID`-forged credentials at their word) is reachable by its path.
+pub const HOST_RUN: &str = "/run";
+
+/// The resolver file to keep under the covered `/run`: where `/etc/resolv.conf` leads
+/// (`resolved`, the real path), when that is under `/run` and the step has the network.
+pub fn kept_resolver(resolved: Option<PathBuf>, network: bool) -> Option<PathBuf> {
+    resolved.filter(|p| network && p.starts_with(HOST_RUN) && p != Path::new(HOST_RUN))
+}
+
 /// One mount of step 3.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layer {
@@ -50,13 +65,15 @@ pub enum Layer {
     Hidden(PathBuf),
     /// A directory bound back, writable (the checkout).
     Writable(PathBuf),
+    /// A host file bound back, read-only, under a hidden directory (the resolver file).
+    Kept(PathBuf),
 }
 
 impl Layer {
     /// Where the layer is mounted.
     pub fn path(&self) -> &Path {
         match self {
-            Layer::Fresh(p, _) | Layer::Hidden(p) | Layer::Writable(p) => p,
+            Layer::Fresh(p, _) | Layer::Hidden(p) | Layer::Writable(p) | Layer::Kept(p) => p,
         }
     }
 }
@@ -279,6 +296,16 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             Some((p, is_dir))
         })
         .collect();
+    let kept: Vec<(PathBuf, OwnedFd)> =
+        kept_resolver(real(Path::new("/etc/resolv.conf")), !spec.isolate_network)
+            .map(|p| clone_tree(&p).map(|fd| (p, fd)))
+            .transpose()?
+            .into_iter()
+            .collect();
+    let mut hide = hide;
+    if std::fs::symlink_metadata(HOST_RUN).is_ok_and(|m| m.is_dir()) {
+        hide.push((PathBuf::from(HOST_RUN), true));
+    }
     let mut null_copies: Vec<OwnedFd> = hide
         .iter()
         .filter(|(_, dir)| !dir)
@@ -328,7 +355,21 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
         .collect();
     layers.extend(hide.iter().map(|(p, _)| Layer::Hidden(p.clone())));
     layers.extend(writable.iter().map(|(p, _)| Layer::Writable(p.clone())));
+    layers.extend(kept.iter().map(|(p, _)| Layer::Kept(p.clone())));
     let writable_paths: Vec<PathBuf> = writable.iter().map(|(p, _)| p.clone()).collect();
+    // What a covering tmpfs must hold mount points for: the writable paths, the fresh
+    // directories (`/run/lock` under `/run`) and the kept files' directories.
+    let mut deeper: Vec<PathBuf> = writable_paths.clone();
+    deeper.extend(
+        layers
+            .iter()
+            .filter(|l| matches!(l, Layer::Fresh(..)))
+            .map(|l| l.path().to_path_buf()),
+    );
+    deeper.extend(
+        kept.iter()
+            .filter_map(|(p, _)| p.parent().map(Path::to_path_buf)),
+    );
     for layer in order_layers(layers) {
         match &layer {
             Layer::Fresh(p, size) => {
@@ -348,10 +389,13 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
                     continue;
                 };
                 if meta.is_dir() {
-                    let inner = dirs_to_make(p, &writable_paths);
+                    let inner = dirs_to_make(p, &deeper);
                     let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
                     tmpfs(p, flags, "size=64k,mode=755")?;
                     mkdir_p(p, &inner)?;
+                    for (k, _) in kept.iter().filter(|(k, _)| k.starts_with(p)) {
+                        touch(k)?;
+                    }
                     rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
                         .map_err(step("make read-only", p))?;
                 } else {
@@ -367,6 +411,14 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
                     attach(tree, p)?;
                     overlays.push(overlay(p, spec, overlays.len())?);
                     built.writable.push(p.clone());
+                }
+            }
+            Layer::Kept(p) => {
+                // Its mount point exists only where a covering layer made it.
+                if let Some((_, tree)) = kept.iter().find(|(k, _)| k == p && k.exists()) {
+                    attach(tree, p)?;
+                    bind_read_only(p)?;
+                    built.read_only.push(p.clone());
                 }
             }
         }
@@ -557,6 +609,20 @@ fn overlay(path: &Path, spec: &SandboxSpec, n: usize) -> Result<Overlaid, Sandbo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_resolver_file_is_kept_only_under_run_and_with_the_network() {
+        let stub = PathBuf::from("/run/systemd/resolve/stub-resolv.conf");
+        assert_eq!(kept_resolver(Some(stub.clone()), true), Some(stub.clone()));
+        assert_eq!(kept_resolver(Some(stub), false), None);
+        assert_eq!(
+            kept_resolver(Some(PathBuf::from("/etc/resolv.conf")), true),
+            None
+        );
+        assert_eq!(kept_resolver(Some(PathBuf::from("/run")), true), None);
+        assert_eq!(kept_resolver(Some(PathBuf::from("/runner/x")), true), None);
+        assert_eq!(kept_resolver(None, true), None);
+    }
 
     fn p(s: &str) -> PathBuf {
         PathBuf::from(s)
