@@ -555,15 +555,20 @@ impl Job<'_> {
             .as_ref()
             .is_some_and(|g| g.submission.is_some())
         {
-            // The profiler runs as the submission's uid and writes here.
-            for d in [tmp.path(), out_dir.as_path()] {
-                crate::guard::open_to_submission(d).map_err(|e| {
-                    Failure::infrastructure(format!(
-                        "cannot open {} to the submission: {e}",
-                        d.display()
-                    ))
-                })?;
-            }
+            // The profiler runs as the submission's uid and writes into `profile_data` (sticky:
+            // it cannot rename or remove what the runner made); the directory above stays the
+            // runner's, so `profile_data` itself cannot be swapped for a link.
+            let open = |d: &Path, mode: u32| {
+                std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                    .map_err(|e| {
+                        Failure::infrastructure(format!(
+                            "cannot open {} to the submission: {e}",
+                            d.display()
+                        ))
+                    })
+            };
+            open(tmp.path(), 0o755)?;
+            open(&out_dir, 0o1777)?;
         }
         let (program, args, env) = profiler.wrap(&out_dir, call);
         let mut full = vec![program];

@@ -8,7 +8,7 @@
 //! and clean up after it (`CAP_SETUID`, `CAP_SETGID`, `CAP_KILL`; its filter lets `set*id`
 //! name only the two identities); each harness process drops to it and drops every
 //! capability before it executes ([`submission_identity`]). The harness works in a work
-//! directory open to it (mode 0777, in the job's private `/tmp`) with `HOME` there.
+//! directory open to it (mode 1777, in the job's private `/tmp`) with `HOME` there.
 //!
 //! Outside the sandbox (no identity named) the runner and the submission share a uid, and
 //! the rest of this guard is all there is. Both ways:
@@ -88,11 +88,16 @@ impl Guard {
             .unwrap_or(0);
         let me = rustix::process::getuid().as_raw();
         let submission = submission_identity(named, effective, me).map_err(GuardError::Identity)?;
-        protect_self().map_err(|e| {
-            GuardError::Unprotected(format!("cannot make the runner non-dumpable: {e}"))
-        })?;
+        // Where an identity is named (the sandbox), a runner that cannot guard itself does not
+        // evaluate at all; elsewhere it goes on and says so.
+        let unguarded = |e: String| match submission {
+            Some(_) => GuardError::Identity(e),
+            None => GuardError::Unprotected(e),
+        };
+        protect_self()
+            .map_err(|e| unguarded(format!("cannot make the runner non-dumpable: {e}")))?;
         Ok(Guard {
-            filter: submission_filter().map_err(GuardError::Unprotected)?,
+            filter: submission_filter().map_err(unguarded)?,
             kill_namespace: at_top_of_job_namespace(proc_root),
             submission,
         })
@@ -128,11 +133,13 @@ pub fn submission_identity(
     Ok(Some(ids))
 }
 
-/// Opens a directory the runner made to the submission's uid (mode 0777): it works and
-/// builds there. The runner's own writes into it never follow a link (`crate::workdir`).
+/// Opens a directory the runner made to the submission's uid (mode 1777): it works and builds
+/// there, and cannot rename or remove what the runner wrote (the sticky bit; the runner, the
+/// directory's owner, still may). The runner's own writes into it never follow a link
+/// (`crate::workdir`).
 pub fn open_to_submission(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777))
 }
 
 /// Makes this process non-dumpable: its `/proc/<pid>` files become root's, and a process of the

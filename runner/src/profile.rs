@@ -102,14 +102,31 @@ pub fn select(runtime: &str) -> Result<Profiler, String> {
 
 /// rocprofv3 writes one trace per process; kernelbot concatenates them into
 /// `combined.pftrace` and moves code objects dumped into the work directory alongside.
+///
+/// The profiler ran as the submission, which could write both directories: only regular files
+/// with one name are read (a link, FIFO or device there is refused, and nothing of the
+/// submission is alive any more to swap one in), and `combined.pftrace` is made new, whatever
+/// the submission left under that name.
 pub fn merge_rocprof_traces(out_dir: &Path, workdir: &Path) -> std::io::Result<()> {
-    let mut traces: Vec<PathBuf> = std::fs::read_dir(out_dir)?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "pftrace"))
-        .collect();
+    let combined_path = out_dir.join("combined.pftrace");
+    let mut traces: Vec<PathBuf> = Vec::new();
+    for e in std::fs::read_dir(out_dir)?.flatten() {
+        let path = e.path();
+        if path.extension().is_some_and(|e| e == "pftrace") && path != combined_path {
+            plain_file(&path)?;
+            traces.push(path);
+        }
+    }
     traces.sort();
-    let mut combined = std::fs::File::create(out_dir.join("combined.pftrace"))?;
+    match std::fs::remove_file(&combined_path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut combined = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&combined_path)?;
     for t in traces {
         std::io::copy(&mut std::fs::File::open(&t)?, &mut combined)?;
         std::fs::remove_file(&t)?;
@@ -117,10 +134,25 @@ pub fn merge_rocprof_traces(out_dir: &Path, workdir: &Path) -> std::io::Result<(
     for e in std::fs::read_dir(workdir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with("_code_object") && name.ends_with(".o") {
+            // A link is moved as a link, and the archive never follows one.
             std::fs::rename(e.path(), out_dir.join(&name))?;
         }
     }
     Ok(())
+}
+
+/// Refuses anything at `path` but a regular file with one name (no link followed).
+fn plain_file(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    if m.file_type().is_file() && m.nlink() == 1 {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "{} is not a regular file with one name (a link, FIFO or device the submission left?); refused",
+            path.display()
+        )))
+    }
 }
 
 /// kernelbot's `_filter_ncu_report`: the kernel headers and the chosen tables of the first
@@ -208,6 +240,32 @@ fn split_lines(text: &str, keepends: bool) -> Vec<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the submission (which ran the profiler) left in the output directory is read
+    /// without following a link: a planted `combined.pftrace` link does not redirect the
+    /// runner's write, and a trace that is a link fails the merge.
+    #[test]
+    fn planted_links_are_neither_written_through_nor_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("profile_data");
+        std::fs::create_dir(&out).unwrap();
+        let victim = dir.path().join("result.json");
+        std::fs::write(&victim, "the runner's").unwrap();
+        std::fs::write(out.join("1.pftrace"), "a").unwrap();
+        std::fs::write(out.join("2.pftrace"), "b").unwrap();
+        std::os::unix::fs::symlink(&victim, out.join("combined.pftrace")).unwrap();
+        merge_rocprof_traces(&out, dir.path()).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "the runner's");
+        let combined = out.join("combined.pftrace");
+        assert!(std::fs::symlink_metadata(&combined).unwrap().is_file());
+        assert_eq!(std::fs::read_to_string(&combined).unwrap(), "ab");
+
+        std::os::unix::fs::symlink(&victim, out.join("3.pftrace")).unwrap();
+        let e = merge_rocprof_traces(&out, dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+    }
 
     #[test]
     fn splitlines_matches_python() {

@@ -113,7 +113,9 @@ fn tool_output(program: &str, args: &[&str], timeout: Duration) -> Option<String
     let spec = Spec {
         program: program.into(),
         args: args.iter().map(OsString::from).collect(),
-        cwd: std::env::temp_dir(),
+        // Not the temporary directory: Python puts the working directory first on its path,
+        // and in the sandbox another uid of the job (the submission's) may write there.
+        cwd: PathBuf::from("/"),
         env: vec![],
         env_remove: vec![],
         timeout,
@@ -256,7 +258,8 @@ pub fn torch_version(probe: &Probe) -> String {
         }
         TorchProbe::Import => tool_output(
             &probe.python,
-            &["-c", "import torch; print(torch.__version__)"],
+            // `-s`: no user site directory (the job's HOME), only the node's installs.
+            &["-s", "-c", "import torch; print(torch.__version__)"],
             probe.tool_timeout,
         )
         .map(|s| s.trim().to_string())

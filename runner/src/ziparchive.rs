@@ -9,7 +9,17 @@ use zip::write::SimpleFileOptions;
 use zip::{CompressionMethod, DateTime, ZipWriter};
 
 /// Zips the files below `dir` (paths relative to it, sorted) into memory.
+///
+/// Never follows a link: `dir` itself must be a directory, not a link to one, and entries that
+/// are not regular files or directories (links, FIFOs, devices) are left out; the profiler
+/// that wrote them ran as the submission.
 pub fn zip_dir(dir: &Path) -> io::Result<Vec<u8>> {
+    if !std::fs::symlink_metadata(dir)?.file_type().is_dir() {
+        return Err(io::Error::other(format!(
+            "{} is not a directory (a link?); refused",
+            dir.display()
+        )));
+    }
     let mut files = Vec::new();
     collect(dir, dir, &mut files)?;
     files.sort();
@@ -46,6 +56,25 @@ fn collect(root: &Path, dir: &Path, out: &mut Vec<String>) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        std::fs::write(data.join("trace"), "t").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", data.join("passwd")).unwrap();
+        let zip = zip_dir(&data).unwrap();
+        let mut archive = zip::ZipArchive::new(Cursor::new(zip)).unwrap();
+        assert_eq!(archive.len(), 1);
+        assert_eq!(archive.by_index(0).unwrap().name().unwrap(), "trace");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        assert!(zip_dir(&link)
+            .unwrap_err()
+            .to_string()
+            .contains("not a directory"));
+    }
 
     #[test]
     fn python_reads_the_archive() {

@@ -36,14 +36,16 @@ impl Ids {
         format!("{}:{}", self.uid, self.gid)
     }
 
-    /// Reads a [`SUBMISSION_USER_ENV`] value; `None` unless it is `uid:gid`, both non-zero.
+    /// Reads a [`SUBMISSION_USER_ENV`] value; `None` unless it is `uid:gid`, neither root's
+    /// nor `-1` (which `set*id` reads as "unchanged").
     pub fn from_env(value: &str) -> Option<Ids> {
         let (uid, gid) = value.trim().split_once(':')?;
         let ids = Ids {
             uid: uid.parse().ok()?,
             gid: gid.parse().ok()?,
         };
-        (ids.uid != 0 && ids.gid != 0).then_some(ids)
+        let usable = |id: u32| id != 0 && id != u32::MAX;
+        (usable(ids.uid) && usable(ids.gid)).then_some(ids)
     }
 }
 
@@ -58,7 +60,17 @@ mod tests {
             gid: 1_960_000_003,
         };
         assert_eq!(Ids::from_env(&ids.to_env()), Some(ids));
-        for bad in ["", "5", "0:5", "5:0", "a:b", "5:5:5", "-1:5"] {
+        for bad in [
+            "",
+            "5",
+            "0:5",
+            "5:0",
+            "a:b",
+            "5:5:5",
+            "-1:5",
+            "4294967295:5",
+            "5:4294967295",
+        ] {
             assert_eq!(Ids::from_env(bad), None, "{bad}");
         }
     }

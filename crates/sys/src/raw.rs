@@ -145,8 +145,13 @@ pub fn harden_before_exec(
 ) {
     let x32 = x32_refusal();
     let setup = move || -> io::Result<()> {
-        if let Some(ids) = submission {
-            become_without_capabilities(ids)?;
+        match submission {
+            Some(ids) => become_without_capabilities(ids)?,
+            // Whatever ambient capabilities the parent holds do not pass to the child's program
+            // (a kernel without ambient capabilities answers EINVAL: there are none).
+            None => {
+                let _ = rustix::thread::clear_ambient_capability_set();
+            }
         }
         rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::Dumpable)?;
         if let Ok(fd) = rustix::fs::open(

@@ -70,8 +70,9 @@ pub fn passed(name: &str, extra: &[String]) -> bool {
             || extra.iter().any(|e| e == name))
 }
 
-/// The command's environment: the allowed part of the job's, with `HOME` and `TMPDIR` in the
-/// private `/tmp` (the job user has no home) and `USER`/`LOGNAME` naming it.
+/// The command's environment: the allowed part of the job's, with `HOME` (the job user's own
+/// directory, `mounts::JOB_HOME`) and `TMPDIR` in the private `/tmp` (the job user has no home)
+/// and `USER`/`LOGNAME` naming it.
 ///
 /// `submission` is the identity the evaluator is to run the submission as, named in
 /// `KERNELKITE_SUBMISSION_USER` (`kernelkite_sys::identity`); only the sandbox sets that
@@ -87,7 +88,7 @@ pub fn job_env(
         .filter(|(k, _)| passed(k, extra) && k.as_str() != SUBMISSION_USER_ENV)
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    out.insert("HOME".into(), "/tmp".into());
+    out.insert("HOME".into(), super::mounts::JOB_HOME.into());
     out.insert("TMPDIR".into(), "/tmp".into());
     out.insert("USER".into(), user.name.clone());
     out.insert("LOGNAME".into(), user.name.clone());
@@ -154,7 +155,7 @@ mod tests {
                 "USER"
             ]
         );
-        assert_eq!(e["HOME"], "/tmp");
+        assert_eq!(e["HOME"], "/tmp/.kernelkite-home");
         assert_eq!(e["USER"], "kernelkite-job");
         // A step cannot list its way to the agent's token.
         let e = job_env(

@@ -18,7 +18,9 @@
 //! only its own. The init ignores every signal its namespace sends it (the kernel's rule for
 //! a namespace's pid 1 without handlers) and, from outside, all but SIGKILL: a cancellation
 //! the agent sends the hook's process group reaches the command (same group), which decides.
-//! It runs as root, which a job user cannot signal anyway.
+//! It runs as root; the command's `CAP_KILL` (kept for its evaluator) could name it, but the
+//! kernel delivers to a namespace's init, from inside, only the signals it has handlers for,
+//! and it has none.
 
 use std::os::fd::{AsFd, AsRawFd};
 

@@ -44,6 +44,11 @@ pub const STANDARD_NODES: &[&str] = &["null", "zero", "full", "random", "urandom
 /// there goes with its namespace.
 pub const FRESH_DIRS: &[&str] = &["/tmp", "/var/tmp", "/run/lock"];
 
+/// The command's `HOME`: a directory of the fresh `/tmp`, the job user's alone (`0700`), so that
+/// nothing another uid of the job (the submission's) plants there (a `.local` site directory,
+/// a `.gitconfig`) is read by the job user's later processes.
+pub const JOB_HOME: &str = "/tmp/.kernelkite-home";
+
 /// The host's runtime directory: every daemon's sockets and state. Replaced whole by an empty
 /// read-only tmpfs (whatever the hide settings say: it is never the job's), so that no host
 /// socket (D-Bus, a database, a container runtime, the journal, which may take the command's
@@ -216,6 +221,17 @@ fn mkdir_p(base: &Path, rel: &[PathBuf]) -> Result<(), SandboxError> {
     Ok(())
 }
 
+/// Makes `home`, the job user's alone.
+fn private_home(home: &Path, user: &super::user::JobUser) -> Result<(), SandboxError> {
+    rustix::fs::mkdir(home, Mode::from_raw_mode(0o700)).map_err(step("make", home))?;
+    rustix::fs::chown(
+        home,
+        Some(rustix::process::Uid::from_raw(user.uid)),
+        Some(rustix::process::Gid::from_raw(user.gid)),
+    )
+    .map_err(step("give the job user", home))
+}
+
 /// An empty file to mount a device node on.
 fn touch(path: &Path) -> Result<(), SandboxError> {
     rustix::fs::open(
@@ -379,6 +395,9 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
                     &format!("size={size},mode=1777"),
                 )?;
                 mkdir_p(p, &dirs_to_make(p, &writable_paths))?;
+                if Path::new(JOB_HOME).parent() == Some(p.as_path()) {
+                    private_home(Path::new(JOB_HOME), &spec.user)?;
+                }
                 built.fresh.push((p.clone(), *size));
             }
             Layer::Hidden(p) => {
