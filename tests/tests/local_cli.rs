@@ -497,7 +497,7 @@ fn a_service_killed_mid_run_delivers_every_result_after_its_restart() {
 }
 
 #[test]
-fn local_jobs_run_in_the_sandbox_as_the_job_user() {
+fn local_jobs_run_in_the_sandbox_the_submission_as_its_own_uid() {
     if need_python().is_none() {
         return;
     }
@@ -551,11 +551,14 @@ fn local_jobs_run_in_the_sandbox_as_the_job_user() {
     assert_eq!(v["state"], "succeeded", "{v}");
     let run = &v["result"]["runs"]["test"]["run"];
     assert_eq!(run["passed"], true, "{v}");
+    // The runner ran as the job user, the submission it evaluated as slice 0's submission
+    // identity: another uid.
     assert_eq!(
         run["result"]["probe.0.uid"],
-        user.uid.to_string(),
-        "the command ran as the job user: {v}"
+        kernelkite_isolate::sandbox::user::SUBMISSION_ID_BASE.to_string(),
+        "the submission ran as slice 0's submission identity: {v}"
     );
+    assert_ne!(run["result"]["probe.0.uid"], user.uid.to_string());
     let log = std::fs::read_to_string(&served.log).unwrap();
     assert!(
         log.contains("commands run in the plugin's sandbox"),
