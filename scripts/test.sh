@@ -121,6 +121,12 @@ else
   exit "$node_rc"
 fi
 
+section "the real Buildkite agent (scripts/buildkite-agent.sh: tests/buildkite-agent/go.mod)"
+# Built once into target/; the real-agent tests (tests/tests/real_agent.rs) run it and fail,
+# never skip, when this script says it is there.
+KERNELKITE_BUILDKITE_AGENT=$(./scripts/buildkite-agent.sh)
+export KERNELKITE_BUILDKITE_AGENT
+
 section "cargo test"
 cargo test --workspace --locked 2>&1 | tee "$log"
 

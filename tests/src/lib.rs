@@ -18,6 +18,11 @@ pub mod users;
 
 pub use skip::skip;
 
+/// The variables a Buildkite agent gives a plugin's hooks (the service's, which local mode
+/// uses; `tests/real_agent.rs` checks them against the real agent), for the plugin's emulated
+/// agent.
+pub use kernelkite_service::buildkite::plugins::{plugin_variables, PLUGIN_LOCATION};
+
 /// The real interpreter behind `python3` (not a shim), or `None` when there is no Python.
 pub fn python() -> Option<&'static str> {
     static PY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

@@ -6,6 +6,14 @@
 //! (links named after the hook) or as the plugin's hook files (whose first line names the
 //! binary: the agent executes them, the kernel runs the binary), each exporting through the
 //! Job API, and keeps a "bootstrap" process alive for the job's lifetime as the job's anchor.
+//!
+//! What of it the real agent (v3.137.0) is known to do the same way, by
+//! `tests/tests/real_agent.rs`: the plugin's variables for a plugin in a repository
+//! subdirectory (`BUILDKITE_PLUGIN_NAME`, `BUILDKITE_PLUGIN_CONFIGURATION`,
+//! `BUILDKITE_PLUGIN_PLUGIN_*`, from the same function local mode uses), a polyglot hook
+//! executed rather than sourced, and its exports through the Job API reaching the command; and,
+//! where both kinds run, agent-level hooks before the plugin's. The Job API's own protocol and
+//! the variables beyond the plugin's are still this harness's reading of the agent's source.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -17,6 +25,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
+use kernelkite_testkit::{plugin_variables, PLUGIN_LOCATION};
 use serde_json::{json, Value};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-isolate");
@@ -370,26 +379,18 @@ impl Agent {
         add(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
         add(&mut env, "KERNELKITE_JOB_PID", &bootstrap.id().to_string());
         if let Some(cfg) = plugin_config {
+            // The variables the real agent sets for the pipelines' plugin (checked against it
+            // in tests/tests/real_agent.rs).
+            let config = serde_json::from_str::<Value>(cfg).unwrap_or(Value::Null);
+            let location = format!("{PLUGIN_LOCATION}#v1.0.0");
+            env.extend(plugin_variables(&location, &config));
+            // A configuration that is not JSON reaches the hooks as written.
             add(&mut env, "BUILDKITE_PLUGIN_CONFIGURATION", cfg);
             add(
                 &mut env,
                 "BUILDKITE_PLUGINS",
-                &json!([{ "github.com/kernelkite/kernelkite/plugin#v1.0.0": serde_json::from_str::<Value>(cfg).unwrap_or(Value::Null) }]).to_string(),
+                &json!([{ location: config }]).to_string(),
             );
-            // The agent also flattens each top-level key.
-            if let Ok(Value::Object(map)) = serde_json::from_str::<Value>(cfg) {
-                for (k, v) in map {
-                    let key = format!(
-                        "BUILDKITE_PLUGIN_KERNELKITE_{}",
-                        k.to_uppercase().replace('-', "_")
-                    );
-                    let val = match v {
-                        Value::String(s) => s,
-                        other => other.to_string(),
-                    };
-                    env.insert(key, val);
-                }
-            }
         }
         let hooks_dir = match install {
             Install::AgentBinary => self.hooks_dir.clone(),

@@ -9,6 +9,7 @@
 pub mod artifact;
 pub mod budget;
 pub mod client;
+pub mod plugins;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

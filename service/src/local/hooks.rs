@@ -85,23 +85,16 @@ pub fn hook_env(
     // (internal/job/config.go in github.com/buildkite/agent): in the sandbox, what of the job's
     // writes to its checkout reaches this machine's disk (plugin/src/sandbox/disk.rs).
     set("BUILDKITE_ARTIFACT_PATHS", "result.json".into());
-    set("BUILDKITE_PLUGIN_CONFIGURATION", config.to_string());
-    set(
-        "BUILDKITE_PLUGINS",
-        serde_json::json!([{ "kernelkite-local": config }]).to_string(),
+    // As an agent runs the pipeline's step (`deployment/pipelines/host.yml` names the plugin
+    // by its repository subdirectory): the plugin's variables, and the step's plugin list.
+    let location = format!("{}#local", crate::buildkite::plugins::PLUGIN_LOCATION);
+    env.extend(crate::buildkite::plugins::plugin_variables(
+        &location, &config,
+    ));
+    env.insert(
+        "BUILDKITE_PLUGINS".into(),
+        serde_json::json!([{ location: config }]).to_string(),
     );
-    // The agent also flattens each top-level key of a plugin's configuration.
-    for (k, v) in job.plugin_config {
-        let name = format!(
-            "BUILDKITE_PLUGIN_KERNELKITE_{}",
-            k.to_uppercase().replace('-', "_")
-        );
-        let value = match v {
-            serde_json::Value::String(s) => s.clone(),
-            other => other.to_string(),
-        };
-        set(&name, value);
-    }
     env
 }
 
@@ -370,7 +363,8 @@ mod tests {
         assert_eq!(env["KERNELBOT_PAYLOAD"], "eJw=");
         assert!(!env.values().any(|v| v == "secret" || v == "/etc/passwd"));
         assert_eq!(env["BUILDKITE_AGENT_META_DATA_GPU_INDEX"], "3");
-        assert_eq!(env["BUILDKITE_PLUGIN_KERNELKITE_ALLOW_UNENFORCED"], "true");
+        assert_eq!(env["BUILDKITE_PLUGIN_PLUGIN_ALLOW_UNENFORCED"], "true");
+        assert_eq!(env["BUILDKITE_PLUGIN_NAME"], "PLUGIN");
         let cfg_back: serde_json::Value =
             serde_json::from_str(&env["BUILDKITE_PLUGIN_CONFIGURATION"]).unwrap();
         assert_eq!(cfg_back, cfg);
