@@ -153,9 +153,12 @@ async fn slow_headers_idle_keep_alives_and_slow_bodies_are_cut_off() {
     let latest = closed_at.iter().flatten().max().unwrap();
     let earliest = closed_at.iter().flatten().min().unwrap();
     eprintln!("slow headers closed between {earliest:?} and {latest:?}");
+    // Measured from before the first of the 3,000 connects: the last is accepted seconds later
+    // on a loaded 2-core machine (5.7 s once, in CI's fresh-clone run beside other suites).
+    // What matters is that none lives to the 30 s it would trickle for.
     assert!(
-        *latest < Duration::from_secs(5),
-        "the last slow header was closed after {latest:?} (timeout 1 s)"
+        *latest < Duration::from_secs(10),
+        "the last slow header was closed after {latest:?} (timeout 1 s; it trickles for 30 s)"
     );
     assert!(
         *earliest >= Duration::from_millis(900),
