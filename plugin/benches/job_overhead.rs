@@ -435,17 +435,11 @@ fn chown_per_file() -> Option<Duration> {
 /// The static build of the hooks: `KERNELKITE_STATIC_ISOLATE`, else what
 /// `scripts/node-binaries.sh target/node` wrote; `None` when there is neither.
 fn static_build() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KERNELKITE_STATIC_ISOLATE") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "KERNELKITE_STATIC_ISOLATE={} is not a file",
-            p.display()
-        );
-        return Some(p);
-    }
     let target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent()?;
-    Some(target.join("node/kernelkite-isolate")).filter(|p| p.is_file())
+    kernelkite_testkit::built_binary(
+        "KERNELKITE_STATIC_ISOLATE",
+        Some(target.join("node/kernelkite-isolate")),
+    )
 }
 
 /// The plugin's previous hooks, reduced to what they did per job: shell shims the agent

@@ -15,19 +15,13 @@ use agent::{output_text, Install, Node, BIN};
 
 /// The static build under test, or why there is none.
 fn static_build() -> Option<PathBuf> {
-    match std::env::var_os("KERNELKITE_STATIC_ISOLATE") {
-        Some(p) if Path::new(&p).is_file() => Some(PathBuf::from(p)),
-        Some(p) => panic!(
-            "KERNELKITE_STATIC_ISOLATE={} is not a file",
-            Path::new(&p).display()
-        ),
-        None => {
-            kernelkite_testkit::skip(
-                "KERNELKITE_STATIC_ISOLATE is not set: build the static kernelkite-isolate with `scripts/node-binaries.sh DIR` and set it to DIR/kernelkite-isolate (scripts/test.sh does)",
-            );
-            None
-        }
+    let bin = kernelkite_testkit::built_binary("KERNELKITE_STATIC_ISOLATE", None);
+    if bin.is_none() {
+        kernelkite_testkit::skip(
+            "KERNELKITE_STATIC_ISOLATE is not set: build the static kernelkite-isolate with `scripts/node-binaries.sh DIR` and set it to DIR/kernelkite-isolate (scripts/test.sh does)",
+        );
     }
+    bin
 }
 
 /// Whether an ELF executable asks for a dynamic loader (has a `PT_INTERP` program header).

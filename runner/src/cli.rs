@@ -375,41 +375,22 @@ fn evaluate_in_workdir(
             return fail(Failure::infrastructure(e), system);
         }
     };
-    let mut _fresh: Option<tempfile::TempDir> = None;
-    let mut dir = dir;
-    if guard.as_ref().is_some_and(|g| g.submission.is_some()) {
-        // The submission's uid works in a directory of the runner's own making, opened to it:
-        // a fresh one inside a work directory the operator named, whose mode is left alone.
-        if args.workdir.is_some() {
-            match tempfile::Builder::new()
-                .prefix("kernelkite-")
-                .tempdir_in(&dir)
-            {
-                Ok(t) => {
-                    dir = t.path().to_path_buf();
-                    _fresh = Some(t);
-                }
-                Err(e) => {
-                    return fail(
-                        Failure::infrastructure(format!(
-                            "cannot make a directory for the submission in {}: {e}",
-                            dir.display()
-                        )),
-                        system,
-                    )
-                }
+    let (dir, _fresh) = if crate::guard::Guard::runs_apart(guard.as_ref()) {
+        match crate::guard::submission_workdir(dir.clone(), args.workdir.is_some()) {
+            Ok(made) => made,
+            Err(e) => {
+                return fail(
+                    Failure::infrastructure(format!(
+                        "cannot make a work directory in {} open to the submission's uid: {e}",
+                        dir.display()
+                    )),
+                    system,
+                )
             }
         }
-        if let Err(e) = crate::guard::open_to_submission(&dir) {
-            return fail(
-                Failure::infrastructure(format!(
-                    "cannot open the work directory {} to the submission's uid: {e}",
-                    dir.display()
-                )),
-                system,
-            );
-        }
-    }
+    } else {
+        (dir, None)
+    };
     let opts = Options {
         python: args.python.clone(),
         system: Some(system),

@@ -12,6 +12,7 @@
 //! says whether the job or the node is at fault.
 
 use std::ffi::OsString;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use base64::Engine as _;
 use indexmap::IndexMap;
 
 use crate::cuda;
+use crate::guard::Guard;
 use crate::process::{self, Outcome, Spec};
 use crate::profile::{self, python_lines_keepends, python_splitlines, Profiler};
 use crate::sysinfo::{self, Probe};
@@ -499,19 +501,14 @@ impl Job<'_> {
         };
         // Readable by the harness when it runs as the submission's uid; the runner's alone
         // otherwise.
-        let file_mode = if self
-            .opts
-            .guard
-            .as_ref()
-            .is_some_and(|g| g.submission.is_some())
-        {
+        let file_mode = if Guard::runs_apart(self.opts.guard.as_ref()) {
             0o644
         } else {
             0o600
         };
         let mut file = tempfile::Builder::new()
             .prefix("kernelkite-cases-")
-            .permissions(std::os::unix::fs::PermissionsExt::from_mode(file_mode))
+            .permissions(std::fs::Permissions::from_mode(file_mode))
             .tempfile()
             .map_err(|e| {
                 Failure::infrastructure(format!(
@@ -549,26 +546,18 @@ impl Job<'_> {
         std::fs::create_dir(&out_dir).map_err(|e| {
             Failure::infrastructure(format!("cannot create {}: {e}", out_dir.display()))
         })?;
-        if self
-            .opts
-            .guard
-            .as_ref()
-            .is_some_and(|g| g.submission.is_some())
-        {
+        if Guard::runs_apart(self.opts.guard.as_ref()) {
             // The profiler runs as the submission's uid and writes into `profile_data` (sticky:
             // it cannot rename or remove what the runner made); the directory above stays the
             // runner's, so `profile_data` itself cannot be swapped for a link.
-            let open = |d: &Path, mode: u32| {
-                std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(mode))
-                    .map_err(|e| {
-                        Failure::infrastructure(format!(
-                            "cannot open {} to the submission: {e}",
-                            d.display()
-                        ))
-                    })
-            };
-            open(tmp.path(), 0o755)?;
-            open(&out_dir, 0o1777)?;
+            std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755))
+                .and_then(|()| crate::guard::open_to_submission(&out_dir))
+                .map_err(|e| {
+                    Failure::infrastructure(format!(
+                        "cannot open {} to the submission: {e}",
+                        out_dir.display()
+                    ))
+                })?;
         }
         let (program, args, env) = profiler.wrap(&out_dir, call);
         let mut full = vec![program];

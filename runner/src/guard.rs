@@ -40,7 +40,7 @@
 //! inside. The result is then the harness's word on itself; a task author who needs more runs
 //! the reference check in another process (see `runner/README.md`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use std::collections::BTreeMap;
 
@@ -78,6 +78,11 @@ pub enum GuardError {
 }
 
 impl Guard {
+    /// Whether `guard` runs the submission under its own identity, apart from the runner.
+    pub fn runs_apart(guard: Option<&Guard>) -> bool {
+        guard.is_some_and(|g| g.submission.is_some())
+    }
+
     /// This process's guard: non-dumpable from now on ([`protect_self`]), the filter built for
     /// its pid, and the namespace-wide kill when it is [`at_top_of_job_namespace`].
     /// The submission identity comes from `named` (the sandbox's
@@ -131,6 +136,26 @@ pub fn submission_identity(
         ));
     }
     Ok(Some(ids))
+}
+
+/// The directory the submission works in, when it runs under its own identity: a fresh one
+/// inside a work directory the operator `named` (whose mode is left alone), else `dir` itself
+/// (the runner's temporary directory); opened to it ([`open_to_submission`]). The fresh one
+/// lives as long as the returned guard.
+pub fn submission_workdir(
+    dir: PathBuf,
+    named: bool,
+) -> std::io::Result<(PathBuf, Option<tempfile::TempDir>)> {
+    let (dir, fresh) = if named {
+        let t = tempfile::Builder::new()
+            .prefix("kernelkite-")
+            .tempdir_in(&dir)?;
+        (t.path().to_path_buf(), Some(t))
+    } else {
+        (dir, None)
+    };
+    open_to_submission(&dir)?;
+    Ok((dir, fresh))
 }
 
 /// Opens a directory the runner made to the submission's uid (mode 1777): it works and builds

@@ -23,6 +23,19 @@ pub use skip::skip;
 /// agent.
 pub use kernelkite_service::buildkite::plugins::{plugin_variables, PLUGIN_LOCATION};
 
+/// A binary a script builds for the tests (`scripts/node-binaries.sh`,
+/// `scripts/buildkite-agent.sh`): the one the variable `var` names, which must be there (a
+/// wrong name is the caller's mistake, never a skip), else `fallback` where it is a file;
+/// `None` when there is neither, for the caller to skip or leave out.
+pub fn built_binary(var: &str, fallback: Option<std::path::PathBuf>) -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
+        let p = std::path::PathBuf::from(p);
+        assert!(p.is_file(), "{var}={} is not a file", p.display());
+        return Some(p);
+    }
+    fallback.filter(|p| p.is_file())
+}
+
 /// The real interpreter behind `python3` (not a shim), or `None` when there is no Python.
 pub fn python() -> Option<&'static str> {
     static PY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

@@ -28,24 +28,15 @@ use serde_json::json;
 /// The agent binary: `KERNELKITE_BUILDKITE_AGENT`, else where `scripts/buildkite-agent.sh`
 /// puts it.
 fn agent() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KERNELKITE_BUILDKITE_AGENT") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "KERNELKITE_BUILDKITE_AGENT names {}, which is not there",
-            p.display()
-        );
-        return Some(p);
-    }
     let built = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../target/buildkite-agent/v3.137.0/buildkite-agent");
-    if built.is_file() {
-        return Some(built);
+    let agent = kernelkite_testkit::built_binary("KERNELKITE_BUILDKITE_AGENT", Some(built));
+    if agent.is_none() {
+        kernelkite_testkit::skip(
+            "the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)",
+        );
     }
-    kernelkite_testkit::skip(
-        "the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)",
-    );
-    None
+    agent
 }
 
 fn write_hook(path: &Path, text: &str) {

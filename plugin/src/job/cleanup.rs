@@ -199,9 +199,9 @@ pub struct OrphanScan {
 }
 
 /// Cleans up after jobs whose process is gone: state files whose anchor died, and empty job
-/// cgroups with no state at all, made over an hour ago. A job cgroup with running processes and no state here is
-/// never killed: it is listed in [`OrphanScan::foreign`] (another instance's job) for the
-/// caller to refuse to run beside. `me` is never touched.
+/// cgroups with no state at all, made over an hour ago. A job cgroup with running processes
+/// and no state here is never killed: it is listed in [`OrphanScan::foreign`] (another
+/// instance's job) for the caller to refuse to run beside. `me` is never touched.
 pub fn clean_orphans(
     settings: &Settings,
     me: &str,

@@ -77,8 +77,9 @@ pub fn step_names_this_plugin(env: &BTreeMap<String, String>) -> bool {
 /// which replaces whatever an agent-level `environment` prepared. The agent runs both hooks
 /// agent-level first, then the plugin's (`environment` and `pre-exit` alike; checked against
 /// the real agent in `tests/tests/real_agent.rs`), so the plugin's hooks do the work and the
-/// agent-level ones would only repeat it: a second lease, check and cgroup per job, and a second clean-up walk, on a node whose
-/// agents have the agent-level hooks and run the plugin's pipelines. Should the plugin's hooks
+/// agent-level ones would only repeat it: a second lease, check and cgroup per job, and a
+/// second clean-up walk, on a node whose agents have the agent-level hooks and run the
+/// plugin's pipelines. Should the plugin's hooks
 /// not run, its `command` does not either, and the agent-level `command` finds no state and
 /// fails the job; a job the plugin prepared and did not clean up is cleaned up as an orphan by
 /// the next `environment` on the node.
