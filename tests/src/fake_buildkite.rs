@@ -15,7 +15,9 @@
 //! with a `Link` header, tags in `meta_data` as `queue=<q>`) and serves the agent API's
 //! metrics endpoint (`GET /v3/metrics`, `Authorization: Token <agent token>`); see [`agents`].
 
+pub mod agent_api;
 pub mod agents;
+pub mod pipeline;
 
 pub use agents::{FakeAgent, FAKE_AGENT_TOKEN};
 
@@ -206,6 +208,7 @@ struct Inner {
     http: reqwest::Client,
     changed: Notify,
     agents: Mutex<Vec<FakeAgent>>,
+    world: Mutex<agent_api::World>,
 }
 
 /// Buildkite's rate limits: one window, counted for the organization and the token.
@@ -322,6 +325,7 @@ impl FakeBuildkite {
                 .expect("client"),
             changed: Notify::new(),
             agents: Mutex::new(Vec::new()),
+            world: Mutex::new(agent_api::World::default()),
         });
         let builds = "/v2/organizations/{org}/pipelines/{pipeline}/builds";
         let router = Router::new()
@@ -339,8 +343,32 @@ impl FakeBuildkite {
             .route("/v2/organizations/{org}/agents", get(agents::list_agents))
             .route("/v3/metrics", get(agents::metrics))
             .route("/blobs/{blob}", get(blob))
+            // The agent API (agent_api.rs), for real agents.
+            .route("/v3/register", post(agent_api::register))
+            .route("/v3/connect", post(agent_api::connect))
+            .route("/v3/disconnect", post(agent_api::disconnect))
+            .route("/v3/heartbeat", post(agent_api::heartbeat))
+            .route("/v3/ping", get(agent_api::ping))
+            .route(
+                "/agentedge.v1.AgentEdgeService/StreamPings",
+                post(agent_api::stream_pings),
+            )
+            .route("/v3/jobs/{id}", get(agent_api::job_state))
+            .route("/v3/jobs/{id}/accept", put(agent_api::accept))
+            .route("/v3/jobs/{id}/start", put(agent_api::start))
+            .route("/v3/jobs/{id}/finish", put(agent_api::finish_job))
+            .route("/v3/jobs/{id}/chunks", post(agent_api::chunk))
+            .route("/v3/jobs/{id}/header_times", post(agent_api::header_times))
+            .route("/v3/jobs/{id}/data/{op}", post(agent_api::meta_data))
+            .route("/v3/jobs/{id}/pipelines", post(agent_api::upload_pipeline))
+            .route(
+                "/v3/jobs/{id}/artifacts",
+                post(agent_api::create_artifacts).put(agent_api::update_artifacts),
+            )
+            .route("/uploads/{id}", post(agent_api::upload_file))
             .fallback(fallback)
             .with_state(inner.clone());
+        tokio::spawn(agent_api::watch(Arc::downgrade(&inner)));
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, router).await;
         });
@@ -622,6 +650,13 @@ fn add_artifact(inner: &Inner, number: u64, spec: ArtifactSpec) {
     lock(&inner.blobs).insert(blob, Bytes::from(spec.bytes));
 }
 
+fn body_of(inner: &Inner, number: u64) -> Value {
+    lock(&inner.builds)
+        .get(number as usize - 1)
+        .map(|b| b.body.clone())
+        .unwrap_or(Value::Null)
+}
+
 fn set_state(inner: &Inner, number: u64, state: &str) {
     {
         let mut builds = lock(&inner.builds);
@@ -721,6 +756,10 @@ fn rest_build(inner: &Inner, b: &FakeBuild, with_jobs: bool) -> Value {
         "pipeline": pipeline_json(inner),
     });
     if with_jobs {
+        if let Some(jobs) = agent_api::rest_jobs(inner, b.number) {
+            v["jobs"] = Value::Array(jobs);
+            return v;
+        }
         v["jobs"] = json!([{
             "id": b.job_id,
             "type": "script",
@@ -961,6 +1000,12 @@ async fn create_build(
         builds.push(b);
         (number, json)
     };
+    if let Some(Err(e)) = agent_api::build_created(&inner, number, &body_of(&inner, number)) {
+        // Buildkite fails a build whose pipeline it cannot read, with the reason in its log.
+        eprintln!("fake buildkite: build {number}'s settings steps: {e}");
+        set_state(&inner, number, "failed");
+        send_event(&inner, "build.finished", number).await;
+    }
     let plan = lock(&inner.finish_before_create).take();
     if let Some(plan) = plan {
         if let Some(a) = plan.artifact {
@@ -1191,6 +1236,9 @@ async fn cancel_build(
             Json(json!({"message": "Build can't be canceled because it's already finished"})),
         )
             .into_response(),
+        Some(_) if agent_api::cancel(&inner, number).await => {
+            Json(FakeBuildkite::build_of(&inner, number).unwrap_or(Value::Null)).into_response()
+        }
         Some(_) => {
             set_state(&inner, number, "canceled");
             let body = FakeBuildkite::build_of(&inner, number).unwrap_or(Value::Null);

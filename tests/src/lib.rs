@@ -7,6 +7,7 @@
 
 #![deny(missing_docs)]
 
+pub mod agent_node;
 pub mod callback_receiver;
 pub mod fake_buildkite;
 pub mod harness;

@@ -304,6 +304,17 @@ impl LocalExecutor {
     /// stopped, `pre-exit` run) and removed.
     pub async fn sweep(self: &Arc<Self>, app: &Arc<App>) {
         for dir in jobdir::list(&self.jobs_root()) {
+            // A job this process launched is its own, whatever its directory holds yet: `launch`
+            // registers the job before it makes the directory, so a directory listed here
+            // while being written (no `job.json` yet) is never taken for a leftover.
+            let ours = dir
+                .path()
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|id| lock(&self.jobs).contains_key(id));
+            if ours {
+                continue;
+            }
             let file = match dir.read() {
                 Ok(f) => f,
                 Err(e) => {
@@ -500,22 +511,18 @@ impl Executor for LocalExecutor {
                 payload: job.payload.clone(),
                 accepted_at,
             };
-            dir.create(&file).map_err(|e| {
-                format!(
-                    "cannot write the local job directory {}: {e}",
-                    dir.path().display()
-                )
-            })?;
             let timings = Timings {
                 accepted: Some(accepted_at),
                 ..Timings::default()
             };
             let (started, left_queue) = tokio::sync::oneshot::channel();
+            // Registered before its directory exists, so the start-up sweep (which may still
+            // be going through the previous run's directories) never removes it half-written.
             lock(&self.jobs).insert(
                 id.clone(),
                 Record {
-                    file,
-                    dir,
+                    file: file.clone(),
+                    dir: dir.clone(),
                     attempt: 1,
                     stage: Stage::Queued,
                     slice: None,
@@ -529,6 +536,17 @@ impl Executor for LocalExecutor {
                     timings,
                 },
             );
+            if let Err(e) = dir.create(&file) {
+                lock(&self.jobs).remove(&id);
+                if e.kind() != std::io::ErrorKind::AlreadyExists {
+                    let _ = dir.remove();
+                }
+                return Err(format!(
+                    "cannot write the local job directory {}: {e}",
+                    dir.path().display()
+                )
+                .into());
+            }
             self.enqueue(id, accepted_at);
             // The build is handed back (and the submission becomes `scheduled`) when a slice
             // takes the job: until then it waits in `queued`. A submission that ends while
