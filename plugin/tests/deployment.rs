@@ -67,15 +67,21 @@ fn the_pipelines_configure_the_plugin_with_keys_it_accepts() {
             step["artifact_paths"], "result.json",
             "{rel}: the service fetches this path"
         );
-        assert_eq!(step["agents"]["queue"], "${KERNELBOT_QUEUE:-h100}", "{rel}");
+        // Interpolated by the pipeline agent's `pipeline upload` (settings.yml), with the
+        // build's env; a build without a queue fails its upload rather than running anywhere.
+        assert_eq!(
+            step["agents"]["queue"], "${KERNELBOT_QUEUE?the build names no KERNELBOT_QUEUE}",
+            "{rel}"
+        );
     }
 }
 
 #[test]
 fn the_pipelines_retry_only_infrastructure_failures_and_lost_agents() {
     // The runner's exit 3 is its infrastructure failure (runner/README.md); a cancelled job
-    // exits 3 as well but has signal_reason "cancel". -1 is a lost agent; agent_stop a
-    // stopped one. Nothing else: a bad payload (2) or a failing submission must not rerun.
+    // ends -1 with signal_reason "cancel". -1 without a reason is a lost agent; -1 with
+    // agent_stop a stopped one (Buildkite's default exit status, `*`, is 1 to 255 only).
+    // Nothing else: a bad payload (2) or a failing submission must not rerun.
     let src = read("runner/src/cli.rs");
     assert!(
         src.contains("pub const EXIT_INFRASTRUCTURE: u8 = 3;"),
@@ -84,7 +90,7 @@ fn the_pipelines_retry_only_infrastructure_failures_and_lost_agents() {
     let want = json!({"automatic": [
         {"exit_status": 3, "signal_reason": "none", "limit": 2},
         {"exit_status": -1, "signal_reason": "none", "limit": 2},
-        {"signal_reason": "agent_stop", "limit": 2},
+        {"exit_status": -1, "signal_reason": "agent_stop", "limit": 2},
     ]});
     for rel in [
         "deployment/pipelines/host.yml",
@@ -250,6 +256,19 @@ fn the_compose_file_keeps_the_data_dir_on_a_volume_and_reads_service_env() {
         dockerfile.contains(&format!("VOLUME [\"{data_dir}\"]")),
         "the image declares the same volume"
     );
+    // The pipeline agent runs the settings step (pipelines/settings.yml) on its queue, with
+    // plugins and repository hooks refused (tests/tests/real_agent_node.rs runs a real agent
+    // with this environment).
+    let agent = &c["services"]["pipeline-agent"];
+    let settings = yaml("deployment/pipelines/settings.yml");
+    let queue = settings["steps"][0]["agents"]["queue"].as_str().unwrap();
+    assert_eq!(
+        agent["environment"]["BUILDKITE_AGENT_TAGS"],
+        format!("queue={queue}")
+    );
+    assert_eq!(agent["environment"]["BUILDKITE_NO_PLUGINS"], "true");
+    assert_eq!(agent["environment"]["BUILDKITE_NO_LOCAL_HOOKS"], "true");
+    assert_eq!(agent["env_file"], "pipeline-agent.env");
 }
 
 /// The variables the service reads, from the configuration table of service/README.md.

@@ -51,6 +51,35 @@ impl AgentProcess {
         let _ = self.child.wait();
     }
 
+    /// SIGKILL to the agent and to the process group of each process it started (the job's
+    /// bootstrap and its hooks): the agent is lost mid-job and the job's `pre-exit` never runs,
+    /// as when a node's agent is killed with its job (what the job's own command left in its
+    /// cgroup stays, for the next job's hooks to reclaim).
+    pub fn kill9_with_job(&mut self) {
+        let me = self.child.id() as i32;
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid pgrp ...: after the last ')'.
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map(|(_, rest)| rest.split_whitespace().collect())
+                .unwrap_or_default();
+            let (ppid, pgrp) = (
+                fields.get(1).and_then(|f| f.parse::<i32>().ok()),
+                fields.get(2).and_then(|f| f.parse::<i32>().ok()),
+            );
+            if let (Some(ppid), Some(pgrp)) = (ppid, pgrp) {
+                if ppid == me && pgrp > 1 {
+                    // SAFETY: kill(2) on a process group the agent started.
+                    unsafe { libc::kill(-pgrp, libc::SIGKILL) };
+                }
+            }
+        }
+        self.kill9();
+    }
+
     /// SIGTERM, then waits for the agent to exit (it finishes or cancels its job first).
     pub fn stop(&mut self, within: Duration) -> bool {
         // SAFETY: kill(2) on our own child's pid.
@@ -63,6 +92,11 @@ impl AgentProcess {
             std::thread::sleep(Duration::from_millis(50));
         }
         false
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Its log so far.
@@ -84,6 +118,7 @@ pub struct Node {
     holder: Child,
     agent_bin: PathBuf,
     endpoint: String,
+    job_user: u32,
     /// The agents started so far (by [`Node::start_agent`]).
     pub agents: Vec<AgentProcess>,
 }
@@ -287,10 +322,16 @@ impl Node {
         Node {
             dir,
             holder,
+            job_user: id,
             agent_bin: spec.agent.to_path_buf(),
             endpoint: spec.endpoint.clone(),
             agents: Vec::new(),
         }
+    }
+
+    /// The uid (and gid) of the node's job user, `kernelkite-job`.
+    pub fn job_user(&self) -> u32 {
+        self.job_user
     }
 
     /// The node's tree as setup wrote it (and the jobs' writes to it since).
@@ -354,6 +395,16 @@ impl Node {
             .unwrap_or_default();
         self.agents.push(AgentProcess { name, child, log });
         self.agents.len() - 1
+    }
+
+    /// The log of the agent named `name` that started last.
+    pub fn agent_log(&self, name: &str) -> String {
+        self.agents
+            .iter()
+            .rev()
+            .find(|a| a.name == name)
+            .map(AgentProcess::log_text)
+            .unwrap_or_default()
     }
 
     /// Every agent's log, for a failing test's message.

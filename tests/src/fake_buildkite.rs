@@ -208,6 +208,8 @@ struct Inner {
     http: reqwest::Client,
     changed: Notify,
     agents: Mutex<Vec<FakeAgent>>,
+    /// The agents and their jobs. Lock order: `builds` may be held while `world` is taken
+    /// (a build's REST form lists its jobs), never the other way round.
     world: Mutex<agent_api::World>,
 }
 
@@ -723,7 +725,7 @@ async fn send_event(inner: &Inner, event: &str, number: u64) -> Option<u16> {
 
 fn pipeline_json(inner: &Inner) -> Value {
     json!({
-        "id": "0183c3ba-0000-0000-0000-0000000000aa",
+        "id": agent_api::PIPELINE_ID,
         "url": format!("{}/v2/organizations/{}/pipelines/{}", inner.base, inner.org, inner.pipeline),
         "web_url": format!("https://buildkite.com/{}/{}", inner.org, inner.pipeline),
         "name": "Submissions",

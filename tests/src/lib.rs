@@ -9,6 +9,7 @@
 
 pub mod agent_node;
 pub mod callback_receiver;
+pub mod deployment;
 pub mod fake_buildkite;
 pub mod harness;
 pub mod local;

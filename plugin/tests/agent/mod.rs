@@ -12,8 +12,15 @@
 //! subdirectory (`BUILDKITE_PLUGIN_NAME`, `BUILDKITE_PLUGIN_CONFIGURATION`,
 //! `BUILDKITE_PLUGIN_PLUGIN_*`, from the same function local mode uses), a polyglot hook
 //! executed rather than sourced, and its exports through the Job API reaching the command; and,
-//! where both kinds run, agent-level hooks before the plugin's. The Job API's own protocol and
-//! the variables beyond the plugin's are still this harness's reading of the agent's source.
+//! where both kinds run, agent-level hooks before the plugin's. `tests/tests/real_agent_node.rs`
+//! runs the same hooks under real `buildkite-agent start` processes of a node `setup` made, on
+//! real cgroups: agent-level `environment` and `pre-exit` with the plugin's hooks, the
+//! sandboxed command, its artifact carried back and uploaded, a cancel (the agent's SIGTERM,
+//! grace period, then `pre-exit`), a timeout, a lost (SIGKILLed) agent whose job the next one
+//! reclaims, two slices at once, and the job's refusal of a repository hook or another plugin.
+//! What only this harness does: the Job API's own protocol (the real one is the agent's, and
+//! the hooks talk to it in those runs), the bootstrap as a separate process to kill, and the
+//! variables beyond the plugin's, which are this harness's reading of the agent's source.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;

@@ -45,6 +45,8 @@ use super::{lock, now_iso, send_event, set_state, FakeArtifact, Inner, FAKE_AGEN
 const PING_INTERVAL_S: u64 = 1;
 const HEARTBEAT_INTERVAL_S: u64 = 1;
 const JOB_STATUS_INTERVAL_S: u64 = 1;
+/// The pipeline's id (in its REST form too).
+pub(super) const PIPELINE_ID: &str = "0183c3ba-0000-0000-0000-0000000000aa";
 /// The log chunk size the fake accepts (the agent sends chunks up to this).
 const CHUNK_MAX: u64 = 100 * 1024;
 
@@ -81,14 +83,35 @@ pub struct AgentJob {
     token: String,
     /// The exit status it finished with (`-1`: lost, or stopped by a signal).
     pub exit_status: Option<i64>,
+    /// The signal that ended it (`SIGTERM`, ...).
+    pub signal: Option<String>,
     /// `cancel`, `agent_stop`, ... (`None`: none).
     pub signal_reason: Option<String>,
+    /// Retries used so far by each of its step's automatic rules.
+    rule_counts: Vec<u32>,
     /// Which try of its step this is (0 first).
     pub retry_count: u32,
     /// Whether a later job retried it (it then no longer counts for the build's state).
     pub retried: bool,
     log: BTreeMap<u64, Vec<u8>>,
-    started: Option<Instant>,
+    /// When it was made (its step created or uploaded), given to an agent, accepted, started and
+    /// finished.
+    pub times: JobTimes,
+}
+
+/// When a job reached each of its states (the benchmark's clock).
+#[derive(Debug, Clone, Copy)]
+pub struct JobTimes {
+    /// Made (scheduled).
+    pub scheduled: Instant,
+    /// Given to an agent in a ping.
+    pub assigned: Option<Instant>,
+    /// Accepted by the agent.
+    pub accepted: Option<Instant>,
+    /// Started (`PUT .../start`).
+    pub started: Option<Instant>,
+    /// Finished (by the agent, or lost).
+    pub finished: Option<Instant>,
 }
 
 impl AgentJob {
@@ -128,6 +151,8 @@ pub struct World {
     pub minute: Duration,
     /// Builds whose cancel was asked for.
     canceled_builds: Vec<u64>,
+    /// The uuids of the pipeline uploads taken.
+    uploads: std::collections::HashSet<String>,
 }
 
 impl Default for World {
@@ -142,6 +167,7 @@ impl Default for World {
             lost_after: Duration::from_secs(10),
             minute: Duration::from_secs(60),
             canceled_builds: Vec::new(),
+            uploads: std::collections::HashSet::new(),
         }
     }
 }
@@ -169,14 +195,17 @@ fn caller(world: &mut World, headers: &HeaderMap) -> Option<(usize, Option<usize
         world.agents[a].seen = Instant::now();
         return Some((a, None));
     }
+    // A job's token says nothing of its agent's health: the bootstrap and its subcommands
+    // outlive a killed agent (the agent starts them in their own process group), and Buildkite
+    // tells a lost agent by its own heartbeats and pings.
     let j = world.jobs.iter().position(|j| j.token == t)?;
     let agent = world.jobs[j].agent.clone()?;
     let a = world.agents.iter().position(|a| a.id == agent)?;
-    world.agents[a].seen = Instant::now();
     Some((a, Some(j)))
 }
 
-/// The job `id` when the caller may act on it (its agent, or its own token).
+/// The job `id` when the caller may act on it (its agent, or its own token) and it has not
+/// finished (a lost, canceled or timed-out job takes no more logs, artifacts or uploads: 422).
 fn job_of(
     world: &mut World,
     headers: &HeaderMap,
@@ -192,11 +221,17 @@ fn job_of(
     if by_job.is_some_and(|bj| bj != j) || world.jobs[j].agent.as_deref() != Some(&agent_id) {
         return Err((StatusCode::FORBIDDEN, "This job is not yours"));
     }
+    if world.jobs[j].finished() {
+        return Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "This job has already finished",
+        ));
+    }
     Ok(j)
 }
 
 /// The variables Buildkite itself interpolates in settings steps, from the build.
-fn build_variables(inner: &Inner, world: &World, body: &Value) -> BTreeMap<String, String> {
+fn build_variables(inner: &Inner, repository: &str, body: &Value) -> BTreeMap<String, String> {
     let s = |k: &str| {
         body.get(k)
             .and_then(Value::as_str)
@@ -211,8 +246,15 @@ fn build_variables(inner: &Inner, world: &World, body: &Value) -> BTreeMap<Strin
         ("BUILDKITE_PIPELINE_SLUG".into(), inner.pipeline.clone()),
         ("BUILDKITE_PIPELINE_NAME".into(), "Submissions".into()),
         ("BUILDKITE_ORGANIZATION_SLUG".into(), inner.org.clone()),
-        ("BUILDKITE_REPO".into(), world.repository.clone()),
+        ("BUILDKITE_REPO".into(), repository.to_string()),
         ("BUILDKITE_PULL_REQUEST".into(), "false".into()),
+        ("BUILDKITE_PIPELINE_ID".into(), PIPELINE_ID.into()),
+        (
+            "BUILDKITE_TRIGGERED_FROM_BUILD_PIPELINE_SLUG".into(),
+            String::new(),
+        ),
+        ("BUILDKITE_PULL_REQUEST_BASE_BRANCH".into(), String::new()),
+        ("BUILDKITE_PULL_REQUEST_REPO".into(), String::new()),
     ])
 }
 
@@ -225,11 +267,19 @@ fn new_job(build: u64, step: Step, retry_count: u32) -> AgentJob {
         agent: None,
         token: token(),
         exit_status: None,
+        signal: None,
         signal_reason: None,
+        rule_counts: Vec::new(),
         retry_count,
         retried: false,
         log: BTreeMap::new(),
-        started: None,
+        times: JobTimes {
+            scheduled: Instant::now(),
+            assigned: None,
+            accepted: None,
+            started: None,
+            finished: None,
+        },
     }
 }
 
@@ -242,7 +292,7 @@ pub(super) fn build_created(
 ) -> Option<Result<(), String>> {
     let mut world = lock(&inner.world);
     let settings = world.settings.clone()?;
-    let vars = build_variables(inner, &world, body);
+    let vars = build_variables(inner, &world.repository, body);
     Some(pipeline::settings_steps(&settings, &vars).map(|steps| {
         for step in steps {
             world.jobs.push(new_job(number, step, 0));
@@ -350,16 +400,22 @@ fn find_lost(world: &mut World) -> Vec<u64> {
             continue;
         }
         if job.agent.as_ref().is_some_and(|a| lost.contains(a)) {
-            finish(world, j, -1, None);
+            finish(world, j, -1, None, None);
             builds.push(world.jobs[j].build);
         }
     }
     builds
 }
 
-/// Finishes job `j` with `exit_status` and `signal_reason`, and makes its retry when one of
-/// its step's automatic rules matches.
-fn finish(world: &mut World, j: usize, exit_status: i64, signal_reason: Option<String>) {
+/// Finishes job `j` with `exit_status`, `signal` and `signal_reason`, and makes its retry when
+/// one of its step's automatic rules matches and has retries left (each rule counts its own).
+fn finish(
+    world: &mut World,
+    j: usize,
+    exit_status: i64,
+    signal: Option<String>,
+    signal_reason: Option<String>,
+) {
     let job = &mut world.jobs[j];
     job.state = match job.state.as_str() {
         "canceling" => "canceled",
@@ -369,22 +425,30 @@ fn finish(world: &mut World, j: usize, exit_status: i64, signal_reason: Option<S
     }
     .into();
     job.exit_status = Some(exit_status);
+    job.signal = signal;
     job.signal_reason = signal_reason;
+    job.times.finished = Some(Instant::now());
     let job = job.clone();
-    if job.state != "failed" || world.canceled_builds.contains(&job.build) {
+    if !matches!(job.state.as_str(), "failed" | "timed_out")
+        || world.canceled_builds.contains(&job.build)
+    {
         return;
     }
-    let rule = job
-        .step
-        .retry
-        .iter()
-        .find(|r| r.matches(exit_status, job.signal_reason.as_deref()));
-    // Buildkite counts a rule's retries over the step's jobs; one count per step is the same
-    // for the single rule a failure here can match.
+    let rule = job.step.retry.iter().position(|r| {
+        r.matches(
+            exit_status,
+            job.signal.as_deref(),
+            job.signal_reason.as_deref(),
+        )
+    });
     if let Some(rule) = rule {
-        if job.retry_count < rule.limit {
+        let used = job.rule_counts.get(rule).copied().unwrap_or(0);
+        if used < job.step.retry[rule].limit {
             world.jobs[j].retried = true;
-            let retry = new_job(job.build, job.step.clone(), job.retry_count + 1);
+            let mut retry = new_job(job.build, job.step.clone(), job.retry_count + 1);
+            retry.rule_counts = job.rule_counts.clone();
+            retry.rule_counts.resize(job.step.retry.len(), 0);
+            retry.rule_counts[rule] += 1;
             world.jobs.push(retry);
         }
     }
@@ -408,7 +472,7 @@ pub(super) async fn watch(inner: std::sync::Weak<Inner>) {
                 let due = j
                     .step
                     .timeout_in_minutes
-                    .zip(j.started)
+                    .zip(j.times.started)
                     .is_some_and(|(m, at)| now.duration_since(at) > minute * m as u32);
                 if due && matches!(j.state.as_str(), "accepted" | "running") {
                     j.state = "timing_out".into();
@@ -529,6 +593,7 @@ pub(super) async fn ping(State(inner): State<Arc<Inner>>, headers: HeaderMap) ->
         Some(j) => {
             j.state = "assigned".into();
             j.agent = Some(me.id.clone());
+            j.times.assigned = Some(Instant::now());
             Json(json!({"job": {"id": j.id}})).into_response()
         }
         None => Json(json!({"action": "idle"})).into_response(),
@@ -546,7 +611,7 @@ pub(super) async fn stream_pings() -> Response {
 /// `env`, then Buildkite's own variables (which win).
 fn job_env(
     inner: &Inner,
-    world: &World,
+    repository: &str,
     j: &AgentJob,
     agent: &RegisteredAgent,
 ) -> BTreeMap<String, String> {
@@ -565,7 +630,7 @@ fn job_env(
         }
     }
     env.extend(j.step.env.clone());
-    env.extend(build_variables(inner, world, &body));
+    env.extend(build_variables(inner, repository, &body));
     let number = j.build.to_string();
     let standard = [
         ("BUILDKITE", "true".to_string()),
@@ -637,6 +702,7 @@ pub(super) async fn accept(
         );
     }
     world.jobs[j].state = "accepted".into();
+    world.jobs[j].times.accepted = Some(Instant::now());
     let agent = world
         .agents
         .iter()
@@ -646,7 +712,11 @@ pub(super) async fn accept(
         return error(StatusCode::NOT_FOUND, "No agent found");
     };
     let job = world.jobs[j].clone();
-    let env = job_env(&inner, &world, &job, &agent);
+    let repository = world.repository.clone();
+    // Lock order: the builds are never locked while the world is (the REST handlers hold the
+    // builds when they list a build's jobs).
+    drop(world);
+    let env = job_env(&inner, &repository, &job, &agent);
     Json(json!({
         "id": job.id,
         "endpoint": "",
@@ -676,7 +746,7 @@ pub(super) async fn start(
         if world.jobs[j].state == "accepted" {
             world.jobs[j].state = "running".into();
         }
-        world.jobs[j].started = Some(Instant::now());
+        world.jobs[j].times.started = Some(Instant::now());
         world.jobs[j].build
     };
     let first = lock(&inner.builds)
@@ -699,6 +769,15 @@ pub(super) async fn job_state(
     let mut world = lock(&inner.world);
     match job_of(&mut world, &headers, &id) {
         Ok(j) => Json(json!({"state": world.jobs[j].state})).into_response(),
+        // A finished job's state is still its own to read.
+        Err((StatusCode::UNPROCESSABLE_ENTITY, _)) => {
+            let state = world
+                .jobs
+                .iter()
+                .find(|j| j.id == id)
+                .map(|j| j.state.clone());
+            Json(json!({ "state": state })).into_response()
+        }
         Err((status, message)) => error(status, message),
     }
 }
@@ -755,12 +834,6 @@ pub(super) async fn finish_job(
             Ok(j) => j,
             Err((status, message)) => return error(status, message),
         };
-        if world.jobs[j].finished() {
-            return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "This job has already finished",
-            );
-        }
         let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let Some(exit) = req["exit_status"]
             .as_str()
@@ -768,8 +841,9 @@ pub(super) async fn finish_job(
         else {
             return error(StatusCode::UNPROCESSABLE_ENTITY, "exit_status is required");
         };
+        let signal = req["signal"].as_str().map(str::to_string);
         let reason = req["signal_reason"].as_str().map(str::to_string);
-        finish(&mut world, j, exit, reason);
+        finish(&mut world, j, exit, signal, reason);
         world.jobs[j].build
     };
     settle(&inner, number).await;
@@ -841,6 +915,27 @@ pub(super) async fn upload_pipeline(
     let build = world.jobs[j].build;
     if world.canceled_builds.contains(&build) {
         return error(StatusCode::UNPROCESSABLE_ENTITY, "The build was canceled");
+    }
+    // The agent retries an upload with the same uuid: its steps are added once.
+    let uuid = req["uuid"].as_str().unwrap_or_default().to_string();
+    if !world.uploads.insert(uuid) {
+        return (StatusCode::CREATED, Json(json!({}))).into_response();
+    }
+    let used: Vec<String> = world
+        .jobs
+        .iter()
+        .filter(|x| x.build == build)
+        .filter_map(|x| x.step.key.clone())
+        .collect();
+    if let Some(k) = steps
+        .iter()
+        .filter_map(|s| s.key.as_ref())
+        .find(|k| used.contains(k))
+    {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &format!("Pipeline upload rejected: the key {k:?} is already used in this build"),
+        );
     }
     for step in steps {
         world.jobs.push(new_job(build, step, 0));
@@ -1076,17 +1171,35 @@ impl super::FakeBuildkite {
             .unwrap_or_default()
     }
 
-    /// Build `number`'s artifacts: (path, state, bytes when uploaded).
-    pub fn artifacts_of(&self, number: u64) -> Vec<(String, String, Option<Vec<u8>>)> {
+    /// Build `number`'s artifacts, in the order the agents created them.
+    pub fn artifacts_of(&self, number: u64) -> Vec<Uploaded> {
         let arts = lock(&self.inner.builds)
             .get(number as usize - 1)
             .map(|b| b.artifacts.clone())
             .unwrap_or_default();
         let blobs = lock(&self.inner.blobs);
         arts.into_iter()
-            .map(|a| (a.path, a.state, blobs.get(&a.blob).map(|b| b.to_vec())))
+            .map(|a| Uploaded {
+                bytes: blobs.get(&a.blob).map(|b| b.to_vec()),
+                path: a.path,
+                state: a.state,
+                job_id: a.job_id,
+            })
             .collect()
     }
+}
+
+/// An artifact an agent uploaded.
+#[derive(Debug, Clone)]
+pub struct Uploaded {
+    /// Its path.
+    pub path: String,
+    /// `new`, `finished` or `error`.
+    pub state: String,
+    /// The job that uploaded it.
+    pub job_id: String,
+    /// Its content, once the file arrived.
+    pub bytes: Option<Vec<u8>>,
 }
 
 #[cfg(test)]

@@ -38,26 +38,48 @@ pub const SETTINGS_VARIABLES: &[&str] = &[
     "BUILDKITE_PULL_REQUEST_REPO",
 ];
 
-/// One automatic retry rule (`retry.automatic`).
+/// One automatic retry rule (`retry.automatic`), as Buildkite's retry docs define it
+/// (<https://buildkite.com/docs/pipelines/configure/retry>): `exit_status` defaults to `*`,
+/// which matches 1 to 255 only (a lost agent's `-1` must be named); `signal` and
+/// `signal_reason` default to `*` (any), and `none` matches a job without one; each value may
+/// be a list. Each rule counts its own retries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryRule {
-    /// The exit status it matches (`None`: any; `*` in YAML).
-    pub exit_status: Option<i64>,
-    /// The signal reason it matches (`None`: any; `none` matches a job without one).
-    pub signal_reason: Option<String>,
+    /// The exit statuses it matches (`None`: `*`, 1 to 255).
+    pub exit_status: Option<Vec<i64>>,
+    /// The signals it matches (`None`: any).
+    pub signal: Option<Vec<String>>,
+    /// The signal reasons it matches (`None`: any).
+    pub signal_reason: Option<Vec<String>>,
     /// How many retries it allows.
     pub limit: u32,
 }
 
+fn one_of(want: &Option<Vec<String>>, got: Option<&str>) -> bool {
+    match want {
+        None => true,
+        Some(list) => list.iter().any(|w| match w.as_str() {
+            "*" => true,
+            "none" => got.is_none(),
+            w => got == Some(w),
+        }),
+    }
+}
+
 impl RetryRule {
-    /// Whether a job that ended with `exit_status` and `signal_reason` is retried by this rule.
-    pub fn matches(&self, exit_status: i64, signal_reason: Option<&str>) -> bool {
-        self.exit_status.is_none_or(|s| s == exit_status)
-            && match self.signal_reason.as_deref() {
-                None | Some("*") => true,
-                Some("none") => signal_reason.is_none(),
-                Some(want) => signal_reason == Some(want),
-            }
+    /// Whether a job that ended with `exit_status`, `signal` and `signal_reason` is retried by
+    /// this rule.
+    pub fn matches(
+        &self,
+        exit_status: i64,
+        signal: Option<&str>,
+        signal_reason: Option<&str>,
+    ) -> bool {
+        let status = match &self.exit_status {
+            None => (1..=255).contains(&exit_status),
+            Some(list) => list.contains(&exit_status),
+        };
+        status && one_of(&self.signal, signal) && one_of(&self.signal_reason, signal_reason)
     }
 }
 
@@ -97,62 +119,45 @@ impl Step {
                 .agents
                 .iter()
                 .filter(|(k, _)| k.as_str() != "queue")
-                .all(|(k, v)| v == "*" || tag(k) == Some(v.as_str()))
+                .all(|(k, v)| tag(k).is_some_and(|t| v == "*" || t == v))
     }
 }
 
-/// Expands `$NAME`, `${NAME}`, `${NAME:-default}` and `${NAME-default}` (`$$` is a literal `$`)
-/// the way the agent's interpolation does for the cases pipelines use; `lookup` answers `None`
-/// for a variable that is not set (then it is empty, or the default).
+/// Expands `$NAME`, `${NAME}`, `${NAME:-default}`, `${NAME-default}` (the default itself
+/// expanded) and `${NAME?message}` (an error when NAME is unset); `$$` and `\$` are a literal
+/// `$`, and a `$` not followed by a name (which starts with a letter) stays as it is. This is the
+/// agent's interpolation (`github.com/buildkite/interpolate` v0.1.5, which the agent pins) for
+/// the forms pipelines use; substrings (`${NAME:1:2}`) are refused. `lookup` answers `None` for
+/// a variable that is not set.
 pub fn interpolate(text: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
-    while let Some(at) = rest.find('$') {
+    while let Some(at) = rest.find(['$', '\\']) {
         out.push_str(&rest[..at]);
-        let after = &rest[at + 1..];
-        if let Some(tail) = after.strip_prefix('$') {
+        let (c, after) = (&rest[at..at + 1], &rest[at + 1..]);
+        if c == "\\" {
+            // `\$` escapes a `$`; any other backslash is itself.
+            match after.strip_prefix('$') {
+                Some(tail) => {
+                    out.push('$');
+                    rest = tail;
+                }
+                None => {
+                    out.push('\\');
+                    rest = after;
+                }
+            }
+        } else if let Some(tail) = after.strip_prefix('$') {
             out.push('$');
             rest = tail;
         } else if let Some(braced) = after.strip_prefix('{') {
-            let end = braced
-                .find('}')
-                .ok_or_else(|| format!("unterminated ${{ in {text:?}"))?;
-            let inner = &braced[..end];
-            let (name, default) = match inner.find([':', '-', '?']) {
-                Some(i) if inner[i..].starts_with(":-") => {
-                    (&inner[..i], Some((&inner[i + 2..], true)))
-                }
-                Some(i) if inner[i..].starts_with('-') => {
-                    (&inner[..i], Some((&inner[i + 1..], false)))
-                }
-                // `${NAME?message}`: an error when NAME is not set.
-                Some(i) if inner[i..].starts_with('?') => {
-                    let name = &inner[..i];
-                    if lookup(name).is_none() {
-                        return Err(format!("{name}: {}", &inner[i + 1..]));
-                    }
-                    (name, None)
-                }
-                Some(_) => return Err(format!("unsupported expansion ${{{inner}}} in {text:?}")),
-                None => (inner, None),
-            };
-            if !valid_name(name) {
-                return Err(format!("invalid variable name {name:?} in {text:?}"));
-            }
-            // `:-` takes the default for an empty value too, `-` only for an unset one.
-            out.push_str(&match (lookup(name), default) {
-                (Some(v), Some((d, true))) if v.is_empty() => d.to_string(),
-                (Some(v), _) => v,
-                (None, Some((d, _))) => d.to_string(),
-                (None, None) => String::new(),
-            });
+            let end =
+                closing_brace(braced).ok_or_else(|| format!("unterminated ${{ in {text:?}"))?;
+            out.push_str(&expand(&braced[..end], text, lookup)?);
             rest = &braced[end + 1..];
         } else {
-            let len = after
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .count();
-            if len == 0 || after.starts_with(|c: char| c.is_ascii_digit()) {
+            let len = name_len(after);
+            if len == 0 {
                 out.push('$');
                 rest = after;
                 continue;
@@ -165,10 +170,72 @@ pub fn interpolate(text: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Resul
     Ok(out)
 }
 
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && !name.starts_with(|c: char| c.is_ascii_digit())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+/// The length of the variable name `s` starts with (a letter, then letters, digits, `_`).
+fn name_len(s: &str) -> usize {
+    if !s.starts_with(|c: char| c.is_ascii_alphabetic()) {
+        return 0;
+    }
+    s.chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .count()
+}
+
+/// Where the `}` closing a `${` is, counting nested `${...}` in a default.
+fn closing_brace(s: &str) -> Option<usize> {
+    let mut depth = 0usize;
+    let bytes = s.as_bytes();
+    for (i, b) in bytes.iter().enumerate() {
+        match b {
+            b'{' if i > 0 && bytes[i - 1] == b'$' => depth += 1,
+            b'}' if depth == 0 => return Some(i),
+            b'}' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// One `${...}`'s inside.
+fn expand(
+    inner: &str,
+    text: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<String, String> {
+    let len = name_len(inner);
+    let (name, op) = inner.split_at(len);
+    if name.is_empty() {
+        return Err(format!("invalid variable name in ${{{inner}}} in {text:?}"));
+    }
+    let value = lookup(name);
+    if op.is_empty() {
+        return Ok(value.unwrap_or_default());
+    }
+    // `:-` takes the default for an empty value too, `-` only for an unset one.
+    if let Some(default) = op.strip_prefix(":-") {
+        return match value.filter(|v| !v.is_empty()) {
+            Some(v) => Ok(v),
+            None => interpolate(default, lookup),
+        };
+    }
+    if let Some(default) = op.strip_prefix('-') {
+        return match value {
+            Some(v) => Ok(v),
+            None => interpolate(default, lookup),
+        };
+    }
+    if let Some(message) = op.strip_prefix('?') {
+        return value.ok_or_else(|| {
+            format!(
+                "${name}: {}",
+                if message.is_empty() {
+                    "not set"
+                } else {
+                    message
+                }
+            )
+        });
+    }
+    Err(format!("unsupported expansion ${{{inner}}} in {text:?}"))
 }
 
 /// Interpolates every string (keys included) of a parsed pipeline.
@@ -292,18 +359,43 @@ fn retry_of(v: Option<&Value>, what: &str) -> Result<Vec<RetryRule>, String> {
             let exit_status = match r.get("exit_status") {
                 None => None,
                 Some(Value::String(s)) if s == "*" => None,
-                Some(x) => Some(
-                    x.as_i64()
-                        .ok_or_else(|| format!("{what}.retry exit_status {x}"))?,
+                Some(Value::Array(a)) => Some(
+                    a.iter()
+                        .map(|x| {
+                            x.as_i64()
+                                .ok_or_else(|| format!("{what}.retry exit_status {x}"))
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
                 ),
+                Some(x) => Some(vec![x
+                    .as_i64()
+                    .ok_or_else(|| format!("{what}.retry exit_status {x}"))?]),
             };
+            let words = |key: &str| -> Result<Option<Vec<String>>, String> {
+                match r.get(key) {
+                    None => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(vec![s.clone()])),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|x| {
+                            x.as_str()
+                                .map(str::to_string)
+                                .ok_or_else(|| format!("{what}.retry {key} {x}"))
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map(Some),
+                    Some(x) => Err(format!("{what}.retry {key} {x}")),
+                }
+            };
+            let limit = r.get("limit").and_then(Value::as_u64).unwrap_or(2);
+            if limit > 10 {
+                return Err(format!("{what}.retry limit {limit}: at most 10"));
+            }
             Ok(RetryRule {
                 exit_status,
-                signal_reason: r
-                    .get("signal_reason")
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                limit: r.get("limit").and_then(Value::as_u64).unwrap_or(2) as u32,
+                signal: words("signal")?,
+                signal_reason: words("signal_reason")?,
+                limit: limit as u32,
             })
         })
         .collect()
@@ -435,8 +527,16 @@ mod tests {
         assert_eq!(interpolate("${Q?needed}", &l).unwrap(), "mi300x");
         assert_eq!(
             interpolate("${NOPE?needed}", &l).unwrap_err(),
-            "NOPE: needed"
+            "$NOPE: needed"
         );
+        assert_eq!(interpolate("${NOPE?}", &l).unwrap_err(), "$NOPE: not set");
+        // As github.com/buildkite/interpolate v0.1.5 does (run against it).
+        assert_eq!(interpolate("\\$Q $_X", &l).unwrap(), "$Q $_X");
+        assert_eq!(
+            interpolate("${NOPE:-${Q}} ${NOPE:-$Q}", &l).unwrap(),
+            "mi300x mi300x"
+        );
+        assert!(interpolate("${Q:1:2}", &l).is_err());
     }
 
     #[test]
@@ -493,6 +593,48 @@ mod tests {
         assert!(!s[0].runs_on(&tags(&["queue=mi300x", "gpu-index=1"])));
         assert!(s[1].runs_on(&tags(&["node=x"])));
         assert!(!s[1].runs_on(&tags(&["queue=h100"])));
+        let any = steps(&serde_json::json!({"steps": [{"command": "x", "agents": {"queue": "h100", "gpu-index": "*"}}]})).unwrap();
+        assert!(any[0].runs_on(&tags(&["queue=h100", "gpu-index=3"])));
+        assert!(!any[0].runs_on(&tags(&["queue=h100"])), "`*` needs the tag");
+    }
+
+    #[test]
+    fn the_deployment_pipelines_retry_lost_and_stopped_agents_and_infrastructure_failures_only() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines");
+        for f in ["host.yml", "docker.yml"] {
+            let p = kernelkite_service::task::pyyaml::load(
+                &std::fs::read_to_string(root.join(f)).unwrap(),
+            )
+            .unwrap();
+            let s = &steps(&p).unwrap()[0];
+            let retried = |exit: i64, signal: Option<&str>, reason: Option<&str>| {
+                s.retry.iter().any(|r| r.matches(exit, signal, reason))
+            };
+            assert!(
+                retried(3, None, None),
+                "{f}: the runner's infrastructure failure"
+            );
+            assert!(retried(-1, None, None), "{f}: a lost agent");
+            // What the agent reports for a job its stopping agent interrupted (agent/run_job.go:
+            // the bootstrap re-raises SIGTERM, so the wait status is -1).
+            assert!(
+                retried(-1, Some("SIGTERM"), Some("agent_stop")),
+                "{f}: a stopped agent"
+            );
+            assert!(
+                !retried(-1, Some("SIGTERM"), Some("cancel")),
+                "{f}: a cancel"
+            );
+            assert!(!retried(2, None, None), "{f}: a bad payload");
+            assert!(!retried(1, None, None), "{f}: the submission's failure");
+        }
+    }
+
+    #[test]
+    fn a_star_exit_status_is_one_to_255() {
+        let s = steps(&serde_json::json!({"steps": [{"command": "x", "retry": {"automatic": [{"signal_reason": "agent_stop", "limit": 1}]}}]})).unwrap();
+        assert!(!s[0].retry[0].matches(-1, Some("SIGTERM"), Some("agent_stop")));
+        assert!(s[0].retry[0].matches(143, None, Some("agent_stop")));
     }
 
     #[test]

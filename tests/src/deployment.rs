@@ -1,0 +1,315 @@
+//! The whole deployment on this machine, for the end-to-end test and benchmark through real
+//! agents: the production service (its Buildkite executor) against the fake Buildkite, which
+//! plays its builds on agents; the pipeline's settings steps (`deployment/pipelines/settings.yml`)
+//! run by a pipeline agent configured as `deployment/service/compose.yaml` runs it; a node
+//! `kernelkite-isolate setup` made ([`crate::agent_node`]) with one real agent per slice.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::agent_node::{self, Node, NodeSpec, REPOSITORY};
+use crate::fake_buildkite::FAKE_AGENT_TOKEN;
+use crate::harness::{self, Harness};
+
+/// The real agent `scripts/buildkite-agent.sh` builds (`KERNELKITE_BUILDKITE_AGENT`, else its
+/// place under `target/`).
+pub fn agent() -> Option<PathBuf> {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/buildkite-agent/v3.137.0/buildkite-agent");
+    crate::built_binary("KERNELKITE_BUILDKITE_AGENT", Some(built))
+}
+
+/// Whether `tool` is on the PATH.
+fn which(tool: &str) -> bool {
+    std::process::Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Why the node cannot run here, if it cannot.
+pub fn cannot_run() -> Option<String> {
+    if agent().is_none() {
+        return Some("the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)".into());
+    }
+    if let Err(e) = crate::local::real_cgroups() {
+        return Some(e);
+    }
+    for tool in ["unshare", "nsenter", "git", "mount"] {
+        if !which(tool) {
+            return Some(format!("no {tool}"));
+        }
+    }
+    if !Path::new("/usr/bin/python3").exists() {
+        return Some("no /usr/bin/python3 for the runner".into());
+    }
+    None
+}
+
+/// setup's `--from`: `isolate` and `runner` under the names setup installs.
+fn binaries(at: &Path, isolate: &Path, runner: &Path) -> PathBuf {
+    let dir = at.join("from");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, built) in [
+        ("kernelkite-isolate", isolate),
+        ("kernelkite-runner", runner),
+    ] {
+        std::fs::copy(built, dir.join(name)).unwrap();
+    }
+    dir
+}
+
+/// The agent beside the service that runs the settings step (`pipeline upload`), configured as
+/// `deployment/service/compose.yaml` runs it (its `pipeline-agent` environment), its git
+/// fetching the repository locally.
+struct PipelineAgent {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Drop for PipelineAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `pipeline-agent` service's environment in `deployment/service/compose.yaml`.
+fn compose_pipeline_agent_env() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/service/compose.yaml"),
+    )
+    .unwrap();
+    let compose = kernelkite_service::task::pyyaml::load(&text).unwrap();
+    compose["services"]["pipeline-agent"]["environment"]
+        .as_object()
+        .expect("compose.yaml has a pipeline-agent with an environment map")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .collect()
+}
+
+fn pipeline_agent(at: &Path, agent: &Path, endpoint: &str, repository: &Path) -> PipelineAgent {
+    let home = at.join("pipeline-agent");
+    for d in ["builds", "plugins", "hooks"] {
+        std::fs::create_dir_all(home.join(d)).unwrap();
+    }
+    std::fs::write(
+        home.join(".gitconfig"),
+        format!(
+            "[url \"{}\"]\n\tinsteadOf = {REPOSITORY}\n",
+            repository.display()
+        ),
+    )
+    .unwrap();
+    let log = at.join("pipeline-agent.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let child = std::process::Command::new(agent)
+        .arg("start")
+        .env_clear()
+        .envs(compose_pipeline_agent_env())
+        // What the image and pipeline-agent.env add: the token, and the agent's own paths.
+        .env("BUILDKITE_AGENT_TOKEN", FAKE_AGENT_TOKEN)
+        .env("BUILDKITE_AGENT_ENDPOINT", endpoint)
+        .env("BUILDKITE_BUILD_PATH", home.join("builds"))
+        .env("BUILDKITE_PLUGINS_PATH", home.join("plugins"))
+        .env("BUILDKITE_HOOKS_PATH", home.join("hooks"))
+        .env("HOME", &home)
+        .env(
+            "PATH",
+            format!(
+                "{}:/usr/local/bin:/usr/bin:/bin",
+                agent.parent().unwrap().display()
+            ),
+        )
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    PipelineAgent { child, log }
+}
+
+/// How long an agent holding a job may go without a heartbeat before the fake Buildkite takes
+/// it for lost (Buildkite's own is minutes; the agents here heartbeat every second).
+pub const LOST_AFTER: Duration = Duration::from_secs(8);
+
+/// The whole deployment on this machine: the service (Buildkite executor) and its fake Buildkite
+/// playing builds on agents, a node `setup` made with one real agent per slice, and the
+/// pipeline agent beside the service.
+pub struct Deployment {
+    /// The service and the fake Buildkite.
+    pub stack: Harness,
+    /// The node and its agents.
+    pub node: Node,
+    pipeline: PipelineAgent,
+    scratch: tempfile::TempDir,
+}
+
+impl Deployment {
+    /// The agents' logs and every job's log, for a failing assertion.
+    pub fn logs(&self) -> String {
+        let mut s = format!(
+            "{}\n--- pipeline agent ---\n{}",
+            self.node.logs(),
+            std::fs::read_to_string(&self.pipeline.log).unwrap_or_default()
+        );
+        for b in 1..=self.stack.fake.build_count() {
+            for j in self.stack.fake.jobs_of(b) {
+                let log = j.log();
+                let tail = &log[log.len().saturating_sub(6000)..];
+                s.push_str(&format!(
+                    "\n--- build {b} job {} ({}, {}, exit {:?}) ---\n{tail}",
+                    j.step.label, j.id, j.state, j.exit_status
+                ));
+            }
+        }
+        s
+    }
+
+    /// Submits `config` to `queue`; its id.
+    pub async fn submit(&self, config: Value, queue: &str) -> String {
+        let (status, v) = self
+            .stack
+            .post(json!({"config": config, "queue": queue, "run_id": "real-agent"}))
+            .await;
+        assert_eq!(status, 202, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    /// Long-polls the submission until it ends (at most `within`).
+    pub async fn wait(&self, id: &str, within: Duration) -> Value {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let (status, v) = self.stack.get(id, "?wait=20").await;
+            assert_eq!(status, 200, "{v}");
+            let state = v["state"].as_str().unwrap_or_default();
+            if !matches!(state, "queued" | "scheduled" | "running") {
+                return v;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "submission {id} still {state} after {within:?}\n{}",
+                self.logs()
+            );
+        }
+    }
+}
+
+/// The steps an operator pastes into the pipeline's settings.
+pub fn settings() -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines/settings.yml"),
+    )
+    .unwrap()
+}
+
+/// The deployment, the node's binaries being `isolate` and `runner` (the caller's build of
+/// `kernelkite-isolate` and `kernelkite-runner`); `None` (reported as a skip) where it cannot
+/// run here.
+pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
+    if let Some(why) = cannot_run() {
+        crate::skip(why);
+        return None;
+    }
+    let agent = agent().unwrap();
+    let scratch = crate::scratch();
+    let stack = harness::harness_with(|cfg| {
+        cfg.default_timeout_s = 600;
+    })
+    .await;
+    let repository = agent_node::repository(scratch.path(), &[]);
+    stack
+        .fake
+        .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
+    stack
+        .fake
+        .set_agent_clock(LOST_AFTER, Duration::from_secs(60));
+    let endpoint = stack.fake.agent_api_url();
+    let from = binaries(scratch.path(), isolate, runner);
+    let mut node = Node::new(&NodeSpec {
+        queue: "h100",
+        node: "kk-e2e",
+        slices: 2,
+        binaries: &from,
+        agent: &agent,
+        endpoint: endpoint.clone(),
+        repository: &repository,
+    });
+    node.start_agent("slice0", &[]);
+    node.start_agent("slice1", &[]);
+    let pipeline = pipeline_agent(scratch.path(), &agent, &endpoint, &repository);
+    Some(Deployment {
+        stack,
+        node,
+        pipeline,
+        scratch,
+    })
+}
+
+impl Deployment {
+    /// Scratch space that lives as long as the deployment (the repository's work tree is in it).
+    pub fn scratch(&self) -> &Path {
+        self.scratch.path()
+    }
+
+    /// The jobs of the submission's build that ran the step of the deployment pipeline.
+    pub async fn eval_jobs(
+        &self,
+        id: &str,
+    ) -> (u64, Vec<crate::fake_buildkite::agent_api::AgentJob>) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let number = loop {
+            let (_, v) = self.stack.get(id, "").await;
+            if let Some(n) = v["build"]["number"].as_u64() {
+                break n;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no build for {id}: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let jobs = self
+            .stack
+            .fake
+            .jobs_of(number)
+            .into_iter()
+            .filter(|j| j.step.label.contains("kernelbot"))
+            .collect();
+        (number, jobs)
+    }
+
+    /// Waits until the submission's evaluation job runs on an agent; its agent's name.
+    pub async fn wait_running(&self, id: &str) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let (_, jobs) = self.eval_jobs(id).await;
+            if let Some(j) = jobs.iter().find(|j| j.state == "running") {
+                // The command hook has started the command once the sandbox said what it is.
+                if j.log().contains("kernelkite: sandbox: network") {
+                    return self.stack.fake.agent_of(j).unwrap();
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never ran\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `DELETE /v1/submissions/{id}`.
+    pub async fn cancel(&self, id: &str) {
+        let r = self
+            .stack
+            .http
+            .delete(format!("{}/v1/submissions/{id}", self.stack.base))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{:?}", r.text().await);
+    }
+}
