@@ -6,8 +6,9 @@
 //! `buildkite-agent start` per slice, real cgroups), per submission:
 //! - **end to end**: `POST /v1/submissions` → the client holds the result (long-poll);
 //! - build created → client: what Buildkite's side and the agents add;
-//! - the pipeline agent's upload job (assigned → finished) and the wait for a node's agent to
-//!   ping for the uploaded step;
+//! - the waits for an agent to ping for a job (the pipeline agent for the routing step, a
+//!   node's agent for the uploaded one: every second here, as the fake tells agents to), and
+//!   the pipeline agent's upload job (assigned → finished);
 //! - the node agent's own time for the evaluation job (accepted → finished), and within it the
 //!   hooks (`environment`, `command` less the runner's evaluation, `pre-exit`, both levels),
 //!   the checkout and the artifact upload, from the job log's section timestamps;
@@ -34,6 +35,10 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn row(name: &str, mut v: Vec<f64>) {
+    if v.is_empty() {
+        println!("  {name:<46} (no figures)");
+        return;
+    }
     v.sort_by(f64::total_cmp);
     let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
     println!(
@@ -91,6 +96,7 @@ fn between(a: Option<Instant>, b: Option<Instant>) -> f64 {
 struct Figures {
     end_to_end: Vec<f64>,
     created_to_client: Vec<f64>,
+    wait_for_pipeline_agent: Vec<f64>,
     upload_job: Vec<f64>,
     wait_for_node_agent: Vec<f64>,
     agent_job: Vec<f64>,
@@ -145,6 +151,8 @@ async fn main() {
             .find(|r| r.route == Route::CreateBuild && r.build == Some(number))
             .map(|r| r.at);
         f.created_to_client.push(between(created, Some(client)));
+        f.wait_for_pipeline_agent
+            .push(between(created, upload.times.assigned));
         f.upload_job
             .push(between(upload.times.assigned, upload.times.finished));
         f.wait_for_node_agent
@@ -170,6 +178,10 @@ async fn main() {
     println!("through real agents (buildkite-agent v3.137.0, pipeline upload, real cgroups):");
     row("END TO END (POST -> client holds result)", f.end_to_end);
     row("build created -> client", f.created_to_client);
+    row(
+        "created -> pipeline agent takes its job",
+        f.wait_for_pipeline_agent,
+    );
     row("pipeline agent: upload job", f.upload_job);
     row(
         "upload done -> node agent takes the step",
