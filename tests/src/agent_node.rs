@@ -426,16 +426,7 @@ pub fn commit(at: &Path, files: &[(&str, &str)]) {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     git(&work, &["add", "-A"]);
-    git(&work, &["commit", "-q", "-m", "change under test"]);
-    git(
-        &work,
-        &[
-            "push",
-            "-q",
-            at.join("kernelkite").to_str().unwrap(),
-            "main",
-        ],
-    );
+    publish(at, "change under test");
 }
 
 /// Removes `paths` from the repository [`repository`] made under `at`, in a commit on `main`.
@@ -444,14 +435,13 @@ pub fn remove(at: &Path, paths: &[&str]) {
     for p in paths {
         git(&work, &["rm", "-q", p]);
     }
-    git(&work, &["commit", "-q", "-m", "removed under test"]);
-    git(
-        &work,
-        &[
-            "push",
-            "-q",
-            at.join("kernelkite").to_str().unwrap(),
-            "main",
-        ],
-    );
+    publish(at, "removed under test");
+}
+
+/// Commits what is staged in the work tree and pushes `main` to the bare repository.
+fn publish(at: &Path, message: &str) {
+    let work = at.join("work");
+    let bare = at.join("kernelkite");
+    git(&work, &["commit", "-q", "-m", message]);
+    git(&work, &["push", "-q", bare.to_str().unwrap(), "main"]);
 }

@@ -204,6 +204,16 @@ fn caller(world: &mut World, headers: &HeaderMap) -> Option<(usize, Option<usize
     Some((a, Some(j)))
 }
 
+/// The job `id` for the caller ([`job_of`]), or the handler answers its refusal.
+macro_rules! job_or_refuse {
+    ($world:ident, $headers:ident, $id:ident) => {
+        match job_of(&mut $world, &$headers, &$id) {
+            Ok(j) => j,
+            Err((status, message)) => return error(status, message),
+        }
+    };
+}
+
 /// The job `id` when the caller may act on it (its agent, or its own token) and it has not
 /// finished (a lost, canceled or timed-out job takes no more logs, artifacts or uploads: 422).
 fn job_of(
@@ -530,24 +540,21 @@ pub(super) async fn register(
     Json(answer).into_response()
 }
 
-/// `POST /v3/connect`, `/v3/disconnect` (no body; `api/agents.go`).
+/// `POST /v3/connect` (no body; `api/agents.go`).
 pub(super) async fn connect(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response {
-    let mut world = lock(&inner.world);
-    match caller(&mut world, &headers) {
-        Some((a, None)) => {
-            world.agents[a].disconnected = false;
-            Json(json!({})).into_response()
-        }
-        _ => error(StatusCode::UNAUTHORIZED, "Unauthorized"),
-    }
+    set_connected(&inner, &headers, true)
 }
 
-/// `POST /v3/disconnect`.
+/// `POST /v3/disconnect` (no body; `api/agents.go`).
 pub(super) async fn disconnect(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response {
+    set_connected(&inner, &headers, false)
+}
+
+fn set_connected(inner: &Inner, headers: &HeaderMap, connected: bool) -> Response {
     let mut world = lock(&inner.world);
-    match caller(&mut world, &headers) {
+    match caller(&mut world, headers) {
         Some((a, None)) => {
-            world.agents[a].disconnected = true;
+            world.agents[a].disconnected = !connected;
             Json(json!({})).into_response()
         }
         _ => error(StatusCode::UNAUTHORIZED, "Unauthorized"),
@@ -691,10 +698,7 @@ pub(super) async fn accept(
     headers: HeaderMap,
 ) -> Response {
     let mut world = lock(&inner.world);
-    let j = match job_of(&mut world, &headers, &id) {
-        Ok(j) => j,
-        Err((status, message)) => return error(status, message),
-    };
+    let j = job_or_refuse!(world, headers, id);
     if world.jobs[j].state != "assigned" {
         return error(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -739,10 +743,7 @@ pub(super) async fn start(
 ) -> Response {
     let number = {
         let mut world = lock(&inner.world);
-        let j = match job_of(&mut world, &headers, &id) {
-            Ok(j) => j,
-            Err((status, message)) => return error(status, message),
-        };
+        let j = job_or_refuse!(world, headers, id);
         if world.jobs[j].state == "accepted" {
             world.jobs[j].state = "running".into();
         }
@@ -792,10 +793,7 @@ pub(super) async fn chunk(
     body: Bytes,
 ) -> Response {
     let mut world = lock(&inner.world);
-    let j = match job_of(&mut world, &headers, &id) {
-        Ok(j) => j,
-        Err((status, message)) => return error(status, message),
-    };
+    let j = job_or_refuse!(world, headers, id);
     let Some(offset) = q.get("offset").and_then(|o| o.parse::<u64>().ok()) else {
         return error(StatusCode::UNPROCESSABLE_ENTITY, "offset is required");
     };
@@ -830,10 +828,7 @@ pub(super) async fn finish_job(
 ) -> Response {
     let number = {
         let mut world = lock(&inner.world);
-        let j = match job_of(&mut world, &headers, &id) {
-            Ok(j) => j,
-            Err((status, message)) => return error(status, message),
-        };
+        let j = job_or_refuse!(world, headers, id);
         let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let Some(exit) = req["exit_status"]
             .as_str()
@@ -859,10 +854,7 @@ pub(super) async fn meta_data(
     body: Bytes,
 ) -> Response {
     let mut world = lock(&inner.world);
-    let j = match job_of(&mut world, &headers, &id) {
-        Ok(j) => j,
-        Err((status, message)) => return error(status, message),
-    };
+    let j = job_or_refuse!(world, headers, id);
     let build = world.jobs[j].build;
     let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let key = req["key"].as_str().unwrap_or_default().to_string();
@@ -895,10 +887,7 @@ pub(super) async fn upload_pipeline(
     body: Bytes,
 ) -> Response {
     let mut world = lock(&inner.world);
-    let j = match job_of(&mut world, &headers, &id) {
-        Ok(j) => j,
-        Err((status, message)) => return error(status, message),
-    };
+    let j = job_or_refuse!(world, headers, id);
     let req: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => return error(StatusCode::BAD_REQUEST, "Problems parsing JSON"),
@@ -953,10 +942,7 @@ pub(super) async fn create_artifacts(
 ) -> Response {
     let (build, job_id) = {
         let mut world = lock(&inner.world);
-        let j = match job_of(&mut world, &headers, &id) {
-            Ok(j) => j,
-            Err((status, message)) => return error(status, message),
-        };
+        let j = job_or_refuse!(world, headers, id);
         (world.jobs[j].build, world.jobs[j].id.clone())
     };
     let req: Value = match serde_json::from_slice(&body) {
@@ -1086,10 +1072,8 @@ pub(super) async fn update_artifacts(
 ) -> Response {
     let build = {
         let mut world = lock(&inner.world);
-        match job_of(&mut world, &headers, &id) {
-            Ok(j) => world.jobs[j].build,
-            Err((status, message)) => return error(status, message),
-        }
+        let j = job_or_refuse!(world, headers, id);
+        world.jobs[j].build
     };
     let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let blobs = lock(&inner.blobs)

@@ -270,47 +270,39 @@ fn string_of(v: &Value) -> Option<String> {
     }
 }
 
-fn env_of(v: Option<&Value>, what: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut env = BTreeMap::new();
+/// `env` or `agents` (`key`) of `what`: a map of scalars; `agents` may also be a list of
+/// `key=value`.
+fn pairs_of(v: Option<&Value>, what: &str, key: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
     match v {
         None | Some(Value::Null) => {}
         Some(Value::Object(o)) => {
             for (k, x) in o {
-                env.insert(
-                    k.clone(),
-                    string_of(x).ok_or_else(|| format!("{what}.env.{k} is not a scalar"))?,
-                );
+                let value =
+                    string_of(x).ok_or_else(|| format!("{what}.{key}.{k} is not a scalar"))?;
+                out.insert(k.clone(), value);
             }
         }
-        Some(_) => return Err(format!("{what}.env must be a map")),
-    }
-    Ok(env)
-}
-
-fn agents_of(v: Option<&Value>, what: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut agents = BTreeMap::new();
-    match v {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) => {
-            for (k, x) in o {
-                agents.insert(
-                    k.clone(),
-                    string_of(x).ok_or_else(|| format!("{what}.agents.{k} is not a scalar"))?,
-                );
-            }
-        }
-        Some(Value::Array(a)) => {
+        Some(Value::Array(a)) if key == "agents" => {
             for x in a {
-                let s = x
+                let (k, value) = x
                     .as_str()
                     .and_then(|s| s.split_once('='))
                     .ok_or_else(|| format!("{what}.agents entries must be key=value"))?;
-                agents.insert(s.0.to_string(), s.1.to_string());
+                out.insert(k.to_string(), value.to_string());
             }
         }
-        Some(_) => return Err(format!("{what}.agents must be a map or a list")),
+        Some(_) => return Err(format!("{what}.{key} must be a map")),
     }
-    Ok(agents)
+    Ok(out)
+}
+
+fn env_of(v: Option<&Value>, what: &str) -> Result<BTreeMap<String, String>, String> {
+    pairs_of(v, what, "env")
+}
+
+fn agents_of(v: Option<&Value>, what: &str) -> Result<BTreeMap<String, String>, String> {
+    pairs_of(v, what, "agents")
 }
 
 /// `plugins` as the agent receives it: a list of one-key objects (a bare string is a plugin
