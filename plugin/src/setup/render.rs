@@ -447,6 +447,14 @@ pub fn agent_env(plan: &Plan, opts: &Options) -> String {
     let _ = writeln!(s, "KERNELKITE_RUN_DIR={RUN_DIR}");
     s.push_str("# The agent-level hooks' configuration (the plugin's keys); a step using the plugin overrides it.\n");
     let _ = writeln!(s, "KERNELKITE_CONFIG='{}'", opts.job_config);
+    // The artifacts are the files the sandbox carried back (regular files, never links); were a
+    // link ever in the checkout, the agent's `artifact upload` would send what it points to
+    // (clicommand/artifact_upload.go: links to files are followed unless told not to).
+    s.push_str(
+        "# The agent uploads no artifact that is a symbolic link, and no glob walks through one.\n",
+    );
+    s.push_str("BUILDKITE_ARTIFACT_UPLOAD_SKIP_SYMLINKS=true\n");
+    s.push_str("BUILDKITE_AGENT_ARTIFACT_GLOB_RESOLVE_FOLLOW_SYMLINKS=false\n");
     if has_gpus(plan) {
         s.push_str("# A GPU node: the runner fails as an infrastructure error (exit 3, retried elsewhere) when it sees no GPU.\n");
         s.push_str("KERNELKITE_REQUIRE_GPU=1\n");
