@@ -54,6 +54,9 @@ pub struct SubmitRequest {
 /// Unix seconds; injected so webhook-window tests can move the clock.
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
+/// How long the deadline waits for a build found finished at the last moment to be collected.
+const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
+
 /// The running service: configuration, submissions, the executor, and its background tasks.
 pub struct App {
     /// The configuration it started with.
@@ -700,6 +703,15 @@ impl App {
                 _ = rx.wait_for(|s| s.state.is_terminal()) => return,
             }
             let Some(app) = app.upgrade() else { return };
+            // Before giving up, ask about the build once: its finish event may have been lost
+            // inside the reconciler's interval. A finished build is collected (for a short
+            // grace), never timed out and canceled.
+            let build = rx.borrow().build.clone();
+            if let Some(build) = build {
+                if app.collect_if_finished(&id, &build, &mut rx).await {
+                    return;
+                }
+            }
             let timeout_s = rx.borrow().timeout_s;
             let msg = format!("no result within {timeout_s} s");
             // Boxed: the ending is rare, and inline its state would make every waiting
@@ -713,6 +725,40 @@ impl App {
                 }
             }
         });
+    }
+
+    /// At the deadline: asks the executor for the build's state; when it finished, collects it
+    /// as its finish event would have, and waits (at most [`TIMEOUT_GRACE`]) for the
+    /// submission to end. Returns whether it ended.
+    async fn collect_if_finished(
+        self: &Arc<Self>,
+        id: &str,
+        build: &BuildInfo,
+        rx: &mut tokio::sync::watch::Receiver<Submission>,
+    ) -> bool {
+        let status = match tokio::time::timeout(TIMEOUT_GRACE, self.executor.status(build)).await {
+            Ok(Ok(Some(s))) => s,
+            Ok(Ok(None)) | Err(_) => return false,
+            Ok(Err(e)) => {
+                tracing::warn!(%id, build = build.number, error = %report(&*e), "at the deadline the build's state could not be asked; timing out");
+                return false;
+            }
+        };
+        if !crate::buildkite::FINISHED_STATES.contains(&status.state.as_str()) || status.blocked {
+            return false;
+        }
+        tracing::info!(%id, build = build.number, state = %status.state, "at the deadline the build had finished (its event was lost): collecting it");
+        self.apply(
+            id,
+            BuildEvent {
+                kind: BuildEventKind::Finished,
+                build: status,
+            },
+        )
+        .await;
+        tokio::time::timeout(TIMEOUT_GRACE, rx.wait_for(|s| s.state.is_terminal()))
+            .await
+            .is_ok()
     }
 
     pub(crate) fn spawn_cancel_build(self: &Arc<Self>, build: BuildInfo) {

@@ -151,6 +151,17 @@ pub trait Executor: Send + Sync + 'static {
     /// error is transient (the executor could not be reached): the core tries again later.
     fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>>;
 
+    /// The build's state now, asked of the executor (`None`: it cannot tell). The timeout
+    /// asks once before it ends a submission, so a build whose finish event was lost is
+    /// collected instead of timed out (and canceled).
+    fn status<'a>(
+        &'a self,
+        build: &'a BuildInfo,
+    ) -> BoxFuture<'a, Result<Option<BuildStatus>, BoxError>> {
+        let _ = build;
+        Box::pin(async { Ok(None) })
+    }
+
     /// Builds that finished since `since`, in one listing however many submissions wait: what
     /// the reconciler feeds through the same path as events when an event was lost. An
     /// executor whose events cannot be lost finds none.

@@ -264,6 +264,13 @@ impl App {
         }
         let mut fed = 0;
         for f in listing.builds {
+            // The listing asked for finished builds; each build's own state is what counts (a
+            // filter the API ignored, or a build that changed between its pages, must not end
+            // a submission whose build still runs).
+            if !crate::buildkite::FINISHED_STATES.contains(&f.build.state.as_str()) {
+                tracing::debug!(build = f.build.number, state = %f.build.state, "listed among finished builds but not finished; left alone");
+                continue;
+            }
             let id = match self.store.submission_of(&f.build.id) {
                 Some(id) => id,
                 None => match f.submission_id.as_deref().and_then(|sid| {

@@ -706,3 +706,50 @@ async fn deadlines_hold_across_a_restart_while_buildkite_is_down() {
     assert!(builds_per_submission(&fake).is_empty());
     svc.kill9().await;
 }
+
+/// Issue 21, item 1: two service processes on one data directory would both recover its
+/// in-flight submissions and create their builds again. The second one refuses to start,
+/// naming the first; the first goes on, and every submission has exactly one build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_service_on_the_same_data_dir_refuses_to_start_and_names_the_first() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut first = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    first.start().await.unwrap();
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let body =
+            json!({"config": sample_config(), "queue": "h100", "run_id": format!("two-{i}")});
+        ids.push(submit_until_accepted(&http, &first.base, &format!("two-{i}"), &body).await);
+    }
+    while fake.build_count() < 3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut second = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    let (code, log) = second.run_to_exit(Duration::from_secs(30)).await;
+    assert_ne!(code, Some(0), "the second service ran: {log}");
+    assert!(code.is_some(), "the second service did not exit: {log}");
+    let first_pid = first.pid().expect("the first runs");
+    assert!(
+        log.contains("is in use by another kernelkite-service")
+            && log.contains(&format!("pid {first_pid} on ")),
+        "{log}"
+    );
+    // Nothing was created twice, and the first still serves.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fake.build_count(), 3);
+    assert!(builds_per_submission(&fake).values().all(|n| n.len() == 1));
+    let r = http
+        .get(format!("{}/v1/submissions/{}", first.base, ids[0]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    // Once the first is gone (even killed), the lock goes with it: a new one starts.
+    first.kill9().await;
+    let mut third = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    third.start().await.unwrap();
+    third.kill9().await;
+}

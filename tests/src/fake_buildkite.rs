@@ -109,6 +109,9 @@ pub enum Fault {
     /// Create-build only: create the build at once, then answer only after this long (a
     /// client that gave up before has made a build it does not know of).
     DelayResponse(Duration),
+    /// Create-build only: create the build, then answer with this status (a 5xx from a proxy
+    /// or a failure after the commit: the client is told it failed, the build exists).
+    StatusAfterCreate(u16),
 }
 
 /// A webhook's headers and body.
@@ -203,6 +206,8 @@ struct Inner {
     created_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<u64>>,
     rate: Mutex<RateWindow>,
     down_until: Mutex<Option<Instant>>,
+    route_down: Mutex<HashMap<Route, (u16, Instant)>>,
+    ignore_state_filter: std::sync::atomic::AtomicBool,
     drop_webhooks: Mutex<Option<(f64, fastrand::Rng)>>,
     dropped: Mutex<Vec<(String, u64)>>,
     http: reqwest::Client,
@@ -319,6 +324,8 @@ impl FakeBuildkite {
                 count: 0,
             }),
             down_until: Mutex::new(None),
+            route_down: Mutex::new(HashMap::new()),
+            ignore_state_filter: std::sync::atomic::AtomicBool::new(false),
             drop_webhooks: Mutex::new(None),
             dropped: Mutex::new(Vec::new()),
             http: reqwest::Client::builder()
@@ -417,6 +424,18 @@ impl FakeBuildkite {
             .entry(route)
             .or_default()
             .push_back(fault);
+    }
+
+    /// Calls on `route` answer `status` until `until` (one endpoint's outage; the others
+    /// answer).
+    pub fn fail_route_until(&self, route: Route, status: u16, until: Instant) {
+        lock(&self.inner.route_down).insert(route, (status, until));
+    }
+
+    /// The builds list ignores its `state[]` and `finished_from` filters (as a proxy or an
+    /// API change might): a client must check each build's own state.
+    pub fn ignore_state_filter(&self, on: bool) {
+        self.inner.ignore_state_filter.store(on, Ordering::Relaxed);
     }
 
     /// Every API call answers `503` until `until` (an outage).
@@ -829,9 +848,18 @@ async fn gate(
         }
         // Create-build takes it before the gate; elsewhere it is a delay.
         Some(Fault::Delay(d) | Fault::DelayResponse(d)) => delay = Some(d),
+        Some(Fault::StatusAfterCreate(_)) => {}
         None => {}
     }
     let now = Instant::now();
+    let route_down = lock(&inner.route_down)
+        .get(&route)
+        .filter(|(_, until)| now < *until)
+        .map(|(status, _)| *status);
+    if let (None, Some(status)) = (&resp, route_down) {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        resp = Some((status, Json(json!({"message": "Injected outage"}))).into_response());
+    }
     if resp.is_none() && route.is_api() && lock(&inner.down_until).is_some_and(|t| now < t) {
         resp = Some(
             (
@@ -936,16 +964,21 @@ async fn create_build(
     // Attributed to the number the next build gets, so a failed attempt counts for it too
     // (exact when creates do not overlap, as in the tests and the benchmark).
     let next_number = lock(&inner.builds).len() as u64 + 1;
-    let late_answer = {
+    let (late_answer, failed_answer) = {
         let mut faults = lock(&inner.faults);
         let q = faults.entry(Route::CreateBuild).or_default();
         match q.front() {
             Some(Fault::DelayResponse(d)) => {
                 let d = *d;
                 q.pop_front();
-                Some(d)
+                (Some(d), None)
             }
-            _ => None,
+            Some(Fault::StatusAfterCreate(s)) => {
+                let s = *s;
+                q.pop_front();
+                (None, Some(s))
+            }
+            _ => (None, None),
         }
     };
     if let Some(r) = gate(
@@ -1020,6 +1053,24 @@ async fn create_build(
     inner.changed.notify_waiters();
     if let Some(d) = late_answer {
         tokio::time::sleep(d).await;
+    }
+    if let Some(status) = failed_answer {
+        if let Some(r) = lock(&inner.requests)
+            .iter_mut()
+            .rev()
+            .find(|r| r.route == Route::CreateBuild)
+        {
+            r.status = status;
+        }
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+        return with_rate_headers(
+            &inner,
+            (
+                status,
+                Json(json!({"message": "Injected failure after the build was made"})),
+            )
+                .into_response(),
+        );
     }
     with_rate_headers(&inner, (StatusCode::CREATED, Json(json)).into_response())
 }
@@ -1102,16 +1153,21 @@ async fn list_builds(
         let matching: Vec<&FakeBuild> = builds
             .iter()
             .rev()
-            .filter(|b| states.is_empty() || states.contains(&b.state))
+            .filter(|b| {
+                states.is_empty()
+                    || states.contains(&b.state)
+                    || inner.ignore_state_filter.load(Ordering::Relaxed)
+            })
             .filter(|b| {
                 created_from.is_none_or(|from| time(&b.created_at).is_ok_and(|t| t >= from))
             })
             .filter(|b| {
-                finished_from.is_none_or(|from| {
-                    b.finished_at
-                        .as_deref()
-                        .is_some_and(|f| time(f).is_ok_and(|t| t >= from))
-                })
+                inner.ignore_state_filter.load(Ordering::Relaxed)
+                    || finished_from.is_none_or(|from| {
+                        b.finished_at
+                            .as_deref()
+                            .is_some_and(|f| time(f).is_ok_and(|t| t >= from))
+                    })
             })
             .filter(|b| {
                 meta.iter().all(|(k, v)| {

@@ -185,6 +185,11 @@ impl ServiceProcess {
         }
     }
 
+    /// The running process's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(|c| c.id())
+    }
+
     /// Whether a process is running.
     pub fn running(&self) -> bool {
         self.child.is_some()

@@ -24,13 +24,17 @@ pub enum Priority {
 }
 
 impl Priority {
-    /// Units left for the more urgent callers.
-    fn reserve(self) -> u64 {
-        match self {
+    /// Units left for the more urgent callers, in a window of `limit` calls (when known). A
+    /// reserve is at most a quarter of the window: in a tiny one (Buildkite's limits are
+    /// configurable, a proxy may say less) a fixed reserve would be the whole window, and
+    /// every create would wait for a unit that never frees.
+    fn reserve(self, limit: Option<u64>) -> u64 {
+        let fixed = match self {
             Priority::Result => 0,
             Priority::Create => 2,
             Priority::Reconcile => 5,
-        }
+        };
+        limit.map_or(fixed, |l| fixed.min(l / 4))
     }
 }
 
@@ -131,7 +135,7 @@ impl RateBudget {
         }
         match s.remaining {
             None => Duration::ZERO,
-            Some(r) if r > priority.reserve() => {
+            Some(r) if r > priority.reserve(s.limit) => {
                 s.remaining = Some(r - 1);
                 Duration::ZERO
             }
@@ -264,6 +268,41 @@ mod tests {
         let later = now + Duration::from_secs(11);
         assert_eq!(b.try_take(Priority::Reconcile, later), Duration::ZERO);
         assert_eq!(b.remaining(), Some(199));
+    }
+
+    /// Issue 21, item 8: with `RateLimit-Limit: 2` the creates' fixed reserve of 2 was the
+    /// whole window, so no create ever went out.
+    #[test]
+    fn a_tiny_window_still_lets_creates_and_the_reconciler_through() {
+        let b = RateBudget::new(Duration::from_secs(60));
+        let now = Instant::now();
+        b.observe(
+            &headers(&[
+                ("RateLimit-Remaining", "0"),
+                ("RateLimit-Limit", "2"),
+                ("RateLimit-Reset", "1"),
+            ]),
+            false,
+            now,
+        );
+        assert!(b.try_take(Priority::Create, now) > Duration::ZERO);
+        let next = now + Duration::from_secs(2);
+        assert_eq!(b.try_take(Priority::Create, next), Duration::ZERO);
+        assert_eq!(b.try_take(Priority::Reconcile, next), Duration::ZERO);
+        assert!(b.try_take(Priority::Result, next) > Duration::ZERO, "spent");
+        // A window of 8 keeps 2 for results, as the fixed reserve says.
+        let c = RateBudget::new(Duration::from_secs(60));
+        c.observe(
+            &headers(&[
+                ("RateLimit-Remaining", "2"),
+                ("RateLimit-Limit", "8"),
+                ("RateLimit-Reset", "10"),
+            ]),
+            false,
+            now,
+        );
+        assert!(c.try_take(Priority::Create, now) > Duration::ZERO);
+        assert_eq!(c.try_take(Priority::Result, now), Duration::ZERO);
     }
 
     #[test]

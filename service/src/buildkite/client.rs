@@ -379,6 +379,11 @@ impl BuildkiteClient {
         &self.budget
     }
 
+    /// How this client backs off between tries (the create-build loop uses it too).
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
     /// `POST .../builds`: creates a build. Never repeated once the request may have arrived
     /// (a timeout, a broken connection, a 5xx): the caller looks the build up first. A `429`
     /// is waited out as long as it takes; a refused connection is retried.

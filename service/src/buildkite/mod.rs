@@ -86,9 +86,12 @@ impl BuildkiteExecutor {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            // A definite refusal (4xx) made nothing. Anything else may have made the build:
+            // it is looked up before the create is tried again, and before it is given up (a
+            // build the last try made is adopted, never left behind).
             let err = match self.client.create_build(&request).await {
                 Ok(b) => return Ok(launched(b)),
-                Err(e) if e.is_ambiguous() && attempt < self.attempts => e,
+                Err(e) if e.is_ambiguous() => e,
                 Err(e) => return Err(e.into()),
             };
             tracing::warn!(id = %job.submission_id, attempt, error = %report(&err), "create-build failed in a way that may have created the build; looking for it before trying again");
@@ -116,6 +119,12 @@ impl BuildkiteExecutor {
                 tracing::info!(id = %job.submission_id, build = b.number, "adopted the build the ambiguous create made");
                 return Ok(launched(b));
             }
+            if attempt >= self.attempts {
+                return Err(err.into());
+            }
+            // Nothing was made: wait the promised backoff before the next try, so a short
+            // outage of the create endpoint (a 5xx blip) is ridden out, not burned through.
+            tokio::time::sleep(self.client.retry_policy().backoff(attempt)).await;
         }
     }
 
@@ -207,6 +216,20 @@ impl Executor for BuildkiteExecutor {
                 ..BuildFilter::default()
             };
             Ok(self.list(filter).await?)
+        })
+    }
+
+    fn status<'a>(
+        &'a self,
+        build: &'a BuildInfo,
+    ) -> BoxFuture<'a, Result<Option<BuildStatus>, BoxError>> {
+        Box::pin(async move {
+            let b = self.client.get_build(build.number).await?;
+            // The number is Buildkite's; the id is what ties it to this submission.
+            if b.id != build.id {
+                return Ok(None);
+            }
+            Ok(Some(status(&b)))
         })
     }
 

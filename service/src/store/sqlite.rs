@@ -64,6 +64,15 @@ pub enum StoreError {
         /// Why, with its causes.
         cause: String,
     },
+    /// Another process holds the data directory (one service per data directory: two would
+    /// both recover and run its submissions).
+    #[error("the data directory {} is in use by another kernelkite-service ({holder}); stop that one first, or give this one another KERNELKITE_DATA_DIR", .dir.display())]
+    Locked {
+        /// The data directory.
+        dir: PathBuf,
+        /// Who holds it, as its lock file says (pid, host, since when).
+        holder: String,
+    },
     /// The database file is damaged.
     #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
     Corrupt {
@@ -253,6 +262,8 @@ pub struct Sqlite {
     shared: Arc<Shared>,
     path: Option<PathBuf>,
     closed: Arc<AtomicBool>,
+    /// The data directory's lock, held while the store is open ([`lock_dir`]).
+    _lock: Option<Arc<std::fs::File>>,
 }
 
 impl std::fmt::Debug for Sqlite {
@@ -285,6 +296,7 @@ impl Sqlite {
             metrics,
             wal_too_big: AtomicBool::new(false),
         });
+        let mut lock = None;
         let (opts, path) = match dir {
             Some(dir) => {
                 let path = dir.join(DB_FILE);
@@ -292,6 +304,7 @@ impl Sqlite {
                     path: path.clone(),
                     cause: report(&e),
                 })?;
+                lock = Some(hold_dir(dir)?);
                 let opts = SqliteConnectOptions::new()
                     .filename(&path)
                     .create_if_missing(true)
@@ -337,6 +350,7 @@ impl Sqlite {
                 shared,
                 path,
                 closed: Arc::new(AtomicBool::new(false)),
+                _lock: lock,
             },
             pending,
         ))
@@ -491,6 +505,78 @@ impl Sqlite {
 
 /// Creates the data dir (0700) and the database file (0600) when missing, and narrows the
 /// modes of existing files: SQLite gives its -wal and -shm files the database file's mode.
+/// The data directory's lock file: who holds it, for the next process's error.
+pub const LOCK_FILE: &str = "kernelkite-service.lock";
+
+/// The data directories this process holds: a second store of this process on one of them
+/// (a restart in a test, an inspection) shares the lock; another process is refused.
+fn hold_dir(dir: &Path) -> Result<Arc<std::fs::File>, StoreError> {
+    static HELD: std::sync::Mutex<Vec<(PathBuf, std::sync::Weak<std::fs::File>)>> =
+        std::sync::Mutex::new(Vec::new());
+    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    held.retain(|(_, f)| f.strong_count() > 0);
+    if let Some(file) = held
+        .iter()
+        .find(|(d, _)| *d == key)
+        .and_then(|(_, f)| f.upgrade())
+    {
+        return Ok(file);
+    }
+    let file = Arc::new(lock_dir(dir)?);
+    held.push((key, Arc::downgrade(&file)));
+    Ok(file)
+}
+
+/// Takes the data directory's exclusive lock (`flock` on [`LOCK_FILE`], which the kernel drops
+/// when the process ends, however it ends) and writes who holds it; `Locked`, naming the
+/// holder, when another process has it.
+fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join(LOCK_FILE);
+    let open_err = |e: std::io::Error| StoreError::Open {
+        path: path.clone(),
+        cause: report(&e),
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(open_err)?;
+    if let Err(e) = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        if e != rustix::io::Errno::WOULDBLOCK {
+            return Err(open_err(e.into()));
+        }
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        let holder = holder.trim();
+        return Err(StoreError::Locked {
+            dir: dir.to_path_buf(),
+            holder: if holder.is_empty() {
+                "it did not say who it is".into()
+            } else {
+                holder.to_string()
+            },
+        });
+    }
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let me = format!(
+        "pid {} on {host}, since {}",
+        std::process::id(),
+        chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    file.set_len(0).map_err(open_err)?;
+    file.rewind().map_err(open_err)?;
+    file.write_all(me.as_bytes()).map_err(open_err)?;
+    Ok(file)
+}
+
 fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     if !dir.exists() {
         std::fs::DirBuilder::new()

@@ -126,3 +126,70 @@ async fn timeout_times_out_and_cancels_the_build() {
     assert!(v["error"].as_str().unwrap().contains("1 s"));
     assert!(h.fake.wait_state(number, "canceled", WAIT).await);
 }
+
+/// Issue 21, item 7: a build that passed while its `build.finished` webhook was lost, inside
+/// the reconciler's interval. At the deadline the service asks Buildkite about the build once,
+/// finds it passed and collects its result: no `timed_out`, no cancel of a passed build.
+#[tokio::test]
+async fn the_deadline_asks_about_the_build_before_timing_out() {
+    let h = harness_with(|c| {
+        // The reconciler would not look before the deadline.
+        c.reconcile_min_ms = 60_000;
+        c.reconcile_max_ms = 60_000;
+    })
+    .await;
+    h.fake.drop_webhooks(1.0, 7);
+    let (id, number) = h
+        .submit_body(json!({"config": sample_config(), "queue": "h100", "timeout_s": 2}))
+        .await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "succeeded", "{v}");
+    assert!(
+        !h.fake.dropped_webhooks().is_empty(),
+        "the webhook was lost"
+    );
+    let cancels = h
+        .fake
+        .api_calls_for(number)
+        .iter()
+        .filter(|c| c.route == Route::CancelBuild)
+        .count();
+    assert_eq!(cancels, 0, "a passed build was canceled");
+    // A build still running at the deadline is timed out and canceled, as before.
+    let (id, number) = h
+        .submit_body(json!({"config": sample_config(), "queue": "h100", "timeout_s": 1}))
+        .await;
+    let v = h.wait_terminal(&id).await;
+    assert_eq!(v["state"], "timed_out", "{v}");
+    assert!(h.fake.wait_state(number, "canceled", WAIT).await);
+}
+
+/// Issue 21, item 7: the reconciler's listing of finished builds may bring back a build that
+/// has not finished (a filter the API ignored); its own state decides, and the submission goes
+/// on waiting for it.
+#[tokio::test]
+async fn the_reconciler_checks_each_listed_builds_own_state() {
+    let h = harness_with(|c| {
+        c.reconcile_min_ms = 100;
+        c.reconcile_max_ms = 200;
+    })
+    .await;
+    h.fake.ignore_state_filter(true);
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake.start_build(number).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let state = h.state(&id).await;
+    assert!(
+        matches!(state.as_str(), "scheduled" | "running"),
+        "a running build was taken for finished: {state}"
+    );
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+}

@@ -229,3 +229,92 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
     );
     assert_eq!(statuses.last(), Some(&200));
 }
+
+/// Issue 21, item 2: a 1.5 s outage of the create-build endpoint (5xx, the lookups still
+/// answer) is ridden out: the tries back off as the README promises (doubling from
+/// `KERNELKITE_RETRY_BASE_MS`), each after a lookup found nothing, and one build is made.
+#[tokio::test]
+async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
+    let h = harness_with(|c| {
+        c.retry_base_ms = 250;
+        c.retry_attempts = 6;
+    })
+    .await;
+    let outage = Duration::from_millis(1500);
+    h.fake
+        .fail_route_until(Route::CreateBuild, 503, Instant::now() + outage);
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    let creates: Vec<_> = h
+        .fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.route == Route::CreateBuild)
+        .collect();
+    assert_eq!(creates.last().map(|r| r.status), Some(200), "{creates:?}");
+    assert!(creates.len() >= 2 && creates.len() <= 5, "{creates:?}");
+    // Each wait at least 75 % of base·2^(n-1) (the jitter), never a burst.
+    for (n, pair) in creates.windows(2).enumerate() {
+        let gap = pair[1].at - pair[0].at;
+        let floor = Duration::from_millis(250 * (1 << n) * 3 / 4);
+        assert!(
+            gap >= floor,
+            "try {} came {gap:?} after the one before",
+            n + 2
+        );
+    }
+    assert_eq!(h.fake.build_count(), 1);
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+}
+
+/// Issue 21, item 3: the last allowed create gets a 5xx after Buildkite made the build. The
+/// build is looked up before the create is given up, and adopted: the submission runs, and
+/// no build is left behind scheduled.
+#[tokio::test]
+async fn a_build_made_by_the_last_failed_create_is_adopted_not_orphaned() {
+    let h = harness_with(|c| c.retry_attempts = 1).await;
+    h.fake
+        .inject(Route::CreateBuild, Fault::StatusAfterCreate(502));
+    let (_, v) = h
+        .post(json!({"config": sample_config(), "queue": "h100"}))
+        .await;
+    let id = v["id"].as_str().unwrap().to_string();
+    let number = h.fake.next_created(WAIT).await.expect("the build was made");
+    h.wait_build_attached(&id).await;
+    let (_, v) = h.get(&id, "").await;
+    assert_eq!(v["build"]["number"], number, "{v}");
+    assert_ne!(v["state"], "failed", "{v}");
+    assert_eq!(h.fake.build_count(), 1);
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+}
+
+/// Issue 21, item 8: a rate-limit window of 2 (`RateLimit-Limit: 2`): the creates' reserve no
+/// longer takes the whole window, so every submission gets its build.
+#[tokio::test]
+async fn a_rate_limit_window_of_two_still_creates_every_build() {
+    let h = harness().await;
+    h.fake.set_rate_limit(2, 2, Duration::from_secs(1));
+    // One call spends the first window and tells the service how small windows are.
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let (status, v) = h
+            .post(
+                json!({"config": sample_config(), "queue": "h100", "run_id": format!("tiny-{i}")}),
+            )
+            .await;
+        assert_eq!(status, 202, "{v}");
+        ids.push(v["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        tokio::time::timeout(Duration::from_secs(20), h.wait_build_attached(id))
+            .await
+            .expect("a build within 20 s");
+    }
+    assert_eq!(h.fake.build_count(), 3);
+}
