@@ -259,6 +259,12 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = DEFAULT_MAX_ARTIFACT_BYTES)]
     pub max_artifact_bytes: u64,
 
+    /// Hosts an artifact download may be redirected to besides public https ones (comma
+    /// separated; e.g. an S3 endpoint on a private network). Loopback, private and link-local
+    /// addresses and plain http are refused otherwise.
+    #[arg(long, env = "KERNELKITE_ARTIFACT_HOSTS", value_delimiter = ',')]
+    pub artifact_hosts: Vec<String>,
+
     /// Timeout of one Buildkite HTTP request, seconds.
     #[arg(long, env = "KERNELKITE_HTTP_TIMEOUT_S", default_value_t = 30)]
     pub http_timeout_s: u64,

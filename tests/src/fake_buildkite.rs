@@ -208,6 +208,7 @@ struct Inner {
     down_until: Mutex<Option<Instant>>,
     route_down: Mutex<HashMap<Route, (u16, Instant)>>,
     ignore_state_filter: std::sync::atomic::AtomicBool,
+    redirect_downloads: Mutex<Option<String>>,
     drop_webhooks: Mutex<Option<(f64, fastrand::Rng)>>,
     dropped: Mutex<Vec<(String, u64)>>,
     http: reqwest::Client,
@@ -326,6 +327,7 @@ impl FakeBuildkite {
             down_until: Mutex::new(None),
             route_down: Mutex::new(HashMap::new()),
             ignore_state_filter: std::sync::atomic::AtomicBool::new(false),
+            redirect_downloads: Mutex::new(None),
             drop_webhooks: Mutex::new(None),
             dropped: Mutex::new(Vec::new()),
             http: reqwest::Client::builder()
@@ -436,6 +438,12 @@ impl FakeBuildkite {
     /// API change might): a client must check each build's own state.
     pub fn ignore_state_filter(&self, on: bool) {
         self.inner.ignore_state_filter.store(on, Ordering::Relaxed);
+    }
+
+    /// Artifact downloads redirect to `url` instead of the fake's blob store (a hostile or
+    /// misconfigured API sending the service elsewhere).
+    pub fn redirect_downloads_to(&self, url: Option<String>) {
+        *lock(&self.inner.redirect_downloads) = url;
     }
 
     /// Every API call answers `503` until `until` (an outage).
@@ -1395,9 +1403,10 @@ async fn download(
                 Json(json!({"url": format!("{}/blobs/{blob}", inner.base)})),
             )
                 .into_response();
-            if let Ok(v) =
-                HeaderValue::from_str(&format!("{}/blobs/{blob}?X-Amz-Signature=fake", inner.base))
-            {
+            let to = lock(&inner.redirect_downloads)
+                .clone()
+                .unwrap_or_else(|| format!("{}/blobs/{blob}?X-Amz-Signature=fake", inner.base));
+            if let Ok(v) = HeaderValue::from_str(&to) {
                 r.headers_mut().insert("location", v);
             }
             r

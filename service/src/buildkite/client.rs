@@ -171,6 +171,20 @@ pub enum BuildkiteError {
     /// A download answered a redirect without a usable `Location`.
     #[error("artifact download answered {0} without a Location to the blob store")]
     NoRedirect(StatusCode),
+    /// The download redirected somewhere the service does not fetch from.
+    #[error("artifact download redirected to {url:?}, which is refused ({why}); the blob store must be https on a public address, or a host in KERNELKITE_ARTIFACT_HOSTS")]
+    ForbiddenBlob {
+        /// Where it redirected (without its query, which may hold a signature).
+        url: String,
+        /// Why it is refused.
+        why: String,
+    },
+    /// The blob store answered an error (its body is never kept: it may be anyone's).
+    #[error("the blob store answered {status} for the artifact")]
+    Blob {
+        /// Its status.
+        status: StatusCode,
+    },
     /// The artifact is over KERNELKITE_MAX_ARTIFACT_BYTES.
     #[error("artifact is larger than the {0} bytes allowed (KERNELKITE_MAX_ARTIFACT_BYTES)")]
     TooLarge(u64),
@@ -193,6 +207,9 @@ pub enum TransportError {
     /// Buildkite kept answering this status (429, 5xx) through every retry.
     #[error("still {0} after every retry")]
     Exhausted(StatusCode),
+    /// The blob store's name did not resolve, or no client could be made for it.
+    #[error("the blob store could not be reached: {0}")]
+    Resolve(String),
 }
 
 impl TransportError {
@@ -254,6 +271,9 @@ impl BuildkiteError {
                 status.is_server_error() || matches!(status.as_u16(), 408 | 429)
             }
             BuildkiteError::Decode { .. } => true,
+            BuildkiteError::Blob { status } => {
+                status.is_server_error() || matches!(status.as_u16(), 408 | 429)
+            }
             _ => false,
         }
     }
@@ -323,6 +343,10 @@ pub struct BuildkiteClient {
     token: Secret,
     retry: RetryPolicy,
     max_artifact_bytes: u64,
+    /// Hosts the artifact download may redirect to besides public https ones
+    /// (`KERNELKITE_ARTIFACT_HOSTS`).
+    artifact_hosts: Vec<String>,
+    http_timeout: Duration,
     budget: Arc<RateBudget>,
     metrics: Option<Arc<Metrics>>,
 }
@@ -361,6 +385,8 @@ impl BuildkiteClient {
                 max_rate_limit_wait: Duration::from_secs(cfg.rate_limit_max_wait_s),
             },
             max_artifact_bytes: cfg.max_artifact_bytes,
+            artifact_hosts: cfg.artifact_hosts.clone(),
+            http_timeout: cfg.http_timeout(),
             budget: Arc::new(RateBudget::new(Duration::from_secs(
                 cfg.rate_limit_max_wait_s.max(1),
             ))),
@@ -567,18 +593,83 @@ impl BuildkiteClient {
         read_capped(resp, self.max_artifact_bytes).await
     }
 
+    /// Where a download's redirect may lead, and the address to connect to: the API's own
+    /// origin (its host serves the blobs, as the fake Buildkite does); a host the operator
+    /// listed in `KERNELKITE_ARTIFACT_HOSTS`; else only https on a public address (resolved
+    /// here and pinned for the request, so a name cannot turn private between the check and
+    /// the connection). Anything else (another scheme, loopback, a private or link-local
+    /// address) is refused, once and for good.
+    async fn blob_target(&self, url: &Url) -> Result<Option<std::net::SocketAddr>, BuildkiteError> {
+        let shown = {
+            let mut u = url.clone();
+            u.set_query(None);
+            u.to_string()
+        };
+        let refuse = |why: &str| BuildkiteError::ForbiddenBlob {
+            url: shown.clone(),
+            why: why.to_string(),
+        };
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(refuse("not http(s)"));
+        }
+        let api = Url::parse(&self.base).map_err(|_| refuse("the API URL does not parse"))?;
+        if url.origin() == api.origin() {
+            return Ok(None);
+        }
+        let host = url.host_str().ok_or_else(|| refuse("no host"))?;
+        if self.artifact_hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) {
+            return Ok(None);
+        }
+        if url.scheme() != "https" {
+            return Err(refuse("not https"));
+        }
+        let port = url.port_or_known_default().unwrap_or(443);
+        let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|e| BuildkiteError::Transport {
+                method: Method::GET,
+                path: url.path().to_string(),
+                source: TransportError::Resolve(e.to_string()),
+            })?
+            .collect();
+        match addrs.iter().find(|a| !public_ip(a.ip())) {
+            Some(a) => Err(refuse(&format!("{} is not a public address", a.ip()))),
+            None => Ok(addrs.first().copied()),
+        }
+    }
+
     async fn fetch_blob(&self, url: Url) -> Result<reqwest::Response, BuildkiteError> {
         let path = url.path().to_string();
+        let pinned = self.blob_target(&url).await?;
+        // Pinned to the address checked above; no redirect is followed from the blob store.
+        let http = match (pinned, url.host_str()) {
+            (Some(addr), Some(host)) => reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .resolve(host, addr)
+                .connect_timeout(Duration::from_secs(5).min(self.http_timeout))
+                .timeout(self.http_timeout)
+                .build()
+                .map_err(|e| BuildkiteError::Transport {
+                    method: Method::GET,
+                    path: path.clone(),
+                    source: TransportError::Resolve(e.to_string()),
+                })?,
+            _ => self.http.clone(),
+        };
         let mut tries = Tries::default();
         loop {
             // A plain request: no Authorization header reaches the blob store.
-            let r = self.http.get(url.clone()).send().await;
+            let r = http.get(url.clone()).send().await;
             match classify(r, true, &mut tries, &self.retry) {
                 Next::Done(resp) => {
                     if resp.status().is_success() {
                         return Ok(resp);
                     }
-                    return Err(status_error(Method::GET, &path, resp).await);
+                    // The body is not read: it is the blob store's (or whoever's), not ours
+                    // to repeat in a submission.
+                    return Err(BuildkiteError::Blob {
+                        status: resp.status(),
+                    });
                 }
                 Next::Fail(e) => return Err(transport(Method::GET, &path, e)),
                 Next::Retry(wait) => tokio::time::sleep(wait).await,
@@ -771,6 +862,36 @@ fn transport(method: Method, path: &str, f: Failure) -> BuildkiteError {
     }
 }
 
+/// Whether `ip` is a public address (not loopback, private, link-local, unspecified,
+/// multicast, shared or documentation space, nor an IPv4-mapped one of those).
+fn public_ip(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let [a, b, ..] = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b)))
+        }
+        std::net::IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return public_ip(std::net::IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (first & 0xfe00) == 0xfc00
+                || (first & 0xffc0) == 0xfe80)
+        }
+    }
+}
+
 async fn status_error(method: Method, path: &str, resp: reqwest::Response) -> BuildkiteError {
     let status = resp.status();
     // Buildkite explains errors as {"message": "..."}; keep only that, never echo bodies.
@@ -841,6 +962,28 @@ async fn read_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_public_addresses_are_public() {
+        for private in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+        ] {
+            assert!(!public_ip(private.parse().unwrap()), "{private}");
+        }
+        for public in ["52.217.1.1", "2600:1f18::1", "8.8.8.8"] {
+            assert!(public_ip(public.parse().unwrap()), "{public}");
+        }
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {

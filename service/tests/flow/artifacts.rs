@@ -107,3 +107,53 @@ async fn corrupt_artifacts_are_refused() {
         assert!(v["result"].is_null());
     }
 }
+
+/// Issue 21, item 6: the artifact download's redirect is followed only to the blob store the
+/// service may fetch from. A redirect to another loopback service (an internal address) or to
+/// a `file://` URL fails the submission at once, says why, never contacts the target and
+/// copies nothing of it into the submission.
+#[tokio::test]
+async fn artifact_redirects_to_internal_or_non_http_targets_are_refused() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // An internal service that would answer with something worth stealing.
+    let hits = Arc::new(AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let internal = format!("http://{}/latest/meta-data/iam", listener.local_addr().unwrap());
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        let app = axum::Router::new().fallback(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { "INTERNAL-SECRET-CREDENTIALS" }
+        });
+        let _ = axum::serve(listener, app).await;
+    });
+    let h = harness().await;
+    for target in [internal.clone(), "file:///etc/passwd".to_string()] {
+        h.fake.redirect_downloads_to(Some(target.clone()));
+        let (id, number) = h.submit().await;
+        h.wait_build_attached(&id).await;
+        let started = std::time::Instant::now();
+        h.fake
+            .finish_build(number, "passed", result_artifact())
+            .await;
+        let v = h.wait_terminal(&id).await;
+        assert_eq!(v["state"], "failed", "{target}: {v}");
+        let error = v["error"].as_str().unwrap();
+        assert!(error.contains("refused"), "{target}: {error}");
+        assert!(!error.contains("INTERNAL-SECRET"), "{error}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{target}: not refused at once"
+        );
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "the internal target was contacted");
+    // The fake's own blob store (the API's origin) is fetched as before.
+    h.fake.redirect_downloads_to(None);
+    let (id, number) = h.submit().await;
+    h.wait_build_attached(&id).await;
+    h.fake
+        .finish_build(number, "passed", result_artifact())
+        .await;
+    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+}
