@@ -753,3 +753,59 @@ async fn a_second_service_on_the_same_data_dir_refuses_to_start_and_names_the_fi
     third.start().await.unwrap();
     third.kill9().await;
 }
+
+/// Issue 21, item 4: the database file deleted, or overwritten with garbage, while the service
+/// runs. Before, `/healthz` said 200 and submissions were acknowledged into a file that was
+/// gone (404 after a restart). Now the health check and every later write answer 503, saying
+/// what happened, until an operator restores the file and restarts the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_deleted_or_overwritten_while_serving_turns_health_and_writes_to_503() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    for damage in ["delete", "overwrite"] {
+        let data = tempfile::tempdir().unwrap();
+        let logs = tempfile::tempdir().unwrap();
+        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+        svc.start().await.unwrap();
+        let http = reqwest::Client::new();
+        let body =
+            json!({"config": sample_config(), "queue": "h100", "run_id": format!("{damage}-0")});
+        submit_until_accepted(&http, &svc.base, &format!("{damage}-0"), &body).await;
+        let db = data.path().join("kernelkite.db");
+        match damage {
+            "delete" => std::fs::remove_file(&db).unwrap(),
+            _ => {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+                f.write_all(&[0x5a; 4096]).unwrap();
+            }
+        }
+        let health = http
+            .get(format!("{}/healthz", svc.base))
+            .send()
+            .await
+            .unwrap();
+        let status = health.status().as_u16();
+        let text = health.text().await.unwrap();
+        assert_eq!(status, 503, "{damage}: {text}");
+        let said = if damage == "delete" {
+            "was deleted"
+        } else {
+            "was overwritten"
+        };
+        assert!(text.contains(said), "{damage}: {text}");
+        let r = http
+            .post(format!("{}/v1/submissions", svc.base))
+            .json(&json!({"config": sample_config(), "queue": "h100", "run_id": format!("{damage}-1")}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        assert_eq!(
+            status,
+            503,
+            "{damage}: a write was acknowledged: {}",
+            r.text().await.unwrap()
+        );
+        svc.kill9().await;
+    }
+}

@@ -617,7 +617,11 @@ impl BuildkiteClient {
             return Ok(None);
         }
         let host = url.host_str().ok_or_else(|| refuse("no host"))?;
-        if self.artifact_hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) {
+        if self
+            .artifact_hosts
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(host))
+        {
             return Ok(None);
         }
         if url.scheme() != "https" {

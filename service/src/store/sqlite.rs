@@ -73,6 +73,15 @@ pub enum StoreError {
         /// Who holds it, as its lock file says (pid, host, since when).
         holder: String,
     },
+    /// The database file was deleted, replaced or overwritten while the service ran: what it
+    /// writes would be lost (an unlinked file) or land in another file.
+    #[error("the store {} {what} while the service ran; nothing more is written. Put the file back (restore it from a backup) and restart the service", .path.display())]
+    Gone {
+        /// The database file.
+        path: PathBuf,
+        /// What happened to it.
+        what: String,
+    },
     /// The database file is damaged.
     #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
     Corrupt {
@@ -264,6 +273,11 @@ pub struct Sqlite {
     closed: Arc<AtomicBool>,
     /// The data directory's lock, held while the store is open ([`lock_dir`]).
     _lock: Option<Arc<std::fs::File>>,
+    /// The database file's device and inode when opened: a file found otherwise later was
+    /// deleted or replaced ([`Sqlite::check_file`]).
+    identity: Option<(u64, u64)>,
+    /// Set for good once the file was found gone: every later write and health check fails.
+    gone: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for Sqlite {
@@ -348,9 +362,11 @@ impl Sqlite {
                 writer,
                 reader,
                 shared,
+                identity: path.as_deref().and_then(file_identity),
                 path,
                 closed: Arc::new(AtomicBool::new(false)),
                 _lock: lock,
+                gone: Arc::new(Mutex::new(None)),
             },
             pending,
         ))
@@ -361,7 +377,45 @@ impl Sqlite {
         self.path.as_deref()
     }
 
+    /// Whether the database file is still the one opened: there, the same inode, and (with
+    /// `contents`, as the health check asks) still a SQLite file. Once it is not, the store
+    /// stays gone (a restart is the operator's act).
+    fn check_file(&self, contents: bool) -> Result<(), StoreError> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let gone = |what: String| StoreError::Gone {
+            path: path.clone(),
+            what,
+        };
+        let mut held = self.gone.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(what) = held.as_ref() {
+            return Err(gone(what.clone()));
+        }
+        let what = match (file_identity(path), self.identity) {
+            (None, _) => Some("was deleted or moved".to_string()),
+            (Some(now), Some(then)) if now != then => Some("was replaced by another file".into()),
+            _ if contents && !sqlite_header(path) => {
+                Some("was overwritten (it is no longer a SQLite database)".into())
+            }
+            _ => None,
+        };
+        match what {
+            Some(what) => {
+                tracing::error!(path = %path.display(), "the store {what}; refusing every write until the service is restarted on a good file");
+                *held = Some(what.clone());
+                Err(gone(what))
+            }
+            None => Ok(()),
+        }
+    }
+
     async fn call(&self, op: Op) -> Result<Reply, StoreError> {
+        // A write into a deleted file is acknowledged and then lost: every write (and the
+        // health probe) first checks the file is still the store's.
+        if op.is_write() {
+            self.check_file(false)?;
+        }
         let to = if op.is_write() {
             &self.writer
         } else {
@@ -481,6 +535,7 @@ impl Sqlite {
                 }
             }
         }
+        self.check_file(true)?;
         // Any other failure (an I/O error, a corrupted table) is not cured by a probe of
         // one row that happens to commit.
         if let Some(f) = self.last_failure().filter(|f| !f.disk_full) {
@@ -503,8 +558,24 @@ impl Sqlite {
     }
 }
 
-/// Creates the data dir (0700) and the database file (0600) when missing, and narrows the
-/// modes of existing files: SQLite gives its -wal and -shm files the database file's mode.
+/// The file's device and inode, when it exists.
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Whether the file starts with SQLite's header (`SQLite format 3\0`); an empty file (a store
+/// not yet written) counts as one.
+fn sqlite_header(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 16];
+    match std::fs::File::open(path).and_then(|mut f| f.read(&mut head)) {
+        Ok(0) => true,
+        Ok(n) => n == 16 && &head == b"SQLite format 3\0",
+        Err(_) => false,
+    }
+}
+
 /// The data directory's lock file: who holds it, for the next process's error.
 pub const LOCK_FILE: &str = "kernelkite-service.lock";
 
@@ -577,6 +648,8 @@ fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
     Ok(file)
 }
 
+/// Creates the data dir (0700) and the database file (0600) when missing, and narrows the
+/// modes of existing files: SQLite gives its -wal and -shm files the database file's mode.
 fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     if !dir.exists() {
         std::fs::DirBuilder::new()

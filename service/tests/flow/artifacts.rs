@@ -119,7 +119,10 @@ async fn artifact_redirects_to_internal_or_non_http_targets_are_refused() {
     // An internal service that would answer with something worth stealing.
     let hits = Arc::new(AtomicUsize::new(0));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let internal = format!("http://{}/latest/meta-data/iam", listener.local_addr().unwrap());
+    let internal = format!(
+        "http://{}/latest/meta-data/iam",
+        listener.local_addr().unwrap()
+    );
     let counted = hits.clone();
     tokio::spawn(async move {
         let app = axum::Router::new().fallback(move || {
@@ -147,7 +150,11 @@ async fn artifact_redirects_to_internal_or_non_http_targets_are_refused() {
             "{target}: not refused at once"
         );
     }
-    assert_eq!(hits.load(Ordering::SeqCst), 0, "the internal target was contacted");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        0,
+        "the internal target was contacted"
+    );
     // The fake's own blob store (the API's origin) is fetched as before.
     h.fake.redirect_downloads_to(None);
     let (id, number) = h.submit().await;
