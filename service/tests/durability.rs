@@ -809,3 +809,97 @@ async fn a_store_deleted_or_overwritten_while_serving_turns_health_and_writes_to
         svc.kill9().await;
     }
 }
+
+/// Issue 21, item 10: `kernelkite-service backup` copies the live store while submissions
+/// keep arriving and finishing, and the documented restore (the copy as `kernelkite.db` of an
+/// empty data directory) brings back every submission acknowledged before the backup began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backup_taken_under_load_restores_every_acknowledged_submission() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    let agents = spawn_agents_for(fake.clone(), 21, 5..50);
+    let http = reqwest::Client::new();
+    // Load: a submitter that never stops while the backup runs.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let acked = Arc::new(std::sync::Mutex::new(Vec::<(Instant, String)>::new()));
+    let load = {
+        let (stop, acked, http, base) =
+            (stop.clone(), acked.clone(), http.clone(), svc.base.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let key = format!("bk-{i}");
+                let body = json!({"config": sample_config(), "queue": "h100", "run_id": key});
+                let id = submit_until_accepted(&http, &base, &key, &body).await;
+                acked.lock().unwrap().push((Instant::now(), id));
+                i += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let copy = logs.path().join("backup.db");
+    let began = Instant::now();
+    let out = tokio::process::Command::new(EXE)
+        .arg("backup")
+        .arg("--data-dir")
+        .arg(data.path())
+        .arg("--to")
+        .arg(&copy)
+        .env_clear()
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("backed up"), "{said}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    let before: Vec<String> = acked
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(at, _)| *at < began)
+        .map(|(_, id)| id.clone())
+        .collect();
+    assert!(before.len() >= 3, "too little load: {}", before.len());
+    // A second backup never replaces the first.
+    let again = std::process::Command::new(EXE)
+        .args(["backup", "--data-dir"])
+        .arg(data.path())
+        .arg("--to")
+        .arg(&copy)
+        .env_clear()
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists"));
+    svc.kill9().await;
+    agents.abort();
+
+    // The documented restore: the copy as kernelkite.db of an empty data directory.
+    let restored = tempfile::tempdir().unwrap();
+    std::fs::copy(&copy, restored.path().join("kernelkite.db")).unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, restored.path(), log_file(&logs));
+    svc.start().await.unwrap();
+    for id in &before {
+        let r = http
+            .get(format!("{}/v1/submissions/{id}", svc.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status().as_u16(),
+            200,
+            "{id} acknowledged before the backup is lost"
+        );
+    }
+    svc.kill9().await;
+}

@@ -1,5 +1,5 @@
 //! The `kernelkite-service` command line: `serve` (the default: today's environment-driven
-//! service), `local` (`serve --executor local`), `demo` and `submit`.
+//! service), `local` (`serve --executor local`), `demo`, `submit` and `backup`.
 //!
 //! - [`serve`]: the HTTP API with the Buildkite or the local executor, until SIGINT/SIGTERM.
 //! - [`embedded`]: local mode in this process on a loopback port, for `demo` and `submit`.
@@ -58,6 +58,22 @@ pub enum Command {
     /// result: against local mode in this process by default, or any kernelkite service
     /// with --server.
     Submit(submit::SubmitArgs),
+    /// Copy the store of a data directory into a new file, consistently, while the service
+    /// runs (SQLite's `VACUUM INTO`, checked). To restore: stop the service, move the data
+    /// directory's kernelkite.db, -wal and -shm aside, put the copy there as kernelkite.db
+    /// (mode 0600, the service's user), start the service.
+    Backup(BackupArgs),
+}
+
+/// `backup`'s settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackupArgs {
+    /// The service's data directory.
+    #[arg(long, env = "KERNELKITE_DATA_DIR")]
+    pub data_dir: std::path::PathBuf,
+    /// The new file to write (never an existing one), e.g. kernelkite-2026-11-26.db.
+    #[arg(long)]
+    pub to: std::path::PathBuf,
 }
 
 /// `serve`'s settings: the service's and the local executor's.
@@ -105,6 +121,17 @@ pub fn main() -> ExitCode {
             Some(Command::Submit(args)) => {
                 init_logs("warn");
                 submit::run(args).await
+            }
+            Some(Command::Backup(args)) => {
+                init_logs("warn");
+                let b = crate::store::backup::backup(&args.data_dir, &args.to).await?;
+                println!(
+                    "backed up {} submission(s) ({} bytes) to {}",
+                    b.submissions,
+                    b.bytes,
+                    b.path.display()
+                );
+                Ok(ExitCode::SUCCESS)
             }
         }
     });

@@ -8,6 +8,7 @@
 //! submission leaves memory the moment its end is committed; from then on it is read from the
 //! durable store, so memory does not grow with history.
 
+pub mod backup;
 mod memory;
 pub mod sqlite;
 
