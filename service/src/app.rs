@@ -54,6 +54,9 @@ pub struct SubmitRequest {
 /// Unix seconds; injected so webhook-window tests can move the clock.
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
+/// At most one log line per this while about events dropped for a full early-event buffer.
+const DROP_LOG_EVERY: Duration = Duration::from_secs(10);
+
 /// How long the deadline waits for a build found finished at the last moment to be collected.
 const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
 
@@ -81,6 +84,9 @@ pub struct App {
     pub(crate) callbacks_inflight: dashmap::DashSet<String>,
     /// Where the reconciler's next listing starts (the start of its last complete pass).
     pub(crate) reconciled_until: Mutex<Option<chrono::DateTime<Utc>>>,
+    /// Events dropped for a full early-event buffer, and when that was last logged.
+    dropped_events: std::sync::atomic::AtomicU64,
+    dropped_logged: Mutex<Option<Instant>>,
 }
 
 /// Why the service cannot start.
@@ -198,6 +204,8 @@ impl App {
             callbacks_due: Notify::new(),
             callbacks_inflight: dashmap::DashSet::new(),
             reconciled_until: Mutex::new(None),
+            dropped_events: std::sync::atomic::AtomicU64::new(0),
+            dropped_logged: Mutex::new(None),
             cfg,
         });
         spawn_housekeeping(Arc::downgrade(&app));
@@ -326,7 +334,9 @@ impl App {
     /// Creates the build of a submission in the background.
     pub(crate) fn spawn_launch(self: &Arc<Self>, job: Job) {
         let app = self.clone();
-        let span = tracing::info_span!("submission", id = %job.submission_id);
+        // A root span: the work outlives the request that started it, and its logs must not
+        // read as that request's.
+        let span = tracing::info_span!(parent: None, "submission", id = %job.submission_id);
         tokio::spawn(
             async move {
                 let id = job.submission_id.clone();
@@ -400,7 +410,10 @@ impl App {
     /// again by the reconciler. [`App::handle_event`] is the same, awaited.
     pub fn on_event(self: &Arc<Self>, event: BuildEvent) {
         let app = self.clone();
-        tokio::spawn(async move { app.handle_event(event).await });
+        tokio::spawn(
+            async move { app.handle_event(event).await }
+                .instrument(tracing::info_span!(parent: None, "event")),
+        );
     }
 
     /// Acts on a build's progress and returns once its effect is committed. Collecting the
@@ -412,7 +425,20 @@ impl App {
                 tracing::debug!(build_id = %event.build.id, "event for an unknown build kept for a while")
             }
             Routed::Dropped => {
-                tracing::warn!(build_id = %event.build.id, "event for an unknown build dropped: early-event buffer full")
+                // Once per DROP_LOG_EVERY at most: a flood of unknown builds' events must not
+                // become a flood of log lines.
+                let n = self
+                    .dropped_events
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    + 1;
+                let mut last = self
+                    .dropped_logged
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if last.is_none_or(|t| t.elapsed() >= DROP_LOG_EVERY) {
+                    *last = Some(Instant::now());
+                    tracing::warn!(build_id = %event.build.id, dropped_so_far = n, "events for unknown builds dropped: the early-event buffer is full (KERNELKITE_EARLY_EVENT_MAX)")
+                }
             }
             Routed::Ended => {
                 tracing::debug!(build_id = %event.build.id, "event for a build whose submission ended")
@@ -509,7 +535,7 @@ impl App {
         };
         let app = self.clone();
         let id = id.to_string();
-        let span = tracing::info_span!("submission", %id, build = recorded.number);
+        let span = tracing::info_span!(parent: None, "submission", %id, build = recorded.number);
         tokio::spawn(
             async move {
                 let Ok(_slot) = app.fetch_slots.acquire().await else {

@@ -903,3 +903,80 @@ async fn a_backup_taken_under_load_restores_every_acknowledged_submission() {
     }
     svc.kill9().await;
 }
+
+/// Issue 21, item 12: a flood of webhooks for builds the service does not know, past its
+/// early-event buffer, is logged as a few lines, not one per event; and background work (a
+/// build's creation) logs under its own span, not the request's that started it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_events_are_logged_a_few_times_and_background_work_logs_under_its_own_span() {
+    use kernelkite_testkit::fake_buildkite::{unix_now, FAKE_API_TOKEN};
+    use kernelkite_testkit::harness::WEBHOOK_TOKEN;
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.set_env("KERNELKITE_EARLY_EVENT_MAX", "1");
+    svc.start().await.unwrap();
+    let http = reqwest::Client::new();
+    // Builds the service never made (created straight through the API).
+    let mut numbers = Vec::new();
+    for i in 0..30 {
+        let b: Value = http
+            .post(format!(
+                "{}/organizations/kernelkite/pipelines/submissions/builds",
+                fake.api_url()
+            ))
+            .bearer_auth(FAKE_API_TOKEN)
+            .json(&json!({"commit": "HEAD", "branch": "main", "message": format!("stranger {i}")}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        numbers.push(b["number"].as_u64().unwrap());
+    }
+    for n in numbers {
+        let (headers, body) = fake
+            .signed_event("build.finished", n, WEBHOOK_TOKEN, unix_now())
+            .unwrap();
+        let mut req = http.post(format!("{}/webhooks/buildkite", svc.base));
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let r = req
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+    // A submission whose build cannot be made: its failure is logged by the launch task.
+    fake.inject(Route::CreateBuild, Fault::Status(422));
+    let body = json!({"config": sample_config(), "queue": "h100", "run_id": "span-1"});
+    let id = submit_until_accepted(&http, &svc.base, "span-1", &body).await;
+    let v = tokio::time::timeout(Duration::from_secs(20), long_poll(&http, &svc.base, &id))
+        .await
+        .unwrap();
+    assert_eq!(v["state"], "failed", "{v}");
+    svc.kill9().await;
+    let log = svc.log_text();
+    let drops = log.matches("early-event buffer is full").count();
+    assert!(
+        (1..=2).contains(&drops),
+        "{drops} lines about dropped events:\n{log}"
+    );
+    let failed: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("build creation failed"))
+        .collect();
+    assert!(!failed.is_empty(), "{log}");
+    for line in failed {
+        assert!(line.contains("submission{"), "{line}");
+        assert!(
+            !line.contains("request{"),
+            "logged under the request's span: {line}"
+        );
+    }
+}
