@@ -146,6 +146,19 @@ impl Harness {
         .unwrap();
     }
 
+    /// Finishes build `number` `passed` with the sample result and waits for submission `id`
+    /// to end; its state.
+    pub async fn pass(&self, id: &str, number: u64) -> String {
+        self.wait_build_attached(id).await;
+        self.fake
+            .finish_build(number, "passed", result_artifact())
+            .await;
+        self.wait_terminal(id).await["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     /// The submission's state now.
     pub async fn state(&self, id: &str) -> String {
         self.get(id, "").await.1["state"]

@@ -30,10 +30,7 @@ async fn rate_limit_is_honoured_then_the_call_succeeds() {
         "retried after {gap:?}, before RateLimit-Reset"
     );
     h.wait_build_attached(&id).await;
-    h.fake
-        .finish_build(number, "passed", result_artifact())
-        .await;
-    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+    assert_eq!(h.pass(&id, number).await, "succeeded");
 }
 
 #[tokio::test]
@@ -264,10 +261,7 @@ async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
         );
     }
     assert_eq!(h.fake.build_count(), 1);
-    h.fake
-        .finish_build(number, "passed", result_artifact())
-        .await;
-    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+    assert_eq!(h.pass(&id, number).await, "succeeded");
 }
 
 /// Issue 21, item 3: the last allowed create gets a 5xx after Buildkite made the build. The
@@ -288,10 +282,7 @@ async fn a_build_made_by_the_last_failed_create_is_adopted_not_orphaned() {
     assert_eq!(v["build"]["number"], number, "{v}");
     assert_ne!(v["state"], "failed", "{v}");
     assert_eq!(h.fake.build_count(), 1);
-    h.fake
-        .finish_build(number, "passed", result_artifact())
-        .await;
-    assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+    assert_eq!(h.pass(&id, number).await, "succeeded");
 }
 
 /// Issue 21, item 8: a rate-limit window of 2 (`RateLimit-Limit: 2`): the creates' reserve no
