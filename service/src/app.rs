@@ -538,15 +538,20 @@ impl App {
         let span = tracing::info_span!(parent: None, "submission", %id, build = recorded.number);
         tokio::spawn(
             async move {
-                let Ok(_slot) = app.fetch_slots.acquire().await else {
-                    return;
-                };
                 let mut wait = Duration::from_millis(app.cfg.retry_base_ms.max(10));
                 loop {
                     if !matches!(app.store.state(&id), Some(s) if !s.is_terminal()) {
                         break;
                     }
-                    match app.executor.collect(&status).await {
+                    // A slot per attempt, never held across the backoff: fetches stuck on a
+                    // blob store that stalls (each attempt ends within the stall timeout,
+                    // KERNELKITE_BLOB_STALL_S) cannot keep a healthy one waiting for long.
+                    let Ok(slot) = app.fetch_slots.acquire().await else {
+                        return;
+                    };
+                    let collected = app.executor.collect(&status).await;
+                    drop(slot);
+                    match collected {
                         Ok(outcome) => {
                             let succeeded = matches!(outcome, Outcome::Succeeded(_));
                             if let Some(c) = app.end_collected(&id, outcome).await {

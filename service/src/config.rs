@@ -265,6 +265,12 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_ARTIFACT_HOSTS", value_delimiter = ',')]
     pub artifact_hosts: Vec<String>,
 
+    /// An artifact download that receives nothing for this long (seconds) is given up and
+    /// tried again later, so a stalled blob store cannot hold a fetch slot for the whole
+    /// request timeout; a slow download that keeps receiving goes on.
+    #[arg(long, env = "KERNELKITE_BLOB_STALL_S", default_value_t = 5)]
+    pub blob_stall_s: u64,
+
     /// Timeout of one Buildkite HTTP request, seconds.
     #[arg(long, env = "KERNELKITE_HTTP_TIMEOUT_S", default_value_t = 30)]
     pub http_timeout_s: u64,

@@ -338,6 +338,8 @@ pub fn rate_limit_wait(headers: &reqwest::header::HeaderMap, cap: Duration) -> D
 #[derive(Clone)]
 pub struct BuildkiteClient {
     http: reqwest::Client,
+    /// For the blob store (no `Authorization`, no redirects, a stall timeout).
+    blob_http: reqwest::Client,
     base: String,
     builds_path: String,
     token: Secret,
@@ -347,6 +349,7 @@ pub struct BuildkiteClient {
     /// (`KERNELKITE_ARTIFACT_HOSTS`).
     artifact_hosts: Vec<String>,
     http_timeout: Duration,
+    blob_stall: Duration,
     budget: Arc<RateBudget>,
     metrics: Option<Arc<Metrics>>,
 }
@@ -370,7 +373,15 @@ impl BuildkiteClient {
             .timeout(cfg.http_timeout())
             .pool_idle_timeout(Duration::from_secs(60))
             .build()?;
+        // Blob downloads: no redirect, and a read that stalls ends the attempt.
+        let blob_http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
+            .read_timeout(Duration::from_secs(cfg.blob_stall_s.max(1)))
+            .timeout(cfg.http_timeout())
+            .build()?;
         Ok(BuildkiteClient {
+            blob_http,
             http,
             base: cfg.buildkite_api_url.trim_end_matches('/').to_string(),
             builds_path: format!(
@@ -387,6 +398,7 @@ impl BuildkiteClient {
             max_artifact_bytes: cfg.max_artifact_bytes,
             artifact_hosts: cfg.artifact_hosts.clone(),
             http_timeout: cfg.http_timeout(),
+            blob_stall: Duration::from_secs(cfg.blob_stall_s.max(1)),
             budget: Arc::new(RateBudget::new(Duration::from_secs(
                 cfg.rate_limit_max_wait_s.max(1),
             ))),
@@ -650,6 +662,7 @@ impl BuildkiteClient {
             (Some(addr), Some(host)) => reqwest::Client::builder()
                 .redirect(reqwest::redirect::Policy::none())
                 .resolve(host, addr)
+                .read_timeout(self.blob_stall)
                 .connect_timeout(Duration::from_secs(5).min(self.http_timeout))
                 .timeout(self.http_timeout)
                 .build()
@@ -658,26 +671,23 @@ impl BuildkiteClient {
                     path: path.clone(),
                     source: TransportError::Resolve(e.to_string()),
                 })?,
-            _ => self.http.clone(),
+            _ => self.blob_http.clone(),
         };
-        let mut tries = Tries::default();
-        loop {
-            // A plain request: no Authorization header reaches the blob store.
-            let r = http.get(url.clone()).send().await;
-            match classify(r, true, &mut tries, &self.retry) {
-                Next::Done(resp) => {
-                    if resp.status().is_success() {
-                        return Ok(resp);
-                    }
-                    // The body is not read: it is the blob store's (or whoever's), not ours
-                    // to repeat in a submission.
-                    return Err(BuildkiteError::Blob {
-                        status: resp.status(),
-                    });
-                }
-                Next::Fail(e) => return Err(transport(Method::GET, &path, e)),
-                Next::Retry(wait) => tokio::time::sleep(wait).await,
-            }
+        // One try: a failure is transient for the caller, whose retries wait without holding
+        // a fetch slot (a stalled blob store must not keep one through every backoff).
+        // A plain request: no Authorization header reaches the blob store.
+        match http.get(url.clone()).send().await {
+            Ok(resp) if resp.status().is_success() => Ok(resp),
+            // The body is not read: it is the blob store's (or whoever's), not ours to
+            // repeat in a submission.
+            Ok(resp) => Err(BuildkiteError::Blob {
+                status: resp.status(),
+            }),
+            Err(e) => Err(BuildkiteError::Transport {
+                method: Method::GET,
+                path,
+                source: TransportError::from_http(e),
+            }),
         }
     }
 

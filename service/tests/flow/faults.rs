@@ -309,3 +309,42 @@ async fn a_rate_limit_window_of_two_still_creates_every_build() {
     }
     assert_eq!(h.fake.build_count(), 3);
 }
+
+/// Issue 21, item 11: downloads stuck on a blob store that stops answering fill every fetch
+/// slot; a healthy submission's result still arrives within a few seconds (each stuck attempt
+/// ends after KERNELKITE_BLOB_STALL_S and gives its slot back while it backs off).
+#[tokio::test]
+async fn stalled_downloads_cannot_hold_up_a_healthy_result() {
+    let h = harness_with(|c| {
+        c.fetch_concurrency = 4;
+        c.blob_stall_s = 1;
+    })
+    .await;
+    let mut stuck = Vec::new();
+    for _ in 0..4 {
+        h.fake
+            .inject(Route::Blob, Fault::Delay(Duration::from_secs(60)));
+    }
+    for _ in 0..4 {
+        let (id, number) = h.submit().await;
+        h.wait_build_attached(&id).await;
+        h.fake
+            .finish_build(number, "passed", result_artifact())
+            .await;
+        stuck.push(id);
+    }
+    // Every slot is now held by a download the blob store never answers.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (id, number) = h.submit().await;
+    let t = Instant::now();
+    assert_eq!(h.pass(&id, number).await, "succeeded");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "the healthy result waited {:?} behind stalled downloads",
+        t.elapsed()
+    );
+    // The stalled ones are retried and get their results too.
+    for id in stuck {
+        assert_eq!(h.wait_terminal(&id).await["state"], "succeeded");
+    }
+}
