@@ -17,9 +17,9 @@
 //! unauthenticated body) is closed to make room: idle connections cost an attacker nothing,
 //! so they must not be able to crowd out a request. When every connection is busy with real
 //! work, a few more are accepted into a reserve that answers only the operational routes
-//! (`/healthz`, `/readyz`, `/metrics`) and `503` for the rest; past the reserve a connection
-//! is answered a fixed `503` and closed. The cap sits well under RLIMIT_NOFILE, so `accept`
-//! itself never runs out of files.
+//! (`/healthz`, `/readyz`, `/metrics`) and Buildkite's webhooks, and `503` for the rest; past
+//! the reserve a connection is answered a fixed `503` and closed. The cap sits well under
+//! RLIMIT_NOFILE, so `accept` itself never runs out of files.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -401,7 +401,12 @@ fn set_request_id<B>(r: &mut Response<B>, id: &str) {
 
 /// The routes a reserve connection serves: the ones an orchestrator probes.
 fn is_ops_route(path: &str) -> bool {
-    matches!(path, "/healthz" | "/readyz" | "/metrics")
+    // Buildkite's webhooks too: they end submissions, and a client that fills the cap with
+    // its own long requests must not keep them out.
+    matches!(
+        path,
+        "/healthz" | "/readyz" | "/metrics" | "/webhooks/buildkite"
+    )
 }
 
 /// Why a connection's watchdog closed it.

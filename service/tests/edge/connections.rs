@@ -274,8 +274,16 @@ async fn over_the_cap_idle_and_unauthenticated_connections_make_room_and_busy_on
         );
     }
 
-    // Every connection busy: probes still answered (the reserve), anything else 503 in JSON.
+    // Every connection busy: probes still answered (the reserve), and Buildkite's webhooks
+    // (issue 21, item 5: they end submissions), anything else 503 in JSON.
     assert_eq!(healthz(svc.port, 3 * SECOND).await.ok(), Some(200));
+    let hook = exchange(svc.port, &crate::signed_ping(), 3 * SECOND)
+        .await
+        .unwrap();
+    assert_eq!(
+        hook.status, 200,
+        "a webhook was refused over the cap: {hook:?}"
+    );
     let refused = exchange(svc.port, &submission_request(""), 3 * SECOND)
         .await
         .unwrap();
