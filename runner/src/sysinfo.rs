@@ -240,14 +240,8 @@ pub fn format_platform(system: &str, release: &str, machine: &str, libc: &str) -
     s.trim_end_matches('-').to_string()
 }
 
-/// The host name, as `gethostname(2)` (and Python's `socket.gethostname()`) gives it: on
-/// Linux the `nodename` of `uname(2)`.
-pub fn hostname() -> String {
-    rustix::system::uname()
-        .nodename()
-        .to_string_lossy()
-        .into_owned()
-}
+/// The host name, as `gethostname(2)` (and Python's `socket.gethostname()`) gives it.
+pub use kernelkite_sys::host::name as hostname;
 
 /// The torch version as the probe says to find it; empty when unknown.
 pub fn torch_version(probe: &Probe) -> String {

@@ -145,7 +145,8 @@ fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn git(dir: &Path, args: &[&str]) -> String {
+/// `git args` in `dir` (with a committer identity); its output, trimmed. Panics on failure.
+pub fn git(dir: &Path, args: &[&str]) -> String {
     run(Command::new("git")
         .current_dir(dir)
         .args(["-c", "user.email=kk@test", "-c", "user.name=kk"])

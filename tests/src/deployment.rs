@@ -29,10 +29,13 @@ fn which(tool: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// Why the real agent cannot run here: it was never built.
+pub const NO_AGENT: &str = "the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)";
+
 /// Why the node cannot run here, if it cannot.
 pub fn cannot_run() -> Option<String> {
     if agent().is_none() {
-        return Some("the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)".into());
+        return Some(NO_AGENT.into());
     }
     if let Err(e) = crate::local::real_cgroups() {
         return Some(e);

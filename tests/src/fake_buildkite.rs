@@ -554,6 +554,14 @@ impl FakeBuildkite {
             .collect()
     }
 
+    /// How many REST calls on `route` were about build `number`.
+    pub fn calls_to(&self, number: u64, route: Route) -> usize {
+        self.api_calls_for(number)
+            .iter()
+            .filter(|c| c.route == route)
+            .count()
+    }
+
     /// Forgets the recorded requests.
     pub fn clear_requests(&self) {
         lock(&self.inner.requests).clear();

@@ -23,18 +23,15 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use kernelkite_testkit::agent_node::git;
+use kernelkite_testkit::deployment;
 use serde_json::json;
 
-/// The agent binary: `KERNELKITE_BUILDKITE_AGENT`, else where `scripts/buildkite-agent.sh`
-/// puts it.
+/// The agent binary ([`deployment::agent`]); a skip when it was never built.
 fn agent() -> Option<PathBuf> {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/buildkite-agent/v3.137.0/buildkite-agent");
-    let agent = kernelkite_testkit::built_binary("KERNELKITE_BUILDKITE_AGENT", Some(built));
+    let agent = deployment::agent();
     if agent.is_none() {
-        kernelkite_testkit::skip(
-            "the real buildkite-agent is not built: run scripts/buildkite-agent.sh (the README's test command does)",
-        );
+        kernelkite_testkit::skip(deployment::NO_AGENT);
     }
     agent
 }
@@ -43,17 +40,6 @@ fn write_hook(path: &Path, text: &str) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(path, text).unwrap();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .current_dir(dir)
-        .args(["-c", "user.email=kk@test", "-c", "user.name=kk"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "git {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[test]

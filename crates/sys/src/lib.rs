@@ -5,6 +5,7 @@
 //! * [`procfs`]: `/proc/<pid>/stat` and the process tree, under an injected procfs root.
 //! * [`identity`]: the job's two identities (the command's, the submission's) and the variable
 //!   that names the second.
+//! * [`host`]: this machine's name.
 //! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
 //! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
 //!   that runs between `fork` and `exec`, glibc's version). Every `unsafe` block of the
@@ -16,6 +17,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod fs;
+pub mod host;
 pub mod identity;
 pub mod nvml;
 pub mod procfs;

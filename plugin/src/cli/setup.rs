@@ -172,12 +172,7 @@ fn hostname(root: &Path) -> String {
         .ok()
         .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| {
-            rustix::system::uname()
-                .nodename()
-                .to_string_lossy()
-                .into_owned()
-        })
+        .unwrap_or_else(kernelkite_sys::host::name)
 }
 
 /// The token: the file, else BUILDKITE_AGENT_TOKEN, else what an earlier run wrote.

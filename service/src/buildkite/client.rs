@@ -267,13 +267,10 @@ impl BuildkiteError {
     pub fn is_transient(&self) -> bool {
         match self {
             BuildkiteError::Transport { .. } => true,
-            BuildkiteError::Status { status, .. } => {
+            BuildkiteError::Status { status, .. } | BuildkiteError::Blob { status } => {
                 status.is_server_error() || matches!(status.as_u16(), 408 | 429)
             }
             BuildkiteError::Decode { .. } => true,
-            BuildkiteError::Blob { status } => {
-                status.is_server_error() || matches!(status.as_u16(), 408 | 429)
-            }
             _ => false,
         }
     }
@@ -373,13 +370,8 @@ impl BuildkiteClient {
             .timeout(cfg.http_timeout())
             .pool_idle_timeout(Duration::from_secs(60))
             .build()?;
-        // Blob downloads: no redirect, and a read that stalls ends the attempt.
-        let blob_http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
-            .read_timeout(Duration::from_secs(cfg.blob_stall_s.max(1)))
-            .timeout(cfg.http_timeout())
-            .build()?;
+        let blob_stall = Duration::from_secs(cfg.blob_stall_s.max(1));
+        let blob_http = blob_client(cfg.http_timeout(), blob_stall, None)?;
         Ok(BuildkiteClient {
             blob_http,
             http,
@@ -398,7 +390,7 @@ impl BuildkiteClient {
             max_artifact_bytes: cfg.max_artifact_bytes,
             artifact_hosts: cfg.artifact_hosts.clone(),
             http_timeout: cfg.http_timeout(),
-            blob_stall: Duration::from_secs(cfg.blob_stall_s.max(1)),
+            blob_stall,
             budget: Arc::new(RateBudget::new(Duration::from_secs(
                 cfg.rate_limit_max_wait_s.max(1),
             ))),
@@ -659,18 +651,15 @@ impl BuildkiteClient {
         let pinned = self.blob_target(&url).await?;
         // Pinned to the address checked above; no redirect is followed from the blob store.
         let http = match (pinned, url.host_str()) {
-            (Some(addr), Some(host)) => reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .resolve(host, addr)
-                .read_timeout(self.blob_stall)
-                .connect_timeout(Duration::from_secs(5).min(self.http_timeout))
-                .timeout(self.http_timeout)
-                .build()
-                .map_err(|e| BuildkiteError::Transport {
-                    method: Method::GET,
-                    path: path.clone(),
-                    source: TransportError::Resolve(e.to_string()),
-                })?,
+            (Some(addr), Some(host)) => {
+                blob_client(self.http_timeout, self.blob_stall, Some((host, addr))).map_err(
+                    |e| BuildkiteError::Transport {
+                        method: Method::GET,
+                        path: path.clone(),
+                        source: TransportError::Resolve(e.to_string()),
+                    },
+                )?
+            }
             _ => self.blob_http.clone(),
         };
         // One try: a failure is transient for the caller, whose retries wait without holding
@@ -874,6 +863,25 @@ fn transport(method: Method, path: &str, f: Failure) -> BuildkiteError {
         path: path.to_string(),
         source,
     }
+}
+
+/// A client for the blob store: no redirect followed, and a read that stalls for `stall` ends
+/// the attempt; `pin` connects a host name to the address checked for it.
+fn blob_client(
+    timeout: Duration,
+    stall: Duration,
+    pin: Option<(&str, std::net::SocketAddr)>,
+) -> Result<reqwest::Client, reqwest::Error> {
+    let b = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(Duration::from_secs(5).min(timeout))
+        .read_timeout(stall)
+        .timeout(timeout);
+    match pin {
+        Some((host, addr)) => b.resolve(host, addr),
+        None => b,
+    }
+    .build()
 }
 
 /// Whether `ip` is a public address (not loopback, private, link-local, unspecified,

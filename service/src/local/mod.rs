@@ -226,10 +226,7 @@ impl LocalExecutor {
         temp: Option<tempfile::TempDir>,
     ) -> Result<Arc<LocalExecutor>, LocalError> {
         let (plan_file, slices) = plan::load_plan(&settings).await?;
-        let host = rustix::system::uname()
-            .nodename()
-            .to_string_lossy()
-            .into_owned();
+        let host = kernelkite_sys::host::name();
         Ok(Arc::new_cyclic(|me| LocalExecutor {
             me: me.clone(),
             settings,

@@ -633,13 +633,10 @@ fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
             },
         });
     }
-    let host = rustix::system::uname()
-        .nodename()
-        .to_string_lossy()
-        .into_owned();
     let me = format!(
-        "pid {} on {host}, since {}",
+        "pid {} on {}, since {}",
         std::process::id(),
+        kernelkite_sys::host::name(),
         chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
     );
     file.set_len(0).map_err(open_err)?;

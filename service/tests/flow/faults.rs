@@ -87,12 +87,7 @@ async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted
         .await;
     let v = h.wait_terminal(&id).await;
     assert_eq!(v["state"], "succeeded", "{v}");
-    let lists = h
-        .fake
-        .api_calls_for(number)
-        .iter()
-        .filter(|c| c.route == Route::ListArtifacts)
-        .count();
+    let lists = h.fake.calls_to(number, Route::ListArtifacts);
     assert_eq!(lists, 2, "the abandoned listing, then the retry");
 
     // A create that timed out after Buildkite made the build: it is looked up by the

@@ -191,12 +191,7 @@ async fn duplicate_and_reordered_webhooks_are_harmless() {
         assert_eq!(h.fake.send_event(ev, number).await, Some(200));
     }
     assert_eq!(h.get(&id, "").await.1, first);
-    let fetches = h
-        .fake
-        .api_calls_for(number)
-        .iter()
-        .filter(|c| c.route == Route::ListArtifacts)
-        .count();
+    let fetches = h.fake.calls_to(number, Route::ListArtifacts);
     assert_eq!(
         fetches, 1,
         "a duplicate build.finished must not fetch again"
