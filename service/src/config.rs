@@ -377,6 +377,12 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_BODY_READ_TIMEOUT_S", default_value_t = 30)]
     pub body_read_timeout_s: u64,
 
+    /// A response the client has stopped reading (the socket's buffers full, no byte taken)
+    /// for this many seconds has its connection closed: an event stream or long-poll whose
+    /// client went away or stalled holds nothing for long. Detected within twice this.
+    #[arg(long, env = "KERNELKITE_WRITE_STALL_S", default_value_t = 30)]
+    pub write_stall_s: u64,
+
     /// Most client connections held at once. 0: automatic, the open-files limit less a
     /// reserve (an eighth, at least 128) for the service's own files and Buildkite
     /// connections, at most 8192. Over the cap the longest-idle connection is closed to make
@@ -431,6 +437,11 @@ impl Config {
         Duration::from_secs(self.body_read_timeout_s)
     }
 
+    /// KERNELKITE_WRITE_STALL_S.
+    pub fn write_stall(&self) -> Duration {
+        Duration::from_secs(self.write_stall_s)
+    }
+
     /// KERNELKITE_SHUTDOWN_GRACE_S.
     pub fn shutdown_grace(&self) -> Duration {
         Duration::from_secs(self.shutdown_grace_s)
@@ -445,6 +456,7 @@ impl Config {
             ),
             ("KERNELKITE_IDLE_TIMEOUT_S", self.idle_timeout_s),
             ("KERNELKITE_BODY_READ_TIMEOUT_S", self.body_read_timeout_s),
+            ("KERNELKITE_WRITE_STALL_S", self.write_stall_s),
         ] {
             if v == 0 {
                 return Err(EdgeConfigError::ZeroTimeout(name));

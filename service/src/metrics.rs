@@ -57,16 +57,19 @@ pub enum Refusal {
     Timeout,
     /// Unauthenticated bodies over their memory bound: answered `503`.
     BodyBudget,
+    /// The client took no byte of a response for KERNELKITE_WRITE_STALL_S: closed.
+    WriteStall,
 }
 
 impl Refusal {
-    /// The label value: `connection_cap`, `evicted`, `timeout`, `body_budget`.
+    /// The label value: `connection_cap`, `evicted`, `timeout`, `body_budget`, `write_stall`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Refusal::ConnectionCap => "connection_cap",
             Refusal::Evicted => "evicted",
             Refusal::Timeout => "timeout",
             Refusal::BodyBudget => "body_budget",
+            Refusal::WriteStall => "write_stall",
         }
     }
 }

@@ -138,6 +138,9 @@ pub(crate) struct Slot {
     idle_since: AtomicU64,
     /// When the first byte of the head now arriving came, while idle; 0: none yet.
     head_started: AtomicU64,
+    /// Since when the socket has refused every byte written (its buffers full: the client
+    /// is not reading); 0: writes are going through.
+    write_blocked_since: AtomicU64,
     /// Chosen to make room: close it unless it got busy meanwhile.
     evicted: AtomicBool,
     kill: tokio::sync::Notify,
@@ -152,6 +155,7 @@ impl Slot {
             served: AtomicU64::new(0),
             idle_since: AtomicU64::new(now_ms(epoch)),
             head_started: AtomicU64::new(0),
+            write_blocked_since: AtomicU64::new(0),
             evicted: AtomicBool::new(false),
             kill: tokio::sync::Notify::new(),
         }
@@ -270,13 +274,35 @@ impl AsyncRead for Watched {
     }
 }
 
+impl Slot {
+    /// Notes how a write went: `Pending` starts the stall clock (if not running), progress
+    /// stops it.
+    fn on_write<T>(&self, r: &Poll<io::Result<T>>, progressed: impl FnOnce(&T) -> bool) {
+        match r {
+            Poll::Pending => {
+                if self.write_blocked_since.load(Ordering::Relaxed) == 0 {
+                    self.write_blocked_since
+                        .store(now_ms(self.epoch), Ordering::Relaxed);
+                }
+            }
+            Poll::Ready(Ok(v)) if progressed(v) => {
+                self.write_blocked_since.store(0, Ordering::Relaxed);
+            }
+            Poll::Ready(_) => {}
+        }
+    }
+}
+
 impl AsyncWrite for Watched {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.slot.on_write(&r, |n| *n > 0);
+        r
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_flush(cx)
@@ -289,7 +315,10 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.slot.on_write(&r, |n| *n > 0);
+        r
     }
     fn is_write_vectored(&self) -> bool {
         self.stream.is_write_vectored()
@@ -416,17 +445,31 @@ enum Expired {
     Header,
     /// Idle between requests too long.
     Idle,
+    /// The client took no byte of the response for too long.
+    WriteStall,
 }
 
 /// Resolves when the connection has overstayed: a head arriving for longer than `header`
-/// (the first head counted from the accept), or idle for longer than `idle`. Sleeps until the
-/// nearest deadline and looks again, so a busy connection costs one timer per `idle`.
-async fn watchdog(slot: &Slot, header: Duration, idle: Duration) -> Expired {
+/// (the first head counted from the accept), idle for longer than `idle`, or its writes
+/// refused for longer than `stall` (idle or busy: a response hyper is still flushing after
+/// its request ended counts too). Sleeps until the nearest deadline and looks again, so a
+/// busy connection costs one timer per `stall`; a stall is noticed within twice `stall`.
+async fn watchdog(slot: &Slot, header: Duration, idle: Duration, stall: Duration) -> Expired {
     let (header_ms, idle_ms) = (header.as_millis() as u64, idle.as_millis() as u64);
+    let stall_ms = stall.as_millis() as u64;
     loop {
         let now = now_ms(slot.epoch);
+        let blocked = slot.write_blocked_since.load(Ordering::Relaxed);
+        if blocked != 0 && now >= blocked + stall_ms {
+            return Expired::WriteStall;
+        }
+        let stall_wait = if blocked != 0 {
+            blocked + stall_ms - now
+        } else {
+            stall_ms
+        };
         let wait = if !slot.idle() {
-            idle_ms.min(header_ms)
+            stall_wait
         } else {
             let head = slot.head_started.load(Ordering::Relaxed);
             let since = slot.idle_since.load(Ordering::Relaxed);
@@ -440,7 +483,7 @@ async fn watchdog(slot: &Slot, header: Duration, idle: Duration) -> Expired {
             if now >= deadline {
                 return why;
             }
-            deadline - now
+            (deadline - now).min(stall_wait)
         };
         tokio::time::sleep(Duration::from_millis(wait.max(1))).await;
     }
@@ -519,6 +562,7 @@ struct Limits {
     idle: Duration,
     cap: usize,
     grace: Duration,
+    stall: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then drains: stops listening,
@@ -548,12 +592,14 @@ pub(crate) async fn run(
         idle: app.cfg.idle_timeout(),
         cap,
         grace: app.cfg.shutdown_grace(),
+        stall: app.cfg.write_stall(),
     };
     tracing::info!(
         cap,
         open_files_limit = ?nofile,
         header_read_timeout_s = limits.header.as_secs(),
         idle_timeout_s = limits.idle.as_secs(),
+        write_stall_s = limits.stall.as_secs(),
         "accepting connections"
     );
     let conns = Arc::new(Conns {
@@ -723,13 +769,19 @@ async fn drive<S>(
                     evicting.fetch_sub(1, Ordering::Relaxed);
                 }
             }
-            expired = watchdog(slot, limits.header, limits.idle) => {
-                if expired == Expired::Header {
-                    edge.refused(
+            expired = watchdog(slot, limits.header, limits.idle, limits.stall) => {
+                match expired {
+                    Expired::Header => edge.refused(
                         Refusal::Timeout,
                         Some(peer),
                         "request head not received within KERNELKITE_HEADER_READ_TIMEOUT_S; closed the connection",
-                    );
+                    ),
+                    Expired::WriteStall => edge.refused(
+                        Refusal::WriteStall,
+                        Some(peer),
+                        "the client took no byte of its response within KERNELKITE_WRITE_STALL_S; closed the connection",
+                    ),
+                    Expired::Idle => {}
                 }
                 return;
             }
@@ -923,6 +975,9 @@ mod tests {
         assert_ne!(request_id(None), request_id(None));
     }
 
+    /// Longer than any wait in the tests that do not stall a write.
+    const STALL: Duration = Duration::from_secs(5);
+
     #[tokio::test]
     async fn the_watchdog_times_out_heads_and_idle_connections() {
         let header = Duration::from_millis(50);
@@ -930,29 +985,64 @@ mod tests {
         let slot = Slot::new(Instant::now());
         // A fresh connection gets the header timeout from its accept.
         let t = Instant::now();
-        assert_eq!(watchdog(&slot, header, idle).await, Expired::Header);
+        assert_eq!(watchdog(&slot, header, idle, STALL).await, Expired::Header);
         assert!(t.elapsed() >= header);
         // After a request, idle time is counted against the idle timeout...
         let slot = Arc::new(Slot::new(Instant::now()));
         drop(Busy::enter(&slot));
         let t = Instant::now();
-        assert_eq!(watchdog(&slot, header, idle).await, Expired::Idle);
+        assert_eq!(watchdog(&slot, header, idle, STALL).await, Expired::Idle);
         assert!(t.elapsed() >= idle - Duration::from_millis(5));
         // ...until a byte of the next head arrives.
         let slot = Arc::new(Slot::new(Instant::now()));
         drop(Busy::enter(&slot));
         slot.on_read();
         let t = Instant::now();
-        assert_eq!(watchdog(&slot, header, idle).await, Expired::Header);
+        assert_eq!(watchdog(&slot, header, idle, STALL).await, Expired::Header);
         assert!(t.elapsed() < idle);
-        // A request in flight is never timed out.
+        // A request in flight is never timed out while its writes go through.
         let slot = Arc::new(Slot::new(Instant::now()));
         let busy = Busy::enter(&slot);
         assert!(
-            tokio::time::timeout(idle * 2, watchdog(&slot, header, idle))
+            tokio::time::timeout(idle * 2, watchdog(&slot, header, idle, STALL))
                 .await
                 .is_err()
         );
         drop(busy);
+    }
+
+    #[tokio::test]
+    async fn the_watchdog_closes_a_response_the_client_stopped_reading() {
+        let (header, idle) = (Duration::from_secs(5), Duration::from_secs(5));
+        let stall = Duration::from_millis(100);
+        let slot = Arc::new(Slot::new(Instant::now()));
+        let _busy = Busy::enter(&slot);
+        // A refused write starts the clock; progress stops it, so a slow reader that keeps
+        // taking bytes is never closed.
+        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        tokio::time::sleep(stall / 2).await;
+        slot.on_write(&Poll::Ready(Ok(10usize)), |n| *n > 0);
+        assert!(
+            tokio::time::timeout(stall * 2, watchdog(&slot, header, idle, stall))
+                .await
+                .is_err(),
+            "a response making progress was closed"
+        );
+        // Refused for `stall`: closed, within twice `stall`.
+        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        let t = Instant::now();
+        assert_eq!(
+            watchdog(&slot, header, idle, stall).await,
+            Expired::WriteStall
+        );
+        assert!(t.elapsed() >= stall - Duration::from_millis(5));
+        assert!(t.elapsed() < stall * 2 + Duration::from_millis(50));
+        // A refused `Pending` keeps the first time, not the latest.
+        let slot = Arc::new(Slot::new(Instant::now()));
+        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        let first = slot.write_blocked_since.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(5));
+        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        assert_eq!(slot.write_blocked_since.load(Ordering::Relaxed), first);
     }
 }

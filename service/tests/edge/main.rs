@@ -11,6 +11,7 @@ mod connections;
 mod memory;
 mod refusals;
 mod shutdown;
+mod streams;
 
 use std::collections::HashMap;
 use std::process::Stdio;
