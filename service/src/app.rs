@@ -855,7 +855,8 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
         return Err(Invalid::Queue(req.queue.clone()));
     }
     if let Some(r) = &req.run_id {
-        if r.is_empty() || r.len() > 256 || r.chars().any(char::is_control) {
+        // Characters, not bytes: what the OpenAPI document's maxLength counts.
+        if r.is_empty() || r.chars().count() > 256 || r.chars().any(char::is_control) {
             return Err(Invalid::RunId);
         }
     }

@@ -9,6 +9,7 @@ mod auth;
 mod edge;
 mod error;
 mod events;
+pub mod openapi;
 mod queues;
 pub mod server;
 mod submissions;
@@ -73,7 +74,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/webhooks/buildkite", post(webhooks::buildkite))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/openapi.json", get(openapi))
+        .route("/openapi.json", get(openapi::serve))
         .route("/metrics", get(metrics))
         .with_state(Http { app, edge })
 }
@@ -129,15 +130,6 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         app.metrics.render(),
-    )
-        .into_response()
-}
-
-/// `GET /openapi.json`
-async fn openapi() -> Response {
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        include_str!("../../openapi.json"),
     )
         .into_response()
 }

@@ -28,7 +28,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, HttpBody};
@@ -138,6 +138,8 @@ pub(crate) struct Slot {
     idle_since: AtomicU64,
     /// When the first byte of the head now arriving came, while idle; 0: none yet.
     head_started: AtomicU64,
+    /// Bytes read while idle: the head now arriving (see [`Watched`]).
+    head_bytes: AtomicUsize,
     /// Since when the socket has refused every byte written (its buffers full: the client
     /// is not reading); 0: writes are going through.
     write_blocked_since: AtomicU64,
@@ -155,6 +157,7 @@ impl Slot {
             served: AtomicU64::new(0),
             idle_since: AtomicU64::new(now_ms(epoch)),
             head_started: AtomicU64::new(0),
+            head_bytes: AtomicUsize::new(0),
             write_blocked_since: AtomicU64::new(0),
             evicted: AtomicBool::new(false),
             kill: tokio::sync::Notify::new(),
@@ -238,6 +241,7 @@ impl Busy {
     fn enter(slot: &Arc<Slot>) -> Busy {
         slot.inflight.fetch_add(1, Ordering::AcqRel);
         slot.head_started.store(0, Ordering::Relaxed);
+        slot.head_bytes.store(0, Ordering::Relaxed);
         Busy(slot.clone())
     }
 }
@@ -248,11 +252,19 @@ impl Drop for Busy {
         s.served.fetch_add(1, Ordering::Relaxed);
         s.idle_since.store(now_ms(s.epoch), Ordering::Relaxed);
         s.head_started.store(0, Ordering::Relaxed);
+        s.head_bytes.store(0, Ordering::Relaxed);
         s.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// The socket, noting when a head starts to arrive.
+/// The socket, noting when a head starts to arrive and how writes go.
+///
+/// While a head arrives, at most [`MAX_HEAD_BYTES`] of it are read: hyper refuses a head
+/// (`431`) only once its buffer holds `max_buf_size` bytes without a complete head, and its
+/// reads grow (8, 16, 32 KiB...), so a head of up to about twice the limit that arrived in
+/// one read used to parse. Handing it no more than the limit makes "over 32 KiB gets 431"
+/// exact. (Bytes of a pipelined head read together with the previous request are not
+/// counted.)
 struct Watched {
     stream: TcpStream,
     slot: Arc<Slot>,
@@ -265,12 +277,32 @@ impl AsyncRead for Watched {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let before = buf.filled().len();
-        let r = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+        if !this.slot.idle() {
+            return Pin::new(&mut this.stream).poll_read(cx, buf);
+        }
+        // At least one byte: a read of none would be taken for the end of the stream.
+        let room = MAX_HEAD_BYTES
+            .saturating_sub(this.slot.head_bytes.load(Ordering::Relaxed))
+            .max(1);
+        let n = if buf.remaining() > room {
+            // Initialised first, so the bytes the smaller buffer fills count as filled here
+            // without `unsafe`.
+            buf.initialize_unfilled_to(room);
+            let mut part = buf.take(room);
+            ready!(Pin::new(&mut this.stream).poll_read(cx, &mut part))?;
+            let n = part.filled().len();
+            buf.advance(n);
+            n
+        } else {
+            let before = buf.filled().len();
+            ready!(Pin::new(&mut this.stream).poll_read(cx, buf))?;
+            buf.filled().len() - before
+        };
+        if n > 0 {
+            this.slot.head_bytes.fetch_add(n, Ordering::Relaxed);
             this.slot.on_read();
         }
-        r
+        Poll::Ready(Ok(()))
     }
 }
 
