@@ -7,6 +7,7 @@ mod auth;
 mod binary;
 mod callbacks;
 mod cancel_timeout;
+mod docs_promises;
 mod executor;
 mod faults;
 mod hardening;
