@@ -141,6 +141,12 @@ py_venv=target/py-venv
 "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -r clients/python/requirements-test.txt
 cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
+# The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
+# kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
+if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
+  KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
+  export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
+fi
 (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .)
 py_junit=$(mktemp)
 # -rs prints each skip with its reason; the counts come from the JUnit XML below.

@@ -483,8 +483,13 @@ pub fn summary(ev: &Evaluation, output: &Path) -> String {
                 FailureKind::Infrastructure => "infrastructure failure",
             };
             out.push_str(&format!("+++ result: {what}: {}\n", f.message));
+            let success = if f.recorded {
+                "success=true (recorded in the runs, as kernelbot's evaluator records it)"
+            } else {
+                "success=false"
+            };
             out.push_str(&format!(
-                "result.json written to {} with success=false\n",
+                "result.json written to {} with {success}\n",
                 output.display()
             ));
         }

@@ -7,9 +7,11 @@
 //! the `python3 submission.py` "compile" pre-run; CUDA submissions are compiled with nvcc and
 //! their sources removed before the binary runs.
 //!
-//! Where kernelbot would raise (no nvcc, no profiler, a missing include directory), the
-//! runner returns a well-formed [`FullResult`] with `success: false` and a [`Failure`] that
-//! says whether the job or the node is at fault.
+//! Where kernelbot would raise (no profiler, a missing include directory), the runner
+//! returns a well-formed [`FullResult`] with `success: false` and a [`Failure`] that says
+//! whether the job or the node is at fault. A missing nvcc is recorded as kernelbot records
+//! it (a failed `which nvcc` compile, `success: true`, which kernelbot's report shows as "not
+//! in your code"), and is still a [`Failure`] of the node, for the exit code.
 
 use std::ffi::OsString;
 use std::os::unix::fs::PermissionsExt;
@@ -97,6 +99,10 @@ pub struct Failure {
     pub kind: FailureKind,
     /// What happened and what to do, as `result.json`'s `error` says it.
     pub message: String,
+    /// Recorded in the runs the way kernelbot's evaluator records it, which then reports
+    /// success (a missing nvcc): `result.json` says `success: true` with an empty `error`,
+    /// like kernelbot's; the failure still sets the exit code and the summary.
+    pub recorded: bool,
 }
 
 impl Failure {
@@ -105,6 +111,7 @@ impl Failure {
         Failure {
             kind: FailureKind::BadConfig,
             message: message.into(),
+            recorded: false,
         }
     }
     /// The node is at fault.
@@ -112,17 +119,25 @@ impl Failure {
         Failure {
             kind: FailureKind::Infrastructure,
             message: message.into(),
+            recorded: false,
+        }
+    }
+    /// The node is at fault, and the runs record it as kernelbot's evaluator would.
+    fn recorded_infrastructure(message: impl Into<String>) -> Failure {
+        Failure {
+            recorded: true,
+            ..Failure::infrastructure(message)
         }
     }
 }
 
 /// The result, and why it is a failure if it is one. `result.success` is false exactly when
-/// `failure` is set, and then `result.error` is its message.
+/// `failure` is set and not [`Failure::recorded`], and then `result.error` is its message.
 #[derive(Debug, Clone)]
 pub struct Evaluation {
     /// `result.json`'s content.
     pub result: FullResult,
-    /// Set exactly when `result.success` is false.
+    /// Set when `result.success` is false, and for a failure the runs record.
     pub failure: Option<Failure>,
 }
 
@@ -139,13 +154,11 @@ pub fn evaluate(cfg: &RunConfig, opts: &Options) -> Evaluation {
         .unwrap_or_else(|| sysinfo::collect(&opts.probe));
     let mut runs = IndexMap::new();
     let failure = evaluate_into(cfg, opts, &system, &mut runs).err();
+    let unrecorded = failure.as_ref().filter(|f| !f.recorded);
     Evaluation {
         result: FullResult {
-            success: failure.is_none(),
-            error: failure
-                .as_ref()
-                .map(|f| f.message.clone())
-                .unwrap_or_default(),
+            success: unrecorded.is_none(),
+            error: unrecorded.map(|f| f.message.clone()).unwrap_or_default(),
             system,
             runs,
         },
@@ -215,7 +228,7 @@ fn evaluate_into(
                         profile: None,
                     },
                 );
-                return Err(Failure::infrastructure(
+                return Err(Failure::recorded_infrastructure(
                     "nvcc not found (looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin and /usr/local/cuda/bin); install the CUDA toolkit on the node or pass --nvcc",
                 ));
             };

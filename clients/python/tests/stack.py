@@ -280,6 +280,26 @@ class Stack:
         await self.fake.aclose()
 
 
+def local_service(tmp: Path) -> Service:
+    """`kernelkite-service serve --executor local` on a free port (not started): the runner
+    really runs each job on this machine, unsandboxed (these tests are about the client)."""
+    port = free_port()
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    bin_dir = str(service_bin().parent)
+    env = {
+        # The runner and the isolation hook are found beside the service binary.
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
+        "RUST_LOG": os.environ.get("RUST_LOG", "info"),
+        "KERNELKITE_LISTEN": f"127.0.0.1:{port}",
+        "KERNELKITE_API_TOKEN": API_TOKEN,
+        "KERNELKITE_DATA_DIR": str(data),
+        # `auto` would depend on this machine's users.
+        "KERNELKITE_LOCAL_SANDBOX": "off",
+    }
+    return Service(["serve", "--executor", "local"], env, port, tmp)
+
+
 def local_mode_supported() -> tuple[bool, str]:
     """Whether this build's service has the local executor (`serve --executor local`)."""
     try:

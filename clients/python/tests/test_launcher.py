@@ -21,8 +21,22 @@ from samples import result_json, sample_config
 from stack import Stack, TcpProxy, wait_until
 
 from kernelkite import KernelkiteClient, NotFound
+from kernelkite.kernelbot_launcher import RunFailed
 
 H100 = gpu(KiteGPU.H100_KK)
+
+
+async def raised(task_or_coro, within: float = 20) -> RunFailed:
+    """The `RunFailed` a run raises (kernelbot marks the job failed with its text)."""
+    with pytest.raises(RunFailed) as e:
+        await asyncio.wait_for(task_or_coro, within)
+    return e.value
+
+
+def assert_not_finished(reporter: RecordingReporter) -> None:
+    texts = reporter.texts()
+    assert not any(t.startswith("✅") for t in texts), texts
+    assert texts[-1].startswith("❌") and "not your code" in texts[-1], texts
 
 
 async def run_in_background(launcher, reporter, config=None):
@@ -136,32 +150,37 @@ async def test_success_over_long_poll(stack: Stack):
     )
 
 
-async def test_a_result_with_success_false_is_kept_as_the_runner_wrote_it(stack: Stack):
+async def test_a_result_the_runner_could_not_evaluate_raises_not_your_code(stack: Stack):
+    # kernelbot's evaluator raises where the runner writes success=false (the machine or the
+    # task's configuration failed): kernelbot must mark the job failed with the reason, and
+    # the status line must not say "Finished".
     launcher = make_launcher(stack.url, stack.token)
-    task = await run_in_background(launcher, RecordingReporter())
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
     build = await the_build(stack)
-    failing = result_json(success=False, error="Error executing script: CUDA out of memory")
+    failing = result_json(success=False, error="no GPU found; check the node's driver")
     # The runner exits non-zero when the evaluation fails; its result.json still counts.
     await stack.fake.finish(build["number"], "failed", failing)
-    result = await asyncio.wait_for(task, 20)
-    assert result.success is False
-    assert result.error == "Error executing script: CUDA out of memory"
-    assert result.runs["test"].run.stderr == "Traceback: boom"
+    e = await raised(task)
+    assert "could not be evaluated" in str(e) and "no GPU found" in str(e)
+    assert "not your code" in str(e) and build["web_url"] in str(e)
+    assert e.http_code == 502
+    assert_not_finished(reporter)
 
 
-async def test_a_failed_build_without_artifact_is_a_failed_result(stack: Stack):
+async def test_a_failed_build_without_artifact_raises_not_your_code(stack: Stack):
     launcher = make_launcher(stack.url, stack.token)
     reporter = RecordingReporter()
     task = await run_in_background(launcher, reporter)
     build = await the_build(stack)
     await stack.fake.start(build["number"])
     await stack.fake.finish(build["number"], "failed", None)
-    result = await asyncio.wait_for(task, 20)
-    assert result.success is False and result.runs == {}
-    assert "ended without a result" in result.error
-    assert "without result.json" in result.error and build["web_url"] in result.error
-    assert "please resubmit" in result.error
+    e = await raised(task)
+    assert "ended without a result" in str(e) and "not your code" in str(e)
+    assert "without result.json" in str(e) and build["web_url"] in str(e)
+    assert "please resubmit" in str(e)
     assert reporter.texts()[-1].startswith("❌ Failed on H100_KK")
+    assert_not_finished(reporter)
 
 
 async def test_the_deadline_cancels_the_build(stack: Stack):
@@ -171,10 +190,9 @@ async def test_the_deadline_cancels_the_build(stack: Stack):
     task = await run_in_background(launcher, reporter)
     build = await the_build(stack)
     await stack.fake.start(build["number"])
-    result = await asyncio.wait_for(task, 20)
+    e = await raised(task)
     assert time.monotonic() - started < 10
-    assert result.success is False
-    assert "took longer than 2 s and was stopped" in result.error, result.error
+    assert "took longer than 2 s and was stopped" in str(e), e
     await wait_until(lambda: stack.fake.requests("cancel_build"), what="the build's cancel")
     assert await stack.fake.state(build["number"]) == "canceled"
     assert reporter.texts()[-1].startswith("❌ Timed out on H100_KK")
@@ -182,29 +200,30 @@ async def test_the_deadline_cancels_the_build(stack: Stack):
 
 async def test_a_run_that_never_got_a_gpu_says_so(stack: Stack):
     launcher = make_launcher(stack.url, stack.token, deadline_s=1)
-    result = await asyncio.wait_for(
-        launcher.run_submission(sample_config(), H100, RecordingReporter()), 20
-    )
-    assert "No H100_KK GPU became free within 1 s" in result.error, result.error
+    reporter = RecordingReporter()
+    e = await raised(launcher.run_submission(sample_config(), H100, reporter))
+    assert "No H100_KK GPU became free within 1 s" in str(e), e
+    assert e.http_code == 503
+    last = reporter.texts()[-1]
+    assert last.startswith("❌ Timed out on H100_KK") and last.endswith("(not your code)"), last
     await wait_until(lambda: stack.fake.requests("cancel_build"), what="the build's cancel")
 
 
-async def test_a_config_the_service_refuses_is_a_failed_result(stack: Stack):
+async def test_a_config_the_service_refuses_raises(stack: Stack):
     launcher = make_launcher(stack.url, stack.token)
     reporter = RecordingReporter()
-    result = await launcher.run_submission(sample_config(ranking_by="median"), H100, reporter)
-    assert result.success is False and result.runs == {}
-    assert result.error.startswith("Kernelkite refused the run: ")
-    assert "ranking_by" in result.error and "report this to the organizers" in result.error
-    assert reporter.calls == [("push", "❌ Failed on H100_KK")]
+    e = await raised(launcher.run_submission(sample_config(ranking_by="median"), H100, reporter))
+    assert str(e).startswith("Kernelkite refused the run: ")
+    assert "ranking_by" in str(e) and "report this to the organizers" in str(e)
+    assert e.http_code == 500
+    assert reporter.calls == [("push", "❌ Failed on H100_KK (not your code)")]
     assert await stack.fake.builds() == []
 
 
-async def test_a_wrong_token_is_a_failed_result(stack: Stack):
+async def test_a_wrong_token_raises(stack: Stack):
     launcher = make_launcher(stack.url, "wrong-token")
-    result = await launcher.run_submission(sample_config(), H100, RecordingReporter())
-    assert result.success is False
-    assert "refused the bot's credentials" in result.error and "bearer token" in result.error
+    e = await raised(launcher.run_submission(sample_config(), H100, RecordingReporter()))
+    assert "refused the bot's credentials" in str(e) and "bearer token" in str(e)
     status = await launcher.get_queue_status(H100)
     assert isinstance(status, RunnerQueueStatus)
     assert (status.status, status.queued_jobs) == ("unavailable", None)
@@ -247,11 +266,11 @@ async def test_a_service_that_stops_answering_hits_the_deadline(stack: Stack):
     stack.service.signal(signal.SIGSTOP)
     try:
         started = time.monotonic()
-        result = await asyncio.wait_for(task, 15)
+        e = await raised(task, 15)
         waited = time.monotonic() - started
     finally:
         stack.service.signal(signal.SIGCONT)
-    assert result.success is False and "No answer from the Kernelkite service" in result.error
+    assert "No answer from the Kernelkite service" in str(e) and e.http_code == 503
     assert waited < 6, waited
     # Once it answers again the build does not run on: the service's own timeout cancels it.
     await wait_until(
@@ -276,10 +295,9 @@ async def test_a_service_restart_during_the_wait(stack: Stack):
         try:
             await c.get(sub_id)
         except NotFound:
-            # The launcher's side of it still holds: the lost run is a result that says so.
-            result = await asyncio.wait_for(task, 30)
-            assert result.success is False
-            assert "no longer knows your run on H100_KK" in result.error, result.error
+            # The launcher's side of it still holds: the lost run raises, saying so.
+            e = await raised(task, 30)
+            assert "no longer knows your run on H100_KK" in str(e), e
             pytest.skip(
                 "needs the durable store: this build's restarted service answers 404 for "
                 "submissions that were in flight"
@@ -345,15 +363,16 @@ async def test_queue_status_fills_runner_queue_status_and_is_cached(stack: Stack
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_an_unreachable_service_is_a_failed_result(tmp_path):
+async def test_an_unreachable_service_raises(tmp_path):
     from stack import free_port
 
     launcher = make_launcher(
         f"http://127.0.0.1:{free_port()}", "t", request_timeout_s=0.5, submit_attempts=2
     )
-    result = await launcher.run_submission(sample_config(), H100, RecordingReporter())
-    assert result.success is False
-    assert "service could not be reached" in result.error
+    reporter = RecordingReporter()
+    e = await raised(launcher.run_submission(sample_config(), H100, reporter))
+    assert "service could not be reached" in str(e) and e.http_code == 503
+    assert_not_finished(reporter)
     status = await launcher.get_queue_status(H100)
     assert status.status == "unavailable" and status.queued_jobs is None
 

@@ -5,7 +5,6 @@ while the service binary has no local executor."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest_asyncio
 from conftest import make_launcher
 from kernelbot_standins import KiteGPU, RecordingReporter, gpu
 from samples import example_config
-from stack import API_TOKEN, Service, free_port, local_mode_supported, service_bin
+from stack import API_TOKEN, Service, local_mode_supported, local_service
 
 from kernelkite import KernelkiteClient
 
@@ -27,21 +26,7 @@ async def local(tmp_path: Path) -> AsyncIterator[Service]:
     supported, reason = local_mode_supported()
     if not supported:
         pytest.skip(reason)
-    port = free_port()
-    data = tmp_path / "data"
-    data.mkdir()
-    bin_dir = str(service_bin().parent)
-    env = {
-        # The runner and the isolation hook are found beside the service binary.
-        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
-        "RUST_LOG": os.environ.get("RUST_LOG", "info"),
-        "KERNELKITE_LISTEN": f"127.0.0.1:{port}",
-        "KERNELKITE_API_TOKEN": API_TOKEN,
-        "KERNELKITE_DATA_DIR": str(data),
-        # `auto` would depend on this machine's users; these tests are about the client.
-        "KERNELKITE_LOCAL_SANDBOX": "off",
-    }
-    service = Service(["serve", "--executor", "local"], env, port, tmp_path)
+    service = local_service(tmp_path)
     service.start()
     try:
         yield service
@@ -58,6 +43,9 @@ async def test_local_success_over_sse(local: Service):
     assert run.run.passed and run.run.result["check"] == "pass"
     assert run.start.tzinfo is not None
     texts = reporter.texts()
+    # Local mode has no page a competitor could open: no link (it used to be a file:// path
+    # on the server, deleted after the run).
+    assert not any("file:" in t or "build" in t for t in texts), texts
     assert texts[0] == "⏳ Queued for H100_KK"
     assert any(t.startswith("⏳ Running on H100_KK") for t in texts), texts
     assert texts[-1].startswith("✅ Finished on H100_KK"), texts

@@ -94,7 +94,9 @@ pub struct RunResult {
     pub stderr: String,
     /// The exit code, or minus the signal that killed it.
     pub exit_code: i32,
-    /// Wall time of the run, seconds.
+    /// Wall time of the run, seconds. A whole number is written without a fraction: a
+    /// timed-out run's duration is its time limit, which kernelbot writes as an integer.
+    #[serde(serialize_with = "whole_as_integer")]
     pub duration: f64,
     /// `key: value` lines the harness wrote to the POPCORN pipe.
     pub result: IndexMap<String, String>,
@@ -173,6 +175,17 @@ impl FullResult {
     }
 }
 
+/// `180.0` as `180`, as kernelbot's evaluator writes a timed-out run's duration (its time
+/// limit, an int); other values as they are.
+fn whole_as_integer<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    // 2^53: every whole f64 below it is an exact integer.
+    if v.fract() == 0.0 && v.abs() < 9_007_199_254_740_992.0 {
+        s.serialize_i64(*v as i64)
+    } else {
+        s.serialize_f64(*v)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +228,25 @@ mod tests {
         let v = serde_json::to_value(r).unwrap();
         assert!(v["compilation"].is_null() && v["run"].is_null() && v["profile"].is_null());
         assert!(v.as_object().unwrap().contains_key("profile"));
+    }
+
+    #[test]
+    fn a_whole_duration_is_written_as_an_integer_like_kernelbots_timeout() {
+        let run = |duration: f64| RunResult {
+            success: false,
+            passed: false,
+            command: "c".into(),
+            stdout: String::new(),
+            stderr: String::new(),
+            exit_code: 114,
+            duration,
+            result: IndexMap::new(),
+        };
+        let text = |d| serde_json::to_string(&run(d)).unwrap();
+        assert!(text(180.0).contains("\"duration\":180,"), "{}", text(180.0));
+        assert!(text(3.53).contains("\"duration\":3.53,"), "{}", text(3.53));
+        // Read back either way.
+        let back: RunResult = serde_json::from_str(&text(180.0)).unwrap();
+        assert_eq!(back.duration, 180.0);
     }
 }

@@ -491,7 +491,9 @@ impl Executor for LocalExecutor {
             let build = BuildInfo {
                 id: id.clone(),
                 number: self.next_number.fetch_add(1, Ordering::Relaxed),
-                web_url: format!("file://{}", dir.path().display()),
+                // Nothing a competitor could open: the job directory is on this machine and gone
+                // after the run (kernelbot's launcher links only http(s) pages).
+                web_url: String::new(),
             };
             // Queue order is the order the service accepted the submissions in (their
             // launches may run in any order).

@@ -9,10 +9,19 @@ kernelbot's `Launcher`, so `KernelBackend.register_launcher` takes it as it is.
 What a run does: submit (with an idempotency key, retried on transient failures), follow the
 submission's state changes (server-sent events, resumed with `Last-Event-ID`; long-polling
 after repeated stream failures), report them through kernelbot's `RunProgressReporter` (one
-`push`, then `update`s), and rebuild `FullResult` from the runner's `result.json`, keeping the
-runner's own `success` and `error`. Every failure becomes `FullResult(success=False, error=...)`
-with a message the competitor can act on; only `asyncio.CancelledError` propagates, after the
-submission is canceled.
+`push`, then `update`s), and rebuild `FullResult` from the runner's `result.json`.
+
+Results where kernelbot expects results, exceptions where it expects exceptions: an
+evaluation that ran (whatever its tests said, a compile error included) is returned as
+kernelbot's `FullResult`. Anything else — the service unreachable or refusing, no GPU free in
+time, the machine failing, a `result.json` whose `success` is false — raises `RunFailed`, a
+kernelbot `KernelBotError` whose text says what happened and whose fault it is. kernelbot's
+background manager then marks the job `failed` with that text (a returned failure would be
+marked `succeeded` and its text dropped), its Discord cog shows the text, and its API answers
+with it. `asyncio.CancelledError` propagates after the submission is canceled.
+
+`register` makes the launcher's GPU types known to kernelbot and registers it, so switching is
+one call in kernelbot's `main.py` (see the README).
 """
 
 from __future__ import annotations
@@ -20,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -44,20 +54,56 @@ from kernelkite.client import (
     valid_queue_name,
 )
 
-try:  # kernelbot present: be one of its launchers.
-    from libkernelbot.launchers.launcher import Launcher as _LauncherBase
-except ImportError:  # kernelbot absent: same shape, for use with injected types.
+
+def _kernelbot_present() -> bool:
+    try:
+        return importlib.util.find_spec("libkernelbot") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+if _kernelbot_present():  # be one of kernelbot's launchers, or fail saying why
+    try:
+        from libkernelbot.launchers.launcher import Launcher as _LauncherBase
+        from libkernelbot.utils import KernelBotError as _ErrorBase
+    except ImportError as e:
+        # kernelbot's launchers package imports its GitHub and Modal launchers (PyGithub,
+        # modal): without them a stand-in base would make `isinstance(l, Launcher)` false.
+        raise ImportError(
+            f"kernelbot's libkernelbot is installed but its launchers do not import ({e}); "
+            "install kernelbot's own requirements (its launchers package needs modal and "
+            "PyGithub) so KernelkiteLauncher can be one of kernelbot's Launchers"
+        ) from e
+else:  # kernelbot absent: the same shapes, for use with injected types.
 
     class _LauncherBase:  # type: ignore[no-redef]
         def __init__(self, name: str, gpus: type[Enum]) -> None:
             self.name = name
             self.gpus = gpus
 
+    class _ErrorBase(Exception):  # type: ignore[no-redef]
+        def __init__(self, message: str, code: int = 400) -> None:
+            super().__init__(message)
+            self.http_code = code
+
+
+class RunFailed(_ErrorBase):
+    """A run that ended without an evaluation: kernelbot's `KernelBotError` (its text is safe
+    to show the competitor, and says whose fault it is), `http_code` 503 when trying again
+    later may help, 502 when a machine or the service failed, 500 for a problem in the task's
+    or the bot's configuration."""
+
+    def __init__(self, message: str, code: int = 502) -> None:
+        super().__init__(message, code)
+
 
 log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 120
 """kernelbot's `Timeout.COMPILE`: the compile step (the Python pre-run) of every run."""
+
+NOT_YOUR_CODE = "not your code"
+"""The status line's reason for failures of the machine, the service or the task."""
 
 
 @dataclass(frozen=True)
@@ -185,10 +231,14 @@ def default_deadline_s(config: Mapping[str, Any], queue_wait_s: float) -> float:
 
 
 def _build_link(build: Mapping[str, Any] | None) -> str:
+    """A link to the build's page, for a page competitors can open (http or https): local
+    mode's builds have none."""
     if not build or not build.get("number"):
         return ""
     url = build.get("web_url")
-    return f"build [#{build['number']}](<{url}>)" if url else f"build #{build['number']}"
+    if not isinstance(url, str) or not url.lower().startswith(("https://", "http://")):
+        return ""
+    return f"build [#{build['number']}](<{url}>)"
 
 
 class _Progress:
@@ -225,6 +275,8 @@ class _View:
 
     gpu: str
     state: str = "queued"
+    # Why a failed run failed, in a few words (`NOT_YOUR_CODE`); shown after the state.
+    why: str | None = None
     build: dict[str, Any] | None = None
     running_since: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -241,14 +293,15 @@ class _View:
             return f"⏳ Running on {self.gpu}{on} ({elapsed:.0f}s)"
         if self.state == "fetching":
             return f"⏳ Reading the result from {self.gpu}{on}"
+        because = f" ({self.why})" if self.why else ""
         if self.state == "succeeded":
             total = time.monotonic() - self.started
             return f"✅ Finished on {self.gpu} in {total:.1f}s{on}"
         if self.state == "timed_out":
-            return f"❌ Timed out on {self.gpu}{on}"
+            return f"❌ Timed out on {self.gpu}{on}{because}"
         if self.state == "canceled":
-            return f"❌ Canceled on {self.gpu}{on}"
-        return f"❌ Failed on {self.gpu}{on}"
+            return f"❌ Canceled on {self.gpu}{on}{because}"
+        return f"❌ Failed on {self.gpu}{on}{because}"
 
 
 def _resolve_queues(gpus: type[Enum], queues: Mapping[Any, str]) -> dict[str, str]:
@@ -287,6 +340,10 @@ class KernelkiteLauncher(_LauncherBase):
     the deadline as the submission's `timeout_s` and cancels the build when it passes; the
     launcher itself gives up `deadline_grace_s` later (a service that stopped answering) and
     cancels the submission then.
+
+    `cuda_include_dirs` are added to every CUDA run's `include_dirs`, as kernelbot's Modal
+    launcher adds `/ThunderKittens/include`: directories the GPU machines' image provides
+    (the runner fails the job, as the node's fault, when one is missing).
     """
 
     def __init__(
@@ -307,6 +364,7 @@ class KernelkiteLauncher(_LauncherBase):
         progress_interval_s: float = 10.0,
         queue_status_ttl_s: float = 5.0,
         submit_attempts: int = 5,
+        cuda_include_dirs: Sequence[str] = (),
         types: KernelbotTypes | None = None,
     ) -> None:
         super().__init__(name, gpus)
@@ -324,6 +382,9 @@ class KernelkiteLauncher(_LauncherBase):
         self.progress_interval_s = progress_interval_s
         self.queue_status_ttl_s = queue_status_ttl_s
         self.submit_attempts = max(1, submit_attempts)
+        if isinstance(cuda_include_dirs, str):
+            raise TypeError("cuda_include_dirs is a list of directories, not one string")
+        self.cuda_include_dirs = list(cuda_include_dirs)
         self._queue_cache: dict[str, tuple[float, dict[str, Any] | None, str | None]] = {}
         self._queue_locks: dict[str, asyncio.Lock] = {}
         self._cleanups: set[asyncio.Task] = set()
@@ -340,23 +401,30 @@ class KernelkiteLauncher(_LauncherBase):
             sse_read_timeout_s=self.sse_read_timeout_s,
         )
 
-    def _failure(self, error: str) -> Any:
-        t = self._types
-        return t.FullResult(success=False, error=error, system=t.SystemInfo(), runs={})
+    def _with_include_dirs(self, config: dict) -> dict:
+        """`config` with `cuda_include_dirs` added for a CUDA run (a copy: kernelbot's Modal
+        launcher changes the caller's dict; this one leaves it as it was)."""
+        if config.get("lang") != "cu" or not self.cuda_include_dirs:
+            return config
+        given = config.get("include_dirs") or []
+        extra = [d for d in self.cuda_include_dirs if d not in given]
+        return {**config, "include_dirs": [*given, *extra]}
 
     async def run_submission(self, config: dict, gpu_type: Any, status: Any) -> Any:
         """Runs `config` on `gpu_type`'s queue, reporting progress on `status` (kernelbot's
-        `RunProgressReporter`); returns kernelbot's `FullResult`."""
+        `RunProgressReporter`); returns kernelbot's `FullResult` for an evaluation that ran,
+        and raises `RunFailed` for anything else."""
         gpu = str(getattr(gpu_type, "name", gpu_type))
         progress = _Progress(status)
         queue = self.queue_for(gpu_type)
         if queue is None:
-            view = _View(gpu=gpu, state="failed")
-            await progress.show(view)
-            return self._failure(
+            await progress.show(_View(gpu=gpu, state="failed", why=NOT_YOUR_CODE))
+            raise RunFailed(
                 f"{self.name} has no queue for {gpu}; this is a configuration problem on our "
-                "side, please report it to the organizers."
+                "side, not your code: please report it to the organizers.",
+                500,
             )
+        config = self._with_include_dirs(config)
         deadline = self.deadline_s or default_deadline_s(config, self.queue_wait_s)
         timeout_s = max(1, math.ceil(deadline))
         key = str(uuid.uuid4())
@@ -372,13 +440,15 @@ class KernelkiteLauncher(_LauncherBase):
             # The service did not end the submission itself within its timeout: it is not
             # answering. Cancel it (best effort) and say so.
             await self._cancel(state)
-            view.state = "timed_out"
+            view.state, view.why = "timed_out", NOT_YOUR_CODE
             await progress.show(view)
             waited = deadline + self.deadline_grace_s
-            return self._failure(
+            raise RunFailed(
                 f"No answer from the {self.name} service within {waited:.0f} s; your run was "
-                "canceled. Please try again later."
-            )
+                "canceled. This is a problem on our side, not your code: please try again "
+                "later.",
+                503,
+            ) from None
         except asyncio.CancelledError:
             # The caller gave up on the run: its build must not go on running for nobody.
             cleanup = asyncio.ensure_future(self._cancel(state))
@@ -387,14 +457,19 @@ class KernelkiteLauncher(_LauncherBase):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(cleanup)
             raise
-        except Exception as e:  # a result, never an exception, for kernelbot
+        except RunFailed:
+            # `_result` set the view for it.
+            await progress.show(view)
+            raise
+        except Exception as e:
             if isinstance(e, KernelkiteError):
                 log.warning("kernelkite run %s on %s failed: %s", run_id, gpu, e)
             else:
                 log.exception("kernelkite run %s on %s failed", run_id, gpu)
-            view.state = "failed"
+            view.state, view.why = "failed", NOT_YOUR_CODE
             await progress.show(view)
-            return self._failure(self._explain(e, gpu, state["id"]))
+            message, code = self._explain(e, gpu, state["id"])
+            raise RunFailed(message, code) from e
 
     async def _run(
         self,
@@ -421,7 +496,9 @@ class KernelkiteLauncher(_LauncherBase):
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
-        return self._result(final, view, timeout_s)
+        result = self._result(final, view, timeout_s)
+        await progress.show(view)
+        return result
 
     async def _submit(
         self,
@@ -466,6 +543,11 @@ class KernelkiteLauncher(_LauncherBase):
     async def _on_event(
         self, client: KernelkiteClient, ev: StateEvent, view: _View, progress: _Progress
     ) -> None:
+        if ev.terminal and ev.submission is not None:
+            # The end is shown by `run_submission`, once `_result` has said what it means (a
+            # "succeeded" submission whose runner could not evaluate is no "✅ Finished").
+            view.build = ev.submission.get("build") or view.build
+            return
         view.state = ev.state
         if ev.state == "running" and view.running_since is None:
             view.running_since = time.monotonic()
@@ -485,61 +567,95 @@ class KernelkiteLauncher(_LauncherBase):
                 await progress.show(view)
 
     def _result(self, sub: dict[str, Any], view: _View, timeout_s: int) -> Any:
+        """kernelbot's `FullResult` of an evaluation that ran; `RunFailed` (with the view
+        set to say so) for every other end."""
         gpu, state, link = view.gpu, sub.get("state"), _build_link(view.build)
         see = f" ({link})" if link else ""
+        view.state, view.why = (state if state != "succeeded" else "failed"), NOT_YOUR_CODE
         if state == "succeeded":
-            try:
-                return full_result_from_json(sub.get("result"), self._types)
-            except (UnreadableResult, TypeError, ValueError) as e:
-                return self._failure(
-                    f"The result of your run on {gpu} could not be read ({e}){see}. "
-                    "Please resubmit, and report it to the organizers if it happens again."
+            result = sub.get("result")
+            if isinstance(result, dict) and result.get("success") is False:
+                # The runner could not evaluate (the machine, or the task's configuration):
+                # kernelbot's evaluator would have raised.
+                raise RunFailed(
+                    f"Your run on {gpu} could not be evaluated{see}: {result.get('error')}. "
+                    "This is a problem with the GPU machine or the task, not your code: "
+                    "please resubmit, and report it to the organizers if it happens again."
                 )
+            try:
+                parsed = full_result_from_json(result, self._types)
+            except (UnreadableResult, TypeError, ValueError) as e:
+                raise RunFailed(
+                    f"The result of your run on {gpu} could not be read ({e}){see}. This is a "
+                    "problem on our side, not your code: please resubmit, and report it to "
+                    "the organizers if it happens again."
+                ) from e
+            view.state, view.why = "succeeded", None
+            return parsed
         why = sub.get("error") or "no reason given"
         if state == "timed_out":
             ran = any(h.get("state") == "running" for h in sub.get("history") or [])
             if ran:
-                return self._failure(
+                view.why = None  # the run itself took too long
+                raise RunFailed(
                     f"Your run on {gpu} took longer than {timeout_s} s and was stopped{see}. "
                     "Check your kernel for hangs, deadlocks or very slow cases."
                 )
-            return self._failure(
+            raise RunFailed(
                 f"No {gpu} GPU became free within {timeout_s} s, so your run was canceled "
-                "before it started. Please try again later."
+                "before it started. Please try again later.",
+                503,
             )
         if state == "canceled":
-            return self._failure(
-                f"Your run on {gpu} was canceled before it finished ({why}). Please resubmit."
+            raise RunFailed(
+                f"Your run on {gpu} was canceled before it finished ({why}); not your code: "
+                "please resubmit.",
+                503,
             )
-        return self._failure(
+        raise RunFailed(
             f"Your run on {gpu} ended without a result: {why}. This is a problem with the GPU "
             "machine, not your code: please resubmit, and report it to the organizers if it "
             "happens again."
         )
 
-    def _explain(self, e: Exception, gpu: str, sub_id: str | None) -> str:
+    def _explain(self, e: Exception, gpu: str, sub_id: str | None) -> tuple[str, int]:
+        """The competitor's message for an error of the service or the client, and the
+        `http_code` for kernelbot's API."""
         if isinstance(e, Invalid):
             return (
                 f"{self.name} refused the run: {e.message}. The task's run configuration is "
-                "invalid; please report this to the organizers."
+                "invalid, not your code; please report this to the organizers.",
+                500,
             )
         if isinstance(e, Unauthorized):
             return (
                 f"The {self.name} service refused the bot's credentials ({e.message}); this is "
-                "a configuration problem on our side, please report it to the organizers."
+                "a configuration problem on our side, not your code: please report it to the "
+                "organizers.",
+                500,
             )
         if isinstance(e, NotFound):
             return (
                 f"The {self.name} service no longer knows your run on {gpu} ({sub_id}); it may "
-                "have restarted. Please resubmit."
+                "have restarted. Not your code: please resubmit.",
+                503,
             )
         if isinstance(e, Unreachable | ServerError):
-            return f"The {self.name} service could not be reached ({e}). Please try again later."
+            return (
+                f"The {self.name} service could not be reached ({e}); not your code. Please "
+                "try again later.",
+                503,
+            )
         if isinstance(e, KernelkiteError):
-            return f"The {self.name} service answered unexpectedly ({e}). Please try again later."
+            return (
+                f"The {self.name} service answered unexpectedly ({e}); not your code. Please "
+                "try again later.",
+                502,
+            )
         return (
-            f"Running on {self.name} failed unexpectedly ({type(e).__name__}: {e}). Please "
-            "try again, and report it to the organizers if it happens again."
+            f"Running on {self.name} failed unexpectedly ({type(e).__name__}: {e}); not your "
+            "code. Please try again, and report it to the organizers if it happens again.",
+            502,
         )
 
     async def _cancel(self, state: dict[str, Any]) -> None:
@@ -607,3 +723,61 @@ class KernelkiteLauncher(_LauncherBase):
             status=status,
             error=error,
         )
+
+
+def gpu_types(name: str, gpus: Sequence[str]) -> type[Enum]:
+    """The GPU enum a `KernelkiteLauncher` serves, from GPU type names (each its own value,
+    as kernelbot's `ModalGPU` and `GitHubGPU` are): `gpu_types("KernelkiteGPU", ["H100_KK"])`."""
+    return Enum(name, {g: g for g in gpus})  # type: ignore[return-value]
+
+
+def register(
+    backend: Any,
+    launcher: KernelkiteLauncher,
+    arch: Mapping[str, str | None] | None = None,
+    *,
+    replace: bool = False,
+    consts: Any = None,
+) -> None:
+    """Registers `launcher` with kernelbot's `KernelBackend` and makes its GPU types known to
+    kernelbot, so nothing in kernelbot's source has to change.
+
+    kernelbot knows GPU types only from the enums in its `consts.py`: `get_gpu_by_name` looks
+    submissions' GPU names up in a table built from them, and the backend compiles CUDA for
+    `consts.GPU_TO_SM[name]` (a `KeyError` for any other name). This adds each member of
+    `launcher.gpus` to both (`arch`: its SM architecture, e.g. `{"H100_KK": "90a"}`; a GPU
+    left out compiles with `-arch=native`, for the GPU the run is on), then calls
+    `backend.register_launcher(launcher)`. Call it where kernelbot's `main.py` registers its
+    launchers, before any submission.
+
+    A GPU name another launcher of kernelbot already serves (Modal's `H100`, say) is refused
+    unless `replace` is set: registering for it would take those GPUs from that launcher.
+    `consts` is kernelbot's `libkernelbot.consts` (given for tests).
+    """
+    if consts is None:
+        from libkernelbot import consts
+    arch = dict(arch or {})
+    unknown = [g for g in arch if g not in launcher.gpus.__members__]
+    if unknown:
+        raise ValueError(
+            f"arch names {', '.join(unknown)}, which {launcher.name} does not serve "
+            f"(its GPU types: {', '.join(launcher.gpus.__members__)})"
+        )
+    lookup = consts._GPU_LOOKUP  # kernelbot's own table behind get_gpu_by_name
+    for member in launcher.gpus:
+        known = lookup.get(member.name.lower())
+        if known is not None and known.runner != launcher.name and not replace:
+            raise ValueError(
+                f"kernelbot's {known.runner} launcher already serves GPU type {known.name}; "
+                f"give {launcher.name}'s GPU types names of their own (e.g. {member.name}_KK), "
+                "or pass replace=True to serve it with this launcher instead"
+            )
+    for member in launcher.gpus:
+        lookup[member.name.lower()] = consts.GPU(
+            name=member.name, value=member.value, runner=launcher.name
+        )
+        # Changed in place: kernelbot's backend imported this very dict. A replaced GPU
+        # keeps its architecture unless `arch` names one.
+        if member.name in arch or member.name not in consts.GPU_TO_SM:
+            consts.GPU_TO_SM[member.name] = arch.get(member.name)
+    backend.register_launcher(launcher)

@@ -1,0 +1,154 @@
+"""Switching kernelbot to kernelkite without editing kernelbot: `register` and `gpu_types`
+against stand-ins of kernelbot's `consts` and `KernelBackend` (the checkout mode,
+`test_kernelbot_source.py`, runs them against kernelbot's own); CUDA include directories as
+kernelbot's Modal launcher adds them; the launcher refusing to be a stand-in where kernelbot is
+installed without its launchers' requirements."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import make_launcher
+from kernelbot_standins import TYPES, KiteGPU, RecordingReporter, gpu
+from samples import result_json, sample_config
+from stack import Stack
+
+from kernelkite.kernelbot_launcher import KernelkiteLauncher, gpu_types, register
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@dataclasses.dataclass
+class GPU:
+    name: str
+    value: str
+    runner: str
+
+
+def fake_consts() -> types.SimpleNamespace:
+    """kernelbot's consts.py as far as registration touches it (gpu-mode/kernelbot 4bdd839:
+    `_GPU_LOOKUP` keyed by lower-case name, `GPU_TO_SM` by name)."""
+    return types.SimpleNamespace(
+        GPU=GPU,
+        _GPU_LOOKUP={
+            "h100": GPU("H100", "H100", "Modal"),
+            "mi300": GPU("MI300", "MI300", "GitHub"),
+        },
+        GPU_TO_SM={"H100": "90a", "MI300": None},
+    )
+
+
+class FakeBackend:
+    """`KernelBackend.register_launcher`: every member's value maps to the launcher."""
+
+    def __init__(self) -> None:
+        self.launcher_map: dict[str, object] = {}
+
+    def register_launcher(self, launcher) -> None:
+        for member in launcher.gpus:
+            self.launcher_map[member.value] = launcher
+
+
+def kk_launcher(gpus) -> KernelkiteLauncher:
+    return KernelkiteLauncher(
+        "http://127.0.0.1:1", None, gpus, {m: m.name.lower() for m in gpus}, types=TYPES
+    )
+
+
+def test_register_adds_the_gpu_types_and_their_architectures():
+    consts, backend = fake_consts(), FakeBackend()
+    gpus = gpu_types("KernelkiteGPU", ["H100_KK", "MI300X_KK"])
+    assert [(m.name, m.value) for m in gpus] == [("H100_KK", "H100_KK"), ("MI300X_KK", "MI300X_KK")]
+    launcher = kk_launcher(gpus)
+    register(backend, launcher, arch={"H100_KK": "90a"}, consts=consts)
+    assert consts._GPU_LOOKUP["h100_kk"] == GPU("H100_KK", "H100_KK", "Kernelkite")
+    assert consts._GPU_LOOKUP["mi300x_kk"].runner == "Kernelkite"
+    # -arch=native for a GPU given no architecture (nvcc runs on the GPU machine).
+    assert consts.GPU_TO_SM == {"H100": "90a", "MI300": None, "H100_KK": "90a", "MI300X_KK": None}
+    assert backend.launcher_map == {"H100_KK": launcher, "MI300X_KK": launcher}
+    # Modal's own entries are untouched.
+    assert consts._GPU_LOOKUP["h100"].runner == "Modal"
+
+
+def test_register_refuses_another_launchers_gpu_unless_told_to_replace_it():
+    consts, backend = fake_consts(), FakeBackend()
+    launcher = kk_launcher(gpu_types("G", ["H100"]))
+    with pytest.raises(ValueError, match="Modal launcher already serves GPU type H100"):
+        register(backend, launcher, consts=consts)
+    assert backend.launcher_map == {} and consts._GPU_LOOKUP["h100"].runner == "Modal"
+    register(backend, launcher, replace=True, consts=consts)
+    assert consts._GPU_LOOKUP["h100"].runner == "Kernelkite"
+    assert consts.GPU_TO_SM["H100"] == "90a", "a replaced GPU keeps its architecture"
+    with pytest.raises(ValueError, match="does not serve"):
+        register(backend, launcher, arch={"B200": "100"}, consts=consts)
+
+
+def payload(build: dict) -> dict:
+    env = build["env"]
+    if "KERNELBOT_PAYLOAD_CHUNKS" in env:
+        n = int(env["KERNELBOT_PAYLOAD_CHUNKS"])
+        text = "".join(env[f"KERNELBOT_PAYLOAD_{i}"] for i in range(n))
+    else:
+        text = env["KERNELBOT_PAYLOAD"]
+    return json.loads(zlib.decompress(base64.b64decode(text)))
+
+
+async def test_cuda_runs_get_the_include_directories_and_the_callers_config_is_left_alone(
+    stack: Stack,
+):
+    await stack.fake.autoplay({"state": "passed", "result": result_json()})
+    launcher = make_launcher(
+        stack.url, stack.token, cuda_include_dirs=["/opt/ThunderKittens/include"]
+    )
+    cu = sample_config(lang="cu", sources={"submission.cu": "int main() {}\n"})
+    cu["include_dirs"] = ["/opt/task"]
+    given = json.loads(json.dumps(cu))
+    h100 = gpu(KiteGPU.H100_KK)
+    await asyncio.wait_for(launcher.run_submission(cu, h100, RecordingReporter()), 20)
+    await asyncio.wait_for(launcher.run_submission(sample_config(), h100, RecordingReporter()), 20)
+    builds = await stack.fake.wait_builds(2)
+    assert payload(builds[0])["include_dirs"] == ["/opt/task", "/opt/ThunderKittens/include"]
+    assert "include_dirs" not in payload(builds[1]), "Python runs get none (as on Modal)"
+    assert cu == given, "kernelbot's config dict is not changed"
+    with pytest.raises(TypeError):
+        make_launcher(stack.url, stack.token, cuda_include_dirs="/opt/x")
+
+
+def test_kernelbot_without_its_launchers_requirements_is_an_error_not_a_stand_in(tmp_path):
+    # A libkernelbot whose launchers package imports modal, which is not installed.
+    pkg = tmp_path / "libkernelbot"
+    (pkg / "launchers").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launchers" / "__init__.py").write_text("import modal  # noqa\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(SRC)]))
+    out = subprocess.run(
+        [sys.executable, "-c", "import kernelkite.kernelbot_launcher"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr and "modal and PyGithub" in out.stderr, out.stderr
+    # Without kernelbot at all, the module loads (stand-in base, injected types).
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    out = subprocess.run(
+        [sys.executable, "-c", "import kernelkite.kernelbot_launcher"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
