@@ -220,6 +220,12 @@ async def main() -> None:
     out["multi_gpu_without_gpu"] = await run_background(
         backend, "prefixsum-multi", good, SubmissionMode.TEST
     )
+    # Ranked: the public and the secret run both fail on the node; kernelbot's background
+    # manager ends the job failed with the reason.
+    step("multi_gpu_ranked")
+    out["multi_gpu_ranked"] = await run_background(
+        backend, "prefixsum-multi", good, SubmissionMode.LEADERBOARD
+    )
     if SETTINGS.get("cuda_without_nvcc"):
         step("cuda_without_nvcc")
         out["cuda_without_nvcc"] = await cuda_without_nvcc(backend)

@@ -233,6 +233,8 @@ async def test_kernelbots_backend_runs_on_kernelkite(
     multi = got["multi_gpu_without_gpu"]
     assert multi["status"] == "failed" and "not your code" in multi["error"], multi
     assert "multi_gpu" in multi["error"], multi
+    ranked = got["multi_gpu_ranked"]
+    assert ranked["status"] == "failed" and "not your code" in ranked["error"], ranked
     dead = got["unreachable"]
     assert dead["status"] == "failed" and "could not be reached" in dead["error"], dead
     if "cuda_without_nvcc" in got:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import types
 import zlib
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,7 @@ def test_register_adds_the_gpu_types_and_their_architectures():
 def test_register_refuses_another_launchers_gpu_unless_told_to_replace_it():
     consts, backend = fake_consts(), FakeBackend()
     launcher = kk_launcher(gpu_types("G", ["H100"]))
-    with pytest.raises(ValueError, match="Modal launcher already serves GPU type H100"):
+    with pytest.raises(ValueError, match=r"Modal launcher \(GPU H100\) already serves"):
         register(backend, launcher, consts=consts)
     assert backend.launcher_map == {} and consts._GPU_LOOKUP["h100"].runner == "Modal"
     register(backend, launcher, replace=True, consts=consts)
@@ -91,6 +92,24 @@ def test_register_refuses_another_launchers_gpu_unless_told_to_replace_it():
     assert consts.GPU_TO_SM["H100"] == "90a", "a replaced GPU keeps its architecture"
     with pytest.raises(ValueError, match="does not serve"):
         register(backend, launcher, arch={"B200": "100"}, consts=consts)
+
+
+def test_register_refuses_a_value_another_launcher_routes_and_names_twice():
+    # kernelbot routes runs by the GPU's value: a new name with Modal's value would take
+    # Modal's H100 runs while the lookup still says Modal.
+    consts, backend = fake_consts(), FakeBackend()
+    sneaky = Enum("G", {"H100_KK": "H100"})
+    with pytest.raises(ValueError, match=r"Modal launcher \(GPU H100\)"):
+        register(backend, kk_launcher(sneaky), consts=consts)
+    # A value routed to another launcher the lookup does not know of.
+    other = types.SimpleNamespace(name="Other")
+    backend.launcher_map["B200_KK"] = other
+    with pytest.raises(ValueError, match="Other launcher"):
+        register(backend, kk_launcher(gpu_types("G", ["B200_KK"])), consts=consts)
+    with pytest.raises(ValueError, match="x1 twice"):
+        register(FakeBackend(), kk_launcher(gpu_types("G", ["X1", "x1"])), consts=consts)
+    assert backend.launcher_map == {"B200_KK": other}
+    assert "h100_kk" not in consts._GPU_LOOKUP and "b200_kk" not in consts._GPU_LOOKUP
 
 
 def payload(build: dict) -> dict:

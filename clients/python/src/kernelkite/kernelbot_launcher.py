@@ -17,8 +17,9 @@ kernelbot's `FullResult`. Anything else — the service unreachable or refusing,
 time, the machine failing, a `result.json` whose `success` is false — raises `RunFailed`, a
 kernelbot `KernelBotError` whose text says what happened and whose fault it is. kernelbot's
 background manager then marks the job `failed` with that text (a returned failure would be
-marked `succeeded` and its text dropped), its Discord cog shows the text, and its API answers
-with it. `asyncio.CancelledError` propagates after the submission is canceled.
+marked `succeeded`, or in ranked mode `failed` with a generic reason, its text dropped either
+way), its Discord cog shows the text, and its API answers with it.
+`asyncio.CancelledError` propagates after the submission is canceled.
 
 `register` makes the launcher's GPU types known to kernelbot and registers it, so switching is
 one call in kernelbot's `main.py` (see the README).
@@ -536,17 +537,19 @@ class KernelkiteLauncher(_LauncherBase):
         async with contextlib.aclosing(stream):
             async for ev in stream:
                 await self._on_event(client, ev, view, progress)
-                if ev.terminal and ev.submission is not None:
-                    return ev.submission
+                if ev.terminal:
+                    # The terminal event carries the submission; one read where it did not.
+                    return ev.submission or await client.get(ev.submission_id)
         raise Unreachable("the event stream ended before the submission did")
 
     async def _on_event(
         self, client: KernelkiteClient, ev: StateEvent, view: _View, progress: _Progress
     ) -> None:
-        if ev.terminal and ev.submission is not None:
+        if ev.terminal:
             # The end is shown by `run_submission`, once `_result` has said what it means (a
             # "succeeded" submission whose runner could not evaluate is no "✅ Finished").
-            view.build = ev.submission.get("build") or view.build
+            if ev.submission is not None:
+                view.build = ev.submission.get("build") or view.build
             return
         view.state = ev.state
         if ev.state == "running" and view.running_since is None:
@@ -575,8 +578,9 @@ class KernelkiteLauncher(_LauncherBase):
         if state == "succeeded":
             result = sub.get("result")
             if isinstance(result, dict) and result.get("success") is False:
-                # The runner could not evaluate (the machine, or the task's configuration):
-                # kernelbot's evaluator would have raised.
+                # The runner could not evaluate (the machine, or the task's configuration).
+                # kernelbot's evaluator raises there, or on Modal returns success=False,
+                # whose reason kernelbot's background manager drops: raised, it is kept.
                 raise RunFailed(
                     f"Your run on {gpu} could not be evaluated{see}: {result.get('error')}. "
                     "This is a problem with the GPU machine or the task, not your code: "
@@ -596,10 +600,14 @@ class KernelkiteLauncher(_LauncherBase):
         if state == "timed_out":
             ran = any(h.get("state") == "running" for h in sub.get("history") or [])
             if ran:
-                view.why = None  # the run itself took too long
+                # The runner stops each run at the task's own time limit and reports it as
+                # the run's timeout (a result, above). Reaching the whole submission's deadline
+                # (counted from its creation, the wait for a GPU included) is not the kernel's.
                 raise RunFailed(
-                    f"Your run on {gpu} took longer than {timeout_s} s and was stopped{see}. "
-                    "Check your kernel for hangs, deadlocks or very slow cases."
+                    f"Your run on {gpu} did not finish within {timeout_s} s (the wait for a "
+                    f"GPU included) and was stopped{see}. This is not your code: each run's "
+                    "own time limit is reported as your run's timeout. Please resubmit.",
+                    503,
                 )
             raise RunFailed(
                 f"No {gpu} GPU became free within {timeout_s} s, so your run was canceled "
@@ -731,6 +739,22 @@ def gpu_types(name: str, gpus: Sequence[str]) -> type[Enum]:
     return Enum(name, {g: g for g in gpus})  # type: ignore[return-value]
 
 
+def _holder(member: Enum, launcher: Any, lookup: dict, launcher_map: dict) -> str | None:
+    """Which other launcher serves `member` already, or None. kernelbot finds a GPU by name
+    (its lookup) and routes its runs by value (`launcher_map[gpu.value]`): both must be free,
+    or the lookup and the routing would disagree."""
+    by_name = lookup.get(member.name.lower())
+    if by_name is not None and by_name.runner != launcher.name:
+        return f"{by_name.runner} launcher (GPU {by_name.name})"
+    for g in lookup.values():
+        if g.value == member.value and g.runner != launcher.name:
+            return f"{g.runner} launcher (GPU {g.name})"
+    routed = launcher_map.get(member.value)
+    if routed is not None and routed is not launcher:
+        return f"{getattr(routed, 'name', routed)} launcher"
+    return None
+
+
 def register(
     backend: Any,
     launcher: KernelkiteLauncher,
@@ -764,13 +788,22 @@ def register(
             f"(its GPU types: {', '.join(launcher.gpus.__members__)})"
         )
     lookup = consts._GPU_LOOKUP  # kernelbot's own table behind get_gpu_by_name
+    names = [m.name.lower() for m in launcher.gpus]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"{launcher.name}'s GPU types name {', '.join(twice)} twice (kernelbot looks names "
+            "up without case)"
+        )
+    launcher_map = getattr(backend, "launcher_map", {})
     for member in launcher.gpus:
-        known = lookup.get(member.name.lower())
-        if known is not None and known.runner != launcher.name and not replace:
+        holder = _holder(member, launcher, lookup, launcher_map)
+        if holder is not None and not replace:
             raise ValueError(
-                f"kernelbot's {known.runner} launcher already serves GPU type {known.name}; "
-                f"give {launcher.name}'s GPU types names of their own (e.g. {member.name}_KK), "
-                "or pass replace=True to serve it with this launcher instead"
+                f"kernelbot's {holder} already serves GPU type {member.name} "
+                f"({member.value!r}); give {launcher.name}'s GPU types names and values of "
+                f"their own (e.g. {member.name}_KK), or pass replace=True to serve it with "
+                "this launcher instead"
             )
     for member in launcher.gpus:
         lookup[member.name.lower()] = consts.GPU(
