@@ -143,31 +143,27 @@ async def test_cuda_runs_get_the_include_directories_and_the_callers_config_is_l
         make_launcher(stack.url, stack.token, cuda_include_dirs="/opt/x")
 
 
+def import_launcher(pythonpath: list[Path]) -> subprocess.CompletedProcess:
+    """`import kernelkite.kernelbot_launcher` in a fresh interpreter with `pythonpath`."""
+    return subprocess.run(
+        [sys.executable, "-c", "import kernelkite.kernelbot_launcher"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, pythonpath))),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_kernelbot_without_its_launchers_requirements_is_an_error_not_a_stand_in(tmp_path):
     # A libkernelbot whose launchers package imports modal, which is not installed.
     pkg = tmp_path / "libkernelbot"
     (pkg / "launchers").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "launchers" / "__init__.py").write_text("import modal  # noqa\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(SRC)]))
-    out = subprocess.run(
-        [sys.executable, "-c", "import kernelkite.kernelbot_launcher"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = import_launcher([tmp_path, SRC])
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "modal and PyGithub" in out.stderr, out.stderr
     # Without kernelbot at all, the module loads (stand-in base, injected types).
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    out = subprocess.run(
-        [sys.executable, "-c", "import kernelkite.kernelbot_launcher"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = import_launcher([SRC])
     assert out.returncode == 0, out.stderr
