@@ -112,8 +112,14 @@ fn uuids_or_indices(gpus: &[&SliceGpu], indices: &[u32]) -> Vec<String> {
 
 /// The variables that say which GPUs a job sees, by the first GPU's vendor: NVIDIA's
 /// `CUDA_VISIBLE_DEVICES` (UUIDs when every GPU has one, else `indices`) and
-/// `CUDA_DEVICE_ORDER`, or AMD's `ROCR_VISIBLE_DEVICES` and `HIP_VISIBLE_DEVICES` (`indices`).
-/// Empty without GPUs.
+/// `CUDA_DEVICE_ORDER`, or AMD's `ROCR_VISIBLE_DEVICES` alone. Empty without GPUs.
+///
+/// AMD (the rules and their source: `kernelkite_sys::kfd`): a job's `/dev` holds only its own
+/// render nodes (the sandbox's private `/dev`, docker's `--device`), and libhsakmt skips every
+/// GPU whose render node it cannot open, so ROCr numbers the job's GPUs from 0 whatever their
+/// host indices. `ROCR_VISIBLE_DEVICES` names them by UUID (`GPU-` and KFD's `unique_id`) when
+/// every one has one, which holds in any `/dev`, else as 0..n-1. `HIP_VISIBLE_DEVICES` is not
+/// set: HIP indexes what ROCr surfaced, so host indices there hid every GPU but the first.
 pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<String, String> {
     let mut env = BTreeMap::new();
     let Some(first) = gpus.first() else {
@@ -126,9 +132,9 @@ pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<Stri
             env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
         }
         Vendor::Amd => {
-            let idx = index_list(indices);
-            env.insert("ROCR_VISIBLE_DEVICES".into(), idx.clone());
-            env.insert("HIP_VISIBLE_DEVICES".into(), idx);
+            let local: Vec<u32> = (0..gpus.len() as u32).collect();
+            let ids = uuids_or_indices(gpus, &local).join(",");
+            env.insert("ROCR_VISIBLE_DEVICES".into(), ids);
         }
     }
     env
@@ -295,14 +301,18 @@ mod tests {
             visible_devices_env(&[&a], &[3])["CUDA_VISIBLE_DEVICES"],
             "GPU-a"
         );
-        let amd = SliceGpu {
+        let amd = |uuid: Option<&str>| SliceGpu {
             vendor: Vendor::Amd,
-            ..gpu(Some("GPU-x"))
+            ..gpu(uuid)
         };
-        let e = visible_devices_env(&[&amd, &amd], &[0, 1]);
-        assert_eq!(e.len(), 2);
+        // Host indices 2 and 3: the job sees them as 0 and 1 (or by UUID), and HIP is left
+        // alone.
+        let (x, y, none) = (amd(Some("GPU-x")), amd(Some("GPU-y")), amd(None));
+        let e = visible_devices_env(&[&x, &y], &[2, 3]);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "GPU-x,GPU-y");
+        let e = visible_devices_env(&[&x, &none], &[2, 3]);
         assert_eq!(e["ROCR_VISIBLE_DEVICES"], "0,1");
-        assert_eq!(e["HIP_VISIBLE_DEVICES"], "0,1");
         assert!(visible_devices_env(&[], &[0]).is_empty());
     }
 

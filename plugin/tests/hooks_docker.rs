@@ -285,7 +285,7 @@ fn amd_gpus_are_passed_as_devices() {
     let outs = job.run_all();
     assert!(outs.iter().all(|(_, o)| o.status.success()));
     assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "0");
-    assert_eq!(job.env["HIP_VISIBLE_DEVICES"], "0");
+    assert!(!job.env.contains_key("HIP_VISIBLE_DEVICES"));
     assert!(!job.env.contains_key("CUDA_VISIBLE_DEVICES"));
     let args = &calls(node.path())[0].0;
     let joined = args.join(" ");

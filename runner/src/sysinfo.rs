@@ -37,6 +37,10 @@ pub struct Probe {
     pub torch: TorchProbe,
     /// Limit for each external tool (`nvidia-smi`, `rocm-smi`, the torch import).
     pub tool_timeout: Duration,
+    /// Where sysfs is mounted (`/`): AMD GPUs are counted from its KFD topology.
+    pub sys_root: PathBuf,
+    /// The job's `/dev`: an AMD GPU whose render node is not there is not the job's.
+    pub dev_root: PathBuf,
 }
 
 impl Default for Probe {
@@ -47,6 +51,8 @@ impl Default for Probe {
             python: "python3".into(),
             torch: TorchProbe::Files,
             tool_timeout: Duration::from_secs(10),
+            sys_root: PathBuf::from("/"),
+            dev_root: PathBuf::from("/dev"),
         }
     }
 }
@@ -78,7 +84,8 @@ pub fn collect(probe: &Probe) -> SystemInfo {
     }
 }
 
-/// The GPUs, from NVML, else `nvidia-smi`, else `rocm-smi`; none found is no GPU.
+/// The GPUs, from NVML, else `nvidia-smi`, else AMD's (the KFD topology, `rocm-smi`'s name);
+/// none found is no GPU.
 pub fn detect_gpus(probe: &Probe) -> Gpus {
     if probe.use_nvml {
         if let Some(g) = nvml_gpus() {
@@ -94,16 +101,31 @@ pub fn detect_gpus(probe: &Probe) -> Gpus {
             return g;
         }
     }
-    if let Some(out) = tool_output(
+    // AMD: counted as ROCm itself enumerates (the KFD topology, the render nodes this /dev
+    // holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES: kernelkite_sys::kfd), not by
+    // rocm-smi's cards, which ignores all three; rocm-smi gives the name.
+    let kfd_gpus = kernelkite_sys::kfd::gpus(&probe.sys_root);
+    let visible =
+        kernelkite_sys::kfd::visible(&probe.sys_root, &probe.dev_root, &|k| std::env::var(k).ok());
+    let named = tool_output(
         "rocm-smi",
         &["--showproductname", "--json"],
         probe.tool_timeout,
-    ) {
-        if let Some(g) = parse_rocm_smi(&out) {
-            return g;
-        }
+    )
+    .and_then(|out| parse_rocm_smi(&out));
+    match (named, kfd_gpus.is_empty()) {
+        (Some(g), true) => g,
+        (Some(g), false) => Gpus {
+            count: visible.len() as u32,
+            ..g
+        },
+        (None, false) => Gpus {
+            name: String::new(),
+            count: visible.len() as u32,
+            runtime: "ROCm".into(),
+        },
+        (None, true) => Gpus::default(),
     }
-    Gpus::default()
 }
 
 /// Runs a tool with a time limit; its stdout when it exits 0.
@@ -460,6 +482,42 @@ mod tests {
             .as_deref(),
             Some("2.6.0")
         );
+    }
+
+    #[test]
+    fn amd_gpus_are_counted_as_rocm_enumerates_them_not_by_cards() {
+        if std::env::var_os("ROCR_VISIBLE_DEVICES").is_some()
+            || std::env::var_os("HIP_VISIBLE_DEVICES").is_some()
+        {
+            kernelkite_testkit::skip("this process has ROCm's visibility variables set");
+            return;
+        }
+        // An 8× MI300X node; the job's /dev holds two of its render nodes.
+        let root = tempfile::tempdir().unwrap();
+        kernelkite_testkit::kfd::write_mi300x(root.path(), &[2, 5], true).unwrap();
+        let probe = Probe {
+            use_nvml: false,
+            torch: TorchProbe::Off,
+            sys_root: root.path().to_path_buf(),
+            dev_root: root.path().join("dev"),
+            ..Probe::default()
+        };
+        if find_on_path("nvidia-smi").is_some() {
+            kernelkite_testkit::skip("nvidia-smi is installed: the NVIDIA GPUs come first");
+            return;
+        }
+        let g = detect_gpus(&probe);
+        assert_eq!((g.count, g.runtime.as_str()), (2, "ROCm"));
+        // No KFD: no AMD GPU.
+        let empty = tempfile::tempdir().unwrap();
+        let g = detect_gpus(&Probe {
+            sys_root: empty.path().to_path_buf(),
+            dev_root: empty.path().join("dev"),
+            ..probe
+        });
+        if find_on_path("rocm-smi").is_none() {
+            assert_eq!(g, Gpus::default());
+        }
     }
 
     #[test]

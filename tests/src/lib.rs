@@ -12,6 +12,7 @@ pub mod callback_receiver;
 pub mod deployment;
 pub mod fake_buildkite;
 pub mod harness;
+pub mod kfd;
 pub mod local;
 pub mod service_process;
 pub mod skip;

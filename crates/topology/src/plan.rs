@@ -40,7 +40,8 @@ pub struct SliceGpu {
     pub vendor: Vendor,
     /// Canonical `dddd:bb:dd.f`, lower-case hex.
     pub pci_bus_id: String,
-    /// `GPU-...` for NVIDIA when the driver or NVML told us; `None` otherwise.
+    /// `GPU-...`: NVIDIA's when the driver or NVML told us, AMD's from the KFD topology
+    /// (`GPU-<unique_id as 16 hex digits>`, what `ROCR_VISIBLE_DEVICES` takes); `None` otherwise.
     pub uuid: Option<String>,
     /// NUMA node the GPU hangs off; `None` when the firmware reports -1.
     pub numa_node: Option<u32>,

@@ -57,7 +57,8 @@ pub struct Gpu {
     pub numa_node: Option<u32>,
     /// CPUs local to the GPU (`local_cpulist`); may be every CPU when the firmware knows nothing.
     pub local_cpus: Vec<u32>,
-    /// `GPU-...` (NVIDIA) when the driver or NVML reports it.
+    /// `GPU-...`: NVIDIA's when the driver or NVML reports it; AMD's as ROCr names it, from
+    /// the KFD topology's `unique_id`.
     pub uuid: Option<String>,
     /// Device minor number: `/dev/nvidia<minor>` for NVIDIA.
     pub minor: Option<u32>,
@@ -159,6 +160,22 @@ impl From<&str> for XmlError {
     }
 }
 
+/// AMD GPUs' UUIDs as ROCr names them (`GPU-` and KFD's `unique_id`), matched to the PCI
+/// devices by bus id; a GPU whose KFD node has no `unique_id` keeps none.
+fn amd_uuids(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
+    for g in gpus
+        .iter_mut()
+        .filter(|g| g.vendor == Vendor::Amd && g.uuid.is_none())
+    {
+        if let Some(k) = kfd
+            .iter()
+            .find(|k| k.pci_bus_id == g.pci_bus_id && k.unique_id != 0)
+        {
+            g.uuid = Some(k.uuid());
+        }
+    }
+}
+
 impl Topology {
     /// Reads sysfs/procfs under `root` ("/" on a live machine).
     ///
@@ -166,6 +183,7 @@ impl Topology {
     /// driver's `/proc` files did not give; its absence is normal and silently skipped.
     pub fn discover(root: &Path) -> Result<Topology, TopologyError> {
         let mut topo = sysfs::read(root)?;
+        amd_uuids(&mut topo.gpus, &kernelkite_sys::kfd::gpus(root));
         if root == Path::new("/")
             && topo
                 .gpus
@@ -330,5 +348,27 @@ mod tests {
         assert_eq!(gpu_vendor(0x1002, 0x038000), Some(Vendor::Amd));
         assert_eq!(gpu_vendor(0x8086, 0x030000), None);
         assert_eq!(gpu_vendor(0x1a03, 0x030000), None);
+    }
+
+    #[test]
+    fn amd_gpus_get_rocrs_uuids_from_the_kfd_topology() {
+        for with_uuids in [true, false] {
+            let root = tempfile::tempdir().unwrap();
+            crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
+            kernelkite_testkit::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
+            let topo = Topology::discover(root.path()).unwrap();
+            let amd: Vec<_> = topo
+                .gpus
+                .iter()
+                .filter(|g| g.vendor == Vendor::Amd)
+                .collect();
+            assert_eq!(amd.len(), 8);
+            for (i, g) in amd.iter().enumerate() {
+                assert_eq!(g.pci_bus_id, kernelkite_testkit::kfd::mi300x_bus_id(i));
+                let want =
+                    with_uuids.then(|| format!("GPU-{:016x}", 0x1d3a_0000_0000_0000u64 + i as u64));
+                assert_eq!(g.uuid, want);
+            }
+        }
     }
 }

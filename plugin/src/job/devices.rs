@@ -127,7 +127,8 @@ mod tests {
         };
         assert_eq!(device_indices(&plan, &plan.slices[1]), vec![2, 3]);
         let e = exports_for(&plan.slices[1], &device_indices(&plan, &plan.slices[1]));
-        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "2,3");
+        // What the job sees (its two GPUs, from 0); the host's numbers for the record.
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "0,1");
         assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
         // Mixed vendors: each vendor numbers its own GPUs.
         let plan = Plan {
@@ -141,6 +142,62 @@ mod tests {
         };
         assert_eq!(device_indices(&plan, &plan.slices[1]), vec![0]);
         assert_eq!(device_indices(&plan, &plan.slices[2]), vec![1]);
+    }
+
+    /// Every slice of an 8× MI300X node, one GPU and two GPUs per slice, with and without
+    /// UUIDs, in host mode (exports, private /dev) and docker mode (container variables,
+    /// `--device`): the GPUs a HIP program enumerates inside the job, as ROCm's own rules
+    /// give them (`kernelkite_sys::kfd`), are exactly the slice's.
+    #[test]
+    fn an_amd_job_sees_exactly_its_gpus_whatever_their_host_index() {
+        use kernelkite_topology::planner::{plan, Policy};
+        use kernelkite_topology::Topology;
+        for with_uuids in [true, false] {
+            for gpus_per_slice in [1, 2] {
+                let root = tempfile::tempdir().unwrap();
+                kernelkite_topology::fakesys::mi300x_8()
+                    .write_to(root.path())
+                    .unwrap();
+                kernelkite_testkit::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
+                let topo = Topology::discover(root.path()).unwrap();
+                let policy = Policy {
+                    gpus_per_slice,
+                    ..Policy::default()
+                };
+                let p = plan(&topo, &policy).unwrap();
+                assert_eq!(p.slices.len(), 8 / gpus_per_slice as usize);
+                for slice in &p.slices {
+                    let mine: Vec<String> = docker::slice_gpus(slice)
+                        .iter()
+                        .map(|g| g.pci_bus_id.clone())
+                        .collect();
+                    // The job's /dev: its own render nodes only.
+                    let job = tempfile::tempdir().unwrap();
+                    let own: Vec<usize> = (0..8)
+                        .filter(|i| mine.contains(&kernelkite_testkit::kfd::mi300x_bus_id(*i)))
+                        .collect();
+                    kernelkite_testkit::kfd::write_mi300x(job.path(), &own, with_uuids).unwrap();
+                    let host = exports_for(slice, &device_indices(&p, slice));
+                    let container = docker::container_device_env(slice);
+                    for (mode, env) in [("host", &host), ("docker", &container)] {
+                        let seen = kernelkite_sys::kfd::visible(
+                            job.path(),
+                            &job.path().join("dev"),
+                            &|k| env.get(k).cloned(),
+                        );
+                        let seen: Vec<String> = seen.into_iter().map(|g| g.pci_bus_id).collect();
+                        assert_eq!(
+                            seen, mine,
+                            "slice {} ({mode}, uuids {with_uuids}, {gpus_per_slice} per slice): {env:?}",
+                            slice.index
+                        );
+                    }
+                    if with_uuids {
+                        assert!(host["ROCR_VISIBLE_DEVICES"].starts_with("GPU-1d3a"));
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -24,7 +24,6 @@ pub const NAMES: &[&str] = &[
     "CUDA_DEVICE_ORDER",
     "NVIDIA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
     // The slice as JSON (exported by `environment`).
     "KERNELKITE_SLICE",
     // The runner's settings that a node or the local service sets (runner/README.md; the

@@ -249,14 +249,16 @@ pub fn judge(
         let vendor = gpus[0].vendor;
         let name = var_of(vendor);
         let got = items(name);
-        // In docker mode the container numbers its devices from 0; UUIDs stay.
-        let wanted: Vec<String> = match mode {
-            Mode::Docker => gpus
+        // In docker mode the container numbers its devices from 0; UUIDs stay. So does an AMD
+        // job in host mode: its private /dev holds only its render nodes, which ROCr numbers
+        // from 0 (kernelkite_sys::kfd).
+        let wanted: Vec<String> = match (mode, vendor) {
+            (Mode::Docker, _) | (Mode::Host, Vendor::Amd) => gpus
                 .iter()
                 .enumerate()
                 .map(|(i, g)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
                 .collect(),
-            Mode::Host => gpus
+            (Mode::Host, Vendor::Nvidia) => gpus
                 .iter()
                 .zip(device_indices(plan, slice))
                 .map(|(g, i)| g.uuid.clone().unwrap_or_else(|| i.to_string()))

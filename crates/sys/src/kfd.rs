@@ -1,0 +1,299 @@
+//! AMD GPUs as ROCm enumerates them: the KFD topology in sysfs, read the way libhsakmt reads
+//! it, then `ROCR_VISIBLE_DEVICES` as ROCr applies it, then `HIP_VISIBLE_DEVICES` as HIP
+//! indexes what ROCr left. Used to decide the variables a job gets (the hooks) and to count
+//! what a job really sees (the runner, `smoke`), instead of comparing variables' text.
+//!
+//! The rules, from ROCm's own source (ROCm/ROCR-Runtime, read at c7785a6):
+//! * `libhsakmt/src/topology.c`, `topology_sysfs_check_node_supported`: the nodes are
+//!   `/sys/devices/virtual/kfd/kfd/topology/nodes/<n>` in node order; a node whose `gpu_id` is
+//!   0 is a CPU; a GPU node is skipped when its render node `/dev/dri/renderD<drm_render_minor>`
+//!   cannot be opened (`ENOENT`, `EPERM`). So a job whose `/dev` holds only its own render
+//!   nodes (the sandbox's private `/dev`, or docker's `--device`) sees only its GPUs, numbered
+//!   from 0.
+//! * `runtime/hsa-runtime/core/runtime/amd_topology.cpp` and `amd_filter_device.cpp`
+//!   (`RvdFilter`): GPUs are the nodes with SIMDs; `ROCR_VISIBLE_DEVICES` is a comma list of
+//!   indices into them (`strtol` base 0) or UUID prefixes (`GPU-` and the node's `unique_id`
+//!   as 16 hex digits, case-insensitive, 5 to 20 characters, matching exactly one GPU); the
+//!   list ends at the first token that is not one of those, is out of range or repeats, and
+//!   at most as many tokens as GPUs are read. An empty value surfaces none; unset, all.
+//! * `amd_gpu_agent.cpp` (`HSA_AMD_AGENT_INFO_UUID`): a GPU whose `unique_id` is 0 has the
+//!   UUID `GPU-XX`, which selects nothing.
+//! * HIP numbers the GPUs ROCr surfaced; `HIP_VISIBLE_DEVICES` indexes those (so setting both
+//!   to host indices, as the hooks once did, hides every GPU but the first).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Where the KFD topology lives under a sysfs root.
+pub const KFD_NODES: &str = "sys/devices/virtual/kfd/kfd/topology/nodes";
+
+/// One GPU node of the KFD topology.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KfdGpu {
+    /// The node's number in the topology (its directory name).
+    pub node: u32,
+    /// `gpu_id`: KFD's id of the GPU.
+    pub gpu_id: u32,
+    /// `unique_id`; 0 when the GPU has none.
+    pub unique_id: u64,
+    /// `drm_render_minor`: the GPU's render node is `/dev/dri/renderD<minor>`.
+    pub render_minor: u32,
+    /// `dddd:bb:dd.f` from `domain` and `location_id`.
+    pub pci_bus_id: String,
+    /// `simd_count`: a node without SIMDs is no GPU to ROCr.
+    pub simds: u64,
+}
+
+impl KfdGpu {
+    /// ROCr's UUID of the GPU (`GPU-XX` when it has none).
+    pub fn uuid(&self) -> String {
+        if self.unique_id == 0 {
+            "GPU-XX".into()
+        } else {
+            format!("GPU-{:016x}", self.unique_id)
+        }
+    }
+
+    /// The render node's path under a `/dev` root.
+    pub fn render_node(&self, dev_root: &Path) -> PathBuf {
+        dev_root.join(format!("dri/renderD{}", self.render_minor))
+    }
+}
+
+/// `name value` lines of a node's `properties` file.
+pub fn parse_properties(text: &str) -> HashMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let (k, v) = (it.next()?, it.next()?);
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The GPU nodes of the KFD topology under `sys_root` (`/` on a live machine), in node order;
+/// empty when there is no KFD.
+pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
+    let dir = sys_root.join(KFD_NODES);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut nodes: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    nodes.sort_unstable();
+    nodes
+        .into_iter()
+        .filter_map(|node| {
+            let path = dir.join(node.to_string());
+            let gpu_id: u32 = std::fs::read_to_string(path.join("gpu_id"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            if gpu_id == 0 {
+                return None; // a CPU node
+            }
+            let props = parse_properties(&std::fs::read_to_string(path.join("properties")).ok()?);
+            let get = |k: &str| props.get(k).copied().unwrap_or(0);
+            let loc = get("location_id");
+            Some(KfdGpu {
+                node,
+                gpu_id,
+                unique_id: get("unique_id"),
+                render_minor: u32::try_from(get("drm_render_minor")).ok()?,
+                pci_bus_id: format!(
+                    "{:04x}:{:02x}:{:02x}.{:x}",
+                    get("domain"),
+                    (loc >> 8) & 0xff,
+                    (loc >> 3) & 0x1f,
+                    loc & 0x7
+                ),
+                simds: get("simd_count"),
+            })
+        })
+        .collect()
+}
+
+/// What libhsakmt keeps: GPUs whose render node under `dev_root` opens read-write (a node
+/// that cannot is skipped, as libhsakmt skips it), and that have SIMDs (ROCr's GPUs).
+pub fn supported(gpus: Vec<KfdGpu>, dev_root: &Path) -> Vec<KfdGpu> {
+    gpus.into_iter()
+        .filter(|g| g.simds > 0 && g.render_minor != 0)
+        .filter(|g| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(g.render_node(dev_root))
+                .is_ok()
+        })
+        .collect()
+}
+
+/// `strtol(token, &end, 0)` with nothing left over: decimal, `0x` hex or `0` octal.
+fn c_integer(token: &str) -> Option<i64> {
+    let (neg, t) = match token.strip_prefix('-') {
+        Some(t) => (true, t),
+        None => (false, token.strip_prefix('+').unwrap_or(token)),
+    };
+    let v = if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        i64::from_str_radix(h, 16).ok()?
+    } else if t.len() > 1 && t.starts_with('0') {
+        i64::from_str_radix(&t[1..], 8).ok()?
+    } else {
+        t.parse().ok()?
+    };
+    Some(if neg { -v } else { v })
+}
+
+/// `ROCR_VISIBLE_DEVICES` applied to ROCr's GPUs (`None`: unset, all of them).
+pub fn rocr_visible(gpus: Vec<KfdGpu>, value: Option<&str>) -> Vec<KfdGpu> {
+    let Some(value) = value else {
+        return gpus;
+    };
+    if value.is_empty() {
+        return Vec::new();
+    }
+    let uuids: Vec<String> = gpus
+        .iter()
+        .map(|g| {
+            if g.unique_id == 0 {
+                "Invalid-UUID".into()
+            } else {
+                g.uuid().to_uppercase()
+            }
+        })
+        .collect();
+    let mut chosen: Vec<usize> = Vec::new();
+    for token in value.split(',').take(gpus.len()) {
+        let token = token.trim().to_uppercase();
+        let index = if token.starts_with('G') {
+            if !(5..=20).contains(&token.len()) {
+                break;
+            }
+            let mut matches = uuids
+                .iter()
+                .enumerate()
+                .filter(|(_, u)| u.starts_with(&token));
+            match (matches.next(), matches.next()) {
+                (Some((i, _)), None) => i as i64,
+                _ => break,
+            }
+        } else {
+            match c_integer(&token) {
+                Some(i) => i,
+                None => break,
+            }
+        };
+        match usize::try_from(index) {
+            Ok(i) if i < gpus.len() && !chosen.contains(&i) => chosen.push(i),
+            _ => break,
+        }
+    }
+    chosen.into_iter().map(|i| gpus[i].clone()).collect()
+}
+
+/// `HIP_VISIBLE_DEVICES` applied to what ROCr surfaced: indices into it, ending at the first
+/// that is not one, is out of range or repeats (`None`: unset, all).
+pub fn hip_visible(gpus: Vec<KfdGpu>, value: Option<&str>) -> Vec<KfdGpu> {
+    let Some(value) = value else {
+        return gpus;
+    };
+    let mut chosen: Vec<usize> = Vec::new();
+    for token in value.split(',') {
+        match token.trim().parse::<usize>() {
+            Ok(i) if i < gpus.len() && !chosen.contains(&i) => chosen.push(i),
+            _ => break,
+        }
+    }
+    chosen.into_iter().map(|i| gpus[i].clone()).collect()
+}
+
+/// The GPUs a HIP program sees: the KFD topology under `sys_root`, the render nodes under
+/// `dev_root`, then the two variables as `env` gives them.
+pub fn visible(
+    sys_root: &Path,
+    dev_root: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Vec<KfdGpu> {
+    let rocr = rocr_visible(
+        supported(gpus(sys_root), dev_root),
+        env("ROCR_VISIBLE_DEVICES").as_deref(),
+    );
+    hip_visible(rocr, env("HIP_VISIBLE_DEVICES").as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 8× MI300X fixture with the render nodes `present` (by GPU).
+    fn mi300x(present: &[usize]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        kernelkite_testkit::kfd::write_mi300x(root.path(), present, true).unwrap();
+        root
+    }
+
+    fn buses(gpus: &[KfdGpu]) -> Vec<&str> {
+        gpus.iter().map(|g| g.pci_bus_id.as_str()).collect()
+    }
+
+    #[test]
+    fn the_topology_is_read_as_libhsakmt_reads_it() {
+        let all: Vec<usize> = (0..8).collect();
+        let r = mi300x(&all);
+        let g = gpus(r.path());
+        assert_eq!(g.len(), 8);
+        assert_eq!(g[0].node, 2);
+        assert_eq!(g[0].pci_bus_id, "0000:05:00.0");
+        assert_eq!(g[7].pci_bus_id, "0000:f5:00.0");
+        assert_eq!(g[1].uuid(), "GPU-1d3a000000000001");
+        // Only the render nodes this /dev has.
+        let r = mi300x(&[3, 5]);
+        let s = supported(gpus(r.path()), &r.path().join("dev"));
+        assert_eq!(buses(&s), ["0000:75:00.0", "0000:95:00.0"]);
+    }
+
+    #[test]
+    fn rocr_visible_devices_follows_rocrs_rules() {
+        let r = mi300x(&(0..4).collect::<Vec<usize>>());
+        let g = supported(gpus(r.path()), &r.path().join("dev"));
+        let pick = |v: Option<&str>| buses(&rocr_visible(g.clone(), v)).join(" ");
+        assert_eq!(
+            pick(None),
+            "0000:05:00.0 0000:15:00.0 0000:65:00.0 0000:75:00.0"
+        );
+        assert_eq!(pick(Some("")), "");
+        assert_eq!(pick(Some("-1")), "");
+        assert_eq!(pick(Some("GPU-XX")), "");
+        // Reordered; a UUID prefix, any case; ends at the first bad token.
+        assert_eq!(
+            pick(Some("3,gpu-1d3a000000000000,9,1")),
+            "0000:75:00.0 0000:05:00.0"
+        );
+        assert_eq!(pick(Some("1,1,2")), "0000:15:00.0");
+        assert_eq!(pick(Some("0x2, 010")), "0000:65:00.0");
+        // An ambiguous prefix matches two GPUs: it ends the list.
+        assert_eq!(pick(Some("2,GPU-1d3a")), "0000:65:00.0");
+    }
+
+    #[test]
+    fn hip_indexes_what_rocr_left() {
+        let r = mi300x(&(0..8).collect::<Vec<usize>>());
+        let env = |rvd: &'static str, hvd: &'static str| {
+            move |k: &str| match k {
+                "ROCR_VISIBLE_DEVICES" => Some(rvd.to_string()),
+                "HIP_VISIBLE_DEVICES" => Some(hvd.to_string()),
+                _ => None,
+            }
+        };
+        let dev = r.path().join("dev");
+        // The old exports, host indices in both: HIP sees nothing for any slice but 0.
+        assert!(visible(r.path(), &dev, &env("2,3", "2,3")).is_empty());
+        assert_eq!(
+            buses(&visible(r.path(), &dev, &env("2,3", "0,1"))),
+            ["0000:65:00.0", "0000:75:00.0"]
+        );
+    }
+}
