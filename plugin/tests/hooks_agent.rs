@@ -336,6 +336,61 @@ fn gpu_checks_without_nvml_fail_at_environment_and_free_the_gpu() {
     assert!(job.run_hook("environment").status.success());
 }
 
+/// The NVML paths of the hooks, through the real loader, against the stand-in library
+/// (`kernelkite_testkit::fake_nvml`) as `libnvidia-ml.so.1`: `require-idle-gpu` refuses a GPU
+/// a process is using (and frees the slice), and `lock-clocks` locks the slice's GPU at its
+/// maximum at `environment` and restores it at `pre-exit`.
+#[test]
+fn gpu_checks_through_nvml_refuse_a_busy_gpu_and_lock_then_restore_clocks() {
+    use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let node = Node::new(1);
+    let bus = "0000:18:00.0"; // the plan's slice 0
+    let mut env = node.env.clone();
+    env.extend(fake.env());
+    let agent = agent::Agent::new(node.path(), "pool", &env);
+
+    fake.configure(&format!(
+        "{}proc {bus} 4242 1073741824\n",
+        h100(bus, 0, 1 << 30)
+    ));
+    let mut job = agent.start_job(
+        &job_id(41),
+        "true",
+        Some(r#"{"require-idle-gpu":true}"#),
+        Install::AgentBinary,
+    );
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not idle") && err.contains("pid 4242"),
+        "{}",
+        output_text(&out)
+    );
+    assert!(
+        !node.cgroup_dir(&job.id).exists(),
+        "the busy GPU's slice is freed"
+    );
+
+    fake.configure(&h100(bus, 0, 0));
+    let mut job = agent.start_job(
+        &job_id(42),
+        "true",
+        Some(r#"{"require-idle-gpu":true,"lock-clocks":true}"#),
+        Install::AgentBinary,
+    );
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(fake.log(), format!("lock {bus} 1980 1980\n"));
+    let out = job.run_hook("pre-exit");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(fake.log(), format!("lock {bus} 1980 1980\nreset {bus}\n"));
+}
+
 #[test]
 fn unusable_cgroups_fail_clearly_unless_unenforced_is_allowed() {
     let node = Node::new(1);

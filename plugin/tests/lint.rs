@@ -46,9 +46,39 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// The repository's files as git sees them (tracked, and new ones it does not ignore), so a
+/// developer's ignored scratch files are not linted; the walk where git cannot say.
+fn repository_files() -> Vec<PathBuf> {
+    let listed = Command::new("git")
+        .args([
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ])
+        .current_dir(repo())
+        .output()
+        .ok()
+        .filter(|o| o.status.success());
+    match listed {
+        Some(o) => o
+            .stdout
+            .split(|b| *b == 0)
+            .filter(|p| !p.is_empty())
+            .map(|p| repo().join(String::from_utf8_lossy(p).as_ref()))
+            .filter(|p| p.is_file())
+            .collect(),
+        None => {
+            let mut all = Vec::new();
+            files(&repo(), &mut all);
+            all
+        }
+    }
+}
+
 fn shell_scripts() -> Vec<PathBuf> {
-    let mut all = Vec::new();
-    files(&repo(), &mut all);
+    let all = repository_files();
     let mut scripts: Vec<PathBuf> = all.into_iter().filter(|p| is_shell_script(p)).collect();
     scripts.sort();
     scripts

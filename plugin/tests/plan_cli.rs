@@ -217,6 +217,52 @@ fn doctor_on_fixtures_and_the_live_machine() {
     assert_eq!(o.status.code(), Some(i32::from(failed)), "{out}");
 }
 
+/// `doctor`'s NVML check through the real loader, against the stand-in library as
+/// `libnvidia-ml.so.1` (`kernelkite_testkit::fake_nvml`): NVML answering for the node's 8 GPUs,
+/// then NVML failing to initialise.
+#[test]
+fn doctor_reads_the_gpus_through_nvml() {
+    use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let dir = scratch();
+    fakesys::dgx_h100().write_to(dir.path()).unwrap();
+    let topo = kernelkite_topology::Topology::discover(dir.path()).unwrap();
+    let config: String = topo
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| h100(&g.pci_bus_id, i as u32, 0))
+        .collect();
+    assert_eq!(topo.gpus.len(), 8);
+    let doctor = |config: &str| {
+        fake.configure(config);
+        let o = Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+            .args(["doctor", "--sysfs-root", dir.path().to_str().unwrap()])
+            .env_remove("KERNELKITE_SYSFS_ROOT")
+            .envs(fake.env())
+            .output()
+            .unwrap();
+        let (out, _) = text(&o);
+        out.lines()
+            .find(|l| l.contains("nvidia driver"))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no nvidia driver line: {out}"))
+    };
+    let line = doctor(&config);
+    assert!(
+        line.starts_with("ok") && line.contains("NVML sees 8 of 8 GPU(s)"),
+        "{line}"
+    );
+    let line = doctor("fail nvmlInit_v2 999\n");
+    assert!(
+        line.starts_with("warn") && line.contains("NVML failed") && line.contains("nvmlInit_v2"),
+        "{line}"
+    );
+}
+
 #[test]
 fn output_into_a_closed_pipe_exits_quietly() {
     // `plan | head -c 1` and the like, made deterministic: stdout is a pipe whose reader is

@@ -11,6 +11,7 @@ pub mod agent_node;
 pub mod callback_receiver;
 pub mod deployment;
 pub mod fake_buildkite;
+pub mod fake_nvml;
 pub mod harness;
 pub mod kfd;
 pub mod local;

@@ -182,15 +182,24 @@ impl Topology {
     /// NVML is consulted only on a live machine (`root` is `/`), to fill NVIDIA UUIDs the
     /// driver's `/proc` files did not give; its absence is normal and silently skipped.
     pub fn discover(root: &Path) -> Result<Topology, TopologyError> {
+        let live = root == Path::new("/");
+        Self::discover_with_nvml(root, live.then_some(kernelkite_sys::nvml::LIBRARY))
+    }
+
+    /// [`Topology::discover`], with NVML loaded from `library` (a name or a path; `None`: no
+    /// NVML) to fill the NVIDIA UUIDs and minors the driver's files did not give.
+    pub fn discover_with_nvml(
+        root: &Path,
+        library: Option<&str>,
+    ) -> Result<Topology, TopologyError> {
         let mut topo = sysfs::read(root)?;
         amd_uuids(&mut topo.gpus, &kernelkite_sys::kfd::gpus(root));
-        if root == Path::new("/")
-            && topo
-                .gpus
-                .iter()
-                .any(|g| g.vendor == Vendor::Nvidia && g.uuid.is_none())
-        {
-            match nvml::Nvml::load() {
+        let wanted = topo
+            .gpus
+            .iter()
+            .any(|g| g.vendor == Vendor::Nvidia && g.uuid.is_none());
+        if let Some(library) = library.filter(|_| wanted) {
+            match nvml::Nvml::load_from(library) {
                 Ok(lib) => match nvml::devices(&lib) {
                     Ok(devs) => nvml::merge(&mut topo.gpus, &devs),
                     Err(e) => tracing::warn!("NVML loaded but could not list GPUs: {e}"),

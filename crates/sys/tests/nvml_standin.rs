@@ -1,0 +1,102 @@
+//! Every NVML call of `kernelkite_sys::nvml`, through the real loader and nvml-wrapper, against
+//! the stand-in library (`kernelkite_testkit::fake_nvml`): what a GPU node's driver would
+//! answer, errors included. One test: the stand-in reads its configuration from this
+//! process's environment at `nvmlInit_v2`.
+
+use kernelkite_sys::nvml::{ComputeProcess, DriverError, Nvml, NvmlError};
+use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+
+fn load(fake: &FakeNvml) -> Result<Nvml, NvmlError> {
+    Nvml::load_from(&fake.library().display().to_string())
+}
+
+#[test]
+fn every_nvml_path_against_the_stand_in_library() {
+    let fake = match FakeNvml::build_in_this_process() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let (a, b) = ("0000:18:00.0", "0000:2a:00.0");
+    fake.configure(&format!(
+        "{}{}proc {a} 4242 1073741824\n",
+        h100(a, 0, 1 << 30),
+        h100(b, 1, 0)
+    ));
+    let nvml = load(&fake).expect("the stand-in loads and initialises");
+
+    // Enumeration: what plans and `doctor` read.
+    assert_eq!(nvml.device_count().unwrap(), 2);
+    assert_eq!(nvml.device_name(1).unwrap(), "NVIDIA H100 80GB HBM3");
+    let devices = nvml.devices().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[0].pci_bus_id, "00000000:18:00.0");
+    assert_eq!(devices[1].minor, Some(1));
+    assert_eq!(
+        devices[0].uuid.as_deref(),
+        Some("GPU-00018000-0000-4000-8000-000000000000")
+    );
+
+    // The idle check: a busy GPU and an idle one.
+    assert_eq!(
+        nvml.compute_processes(a).unwrap(),
+        vec![ComputeProcess {
+            pid: 4242,
+            used_bytes: Some(1 << 30)
+        }]
+    );
+    assert!(nvml.compute_processes(b).unwrap().is_empty());
+    assert_eq!(nvml.memory_used_bytes(a).unwrap(), 1 << 30);
+    let missing = nvml.compute_processes("0000:99:00.0").unwrap_err();
+    assert!(
+        matches!(
+            missing,
+            NvmlError::Call {
+                call: "nvmlDeviceGetHandleByPciBusId_v2",
+                source: DriverError::NotFound
+            }
+        ),
+        "{missing:?}"
+    );
+
+    // Clock locking and its restore.
+    assert_eq!(nvml.max_graphics_clock_mhz(b).unwrap(), 1980);
+    nvml.lock_graphics_clock(b, 1980).unwrap();
+    nvml.reset_graphics_clock(b).unwrap();
+    assert_eq!(fake.log(), format!("lock {b} 1980 1980\nreset {b}\n"));
+    assert!(
+        nvml.lock_graphics_clock(b, 5000).is_err(),
+        "above the maximum"
+    );
+    drop(nvml);
+
+    // The driver refusing: no permission to lock clocks; NVML not initialising.
+    fake.configure(&format!(
+        "{}fail nvmlDeviceSetGpuLockedClocks 4\n",
+        h100(a, 0, 0)
+    ));
+    let nvml = load(&fake).unwrap();
+    let denied = nvml.lock_graphics_clock(a, 1000).unwrap_err();
+    assert!(
+        matches!(
+            denied,
+            NvmlError::Call {
+                source: DriverError::NoPermission,
+                ..
+            }
+        ),
+        "{denied:?}"
+    );
+    drop(nvml);
+    fake.configure("fail nvmlInit_v2 999\n");
+    let err = load(&fake).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NvmlError::Call {
+                call: "nvmlInit_v2",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}

@@ -1,0 +1,317 @@
+/*
+ * A stand-in for NVIDIA's libnvidia-ml.so.1, for tests on machines without an NVIDIA GPU:
+ * the NVML functions kernelkite calls (crates/sys/src/nvml.rs, through nvml-wrapper 0.13),
+ * with the values a test writes to a file. Built by the tests with the system's C compiler
+ * (kernelkite_testkit::fake_nvml) and loaded through the real loader, so every NVML path of
+ * kernelkite runs as it runs on a GPU node.
+ *
+ * Signatures, structure layouts and return codes follow NVIDIA's nvml.h as nvml-wrapper-sys
+ * 0.10's bindings give them (nvmlPciInfo_t, nvmlMemory_v2_t, nvmlProcessInfo_t,
+ * nvmlReturn_t); written here, not copied.
+ *
+ * KERNELKITE_FAKE_NVML names the file, read at nvmlInit_v2; one item per line:
+ *   gpu <bus id> <uuid> <minor> <max graphics MHz> <memory used bytes> <name ...>
+ *   proc <bus id> <pid> <used bytes>
+ *   fail <function name> <nvmlReturn_t code>
+ * KERNELKITE_FAKE_NVML_LOG, if set, names a file each call that changes something is
+ * appended to ("lock <bus id> <min> <max>", "reset <bus id>").
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_UNKNOWN 999
+
+#define MAX_GPUS 16
+#define MAX_PROCS 64
+#define MAX_FAILS 32
+
+typedef int nvmlReturn_t;
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+
+struct fake_gpu {
+    char bus[32];
+    char uuid[96];
+    unsigned int minor, max_clock;
+    unsigned long long mem_used;
+    char name[96];
+};
+typedef struct fake_gpu *nvmlDevice_t;
+
+struct fake_proc {
+    char bus[32];
+    unsigned int pid;
+    unsigned long long used;
+};
+
+struct fake_fail {
+    char function[64];
+    nvmlReturn_t code;
+};
+
+static struct fake_gpu gpus[MAX_GPUS];
+static struct fake_proc procs[MAX_PROCS];
+static struct fake_fail fails[MAX_FAILS];
+static unsigned int n_gpus, n_procs, n_fails;
+static int initialised;
+
+static void log_line(const char *fmt, const char *a, unsigned int b, unsigned int c)
+{
+    const char *path = getenv("KERNELKITE_FAKE_NVML_LOG");
+    if (!path)
+        return;
+    FILE *f = fopen(path, "a");
+    if (!f)
+        return;
+    fprintf(f, fmt, a, b, c);
+    fclose(f);
+}
+
+/* The code a test asked `function` to fail with, or NVML_SUCCESS. */
+static nvmlReturn_t failure(const char *function)
+{
+    for (unsigned int i = 0; i < n_fails; i++)
+        if (strcmp(fails[i].function, function) == 0)
+            return fails[i].code;
+    return NVML_SUCCESS;
+}
+
+#define ENTER(name)                                 \
+    do {                                            \
+        nvmlReturn_t injected_ = failure(name);     \
+        if (injected_ != NVML_SUCCESS)              \
+            return injected_;                       \
+        if (!initialised)                           \
+            return NVML_ERROR_UNINITIALIZED;        \
+    } while (0)
+
+static void read_config(void)
+{
+    n_gpus = n_procs = n_fails = 0;
+    const char *path = getenv("KERNELKITE_FAKE_NVML");
+    if (!path)
+        return;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (strncmp(line, "gpu ", 4) == 0 && n_gpus < MAX_GPUS) {
+            struct fake_gpu *g = &gpus[n_gpus];
+            int used = 0;
+            if (sscanf(line + 4, "%31s %95s %u %u %llu %n", g->bus, g->uuid, &g->minor,
+                       &g->max_clock, &g->mem_used, &used) >= 5) {
+                snprintf(g->name, sizeof g->name, "%s", line + 4 + used);
+                n_gpus++;
+            }
+        } else if (strncmp(line, "proc ", 5) == 0 && n_procs < MAX_PROCS) {
+            struct fake_proc *p = &procs[n_procs];
+            if (sscanf(line + 5, "%31s %u %llu", p->bus, &p->pid, &p->used) == 3)
+                n_procs++;
+        } else if (strncmp(line, "fail ", 5) == 0 && n_fails < MAX_FAILS) {
+            struct fake_fail *x = &fails[n_fails];
+            if (sscanf(line + 5, "%63s %d", x->function, &x->code) == 2)
+                n_fails++;
+        }
+    }
+    fclose(f);
+}
+
+nvmlReturn_t nvmlInit_v2(void)
+{
+    read_config();
+    nvmlReturn_t injected = failure("nvmlInit_v2");
+    if (injected != NVML_SUCCESS)
+        return injected;
+    initialised = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    initialised = 0;
+    return NVML_SUCCESS;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    return result == NVML_SUCCESS ? "Success" : "fake NVML error";
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    ENTER("nvmlDeviceGetCount_v2");
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = n_gpus;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    ENTER("nvmlDeviceGetHandleByIndex_v2");
+    if (!device || index >= n_gpus)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = &gpus[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *bus_id, nvmlDevice_t *device)
+{
+    ENTER("nvmlDeviceGetHandleByPciBusId_v2");
+    if (!bus_id || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* NVML takes "0000:18:00.0" and the 8-digit domain form alike, any case. */
+    const char *want = bus_id;
+    if (strlen(want) == 16 && strncmp(want, "0000", 4) == 0)
+        want += 4;
+    for (unsigned int i = 0; i < n_gpus; i++) {
+        if (strcasecmp(gpus[i].bus, want) == 0) {
+            *device = &gpus[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+static nvmlReturn_t copy_out(const char *value, char *buf, unsigned int length)
+{
+    if (!buf)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(value) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, value, strlen(value) + 1);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    ENTER("nvmlDeviceGetName");
+    return device ? copy_out(device->name, name, length) : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    ENTER("nvmlDeviceGetUUID");
+    return device ? copy_out(device->uuid, uuid, length) : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
+{
+    ENTER("nvmlDeviceGetMinorNumber");
+    if (!device || !minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minor = device->minor;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    ENTER("nvmlDeviceGetPciInfo_v3");
+    if (!device || !pci)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    unsigned int domain = 0, bus = 0, dev = 0, fn = 0;
+    sscanf(device->bus, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
+    pci->domain = domain;
+    pci->bus = bus;
+    pci->device = dev;
+    pci->pciDeviceId = 0x233010de; /* H100 SXM5, vendor 0x10de */
+    /* NVML writes the 8-digit domain form, upper-case. */
+    snprintf(pci->busId, sizeof pci->busId, "%08X:%02X:%02X.%X", domain, bus, dev, fn);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", domain, bus, dev,
+             fn);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    ENTER("nvmlDeviceGetMemoryInfo_v2");
+    if (!device || !memory)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memory->total = 80ULL << 30;
+    memory->reserved = 0;
+    memory->used = device->mem_used;
+    memory->free = memory->total - device->mem_used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                     nvmlProcessInfo_t *infos)
+{
+    ENTER("nvmlDeviceGetComputeRunningProcesses_v3");
+    if (!device || !count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int mine = 0;
+    for (unsigned int i = 0; i < n_procs; i++)
+        if (strcasecmp(procs[i].bus, device->bus) == 0)
+            mine++;
+    if (!infos || *count < mine) {
+        /* NVML's contract: the count needed, and INSUFFICIENT_SIZE unless there is none. */
+        *count = mine;
+        return mine == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    unsigned int k = 0;
+    for (unsigned int i = 0; i < n_procs; i++) {
+        if (strcasecmp(procs[i].bus, device->bus) != 0)
+            continue;
+        infos[k].pid = procs[i].pid;
+        infos[k].usedGpuMemory = procs[i].used;
+        infos[k].gpuInstanceId = 0xFFFFFFFF;
+        infos[k].computeInstanceId = 0xFFFFFFFF;
+        k++;
+    }
+    *count = k;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
+{
+    ENTER("nvmlDeviceGetMaxClockInfo");
+    if (!device || !clock || type != 0 /* NVML_CLOCK_GRAPHICS */)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *clock = device->max_clock;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetGpuLockedClocks(nvmlDevice_t device, unsigned int min_mhz,
+                                          unsigned int max_mhz)
+{
+    ENTER("nvmlDeviceSetGpuLockedClocks");
+    if (!device || min_mhz > max_mhz || max_mhz > device->max_clock)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    log_line("lock %s %u %u\n", device->bus, min_mhz, max_mhz);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceResetGpuLockedClocks(nvmlDevice_t device)
+{
+    ENTER("nvmlDeviceResetGpuLockedClocks");
+    if (!device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    log_line("reset %s\n", device->bus, 0, 0);
+    return NVML_SUCCESS;
+}
