@@ -269,6 +269,24 @@ mod tests {
                     assert!(d.pci_bus_id.contains(':'), "{d:?}");
                     let used = nvml.memory_used_bytes(&d.pci_bus_id);
                     assert!(used.is_ok(), "{used:?}");
+                    let procs = nvml.compute_processes(&d.pci_bus_id);
+                    assert!(procs.is_ok(), "{procs:?}");
+                    let max = nvml
+                        .max_graphics_clock_mhz(&d.pci_bus_id)
+                        .expect("NVML gives the maximum graphics clock");
+                    assert!(max > 0);
+                    // Locking needs root and a GPU that allows it; restored at once.
+                    match nvml.lock_graphics_clock(&d.pci_bus_id, max) {
+                        Ok(()) => nvml
+                            .reset_graphics_clock(&d.pci_bus_id)
+                            .expect("a locked clock is reset"),
+                        Err(NvmlError::Call {
+                            source: DriverError::NoPermission | DriverError::NotSupported,
+                            ..
+                        }) => {}
+                        Err(e) => panic!("locking {} at {max} MHz: {e}", d.pci_bus_id),
+                    }
+                    println!("nvml: {d:?}, {max} MHz max, {procs:?}");
                 }
             }
             Err(e) => {
