@@ -485,7 +485,8 @@ enum Expired {
 /// (the first head counted from the accept), idle for longer than `idle`, or its writes
 /// refused for longer than `stall` (idle or busy: a response hyper is still flushing after
 /// its request ended counts too). Sleeps until the nearest deadline and looks again, so a
-/// busy connection costs one timer per `stall`; a stall is noticed within twice `stall`.
+/// busy connection costs one timer per the shortest of the three; a stall is noticed within
+/// twice `stall`.
 async fn watchdog(slot: &Slot, header: Duration, idle: Duration, stall: Duration) -> Expired {
     let (header_ms, idle_ms) = (header.as_millis() as u64, idle.as_millis() as u64);
     let stall_ms = stall.as_millis() as u64;
@@ -501,7 +502,9 @@ async fn watchdog(slot: &Slot, header: Duration, idle: Duration, stall: Duration
             stall_ms
         };
         let wait = if !slot.idle() {
-            stall_wait
+            // Looked at again within the idle and header timeouts too: when the request ends,
+            // the connection turns idle and its idle deadline counts from then.
+            stall_wait.min(idle_ms.min(header_ms))
         } else {
             let head = slot.head_started.load(Ordering::Relaxed);
             let since = slot.idle_since.load(Ordering::Relaxed);
@@ -1041,6 +1044,32 @@ mod tests {
                 .is_err()
         );
         drop(busy);
+    }
+
+    #[tokio::test]
+    async fn a_request_that_ends_is_timed_as_idle_from_then_not_after_the_stall_limit() {
+        // The watchdog was asleep for the busy connection's whole stall limit (30 s by
+        // default) and missed the 2 s idle timeout that began when the answer went out.
+        let (header, idle) = (Duration::from_secs(5), Duration::from_millis(200));
+        let slot = Arc::new(Slot::new(Instant::now()));
+        drop(Busy::enter(&slot)); // served once: the idle timeout applies, not the header's
+        let busy = Busy::enter(&slot);
+        let ends = {
+            let slot = slot.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop(busy);
+                drop(slot);
+            })
+        };
+        let t = Instant::now();
+        let expired =
+            tokio::time::timeout(Duration::from_secs(3), watchdog(&slot, header, idle, STALL))
+                .await
+                .expect("the idle timeout fired");
+        assert_eq!(expired, Expired::Idle);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        ends.await.unwrap();
     }
 
     #[tokio::test]
