@@ -32,6 +32,19 @@ fn install(
     runner_exit: i32,
     sandbox: bool,
 ) -> Installed {
+    install_counting(plan_args, sysfs, config, runner_exit, sandbox, 1)
+}
+
+/// [`install`], with a stand-in runner that writes a result whose `system.device_count` is
+/// `gpus` (what the real runner counts inside the job).
+fn install_counting(
+    plan_args: &[&str],
+    sysfs: &Path,
+    config: &str,
+    runner_exit: i32,
+    sandbox: bool,
+    gpus: u32,
+) -> Installed {
     use std::os::unix::fs::PermissionsExt;
     // The sandbox gives the job a fresh /tmp: a runner it must find lives elsewhere, as in
     // /opt/kernelkite/bin on a real node.
@@ -69,7 +82,7 @@ fn install(
     let runner = bin.join("kernelkite-runner");
     std::fs::write(
         &runner,
-        format!("#!/bin/sh\necho \"runner saw $*\" >&2\n[ \"$1\" = --example ] || exit 2\necho 'python3 not found' >&2\nexit {runner_exit}\n"),
+        format!("#!/bin/sh\necho \"runner saw $*\" >&2\n[ \"$1\" = --example ] || exit 2\n[ {runner_exit} = 0 ] && [ \"$2\" = --output ] && printf '{{\"success\": true, \"system\": {{\"gpu\": \"\", \"device_count\": {gpus}}}}}\\n' > \"$3\"\n[ {runner_exit} = 0 ] || echo 'python3 not found' >&2\nexit {runner_exit}\n"),
     )
     .unwrap();
     std::fs::set_permissions(&runner, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -147,6 +160,7 @@ fn on_a_fake_tree_the_hooks_side_holds_and_the_kernels_side_is_reported() {
         "ok    gpu       CUDA_VISIBLE_DEVICES=GPU-00000000-0000-4000-8000-000000001000 (1 GPU(s): 0000:01:00.0)",
         "ok    cpuset    KERNELBOT_CPUSET=1-15,17-31",
         "ok    runner    kernelkite-runner --example evaluated the example task",
+        "ok    gpu-count the runner in the job counts 1 GPU(s), as CUDA/ROCm enumerate them there",
         "ok    clean-up  pre-exit released the slice",
     ] {
         assert!(t.contains(ok), "missing {ok:?}:\n{t}");
@@ -174,6 +188,30 @@ fn on_a_fake_tree_the_hooks_side_holds_and_the_kernels_side_is_reported() {
                 .next()
                 .is_none(),
         "a smoke job left its state"
+    );
+}
+
+/// A job whose variables name its GPU but which cannot use it (the AMD host-mode fault the
+/// variables' text hid: HIP saw no GPU) fails `gpu-count`, counted by the runner in the job.
+#[test]
+fn a_job_that_cannot_use_its_gpu_fails_the_gpu_count() {
+    let trees = tempfile::tempdir().unwrap();
+    let sysfs = fixture("workstation-1gpu", trees.path());
+    let inst = install_counting(&[], &sysfs, r#"{"mode":"host"}"#, 0, false, 0);
+    let out = smoke(
+        &inst,
+        &[
+            "--set".into(),
+            format!("KERNELKITE_CGROUP_ROOT={}", sysfs.display()),
+            "--set".into(),
+            format!("KERNELKITE_SYSFS_ROOT={}", sysfs.display()),
+        ],
+    );
+    let t = text(&out);
+    assert!(t.contains("ok    gpu       CUDA_VISIBLE_DEVICES="), "{t}");
+    assert!(
+        t.contains("fail  gpu-count the runner in the job counts 0 GPU(s), the slice has 1"),
+        "{t}"
     );
 }
 
@@ -296,13 +334,23 @@ fn on_this_machines_cgroups_every_check_holds() {
     }
     let user = kernelkite_testkit::users::TestUser::new("smk");
     let config = serde_json::json!({"mode": "host", "user": user.name}).to_string();
-    let inst = install(args, Path::new("/"), &config, 0, true);
+    // The stand-in runner reports what the real one counts there: the slice's GPU, or none.
+    let gpus = u32::from(gpu_plan.status.success());
+    let inst = install_counting(args, Path::new("/"), &config, 0, true, gpus);
     let out = smoke(&inst, &[]);
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert!(!t.contains("fail "), "{t}");
     for check in [
-        "hooks", "gpu", "cpuset", "affinity", "cgroup", "user", "runner", "clean-up",
+        "hooks",
+        "gpu",
+        "gpu-count",
+        "cpuset",
+        "affinity",
+        "cgroup",
+        "user",
+        "runner",
+        "clean-up",
     ] {
         assert!(
             t.contains(&format!("ok    {check:<9} ")),

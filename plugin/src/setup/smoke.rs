@@ -72,7 +72,7 @@ printf '{MARK} uid %s\\n' \"$(id -u)\"\n"
     if let Some(r) = runner {
         s.push_str(&format!(
             "out=\"${{TMPDIR:-/tmp}}/kernelkite-smoke.$$\"\n\
-if {} --example --output \"$out.json\" >\"$out.log\" 2>&1; then printf '{MARK} runner 0\\n'; else s=$?; printf '{MARK} runner %s\\n' \"$s\"; tail -n 20 \"$out.log\" | sed 's/^/{MARK} runner-log /'; fi\n\
+if {} --example --output \"$out.json\" >\"$out.log\" 2>&1; then printf '{MARK} runner 0\\n'; c=$(tr -d ' \\n\\t' < \"$out.json\" | sed -n 's/.*\"device_count\":\\([0-9][0-9]*\\).*/\\1/p'); if [ -n \"$c\" ]; then printf '{MARK} runner-gpus %s\\n' \"$c\"; fi; else s=$?; printf '{MARK} runner %s\\n' \"$s\"; tail -n 20 \"$out.log\" | sed 's/^/{MARK} runner-log /'; fi\n\
 rm -f \"$out.json\" \"$out.log\"\n",
             shell_quote(r)
         ));
@@ -97,6 +97,9 @@ pub struct Seen {
     pub runner: Option<i32>,
     /// The end of the runner's log, when it failed.
     pub runner_log: Vec<String>,
+    /// The GPUs the runner counted inside the job (`system.device_count` of its result): as
+    /// CUDA and ROCm enumerate them there, not what the variables say.
+    pub runner_gpus: Option<u32>,
 }
 
 /// Reads the report lines out of the command's output.
@@ -127,6 +130,7 @@ pub fn parse_seen(stdout: &str) -> Seen {
             "uid" => seen.uid = value.trim().parse().ok(),
             "runner" => seen.runner = value.trim().parse().ok(),
             "runner-log" => seen.runner_log.push(value.to_string()),
+            "runner-gpus" => seen.runner_gpus = value.trim().parse().ok(),
             _ => {}
         }
     }
@@ -136,7 +140,8 @@ pub fn parse_seen(stdout: &str) -> Seen {
 /// One verdict of the smoke job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
-    /// What was checked: `hooks`, `gpu`, `cpuset`, `affinity`, `cgroup`, `runner`, `clean-up`.
+    /// What was checked: `hooks`, `gpu`, `gpu-count`, `cpuset`, `affinity`, `cgroup`, `runner`,
+    /// `clean-up`.
     pub name: &'static str,
     /// Whether it held.
     pub ok: bool,
@@ -284,6 +289,23 @@ pub fn judge(
                     seen.env.get(name).map(String::as_str).unwrap_or("<unset>"),
                     wanted.join(",")
                 )
+            },
+        ));
+    }
+
+    // How many GPUs the job can use, counted inside it the way CUDA and ROCm enumerate them
+    // (the runner: NVML and CUDA_VISIBLE_DEVICES; AMD's KFD topology, the render nodes the
+    // job's /dev holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES): variables that name
+    // the right GPUs are not enough if the job cannot reach them.
+    if let Some(n) = seen.runner_gpus {
+        let want = gpus.len() as u32;
+        out.push(check(
+            "gpu-count",
+            n == want,
+            if n == want {
+                format!("the runner in the job counts {n} GPU(s), as CUDA/ROCm enumerate them there")
+            } else {
+                format!("the runner in the job counts {n} GPU(s), the slice has {want}: the job cannot use the GPUs planned for it (its device nodes, and CUDA_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)")
             },
         ));
     }
