@@ -114,12 +114,11 @@ fn uuids_or_indices(gpus: &[&SliceGpu], indices: &[u32]) -> Vec<String> {
 /// `CUDA_VISIBLE_DEVICES` (UUIDs when every GPU has one, else `indices`) and
 /// `CUDA_DEVICE_ORDER`, or AMD's `ROCR_VISIBLE_DEVICES` alone. Empty without GPUs.
 ///
-/// AMD (the rules and their source: `kernelkite_sys::kfd`): a job's `/dev` holds only its own
-/// render nodes (the sandbox's private `/dev`, docker's `--device`), and libhsakmt skips every
-/// GPU whose render node it cannot open, so ROCr numbers the job's GPUs from 0 whatever their
-/// host indices. `ROCR_VISIBLE_DEVICES` names them by UUID (`GPU-` and KFD's `unique_id`) when
-/// every one has one, which holds in any `/dev`, else as 0..n-1. `HIP_VISIBLE_DEVICES` is not
-/// set: HIP indexes what ROCr surfaced, so host indices there hid every GPU but the first.
+/// AMD (the rules and their source: `kernelkite_sys::kfd`): `ROCR_VISIBLE_DEVICES` names the
+/// GPUs by UUID (`GPU-` and KFD's `unique_id`) when every one has one, which holds whatever
+/// the job's `/dev` holds, else by `indices` (the caller's: numbered as ROCr numbers them in
+/// the job, see `job::exports::exports_for`). `HIP_VISIBLE_DEVICES` is not set: HIP indexes
+/// what ROCr surfaced, so host indices there hid every GPU but the first.
 pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<String, String> {
     let mut env = BTreeMap::new();
     let Some(first) = gpus.first() else {
@@ -132,8 +131,7 @@ pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<Stri
             env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
         }
         Vendor::Amd => {
-            let local: Vec<u32> = (0..gpus.len() as u32).collect();
-            let ids = uuids_or_indices(gpus, &local).join(",");
+            let ids = uuids_or_indices(gpus, indices).join(",");
             env.insert("ROCR_VISIBLE_DEVICES".into(), ids);
         }
     }
@@ -305,14 +303,13 @@ mod tests {
             vendor: Vendor::Amd,
             ..gpu(uuid)
         };
-        // Host indices 2 and 3: the job sees them as 0 and 1 (or by UUID), and HIP is left
-        // alone.
+        // By UUID where every GPU has one, else the indices given; HIP is left alone.
         let (x, y, none) = (amd(Some("GPU-x")), amd(Some("GPU-y")), amd(None));
         let e = visible_devices_env(&[&x, &y], &[2, 3]);
         assert_eq!(e.len(), 1);
         assert_eq!(e["ROCR_VISIBLE_DEVICES"], "GPU-x,GPU-y");
         let e = visible_devices_env(&[&x, &none], &[2, 3]);
-        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "0,1");
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "2,3");
         assert!(visible_devices_env(&[], &[0]).is_empty());
     }
 

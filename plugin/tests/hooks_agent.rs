@@ -737,9 +737,10 @@ fn a_slice_of_two_amd_gpus_is_numbered_as_the_job_sees_them_and_hip_is_left_alon
     let mut job = agent.start_job(&job_id(40), "true", None, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    // The job's /dev holds only its two render nodes: ROCr numbers them 0 and 1 (host
-    // indices 2,3 there, with HIP indexing again, hid both: kernelkite_sys::kfd).
-    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "0,1");
+    // This node runs with the sandbox off: the job sees the host's /dev, where ROCr numbers
+    // every GPU, so its GPUs are 2 and 3 (in the sandbox's private /dev they are 0 and 1:
+    // job::devices' per-slice test). HIP is never told again (kernelkite_sys::kfd).
+    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "2,3");
     assert!(
         !job.env.contains_key("HIP_VISIBLE_DEVICES"),
         "{:?}",

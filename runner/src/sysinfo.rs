@@ -88,7 +88,7 @@ pub fn collect(probe: &Probe) -> SystemInfo {
 /// none found is no GPU.
 pub fn detect_gpus(probe: &Probe) -> Gpus {
     if probe.use_nvml {
-        if let Some(g) = nvml_gpus() {
+        if let Some(g) = nvml_gpus(&probe.dev_root) {
             return g;
         }
     }
@@ -114,7 +114,8 @@ pub fn detect_gpus(probe: &Probe) -> Gpus {
     )
     .and_then(|out| parse_rocm_smi(&out));
     match (named, kfd_gpus.is_empty()) {
-        (Some(g), true) => g,
+        // rocm-smi sees cards, but without the KFD topology ROCm has no GPU to give.
+        (Some(g), true) => Gpus { count: 0, ..g },
         (Some(g), false) => Gpus {
             count: visible.len() as u32,
             ..g
@@ -374,21 +375,67 @@ pub fn nvml_available() -> bool {
 
 /// The GPUs NVML sees, honouring `CUDA_VISIBLE_DEVICES` as torch would: the name is the
 /// first visible GPU's. `None` when NVML is absent or sees no GPU.
-fn nvml_gpus() -> Option<Gpus> {
+fn nvml_gpus(dev_root: &Path) -> Option<Gpus> {
     let nvml = kernelkite_sys::nvml::Nvml::load().ok()?;
-    let n = nvml.device_count().ok().filter(|n| *n > 0)?;
+    let devices = nvml.devices().ok().filter(|d| !d.is_empty())?;
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let first = visible
-        .as_deref()
-        .and_then(|v| v.split(',').next())
-        .and_then(|s| s.trim().parse::<u32>().ok())
-        .filter(|i| *i < n)
-        .unwrap_or(0);
+    let usable = usable_nvidia(&devices, visible.as_deref(), dev_root);
+    let first = usable.first().copied().or_else(|| devices.first())?;
     Some(Gpus {
-        name: nvml.device_name(first).unwrap_or_default(),
-        count: visible_count(n, visible.as_deref()),
+        name: first.name.clone().unwrap_or_default(),
+        count: usable.len() as u32,
         runtime: "CUDA".into(),
     })
+}
+
+/// The GPUs a CUDA program can use: `CUDA_VISIBLE_DEVICES` resolved against NVML's GPUs
+/// (indices, or UUID prefixes `GPU-…`; the list ends at the first token that names none or
+/// repeats one, as CUDA reads it), each kept only when its `/dev/nvidia<minor>` under
+/// `dev_root` opens: a job whose device node is missing cannot use the GPU, whatever the
+/// variable says.
+pub fn usable_nvidia<'a>(
+    devices: &'a [kernelkite_sys::nvml::DeviceInfo],
+    visible: Option<&str>,
+    dev_root: &Path,
+) -> Vec<&'a kernelkite_sys::nvml::DeviceInfo> {
+    let chosen: Vec<usize> = match visible {
+        None => (0..devices.len()).collect(),
+        Some(v) => {
+            let mut chosen = Vec::new();
+            for token in v.split(',').map(str::trim) {
+                let found = if token.starts_with("GPU-") || token.starts_with("MIG-") {
+                    let mut m = devices
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, d)| d.uuid.as_deref().is_some_and(|u| u.starts_with(token)));
+                    match (m.next(), m.next()) {
+                        (Some((i, _)), None) => Some(i),
+                        _ => None,
+                    }
+                } else {
+                    token.parse::<usize>().ok().filter(|i| *i < devices.len())
+                };
+                match found {
+                    Some(i) if !chosen.contains(&i) => chosen.push(i),
+                    _ => break,
+                }
+            }
+            chosen
+        }
+    };
+    chosen
+        .into_iter()
+        .map(|i| &devices[i])
+        .filter(|d| {
+            d.minor.is_none_or(|m| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(dev_root.join(format!("nvidia{m}")))
+                    .is_ok()
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -482,6 +529,31 @@ mod tests {
             .as_deref(),
             Some("2.6.0")
         );
+    }
+
+    #[test]
+    fn nvidia_gpus_are_counted_by_what_the_variable_names_and_the_job_can_open() {
+        use kernelkite_sys::nvml::DeviceInfo;
+        let dev = tempfile::tempdir().unwrap();
+        let gpu = |minor: u32| DeviceInfo {
+            pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + minor),
+            uuid: Some(format!("GPU-{minor}aaaaaaa-0000")),
+            minor: Some(minor),
+            name: Some("NVIDIA H100".into()),
+        };
+        let devices: Vec<DeviceInfo> = (0..4).map(gpu).collect();
+        // The job's /dev holds its GPU's node only (minor 2).
+        std::fs::write(dev.path().join("nvidia2"), "").unwrap();
+        let count = |v: Option<&str>| usable_nvidia(&devices, v, dev.path()).len();
+        assert_eq!(count(Some("GPU-2aaaaaaa-0000")), 1);
+        assert_eq!(count(Some("2")), 1);
+        assert_eq!(count(None), 1, "only the node it can open");
+        // Named, but its node is not the job's: it cannot use it.
+        assert_eq!(count(Some("GPU-1")), 0);
+        // The list ends at a token that names nothing, or a repeat.
+        assert_eq!(count(Some("2,GPU-9,1")), 1);
+        assert_eq!(count(Some("GPU-")), 0, "an ambiguous prefix names none");
+        assert_eq!(count(Some("")), 0);
     }
 
     #[test]

@@ -26,6 +26,7 @@
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 16
@@ -252,6 +253,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     ENTER("nvmlDeviceGetMemoryInfo_v2");
     if (!device || !memory)
         return NVML_ERROR_INVALID_ARGUMENT;
+    /* NVML_STRUCT_VERSION(Memory, 2): the caller must say which layout it passes. */
+    if (memory->version != (unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory->total = 80ULL << 30;
     memory->reserved = 0;
     memory->used = device->mem_used;

@@ -116,19 +116,28 @@ pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
         .collect()
 }
 
-/// What libhsakmt keeps: GPUs whose render node under `dev_root` opens read-write (a node
-/// that cannot is skipped, as libhsakmt skips it), and that have SIMDs (ROCr's GPUs).
+/// What libhsakmt keeps: GPUs whose render node under `dev_root` opens read-write, and that
+/// have SIMDs (ROCr's GPUs). A node whose render node is absent (`ENOENT`) or refused
+/// (`EPERM`, a device cgroup) is skipped, as libhsakmt skips it; any other failure (`EACCES`,
+/// no render minor) fails libhsakmt's whole topology, and then no GPU is seen.
 pub fn supported(gpus: Vec<KfdGpu>, dev_root: &Path) -> Vec<KfdGpu> {
-    gpus.into_iter()
-        .filter(|g| g.simds > 0 && g.render_minor != 0)
-        .filter(|g| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(g.render_node(dev_root))
-                .is_ok()
-        })
-        .collect()
+    let mut kept = Vec::new();
+    for g in gpus {
+        if g.render_minor == 0 {
+            return Vec::new();
+        }
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(g.render_node(dev_root));
+        match opened {
+            Ok(_) => kept.push(g),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::EPERM)) => {}
+            Err(_) => return Vec::new(),
+        }
+    }
+    kept.retain(|g| g.simds > 0);
+    kept
 }
 
 /// `strtol(token, &end, 0)` with nothing left over: decimal, `0x` hex or `0` octal.
@@ -137,7 +146,13 @@ fn c_integer(token: &str) -> Option<i64> {
         Some(t) => (true, t),
         None => (false, token.strip_prefix('+').unwrap_or(token)),
     };
+    if t.starts_with(['+', '-']) {
+        return None; // one sign at most, before any base prefix
+    }
     let v = if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        if h.starts_with(['+', '-']) {
+            return None;
+        }
         i64::from_str_radix(h, 16).ok()?
     } else if t.len() > 1 && t.starts_with('0') {
         i64::from_str_radix(&t[1..], 8).ok()?
@@ -194,16 +209,25 @@ pub fn rocr_visible(gpus: Vec<KfdGpu>, value: Option<&str>) -> Vec<KfdGpu> {
     chosen.into_iter().map(|i| gpus[i].clone()).collect()
 }
 
-/// `HIP_VISIBLE_DEVICES` applied to what ROCr surfaced: indices into it, ending at the first
-/// that is not one, is out of range or repeats (`None`: unset, all).
+/// HIP's device list applied to what ROCr surfaced, as CLR reads it (`rocdevice.cpp`): the
+/// value is `HIP_VISIBLE_DEVICES`, or `CUDA_VISIBLE_DEVICES` where that is empty or unset (an
+/// empty value counts as unset); plain decimal indices into ROCr's GPUs, a repeated one
+/// skipped, the list ending at the first that is not an index in range (`None`: all).
 pub fn hip_visible(gpus: Vec<KfdGpu>, value: Option<&str>) -> Vec<KfdGpu> {
-    let Some(value) = value else {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
         return gpus;
     };
     let mut chosen: Vec<usize> = Vec::new();
     for token in value.split(',') {
-        match token.trim().parse::<usize>() {
-            Ok(i) if i < gpus.len() && !chosen.contains(&i) => chosen.push(i),
+        let strict = !token.is_empty()
+            && token.bytes().all(|b| b.is_ascii_digit())
+            && (token == "0" || !token.starts_with('0'));
+        match token.parse::<usize>() {
+            Ok(i) if strict && i < gpus.len() => {
+                if !chosen.contains(&i) {
+                    chosen.push(i);
+                }
+            }
             _ => break,
         }
     }
@@ -221,7 +245,8 @@ pub fn visible(
         supported(gpus(sys_root), dev_root),
         env("ROCR_VISIBLE_DEVICES").as_deref(),
     );
-    hip_visible(rocr, env("HIP_VISIBLE_DEVICES").as_deref())
+    let hip = env("HIP_VISIBLE_DEVICES").filter(|v| !v.is_empty());
+    hip_visible(rocr, hip.or_else(|| env("CUDA_VISIBLE_DEVICES")).as_deref())
 }
 
 #[cfg(test)]
@@ -253,6 +278,11 @@ mod tests {
         let r = mi300x(&[3, 5]);
         let s = supported(gpus(r.path()), &r.path().join("dev"));
         assert_eq!(buses(&s), ["0000:75:00.0", "0000:95:00.0"]);
+        // A GPU node without a render minor fails libhsakmt's whole topology: none is seen.
+        let props = r.path().join(KFD_NODES).join("4/properties");
+        let text = std::fs::read_to_string(&props).unwrap();
+        std::fs::write(&props, text.replace("drm_render_minor", "no_render_minor")).unwrap();
+        assert!(supported(gpus(r.path()), &r.path().join("dev")).is_empty());
     }
 
     #[test]
@@ -276,6 +306,11 @@ mod tests {
         assert_eq!(pick(Some("0x2, 010")), "0000:65:00.0");
         // An ambiguous prefix matches two GPUs: it ends the list.
         assert_eq!(pick(Some("2,GPU-1d3a")), "0000:65:00.0");
+        assert_eq!(
+            pick(Some("0x+2")),
+            "",
+            "strtol takes no sign after the base prefix"
+        );
     }
 
     #[test]
@@ -291,6 +326,12 @@ mod tests {
         let dev = r.path().join("dev");
         // The old exports, host indices in both: HIP sees nothing for any slice but 0.
         assert!(visible(r.path(), &dev, &env("2,3", "2,3")).is_empty());
+        // HIP's own rules: a repeat is skipped, a bad token ends the list, empty is unset.
+        let g = supported(gpus(r.path()), &dev);
+        let hip = |v: &str| buses(&hip_visible(g.clone(), Some(v))).len();
+        assert_eq!(hip("1,1,2"), 2);
+        assert_eq!(hip("1,01,2"), 1);
+        assert_eq!(hip(""), 8);
         assert_eq!(
             buses(&visible(r.path(), &dev, &env("2,3", "0,1"))),
             ["0000:65:00.0", "0000:75:00.0"]

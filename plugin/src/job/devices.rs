@@ -126,10 +126,14 @@ mod tests {
             warnings: vec![],
         };
         assert_eq!(device_indices(&plan, &plan.slices[1]), vec![2, 3]);
-        let e = exports_for(&plan.slices[1], &device_indices(&plan, &plan.slices[1]));
-        // What the job sees (its two GPUs, from 0); the host's numbers for the record.
+        let indices = device_indices(&plan, &plan.slices[1]);
+        // In the sandbox's private /dev the job's two GPUs are ROCr's 0 and 1; with the host's
+        // /dev (the sandbox off) they are 2 and 3. The host's numbers for the record.
+        let e = exports_for(&plan.slices[1], &indices, true);
         assert_eq!(e["ROCR_VISIBLE_DEVICES"], "0,1");
         assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
+        let e = exports_for(&plan.slices[1], &indices, false);
+        assert_eq!(e["ROCR_VISIBLE_DEVICES"], "2,3");
         // Mixed vendors: each vendor numbers its own GPUs.
         let plan = Plan {
             slices: vec![
@@ -177,14 +181,21 @@ mod tests {
                         .filter(|i| mine.contains(&kernelkite_testkit::kfd::mi300x_bus_id(*i)))
                         .collect();
                     kernelkite_testkit::kfd::write_mi300x(job.path(), &own, with_uuids).unwrap();
-                    let host = exports_for(slice, &device_indices(&p, slice));
+                    let host = exports_for(slice, &device_indices(&p, slice), true);
                     let container = docker::container_device_env(slice);
-                    for (mode, env) in [("host", &host), ("docker", &container)] {
-                        let seen = kernelkite_sys::kfd::visible(
-                            job.path(),
-                            &job.path().join("dev"),
-                            &|k| env.get(k).cloned(),
-                        );
+                    // The sandbox off: the host's /dev, every render node.
+                    let bare = tempfile::tempdir().unwrap();
+                    let every: Vec<usize> = (0..8).collect();
+                    kernelkite_testkit::kfd::write_mi300x(bare.path(), &every, with_uuids).unwrap();
+                    let unsandboxed = exports_for(slice, &device_indices(&p, slice), false);
+                    for (mode, env, view) in [
+                        ("host", &host, job.path()),
+                        ("docker", &container, job.path()),
+                        ("host, sandbox off", &unsandboxed, bare.path()),
+                    ] {
+                        let seen = kernelkite_sys::kfd::visible(view, &view.join("dev"), &|k| {
+                            env.get(k).cloned()
+                        });
                         let seen: Vec<String> = seen.into_iter().map(|g| g.pci_bus_id).collect();
                         assert_eq!(
                             seen, mine,

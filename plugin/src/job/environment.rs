@@ -128,7 +128,11 @@ pub fn run(
                 job_id: job_id.clone(),
                 agent,
                 anchor,
-                exports: exports_for(&slice, &devices),
+                exports: exports_for(
+                    &slice,
+                    &devices,
+                    config.mode == Mode::Host && settings.sandbox,
+                ),
                 gpus: gpus.clone(),
                 device_indices: devices,
                 slice,

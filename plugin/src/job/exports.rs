@@ -4,13 +4,22 @@
 use std::collections::BTreeMap;
 
 use kernelkite_topology::cpulist::format_cpu_list;
-use kernelkite_topology::plan::Slice;
+use kernelkite_topology::plan::{Slice, Vendor};
 
 use crate::docker;
 
-/// The variables exported to the job for its slice and host GPU indices.
-pub fn exports_for(slice: &Slice, indices: &[u32]) -> BTreeMap<String, String> {
-    let mut env = docker::visible_devices_env(&docker::slice_gpus(slice), indices);
+/// The variables exported to the job for its slice and host GPU indices; `private_dev`: the
+/// job's `/dev` holds only its own devices (host mode, in the sandbox).
+pub fn exports_for(slice: &Slice, indices: &[u32], private_dev: bool) -> BTreeMap<String, String> {
+    let gpus = docker::slice_gpus(slice);
+    // AMD: with a private /dev (the sandbox's: only the job's render nodes), libhsakmt skips
+    // every other GPU and ROCr numbers the job's from 0; with the host's /dev (the sandbox
+    // off, or containers others start) it sees every GPU in host order
+    // (kernelkite_sys::kfd).
+    let local: Vec<u32> = (0..gpus.len() as u32).collect();
+    let amd_private = private_dev && gpus.first().is_some_and(|g| g.vendor == Vendor::Amd);
+    let numbered = if amd_private { &local[..] } else { indices };
+    let mut env = docker::visible_devices_env(&gpus, numbered);
     // The NVIDIA container runtime reads the same list under its own name.
     if let Some(ids) = env.get("CUDA_VISIBLE_DEVICES").cloned() {
         env.insert("NVIDIA_VISIBLE_DEVICES".into(), ids);

@@ -152,7 +152,7 @@ mod tests {
         assert_eq!(m.mems, vec![0, 1]);
         assert_eq!(m.memory_bytes, 30);
         assert_eq!(m.extra_gpus.len(), 1);
-        let e = exports_for(&m, &[2, 3]);
+        let e = exports_for(&m, &[2, 3], true);
         assert_eq!(e["CUDA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
         assert_eq!(e["KERNELBOT_GPU_INDEX"], "2,3");
         assert_eq!(e["KERNELBOT_CPUSET"], "4-7");

@@ -254,20 +254,25 @@ pub fn judge(
         let vendor = gpus[0].vendor;
         let name = var_of(vendor);
         let got = items(name);
-        // In docker mode the container numbers its devices from 0; UUIDs stay. So does an AMD
-        // job in host mode: its private /dev holds only its render nodes, which ROCr numbers
-        // from 0 (kernelkite_sys::kfd).
-        let wanted: Vec<String> = match (mode, vendor) {
-            (Mode::Docker, _) | (Mode::Host, Vendor::Amd) => gpus
-                .iter()
-                .enumerate()
-                .map(|(i, g)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
-                .collect(),
-            (Mode::Host, Vendor::Nvidia) => gpus
-                .iter()
-                .zip(device_indices(plan, slice))
-                .map(|(g, i)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
-                .collect(),
+        // In docker mode the container numbers its devices from 0; UUIDs stay. An AMD job in
+        // host mode is numbered from 0 in the sandbox's private /dev, in host order with the
+        // sandbox off (kernelkite_sys::kfd): either is right for its /dev, and `gpu-count`
+        // checks what the job can really use.
+        let local: Vec<String> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
+            .collect();
+        let host: Vec<String> = gpus
+            .iter()
+            .zip(device_indices(plan, slice))
+            .map(|(g, i)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
+            .collect();
+        let wanted = match (mode, vendor) {
+            (Mode::Docker, _) => local.clone(),
+            (Mode::Host, Vendor::Nvidia) => host.clone(),
+            (Mode::Host, Vendor::Amd) if got == local => local.clone(),
+            (Mode::Host, Vendor::Amd) => host.clone(),
         };
         let ok = got == wanted;
         out.push(check(
@@ -297,6 +302,14 @@ pub fn judge(
     // (the runner: NVML and CUDA_VISIBLE_DEVICES; AMD's KFD topology, the render nodes the
     // job's /dev holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES): variables that name
     // the right GPUs are not enough if the job cannot reach them.
+    if seen.runner == Some(0) && seen.runner_gpus.is_none() {
+        out.push(check(
+            "gpu-count",
+            false,
+            "the runner evaluated the example but its result.json gave no system.device_count"
+                .into(),
+        ));
+    }
     if let Some(n) = seen.runner_gpus {
         let want = gpus.len() as u32;
         out.push(check(
@@ -774,12 +787,13 @@ mod tests {
 
     fn seen_for(s: &Slice, job: &str, cuda: Option<&str>) -> Seen {
         let report = format!(
-            "noise\n{MARK} env KERNELBOT_CPUSET={}\n{MARK} env KERNELKITE_SLICE={}\n{}{MARK} status Cpus_allowed_list:\t{}\n{MARK} status Mems_allowed_list:\t0\n{MARK} cgroup 0::/kernelkite/{job}\n{MARK} uid 997\n{MARK} runner 0\n",
+            "noise\n{MARK} env KERNELBOT_CPUSET={}\n{MARK} env KERNELKITE_SLICE={}\n{}{MARK} status Cpus_allowed_list:\t{}\n{MARK} status Mems_allowed_list:\t0\n{MARK} cgroup 0::/kernelkite/{job}\n{MARK} uid 997\n{MARK} runner 0\n{MARK} runner-gpus {}\n",
             format_cpu_list(&s.cpus),
             serde_json::to_string(s).unwrap(),
             cuda.map(|c| format!("{MARK} env CUDA_VISIBLE_DEVICES={c}\n"))
                 .unwrap_or_default(),
             format_cpu_list(&s.cpus),
+            s.gpu.iter().count() + s.extra_gpus.len(),
         );
         parse_seen(&report)
     }
@@ -822,8 +836,24 @@ mod tests {
         let names: Vec<_> = checks.iter().map(|c| c.name).collect();
         assert_eq!(
             names,
-            ["hooks", "gpu", "cpuset", "affinity", "cgroup", "runner", "clean-up"]
+            [
+                "hooks",
+                "gpu",
+                "gpu-count",
+                "cpuset",
+                "affinity",
+                "cgroup",
+                "runner",
+                "clean-up"
+            ]
         );
+        // What the runner counted in the job: none of its GPU, or nothing said.
+        for runner_gpus in [Some(0), None] {
+            let mut seen = seen_for(s, "j", Some("GPU-a"));
+            seen.runner_gpus = runner_gpus;
+            let c = judge(&p, s, Mode::Host, "j", &ok_hooks(), &seen);
+            assert_eq!(failed(&c), ["gpu-count"], "{runner_gpus:?}: {c:?}");
+        }
         // Without a UUID the host index stands in; slice 1 is device 1.
         let s = &p.slices[1];
         let checks = judge(
@@ -852,7 +882,7 @@ mod tests {
         seen.cgroups = vec!["0::/system.slice/agent.service".into()];
         let c = judge(&p, s, Mode::Host, "j", &ok_hooks(), &seen);
         assert_eq!(failed(&c), ["affinity", "cgroup"], "{c:?}");
-        assert!(c[3].detail.contains("0-7") && c[3].detail.contains("not the slice's 1-2"));
+        assert!(c[4].detail.contains("0-7") && c[4].detail.contains("not the slice's 1-2"));
         // The exported cpuset is another slice's.
         let mut seen = seen_for(s, "j", Some("GPU-a"));
         seen.env.insert("KERNELBOT_CPUSET".into(), "3-4".into());
