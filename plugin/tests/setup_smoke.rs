@@ -100,6 +100,19 @@ fn install_counting(
     inst
 }
 
+/// `smoke` with the hooks pointed at a fixture's sysfs and its (fake) cgroups.
+fn smoke_on_fixture(inst: &Installed, sysfs: &Path) -> Output {
+    smoke(
+        inst,
+        &[
+            "--set".into(),
+            format!("KERNELKITE_CGROUP_ROOT={}", sysfs.display()),
+            "--set".into(),
+            format!("KERNELKITE_SYSFS_ROOT={}", sysfs.display()),
+        ],
+    )
+}
+
 fn smoke(inst: &Installed, extra: &[String]) -> Output {
     Command::new(BIN)
         .arg("smoke")
@@ -198,15 +211,7 @@ fn a_job_that_cannot_use_its_gpu_fails_the_gpu_count() {
     let trees = tempfile::tempdir().unwrap();
     let sysfs = fixture("workstation-1gpu", trees.path());
     let inst = install_counting(&[], &sysfs, r#"{"mode":"host"}"#, 0, false, 0);
-    let out = smoke(
-        &inst,
-        &[
-            "--set".into(),
-            format!("KERNELKITE_CGROUP_ROOT={}", sysfs.display()),
-            "--set".into(),
-            format!("KERNELKITE_SYSFS_ROOT={}", sysfs.display()),
-        ],
-    );
+    let out = smoke_on_fixture(&inst, &sysfs);
     let t = text(&out);
     assert!(t.contains("ok    gpu       CUDA_VISIBLE_DEVICES="), "{t}");
     assert!(
@@ -220,15 +225,7 @@ fn a_runner_that_cannot_run_fails_the_smoke_job_with_its_log() {
     let trees = tempfile::tempdir().unwrap();
     let sysfs = fixture("workstation-1gpu", trees.path());
     let inst = install(&[], &sysfs, r#"{"mode":"host"}"#, 3, false);
-    let out = smoke(
-        &inst,
-        &[
-            "--set".into(),
-            format!("KERNELKITE_CGROUP_ROOT={}", sysfs.display()),
-            "--set".into(),
-            format!("KERNELKITE_SYSFS_ROOT={}", sysfs.display()),
-        ],
-    );
+    let out = smoke_on_fixture(&inst, &sysfs);
     let t = text(&out);
     assert!(
         t.contains("fail  runner    kernelkite-runner --example exited 3")
