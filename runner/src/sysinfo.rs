@@ -114,8 +114,9 @@ pub fn detect_gpus(probe: &Probe) -> Gpus {
     )
     .and_then(|out| parse_rocm_smi(&out));
     match (named, kfd_gpus.is_empty()) {
-        // rocm-smi sees cards, but without the KFD topology ROCm has no GPU to give.
-        (Some(g), true) => Gpus { count: 0, ..g },
+        // No KFD topology to read (sysfs not in the job's view): rocm-smi's count stands, as
+        // before; rocm-smi itself reads the driver, so a real node has one.
+        (Some(g), true) => g,
         (Some(g), false) => Gpus {
             count: visible.len() as u32,
             ..g
