@@ -105,15 +105,16 @@ pub fn detect_gpus(probe: &Probe) -> Gpus {
     // holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES: kernelkite_sys::kfd), not by
     // rocm-smi's cards, which ignores all three; rocm-smi gives the name.
     let kfd_gpus = kernelkite_sys::kfd::gpus(&probe.sys_root);
+    let no_kfd = kfd_gpus.is_empty();
     let visible =
-        kernelkite_sys::kfd::visible(&probe.sys_root, &probe.dev_root, &|k| std::env::var(k).ok());
+        kernelkite_sys::kfd::visible_among(kfd_gpus, &probe.dev_root, &|k| std::env::var(k).ok());
     let named = tool_output(
         "rocm-smi",
         &["--showproductname", "--json"],
         probe.tool_timeout,
     )
     .and_then(|out| parse_rocm_smi(&out));
-    match (named, kfd_gpus.is_empty()) {
+    match (named, no_kfd) {
         // No KFD topology to read (sysfs not in the job's view): rocm-smi's count stands, as
         // before; rocm-smi itself reads the driver, so a real node has one.
         (Some(g), true) => g,

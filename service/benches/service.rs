@@ -1033,12 +1033,7 @@ async fn reconciler_calls(sizes: &Sizes) {
         }
         tokio::time::sleep_until((t0 + minute * (m + 1)).into()).await;
     }
-    let lists: Vec<_> = s
-        .fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.route == Route::ListBuilds)
-        .collect();
+    let lists: Vec<_> = s.fake.requests_to(Route::ListBuilds);
     // The last builds need up to the longest backoff to be found.
     tokio::time::sleep(Duration::from_millis(3_500)).await;
     let mut found = 0;

@@ -325,11 +325,7 @@ async fn lost_webhooks_are_reconciled_in_batched_listings() {
         .filter(|(e, _)| e == "build.finished")
         .count();
     assert!(dropped_finished >= 15, "only {dropped_finished} dropped");
-    let lists: Vec<_> = fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.route == Route::ListBuilds)
-        .collect();
+    let lists: Vec<_> = fake.requests_to(Route::ListBuilds);
     // Batched: the passes, not the builds, decide the calls. A pass runs at most once per
     // MIN_MS (while something is due), so the calls are bounded by time, and fewer than the
     // lost webhooks.
@@ -384,11 +380,7 @@ async fn a_create_that_times_out_after_buildkite_made_the_build_leaves_exactly_o
     assert_eq!(done["state"], "succeeded", "{done}");
     let builds = builds_per_submission(&fake);
     assert_eq!(builds[&id].len(), 1, "{builds:?}");
-    let creates = fake
-        .requests()
-        .iter()
-        .filter(|r| r.route == Route::CreateBuild)
-        .count();
+    let creates = fake.requests_to(Route::CreateBuild).len();
     assert_eq!(creates, 1, "the create was repeated");
     let log = svc.log_text();
     assert!(

@@ -546,6 +546,14 @@ impl FakeBuildkite {
         lock(&self.inner.requests).clone()
     }
 
+    /// The recorded requests to `route`, in order.
+    pub fn requests_to(&self, route: Route) -> Vec<Recorded> {
+        self.requests()
+            .into_iter()
+            .filter(|r| r.route == route)
+            .collect()
+    }
+
     /// REST API calls about build `number` (create included; the blob store excluded).
     pub fn api_calls_for(&self, number: u64) -> Vec<Recorded> {
         self.requests()

@@ -241,8 +241,17 @@ pub fn visible(
     dev_root: &Path,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Vec<KfdGpu> {
+    visible_among(gpus(sys_root), dev_root, env)
+}
+
+/// [`visible`], for a topology already read with [`gpus`].
+pub fn visible_among(
+    gpus: Vec<KfdGpu>,
+    dev_root: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Vec<KfdGpu> {
     let rocr = rocr_visible(
-        supported(gpus(sys_root), dev_root),
+        supported(gpus, dev_root),
         env("ROCR_VISIBLE_DEVICES").as_deref(),
     );
     let hip = env("HIP_VISIBLE_DEVICES").filter(|v| !v.is_empty());

@@ -309,7 +309,7 @@ impl AsyncRead for Watched {
 impl Slot {
     /// Notes how a write went: `Pending` starts the stall clock (if not running), progress
     /// stops it.
-    fn on_write<T>(&self, r: &Poll<io::Result<T>>, progressed: impl FnOnce(&T) -> bool) {
+    fn on_write(&self, r: &Poll<io::Result<usize>>) {
         match r {
             Poll::Pending => {
                 if self.write_blocked_since.load(Ordering::Relaxed) == 0 {
@@ -317,7 +317,7 @@ impl Slot {
                         .store(now_ms(self.epoch), Ordering::Relaxed);
                 }
             }
-            Poll::Ready(Ok(v)) if progressed(v) => {
+            Poll::Ready(Ok(n)) if *n > 0 => {
                 self.write_blocked_since.store(0, Ordering::Relaxed);
             }
             Poll::Ready(_) => {}
@@ -333,7 +333,7 @@ impl AsyncWrite for Watched {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.stream).poll_write(cx, buf);
-        this.slot.on_write(&r, |n| *n > 0);
+        this.slot.on_write(&r);
         r
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -349,7 +349,7 @@ impl AsyncWrite for Watched {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        this.slot.on_write(&r, |n| *n > 0);
+        this.slot.on_write(&r);
         r
     }
     fn is_write_vectored(&self) -> bool {
@@ -1080,9 +1080,9 @@ mod tests {
         let _busy = Busy::enter(&slot);
         // A refused write starts the clock; progress stops it, so a slow reader that keeps
         // taking bytes is never closed.
-        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        slot.on_write(&Poll::Pending);
         tokio::time::sleep(stall / 2).await;
-        slot.on_write(&Poll::Ready(Ok(10usize)), |n| *n > 0);
+        slot.on_write(&Poll::Ready(Ok(10)));
         assert!(
             tokio::time::timeout(stall * 2, watchdog(&slot, header, idle, stall))
                 .await
@@ -1090,7 +1090,7 @@ mod tests {
             "a response making progress was closed"
         );
         // Refused for `stall`: closed, within twice `stall`.
-        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        slot.on_write(&Poll::Pending);
         let t = Instant::now();
         assert_eq!(
             watchdog(&slot, header, idle, stall).await,
@@ -1100,10 +1100,10 @@ mod tests {
         assert!(t.elapsed() < stall * 2 + Duration::from_millis(50));
         // A refused `Pending` keeps the first time, not the latest.
         let slot = Arc::new(Slot::new(Instant::now()));
-        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        slot.on_write(&Poll::Pending);
         let first = slot.write_blocked_since.load(Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(5));
-        slot.on_write::<usize>(&Poll::Pending, |_| true);
+        slot.on_write(&Poll::Pending);
         assert_eq!(slot.write_blocked_since.load(Ordering::Relaxed), first);
     }
 }

@@ -14,12 +14,7 @@ async fn rate_limit_is_honoured_then_the_call_succeeds() {
     h.fake
         .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 1 });
     let (id, number) = h.submit().await;
-    let creates: Vec<_> = h
-        .fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.route == Route::CreateBuild)
-        .collect();
+    let creates: Vec<_> = h.fake.requests_to(Route::CreateBuild);
     assert_eq!(
         creates.iter().map(|r| r.status).collect::<Vec<_>>(),
         [429, 200]
@@ -109,16 +104,9 @@ async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted
     let v = h.wait_terminal(&id).await;
     assert_eq!(v["state"], "succeeded", "{v}");
     assert_eq!(v["build"]["number"], number);
-    let requests = h.fake.requests();
-    let creates = requests
-        .iter()
-        .filter(|r| r.route == Route::CreateBuild)
-        .count();
+    let creates = h.fake.requests_to(Route::CreateBuild).len();
     assert_eq!(creates, 1, "a create that may have arrived is not repeated");
-    let lookups: Vec<_> = requests
-        .iter()
-        .filter(|r| r.route == Route::ListBuilds)
-        .collect();
+    let lookups = h.fake.requests_to(Route::ListBuilds);
     assert_eq!(lookups.len(), 1);
     let q = lookups[0].query.clone().unwrap_or_default();
     assert!(
@@ -191,9 +179,8 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
     h.wait_build_attached(&id).await;
     let statuses: Vec<u16> = h
         .fake
-        .requests()
-        .iter()
-        .filter(|r| r.route == Route::CreateBuild)
+        .requests_to(Route::CreateBuild)
+        .into_iter()
         .map(|r| r.status)
         .collect();
     assert_eq!(statuses, [429, 429, 429, 429, 429, 503, 200]);
@@ -210,9 +197,8 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
     assert_ne!(h.state(&id).await, "failed");
     let statuses: Vec<u16> = h
         .fake
-        .requests()
-        .iter()
-        .filter(|r| r.route == Route::CreateBuild)
+        .requests_to(Route::CreateBuild)
+        .into_iter()
         .map(|r| r.status)
         .collect();
     assert_eq!(
@@ -237,12 +223,7 @@ async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
         .fail_route_until(Route::CreateBuild, 503, Instant::now() + outage);
     let (id, number) = h.submit().await;
     h.wait_build_attached(&id).await;
-    let creates: Vec<_> = h
-        .fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.route == Route::CreateBuild)
-        .collect();
+    let creates: Vec<_> = h.fake.requests_to(Route::CreateBuild);
     assert_eq!(creates.last().map(|r| r.status), Some(200), "{creates:?}");
     assert!(creates.len() >= 2 && creates.len() <= 5, "{creates:?}");
     // Each wait at least 75 % of base·2^(n-1) (the jitter), never a burst.

@@ -216,12 +216,7 @@ async fn a_lost_build_finished_is_found_by_the_reconciler_in_one_listing() {
     for (id, _) in &subs {
         assert_eq!(h.wait_terminal(id).await["state"], "succeeded");
     }
-    let lists: Vec<_> = h
-        .fake
-        .requests()
-        .into_iter()
-        .filter(|r| r.route == Route::ListBuilds)
-        .collect();
+    let lists: Vec<_> = h.fake.requests_to(Route::ListBuilds);
     assert!(!lists.is_empty() && lists.len() < 3, "{lists:?}");
     let q = lists[0].query.clone().unwrap_or_default();
     for part in [
