@@ -155,7 +155,7 @@ py_junit=$(mktemp)
 py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit")
 read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
 
-section "docker images (deployment/*/Dockerfile)"
+section "docker images (deployment/*/Dockerfile*)"
 if [ "${KERNELKITE_SKIP_DOCKER:-}" = 1 ]; then
   printf 'docker images\tskip\tKERNELKITE_SKIP_DOCKER=1\n' >>"$checks"
 elif ! command -v docker >/dev/null; then
@@ -163,8 +163,10 @@ elif ! command -v docker >/dev/null; then
 elif ! docker info >/dev/null 2>&1; then
   printf 'docker images\tskip\tno Docker daemon answers here (docker info fails)\n' >>"$checks"
 else
-  for image in runner service; do
-    docker build --quiet -f "deployment/$image/Dockerfile" -t "kernelkite-$image:test" .
+  # The runner's CUDA and ROCm images (deployment/runner/Dockerfile, Dockerfile.rocm) and the
+  # service's.
+  for image in runner/Dockerfile:runner runner/Dockerfile.rocm:runner-rocm service/Dockerfile:service; do
+    docker build --quiet -f "deployment/${image%%:*}" -t "kernelkite-${image#*:}:test" .
   done
   printf 'docker images\tpass\t\n' >>"$checks"
 fi

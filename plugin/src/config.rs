@@ -64,11 +64,16 @@ pub const DEFAULT_JOB_USER: &str = "kernelkite-job";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PluginConfig {
-    /// GPUs the job gets (each with its slice of CPUs and memory).
-    pub gpus: u32,
+    /// GPUs the job gets (each with its slice of CPUs and memory); `None` (the key left out):
+    /// as many as the agent is bound to (`gpu-index`), else one. A given count must match
+    /// the agent's binding. Left out of a state file when `None`, which an older binary reads
+    /// as its default of one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u32>,
     /// Where the command runs.
     pub mode: Mode,
-    /// Docker image (docker mode; required there).
+    /// Docker image (docker mode; required there). `auto` (`images::AUTO`) runs the runner
+    /// image of the job's GPUs' vendor, chosen when the container starts (`images::step_image`).
     pub image: Option<String>,
     /// Whether the command may reach the network. `None`: the default, no (loopback only, in
     /// host and docker mode alike).
@@ -115,7 +120,7 @@ pub struct PluginConfig {
 impl Default for PluginConfig {
     fn default() -> Self {
         PluginConfig {
-            gpus: 1,
+            gpus: None,
             mode: Mode::Host,
             image: None,
             network: None,
@@ -483,7 +488,7 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
     let mut c = PluginConfig::default();
     for (key, v) in map {
         match key.as_str() {
-            "gpus" => c.gpus = want_u64(key, v, 1, 16)? as u32,
+            "gpus" => c.gpus = Some(want_u64(key, v, 1, 16)? as u32),
             "mode" => {
                 c.mode = match v.as_str() {
                     Some("host") => Mode::Host,
@@ -592,7 +597,7 @@ mod tests {
                 "tmp-size":"1G","shm-size":"8G"}"#,
         )
         .unwrap();
-        assert_eq!(c.gpus, 2);
+        assert_eq!(c.gpus, Some(2));
         assert_eq!(c.mode, Mode::Docker);
         assert_eq!(c.memory_bytes, Some(64 << 30));
         assert_eq!(c.lock_clocks, Some(LockClocks::Mhz(1410)));
@@ -675,6 +680,14 @@ mod tests {
             let json = serde_json::json!({"mode": "docker", "image": image}).to_string();
             assert_eq!(parse_config(&json).unwrap_err().key, "image", "{image}");
         }
+        // `auto` is kept as written: the job's slice decides the image when it starts.
+        let c = parse_config(r#"{"mode":"docker","image":"auto"}"#).unwrap();
+        assert_eq!(c.image.as_deref(), Some(crate::images::AUTO));
+        assert_eq!(
+            parse_config(r#"{"image":"auto"}"#).unwrap_err().key,
+            "image",
+            "host mode runs no image"
+        );
     }
 
     #[test]

@@ -275,6 +275,7 @@ mod tests {
             pci_bus_id: "0000:18:00.0".into(),
             uuid: uuid.map(str::to_string),
             numa_node: Some(0),
+            mig: None,
         }
     }
 

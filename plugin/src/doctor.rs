@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::images::Fit;
 pub use crate::mountinfo::{parse_mountinfo, Mount};
+use kernelkite_sys::nvidia;
+use kernelkite_sys::nvml::DeviceInfo;
 use kernelkite_topology::planner::{plan, PlanError, Policy};
 use kernelkite_topology::topology::{Topology, Vendor};
 
@@ -90,8 +93,8 @@ pub trait Host {
     fn which(&self, program: &str) -> Option<PathBuf>;
     /// Runs a program; its stdout when it exits 0 within a few seconds.
     fn run(&self, program: &Path, args: &[&str]) -> Option<String>;
-    /// Number of GPUs NVML reports, or why it cannot be loaded.
-    fn nvml_gpus(&self) -> Result<usize, String>;
+    /// The GPUs NVML reports (with their MIG devices), or why it cannot be loaded.
+    fn nvml_devices(&self) -> Result<Vec<DeviceInfo>, String>;
 }
 
 /// The real machine.
@@ -120,7 +123,7 @@ impl Host for LiveHost {
         run_with_timeout(program, args, self.timeout)
     }
 
-    fn nvml_gpus(&self) -> Result<usize, String> {
+    fn nvml_devices(&self) -> Result<Vec<DeviceInfo>, String> {
         if !crate::delegate::LOADS_NVML {
             let exe = std::env::current_exe().unwrap_or_default();
             let nvml_build = crate::delegate::nvml_build(&std::collections::BTreeMap::new(), &exe);
@@ -131,7 +134,7 @@ impl Host for LiveHost {
             ));
         }
         let nvml = kernelkite_sys::nvml::Nvml::load().map_err(|e| e.to_string())?;
-        nvml.devices().map(|d| d.len()).map_err(|e| e.to_string())
+        nvml.devices().map_err(|e| e.to_string())
     }
 }
 
@@ -193,6 +196,7 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
     if opts.docker {
         checks.extend(check_docker(&opts.root, &gpus, host));
     }
+    checks.extend(check_runner_image(&gpus));
     checks.push(check_agent(host));
     checks.push(check_plugin_binary(&opts.root));
     checks.push(check_sandbox(&opts.root));
@@ -486,14 +490,18 @@ pub fn check_gpu_drivers(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<C
     }
     if nvidia > 0 {
         let version = std::fs::read_to_string(root.join("proc/driver/nvidia/version")).ok();
-        match (version, host.nvml_gpus()) {
-            (Some(v), Ok(n)) => out.push(Check::ok(
-                "nvidia driver",
-                format!(
-                    "{}; NVML sees {n} of {nvidia} GPU(s)",
-                    v.lines().next().unwrap_or("").trim()
-                ),
-            )),
+        match (version, host.nvml_devices()) {
+            (Some(v), Ok(devices)) => {
+                out.push(Check::ok(
+                    "nvidia driver",
+                    format!(
+                        "{}; NVML sees {} of {nvidia} GPU(s)",
+                        v.lines().next().unwrap_or("").trim(),
+                        devices.len()
+                    ),
+                ));
+                out.extend(check_mig(root, &devices));
+            }
             (Some(v), Err(e)) => out.push(Check::warn(
                 "nvidia driver",
                 format!("{} but NVML failed: {e}", v.lines().next().unwrap_or("").trim()),
@@ -528,6 +536,88 @@ pub fn check_gpu_drivers(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<C
         }
     }
     out
+}
+
+/// The MIG layout, when a GPU is in MIG mode: its MIG devices (one slice each), and whether
+/// the driver lists the capability nodes each needs in a job's private `/dev`.
+pub fn check_mig(root: &Path, devices: &[DeviceInfo]) -> Option<Check> {
+    let mig: Vec<&DeviceInfo> = devices.iter().filter(|d| !d.mig.is_empty()).collect();
+    if mig.is_empty() {
+        return None;
+    }
+    if nvidia::caps_in_procfs(root) {
+        return Some(Check::fail(
+            "mig",
+            format!(
+                "{} GPU(s) in MIG mode, but the driver hands MIG capabilities out through /proc/driver/nvidia/capabilities (nv_cap_enable_devfs=0), which file permissions alone guard and every job's /proc shows: a job could open any MIG device",
+                mig.len()
+            ),
+            "load the nvidia module with nv_cap_enable_devfs=1 (`options nvidia nv_cap_enable_devfs=1` in /etc/modprobe.d, then reload the driver or reboot)",
+        ));
+    }
+    let mut layout = Vec::new();
+    let mut unlisted = Vec::new();
+    let mut no_node = Vec::new();
+    for d in &mig {
+        let bus = kernelkite_topology::topology::canonical_bus_id(&d.pci_bus_id);
+        let minor = d.minor.or_else(|| nvidia::device_minor(root, &bus));
+        let each: Vec<String> = d
+            .mig
+            .iter()
+            .map(|m| {
+                let caps = minor.and_then(|g| {
+                    nvidia::mig_cap_minors(root, g, m.gpu_instance_id, m.compute_instance_id)
+                });
+                match caps {
+                    None => unlisted.push(m.uuid.clone()),
+                    Some(caps) => no_node.extend(
+                        caps.into_iter()
+                            .map(nvidia::cap_node)
+                            .filter(|n| !root.join("dev").join(n).exists())
+                            .map(|n| format!("/dev/{}", n.display())),
+                    ),
+                }
+                format!(
+                    "{} ({}GPU instance {}, compute instance {}, {})",
+                    m.uuid,
+                    m.name
+                        .as_deref()
+                        .and_then(|n| n.rsplit(' ').next())
+                        .map_or(String::new(), |p| format!("{p}, ")),
+                    m.gpu_instance_id,
+                    m.compute_instance_id,
+                    kernelkite_topology::planner::format_bytes(m.memory_bytes)
+                )
+            })
+            .collect();
+        layout.push(format!(
+            "GPU {bus}: {} MIG device(s): {}",
+            d.mig.len(),
+            each.join(", ")
+        ));
+    }
+    let text = format!("{}; one slice per MIG device", layout.join("; "));
+    Some(if !unlisted.is_empty() {
+        Check::fail(
+            "mig",
+            format!(
+                "{text}; but /proc/driver/nvidia-caps/mig-minors lists no capability for {}, so a job could not open it",
+                unlisted.join(", ")
+            ),
+            "check the driver loaded its nvidia-caps support (`grep nvidia-caps /proc/devices`), then recreate the MIG instances (nvidia-smi mig -dci; nvidia-smi mig -dgi; nvidia-smi mig -cgi <profiles> -C)",
+        )
+    } else if !no_node.is_empty() {
+        Check::fail(
+            "mig",
+            format!(
+                "{text}; but {} do not exist, so a job's /dev could not hold them",
+                no_node.join(", ")
+            ),
+            "create them with `nvidia-modprobe -f /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/access` (and `.../ci<id>/access`), or let the driver make them (NVreg_ModifyDeviceFiles=1, its default)",
+        )
+    } else {
+        Check::ok("mig", text)
+    })
 }
 
 /// Docker daemon reachable, and for NVIDIA GPUs the NVIDIA container toolkit.
@@ -576,6 +666,35 @@ pub fn check_docker(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<Check>
         }
     }
     out
+}
+
+/// Which runner image fits the node's GPUs (`crate::images`): the one image of their vendor,
+/// a warning when the node has both vendors' GPUs (each slice then needs its own), and no line
+/// for a node without GPUs, which neither image serves.
+pub fn check_runner_image(gpus: &[Vendor]) -> Option<Check> {
+    const NAME: &str = "runner image";
+    match crate::images::for_gpus(gpus) {
+        Fit::NoGpu => None,
+        Fit::One(image) => Some(Check::ok(
+            NAME,
+            format!(
+                "{} ({} GPUs; host mode's venv: {})",
+                image.reference, image.vendor_name, image.requirements
+            ),
+        )),
+        Fit::Mixed(images) => Some(Check::warn(
+            NAME,
+            format!(
+                "the node has GPUs of several vendors, and each slice's jobs need their vendor's image: {}",
+                images
+                    .iter()
+                    .map(|i| format!("{} ({} GPUs)", i.reference, i.vendor_name))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            "pull (or build) every one of them and run docker-mode steps with `image: auto`, which picks each job's by its slice; in host mode the node's one venv serves only one vendor's GPUs",
+        )),
+    }
 }
 
 /// `buildkite-agent version 3.108.0, build 11100` → (3, 108, 0).
@@ -670,7 +789,7 @@ mod tests {
     #[derive(Default)]
     struct FakeHost {
         programs: BTreeMap<&'static str, Option<String>>,
-        nvml: Option<usize>,
+        nvml: Option<Vec<DeviceInfo>>,
     }
 
     impl FakeHost {
@@ -690,15 +809,27 @@ mod tests {
             let name = program.file_name()?.to_str()?;
             self.programs.get(name).cloned().flatten()
         }
-        fn nvml_gpus(&self) -> Result<usize, String> {
+        fn nvml_devices(&self) -> Result<Vec<DeviceInfo>, String> {
             self.nvml
+                .clone()
                 .ok_or_else(|| "cannot load libnvidia-ml.so.1".to_string())
         }
     }
 
     fn healthy() -> FakeHost {
         FakeHost {
-            nvml: Some(8),
+            nvml: Some(
+                (0..8)
+                    .map(|i| DeviceInfo {
+                        pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + i),
+                        uuid: None,
+                        minor: Some(i),
+                        name: None,
+                        mig: vec![],
+                        nvlink_peers: vec![],
+                    })
+                    .collect(),
+            ),
             ..FakeHost::default()
         }
         .with(
@@ -935,12 +1066,59 @@ mod tests {
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 9);
+        assert_eq!(checks.len(), 10);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);
         let warn_only = [Check::warn("x", "y", "z")];
         assert_eq!(exit_code(&warn_only), 0);
+    }
+
+    #[test]
+    fn doctor_names_the_runner_image_that_fits_the_node() {
+        let image_line = |fixture: fakesys::FakeSys| {
+            let dir = tempfile::tempdir().unwrap();
+            fixture.write_to(dir.path()).unwrap();
+            let opts = DoctorOptions {
+                root: dir.path().to_path_buf(),
+                docker: false,
+            };
+            let checks = run_checks(&opts, &FakeHost::default());
+            let mut lines = checks.into_iter().filter(|c| c.name == "runner image");
+            let line = lines.next();
+            assert!(lines.next().is_none());
+            line
+        };
+        let amd = image_line(fakesys::mi300x_8()).expect("an MI300X node needs an image");
+        assert_eq!(amd.status, Status::Ok, "{amd}");
+        assert!(
+            amd.to_string().contains(
+                "runner image    ghcr.io/kernelkite/runner-rocm:0.1.0 (AMD GPUs; host mode's venv: deployment/runner/requirements-rocm.txt)"
+            ),
+            "{amd}"
+        );
+        let nvidia = image_line(fakesys::dgx_h100()).expect("a DGX needs an image");
+        assert_eq!(nvidia.status, Status::Ok, "{nvidia}");
+        assert!(
+            nvidia
+                .detail
+                .starts_with("ghcr.io/kernelkite/runner:0.1.0 (NVIDIA GPUs;"),
+            "{nvidia}"
+        );
+        let mixed = image_line(fakesys::mixed_vendors()).expect("a mixed node needs both");
+        assert_eq!(mixed.status, Status::Warn, "{mixed}");
+        assert!(
+            mixed
+                .detail
+                .contains("ghcr.io/kernelkite/runner:0.1.0 (NVIDIA GPUs)")
+                && mixed
+                    .detail
+                    .contains("ghcr.io/kernelkite/runner-rocm:0.1.0 (AMD GPUs)"),
+            "{mixed}"
+        );
+        assert!(mixed.fix.as_deref().unwrap().contains("image: auto"));
+        // Neither image serves a node without GPUs: no line.
+        assert_eq!(image_line(fakesys::cpu_only()), None);
     }
 
     #[test]

@@ -73,6 +73,15 @@ fn nvidia_only(gpu: &SliceGpu) -> Result<(), GpuCheckError> {
     }
 }
 
+/// The GPUs whose clocks a job may lock and reset: not a MIG device's, since its clock is its
+/// GPU's and the other MIG devices' jobs share it.
+pub fn clock_owned(gpus: &[&SliceGpu]) -> Vec<SliceGpu> {
+    gpus.iter()
+        .filter(|g| g.mig.is_none())
+        .map(|g| (*g).clone())
+        .collect()
+}
+
 /// Fails unless every GPU has no compute process and at most `max_used_mib` memory in use.
 pub fn require_idle(
     ctl: &mut dyn GpuControl,
@@ -158,6 +167,15 @@ impl Nvml {
     }
 }
 
+/// How NVML is to find `gpu`: a MIG device by its uuid (its processes and memory are its
+/// own), a whole GPU by its bus id.
+fn nvml_id(gpu: &SliceGpu) -> &str {
+    match &gpu.mig {
+        Some(mig) => &mig.uuid,
+        None => &gpu.pci_bus_id,
+    }
+}
+
 /// Ties an NVML error to the GPU it happened on.
 fn on(gpu: &SliceGpu) -> impl FnOnce(NvmlError) -> GpuCheckError + '_ {
     move |source| GpuCheckError::Nvml {
@@ -168,7 +186,7 @@ fn on(gpu: &SliceGpu) -> impl FnOnce(NvmlError) -> GpuCheckError + '_ {
 
 impl GpuControl for Nvml {
     fn compute_processes(&mut self, gpu: &SliceGpu) -> Result<Vec<GpuProcess>, GpuCheckError> {
-        let processes = self.0.compute_processes(&gpu.pci_bus_id).map_err(on(gpu))?;
+        let processes = self.0.compute_processes(nvml_id(gpu)).map_err(on(gpu))?;
         Ok(processes
             .into_iter()
             .map(|p| GpuProcess {
@@ -179,7 +197,7 @@ impl GpuControl for Nvml {
     }
 
     fn memory_used_mib(&mut self, gpu: &SliceGpu) -> Result<u64, GpuCheckError> {
-        let used = self.0.memory_used_bytes(&gpu.pci_bus_id).map_err(on(gpu))?;
+        let used = self.0.memory_used_bytes(nvml_id(gpu)).map_err(on(gpu))?;
         Ok(used >> 20)
     }
 
@@ -251,6 +269,7 @@ mod tests {
             pci_bus_id: bus.into(),
             uuid: None,
             numa_node: Some(0),
+            mig: None,
         }
     }
 

@@ -13,6 +13,7 @@ pub mod delegate;
 pub mod docker;
 pub mod doctor;
 pub mod gpucheck;
+pub mod images;
 pub mod job;
 pub mod jobapi;
 pub mod joblog;

@@ -5,9 +5,11 @@
 //! final stage, pinned versions). The images themselves are built by scripts/test.sh where a
 //! Docker daemon runs, and linted by `lint.rs` with hadolint.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kernelkite_isolate::config::{parse_config_value, Mode};
+use kernelkite_isolate::images;
 use serde_json::{json, Value};
 
 #[path = "common/systemd.rs"]
@@ -54,7 +56,9 @@ fn the_pipelines_configure_the_plugin_with_keys_it_accepts() {
         let parsed =
             parse_config_value(&config).unwrap_or_else(|e| panic!("{rel} is misconfigured: {e}"));
         assert_eq!(parsed.mode, mode, "{rel}");
-        assert_eq!(parsed.gpus, 1, "{rel}");
+        // One pipeline for every queue: the agent's binding decides the GPU count (one on a
+        // per-slice agent, the group on a multi-GPU queue's agent).
+        assert_eq!(parsed.gpus, None, "{rel}");
         assert!(
             !parsed.network_allowed(),
             "{rel}: submissions get no network"
@@ -109,9 +113,60 @@ fn the_pipelines_retry_only_infrastructure_failures_and_lost_agents() {
 fn the_docker_pipeline_runs_the_image_the_dockerfile_builds() {
     let (_, config) = step_and_plugin("deployment/pipelines/docker.yml");
     let image = config["image"].as_str().unwrap();
-    assert!(
-        read("deployment/runner/Dockerfile").contains(&format!("-t {image} .")),
-        "deployment/runner/Dockerfile's build command does not tag {image}"
+    // `auto`: the runner image of each job's GPUs, so every runner image is one it may run.
+    let images: Vec<&str> = if image == images::AUTO {
+        images::ALL.iter().map(|i| i.reference).collect()
+    } else {
+        vec![image]
+    };
+    for image in images {
+        assert!(
+            images::ALL
+                .iter()
+                .any(|i| i.reference == image
+                    && read(i.dockerfile).contains(&format!("-t {image} ."))),
+            "no Dockerfile's build command tags {image}"
+        );
+    }
+}
+
+#[test]
+fn the_runner_images_are_the_ones_their_dockerfiles_build() {
+    // The names in `images` (what `image: auto` runs and `doctor` names) against the build
+    // command in each Dockerfile's header, the requirements it installs, and the deployment
+    // README's build commands.
+    let readme = read("deployment/README.md");
+    for image in &images::ALL {
+        let build = format!(
+            "docker build -f {} -t {} .",
+            image.dockerfile, image.reference
+        );
+        let dockerfile = read(image.dockerfile);
+        let header: String = dockerfile
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(
+            header.contains(&format!("#   {build}")),
+            "{}'s header does not build {}: {header}",
+            image.dockerfile,
+            image.reference
+        );
+        assert!(
+            dockerfile.contains(&format!("COPY {} requirements.txt", image.requirements)),
+            "{} does not install {}",
+            image.dockerfile,
+            image.requirements
+        );
+        assert!(
+            readme.contains(&build),
+            "deployment/README.md does not show `{build}`"
+        );
+    }
+    assert_eq!(
+        images::for_vendor(images::AMD.vendor).reference,
+        "ghcr.io/kernelkite/runner-rocm:0.1.0"
     );
 }
 
@@ -133,6 +188,7 @@ fn stages(dockerfile: &str) -> Vec<(String, String)> {
 fn the_dockerfiles_build_in_one_stage_and_ship_without_a_toolchain() {
     for (rel, binary) in [
         ("deployment/runner/Dockerfile", "kernelkite-runner"),
+        ("deployment/runner/Dockerfile.rocm", "kernelkite-runner"),
         ("deployment/service/Dockerfile", "kernelkite-service"),
     ] {
         let text = read(rel);
@@ -192,11 +248,11 @@ fn the_dockerfiles_build_in_one_stage_and_ship_without_a_toolchain() {
     );
 }
 
-#[test]
-fn the_runner_image_pins_every_python_dependency() {
-    let req = read("deployment/runner/requirements.txt");
-    let mut names = Vec::new();
-    for line in req
+/// A requirements file's index options and its pins (name, lower-case, to version).
+fn pins(rel: &str) -> (Vec<String>, BTreeMap<String, String>) {
+    let mut options = Vec::new();
+    let mut pins = BTreeMap::new();
+    for line in read(rel)
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
@@ -204,32 +260,88 @@ fn the_runner_image_pins_every_python_dependency() {
         if line.starts_with("--") {
             assert!(
                 line.starts_with("--extra-index-url https://download.pytorch.org/"),
-                "{line}"
+                "{rel}: {line}"
             );
+            options.push(line.to_string());
             continue;
         }
         let (name, version) = line
             .split_once("==")
-            .unwrap_or_else(|| panic!("{line:?} is not pinned with =="));
+            .unwrap_or_else(|| panic!("{rel}: {line:?} is not pinned with =="));
         assert!(
             !version.is_empty() && !version.contains(['*', '>', '<', ',']),
-            "{line}"
+            "{rel}: {line}"
         );
-        names.push(name.to_ascii_lowercase());
+        let old = pins.insert(name.to_ascii_lowercase(), version.to_string());
+        assert!(old.is_none(), "{rel}: {name} twice");
     }
-    for needed in ["torch", "triton", "numpy"] {
-        assert!(
-            names.iter().any(|n| n == needed),
-            "{needed} is missing from the runner image"
-        );
+    (options, pins)
+}
+
+#[test]
+fn the_runner_images_pin_every_python_dependency() {
+    let (cuda_index, cuda) = pins("deployment/runner/requirements.txt");
+    let (rocm_index, rocm) = pins("deployment/runner/requirements-rocm.txt");
+    for (rel, pins, needed) in [
+        ("requirements.txt", &cuda, ["torch", "triton", "numpy"]),
+        (
+            "requirements-rocm.txt",
+            &rocm,
+            ["torch", "pytorch-triton-rocm", "numpy"],
+        ),
+    ] {
+        for needed in needed {
+            assert!(pins.contains_key(needed), "{needed} is missing from {rel}");
+        }
     }
-    let dockerfile = read("deployment/runner/Dockerfile");
-    assert!(
-        dockerfile.contains("-r requirements.txt") && dockerfile.contains("pip=="),
-        "pip itself is pinned too"
+    // The same torch, built for CUDA 12.8 and for ROCm 6.3, each from its own index; the
+    // ROCm build brings its own Triton (the `triton` module), so PyPI's must not join it.
+    assert_eq!(
+        cuda_index,
+        ["--extra-index-url https://download.pytorch.org/whl/cu128"]
     );
+    assert_eq!(
+        rocm_index,
+        ["--extra-index-url https://download.pytorch.org/whl/rocm6.3"]
+    );
+    let torch = |pins: &BTreeMap<String, String>, local: &str| {
+        let v = &pins["torch"];
+        v.strip_suffix(local)
+            .unwrap_or_else(|| panic!("torch {v} is not the +{local} build"))
+            .strip_suffix('+')
+            .unwrap_or_else(|| panic!("torch {v}"))
+            .to_string()
+    };
+    assert_eq!(torch(&cuda, "cu128"), torch(&rocm, "rocm6.3"));
+    assert!(!rocm.contains_key("triton"));
+    assert_eq!(cuda["triton"], rocm["pytorch-triton-rocm"]);
+    // Everything else pinned exactly alike.
+    let rest = |pins: &BTreeMap<String, String>| {
+        let mut p = pins.clone();
+        for k in ["torch", "triton", "pytorch-triton-rocm"] {
+            p.remove(k);
+        }
+        p
+    };
+    assert_eq!(rest(&cuda), rest(&rocm));
+
+    for (rel, compiler) in [
+        ("deployment/runner/Dockerfile", "FROM nvidia/cuda:"),
+        ("deployment/runner/Dockerfile.rocm", "FROM rocm/dev-ubuntu-"),
+    ] {
+        let dockerfile = read(rel);
+        assert!(
+            dockerfile.contains("-r requirements.txt") && dockerfile.contains("pip=="),
+            "{rel}: pip itself is pinned too"
+        );
+        assert!(dockerfile.contains("KERNELKITE_REQUIRE_GPU=1"), "{rel}");
+        assert!(
+            dockerfile.lines().any(|l| l.starts_with(compiler)),
+            "{rel}: submissions need the vendor's compiler (nvcc, hipcc): a {compiler}... image"
+        );
+    }
     assert!(
-        dockerfile.contains("devel"),
+        read("deployment/runner/Dockerfile").contains("devel"),
         "CUDA submissions need nvcc: the CUDA devel image"
     );
 }

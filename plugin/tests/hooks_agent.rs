@@ -750,3 +750,134 @@ fn a_slice_of_two_amd_gpus_is_numbered_as_the_job_sees_them_and_hip_is_left_alon
     let out = job.run_hook("pre-exit");
     assert!(out.status.success(), "{}", output_text(&out));
 }
+
+/// A GPU in MIG mode cut into two slices (plan from NVML's MIG enumeration: the topology
+/// crate's stand-in test). The slice's job sees its MIG device by uuid; `require-idle-gpu`
+/// asks NVML about that MIG device, not the GPU (another MIG device's process is not in the
+/// way; its own is); `lock-clocks` leaves the shared clock alone; and a job of two slices of
+/// which one is a MIG device is refused, naming the fix.
+#[test]
+fn a_mig_slice_sees_its_mig_device_and_is_checked_as_one() {
+    use kernelkite_testkit::fake_nvml::{h100, mig, mig_uuid, FakeNvml};
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let node = Node::new(1);
+    let bus = "0000:2a:00.0";
+    let (m3, m5) = (mig_uuid(bus, 3, 0), mig_uuid(bus, 5, 0));
+    let slice = |index: u32, gi: u32, uuid: &str| {
+        json!({"index": index,
+               "gpu": {"vendor": "nvidia", "pci_bus_id": bus, "uuid": uuid, "numa_node": 0,
+                       "mig": {"uuid": uuid, "gpu_instance_id": gi, "compute_instance_id": 0,
+                               "memory_bytes": 20u64 << 30}},
+               "cpus": [0], "mems": [0], "memory_bytes": 256u64 << 20})
+    };
+    let plan = json!({"slices": [
+        {"index": 0, "gpu": {"vendor": "nvidia", "pci_bus_id": "0000:18:00.0", "uuid": null,
+                             "numa_node": 0},
+         "cpus": [0], "mems": [0], "memory_bytes": 256u64 << 20},
+        slice(1, 3, &m3), slice(2, 5, &m5)],
+        "reserved_cpus": [], "warnings": []});
+    std::fs::write(node.path().join("plan.json"), plan.to_string()).unwrap();
+    let mut env = node.env.clone();
+    env.extend(fake.env());
+    let config = Some(r#"{"require-idle-gpu":true,"lock-clocks":true}"#);
+
+    // A process on the other MIG device of the same GPU: this slice is idle.
+    fake.configure(&format!(
+        "{}{}{}proc {m5} 4242 1073741824\n",
+        h100(bus, 1, 2 << 30),
+        mig(bus, 3, 0, 20),
+        mig(bus, 5, 0, 20)
+    ));
+    let agent = agent::Agent::new(node.path(), "mig-gpu1", &env);
+    let mut job = agent.start_job(&job_id(60), "true", config, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], m3);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("lock-clocks skipped") && err.contains("MIG mode"),
+        "{err}"
+    );
+    let out = job.run_hook("pre-exit");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(
+        fake.log(),
+        "",
+        "the shared clock is neither locked nor reset"
+    );
+
+    // Its own MIG device busy: refused, and the slice is free again.
+    let agent = agent::Agent::new(node.path(), "mig-gpu2", &env);
+    let mut job = agent.start_job(&job_id(61), "true", config, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not idle") && err.contains("pid 4242"),
+        "{err}"
+    );
+    assert!(!node.cgroup_dir(&job.id).exists());
+
+    // Two slices, one of them a MIG device: one job cannot use both.
+    let mut two = env.clone();
+    two.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "0,1".into());
+    let agent = agent::Agent::new(node.path(), "pair", &two);
+    let mut job = agent.start_job(
+        &job_id(62),
+        "true",
+        Some(r#"{"gpus":2}"#),
+        Install::AgentBinary,
+    );
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("slice 1 is a MIG device") && err.contains("gpus: 1"),
+        "{err}"
+    );
+}
+
+/// A multi-GPU queue's agent bound to two NVIDIA slices in host mode, its step leaving `gpus`
+/// to the binding (as the deployment's pipelines do): the job gets both GPUs by UUID, both
+/// slices' CPUs, and one lease per GPU, all freed at `pre-exit`.
+#[test]
+fn a_two_gpu_agent_s_job_gets_both_gpus_without_naming_a_count() {
+    let node = Node::new(3);
+    let mut env = node.env.clone();
+    // As setup writes a group in the agent's tags (the agent splits them at commas).
+    env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "1+2".into());
+    let agent = agent::Agent::new(node.path(), "dgx-x2-0", &env);
+    let mut job = agent.start_job(&job_id(63), "true", Some("{}"), Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(
+        job.env["CUDA_VISIBLE_DEVICES"],
+        "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd,GPU-00000002-aaaa-bbbb-cccc-dddddddddddd"
+    );
+    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "1,2");
+    let slice: serde_json::Value = serde_json::from_str(&job.env["KERNELKITE_SLICE"]).unwrap();
+    assert_eq!(
+        slice["extra_gpus"].as_array().map(Vec::len),
+        Some(1),
+        "{slice}"
+    );
+    // Given, a count must match the binding.
+    let mut wrong = agent.start_job(
+        &job_id(64),
+        "true",
+        Some(r#"{"gpus":1}"#),
+        Install::AgentBinary,
+    );
+    let out = wrong.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("bound to 2 GPU(s)"),
+        "{}",
+        output_text(&out)
+    );
+    let out = job.run_hook("pre-exit");
+    assert!(out.status.success(), "{}", output_text(&out));
+}

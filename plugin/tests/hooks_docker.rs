@@ -262,19 +262,36 @@ fn network_opt_in_exit_codes_and_multi_gpu() {
     assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0,1");
 }
 
-#[test]
-fn amd_gpus_are_passed_as_devices() {
+/// A node of one-GPU AMD slices at `buses` (render node `renderD<128+i>` each, in its sysfs
+/// tree) with the recording `docker` stub: the node and the agent's environment.
+fn amd_node(buses: &[&str]) -> (Node, std::collections::BTreeMap<String, String>) {
     let node = Node::new(1);
-    let plan = serde_json::json!({"slices": [{"index": 0,
-        "gpu": {"vendor": "amd", "pci_bus_id": "0000:0c:00.0", "uuid": null, "numa_node": 0},
-        "cpus": [0], "mems": [0], "memory_bytes": 1u64 << 30}], "reserved_cpus": [], "warnings": []});
+    let slices: Vec<serde_json::Value> = buses
+        .iter()
+        .enumerate()
+        .map(|(i, bus)| {
+            serde_json::json!({"index": i,
+            "gpu": {"vendor": "amd", "pci_bus_id": bus, "uuid": null, "numa_node": 0},
+            "cpus": [i.min(1)], "mems": [0], "memory_bytes": 1u64 << 30})
+        })
+        .collect();
+    let plan = serde_json::json!({"slices": slices, "reserved_cpus": [], "warnings": []});
     std::fs::write(node.path().join("plan.json"), plan.to_string()).unwrap();
     let sys = node.path().join("sysfs");
-    std::fs::create_dir_all(sys.join("sys/bus/pci/devices/0000:0c:00.0/drm/renderD130")).unwrap();
+    for (i, bus) in buses.iter().enumerate() {
+        let drm = format!("sys/bus/pci/devices/{bus}/drm/renderD{}", 128 + i);
+        std::fs::create_dir_all(sys.join(drm)).unwrap();
+    }
     let stub = docker_stub(node.path(), 0);
     let mut env = node.env.clone();
     env.insert("KERNELKITE_DOCKER".into(), stub.display().to_string());
     env.insert("KERNELKITE_SYSFS_ROOT".into(), sys.display().to_string());
+    (node, env)
+}
+
+#[test]
+fn amd_gpus_are_passed_as_devices() {
+    let (node, env) = amd_node(&["0000:0c:00.0"]);
     let agent = agent::Agent::new(node.path(), "mi300x-gpu0", &env);
     let mut job = agent.start_job(
         "job-amd",
@@ -291,9 +308,164 @@ fn amd_gpus_are_passed_as_devices() {
     let joined = args.join(" ");
     assert!(
         joined.contains(
-            "--device /dev/kfd --device /dev/dri/renderD130 --group-add video --cpuset-cpus 0"
+            "--device /dev/kfd --device /dev/dri/renderD128 --group-add video --cpuset-cpus 0"
         ),
         "{joined}"
     );
     assert!(!joined.contains("--gpus"));
+}
+
+#[test]
+fn image_auto_runs_the_runner_image_of_the_slice_s_gpus() {
+    // An AMD slice: the ROCm image.
+    let (node, env) = amd_node(&["0000:0c:00.0"]);
+    let agent = agent::Agent::new(node.path(), "mi300x-gpu0", &env);
+    let mut job = agent.start_job(
+        "job-amd-auto",
+        "kernelkite-runner --output result.json",
+        Some(r#"{"mode":"docker","image":"auto","user":"65534"}"#),
+        Install::AgentBinary,
+    );
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let command = output_text(&outs[1].1);
+    assert!(
+        command.contains(
+            "image auto: ghcr.io/kernelkite/runner-rocm:0.1.0, the runner image for AMD GPUs"
+        ),
+        "{command}"
+    );
+    let args = &calls(node.path())[0].0;
+    let at = args.len() - 5;
+    assert_eq!(
+        args[at..],
+        strings(&[
+            "ghcr.io/kernelkite/runner-rocm:0.1.0",
+            "/bin/sh",
+            "-e",
+            "-c",
+            "kernelkite-runner --output result.json"
+        ])[..],
+        "{args:?}"
+    );
+    assert!(args.contains(&"/dev/kfd".to_string()), "{args:?}");
+
+    // An NVIDIA slice: the CUDA image.
+    let node = Node::new(1);
+    let stub = docker_stub(node.path(), 0);
+    let mut env = node.env.clone();
+    env.insert("KERNELKITE_DOCKER".into(), stub.display().to_string());
+    let agent = agent::Agent::new(node.path(), "dgx-gpu0", &env);
+    let mut job = agent.start_job(
+        "job-nvidia-auto",
+        "true",
+        Some(r#"{"mode":"docker","image":"auto","user":"65534"}"#),
+        Install::AgentBinary,
+    );
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let args = &calls(node.path())[0].0;
+    assert_eq!(
+        args[args.len() - 5],
+        "ghcr.io/kernelkite/runner:0.1.0",
+        "{args:?}"
+    );
+    assert!(args.contains(&"--gpus".to_string()), "{args:?}");
+}
+
+/// A MIG slice in docker mode: the container is given the MIG device by its uuid (`--gpus
+/// device=MIG-…`, which the NVIDIA container toolkit turns into the GPU's node and the MIG
+/// device's capability nodes) and sees it under that uuid; a job of two slices of which one
+/// is a MIG device is refused before any container starts.
+#[test]
+fn a_mig_slice_gets_its_mig_device_in_the_container() {
+    let node = Node::new(1);
+    let bus = "0000:2a:00.0";
+    let mig = |index: u32, gi: u32| {
+        let uuid = format!("MIG-0000002a-{gi:04x}-4000-8000-000000000000");
+        serde_json::json!({"index": index,
+            "gpu": {"vendor": "nvidia", "pci_bus_id": bus, "uuid": uuid, "numa_node": 0,
+                    "mig": {"uuid": uuid, "gpu_instance_id": gi, "compute_instance_id": 0,
+                            "memory_bytes": 20u64 << 30}},
+            "cpus": [index], "mems": [0], "memory_bytes": 1u64 << 30})
+    };
+    let plan = serde_json::json!({"slices": [mig(0, 3), mig(1, 5)],
+        "reserved_cpus": [], "warnings": []});
+    std::fs::write(node.path().join("plan.json"), plan.to_string()).unwrap();
+    let stub = docker_stub(node.path(), 0);
+    let mut env = node.env.clone();
+    env.insert("KERNELKITE_DOCKER".into(), stub.display().to_string());
+    let config = Some(r#"{"mode":"docker","image":"auto","user":"65534"}"#);
+    let agent = agent::Agent::new(node.path(), "dgx-gpu1", &env);
+    let mut job = agent.start_job("job-mig", "true", config, Install::AgentBinary);
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let uuid = "MIG-0000002a-0005-4000-8000-000000000000";
+    assert_eq!(job.env["NVIDIA_VISIBLE_DEVICES"], uuid);
+    let args = &calls(node.path())[0].0;
+    let at = args.iter().position(|a| a == "--gpus").unwrap();
+    assert_eq!(args[at + 1], format!("device={uuid}"), "{args:?}");
+    assert!(
+        args.contains(&format!("CUDA_VISIBLE_DEVICES={uuid}")),
+        "{args:?}"
+    );
+    assert!(args.contains(&"ghcr.io/kernelkite/runner:0.1.0".to_string()));
+
+    let mut two = env.clone();
+    two.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "0,1".into());
+    let agent = agent::Agent::new(node.path(), "pair", &two);
+    let mut job = agent.start_job("job-mig-pair", "true", config, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("is a MIG device"),
+        "{}",
+        output_text(&out)
+    );
+    assert_eq!(
+        calls(node.path()).len(),
+        2,
+        "no container for the refused job"
+    );
+}
+
+/// A multi-GPU queue's agent bound to two AMD slices in docker mode, its step leaving `gpus`
+/// to the binding: the container gets both GPUs' render nodes and `/dev/kfd`, and numbers
+/// them from 0 as ROCr does in a `/dev` holding only those (kernelkite_sys::kfd).
+#[test]
+fn two_amd_gpus_reach_one_container_numbered_as_it_sees_them() {
+    let (node, mut env) = amd_node(&["0000:0c:00.0", "0000:22:00.0", "0000:38:00.0"]);
+    env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "1+2".into());
+    let agent = agent::Agent::new(node.path(), "mi300x-x2-0", &env);
+    let mut job = agent.start_job(
+        "job-amd-two",
+        "true",
+        Some(r#"{"mode":"docker","image":"auto","user":"65534"}"#),
+        Install::AgentBinary,
+    );
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "1,2");
+    let args = &calls(node.path())[0].0;
+    let joined = args.join(" ");
+    assert!(
+        joined.contains(
+            "--device /dev/kfd --device /dev/dri/renderD129 --device /dev/dri/renderD130 "
+        ),
+        "{joined}"
+    );
+    assert!(!joined.contains("renderD128"), "{joined}");
+    assert!(
+        args.contains(&"ROCR_VISIBLE_DEVICES=0,1".to_string()),
+        "{joined}"
+    );
+    assert!(!joined.contains("HIP_VISIBLE_DEVICES"), "{joined}");
 }

@@ -1201,3 +1201,94 @@ fn a_command_that_cannot_start_fails_the_step_with_the_reason() {
     let exit = job.run_hook("pre-exit");
     assert!(exit.status.success(), "{}", output_text(&exit));
 }
+
+/// A MIG device as a slice, in the real sandbox: GPU 0 in MIG mode, slices 0 and 1 its two
+/// MIG devices. The job sees its MIG device by uuid; its private `/dev` holds the GPU's node
+/// and its own MIG device's two capability nodes, not the other MIG device's nor MIG's
+/// `config` and `monitor`; the devices controller refuses the other's capability even where
+/// its host node is reachable; and the node is the same afterwards.
+#[test]
+fn a_mig_slice_sees_only_its_own_mig_device() {
+    let _one = serial();
+    let Some(cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(node) = SandboxNode::new("m", 64 << 20, Some("kernelkite-job")) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    let root = node.dir.path();
+    let cpu = online_cpus().last().copied().unwrap();
+    let uuid = |gi: u32| format!("MIG-00000018-{gi:04x}-4000-8000-000000000000");
+    let slice = |index: u32, gi: u32| {
+        json!({"index": index,
+               "gpu": {"vendor": "nvidia", "pci_bus_id": "0000:18:00.0", "uuid": uuid(gi),
+                       "numa_node": 0,
+                       "mig": {"uuid": uuid(gi), "gpu_instance_id": gi, "compute_instance_id": 0,
+                               "memory_bytes": 20u64 << 30}},
+               "cpus": [cpu], "mems": [0], "memory_bytes": 64u64 << 20})
+    };
+    let plan = json!({"slices": [slice(0, 3), slice(1, 5)], "reserved_cpus": [], "warnings": []});
+    std::fs::write(root.join("plan.json"), plan.to_string()).unwrap();
+    // A major no driver of this machine has: opening a node the job may use says ENXIO.
+    const CAPS_MAJOR: u32 = 508;
+    kernelkite_testkit::fake_nvml::write_mig_minors(
+        &root.join("sysfs"),
+        CAPS_MAJOR,
+        &[(0, 3, 0, 30, 31), (0, 5, 0, 50, 51)],
+    )
+    .unwrap();
+    std::fs::create_dir_all(root.join("dev/nvidia-caps")).unwrap();
+    for minor in [1, 2, 30, 31, 50, 51] {
+        let ok = Command::new("mknod")
+            .args(["-m", "444"])
+            .arg(root.join(format!("dev/nvidia-caps/nvidia-cap{minor}")))
+            .args(["c", &CAPS_MAJOR.to_string(), &minor.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "mknod nvidia-cap{minor}");
+    }
+    node.warm_up();
+    let before = node.snapshot();
+    let mut job = node.job(
+        &format!("{}-mig", prefix()),
+        r#"set +e
+echo "cuda $CUDA_VISIBLE_DEVICES"
+echo "caps $(ls /dev/nvidia-caps | sort | tr '\n' ' ')"
+echo "gpu-nodes $(ls /dev | grep '^nvidia' | sort | tr '\n' ' ')"
+echo "open-own-cap: $( (exec 3< /dev/nvidia-caps/nvidia-cap31) 2>&1 | sed 's/.*: //')"
+echo "open-other-cap-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia-caps/nvidia-cap51") 2>&1 | sed 's/.*: //')"
+"#,
+    );
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let stdout = String::from_utf8_lossy(&outs[1].1.stdout).into_owned();
+    assert!(stdout.contains(&format!("cuda {}", uuid(3))), "{stdout}");
+    assert!(
+        stdout.contains("caps nvidia-cap30 nvidia-cap31 \n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("gpu-nodes nvidia-caps nvidia0 nvidiactl \n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("open-own-cap: No such device or address"),
+        "{stdout}"
+    );
+    let fake_dev_visible = !["/tmp", "/var/tmp", "/dev/shm"]
+        .iter()
+        .any(|d| std::fs::canonicalize(root).is_ok_and(|p| p.starts_with(d)));
+    if fake_dev_visible
+        && cg.version() == 1
+        && Path::new("/sys/fs/cgroup/devices/devices.deny").exists()
+    {
+        assert!(
+            stdout.contains("open-other-cap-host-node: Operation not permitted"),
+            "{stdout}"
+        );
+    }
+    assert_eq!(before, node.snapshot());
+}

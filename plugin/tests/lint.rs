@@ -164,9 +164,14 @@ fn dockerfiles_pass_hadolint() {
     files(&repo().join("deployment"), &mut all);
     let dockerfiles: Vec<PathBuf> = all
         .into_iter()
-        .filter(|p| p.file_name().is_some_and(|n| n == "Dockerfile"))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n == "Dockerfile" || n.starts_with("Dockerfile."))
+        })
         .collect();
-    assert_eq!(dockerfiles.len(), 2, "{dockerfiles:?}");
+    // The runner's CUDA and ROCm images and the service's.
+    assert_eq!(dockerfiles.len(), 3, "{dockerfiles:?}");
     let out = Command::new(bin)
         .arg("--config")
         .arg(repo().join("deployment/.hadolint.yaml"))

@@ -222,7 +222,7 @@ fn doctor_on_fixtures_and_the_live_machine() {
 /// then NVML failing to initialise.
 #[test]
 fn doctor_reads_the_gpus_through_nvml() {
-    use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+    use kernelkite_testkit::fake_nvml::{h100, mig, mig_uuid, write_mig_minors, FakeNvml};
     let fake = match FakeNvml::build() {
         Ok(f) => f,
         Err(why) => return kernelkite_testkit::skip(&why),
@@ -237,7 +237,8 @@ fn doctor_reads_the_gpus_through_nvml() {
         .map(|(i, g)| h100(&g.pci_bus_id, i as u32, 0))
         .collect();
     assert_eq!(topo.gpus.len(), 8);
-    let doctor = |config: &str| {
+    // The doctor line named `check`, with the stand-in configured as `config` says.
+    let doctor_line = |config: &str, check: &str| {
         fake.configure(config);
         let o = Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
             .args(["doctor", "--sysfs-root", dir.path().to_str().unwrap()])
@@ -247,10 +248,11 @@ fn doctor_reads_the_gpus_through_nvml() {
             .unwrap();
         let (out, _) = text(&o);
         out.lines()
-            .find(|l| l.contains("nvidia driver"))
+            .find(|l| l.contains(&format!(" {check} ")))
             .map(str::to_string)
-            .unwrap_or_else(|| panic!("no nvidia driver line: {out}"))
+            .unwrap_or_else(|| panic!("no {check} line: {out}"))
     };
+    let doctor = |config: &str| doctor_line(config, "nvidia driver");
     let line = doctor(&config);
     assert!(
         line.starts_with("ok") && line.contains("NVML sees 8 of 8 GPU(s)"),
@@ -261,6 +263,53 @@ fn doctor_reads_the_gpus_through_nvml() {
         line.starts_with("warn") && line.contains("NVML failed") && line.contains("nvmlInit_v2"),
         "{line}"
     );
+
+    // GPU 1 in MIG mode with two MIG devices: doctor reports the layout, and fails it while
+    // the driver lists no capability node a job would need for them.
+    let bus = &topo.gpus[1].pci_bus_id;
+    let mig_config = format!("{config}{}{}", mig(bus, 3, 0, 40), mig(bus, 5, 0, 20));
+    let mig_line = || doctor_line(&mig_config, "mig");
+    let line = mig_line();
+    assert!(
+        line.starts_with("fail") && line.contains("lists no capability"),
+        "{line}"
+    );
+    write_mig_minors(dir.path(), 508, &[(1, 3, 0, 30, 31), (1, 5, 0, 50, 51)]).unwrap();
+    let line = mig_line();
+    assert!(
+        line.starts_with("fail") && line.contains("/dev/nvidia-caps/nvidia-cap30"),
+        "{line}"
+    );
+    std::fs::create_dir_all(dir.path().join("dev/nvidia-caps")).unwrap();
+    for cap in [30, 31, 50, 51] {
+        std::fs::write(
+            dir.path().join(format!("dev/nvidia-caps/nvidia-cap{cap}")),
+            "",
+        )
+        .unwrap();
+    }
+    let params = dir.path().join("sys/module/nvidia/parameters");
+    std::fs::create_dir_all(&params).unwrap();
+    std::fs::write(params.join("nv_cap_enable_devfs"), "0\n").unwrap();
+    let line = mig_line();
+    assert!(
+        line.starts_with("fail") && line.contains("nv_cap_enable_devfs=0"),
+        "{line}"
+    );
+    std::fs::write(params.join("nv_cap_enable_devfs"), "1\n").unwrap();
+    let line = mig_line();
+    assert!(line.starts_with("ok"), "{line}");
+    for want in [
+        format!("GPU {bus}: 2 MIG device(s)"),
+        format!(
+            "{} (4g.40gb, GPU instance 3, compute instance 0, 40.0 GiB)",
+            mig_uuid(bus, 3, 0)
+        ),
+        mig_uuid(bus, 5, 0),
+        "one slice per MIG device".to_string(),
+    ] {
+        assert!(line.contains(&want), "{want} in {line}");
+    }
 }
 
 #[test]

@@ -742,6 +742,69 @@ fn a_changed_layout_stops_and_removes_the_agents_it_no_longer_wants() {
     );
 }
 
+/// A queue of 4-GPU jobs beside the one-GPU queue on a DGX H100: one agent per NUMA node's
+/// four GPUs, bound to those slices, on its own queue; the one-GPU agents stay as they were.
+/// A multi-GPU queue named like the one-GPU queue, or a size no group fits, is refused first.
+#[test]
+fn a_multi_gpu_queue_is_served_beside_the_one_gpu_queue() {
+    let node = prepare(&DGX);
+    let before = snapshot(&node);
+    for (extra, says) in [
+        (
+            &["--multi-gpu-queue", "h100"][..],
+            "is the node's one-GPU queue",
+        ),
+        (
+            &["--multi-gpu-queue", "h100-x9", "--multi-gpu-size", "9"][..],
+            "no group of 9 GPUs",
+        ),
+        (
+            &["--multi-gpu-queue", "h100-x1", "--multi-gpu-size", "1"][..],
+            "2 GPUs or more",
+        ),
+    ] {
+        let out = setup(&node, &DGX, extra);
+        assert!(!out.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert_eq!(snapshot(&node), before, "{extra:?} changed the root");
+    }
+    let out = stdout_ok(&setup(
+        &node,
+        &DGX,
+        &["--multi-gpu-queue", "h100-x4", "--multi-gpu-size", "4"],
+    ));
+    assert!(
+        out.contains(r#"; 2 agent(s) of 4 GPUs on queue "h100-x4""#),
+        "{out}"
+    );
+    let cfg = |name: &str| {
+        std::fs::read_to_string(
+            node.root()
+                .join(format!("etc/kernelkite/agents/{name}.cfg")),
+        )
+        .unwrap()
+    };
+    for (name, tags) in [
+        ("x4-0", "queue=h100-x4,node=dgx01,gpu-index=0+1+2+3"),
+        ("x4-1", "queue=h100-x4,node=dgx01,gpu-index=4+5+6+7"),
+        ("gpu0", "queue=h100,node=dgx01,gpu-index=0"),
+        ("gpu7", "queue=h100,node=dgx01,gpu-index=7"),
+    ] {
+        let text = cfg(name);
+        assert_eq!(agent_setting(&text, "tags"), Some(tags), "{name}:\n{text}");
+        assert_locked_down(&text, Path::new(name));
+    }
+    assert_eq!(agent_setting(&cfg("x4-1"), "name"), Some("dgx01-x4-1"));
+    assert!(
+        command_lines(&out)
+            .iter()
+            .any(|c| c.contains("kernelkite-agent@x4-0.service")
+                && c.contains("kernelkite-agent@gpu0.service")),
+        "{out}"
+    );
+}
+
 #[test]
 fn setup_refuses_what_it_cannot_use_before_touching_anything() {
     let node = prepare(&DGX);

@@ -394,7 +394,7 @@ fn nvml_gpus(dev_root: &Path) -> Option<Gpus> {
 /// (indices, or UUID prefixes `GPU-…`; the list ends at the first token that names none or
 /// repeats one, as CUDA reads it), each kept only when its `/dev/nvidia<minor>` under
 /// `dev_root` opens: a job whose device node is missing cannot use the GPU, whatever the
-/// variable says.
+/// variable says. A MIG device's uuid (`MIG-…`) stands for its GPU, and ends the list.
 pub fn usable_nvidia<'a>(
     devices: &'a [kernelkite_sys::nvml::DeviceInfo],
     visible: Option<&str>,
@@ -406,12 +406,17 @@ pub fn usable_nvidia<'a>(
             let mut chosen = Vec::new();
             for token in v.split(',').map(str::trim) {
                 let found = if token.starts_with("GPU-") || token.starts_with("MIG-") {
-                    let mut m = devices
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, d)| d.uuid.as_deref().is_some_and(|u| u.starts_with(token)));
+                    // A MIG device is named by its own uuid and stands for its GPU here; a
+                    // prefix naming more than one uuid, GPU or MIG device, names none.
+                    let mut m = devices.iter().enumerate().flat_map(|(i, d)| {
+                        d.uuid
+                            .iter()
+                            .chain(d.mig.iter().map(|m| &m.uuid))
+                            .filter(|u| u.starts_with(token))
+                            .map(move |_| i)
+                    });
                     match (m.next(), m.next()) {
-                        (Some((i, _)), None) => Some(i),
+                        (Some(i), None) => Some(i),
                         _ => None,
                     }
                 } else {
@@ -420,6 +425,11 @@ pub fn usable_nvidia<'a>(
                 match found {
                     Some(i) if !chosen.contains(&i) => chosen.push(i),
                     _ => break,
+                }
+                // CUDA enumerates one MIG device per process (NVIDIA's MIG user guide, "CUDA
+                // Device Enumeration"): the list ends after the first.
+                if token.starts_with("MIG-") {
+                    break;
                 }
             }
             chosen
@@ -542,6 +552,8 @@ mod tests {
             uuid: Some(format!("GPU-{minor}aaaaaaa-0000")),
             minor: Some(minor),
             name: Some("NVIDIA H100".into()),
+            mig: vec![],
+            nvlink_peers: vec![],
         };
         let devices: Vec<DeviceInfo> = (0..4).map(gpu).collect();
         // The job's /dev holds its GPU's node only (minor 2).
@@ -556,6 +568,23 @@ mod tests {
         assert_eq!(count(Some("2,GPU-9,1")), 1);
         assert_eq!(count(Some("GPU-")), 0, "an ambiguous prefix names none");
         assert_eq!(count(Some("")), 0);
+
+        // GPU 2 in MIG mode: a MIG device's uuid names it, and CUDA stops after the first MIG
+        // device, so a job given two of them still sees one.
+        let mut devices = devices;
+        devices[2].mig = (0..2)
+            .map(|gi| kernelkite_sys::nvml::MigDeviceInfo {
+                uuid: format!("MIG-2{gi}bbbbbb-0000"),
+                gpu_instance_id: gi,
+                compute_instance_id: 0,
+                memory_bytes: 10 << 30,
+                name: None,
+            })
+            .collect();
+        let count = |v: Option<&str>| usable_nvidia(&devices, v, dev.path()).len();
+        assert_eq!(count(Some("MIG-20bbbbbb-0000")), 1);
+        assert_eq!(count(Some("MIG-21bbbbbb-0000,MIG-20bbbbbb-0000")), 1);
+        assert_eq!(count(Some("MIG-2")), 0, "an ambiguous prefix names none");
     }
 
     #[test]

@@ -11,7 +11,11 @@
  *
  * KERNELKITE_FAKE_NVML names the file, read at nvmlInit_v2; one item per line:
  *   gpu <bus id> <uuid> <minor> <max graphics MHz> <memory used bytes> <name ...>
- *   proc <bus id> <pid> <used bytes>
+ *   proc <bus id, or a MIG device's uuid> <pid> <used bytes>
+ *   mig <parent bus id> <gpu instance id> <compute instance id> <uuid> <memory bytes> <name ...>
+ *       (a MIG device; a GPU with any is in MIG mode, and its MIG devices are numbered
+ *       0.. in the order given, as nvmlDeviceGetMigDeviceHandleByIndex numbers them)
+ *   nvlink <bus id> <bus id>   (the two GPUs are NVLink peers, both ways)
  *   fail <function name> <nvmlReturn_t code>
  * KERNELKITE_FAKE_NVML_LOG, if set, names a file each call that changes something is
  * appended to ("lock <bus id> <min> <max>", "reset <bus id>").
@@ -32,6 +36,10 @@
 #define MAX_GPUS 16
 #define MAX_PROCS 64
 #define MAX_FAILS 32
+#define MAX_MIGS 64
+#define MAX_LINKS 64
+/* nvmlDeviceGetMaxMigDeviceCount on an H100 / A100: seven 1g instances at most. */
+#define MAX_MIG_PER_GPU 7
 
 typedef int nvmlReturn_t;
 
@@ -58,11 +66,15 @@ struct fake_gpu {
     unsigned int minor, max_clock;
     unsigned long long mem_used;
     char name[96];
+    /* MIG devices only: the parent GPU, the instance ids and the memory size. */
+    struct fake_gpu *parent;
+    unsigned int gi, ci;
+    unsigned long long mem_total;
 };
 typedef struct fake_gpu *nvmlDevice_t;
 
 struct fake_proc {
-    char bus[32];
+    char bus[96]; /* a bus id, or a MIG device's uuid */
     unsigned int pid;
     unsigned long long used;
 };
@@ -72,10 +84,16 @@ struct fake_fail {
     nvmlReturn_t code;
 };
 
+struct fake_link {
+    char a[32], b[32];
+};
+
 static struct fake_gpu gpus[MAX_GPUS];
+static struct fake_gpu migs[MAX_MIGS];
 static struct fake_proc procs[MAX_PROCS];
 static struct fake_fail fails[MAX_FAILS];
-static unsigned int n_gpus, n_procs, n_fails;
+static struct fake_link links[MAX_LINKS];
+static unsigned int n_gpus, n_migs, n_procs, n_fails, n_links;
 static int initialised;
 
 static void log_line(const char *fmt, const char *a, unsigned int b, unsigned int c)
@@ -110,7 +128,8 @@ static nvmlReturn_t failure(const char *function)
 
 static void read_config(void)
 {
-    n_gpus = n_procs = n_fails = 0;
+    n_gpus = n_migs = n_procs = n_fails = n_links = 0;
+    char parents[MAX_MIGS][32];
     const char *path = getenv("KERNELKITE_FAKE_NVML");
     if (!path)
         return;
@@ -130,8 +149,21 @@ static void read_config(void)
             }
         } else if (strncmp(line, "proc ", 5) == 0 && n_procs < MAX_PROCS) {
             struct fake_proc *p = &procs[n_procs];
-            if (sscanf(line + 5, "%31s %u %llu", p->bus, &p->pid, &p->used) == 3)
+            if (sscanf(line + 5, "%95s %u %llu", p->bus, &p->pid, &p->used) == 3)
                 n_procs++;
+        } else if (strncmp(line, "mig ", 4) == 0 && n_migs < MAX_MIGS) {
+            struct fake_gpu *m = &migs[n_migs];
+            int used = 0;
+            memset(m, 0, sizeof *m);
+            if (sscanf(line + 4, "%31s %u %u %95s %llu %n", parents[n_migs], &m->gi, &m->ci,
+                       m->uuid, &m->mem_total, &used) >= 5) {
+                snprintf(m->name, sizeof m->name, "%s", line + 4 + used);
+                n_migs++;
+            }
+        } else if (strncmp(line, "nvlink ", 7) == 0 && n_links < MAX_LINKS) {
+            struct fake_link *l = &links[n_links];
+            if (sscanf(line + 7, "%31s %31s", l->a, l->b) == 2)
+                n_links++;
         } else if (strncmp(line, "fail ", 5) == 0 && n_fails < MAX_FAILS) {
             struct fake_fail *x = &fails[n_fails];
             if (sscanf(line + 5, "%63s %d", x->function, &x->code) == 2)
@@ -139,6 +171,32 @@ static void read_config(void)
         }
     }
     fclose(f);
+    /* Parents are named by bus id; GPU lines may come after the MIG lines. */
+    unsigned int kept = 0;
+    for (unsigned int i = 0; i < n_migs; i++) {
+        struct fake_gpu *parent = NULL;
+        for (unsigned int g = 0; g < n_gpus; g++)
+            if (strcasecmp(gpus[g].bus, parents[i]) == 0)
+                parent = &gpus[g];
+        if (!parent)
+            continue;
+        migs[kept] = migs[i];
+        migs[kept].parent = parent;
+        snprintf(migs[kept].bus, sizeof migs[kept].bus, "%s", parent->bus);
+        migs[kept].minor = parent->minor;
+        kept++;
+    }
+    n_migs = kept;
+}
+
+/* The MIG devices of `gpu`, in the order the configuration gave them. */
+static unsigned int mig_count(const struct fake_gpu *gpu)
+{
+    unsigned int n = 0;
+    for (unsigned int i = 0; i < n_migs; i++)
+        if (migs[i].parent == gpu)
+            n++;
+    return n;
 }
 
 nvmlReturn_t nvmlInit_v2(void)
@@ -256,7 +314,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     /* NVML_STRUCT_VERSION(Memory, 2): the caller must say which layout it passes. */
     if (memory->version != (unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    memory->total = 80ULL << 30;
+    memory->total = device->parent ? device->mem_total : 80ULL << 30;
     memory->reserved = 0;
     memory->used = device->mem_used;
     memory->free = memory->total - device->mem_used;
@@ -269,9 +327,11 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
     ENTER("nvmlDeviceGetComputeRunningProcesses_v3");
     if (!device || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    /* A MIG device's processes are named by its uuid; a GPU's by its bus id. */
+    const char *key = device->parent ? device->uuid : device->bus;
     unsigned int mine = 0;
     for (unsigned int i = 0; i < n_procs; i++)
-        if (strcasecmp(procs[i].bus, device->bus) == 0)
+        if (strcasecmp(procs[i].bus, key) == 0)
             mine++;
     if (!infos || *count < mine) {
         /* NVML's contract: the count needed, and INSUFFICIENT_SIZE unless there is none. */
@@ -280,12 +340,12 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
     }
     unsigned int k = 0;
     for (unsigned int i = 0; i < n_procs; i++) {
-        if (strcasecmp(procs[i].bus, device->bus) != 0)
+        if (strcasecmp(procs[i].bus, key) != 0)
             continue;
         infos[k].pid = procs[i].pid;
         infos[k].usedGpuMemory = procs[i].used;
-        infos[k].gpuInstanceId = 0xFFFFFFFF;
-        infos[k].computeInstanceId = 0xFFFFFFFF;
+        infos[k].gpuInstanceId = device->parent ? device->gi : 0xFFFFFFFF;
+        infos[k].computeInstanceId = device->parent ? device->ci : 0xFFFFFFFF;
         k++;
     }
     *count = k;
@@ -317,5 +377,111 @@ nvmlReturn_t nvmlDeviceResetGpuLockedClocks(nvmlDevice_t device)
     if (!device)
         return NVML_ERROR_INVALID_ARGUMENT;
     log_line("reset %s\n", device->bus, 0, 0);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    ENTER("nvmlDeviceGetHandleByUUID");
+    if (!uuid || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < n_gpus; i++) {
+        if (strcmp(gpus[i].uuid, uuid) == 0) {
+            *device = &gpus[i];
+            return NVML_SUCCESS;
+        }
+    }
+    /* NVML finds MIG devices by their MIG-… uuid too (R470 and later). */
+    for (unsigned int i = 0; i < n_migs; i++) {
+        if (strcmp(migs[i].uuid, uuid) == 0) {
+            *device = &migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
+                                  unsigned int *pending)
+{
+    ENTER("nvmlDeviceGetMigMode");
+    if (!device || !current || !pending || device->parent)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* NVML_DEVICE_MIG_ENABLE is 1. */
+    *current = *pending = mig_count(device) > 0 ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    ENTER("nvmlDeviceGetMaxMigDeviceCount");
+    if (!device || !count || device->parent)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = mig_count(device) > 0 ? MAX_MIG_PER_GPU : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                 nvmlDevice_t *mig)
+{
+    ENTER("nvmlDeviceGetMigDeviceHandleByIndex");
+    if (!device || !mig || device->parent)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int seen = 0;
+    for (unsigned int i = 0; i < n_migs; i++) {
+        if (migs[i].parent != device)
+            continue;
+        if (seen++ == index) {
+            *mig = &migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    /* Indices up to the maximum count that hold no MIG device are NOT_FOUND, as in NVML. */
+    return index < MAX_MIG_PER_GPU ? NVML_ERROR_NOT_FOUND : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *is_mig)
+{
+    ENTER("nvmlDeviceIsMigDeviceHandle");
+    if (!device || !is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *is_mig = device->parent != NULL;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    ENTER("nvmlDeviceGetGpuInstanceId");
+    if (!device || !id || !device->parent)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->gi;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    ENTER("nvmlDeviceGetComputeInstanceId");
+    if (!device || !id || !device->parent)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->ci;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t a, nvmlDevice_t b, int index, int *status)
+{
+    ENTER("nvmlDeviceGetP2PStatus");
+    if (!a || !b || !status)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* NVML_P2P_CAPS_INDEX_NVLINK is 2; NVML_P2P_STATUS_OK 0, _NOT_SUPPORTED 5. */
+    if (index != 2) {
+        *status = 5;
+        return NVML_SUCCESS;
+    }
+    *status = 5;
+    for (unsigned int i = 0; i < n_links; i++) {
+        if ((strcasecmp(links[i].a, a->bus) == 0 && strcasecmp(links[i].b, b->bus) == 0)
+            || (strcasecmp(links[i].a, b->bus) == 0 && strcasecmp(links[i].b, a->bus) == 0))
+            *status = 0;
+    }
     return NVML_SUCCESS;
 }

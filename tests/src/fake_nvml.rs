@@ -67,7 +67,9 @@ impl FakeNvml {
     }
 
     /// What the next `nvmlInit_v2` reads: `gpu <bus> <uuid> <minor> <max MHz> <used bytes>
-    /// <name>`, `proc <bus> <pid> <used bytes>`, `fail <function> <code>` lines.
+    /// <name>`, `proc <bus or MIG uuid> <pid> <used bytes>`, `mig <parent bus> <gi> <ci>
+    /// <uuid> <bytes> <name>`, `nvlink <bus> <bus>`, `fail <function> <code>` lines (the
+    /// format is described in `tests/nvml/fake_nvml.c`).
     pub fn configure(&self, text: &str) {
         std::fs::write(self.config_path(), text).unwrap_or_else(|e| panic!("{e}"));
     }
@@ -110,4 +112,50 @@ pub fn h100_uuid(bus: &str) -> String {
     let digits: String = bus.chars().filter(char::is_ascii_hexdigit).collect();
     let n = u64::from_str_radix(&digits, 16).unwrap_or(0) & 0xffff_ffff;
     format!("GPU-{n:08x}-0000-4000-8000-000000000000")
+}
+
+/// A `mig` line: a MIG device of the GPU at `parent` (GPU instance `gi`, compute instance
+/// `ci`) with `gib` GiB of memory and the UUID [`mig_uuid`] gives it.
+pub fn mig(parent: &str, gi: u32, ci: u32, gib: u64) -> String {
+    format!(
+        "mig {parent} {gi} {ci} {} {} NVIDIA H100 80GB HBM3 MIG {}g.{}gb\n",
+        mig_uuid(parent, gi, ci),
+        gib << 30,
+        gib.div_ceil(10).max(1),
+        gib
+    )
+}
+
+/// The UUID [`mig`] gives a MIG device: `MIG-`, the parent's bus digits and the instance ids.
+pub fn mig_uuid(parent: &str, gi: u32, ci: u32) -> String {
+    let digits: String = parent.chars().filter(char::is_ascii_hexdigit).collect();
+    let n = u64::from_str_radix(&digits, 16).unwrap_or(0) & 0xffff_ffff;
+    format!("MIG-{n:08x}-{gi:04x}-4{ci:03x}-8000-000000000000")
+}
+
+/// An `nvlink` line: the GPUs at `a` and `b` are NVLink peers.
+pub fn nvlink(a: &str, b: &str) -> String {
+    format!("nvlink {a} {b}\n")
+}
+
+/// Writes the NVIDIA driver's MIG files under `root` (what `kernelkite_sys::nvidia` reads): `mig-minors` with `config` 1,
+/// `monitor` 2 and the given `(gpu minor, gi, ci, gi cap, ci cap)` entries, and `nvidia-caps`
+/// as major `major` in `proc/devices`.
+pub fn write_mig_minors(
+    root: &Path,
+    major: u32,
+    entries: &[(u32, u32, u32, u32, u32)],
+) -> std::io::Result<()> {
+    let dir = root.join("proc/driver/nvidia-caps");
+    std::fs::create_dir_all(&dir)?;
+    let mut text = String::from("config 1\nmonitor 2\n");
+    for (gpu, gi, ci, gi_cap, ci_cap) in entries {
+        text.push_str(&format!("gpu{gpu}/gi{gi}/access {gi_cap}\n"));
+        text.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {ci_cap}\n"));
+    }
+    std::fs::write(dir.join("mig-minors"), text)?;
+    std::fs::write(
+        root.join("proc/devices"),
+        format!("Character devices:\n  1 mem\n195 nvidia\n{major} nvidia-caps\n"),
+    )
 }

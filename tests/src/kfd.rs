@@ -44,6 +44,17 @@ pub fn write_mi300x(root: &Path, present: &[usize], with_uuids: bool) -> std::io
                 ),
             )
         };
+        if n >= 2 {
+            // An xGMI link (type 11) to every other GPU node, as on an MI300X platform.
+            for (k, to) in (2..10usize).filter(|to| *to != n).enumerate() {
+                let l = d.join("io_links").join(k.to_string());
+                std::fs::create_dir_all(&l)?;
+                std::fs::write(
+                    l.join("properties"),
+                    format!("type 11\nnode_from {n}\nnode_to {to}\nweight 15\n"),
+                )?;
+            }
+        }
         std::fs::write(d.join("gpu_id"), format!("{gpu_id}\n"))?;
         std::fs::write(d.join("properties"), props)?;
     }

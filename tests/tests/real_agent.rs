@@ -162,3 +162,99 @@ subprocess.run(["buildkite-agent", "env", "set", "KK_FROM_PLUGIN=exported"], che
     assert_eq!(seen, emulated, "{log}");
     assert_eq!(seen["BUILDKITE_PLUGIN_NAME"], "PLUGIN");
 }
+
+/// A multi-GPU queue's agent as `setup` renders it (`setup::render::agent_config`), started by
+/// the real agent against the fake Buildkite: it registers `gpu-index` with every GPU of its
+/// group (the hooks read that tag as `BUILDKITE_AGENT_META_DATA_GPU_INDEX`). The agent splits
+/// its `tags` at commas, so the group must not be written with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_agent_registers_a_multi_gpu_agent_s_whole_group() {
+    use kernelkite_isolate::setup::render::{self, AgentLayout, MultiGpu, Options};
+    let Some(agent) = agent() else {
+        return;
+    };
+    let fake = kernelkite_testkit::fake_buildkite::FakeBuildkite::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let topo = kernelkite_topology::fakesys::dgx_h100();
+    topo.write_to(&root.join("sys")).unwrap();
+    let topo = kernelkite_topology::Topology::discover(&root.join("sys")).unwrap();
+    let plan = kernelkite_topology::planner::plan(&topo, &Default::default()).unwrap();
+    let opts = Options {
+        prefix: "/opt/kernelkite".into(),
+        binaries_from: root.into(),
+        optional_binaries: Vec::new(),
+        queue: "h100".into(),
+        node: "dgx01".into(),
+        agents: AgentLayout::PerSlice,
+        job_config: r#"{"mode":"host"}"#.into(),
+        buildkite_agent: agent.clone(),
+        token: Some(kernelkite_testkit::fake_buildkite::FAKE_AGENT_TOKEN.into()),
+        plugin_location: "github.com/kernelkite/kernelkite/plugin".into(),
+        job_env: Vec::new(),
+        multi_gpu: Some(MultiGpu {
+            queue: "h100-x4".into(),
+            groups: vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]],
+        }),
+    };
+    let agents = render::agents(&plan, &opts);
+    let group = agents.iter().find(|a| a.instance == "x4-1").unwrap();
+    let (config, _) = render::agent_config(&plan, &opts, group);
+    let cfg = root.join("x4-1.cfg");
+    std::fs::write(&cfg, config).unwrap();
+    for d in ["builds", "plugins", "hooks"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    let log = root.join("agent.log");
+    let mut child = Command::new(&agent)
+        .arg("start")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--endpoint")
+        .arg(fake.agent_api_url())
+        .arg("--build-path")
+        .arg(root.join("builds"))
+        .arg("--plugins-path")
+        .arg(root.join("plugins"))
+        .arg("--hooks-path")
+        .arg(root.join("hooks"))
+        .env_clear()
+        .env("HOME", root)
+        .env("PATH", "/usr/bin:/bin")
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(root.join("agent.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let registered = loop {
+        if let Some(a) = fake.registered_agents().into_iter().next() {
+            break a;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!(
+                "the agent did not register: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(registered.name, "dgx01-x4-1");
+    assert!(
+        registered.tags.contains(&"gpu-index=4+5+6+7".to_string()),
+        "{:?}",
+        registered.tags
+    );
+    assert!(registered.tags.contains(&"queue=h100-x4".to_string()));
+    // What the hooks make of that tag: the whole group.
+    let env = BTreeMap::from([(
+        "BUILDKITE_AGENT_META_DATA_GPU_INDEX".to_string(),
+        "4+5+6+7".to_string(),
+    )]);
+    assert_eq!(
+        kernelkite_isolate::job::env::agent_gpus(&env).unwrap(),
+        Some(vec![4, 5, 6, 7])
+    );
+}

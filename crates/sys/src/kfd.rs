@@ -42,6 +42,31 @@ pub struct KfdGpu {
     pub pci_bus_id: String,
     /// `simd_count`: a node without SIMDs is no GPU to ROCr.
     pub simds: u64,
+    /// Nodes this one reaches over xGMI: its `io_links` of type 11 (`HSA_IOLINK_TYPE_XGMI`
+    /// in ROCR-Runtime's `libhsakmt/include/hsakmt/hsakmttypes.h`), by `node_to`.
+    pub xgmi_to: Vec<u32>,
+}
+
+/// `type` of an xGMI link in a node's `io_links/<n>/properties`.
+pub const IOLINK_TYPE_XGMI: u64 = 11;
+
+/// The `node_to` of every xGMI link under a node's directory, ascending.
+fn xgmi_links(node_dir: &Path) -> Vec<u32> {
+    let mut out: Vec<u32> = std::fs::read_dir(node_dir.join("io_links"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let props =
+                parse_properties(&std::fs::read_to_string(e.path().join("properties")).ok()?);
+            (props.get("type") == Some(&IOLINK_TYPE_XGMI))
+                .then(|| u32::try_from(*props.get("node_to")?).ok())
+                .flatten()
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 impl KfdGpu {
@@ -111,6 +136,7 @@ pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
                     loc & 0x7
                 ),
                 simds: get("simd_count"),
+                xgmi_to: xgmi_links(&path),
             })
         })
         .collect()

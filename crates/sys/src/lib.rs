@@ -6,6 +6,8 @@
 //! * [`identity`]: the job's two identities (the command's, the submission's) and the variable
 //!   that names the second.
 //! * [`host`]: this machine's name.
+//! * [`nvidia`]: the NVIDIA driver's device files (a GPU's minor, a MIG device's capability
+//!   nodes).
 //! * [`kfd`]: AMD GPUs as ROCm enumerates them (the KFD topology, the visibility variables).
 //! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
 //! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
@@ -21,6 +23,7 @@ pub mod fs;
 pub mod host;
 pub mod identity;
 pub mod kfd;
+pub mod nvidia;
 pub mod nvml;
 pub mod procfs;
 pub mod raw;

@@ -8,7 +8,7 @@
 //! runner only when its probe asks for it, and the hooks reach it through their `GpuControl`
 //! trait, so all of them are tested without a GPU.
 
-use nvml_wrapper::enum_wrappers::device::Clock;
+use nvml_wrapper::enum_wrappers::device::{Clock, P2pCapabilitiesIndex, P2pStatus};
 use nvml_wrapper::enums::device::{GpuLockedClocksSetting, UsedGpuMemory};
 use nvml_wrapper::Device;
 
@@ -73,6 +73,33 @@ pub struct DeviceInfo {
     pub minor: Option<u32>,
     /// The marketing name (`NVIDIA H100 80GB HBM3`).
     pub name: Option<String>,
+    /// Its MIG devices when MIG mode is on (empty when off or unsupported), in NVML's order.
+    pub mig: Vec<MigDeviceInfo>,
+    /// Bus ids (as NVML writes them) of the other GPUs it reaches over NVLink, directly or
+    /// through NVSwitch (`nvmlDeviceGetP2PStatus` with the NVLink capability).
+    pub nvlink_peers: Vec<String>,
+}
+
+/// One MIG device (a compute instance within a GPU instance) as NVML reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigDeviceInfo {
+    /// `MIG-…`: what `CUDA_VISIBLE_DEVICES` takes to show the process this device only.
+    pub uuid: String,
+    /// The GPU instance id (`gi`), which names its capability in `/proc/driver/nvidia-caps`.
+    pub gpu_instance_id: u32,
+    /// The compute instance id (`ci`) within the GPU instance.
+    pub compute_instance_id: u32,
+    /// Its memory, in bytes.
+    pub memory_bytes: u64,
+    /// NVML's name for it (`NVIDIA H100 80GB HBM3 MIG 1g.10gb`), when it has one.
+    pub name: Option<String>,
+}
+
+/// Which instance id of a MIG device.
+#[derive(Debug, Clone, Copy)]
+enum InstanceId {
+    Gpu,
+    Compute,
 }
 
 /// A compute process on a GPU.
@@ -140,9 +167,11 @@ impl Nvml {
         device.name().map_err(NvmlError::call("nvmlDeviceGetName"))
     }
 
-    /// Every GPU NVML sees. The bus id is required; the rest is filled when NVML has it.
+    /// Every GPU NVML sees, with its MIG devices and NVLink peers. The bus id is required; the
+    /// rest is filled when NVML has it.
     pub fn devices(&self) -> Result<Vec<DeviceInfo>, NvmlError> {
         let count = self.device_count()?;
+        let mut handles = Vec::with_capacity(count as usize);
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
             let device = self
@@ -157,18 +186,102 @@ impl Nvml {
                 uuid: device.uuid().ok(),
                 minor: device.minor_number().ok(),
                 name: device.name().ok(),
+                mig: self.mig_devices(&device)?,
+                nvlink_peers: Vec::new(),
+            });
+            handles.push(device);
+        }
+        for (i, a) in handles.iter().enumerate() {
+            for (j, b) in handles.iter().enumerate() {
+                // A GPU or driver without NVLink answers NotSupported, for the call or the pair.
+                let linked = i != j
+                    && matches!(
+                        a.p2p_status(b, P2pCapabilitiesIndex::NvLink),
+                        Ok(P2pStatus::Ok)
+                    );
+                if linked {
+                    let peer = out[j].pci_bus_id.clone();
+                    out[i].nvlink_peers.push(peer);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The MIG devices of `device` when MIG mode is on now (a pending change needs a GPU
+    /// reset first, so it does not count). GPUs without MIG say NotSupported: none.
+    fn mig_devices(&self, device: &Device<'_>) -> Result<Vec<MigDeviceInfo>, NvmlError> {
+        match device.mig_mode() {
+            // NVML_DEVICE_MIG_ENABLE is 1 (nvml.h).
+            Ok(mode) if mode.current == 1 => {}
+            _ => return Ok(Vec::new()),
+        }
+        let max = device
+            .mig_device_count()
+            .map_err(NvmlError::call("nvmlDeviceGetMaxMigDeviceCount"))?;
+        let mut out = Vec::new();
+        for index in 0..max {
+            // Indices without a MIG device behind them answer NotFound; they are skipped.
+            let Ok(mig) = device.mig_device_by_index(index) else {
+                continue;
+            };
+            out.push(MigDeviceInfo {
+                uuid: mig.uuid().map_err(NvmlError::call("nvmlDeviceGetUUID"))?,
+                gpu_instance_id: self.instance_id(&mig, InstanceId::Gpu)?,
+                compute_instance_id: self.instance_id(&mig, InstanceId::Compute)?,
+                memory_bytes: mig
+                    .memory_info()
+                    .map(|m| m.total)
+                    .map_err(NvmlError::call("nvmlDeviceGetMemoryInfo_v2"))?,
+                name: mig.name().ok(),
             });
         }
         Ok(out)
     }
 
-    fn device(&self, bus_id: &str) -> Result<Device<'_>, NvmlError> {
+    /// A MIG device's GPU or compute instance id: nvml-wrapper 0.13 binds these calls but does
+    /// not wrap them, so they are made here through its loaded library.
+    fn instance_id(&self, mig: &Device<'_>, which: InstanceId) -> Result<u32, NvmlError> {
+        let lib = self.inner.lib();
+        let (call, function) = match which {
+            InstanceId::Gpu => (
+                "nvmlDeviceGetGpuInstanceId",
+                lib.nvmlDeviceGetGpuInstanceId.as_ref().ok(),
+            ),
+            InstanceId::Compute => (
+                "nvmlDeviceGetComputeInstanceId",
+                lib.nvmlDeviceGetComputeInstanceId.as_ref().ok(),
+            ),
+        };
+        let Some(function) = function else {
+            return Err(NvmlError::Symbol {
+                library: LIBRARY.to_string(),
+                source: DriverError::FailedToLoadSymbol(call.to_string()),
+            });
+        };
+        let mut id: std::os::raw::c_uint = 0;
+        // SAFETY: `mig` is a live handle of this NVML (it borrows `self.inner`), and `id` is a
+        // valid place for the one `unsigned int` the function writes.
+        let code = unsafe { function(mig.handle(), &mut id) };
+        nvml_wrapper::error::nvml_try(code).map_err(NvmlError::call(call))?;
+        Ok(id)
+    }
+
+    /// The device `id` names: a MIG device by its `MIG-…` uuid, else a GPU by its bus id.
+    fn device(&self, id: &str) -> Result<Device<'_>, NvmlError> {
+        if id.starts_with("MIG-") {
+            return self
+                .inner
+                .device_by_uuid(id)
+                .map_err(NvmlError::call("nvmlDeviceGetHandleByUUID"));
+        }
         self.inner
-            .device_by_pci_bus_id(bus_id)
+            .device_by_pci_bus_id(id)
             .map_err(NvmlError::call("nvmlDeviceGetHandleByPciBusId_v2"))
     }
 
-    /// The compute processes running on the GPU at `bus_id`.
+    /// The compute processes running on the GPU at `bus_id`, or on the MIG device whose uuid
+    /// it is.
     pub fn compute_processes(&self, bus_id: &str) -> Result<Vec<ComputeProcess>, NvmlError> {
         let processes = self
             .device(bus_id)?
@@ -186,7 +299,7 @@ impl Nvml {
             .collect())
     }
 
-    /// GPU memory in use on the GPU at `bus_id`, in bytes.
+    /// GPU memory in use on the GPU at `bus_id` (or the MIG device whose uuid it is), in bytes.
     pub fn memory_used_bytes(&self, bus_id: &str) -> Result<u64, NvmlError> {
         self.device(bus_id)?
             .memory_info()

@@ -4,7 +4,7 @@
 //! process's environment at `nvmlInit_v2`.
 
 use kernelkite_sys::nvml::{ComputeProcess, DriverError, Nvml, NvmlError};
-use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+use kernelkite_testkit::fake_nvml::{h100, mig, mig_uuid, nvlink, FakeNvml};
 
 fn load(fake: &FakeNvml) -> Result<Nvml, NvmlError> {
     Nvml::load_from(&fake.library().display().to_string())
@@ -85,6 +85,80 @@ fn every_nvml_path_against_the_stand_in_library() {
             }
         ),
         "{denied:?}"
+    );
+    drop(nvml);
+
+    // MIG: GPU b in MIG mode with two devices; NVLink between a and b. The MIG devices are
+    // found by index as NVML numbers them, their instance ids through the calls nvml-wrapper
+    // binds but does not wrap, and a process on one MIG device is its own, not the GPU's.
+    let (m0, m1) = (mig_uuid(b, 3, 0), mig_uuid(b, 5, 0));
+    fake.configure(&format!(
+        "{}{}{}{}{}proc {m1} 77 1048576\n",
+        h100(a, 0, 0),
+        h100(b, 1, 0),
+        mig(b, 3, 0, 20),
+        mig(b, 5, 0, 10),
+        nvlink(a, b)
+    ));
+    let nvml = load(&fake).unwrap();
+    let devices = nvml.devices().unwrap();
+    assert!(devices[0].mig.is_empty(), "{:?}", devices[0]);
+    let migs: Vec<(String, u32, u32, u64)> = devices[1]
+        .mig
+        .iter()
+        .map(|m| {
+            (
+                m.uuid.clone(),
+                m.gpu_instance_id,
+                m.compute_instance_id,
+                m.memory_bytes,
+            )
+        })
+        .collect();
+    assert_eq!(
+        migs,
+        [(m0.clone(), 3, 0, 20 << 30), (m1.clone(), 5, 0, 10 << 30)]
+    );
+    assert_eq!(devices[0].nvlink_peers, ["00000000:2A:00.0"]);
+    assert_eq!(devices[1].nvlink_peers, ["00000000:18:00.0"]);
+    assert_eq!(nvml.compute_processes(&m0).unwrap(), []);
+    assert_eq!(
+        nvml.compute_processes(&m1).unwrap(),
+        [ComputeProcess {
+            pid: 77,
+            used_bytes: Some(1 << 20)
+        }]
+    );
+    assert_eq!(nvml.compute_processes(b).unwrap(), []);
+    let gone = nvml.compute_processes("MIG-00000000-0000-4000-8000-000000000000");
+    assert!(
+        matches!(
+            gone,
+            Err(NvmlError::Call {
+                call: "nvmlDeviceGetHandleByUUID",
+                ..
+            })
+        ),
+        "{gone:?}"
+    );
+    drop(nvml);
+    // A driver whose MIG query fails mid-way says which call failed.
+    fake.configure(&format!(
+        "{}{}fail nvmlDeviceGetGpuInstanceId 3\n",
+        h100(b, 1, 0),
+        mig(b, 3, 0, 20)
+    ));
+    let nvml = load(&fake).unwrap();
+    let err = nvml.devices().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NvmlError::Call {
+                call: "nvmlDeviceGetGpuInstanceId",
+                ..
+            }
+        ),
+        "{err:?}"
     );
     drop(nvml);
     fake.configure("fail nvmlInit_v2 999\n");

@@ -33,6 +33,20 @@ impl std::fmt::Display for Vendor {
     }
 }
 
+/// A MIG device (a compute instance within a GPU instance) of an NVIDIA GPU in MIG mode.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigInstance {
+    /// `MIG-…`, what `CUDA_VISIBLE_DEVICES` takes.
+    pub uuid: String,
+    /// The GPU instance id: with the parent's minor, it names the instance's capability
+    /// (`gpu<minor>/gi<id>/access` in `/proc/driver/nvidia-caps/mig-minors`).
+    pub gpu_instance_id: u32,
+    /// The compute instance id within the GPU instance (`…/gi<id>/ci<id>/access`).
+    pub compute_instance_id: u32,
+    /// Its memory, in bytes.
+    pub memory_bytes: u64,
+}
+
 /// The GPU a slice owns, as other tools need to name it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SliceGpu {
@@ -45,6 +59,11 @@ pub struct SliceGpu {
     pub uuid: Option<String>,
     /// NUMA node the GPU hangs off; `None` when the firmware reports -1.
     pub numa_node: Option<u32>,
+    /// The MIG device of the GPU the slice owns, when the GPU is in MIG mode: then `uuid` is
+    /// the MIG device's, and the slice shares the GPU (`pci_bus_id`) with the other
+    /// instances' slices. Omitted from JSON for whole GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigInstance>,
 }
 
 /// One slice: a GPU (or none, for CPU-only slices), whole cores, memory nodes and a limit.
@@ -98,6 +117,7 @@ mod tests {
                     pci_bus_id: "0000:18:00.0".into(),
                     uuid: None,
                     numa_node: Some(0),
+                    mig: None,
                 }),
                 extra_gpus: vec![],
                 cpus: vec![0, 1],

@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::cpulist::format_cpu_list;
-use crate::plan::{Plan, Slice, SliceGpu};
+use crate::plan::{MigInstance, Plan, Slice, SliceGpu};
 use crate::topology::{Gpu, Topology};
 
 /// What the operator can decide about slicing.
@@ -117,6 +117,86 @@ pub fn plan(topology: &Topology, policy: &Policy) -> Result<Plan, PlanError> {
     plan_explained(topology, policy).map(|e| e.plan)
 }
 
+/// The node's GPUs in groups of `size` for a multi-GPU queue beside `plan`'s one-GPU slices:
+/// grouped as [`plan`] groups `size` GPUs per slice (a NUMA node first, GPUs sharing a fast
+/// link together), each group named by the indices of its GPUs' slices in `plan`. MIG devices
+/// are never grouped (CUDA shows a process one); GPUs that do not fill a group are left out.
+pub fn multi_gpu_groups(
+    topology: &Topology,
+    policy: &Policy,
+    plan: &Plan,
+    size: u32,
+) -> Result<Vec<Vec<u32>>, PlanError> {
+    if size < 2 {
+        return Err(PlanError::InvalidPolicy(
+            "a multi-GPU queue's jobs take 2 GPUs or more (--multi-gpu-size)".into(),
+        ));
+    }
+    if plan.slices.iter().any(|s| !s.extra_gpus.is_empty()) {
+        return Err(PlanError::InvalidPolicy(
+            "a multi-GPU queue groups one-GPU slices: plan the node with --gpus-per-slice 1".into(),
+        ));
+    }
+    let gpus = plan
+        .slices
+        .iter()
+        .filter(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_none()))
+        .count();
+    if size as usize > gpus {
+        return Err(PlanError::InvalidPolicy(format!(
+            "no group of {size} GPUs: the node has {gpus} whole GPU(s); lower --multi-gpu-size"
+        )));
+    }
+    // Group the whole GPUs only: a MIG GPU's devices stay one-GPU slices.
+    let whole = Topology {
+        gpus: topology
+            .gpus
+            .iter()
+            .filter(|g| g.mig.is_empty())
+            .cloned()
+            .collect(),
+        ..topology.clone()
+    };
+    let grouped = plan_explained(
+        &whole,
+        &Policy {
+            gpus_per_slice: size,
+            ..policy.clone()
+        },
+    )?;
+    let slice_of = |bus: &str| {
+        plan.slices
+            .iter()
+            .find(|s| {
+                s.gpu
+                    .as_ref()
+                    .is_some_and(|g| g.pci_bus_id == bus && g.mig.is_none())
+            })
+            .map(|s| s.index)
+    };
+    let groups: Vec<Vec<u32>> = grouped
+        .plan
+        .slices
+        .iter()
+        .filter_map(|s| {
+            let mut idx: Vec<u32> = s
+                .gpu
+                .iter()
+                .chain(&s.extra_gpus)
+                .map(|g| slice_of(&g.pci_bus_id))
+                .collect::<Option<_>>()?;
+            idx.sort_unstable();
+            Some(idx)
+        })
+        .collect();
+    if groups.is_empty() {
+        return Err(PlanError::InvalidPolicy(format!(
+            "no group of {size} GPUs: the node has {gpus} whole GPU(s); lower --multi-gpu-size"
+        )));
+    }
+    Ok(groups)
+}
+
 /// A core as the planner sees it: allowed threads only.
 #[derive(Debug, Clone)]
 struct Core {
@@ -128,6 +208,8 @@ struct Core {
 
 struct Unit<'a> {
     gpus: Vec<&'a Gpu>,
+    /// The MIG device the slice owns when its GPU is in MIG mode (one per slice).
+    mig: Option<&'a MigInstance>,
     /// NUMA node the slice's CPUs and memory limit come from: its first GPU's.
     home: u32,
     /// Memory nodes: the homes of all its GPUs.
@@ -416,12 +498,22 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
         let to_slice_gpu = |g: &&Gpu| SliceGpu {
             vendor: g.vendor,
             pci_bus_id: g.pci_bus_id.clone(),
-            uuid: g.uuid.clone(),
+            uuid: u.mig.map(|m| m.uuid.clone()).or_else(|| g.uuid.clone()),
             numa_node: g.numa_node,
+            mig: u.mig.cloned(),
         };
         let local = slice_cores[i].iter().filter(|c| c.node == u.home).count();
-        let what = match u.gpus.first() {
-            Some(g) => format!(
+        let what = match (u.gpus.first(), u.mig) {
+            (Some(g), Some(m)) => format!(
+                "MIG device {} (GPU instance {}, compute instance {}, {}) of GPU {} on NUMA node {}",
+                m.uuid,
+                m.gpu_instance_id,
+                m.compute_instance_id,
+                format_bytes(m.memory_bytes),
+                g.pci_bus_id,
+                u.home
+            ),
+            (Some(g), None) => format!(
                 "GPU {} ({}) on NUMA node {}",
                 g.pci_bus_id,
                 g.vendor,
@@ -430,7 +522,7 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
                     |n| n.to_string()
                 )
             ),
-            None => format!("CPU-only, NUMA node {}", u.home),
+            (None, _) => format!("CPU-only, NUMA node {}", u.home),
         };
         notes.push(format!(
             "slice {i}: {what}; {} whole core(s), {local} local to node {}; CPUs {}; mems {}",
@@ -518,6 +610,7 @@ fn make_units<'a>(
                 let home = nodes[i * k / n as usize];
                 Unit {
                     gpus: Vec::new(),
+                    mig: None,
                     home,
                     mems: vec![home],
                 }
@@ -613,30 +706,138 @@ fn make_units<'a>(
         ));
     }
 
-    // Group GPUs: within a node (and vendor) first, in bus order; remainders across nodes.
     let g = policy.gpus_per_slice as usize;
+    let mig: Vec<usize> = (0..topology.gpus.len())
+        .filter(|&i| !topology.gpus[i].mig.is_empty())
+        .collect();
+    if g > 1 {
+        if let Some(&i) = mig.first() {
+            return Err(PlanError::InvalidPolicy(format!(
+                "--gpus-per-slice {g}: GPU {} is in MIG mode, and CUDA shows a process one MIG device only, so a MIG slice holds one instance; plan with --gpus-per-slice 1, or turn MIG off on that GPU (nvidia-smi -i <index> -mig 0)",
+                topology.gpus[i].pci_bus_id
+            )));
+        }
+    }
+    let whole: Vec<usize> = (0..topology.gpus.len())
+        .filter(|i| !mig.contains(i))
+        .collect();
+    let mut groups = group_gpus(topology, &whole, &home, g, notes, warnings);
+    // A GPU in MIG mode is cut into one slice per MIG device, each sharing the GPU's node.
+    for &i in &mig {
+        let gpu = &topology.gpus[i];
+        notes.push(format!(
+            "GPU {} is in MIG mode: one slice per MIG device ({})",
+            gpu.pci_bus_id,
+            gpu.mig.len()
+        ));
+        // Compute instances of one GPU instance share its memory and L2 cache: their slices'
+        // jobs are not isolated from each other in memory.
+        let mut per_gi: BTreeMap<u32, usize> = BTreeMap::new();
+        for m in &gpu.mig {
+            *per_gi.entry(m.gpu_instance_id).or_default() += 1;
+        }
+        for (gi, n) in per_gi.into_iter().filter(|(_, n)| *n > 1) {
+            warnings.push(format!(
+                "GPU {}: GPU instance {gi} holds {n} compute instances, whose slices share its memory and L2 cache (each reports the whole instance's memory); for slices isolated in memory give each GPU instance one compute instance (nvidia-smi mig -cgi <profile> -C)",
+                gpu.pci_bus_id
+            ));
+        }
+        groups.extend((0..topology.gpus[i].mig.len()).map(|m| (vec![i], Some(m))));
+    }
+    groups.sort_by_key(|(grp, m)| (grp[0], *m));
+    Ok(groups
+        .into_iter()
+        .map(|(grp, m)| {
+            let mut mems: Vec<u32> = grp.iter().filter_map(|&i| home[i]).collect();
+            mems.sort_unstable();
+            mems.dedup();
+            Unit {
+                home: home[grp[0]].unwrap_or(0),
+                gpus: grp.iter().map(|&i| &topology.gpus[i]).collect(),
+                mig: m.map(|m| &topology.gpus[grp[0]].mig[m]),
+                mems,
+            }
+        })
+        .collect())
+}
+
+/// Whether GPUs `a` and `b` share a fast link (NVLink, xGMI), as either one reports it.
+fn linked(topology: &Topology, a: usize, b: usize) -> bool {
+    let (ga, gb) = (&topology.gpus[a], &topology.gpus[b]);
+    ga.links.contains(&gb.pci_bus_id) || gb.links.contains(&ga.pci_bus_id)
+}
+
+/// Takes groups of `g` from `idx` (bus order): each starts at the lowest GPU left and adds, in
+/// bus order, the GPUs linked to every member, so a group shares a fast link where the node
+/// has one; a group the links cannot fill takes the lowest GPUs left, with a warning when the
+/// node reports links at all. Returns the groups and the GPUs left over.
+fn link_groups(
+    topology: &Topology,
+    idx: &[usize],
+    g: usize,
+    warnings: &mut Vec<String>,
+) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let mut left: Vec<usize> = idx.to_vec();
+    let mut groups = Vec::new();
+    let any_links = idx.iter().any(|&i| !topology.gpus[i].links.is_empty());
+    while left.len() >= g {
+        let mut grp = vec![left[0]];
+        for &c in &left[1..] {
+            if grp.len() < g && grp.iter().all(|&m| linked(topology, m, c)) {
+                grp.push(c);
+            }
+        }
+        if grp.len() < g {
+            if any_links {
+                warnings.push(format!(
+                    "no {g} GPUs of {} share a fast link (NVLink/xGMI) with each other; a slice gets GPUs that talk over PCIe",
+                    grp.iter()
+                        .map(|&i| topology.gpus[i].pci_bus_id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+            for &c in &left[1..] {
+                if grp.len() < g && !grp.contains(&c) {
+                    grp.push(c);
+                }
+            }
+        }
+        grp.sort_unstable();
+        left.retain(|i| !grp.contains(i));
+        groups.push(grp);
+    }
+    (groups, left)
+}
+
+/// Groups whole GPUs into slices of `g`: within a NUMA node and vendor first, GPUs that share
+/// a fast link together ([`link_groups`]); remainders across nodes.
+fn group_gpus(
+    topology: &Topology,
+    whole: &[usize],
+    home: &[Option<u32>],
+    g: usize,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Vec<(Vec<usize>, Option<usize>)> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut by_key: BTreeMap<(u32, crate::plan::Vendor), Vec<usize>> = BTreeMap::new();
-    for (i, gpu) in topology.gpus.iter().enumerate() {
+    for &i in whole {
         by_key
-            .entry((home[i].unwrap_or(0), gpu.vendor))
+            .entry((home[i].unwrap_or(0), topology.gpus[i].vendor))
             .or_default()
             .push(i);
     }
     let mut rest: BTreeMap<crate::plan::Vendor, Vec<usize>> = BTreeMap::new();
     for ((_, vendor), idx) in by_key {
-        let mut chunks = idx.chunks_exact(g);
-        for chunk in chunks.by_ref() {
-            groups.push(chunk.to_vec());
-        }
-        rest.entry(vendor)
-            .or_default()
-            .extend_from_slice(chunks.remainder());
+        let (made, left) = link_groups(topology, &idx, g, warnings);
+        groups.extend(made);
+        rest.entry(vendor).or_default().extend(left);
     }
     for (_, mut idx) in rest {
         idx.sort_unstable();
-        let mut chunks = idx.chunks_exact(g);
-        for chunk in chunks.by_ref() {
+        let (made, left) = link_groups(topology, &idx, g, warnings);
+        for chunk in made {
             warnings.push(format!(
                 "a slice's GPUs {} sit on different NUMA nodes; its CPUs are local to the first",
                 chunk
@@ -645,30 +846,31 @@ fn make_units<'a>(
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
-            groups.push(chunk.to_vec());
+            groups.push(chunk);
         }
-        for &i in chunks.remainder() {
+        for &i in &left {
             warnings.push(format!(
                 "GPU {} is in no slice: {} GPUs do not divide into slices of {g}",
                 topology.gpus[i].pci_bus_id,
-                topology.gpus.len()
+                whole.len()
             ));
         }
     }
-    groups.sort_by_key(|grp| grp[0]);
-    Ok(groups
-        .into_iter()
-        .map(|grp| {
-            let mut mems: Vec<u32> = grp.iter().filter_map(|&i| home[i]).collect();
-            mems.sort_unstable();
-            mems.dedup();
-            Unit {
-                home: home[grp[0]].unwrap_or(0),
-                gpus: grp.iter().map(|&i| &topology.gpus[i]).collect(),
-                mems,
-            }
-        })
-        .collect())
+    if g > 1 && whole.iter().any(|&i| !topology.gpus[i].links.is_empty()) {
+        let meshed = groups
+            .iter()
+            .filter(|grp| {
+                grp.iter()
+                    .enumerate()
+                    .all(|(k, &a)| grp[k + 1..].iter().all(|&b| linked(topology, a, b)))
+            })
+            .count();
+        notes.push(format!(
+            "grouping: in {meshed} of {} slice(s) every pair of GPUs shares a fast link (NVLink/xGMI)",
+            groups.len()
+        ));
+    }
+    groups.into_iter().map(|grp| (grp, None)).collect()
 }
 
 /// With more slices than cores: each slice gets one core, local when possible, round-robin.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::plan::MigInstance;
 pub use crate::plan::Vendor;
 
 pub mod hwloc;
@@ -66,6 +67,13 @@ pub struct Gpu {
     pub device_id: Option<u16>,
     /// Marketing name when a source gives one.
     pub name: Option<String>,
+    /// Its MIG devices when it is in MIG mode (from NVML); empty for a whole GPU.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MigInstance>,
+    /// Bus ids of the GPUs it reaches over a fast link: NVLink (directly or through NVSwitch,
+    /// from NVML) or xGMI (from the KFD topology). Empty when nothing says.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<String>,
 }
 
 /// A physical core: the unit the planner hands out, so SMT siblings are never split.
@@ -160,6 +168,25 @@ impl From<&str> for XmlError {
     }
 }
 
+/// AMD GPUs' xGMI peers from the KFD topology's io_links, by bus id.
+fn amd_links(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
+    for g in gpus.iter_mut().filter(|g| g.vendor == Vendor::Amd) {
+        let Some(k) = kfd.iter().find(|k| k.pci_bus_id == g.pci_bus_id) else {
+            continue;
+        };
+        let mut peers: Vec<String> = k
+            .xgmi_to
+            .iter()
+            .filter_map(|to| kfd.iter().find(|p| p.node == *to))
+            .map(|p| p.pci_bus_id.clone())
+            .filter(|b| *b != g.pci_bus_id)
+            .collect();
+        peers.sort();
+        peers.dedup();
+        g.links = peers;
+    }
+}
+
 /// AMD GPUs' UUIDs as ROCr names them (`GPU-` and KFD's `unique_id`), matched to the PCI
 /// devices by bus id; a GPU whose KFD node has no `unique_id` keeps none.
 fn amd_uuids(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
@@ -179,25 +206,26 @@ fn amd_uuids(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
 impl Topology {
     /// Reads sysfs/procfs under `root` ("/" on a live machine).
     ///
-    /// NVML is consulted only on a live machine (`root` is `/`), to fill NVIDIA UUIDs the
-    /// driver's `/proc` files did not give; its absence is normal and silently skipped.
+    /// NVML is consulted only on a live machine (`root` is `/`), for what only it knows
+    /// (MIG devices, NVLink peers) and NVIDIA UUIDs the driver's `/proc` files did not give;
+    /// its absence is normal and silently skipped.
     pub fn discover(root: &Path) -> Result<Topology, TopologyError> {
         let live = root == Path::new("/");
         Self::discover_with_nvml(root, live.then_some(kernelkite_sys::nvml::LIBRARY))
     }
 
     /// [`Topology::discover`], with NVML loaded from `library` (a name or a path; `None`: no
-    /// NVML) to fill the NVIDIA UUIDs and minors the driver's files did not give.
+    /// NVML) on a node with NVIDIA GPUs, for their MIG devices and NVLink peers and the UUIDs
+    /// and minors the driver's files did not give.
     pub fn discover_with_nvml(
         root: &Path,
         library: Option<&str>,
     ) -> Result<Topology, TopologyError> {
         let mut topo = sysfs::read(root)?;
-        amd_uuids(&mut topo.gpus, &kernelkite_sys::kfd::gpus(root));
-        let wanted = topo
-            .gpus
-            .iter()
-            .any(|g| g.vendor == Vendor::Nvidia && g.uuid.is_none());
+        let kfd = kernelkite_sys::kfd::gpus(root);
+        amd_uuids(&mut topo.gpus, &kfd);
+        amd_links(&mut topo.gpus, &kfd);
+        let wanted = topo.gpus.iter().any(|g| g.vendor == Vendor::Nvidia);
         if let Some(library) = library.filter(|_| wanted) {
             match nvml::Nvml::load_from(library) {
                 Ok(lib) => match nvml::devices(&lib) {
@@ -377,7 +405,56 @@ mod tests {
                 let want =
                     with_uuids.then(|| format!("GPU-{:016x}", 0x1d3a_0000_0000_0000u64 + i as u64));
                 assert_eq!(g.uuid, want);
+                // Every MI300X reaches the seven others over xGMI (KFD io_links of type 11).
+                let peers: Vec<String> = (0..8)
+                    .filter(|j| *j != i)
+                    .map(kernelkite_testkit::kfd::mi300x_bus_id)
+                    .collect();
+                assert_eq!(g.links, peers);
             }
         }
+    }
+
+    #[test]
+    fn gpus_without_a_shared_link_are_grouped_with_a_warning() {
+        let root = tempfile::tempdir().unwrap();
+        crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
+        kernelkite_testkit::kfd::write_mi300x(root.path(), &[], true).unwrap();
+        let mut topo = Topology::discover(root.path()).unwrap();
+        // Node 0's GPUs 0..4 keep only the links 0–2 and 1–3 (both ways).
+        let bus = kernelkite_testkit::kfd::mi300x_bus_id;
+        for (i, peer) in [(0, 2), (1, 3), (2, 0), (3, 1)] {
+            topo.gpus[i].links = vec![bus(peer)];
+        }
+        let policy = |n| crate::planner::Policy {
+            gpus_per_slice: n,
+            ..Default::default()
+        };
+        let two = crate::planner::plan(&topo, &policy(2)).unwrap();
+        let first: Vec<_> = two.slices[..2]
+            .iter()
+            .map(|s| {
+                (
+                    s.gpu.as_ref().unwrap().pci_bus_id.clone(),
+                    s.extra_gpus[0].pci_bus_id.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(first, [(bus(0), bus(2)), (bus(1), bus(3))]);
+        assert!(
+            two.warnings.iter().all(|w| !w.contains("fast link")),
+            "{:?}",
+            two.warnings
+        );
+        // Four GPUs of node 0 cannot all share links: the slice is made, and says so.
+        let four = crate::planner::plan(&topo, &policy(4)).unwrap();
+        assert_eq!(four.slices.len(), 2);
+        assert!(
+            four.warnings
+                .iter()
+                .any(|w| w.contains("share a fast link") && w.contains(&bus(0))),
+            "{:?}",
+            four.warnings
+        );
     }
 }

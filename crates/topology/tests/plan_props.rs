@@ -120,6 +120,8 @@ fn build(s: &Shape) -> Topology {
             minor: None,
             device_id: None,
             name: None,
+            mig: vec![],
+            links: vec![],
         })
         .collect();
     Topology {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use kernelkite_topology::planner::plan_explained;
+use kernelkite_topology::planner::{multi_gpu_groups, plan_explained};
 use kernelkite_topology::topology::Topology;
 
 use super::plan::PolicyArgs;
@@ -15,7 +15,7 @@ use crate::doctor::{exit_code, run_checks, DoctorOptions, LiveHost};
 use crate::setup::apply::{self, Flags, Recorder, Runner};
 use crate::setup::manifest::Manifest;
 use crate::setup::paths::*;
-use crate::setup::render::{self, AgentLayout, Options};
+use crate::setup::render::{self, AgentLayout, MultiGpu, Options};
 use crate::setup::report::{self, StepNames};
 use crate::setup::smoke::{self, SmokeOptions};
 use crate::setup::{facts, under, SetupError};
@@ -64,6 +64,15 @@ pub struct SetupArgs {
     /// node-wide pool.
     #[arg(long, value_enum, default_value = "per-slice")]
     pub agents: AgentLayout,
+    /// Also serve this queue with jobs of several GPUs (kernelbot's multi-GPU tasks): one
+    /// agent per group of --multi-gpu-size slices (GPUs of a NUMA node that share NVLink or
+    /// xGMI), tagged gpu-index with the group, beside the one-GPU queue's agents on the same
+    /// GPUs. GPUs go to jobs of either queue first come, first served.
+    #[arg(long, env = "KERNELKITE_MULTI_GPU_QUEUE", value_name = "NAME")]
+    pub multi_gpu_queue: Option<String>,
+    /// GPUs per job of --multi-gpu-queue (default: every GPU of the node).
+    #[arg(long, value_name = "N", requires = "multi_gpu_queue")]
+    pub multi_gpu_size: Option<u32>,
     /// File holding the agent token (from the cluster's Agent Tokens page); else the
     /// BUILDKITE_AGENT_TOKEN environment variable, else the token an earlier run wrote.
     #[arg(long, value_name = "FILE")]
@@ -339,7 +348,26 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
     }
 
     let topo = Topology::discover(&args.sysfs_root)?;
-    let plan = plan_explained(&topo, &args.policy.to_policy())?.plan;
+    let policy = args.policy.to_policy();
+    let plan = plan_explained(&topo, &policy)?.plan;
+    let multi_gpu = match &args.multi_gpu_queue {
+        Some(queue) => {
+            // Whole GPUs: a MIG device is never part of a group.
+            let gpus = plan
+                .slices
+                .iter()
+                .filter(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_none()))
+                .count() as u32;
+            let size = args.multi_gpu_size.unwrap_or(gpus);
+            let groups = multi_gpu_groups(&topo, &policy, &plan, size)
+                .context("cannot group the node's GPUs for --multi-gpu-queue")?;
+            Some(MultiGpu {
+                queue: queue.clone(),
+                groups,
+            })
+        }
+        None => None,
+    };
     let facts = facts::gather(&root, &args.sysfs_root, &plan, topo.total_memory_bytes)?;
     let token = agent_token(&args, &root, previous.as_ref())?;
     if token.is_none() && !args.dry_run {
@@ -385,6 +413,7 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
         token,
         plugin_location: args.plugin_location.clone(),
         job_env: args.allow_job_env.clone(),
+        multi_gpu,
     };
     let mut desired = render::render(&plan, &facts, &opts)?;
     if live {

@@ -4,7 +4,6 @@
 
 use std::process::Command;
 
-use kernelkite_topology::plan::SliceGpu;
 use serde::Serialize;
 
 use super::error::Chain;
@@ -150,7 +149,7 @@ pub fn clean_job(
         }
     }
     if let Some(s) = state.as_ref().filter(|s| s.clocks_locked) {
-        let gpus: Vec<SliceGpu> = docker::slice_gpus(&s.slice).into_iter().cloned().collect();
+        let gpus = gpucheck::clock_owned(&docker::slice_gpus(&s.slice));
         match gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &gpus)) {
             Ok(()) => report.clocks_reset = true,
             Err(e) => report.problem(&e),

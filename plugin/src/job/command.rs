@@ -17,6 +17,7 @@ use crate::cgroup::Cgroups;
 use crate::config::{ConfigError, Mode};
 use crate::confine::{self, Confinement};
 use crate::docker;
+use crate::images;
 use crate::sandbox::{self, ownership, spec, JobUser, SandboxSpec};
 
 /// Exit status of a command as the agent reports it: the code, or 128 + the signal.
@@ -56,10 +57,12 @@ pub fn docker_run_for(
     command: &str,
 ) -> Result<Vec<String>, JobError> {
     let c = &state.config;
+    // `auto`: the runner image of the slice's GPUs' vendor.
     let image = c
         .image
-        .clone()
-        .ok_or_else(|| ConfigError::new("image", "required when mode is \"docker\""))?;
+        .as_deref()
+        .ok_or_else(|| ConfigError::new("image", "required when mode is \"docker\""))
+        .and_then(|image| images::step_image(image, &state.slice))?;
     let checkout = if c.mount_checkout {
         Some(
             env.get("BUILDKITE_BUILD_CHECKOUT_PATH")
@@ -145,7 +148,7 @@ pub fn run(
     let mut child_env = env.clone();
     child_env.extend(state.exports.clone());
     match state.config.mode {
-        Mode::Docker => in_container(settings, &state, env, command, &child_env),
+        Mode::Docker => in_container(settings, &state, env, command, &child_env, say),
         Mode::Host => on_host(settings, &state, env, command, &child_env, say),
     }
 }
@@ -157,8 +160,16 @@ fn in_container(
     env: &BTreeMap<String, String>,
     command: &str,
     child_env: &BTreeMap<String, String>,
+    say: &mut dyn FnMut(&str),
 ) -> Result<CommandOutcome, JobError> {
     let mut notices = Vec::new();
+    if state.config.image.as_deref() == Some(images::AUTO) {
+        let image = images::for_slice(&state.slice)?;
+        say(&format!(
+            "image auto: {}, the runner image for {} GPUs",
+            image.reference, image.vendor_name
+        ));
+    }
     if let (Some(user), true) = (&state.job_user, state.config.mount_checkout) {
         if let Some(c) = checkout_dir(env) {
             give_checkout(settings, state, &c, user)?;

@@ -6,18 +6,20 @@ use std::path::Path;
 
 use kernelkite_topology::plan::{Plan, Slice, Vendor};
 
+use kernelkite_sys::nvidia;
+
 use crate::cgroup::CharDevice;
 use crate::docker;
 
 /// Character devices of the node's GPUs outside `mine`, from the driver's files under
 /// `sysfs_root`: NVIDIA `/dev/nvidia<minor>` (major 195, minor from
-/// `/proc/driver/nvidia/gpus/<bdf>/information`), AMD `/dev/dri/{card,renderD}<n>` (major 226).
-/// GPUs whose numbers cannot be read are skipped.
+/// `/proc/driver/nvidia/gpus/<bdf>/information`) of GPUs the job has no part of, and every
+/// capability the driver lists (`/dev/nvidia-caps/nvidia-cap<N>`: MIG's `config` and `monitor`,
+/// other MIG devices') but its own MIG device's two; AMD
+/// `/dev/dri/{card,renderD}<n>` (major 226). GPUs whose numbers cannot be read are skipped.
 pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<CharDevice> {
-    let mine: Vec<&str> = docker::slice_gpus(mine)
-        .iter()
-        .map(|g| g.pci_bus_id.as_str())
-        .collect();
+    let my_gpus = docker::slice_gpus(mine);
+    let mine: Vec<&str> = my_gpus.iter().map(|g| g.pci_bus_id.as_str()).collect();
     let mut out = Vec::new();
     for s in &plan.slices {
         for g in docker::slice_gpus(s) {
@@ -26,16 +28,11 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
             }
             match g.vendor {
                 Vendor::Nvidia => {
-                    let info = sysfs_root
-                        .join("proc/driver/nvidia/gpus")
-                        .join(&g.pci_bus_id)
-                        .join("information");
-                    let minor = std::fs::read_to_string(info).ok().and_then(|t| {
-                        t.lines()
-                            .find_map(|l| l.strip_prefix("Device Minor:")?.trim().parse().ok())
-                    });
-                    if let Some(minor) = minor {
-                        out.push(CharDevice { major: 195, minor });
+                    if let Some(minor) = nvidia::device_minor(sysfs_root, &g.pci_bus_id) {
+                        out.push(CharDevice {
+                            major: nvidia::GPU_MAJOR,
+                            minor,
+                        });
                     }
                 }
                 Vendor::Amd => {
@@ -56,6 +53,28 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
                 }
             }
         }
+    }
+    if let Some(major) = nvidia::caps_major(sysfs_root) {
+        let own: Vec<u32> = my_gpus
+            .iter()
+            .filter_map(|g| {
+                let mig = g.mig.as_ref()?;
+                let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id)?;
+                nvidia::mig_cap_minors(
+                    sysfs_root,
+                    minor,
+                    mig.gpu_instance_id,
+                    mig.compute_instance_id,
+                )
+            })
+            .flatten()
+            .collect();
+        out.extend(
+            nvidia::all_mig_cap_minors(sysfs_root)
+                .into_iter()
+                .filter(|m| !own.contains(m))
+                .map(|minor| CharDevice { major, minor }),
+        );
     }
     out.sort();
     out.dedup();
@@ -103,6 +122,7 @@ mod tests {
             pci_bus_id: bus.into(),
             uuid: None,
             numa_node: Some(0),
+            mig: None,
         };
         let slice = |index: u32, gpus: Vec<SliceGpu>| {
             let mut g = gpus.into_iter();
@@ -264,6 +284,57 @@ mod tests {
                     major: 226,
                     minor: 130
                 },
+            ]
+        );
+
+        // GPU 1 in MIG mode, cut into two slices: each keeps the GPU's node and its own two
+        // capabilities, and is denied the other's (and nothing of a whole GPU's slice).
+        kernelkite_testkit::fake_nvml::write_mig_minors(
+            r,
+            508,
+            &[(1, 3, 0, 30, 31), (1, 5, 0, 50, 51)],
+        )
+        .unwrap();
+        let mig = |gi: u32| {
+            let mut g = nv("0000:2a:00.0", Some(&format!("MIG-{gi}")));
+            g.mig = Some(kernelkite_topology::plan::MigInstance {
+                uuid: format!("MIG-{gi}"),
+                gpu_instance_id: gi,
+                compute_instance_id: 0,
+                memory_bytes: 10 << 30,
+            });
+            g
+        };
+        let plan = Plan {
+            slices: vec![
+                slice(0, nv("0000:18:00.0", None)),
+                slice(1, mig(3)),
+                slice(2, mig(5)),
+            ],
+            reserved_cpus: vec![],
+            warnings: vec![],
+        };
+        let dev = |major, minor| CharDevice { major, minor };
+        assert_eq!(
+            other_gpu_devices(r, &plan, &plan.slices[1]),
+            [
+                dev(195, 0),
+                dev(508, 1),
+                dev(508, 2),
+                dev(508, 50),
+                dev(508, 51)
+            ]
+        );
+        assert_eq!(
+            other_gpu_devices(r, &plan, &plan.slices[0]),
+            [
+                dev(195, 1),
+                dev(508, 1),
+                dev(508, 2),
+                dev(508, 30),
+                dev(508, 31),
+                dev(508, 50),
+                dev(508, 51)
             ]
         );
     }

@@ -94,8 +94,10 @@ fn parse_index_list(name: &'static str, value: &str) -> Result<Vec<u32>, JobErro
         name,
         value: value.to_string(),
     };
+    // `+` is how an agent's configuration writes a list (its tags are split at commas, so
+    // `gpu-index=0,1` would reach the job as `0`); `,` still reads, for a tag given otherwise.
     let list: Vec<u32> = value
-        .split(',')
+        .split([',', '+'])
         .map(|p| p.trim().parse::<u32>().map_err(|_| bad()))
         .collect::<Result<_, _>>()?;
     // "3,3" would pass the `gpus: 2` check with one GPU, and merging its slice twice would
@@ -109,7 +111,7 @@ fn parse_index_list(name: &'static str, value: &str) -> Result<Vec<u32>, JobErro
     Ok(list)
 }
 
-/// The GPU(s) the agent is bound to: tag `gpu-index=N` (or `N,M`), else a name ending in
+/// The GPU(s) the agent is bound to: tag `gpu-index=N` (or `N+M`), else a name ending in
 /// `-gpu<N>` (agents started with `--name host-gpu%spawn`); `None` for pool agents.
 pub fn agent_gpus(env: &BTreeMap<String, String>) -> Result<Option<Vec<u32>>, JobError> {
     if let Some(v) = env
@@ -206,9 +208,9 @@ mod tests {
             ("BUILDKITE_PLUGIN_CONFIGURATION", r#"{"gpus":2}"#),
             ("KERNELKITE_CONFIG", r#"{"gpus":3}"#),
         ]);
-        assert_eq!(job_config(&both).unwrap().gpus, 2);
+        assert_eq!(job_config(&both).unwrap().gpus, Some(2));
         let agent = env(&[("KERNELKITE_CONFIG", r#"{"gpus":3}"#)]);
-        assert_eq!(job_config(&agent).unwrap().gpus, 3);
+        assert_eq!(job_config(&agent).unwrap().gpus, Some(3));
         assert!(matches!(
             var(&env(&[("BUILDKITE_JOB_ID", "")]), "BUILDKITE_JOB_ID"),
             Err(JobError::MissingEnv { .. })

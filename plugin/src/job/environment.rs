@@ -107,7 +107,7 @@ pub fn run(
         })
         .and_then(|(slice, clocks_locked)| {
             if clocks_locked {
-                locked_gpus = docker::slice_gpus(&slice).into_iter().cloned().collect();
+                locked_gpus = gpucheck::clock_owned(&docker::slice_gpus(&slice));
             }
             let job_user = slice_identity(job_user.clone(), &config, slice.index)?;
             // CPU-only slices have no devices; their slice numbers stand in, as before.
@@ -349,10 +349,12 @@ fn wanted_gpus(
 ) -> Result<Want, JobError> {
     let candidates: Vec<u32> = plan.slices.iter().map(|s| s.index).collect();
     match agent_gpus(env)? {
-        Some(bound) if bound.len() as u32 != config.gpus => Err(JobError::GpuCountMismatch {
-            bound: bound.len(),
-            wanted: config.gpus,
-        }),
+        Some(bound) if config.gpus.is_some_and(|n| n as usize != bound.len()) => {
+            Err(JobError::GpuCountMismatch {
+                bound: bound.len(),
+                wanted: config.gpus.unwrap_or(1),
+            })
+        }
         Some(bound) => {
             if let Some(&missing) = bound.iter().find(|g| !candidates.contains(g)) {
                 return Err(JobError::NoSuchSlice { bound, missing });
@@ -360,7 +362,7 @@ fn wanted_gpus(
             Ok(Want::Exactly(bound))
         }
         None => Ok(Want::Pool {
-            count: config.gpus,
+            count: config.gpus.unwrap_or(1),
             candidates,
         }),
     }
@@ -389,7 +391,19 @@ fn check_gpus(
         LockClocks::Max => None,
         LockClocks::Mhz(m) => Some(m),
     };
-    let set = gpucheck::lock_clocks(ctl.as_mut(), &slice_gpus, mhz)?;
+    // A MIG device's clock is its GPU's, which the other MIG devices' jobs share: one job
+    // must not set it for them (nor reset it under them at its end).
+    let own = gpucheck::clock_owned(&slice_gpus.iter().collect::<Vec<_>>());
+    for g in slice_gpus.iter().filter(|g| g.mig.is_some()) {
+        notices.push(format!(
+            "lock-clocks skipped for GPU {}: it is in MIG mode, and its clock is shared by every MIG device on it (lock it for the whole node with `nvidia-smi -lgc` instead)",
+            g.pci_bus_id
+        ));
+    }
+    if own.is_empty() {
+        return Ok(false);
+    }
+    let set = gpucheck::lock_clocks(ctl.as_mut(), &own, mhz)?;
     notices.push(format!("locked graphics clocks at {set:?} MHz"));
     Ok(true)
 }

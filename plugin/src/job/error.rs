@@ -88,6 +88,14 @@ pub enum JobError {
         /// What the slice has.
         has: String,
     },
+    /// The job would get several slices of which one is a MIG device.
+    #[error("the job would get {slices} slices, and slice {mig} is a MIG device: CUDA shows a process one MIG device only, so a MIG slice is a job of one GPU — bind this agent to one slice (gpu-index=N) and use `gpus: 1`")]
+    MigInGroup {
+        /// How many slices were leased.
+        slices: usize,
+        /// The MIG slice among them.
+        mig: u32,
+    },
     /// No GPU could be leased.
     #[error(transparent)]
     Lease(#[from] LeaseError),

@@ -98,6 +98,17 @@ pub fn job_slice(
         .iter()
         .filter_map(|g| plan.slices.iter().find(|s| s.index == *g))
         .collect();
+    if parts.len() > 1 {
+        let mig = parts
+            .iter()
+            .find(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_some()));
+        if let Some(m) = mig {
+            return Err(JobError::MigInGroup {
+                slices: parts.len(),
+                mig: m.index,
+            });
+        }
+    }
     let mut slice = merge_slices(&parts).ok_or(JobError::EmptyPlan)?;
     if let Some(mem) = config.memory_bytes {
         if mem > slice.memory_bytes {

@@ -23,6 +23,7 @@ pub fn nv(bus: &str, uuid: Option<&str>) -> SliceGpu {
         pci_bus_id: bus.into(),
         uuid: uuid.map(str::to_string),
         numa_node: Some(0),
+        mig: None,
     }
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 
+use kernelkite_sys::nvidia;
 use kernelkite_topology::cpulist::format_cpu_list;
 use kernelkite_topology::plan::{Slice, Vendor};
 
@@ -144,11 +145,12 @@ pub fn hidden_paths(
 }
 
 /// Device nodes of a slice's GPUs under `dev_root` (the host's `/dev`, or a test's tree):
-/// NVIDIA `nvidia<minor>` (minor from the driver's `/proc/driver/nvidia/gpus/<bdf>/information`
-/// under `sysfs_root`) plus the driver's shared nodes (`nvidiactl`, `nvidia-uvm`,
-/// `nvidia-uvm-tools`, `nvidia-modeset`, `nvidia-caps/`); AMD `kfd` plus `dri/card<n>` and
-/// `dri/renderD<n>` of each GPU (from its sysfs `drm` directory). Only nodes that exist are
-/// listed; other GPUs' nodes never are.
+/// NVIDIA `nvidia<minor>` plus the driver's shared nodes (`nvidiactl`, `nvidia-uvm`,
+/// `nvidia-uvm-tools`, `nvidia-modeset`) and, for a MIG device, its two capability nodes under
+/// `nvidia-caps/` and no other ([`kernelkite_sys::nvidia`] reads both from the driver's files
+/// under `sysfs_root`); AMD `kfd` plus `dri/card<n>` and `dri/renderD<n>` of each GPU (from
+/// its sysfs `drm` directory). Only nodes that exist are listed; other GPUs' nodes, other MIG
+/// devices' capabilities and MIG's `config`/`monitor` capabilities never are.
 pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Vec<DeviceNode> {
     let mut out: Vec<DeviceNode> = Vec::new();
     let mut add = |target: PathBuf| {
@@ -161,16 +163,20 @@ pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Ve
     for g in &gpus {
         match g.vendor {
             Vendor::Nvidia => {
-                let info = sysfs_root
-                    .join("proc/driver/nvidia/gpus")
-                    .join(&g.pci_bus_id)
-                    .join("information");
-                let minor: Option<u32> = std::fs::read_to_string(info).ok().and_then(|t| {
-                    t.lines()
-                        .find_map(|l| l.strip_prefix("Device Minor:")?.trim().parse().ok())
-                });
+                let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id);
                 if let Some(m) = minor {
                     add(PathBuf::from(format!("nvidia{m}")));
+                }
+                let caps = g.mig.as_ref().zip(minor).and_then(|(mig, m)| {
+                    nvidia::mig_cap_minors(
+                        sysfs_root,
+                        m,
+                        mig.gpu_instance_id,
+                        mig.compute_instance_id,
+                    )
+                });
+                for cap in caps.into_iter().flatten() {
+                    add(nvidia::cap_node(cap));
                 }
             }
             Vendor::Amd => {
@@ -198,7 +204,6 @@ pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Ve
             "nvidia-uvm",
             "nvidia-uvm-tools",
             "nvidia-modeset",
-            "nvidia-caps",
         ] {
             add(PathBuf::from(shared));
         }
@@ -382,6 +387,7 @@ mod tests {
             pci_bus_id: "0000:2a:00.0".into(),
             uuid: None,
             numa_node: Some(0),
+            mig: None,
         };
         let targets = |s: &Slice| -> Vec<String> {
             gpu_device_nodes(r, &dev, s)
@@ -389,13 +395,52 @@ mod tests {
                 .map(|d| d.target.display().to_string())
                 .collect()
         };
+        // A whole GPU needs no capability: `nvidia-caps/` (MIG's config and monitor, other
+        // jobs' MIG devices) stays out.
         assert_eq!(
             targets(&slice(vec![nv.clone()])),
-            ["nvidia-caps", "nvidia-uvm", "nvidia1", "nvidiactl"]
+            ["nvidia-uvm", "nvidia1", "nvidiactl"]
+        );
+        // A MIG device of GPU 1: its GPU's node and its own two capabilities, no other.
+        kernelkite_testkit::fake_nvml::write_mig_minors(
+            r,
+            508,
+            &[(1, 3, 0, 30, 31), (1, 5, 0, 50, 51)],
+        )
+        .unwrap();
+        for cap in [1, 2, 30, 31, 50, 51] {
+            std::fs::write(dev.join(format!("nvidia-caps/nvidia-cap{cap}")), "").unwrap();
+        }
+        let mig = |gi: u32| SliceGpu {
+            uuid: Some(format!("MIG-{gi}")),
+            mig: Some(kernelkite_topology::plan::MigInstance {
+                uuid: format!("MIG-{gi}"),
+                gpu_instance_id: gi,
+                compute_instance_id: 0,
+                memory_bytes: 10 << 30,
+            }),
+            ..nv.clone()
+        };
+        assert_eq!(
+            targets(&slice(vec![mig(3)])),
+            [
+                "nvidia-caps/nvidia-cap30",
+                "nvidia-caps/nvidia-cap31",
+                "nvidia-uvm",
+                "nvidia1",
+                "nvidiactl"
+            ]
+        );
+        assert!(targets(&slice(vec![mig(5)])).contains(&"nvidia-caps/nvidia-cap51".to_string()));
+        // A MIG device the driver does not list gets no capability, not someone else's.
+        assert_eq!(
+            targets(&slice(vec![mig(9)])),
+            ["nvidia-uvm", "nvidia1", "nvidiactl"]
         );
         let amd = SliceGpu {
             vendor: Vendor::Amd,
             pci_bus_id: "0000:0d:00.0".into(),
+            mig: None,
             ..nv
         };
         assert_eq!(

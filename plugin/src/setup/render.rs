@@ -51,6 +51,19 @@ pub struct Options {
     /// Job environment variables the agents accept besides Buildkite's own and [`JOB_ENV`]:
     /// `NAME`, or `PREFIX*`.
     pub job_env: Vec<String>,
+    /// A queue for jobs of several GPUs served beside `queue` on the same slices, if any.
+    pub multi_gpu: Option<MultiGpu>,
+}
+
+/// A queue for jobs of several GPUs (kernelbot's multi-GPU tasks), served by one agent per
+/// group of slices beside the one-GPU queue's agents. Both lease the same GPUs; the node's
+/// lease queue ([`crate::lease`]) hands each GPU out in arrival order, so neither side starves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MultiGpu {
+    /// The Buildkite queue (`h100-x8`).
+    pub queue: String,
+    /// Each agent's slices, from `kernelkite_topology::planner::multi_gpu_groups`.
+    pub groups: Vec<Vec<u32>>,
 }
 
 /// A directory setup makes sure exists.
@@ -98,8 +111,12 @@ pub struct Agent {
     pub instance: String,
     /// The agent's name in Buildkite (`dgx01-gpu0`, `dgx01-pool-%spawn`).
     pub name: String,
-    /// The slice it is bound to (tag `gpu-index`); `None` for the pool agent.
+    /// The slice it is bound to (tag `gpu-index`); `None` for the pool agent and a multi-GPU
+    /// queue's agents.
     pub slice: Option<u32>,
+    /// A multi-GPU queue's agent: the slices it is bound to (tag `gpu-index=i,j,…`); empty
+    /// for the others.
+    pub group: Vec<u32>,
 }
 
 impl Agent {
@@ -361,13 +378,30 @@ pub fn agent_lockdown(opts: &Options) -> String {
     s
 }
 
-/// The agents of the node.
+/// The agents of the node: the one-GPU queue's, then the multi-GPU queue's.
 pub fn agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
+    let mut out = one_gpu_agents(plan, opts);
+    if let Some(m) = &opts.multi_gpu {
+        for (k, group) in m.groups.iter().enumerate() {
+            let instance = format!("x{}-{k}", group.len());
+            out.push(Agent {
+                name: format!("{}-{instance}", opts.node),
+                instance,
+                slice: None,
+                group: group.clone(),
+            });
+        }
+    }
+    out
+}
+
+fn one_gpu_agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
     match opts.agents {
         AgentLayout::Pool => vec![Agent {
             instance: "pool".into(),
             name: format!("{}-pool-%spawn", opts.node),
             slice: None,
+            group: Vec::new(),
         }],
         AgentLayout::PerSlice => plan
             .slices
@@ -383,10 +417,21 @@ pub fn agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
                     name: format!("{}-{instance}", opts.node),
                     instance,
                     slice: Some(s.index),
+                    group: Vec::new(),
                 }
             })
             .collect(),
     }
+}
+
+fn list(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// A `gpu-index` tag's value for several slices: joined by `+`, since the agent splits its
+/// `tags` at commas (cliconfig/file.go), which would leave `gpu-index=0` and bare tags `1`...
+fn tag_list(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join("+")
 }
 
 fn gpus_of(s: &Slice) -> Vec<&kernelkite_topology::plan::SliceGpu> {
@@ -465,7 +510,19 @@ pub fn agent_env(plan: &Plan, opts: &Options) -> String {
 /// `/etc/kernelkite/agents/<instance>.cfg`: one Buildkite agent's configuration, with the
 /// token; the second value is what is printed (token redacted).
 pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, String) {
-    let mut head = match opts.agents {
+    let multi = opts.multi_gpu.as_ref().filter(|_| !agent.group.is_empty());
+    let mut head = match (multi, opts.agents) {
+        (Some(m), _) => header(
+            &format!(
+                "agent {} of the multi-GPU queue {}, bound to slices {} ({} GPUs per job; the one-GPU queue's jobs lease the same GPUs, first come first served)",
+                agent.instance,
+                m.queue,
+                list(&agent.group),
+                agent.group.len()
+            ),
+            &opts.node,
+        ),
+        (None, layout) => match layout {
         AgentLayout::Pool => header(
             &format!(
                 "its pool agent, {} worker(s), one per slice; each job leases the lowest free slice",
@@ -488,11 +545,16 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
             };
             header(&about, &opts.node)
         }
+        },
     };
     head.push_str("# Root-only (0600): it holds the agent token, and reaches the agent as a systemd credential.\n");
     let mut body = String::new();
-    let mut tags = format!("queue={},node={}", opts.queue, opts.node);
-    if opts.agents == AgentLayout::Pool {
+    let queue = multi.map_or(&opts.queue, |m| &m.queue);
+    let mut tags = format!("queue={queue},node={}", opts.node);
+    if !agent.group.is_empty() {
+        // The hooks lease exactly these slices, and a step without `gpus` gets them all.
+        let _ = write!(tags, ",gpu-index={}", tag_list(&agent.group));
+    } else if opts.agents == AgentLayout::Pool {
         let _ = writeln!(body, "spawn={}", plan.slices.len());
     } else if let Some(n) = agent.slice {
         // The hooks read it as BUILDKITE_AGENT_META_DATA_GPU_INDEX: the slice to lease.
@@ -604,6 +666,17 @@ fn unit_path(name: &str) -> PathBuf {
 /// Everything the node needs, from its plan.
 pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, SetupError> {
     check_name("the queue", "--queue NAME", &opts.queue)?;
+    if let Some(m) = &opts.multi_gpu {
+        check_name("the multi-GPU queue", "--multi-gpu-queue NAME", &m.queue)?;
+        if m.queue == opts.queue {
+            return Err(SetupError::Invalid(format!(
+                "--multi-gpu-queue {:?} is the node's one-GPU queue: give the multi-GPU jobs a queue of their own (e.g. {}-x{})",
+                m.queue,
+                opts.queue,
+                m.groups.first().map_or(2, Vec::len)
+            )));
+        }
+    }
     check_name("the node name", "--node NAME", &opts.node)?;
     if let Some(t) = &opts.token {
         check_token(t)?;
@@ -784,11 +857,20 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         format!("{gpus} {} GPU(s)", vendors.join("+"))
     };
     let layout = match opts.agents {
-        AgentLayout::PerSlice => format!("{} agent(s), one per slice", agents.len()),
+        AgentLayout::PerSlice => format!("{} agent(s), one per slice", plan.slices.len()),
         AgentLayout::Pool => format!("1 pool agent with {} worker(s)", plan.slices.len()),
     };
+    let multi = match &opts.multi_gpu {
+        Some(m) => format!(
+            "; {} agent(s) of {} GPUs on queue {:?}",
+            m.groups.len(),
+            m.groups.first().map_or(0, Vec::len),
+            m.queue
+        ),
+        None => String::new(),
+    };
     let summary = format!(
-        "node {}: {} slice(s), {what}, cgroup v{}; {layout}, queue {:?}",
+        "node {}: {} slice(s), {what}, cgroup v{}; {layout}, queue {:?}{multi}",
         opts.node,
         plan.slices.len(),
         facts.cgroup_version,
@@ -822,6 +904,7 @@ mod tests {
             token: None,
             plugin_location: plugin_location.into(),
             job_env: job_env.iter().map(|s| s.to_string()).collect(),
+            multi_gpu: None,
         }
     }
 

@@ -751,6 +751,7 @@ mod tests {
             pci_bus_id: bus.into(),
             uuid: uuid.map(str::to_string),
             numa_node: Some(0),
+            mig: None,
         }
     }
 

@@ -241,6 +241,8 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
                     minor: None,
                     device_id: Some(device_id),
                     name,
+                    mig: Vec::new(),
+                    links: Vec::new(),
                 });
             }
             _ => {}

@@ -6,6 +6,7 @@
 //! said.
 
 use super::{canonical_bus_id, Gpu};
+use crate::plan::MigInstance;
 
 pub use kernelkite_sys::nvml::{DeviceInfo as NvmlDevice, Nvml, NvmlError};
 
@@ -19,19 +20,32 @@ fn canonical(devices: Vec<NvmlDevice>) -> Vec<NvmlDevice> {
         .into_iter()
         .map(|d| NvmlDevice {
             pci_bus_id: canonical_bus_id(&d.pci_bus_id),
+            nvlink_peers: d.nvlink_peers.iter().map(|p| canonical_bus_id(p)).collect(),
             ..d
         })
         .collect()
 }
 
-/// Fills UUIDs, minors and names that sysfs lacked, matching GPUs by PCI bus id. What the
-/// driver's own files said wins; NVML only fills gaps.
+/// Fills UUIDs, minors and names that sysfs lacked, matching GPUs by PCI bus id (what the
+/// driver's own files said wins; NVML only fills gaps), and the MIG devices and NVLink peers
+/// only NVML knows.
 pub fn merge(gpus: &mut [Gpu], devices: &[NvmlDevice]) {
     for dev in devices {
         if let Some(gpu) = gpus.iter_mut().find(|g| g.pci_bus_id == dev.pci_bus_id) {
             gpu.uuid = gpu.uuid.take().or_else(|| dev.uuid.clone());
             gpu.minor = gpu.minor.or(dev.minor);
             gpu.name = gpu.name.take().or_else(|| dev.name.clone());
+            gpu.mig = dev
+                .mig
+                .iter()
+                .map(|m| MigInstance {
+                    uuid: m.uuid.clone(),
+                    gpu_instance_id: m.gpu_instance_id,
+                    compute_instance_id: m.compute_instance_id,
+                    memory_bytes: m.memory_bytes,
+                })
+                .collect();
+            gpu.links = dev.nvlink_peers.clone();
         }
     }
 }
@@ -48,7 +62,10 @@ mod tests {
             uuid: None,
             minor: Some(3),
             name: None,
+            mig: vec![],
+            nvlink_peers: vec!["00000000:2B:00.0".into()],
         }]);
+        assert_eq!(devs[0].nvlink_peers, ["0000:2b:00.0"]);
         assert_eq!(devs[0].pci_bus_id, "0000:2a:00.0");
         assert_eq!(devs[0].minor, Some(3));
     }
@@ -74,6 +91,8 @@ mod tests {
             minor: None,
             device_id: None,
             name: None,
+            mig: vec![],
+            links: vec![],
         };
         let mut gpus = vec![
             gpu("0000:18:00.0", None),
@@ -87,12 +106,16 @@ mod tests {
                     uuid: Some("GPU-from-nvml".into()),
                     minor: Some(1),
                     name: None,
+                    mig: vec![],
+                    nvlink_peers: vec![],
                 },
                 NvmlDevice {
                     pci_bus_id: "0000:18:00.0".into(),
                     uuid: Some("GPU-aaaa".into()),
                     minor: Some(0),
                     name: Some("NVIDIA H100".into()),
+                    mig: vec![],
+                    nvlink_peers: vec![],
                 },
             ],
         );

@@ -317,6 +317,8 @@ fn read_pci_gpus(root: &Path) -> Result<Vec<Gpu>, TopologyError> {
             minor: None,
             device_id,
             name: None,
+            mig: Vec::new(),
+            links: Vec::new(),
         });
     }
     Ok(gpus)
