@@ -55,9 +55,9 @@ pub const KEYS: &[&str] = &[
     "allow-syscalls",
 ];
 
-/// The account host mode runs the command as, unless the step names another: a system user
-/// without a login shell or home, made by `kernelkite-isolate setup` (or `useradd --system`).
-pub const DEFAULT_JOB_USER: &str = "kernelkite-job";
+/// The account host mode runs the command as, unless the step names another
+/// ([`kernelkite_sys::node::JOB_USER`]).
+pub const DEFAULT_JOB_USER: &str = kernelkite_sys::node::JOB_USER;
 
 /// The parsed configuration, with defaults filled in. Keys added later default when a state
 /// file written by an older version is read back.

@@ -54,11 +54,6 @@ pub fn container_name(job_id: &str) -> String {
     format!("kernelkite-{job_id}")
 }
 
-/// All GPUs of a slice, first one first.
-pub fn slice_gpus(slice: &Slice) -> Vec<&SliceGpu> {
-    slice.gpu.iter().chain(slice.extra_gpus.iter()).collect()
-}
-
 /// The `--gpus` value: UUIDs where every GPU has one, else host indices. Several devices are
 /// quoted because the docker CLI parses the value as CSV.
 pub fn gpus_flag(gpus: &[&SliceGpu], host_indices: &[u32]) -> String {
@@ -141,7 +136,7 @@ pub fn visible_devices_env(gpus: &[&SliceGpu], indices: &[u32]) -> BTreeMap<Stri
 /// Device variables as seen from inside the container, where the job's GPUs are numbered from
 /// zero. UUIDs stay valid; indices do not.
 pub fn container_device_env(slice: &Slice) -> BTreeMap<String, String> {
-    let gpus = slice_gpus(slice);
+    let gpus = slice.gpus();
     let local: Vec<u32> = (0..gpus.len() as u32).collect();
     visible_devices_env(&gpus, &local)
 }
@@ -174,7 +169,7 @@ pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
         s("--label"),
         format!("kernelkite.job={}", r.job_id),
     ];
-    let gpus = slice_gpus(&r.slice);
+    let gpus = r.slice.gpus();
     if let Some(first) = gpus.first() {
         match first.vendor {
             Vendor::Nvidia => {

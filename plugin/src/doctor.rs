@@ -323,7 +323,7 @@ pub fn check_migrations(root: &Path, mountinfo: &str) -> Check {
         None => Check::warn(
             NAME,
             "cgroup v1 without favordynmods: every job's command waits for an RCU grace period (10-31 ms) as it joins its cgroups",
-            "at node set-up, `mkdir -p /run/kernelkite-favordynmods && mount -t cgroup -o none,name=kernelkite,favordynmods cgroup /run/kernelkite-favordynmods` (Linux 6.0+; it stays on until reboot), or boot with cgroup_favordynmods=true; see the plugin README",
+            format!("at node set-up, `mkdir -p {dir} && mount -t cgroup -o none,name=kernelkite,favordynmods cgroup {dir}` (what `setup` does; Linux 6.0+; it stays on until reboot), or boot with cgroup_favordynmods=true; see the plugin README", dir = crate::setup::paths::FAVORDYNMODS_DIR),
         ),
     }
 }

@@ -82,10 +82,7 @@ pub fn for_gpus(vendors: &[Vendor]) -> Fit {
 /// The runner image for the GPUs of a job's slice (`image: auto`); an error on the `image`
 /// key when the slice has no GPU or GPUs of two vendors, where no one image fits.
 pub fn for_slice(slice: &Slice) -> Result<&'static RunnerImage, ConfigError> {
-    let vendors: Vec<Vendor> = crate::docker::slice_gpus(slice)
-        .iter()
-        .map(|g| g.vendor)
-        .collect();
+    let vendors: Vec<Vendor> = slice.gpus().iter().map(|g| g.vendor).collect();
     match for_gpus(&vendors) {
         Fit::One(image) => Ok(image),
         Fit::NoGpu => Err(ConfigError::new(

@@ -4,28 +4,13 @@
 //! [`std::error::Error::source`], not in the message); [`BoxError`] is what the executor and
 //! store interfaces return, as each implementation has its own error types.
 
-use std::fmt::Write as _;
-
 /// Any error, boxed: what crosses the executor and store interfaces, whose implementations
 /// each have their own error types.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The error and its causes, joined by `": "`, for a person to read: a response body, a
-/// submission's `error`, a log line. A cause whose text the message already shows is not
-/// repeated (some crates, axum's rejections among them, put their cause in their own message
-/// as well as in `source`).
-pub fn report(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = error.to_string();
-    let mut cause = error.source();
-    while let Some(c) = cause {
-        let text = c.to_string();
-        if !text.is_empty() && !out.contains(&text) {
-            let _ = write!(out, ": {text}");
-        }
-        cause = c.source();
-    }
-    out
-}
+/// submission's `error`, a log line (`kernelkite_sys::error`, shared with the hooks).
+pub use kernelkite_sys::error::report;
 
 #[cfg(test)]
 mod tests {

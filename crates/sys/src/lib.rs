@@ -5,7 +5,10 @@
 //! * [`procfs`]: `/proc/<pid>/stat` and the process tree, under an injected procfs root.
 //! * [`identity`]: the job's two identities (the command's, the submission's) and the variable
 //!   that names the second.
+//! * [`error`]: an error and its causes on one line, the way every binary prints them.
 //! * [`host`]: this machine's name.
+//! * [`node`]: a node's layout facts (the run dir, the job user).
+//! * [`passwd`]: `/etc/passwd` and `/etc/group` as glibc reads them (comments are no accounts).
 //! * [`nvidia`]: the NVIDIA driver's device files (a GPU's minor, a MIG device's capability
 //!   nodes).
 //! * [`kfd`]: AMD GPUs as ROCm enumerates them (the KFD topology, the visibility variables).
@@ -19,11 +22,14 @@
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod error;
 pub mod fs;
 pub mod host;
 pub mod identity;
 pub mod kfd;
+pub mod node;
 pub mod nvidia;
 pub mod nvml;
+pub mod passwd;
 pub mod procfs;
 pub mod raw;

@@ -85,6 +85,20 @@ pub struct Slice {
     pub memory_bytes: u64,
 }
 
+impl Slice {
+    /// The slice's GPUs: `gpu`, then `extra_gpus` (none for a CPU-only slice).
+    pub fn gpus(&self) -> Vec<&SliceGpu> {
+        self.gpu.iter().chain(&self.extra_gpus).collect()
+    }
+
+    /// Sets the slice's GPUs: the first becomes `gpu`, the rest `extra_gpus`.
+    pub fn set_gpus(&mut self, gpus: impl IntoIterator<Item = SliceGpu>) {
+        let mut gpus = gpus.into_iter();
+        self.gpu = gpus.next();
+        self.extra_gpus = gpus.collect();
+    }
+}
+
 /// A whole node's plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {

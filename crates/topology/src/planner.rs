@@ -180,9 +180,8 @@ pub fn multi_gpu_groups(
         .iter()
         .filter_map(|s| {
             let mut idx: Vec<u32> = s
-                .gpu
+                .gpus()
                 .iter()
-                .chain(&s.extra_gpus)
                 .map(|g| slice_of(&g.pci_bus_id))
                 .collect::<Option<_>>()?;
             idx.sort_unstable();

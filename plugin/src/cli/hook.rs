@@ -66,7 +66,7 @@ pub struct PluginHookArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct NodeArgs {
     /// Directory for GPU leases and job state, shared by every agent on the node.
-    #[arg(long, env = "KERNELKITE_RUN_DIR", default_value = "/run/kernelkite")]
+    #[arg(long, env = "KERNELKITE_RUN_DIR", default_value = kernelkite_sys::node::RUN_DIR)]
     pub run_dir: PathBuf,
     /// Plan written by node set-up (`kernelkite-isolate plan --json`); without it every job
     /// plans the node from sysfs.

@@ -155,7 +155,7 @@ pub fn render_table(plan: &Plan, notes: &[String]) -> String {
         "MEMORY".into(),
     ]];
     for s in &plan.slices {
-        let gpus: Vec<_> = s.gpu.iter().chain(s.extra_gpus.iter()).collect();
+        let gpus = s.gpus();
         let vendor = gpus
             .first()
             .map_or_else(|| "-".to_string(), |g| g.vendor.to_string());

@@ -149,7 +149,7 @@ pub fn clean_job(
         }
     }
     if let Some(s) = state.as_ref().filter(|s| s.clocks_locked) {
-        let gpus = gpucheck::clock_owned(&docker::slice_gpus(&s.slice));
+        let gpus = gpucheck::clock_owned(&s.slice.gpus());
         match gpu().and_then(|mut ctl| gpucheck::reset_clocks(ctl.as_mut(), &gpus)) {
             Ok(()) => report.clocks_reset = true,
             Err(e) => report.problem(&e),

@@ -75,7 +75,9 @@ pub fn docker_run_for(
     };
     let mut job_env = env.clone();
     job_env.extend(state.exports.clone());
-    let amd_render_nodes: Vec<PathBuf> = docker::slice_gpus(&state.slice)
+    let amd_render_nodes: Vec<PathBuf> = state
+        .slice
+        .gpus()
         .iter()
         .filter(|g| g.vendor == Vendor::Amd)
         .filter_map(|g| docker::amd_render_node(&settings.sysfs_root, &g.pci_bus_id))

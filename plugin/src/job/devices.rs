@@ -9,7 +9,6 @@ use kernelkite_topology::plan::{Plan, Slice, Vendor};
 use kernelkite_sys::nvidia;
 
 use crate::cgroup::CharDevice;
-use crate::docker;
 
 /// Character devices of the node's GPUs outside `mine`, from the driver's files under
 /// `sysfs_root`: NVIDIA `/dev/nvidia<minor>` (major 195, minor from
@@ -18,11 +17,11 @@ use crate::docker;
 /// other MIG devices') but its own MIG device's two; AMD
 /// `/dev/dri/{card,renderD}<n>` (major 226). GPUs whose numbers cannot be read are skipped.
 pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<CharDevice> {
-    let my_gpus = docker::slice_gpus(mine);
+    let my_gpus = mine.gpus();
     let mine: Vec<&str> = my_gpus.iter().map(|g| g.pci_bus_id.as_str()).collect();
     let mut out = Vec::new();
     for s in &plan.slices {
-        for g in docker::slice_gpus(s) {
+        for g in s.gpus() {
             if mine.contains(&g.pci_bus_id.as_str()) {
                 continue;
             }
@@ -87,7 +86,7 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
 /// slice, or NVIDIA and AMD GPUs on one node, the two differ.
 pub fn device_indices(plan: &Plan, slice: &Slice) -> Vec<u32> {
     let mut by_vendor: BTreeMap<Vendor, Vec<&str>> = BTreeMap::new();
-    for g in plan.slices.iter().flat_map(docker::slice_gpus) {
+    for g in plan.slices.iter().flat_map(Slice::gpus) {
         by_vendor
             .entry(g.vendor)
             .or_default()
@@ -97,7 +96,8 @@ pub fn device_indices(plan: &Plan, slice: &Slice) -> Vec<u32> {
         ids.sort_unstable();
         ids.dedup();
     }
-    docker::slice_gpus(slice)
+    slice
+        .gpus()
         .iter()
         .map(|g| {
             by_vendor
@@ -191,10 +191,8 @@ mod tests {
                 let p = plan(&topo, &policy).unwrap();
                 assert_eq!(p.slices.len(), 8 / gpus_per_slice as usize);
                 for slice in &p.slices {
-                    let mine: Vec<String> = docker::slice_gpus(slice)
-                        .iter()
-                        .map(|g| g.pci_bus_id.clone())
-                        .collect();
+                    let mine: Vec<String> =
+                        slice.gpus().iter().map(|g| g.pci_bus_id.clone()).collect();
                     // The job's /dev: its own render nodes only.
                     let job = tempfile::tempdir().unwrap();
                     let own: Vec<usize> = (0..8)
@@ -202,7 +200,7 @@ mod tests {
                         .collect();
                     kernelkite_testkit::kfd::write_mi300x(job.path(), &own, with_uuids).unwrap();
                     let host = exports_for(slice, &device_indices(&p, slice), true);
-                    let container = docker::container_device_env(slice);
+                    let container = crate::docker::container_device_env(slice);
                     // The sandbox off: the host's /dev, every render node.
                     let bare = tempfile::tempdir().unwrap();
                     let every: Vec<usize> = (0..8).collect();

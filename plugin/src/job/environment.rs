@@ -18,7 +18,6 @@ use super::state::{read_state, write_state, JobState};
 use super::{GpuOpener, JobError, Settings};
 use crate::cgroup::{CgroupError, Cgroups, CharDevice, Limits};
 use crate::config::{LockClocks, Mode, PluginConfig};
-use crate::docker;
 use crate::gpucheck;
 use crate::jobapi::JobApi;
 use crate::lease::{Holder, Want};
@@ -107,7 +106,7 @@ pub fn run(
         })
         .and_then(|(slice, clocks_locked)| {
             if clocks_locked {
-                locked_gpus = gpucheck::clock_owned(&docker::slice_gpus(&slice));
+                locked_gpus = gpucheck::clock_owned(&slice.gpus());
             }
             let job_user = slice_identity(job_user.clone(), &config, slice.index)?;
             // CPU-only slices have no devices; their slice numbers stand in, as before.
@@ -379,7 +378,7 @@ fn check_gpus(
     if !config.require_idle_gpu && config.lock_clocks.is_none() {
         return Ok(false);
     }
-    let slice_gpus: Vec<SliceGpu> = docker::slice_gpus(slice).into_iter().cloned().collect();
+    let slice_gpus: Vec<SliceGpu> = slice.gpus().into_iter().cloned().collect();
     let mut ctl = gpu()?;
     if config.require_idle_gpu {
         gpucheck::require_idle(ctl.as_mut(), &slice_gpus, config.idle_memory_mib)?;

@@ -1,6 +1,5 @@
 //! Why a hook failed, with its cause kept for the chain the CLI prints.
 
-use std::fmt;
 use std::path::PathBuf;
 
 use kernelkite_topology::planner::PlanError;
@@ -212,27 +211,8 @@ pub enum JobError {
     },
 }
 
-/// An error followed by its causes, `: `-separated, as the CLI prints it: for report lines and
-/// log lines that hold one string. A cause whose text the message already shows is not
-/// repeated (some messages name their cause for readers of `to_string()` alone).
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut shown = self.0.to_string();
-        let mut cause = self.0.source();
-        while let Some(e) = cause {
-            let text = e.to_string();
-            if !text.is_empty() && !shown.contains(&text) {
-                write!(f, ": {text}")?;
-                shown.push_str(&text);
-            }
-            cause = e.source();
-        }
-        Ok(())
-    }
-}
+/// An error and its causes on one line: `kernelkite_sys::error`, shared with the service.
+pub use kernelkite_sys::error::Chain;
 
 #[cfg(test)]
 mod tests {

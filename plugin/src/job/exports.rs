@@ -11,7 +11,7 @@ use crate::docker;
 /// The variables exported to the job for its slice and host GPU indices; `private_dev`: the
 /// job's `/dev` holds only its own devices (host mode, in the sandbox).
 pub fn exports_for(slice: &Slice, indices: &[u32], private_dev: bool) -> BTreeMap<String, String> {
-    let gpus = docker::slice_gpus(slice);
+    let gpus = slice.gpus();
     // AMD: with a private /dev (the sandbox's: only the job's render nodes), libhsakmt skips
     // every other GPU and ROCr numbers the job's from 0; with the host's /dev (the sandbox
     // off, or containers others start) it sees every GPU in host order

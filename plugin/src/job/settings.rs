@@ -33,7 +33,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            run_dir: "/run/kernelkite".into(),
+            run_dir: kernelkite_sys::node::RUN_DIR.into(),
             sysfs_root: "/".into(),
             plan_file: None,
             cgroup_root: "/".into(),

@@ -35,8 +35,7 @@ pub fn merge_slices(slices: &[&Slice]) -> Option<Slice> {
     let mut mems = Vec::new();
     let mut memory = 0u64;
     for s in slices {
-        gpus.extend(s.gpu.iter().cloned());
-        gpus.extend(s.extra_gpus.iter().cloned());
+        gpus.extend(s.gpus().into_iter().cloned());
         cpus.extend(&s.cpus);
         mems.extend(&s.mems);
         memory = memory.saturating_add(s.memory_bytes);
@@ -45,15 +44,16 @@ pub fn merge_slices(slices: &[&Slice]) -> Option<Slice> {
     cpus.dedup();
     mems.sort_unstable();
     mems.dedup();
-    let mut gpus = gpus.into_iter();
-    Some(Slice {
+    let mut slice = Slice {
         index: first.index,
-        gpu: gpus.next(),
-        extra_gpus: gpus.collect(),
+        gpu: None,
+        extra_gpus: Vec::new(),
         cpus,
         mems,
         memory_bytes: memory,
-    })
+    };
+    slice.set_gpus(gpus);
+    Some(slice)
 }
 
 /// Keeps `want` CPUs of `cpus`, whole cores first (SMT siblings grouped by the sysfs

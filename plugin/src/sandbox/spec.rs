@@ -10,7 +10,6 @@ use kernelkite_topology::cpulist::format_cpu_list;
 use kernelkite_topology::plan::{Slice, Vendor};
 
 use super::user::JobUser;
-use crate::docker;
 
 /// A device node of the job's GPU(s): bound from `source` (the real node) to `/dev/<target>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,7 +158,7 @@ pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Ve
             out.push(DeviceNode { source, target });
         }
     };
-    let gpus = docker::slice_gpus(slice);
+    let gpus = slice.gpus();
     for g in &gpus {
         match g.vendor {
             Vendor::Nvidia => {

@@ -63,16 +63,9 @@ pub enum UserError {
     },
 }
 
-/// One `/etc/passwd` entry: (name, uid, gid).
+/// `/etc/passwd` entries as (name, uid, gid): `kernelkite_sys::passwd`, which skips comments.
 fn entries(passwd: &str) -> impl Iterator<Item = (&str, u32, u32)> {
-    passwd.lines().filter_map(|line| {
-        let mut f = line.split(':');
-        let name = f.next()?;
-        let _password = f.next()?;
-        let uid = f.next()?.parse().ok()?;
-        let gid = f.next()?.parse().ok()?;
-        Some((name, uid, gid))
-    })
+    kernelkite_sys::passwd::entries(passwd).map(|e| (e.name, e.uid, e.gid))
 }
 
 /// Looks `user` up in a `/etc/passwd` text: a name, a uid (its primary group from the file,
@@ -262,6 +255,12 @@ nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
         );
         let e = submission_for_slice(&taken, 7).unwrap_err().to_string();
         assert!(e.contains("slice 7's submissions"), "{e}");
+        // A commented-out account is no account: it takes no slice's id (it once refused the
+        // slice, as the parser here read comments) and names no uid.
+        let commented = format!("{PASSWD}#old:x:{}:100::/:/bin/sh\n", SLICE_ID_BASE + 7);
+        assert_eq!(for_slice(&commented, 7).unwrap().uid, SLICE_ID_BASE + 7);
+        let named = lookup(&commented, &(SLICE_ID_BASE + 7).to_string()).unwrap();
+        assert_eq!(named.name, format!("uid {}", SLICE_ID_BASE + 7));
     }
 
     #[test]

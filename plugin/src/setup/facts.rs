@@ -60,41 +60,8 @@ pub fn parse_kernel_version(release: &str) -> Option<KernelVersion> {
     Some((major, minor))
 }
 
-/// One `/etc/passwd` or `/etc/group` line split at its colons.
-fn fields(line: &str) -> Vec<&str> {
-    line.split(':').collect()
-}
-
-/// The names in the `name` column of `/etc/passwd` text.
-pub fn passwd_has_user(passwd: &str, user: &str) -> bool {
-    passwd
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .any(|l| fields(l).first() == Some(&user))
-}
-
-/// `(name, gid, members)` of each `/etc/group` line.
-pub fn parse_groups(group: &str) -> Vec<(String, u32, Vec<String>)> {
-    group
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let f = fields(l);
-            let gid = f.get(2)?.trim().parse().ok()?;
-            let members = f
-                .get(3)
-                .map(|m| {
-                    m.split(',')
-                        .map(str::trim)
-                        .filter(|m| !m.is_empty())
-                        .map(str::to_string)
-                        .collect()
-                })
-                .unwrap_or_default();
-            Some((f.first()?.to_string(), gid, members))
-        })
-        .collect()
-}
+// `/etc/passwd` and `/etc/group` are read the one way glibc reads them (comments skipped).
+pub use kernelkite_sys::passwd::{groups as parse_groups, has_user as passwd_has_user};
 
 fn read_optional(path: &Path) -> Result<String, SetupError> {
     match std::fs::read_to_string(path) {
@@ -162,7 +129,7 @@ pub fn gather(
     let has_amd = plan
         .slices
         .iter()
-        .flat_map(|s| s.gpu.iter().chain(s.extra_gpus.iter()))
+        .flat_map(kernelkite_topology::plan::Slice::gpus)
         .any(|g| g.vendor == Vendor::Amd);
     let mut device_owners = Vec::new();
     if has_amd {

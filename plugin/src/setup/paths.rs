@@ -32,10 +32,8 @@ pub const AGENT_UNIT: &str = "kernelkite-agent@.service";
 pub const FAVORDYNMODS_UNIT: &str = "run-kernelkite-favordynmods.mount";
 /// Where [`FAVORDYNMODS_UNIT`] mounts its (empty) hierarchy; the unit's name is this path.
 pub const FAVORDYNMODS_DIR: &str = "/run/kernelkite/favordynmods";
-/// The hooks' run dir (leases and job state), shared by every agent of the node.
-pub const RUN_DIR: &str = "/run/kernelkite";
-/// The unprivileged user the job's command runs as (the plugin's `user` option).
-pub const JOB_USER: &str = "kernelkite-job";
+/// The hooks' run dir and the job user: `kernelkite_sys::node`, their one home.
+pub use kernelkite_sys::node::{JOB_USER, RUN_DIR};
 /// The package path of `buildkite-agent` (Debian/Ubuntu and RPM packages).
 pub const DEFAULT_BUILDKITE_AGENT: &str = "/usr/bin/buildkite-agent";
 /// The hooks the agent-level hooks-path holds, each a link to `kernelkite-isolate`.

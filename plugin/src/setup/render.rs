@@ -434,13 +434,9 @@ fn tag_list(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join("+")
 }
 
-fn gpus_of(s: &Slice) -> Vec<&kernelkite_topology::plan::SliceGpu> {
-    s.gpu.iter().chain(s.extra_gpus.iter()).collect()
-}
-
 /// How a slice is described in comments: `GPU 0000:18:00.0, CPUs 1-13,113-125, 230.4 GiB`.
 fn describe_slice(s: &Slice) -> String {
-    let gpus: Vec<&str> = gpus_of(s).iter().map(|g| g.pci_bus_id.as_str()).collect();
+    let gpus: Vec<&str> = s.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
     let gpu = if gpus.is_empty() {
         "no GPU".to_string()
     } else {
@@ -839,12 +835,12 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         notes.push(format!("plan: {w}"));
     }
 
-    let gpus: usize = plan.slices.iter().map(|s| gpus_of(s).len()).sum();
+    let gpus: usize = plan.slices.iter().map(|s| s.gpus().len()).sum();
     let vendors: Vec<String> = {
         let mut v: Vec<String> = plan
             .slices
             .iter()
-            .flat_map(gpus_of)
+            .flat_map(Slice::gpus)
             .map(|g| g.vendor.to_string())
             .collect();
         v.sort();

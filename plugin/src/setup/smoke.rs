@@ -218,7 +218,7 @@ pub fn judge(
     }
 
     // One GPU, the slice's, in the variables the job's CUDA/ROCm read.
-    let gpus: Vec<_> = slice.gpu.iter().chain(slice.extra_gpus.iter()).collect();
+    let gpus = slice.gpus();
     let var_of = |v: Vendor| match v {
         Vendor::Nvidia => "CUDA_VISIBLE_DEVICES",
         Vendor::Amd => "ROCR_VISIBLE_DEVICES",
@@ -675,12 +675,7 @@ pub fn run_slice(
         .as_ref()
         .map(|o| parse_seen(&String::from_utf8_lossy(&o.stdout)))
         .unwrap_or_default();
-    let gpus: Vec<&str> = slice
-        .gpu
-        .iter()
-        .chain(slice.extra_gpus.iter())
-        .map(|g| g.pci_bus_id.as_str())
-        .collect();
+    let gpus: Vec<&str> = slice.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
     Ok(SliceReport {
         slice: slice.index,
         about: format!(
@@ -794,7 +789,7 @@ mod tests {
             cuda.map(|c| format!("{MARK} env CUDA_VISIBLE_DEVICES={c}\n"))
                 .unwrap_or_default(),
             format_cpu_list(&s.cpus),
-            s.gpu.iter().count() + s.extra_gpus.len(),
+            s.gpus().len(),
         );
         parse_seen(&report)
     }

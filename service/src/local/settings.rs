@@ -118,8 +118,8 @@ pub struct SandboxDecision {
     pub why_off: Option<String>,
 }
 
-/// The plugin's default `user` (plugin.yml; the service does not link the plugin).
-const DEFAULT_JOB_USER: &str = "kernelkite-job";
+/// The plugin's default `user` (the service does not link the plugin; both import it).
+const DEFAULT_JOB_USER: &str = kernelkite_sys::node::JOB_USER;
 
 /// The job user the plugin configuration names (its `user` key, else the plugin's default).
 fn job_user(config: &serde_json::Map<String, serde_json::Value>) -> String {
@@ -173,9 +173,7 @@ pub fn decide_sandbox(
             // reserved uid (the plugin's `sandbox::user::for_slice`).
             let exists = numeric
                 || user == DEFAULT_JOB_USER
-                || passwd
-                    .lines()
-                    .any(|l| l.split(':').next() == Some(user.as_str()));
+                || kernelkite_sys::passwd::has_user(passwd, &user);
             if euid != 0 {
                 off(Some(format!(
                     "the sandbox needs root and this service runs as uid {euid}: commands run as uid {euid}, unsandboxed (fine for your own code; run as root with --sandbox on for untrusted submissions)"
@@ -283,7 +281,7 @@ impl LocalArgs {
 /// write their state there with `fsync`: on the tmpfs `/run` is, that costs nothing, on a
 /// disk some milliseconds per job.
 fn default_run_dir(local_dir: &Path) -> PathBuf {
-    let shared = PathBuf::from("/run/kernelkite");
+    let shared = PathBuf::from(kernelkite_sys::node::RUN_DIR);
     if std::fs::create_dir_all(&shared).is_ok() && writable(&shared) {
         return shared;
     }

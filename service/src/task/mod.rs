@@ -94,30 +94,9 @@ const TEMPLATE_LANGS: &[&str] = &["CUDA", "Python", "Triton", "HIP", "CuteDSL"];
 /// The placeholder file content the submission replaces.
 pub const SUBMISSION_PLACEHOLDER: &str = "@SUBMISSION@";
 
-/// kernelbot's submission modes (`SubmissionMode`) a submission can be run in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// The tests only.
-    Test,
-    /// The benchmarks only.
-    Benchmark,
-    /// Tests, then benchmarks if they passed, then the ranked run.
-    Leaderboard,
-    /// Each benchmark under the profiler.
-    Profile,
-}
-
-impl Mode {
-    /// The mode's value in a run config.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Test => "test",
-            Mode::Benchmark => "benchmark",
-            Mode::Leaderboard => "leaderboard",
-            Mode::Profile => "profile",
-        }
-    }
-}
+/// kernelbot's submission modes (`SubmissionMode`): the run config's own type, defined once in
+/// `kernelkite_kernelbot` (its `clap` feature gives the CLI's `--mode`).
+pub use kernelkite_kernelbot::config::Mode;
 
 /// A task directory as kernelbot's `make_task_definition` reads it.
 #[derive(Debug, Clone, PartialEq)]
