@@ -12,6 +12,7 @@
 //! * [`nvidia`]: the NVIDIA driver's device files (a GPU's minor, a MIG device's capability
 //!   nodes).
 //! * [`kfd`]: AMD GPUs as ROCm enumerates them (the KFD topology, the visibility variables).
+//! * [`shell`]: the hooks' `export NAME='value'` lines, written and read back.
 //! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
 //! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
 //!   that runs between `fork` and `exec`, glibc's version). Every `unsafe` block of the
@@ -33,3 +34,4 @@ pub mod nvml;
 pub mod passwd;
 pub mod procfs;
 pub mod raw;
+pub mod shell;

@@ -48,21 +48,8 @@ pub fn docker_memory(bytes: u64) -> String {
     }
 }
 
-/// Single-quotes a value for `export K='v'` in bash.
-///
-/// Hand-written: single quotes make every byte but `'` literal in POSIX shells, so this one
-/// replacement is the whole job; `shell-escape`-style crates pick among quoting styles and
-/// would only make the output harder to predict.
-pub fn shell_quote(v: &str) -> String {
-    format!("'{}'", v.replace('\'', r"'\''"))
-}
-
-/// `export` lines for the sourced shell hook.
-pub fn export_lines(env: &BTreeMap<String, String>) -> String {
-    env.iter()
-        .map(|(k, v)| format!("export {k}={}\n", shell_quote(v)))
-        .collect()
-}
+/// The `export` format and its quoting: `kernelkite_sys::shell`, which local mode reads back with.
+pub use kernelkite_sys::shell::{export_lines, quote as shell_quote};
 
 #[cfg(test)]
 mod tests {

@@ -118,67 +118,7 @@ pub fn node_args(
     a
 }
 
-/// Single-quotes `v` for a POSIX shell: every byte but `'` is literal inside single quotes.
-pub fn shell_quote(v: &str) -> String {
-    format!("'{}'", v.replace('\'', r"'\''"))
-}
-
-/// The variables in `export NAME='value'` lines, as `kernelkite-isolate environment --export
-/// shell` prints them and the local executor evaluates them. Strict: anything else is an error,
-/// since a job must not run without the variables that tell it its slice.
-pub fn parse_exports(text: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut out = BTreeMap::new();
-    let mut rest = text;
-    loop {
-        rest = rest.trim_start_matches(['\n', ' ', '\t']);
-        if rest.is_empty() {
-            return Ok(out);
-        }
-        let Some(after) = rest.strip_prefix("export ") else {
-            return Err(format!("not an export line: {:?}", first_line(rest)));
-        };
-        let Some(eq) = after.find('=') else {
-            return Err(format!("export without '=': {:?}", first_line(rest)));
-        };
-        let name = &after[..eq];
-        let valid = name
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            return Err(format!("not a variable name: {name:?}"));
-        }
-        // The value: single-quoted runs and `\'`, up to the end of the line.
-        let mut value = String::new();
-        let mut s = &after[eq + 1..];
-        loop {
-            if let Some(q) = s.strip_prefix('\'') {
-                let Some(end) = q.find('\'') else {
-                    return Err(format!("unterminated quote in the value of {name}"));
-                };
-                value.push_str(&q[..end]);
-                s = &q[end + 1..];
-            } else if let Some(q) = s.strip_prefix("\\'") {
-                value.push('\'');
-                s = q;
-            } else if s.is_empty() || s.starts_with('\n') {
-                break;
-            } else {
-                return Err(format!(
-                    "unquoted text in the value of {name}: {:?}",
-                    first_line(s)
-                ));
-            }
-        }
-        out.insert(name.to_string(), value);
-        rest = s;
-    }
-}
-
-fn first_line(s: &str) -> &str {
-    s.lines().next().unwrap_or("")
-}
+pub use kernelkite_sys::shell::{parse_exports, quote as shell_quote};
 
 /// A process, told apart from a later one that reuses its pid by its start time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -303,34 +243,6 @@ pub fn group_exists(pgid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exports_round_trip_the_plugins_quoting() {
-        let text =
-            "export A='plain'\nexport B='it'\\''s'\nexport C='{\"cpus\":[0,1]}'\nexport D=''\n";
-        let e = parse_exports(text).unwrap();
-        assert_eq!(e["A"], "plain");
-        assert_eq!(e["B"], "it's");
-        assert_eq!(e["C"], r#"{"cpus":[0,1]}"#);
-        assert_eq!(e["D"], "");
-        // A value with a line break stays one value.
-        let e = parse_exports("export M='a\nb'\n").unwrap();
-        assert_eq!(e["M"], "a\nb");
-        for v in ["a", "b c d", "'", "''", "x'y'z", "\\'"] {
-            let line = format!("export V={}\n", shell_quote(v));
-            assert_eq!(parse_exports(&line).unwrap()["V"], v, "{line}");
-        }
-        for bad in [
-            "echo hi\n",
-            "export 1A='x'\n",
-            "export A=x\n",
-            "export A='x\n",
-            "export A\n",
-        ] {
-            assert!(parse_exports(bad).is_err(), "{bad}");
-        }
-        assert!(parse_exports("").unwrap().is_empty());
-    }
 
     #[test]
     fn hooks_get_the_agents_variables_and_none_of_the_services_secrets() {
