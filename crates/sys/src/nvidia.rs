@@ -46,6 +46,12 @@ pub fn mig_cap_minors(root: &Path, gpu_minor: u32, gi: u32, ci: u32) -> Option<[
     Some([gi_cap, ci_cap])
 }
 
+/// [`mig_cap_minors`] for the MIG device `gi`/`ci` of the GPU at `pci_bus_id`, its device
+/// minor read from the driver's files ([`device_minor`]).
+pub fn mig_device_caps(root: &Path, pci_bus_id: &str, gi: u32, ci: u32) -> Option<[u32; 2]> {
+    mig_cap_minors(root, device_minor(root, pci_bus_id)?, gi, ci)
+}
+
 /// Every capability minor the driver lists in `mig-minors` (MIG's `config` and `monitor`, and
 /// every GPU and compute instance's), for denying all but a job's own.
 pub fn all_mig_cap_minors(root: &Path) -> Vec<u32> {

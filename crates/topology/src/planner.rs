@@ -142,10 +142,13 @@ pub fn multi_gpu_groups(
         .iter()
         .filter(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_none()))
         .count();
-    if size as usize > gpus {
-        return Err(PlanError::InvalidPolicy(format!(
+    let no_group = || {
+        PlanError::InvalidPolicy(format!(
             "no group of {size} GPUs: the node has {gpus} whole GPU(s); lower --multi-gpu-size"
-        )));
+        ))
+    };
+    if size as usize > gpus {
+        return Err(no_group());
     }
     // Group the whole GPUs only: a MIG GPU's devices stay one-GPU slices.
     let whole = Topology {
@@ -189,9 +192,7 @@ pub fn multi_gpu_groups(
         })
         .collect();
     if groups.is_empty() {
-        return Err(PlanError::InvalidPolicy(format!(
-            "no group of {size} GPUs: the node has {gpus} whole GPU(s); lower --multi-gpu-size"
-        )));
+        return Err(no_group());
     }
     Ok(groups)
 }
@@ -741,7 +742,7 @@ fn make_units<'a>(
                 gpu.pci_bus_id
             ));
         }
-        groups.extend((0..topology.gpus[i].mig.len()).map(|m| (vec![i], Some(m))));
+        groups.extend((0..gpu.mig.len()).map(|m| (vec![i], Some(m))));
     }
     groups.sort_by_key(|(grp, m)| (grp[0], *m));
     Ok(groups

@@ -58,10 +58,9 @@ pub fn other_gpu_devices(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> Vec<Ch
             .iter()
             .filter_map(|g| {
                 let mig = g.mig.as_ref()?;
-                let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id)?;
-                nvidia::mig_cap_minors(
+                nvidia::mig_device_caps(
                     sysfs_root,
-                    minor,
+                    &g.pci_bus_id,
                     mig.gpu_instance_id,
                     mig.compute_instance_id,
                 )

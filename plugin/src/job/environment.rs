@@ -392,7 +392,7 @@ fn check_gpus(
     };
     // A MIG device's clock is its GPU's, which the other MIG devices' jobs share: one job
     // must not set it for them (nor reset it under them at its end).
-    let own = gpucheck::clock_owned(&slice_gpus.iter().collect::<Vec<_>>());
+    let own = gpucheck::clock_owned(&slice.gpus());
     for g in slice_gpus.iter().filter(|g| g.mig.is_some()) {
         notices.push(format!(
             "lock-clocks skipped for GPU {}: it is in MIG mode, and its clock is shared by every MIG device on it (lock it for the whole node with `nvidia-smi -lgc` instead)",

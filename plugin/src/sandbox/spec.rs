@@ -162,14 +162,13 @@ pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Ve
     for g in &gpus {
         match g.vendor {
             Vendor::Nvidia => {
-                let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id);
-                if let Some(m) = minor {
+                if let Some(m) = nvidia::device_minor(sysfs_root, &g.pci_bus_id) {
                     add(PathBuf::from(format!("nvidia{m}")));
                 }
-                let caps = g.mig.as_ref().zip(minor).and_then(|(mig, m)| {
-                    nvidia::mig_cap_minors(
+                let caps = g.mig.as_ref().and_then(|mig| {
+                    nvidia::mig_device_caps(
                         sysfs_root,
-                        m,
+                        &g.pci_bus_id,
                         mig.gpu_instance_id,
                         mig.compute_instance_id,
                     )

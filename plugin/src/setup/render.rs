@@ -114,7 +114,7 @@ pub struct Agent {
     /// The slice it is bound to (tag `gpu-index`); `None` for the pool agent and a multi-GPU
     /// queue's agents.
     pub slice: Option<u32>,
-    /// A multi-GPU queue's agent: the slices it is bound to (tag `gpu-index=i,j,…`); empty
+    /// A multi-GPU queue's agent: the slices it is bound to (tag `gpu-index=i+j+…`); empty
     /// for the others.
     pub group: Vec<u32>,
 }
@@ -424,14 +424,11 @@ fn one_gpu_agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
     }
 }
 
-fn list(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// A `gpu-index` tag's value for several slices: joined by `+`, since the agent splits its
-/// `tags` at commas (cliconfig/file.go), which would leave `gpu-index=0` and bare tags `1`...
-fn tag_list(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join("+")
+/// Slice numbers joined by `sep`: `,` for people; `+` in a `gpu-index` tag, since the agent
+/// splits its `tags` at commas (cliconfig/file.go), which would leave `gpu-index=0` and bare
+/// tags `1`...
+fn joined(ids: &[u32], sep: &str) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(sep)
 }
 
 /// How a slice is described in comments: `GPU 0000:18:00.0, CPUs 1-13,113-125, 230.4 GiB`.
@@ -513,20 +510,19 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
                 "agent {} of the multi-GPU queue {}, bound to slices {} ({} GPUs per job; the one-GPU queue's jobs lease the same GPUs, first come first served)",
                 agent.instance,
                 m.queue,
-                list(&agent.group),
+                joined(&agent.group, ","),
                 agent.group.len()
             ),
             &opts.node,
         ),
-        (None, layout) => match layout {
-        AgentLayout::Pool => header(
+        (None, AgentLayout::Pool) => header(
             &format!(
                 "its pool agent, {} worker(s), one per slice; each job leases the lowest free slice",
                 plan.slices.len()
             ),
             &opts.node,
         ),
-        AgentLayout::PerSlice => {
+        (None, AgentLayout::PerSlice) => {
             let about = match agent
                 .slice
                 .and_then(|i| plan.slices.iter().find(|s| s.index == i))
@@ -541,7 +537,6 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
             };
             header(&about, &opts.node)
         }
-        },
     };
     head.push_str("# Root-only (0600): it holds the agent token, and reaches the agent as a systemd credential.\n");
     let mut body = String::new();
@@ -549,7 +544,7 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
     let mut tags = format!("queue={queue},node={}", opts.node);
     if !agent.group.is_empty() {
         // The hooks lease exactly these slices, and a step without `gpus` gets them all.
-        let _ = write!(tags, ",gpu-index={}", tag_list(&agent.group));
+        let _ = write!(tags, ",gpu-index={}", joined(&agent.group, "+"));
     } else if opts.agents == AgentLayout::Pool {
         let _ = writeln!(body, "spawn={}", plan.slices.len());
     } else if let Some(n) = agent.slice {
