@@ -5,7 +5,7 @@
 #                            and no glibc version to match on the node;
 #   kernelkite-isolate-nvml  the ordinary, dynamically linked build: a hook that needs NVML
 #                            (`require-idle-gpu`, `lock-clocks`) is handed to it, since a static
-#                            binary cannot load libnvidia-ml.so.1 (plugin/src/delegate.rs);
+#                            binary cannot load libnvidia-ml.so.1 (crates/hooks/src/delegate.rs);
 #   kernelkite-runner        the evaluator.
 # Adds the musl target with rustup when it is missing (exit status 3 when that cannot be done).
 # Usage: scripts/node-binaries.sh DIR

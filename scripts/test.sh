@@ -109,7 +109,7 @@ py_junit=""
 trap 'rm -rf "$log" "$checks" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
 section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
-# The hooks' static build, which its own tests (plugin/tests/static_build.rs) and the job
+# The hooks' static build, which its own tests (plugin/tests/node/static_build.rs) and the job
 # overhead benchmark run. Without the musl target (rustup offline) those tests skip, saying so.
 node_rc=0
 ./scripts/node-binaries.sh target/node || node_rc=$?

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use kernelkite_isolate::cgroup::{Cgroups, Limits};
+use kernelkite_hooks::cgroup::{Cgroups, Limits};
 use kernelkite_topology::fakesys;
 
 mod common;
@@ -367,13 +367,13 @@ fn isolated_migration(cg_root: &Path, n: usize) -> Option<Stats> {
 /// Start cost of a process in a cgroup v2 directory after a quiet spell: migrated after fork
 /// (what v1 must do) vs born inside (`clone3`, what `command` does on v2).
 fn cgroup2_start_costs(iterations: usize, gap: Duration) -> Option<(Stats, Stats, Stats)> {
-    use kernelkite_isolate::cgroup::v2::V2;
-    use kernelkite_isolate::confine::{spawn, spawn_into_cgroup2, Confinement};
+    use kernelkite_hooks::cgroup::v2::V2;
+    use kernelkite_hooks::confine::{spawn, spawn_into_cgroup2, Confinement};
     if !rustix::process::geteuid().is_root() {
         return None;
     }
     let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mount = kernelkite_isolate::cgroup::parse_mountinfo(&text)
+    let mount = kernelkite_hooks::cgroup::parse_mountinfo(&text)
         .into_iter()
         .find(|m| m.fs_type == "cgroup2")?;
     let v2 = V2::new(PathBuf::from(&mount.mount_point));
@@ -411,7 +411,7 @@ fn cgroup2_start_costs(iterations: usize, gap: Duration) -> Option<(Stats, Stats
 
 /// The checkout's hand-over to the job user and back, per file (1000 files in 10 directories).
 fn chown_per_file() -> Option<Duration> {
-    use kernelkite_isolate::sandbox::ownership::chown_tree;
+    use kernelkite_hooks::sandbox::ownership::chown_tree;
     if !rustix::process::geteuid().is_root() {
         return None;
     }
@@ -519,7 +519,7 @@ fn main() {
     );
     set("BUILDKITE_SHELL", "/bin/bash -e -c".into());
     // The step's artifact_paths: in the sandbox, the marker the command writes reaches the host's
-    // checkout only as an artifact (plugin/src/sandbox/disk.rs), as result.json does.
+    // checkout only as an artifact (crates/hooks/src/sandbox/disk.rs), as result.json does.
     set("BUILDKITE_ARTIFACT_PATHS", "result.json;started".into());
     set(
         "BUILDKITE_BUILD_PATH",
@@ -536,7 +536,7 @@ fn main() {
     let node_exe = static_exe.clone().unwrap_or_else(|| exe.clone());
     set("KERNELKITE_ISOLATE_BIN", node_exe.display().to_string());
     // The agent's Job API, through which executed hooks export.
-    let job_api = kernelkite_isolate::setup::local_agent::JobApiServer::start(
+    let job_api = kernelkite_admin::setup::local_agent::JobApiServer::start(
         &shm.path().join("job-api.sock"),
         "bench-token",
         BTreeMap::new(),

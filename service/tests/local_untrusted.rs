@@ -284,19 +284,13 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 }
 
 fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let after = &s[s.rfind(')')? + 1..];
-            after.split_whitespace().next().map(|st| st != "Z")
-        })
-        .unwrap_or(false)
+    kernelkite_sys::procfs::is_running(std::path::Path::new("/proc"), pid)
 }
 
 fn start_time(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after = &s[s.rfind(')').unwrap() + 1..];
-    after.split_whitespace().nth(19).unwrap().parse().unwrap()
+    kernelkite_sys::procfs::read_stat(std::path::Path::new("/proc"), pid)
+        .and_then(|s| s.start_time)
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,22 +56,14 @@ impl AgentProcess {
     /// as when a node's agent is killed with its job (what the job's own command left in its
     /// cgroup stays, for the next job's hooks to reclaim).
     pub fn kill9_with_job(&mut self) {
-        let me = self.child.id() as i32;
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-                continue;
-            };
-            // pid (comm) state ppid pgrp ...: after the last ')'.
-            let fields: Vec<&str> = stat
-                .rsplit_once(')')
-                .map(|(_, rest)| rest.split_whitespace().collect())
-                .unwrap_or_default();
-            let (ppid, pgrp) = (
-                fields.get(1).and_then(|f| f.parse::<i32>().ok()),
-                fields.get(2).and_then(|f| f.parse::<i32>().ok()),
-            );
-            if let (Some(ppid), Some(pgrp)) = (ppid, pgrp) {
-                if ppid == me && pgrp > 1 {
+        let me = self.child.id();
+        let proc_root = std::path::Path::new("/proc");
+        for pid in kernelkite_sys::procfs::children_of(proc_root, me) {
+            let pgrp = kernelkite_sys::procfs::read_stat(proc_root, pid)
+                .and_then(|s| s.pgrp)
+                .and_then(|g| i32::try_from(g).ok());
+            if let Some(pgrp) = pgrp {
+                if pgrp > 1 {
                     // SAFETY: kill(2) on a process group the agent started.
                     unsafe { libc::kill(-pgrp, libc::SIGKILL) };
                 }

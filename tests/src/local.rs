@@ -127,7 +127,7 @@ pub fn shared_run_dir() -> PathBuf {
 /// Whether jobs can be confined with real cgroups here (root, and a cgroup can be made); the
 /// reason when not.
 pub fn real_cgroups() -> Result<(), String> {
-    use kernelkite_isolate::cgroup::{Cgroups, Limits};
+    use kernelkite_hooks::cgroup::{Cgroups, Limits};
     if !is_root() {
         return Err("real cgroups need root".into());
     }

@@ -555,7 +555,7 @@ fn local_jobs_run_in_the_sandbox_the_submission_as_its_own_uid() {
     // identity: another uid.
     assert_eq!(
         run["result"]["probe.0.uid"],
-        kernelkite_isolate::sandbox::user::SUBMISSION_ID_BASE.to_string(),
+        kernelkite_hooks::sandbox::user::SUBMISSION_ID_BASE.to_string(),
         "the submission ran as slice 0's submission identity: {v}"
     );
     assert_ne!(run["result"]["probe.0.uid"], user.uid.to_string());

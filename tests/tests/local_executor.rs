@@ -60,15 +60,7 @@ async fn job_dirs_removed(stack: &LocalStack) {
 }
 
 fn pid_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            let state = s[s.rfind(')').map_or(0, |i| i + 2)..]
-                .chars()
-                .next()
-                .unwrap_or('X');
-            state != 'Z' && state != 'X'
-        })
-        .unwrap_or(false)
+    kernelkite_sys::procfs::is_running(std::path::Path::new("/proc"), pid)
 }
 
 async fn gone(pid: u32) -> bool {

@@ -8,7 +8,7 @@
 //!   variables `kernelkite_service::buildkite::plugins::plugin_variables` makes, which local
 //!   mode gives the plugin's hooks.
 //! - Hook order: agent-level `environment` before the plugin's, agent-level `pre-exit` before
-//!   the plugin's (the plugin's README and `plugin/src/job/env.rs` rely on this).
+//!   the plugin's (the plugin's README and `crates/hooks/src/job/env.rs` rely on this).
 //! - A polyglot hook (a first line naming another interpreter than a shell) is executed, not
 //!   sourced, and what it sets through the Job API (`buildkite-agent env set`) reaches the
 //!   command: the plugin's hook files (`#!/opt/kernelkite/bin/kernelkite-isolate plugin-hook`)
@@ -169,7 +169,7 @@ subprocess.run(["buildkite-agent", "env", "set", "KK_FROM_PLUGIN=exported"], che
 /// its `tags` at commas, so the group must not be written with them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_agent_registers_a_multi_gpu_agent_s_whole_group() {
-    use kernelkite_isolate::setup::render::{self, AgentLayout, MultiGpu, Options};
+    use kernelkite_admin::setup::render::{self, AgentLayout, MultiGpu, Options};
     let Some(agent) = agent() else {
         return;
     };
@@ -254,7 +254,7 @@ async fn the_real_agent_registers_a_multi_gpu_agent_s_whole_group() {
         "4+5+6+7".to_string(),
     )]);
     assert_eq!(
-        kernelkite_isolate::job::env::agent_gpus(&env).unwrap(),
+        kernelkite_hooks::job::env::agent_gpus(&env).unwrap(),
         Some(vec![4, 5, 6, 7])
     );
 }

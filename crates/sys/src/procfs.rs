@@ -15,6 +15,8 @@ pub struct Stat {
     pub state: char,
     /// The parent's pid (field 4).
     pub ppid: u32,
+    /// The process group (field 5), when the line has it.
+    pub pgrp: Option<u32>,
     /// Start time in clock ticks since boot (field 22), when the line is long enough.
     pub start_time: Option<u64>,
 }
@@ -35,12 +37,14 @@ pub fn parse_stat(stat: &str) -> Option<Stat> {
     let mut rest = stat.get(close + 1..)?.split_whitespace();
     let state = rest.next()?.chars().next()?;
     let ppid = rest.next()?.parse().ok()?;
-    // rest is now at field 5; start time is field 22.
-    let start_time = rest.nth(17).and_then(|s| s.parse().ok());
+    let pgrp = rest.next().and_then(|s| s.parse().ok());
+    // rest is now at field 6; start time is field 22.
+    let start_time = rest.nth(16).and_then(|s| s.parse().ok());
     Some(Stat {
         comm,
         state,
         ppid,
+        pgrp,
         start_time,
     })
 }
@@ -62,6 +66,11 @@ pub fn children_of(proc_root: &Path, parent: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Whether `pid` runs: its stat can be read and it is neither a zombie nor dead.
+pub fn is_running(proc_root: &Path, pid: u32) -> bool {
+    read_stat(proc_root, pid).is_some_and(|s| !s.is_exited())
+}
+
 /// Whether `<proc_root>/<pid>` exists (the process has not been reaped).
 pub fn exists(proc_root: &Path, pid: u32) -> bool {
     proc_root.join(pid.to_string()).exists()
@@ -78,7 +87,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.comm, "a) b (c)");
-        assert_eq!((s.state, s.ppid, s.start_time), ('S', 77, Some(987654)));
+        assert_eq!(
+            (s.state, s.ppid, s.pgrp, s.start_time),
+            ('S', 77, Some(1234), Some(987654))
+        );
         let short = parse_stat("123 (a) b) c) Z 77 123 123 0").unwrap();
         assert_eq!((short.ppid, short.start_time), (77, None));
         assert!(short.is_exited());
@@ -109,5 +121,11 @@ mod tests {
         assert_eq!(me.ppid, std::os::unix::process::parent_id());
         assert!(me.start_time.is_some());
         assert!(!me.is_exited());
+        assert_eq!(
+            me.pgrp,
+            Some(rustix::process::getpgrp().as_raw_nonzero().get() as u32)
+        );
+        assert!(is_running(Path::new("/proc"), std::process::id()));
+        assert!(!is_running(Path::new("/proc/absent"), std::process::id()));
     }
 }

@@ -43,8 +43,8 @@ pub fn path_with(bin: &Path) -> String {
 /// unchanged. Each shipped file must start with exactly that line.
 pub fn plugin_hooks(bin: &Path, dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
-    let shebang = kernelkite_isolate::cli::hook::PLUGIN_HOOK_SHEBANG;
-    let installed = kernelkite_isolate::cli::hook::plugin_hook_binary();
+    let shebang = kernelkite_sys::node::PLUGIN_HOOK_SHEBANG;
+    let installed = kernelkite_sys::node::plugin_hook_binary();
     let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks");
     let out = dir.join("hooks");
     std::fs::create_dir_all(&out).unwrap();

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
-use kernelkite_isolate::cgroup::Cgroups;
+use kernelkite_hooks::cgroup::Cgroups;
 use serde_json::json;
 
 /// Removes the test's job cgroups (and any state claiming them) however the test ends.
@@ -35,11 +35,11 @@ pub fn state_file(job: &str) -> PathBuf {
 /// in parallel and the `environment` hooks of the others clean every job cgroup that has no
 /// live state as an orphan, which would kill this test's processes mid-run.
 pub fn claim(job: &str) {
-    use kernelkite_isolate::job::JobState;
+    use kernelkite_hooks::job::JobState;
     let state = JobState {
         job_id: job.to_string(),
         agent: "test".into(),
-        anchor: kernelkite_isolate::process::identify(Path::new("/proc"), std::process::id())
+        anchor: kernelkite_hooks::process::identify(Path::new("/proc"), std::process::id())
             .unwrap(),
         gpus: vec![],
         device_indices: vec![],
@@ -82,7 +82,7 @@ pub fn real_cgroups() -> Option<Cgroups> {
     let probe = unique("probe");
     let _guard = CgroupGuard(vec![probe.clone()]);
     claim(&probe);
-    let limits = kernelkite_isolate::cgroup::Limits {
+    let limits = kernelkite_hooks::cgroup::Limits {
         cpus: vec![0],
         mems: vec![0],
         memory_bytes: 64 << 20,
@@ -161,16 +161,7 @@ pub fn online_cpus() -> Vec<u32> {
 
 /// Whether `pid` is running (a zombie is not).
 pub fn alive(pid: u32) -> bool {
-    // A zombie is dead for our purpose.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-        .unwrap_or(false)
+    kernelkite_sys::procfs::is_running(Path::new("/proc"), pid)
 }
 
 /// The contents of `path` once it is written (a daemon's pid file); fails after 5 s.

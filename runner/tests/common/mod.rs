@@ -187,17 +187,8 @@ pub fn assert_rebuilds(paths: &[PathBuf]) {
 
 /// True while `pid` exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat
-                .rsplit(')')
-                .next()
-                .and_then(|r| r.split_whitespace().next())
-                .unwrap_or("");
-            state != "Z" && state != "X"
-        }
-        Err(_) => false,
-    }
+    u32::try_from(pid)
+        .is_ok_and(|pid| kernelkite_sys::procfs::is_running(std::path::Path::new("/proc"), pid))
 }
 
 /// Waits up to `ms` for `pid` to be gone (reaping by init can lag a little).

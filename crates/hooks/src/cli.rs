@@ -1,0 +1,252 @@
+//! Hook subcommands: `environment`, `command`, `pre-exit`: the command-line edge of
+//! [`crate::job`], which does the work (undoing what fails included).
+//!
+//! The same binary serves the plugin's hooks (files whose first line is
+//! [`kernelkite_sys::node::PLUGIN_HOOK_SHEBANG`]: the agent executes them, and the kernel runs this binary with
+//! `plugin-hook <the file>`), agent-level hooks (links named `environment`, `command`,
+//! `pre-exit` in the agent's hooks-path), both dispatched by [`subcommand_for_argv0`] and
+//! exporting through the Job API, and callers that evaluate `environment --export shell`
+//! (the local executor).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use kernelkite_topology::cpulist::format_cpu_list;
+
+use crate::gpucheck::{GpuCheckError, GpuControl, Nvml};
+use crate::job::{self, Settings};
+
+use kernelkite_sys::node::{HOOK_NAMES, PLUGIN_HOOK};
+
+/// The hook subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum HookCommand {
+    /// The `environment` hook: clean up after lost jobs, lease the job's GPU(s), check them,
+    /// create the job's cgroup and export the slice (CUDA_VISIBLE_DEVICES, KERNELBOT_*, ...).
+    Environment(EnvironmentArgs),
+    /// The `command` hook: run $BUILDKITE_COMMAND in the job's cgroup (host mode) or in a
+    /// container holding only the job's GPU(s), CPUs and memory (docker mode).
+    Command(Settings),
+    /// The `pre-exit` hook: kill what the job left running, remove its cgroup, reset clocks,
+    /// release its lease(s). Idempotent.
+    PreExit(Settings),
+    /// Run the plugin hook file PATH: the hook it is named after (`environment`, `command` or
+    /// `pre-exit`), exporting through the Job API. The plugin's `hooks/*` files name this on
+    /// their first line, so the agent executes them and the kernel runs this.
+    PluginHook(PluginHookArgs),
+}
+
+/// Arguments of `plugin-hook`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PluginHookArgs {
+    /// The hook file the kernel ran this for (`.../hooks/environment`).
+    pub path: PathBuf,
+}
+
+/// How `environment` hands the variables to the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportVia {
+    /// Job API when BUILDKITE_AGENT_JOB_API_SOCKET is set, else shell.
+    Auto,
+    /// Print `export K='V'` lines on stdout for a sourced hook to evaluate.
+    Shell,
+    /// PATCH the job's environment through the agent's Job API.
+    JobApi,
+}
+
+/// Arguments of `environment`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EnvironmentArgs {
+    /// Where things are on the node.
+    #[command(flatten)]
+    pub node: Settings,
+    /// How to export the job's variables.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub export: ExportVia,
+}
+
+/// The hook a path names by its file name, if it is one of [`HOOK_NAMES`].
+fn hook_named(path: &std::ffi::OsStr) -> Option<String> {
+    std::path::Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| HOOK_NAMES.contains(n))
+        .map(str::to_string)
+}
+
+/// When the binary is invoked as a hook, rewrite argv so clap sees the matching subcommand:
+/// through a link named after the hook (agent-level hooks), or by the kernel for one of the
+/// plugin's hook files (`plugin-hook .../hooks/<name>`, see [`kernelkite_sys::node::PLUGIN_HOOK_SHEBANG`]). Either
+/// way the hook is executed, not sourced, so `environment` exports through the Job API.
+pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
+    if args.get(1).is_some_and(|a| a == PLUGIN_HOOK) {
+        if let Some(name) = args.get(2).and_then(|p| hook_named(p)) {
+            // The hook file's path stands where a link's would: argv[0].
+            args.drain(0..2);
+            args[0] = OsString::from(name);
+        }
+    }
+    let name = args.first().and_then(|a| hook_named(a));
+    if let Some(name) = name {
+        args[0] = OsString::from("kernelkite-isolate");
+        // An executed hook cannot export: its variables must go through the Job API.
+        if name == "environment" {
+            args.splice(
+                1..1,
+                ["environment", "--export", "job-api"].map(OsString::from),
+            );
+        } else {
+            args.insert(1, OsString::from(name));
+        }
+    }
+    args
+}
+
+fn open_nvml() -> Result<Box<dyn GpuControl>, GpuCheckError> {
+    Nvml::load().map(|n| Box::new(n) as Box<dyn GpuControl>)
+}
+
+/// The hook's environment; variables that are not UTF-8 are not the agent's and are left out.
+fn job_env() -> BTreeMap<String, String> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
+/// Runs a hook subcommand: its lines for the job log on stderr, `export` lines (sourced shell
+/// hook) or the `pre-exit` report on stdout. `argv` are the arguments after the program name,
+/// for the static build to hand the hook over with ([`crate::delegate`]).
+pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
+    let env = job_env();
+    match cmd {
+        HookCommand::Environment(args) => {
+            if let Some(why) = job::env::left_to_the_plugin(&env) {
+                crate::joblog::say(why);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let settings = args.node.clone().without_empty();
+            crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
+            let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;
+            let s = &prepared.state;
+            let mut lines = prepared.notices.clone();
+            lines.push(format!(
+                "job {} holds GPU(s) {:?}: CPUs {}, memory nodes {}, {} bytes{}",
+                s.job_id,
+                s.gpus,
+                format_cpu_list(&s.slice.cpus),
+                format_cpu_list(&s.slice.mems),
+                s.slice.memory_bytes,
+                match s.cgroup_version {
+                    Some(v) => format!(", cgroup v{v}"),
+                    None => String::new(),
+                }
+            ));
+            if let Some(u) = &s.job_user {
+                lines.push(format!(
+                    "the command will run as {} (uid {}, gid {}){}",
+                    u.name,
+                    u.uid,
+                    u.gid,
+                    match s.config.mode {
+                        crate::config::Mode::Host => " in the sandbox",
+                        crate::config::Mode::Docker => " in its container",
+                    }
+                ));
+            }
+            crate::joblog::say_all(&lines);
+            let via = match args.export {
+                ExportVia::Auto if job::env::job_api_socket(&env).is_some() => ExportVia::JobApi,
+                ExportVia::Auto => ExportVia::Shell,
+                other => other,
+            };
+            match via {
+                ExportVia::JobApi => {
+                    job::environment::export_through_job_api(&settings, s, &env, &mut open_nvml)?
+                }
+                _ => print!("{}", job::exports::export_lines(&s.exports)),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HookCommand::Command(args) => {
+            let outcome =
+                job::command::run(&args.clone().without_empty(), &env, &mut |line| crate::joblog::say(line))?;
+            crate::joblog::say_all(&outcome.notices);
+            Ok(ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
+        }
+        HookCommand::PluginHook(args) => anyhow::bail!(
+            "{} is not one of the plugin's hooks ({}): `{PLUGIN_HOOK}` runs the hook its file is named after",
+            args.path.display(),
+            HOOK_NAMES.join(", ")
+        ),
+        HookCommand::PreExit(args) => {
+            if let Some(why) = job::env::left_to_the_plugin(&env) {
+                println!("kernelkite: {why}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            let settings = args.clone().without_empty();
+            crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
+            let report = job::pre_exit::run(&settings, &env, &mut open_nvml)?;
+            println!("kernelkite: {}", report.summary());
+            if report.problems.is_empty() {
+                Ok(ExitCode::SUCCESS)
+            } else {
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hook_links_dispatch_on_their_name() {
+        let args: Vec<OsString> = vec!["/etc/buildkite-agent/hooks/pre-exit".into()];
+        assert_eq!(
+            subcommand_for_argv0(args),
+            vec![
+                OsString::from("kernelkite-isolate"),
+                OsString::from("pre-exit")
+            ]
+        );
+        let args: Vec<OsString> = vec!["environment".into()];
+        assert_eq!(
+            subcommand_for_argv0(args),
+            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+        );
+        let args: Vec<OsString> = vec!["kernelkite-isolate".into(), "plan".into()];
+        assert_eq!(subcommand_for_argv0(args.clone()), args);
+    }
+
+    #[test]
+    fn plugin_hook_files_dispatch_on_their_file_name() {
+        // What the kernel makes of `#!/opt/kernelkite/bin/kernelkite-isolate plugin-hook`.
+        let argv = |hook: &str| -> Vec<OsString> {
+            vec![
+                "/opt/kernelkite/bin/kernelkite-isolate".into(),
+                PLUGIN_HOOK.into(),
+                format!("/var/lib/buildkite-agent/plugins/github-com-kernelkite-kernelkite-plugin-v1-0-0/plugin/hooks/{hook}").into(),
+            ]
+        };
+        assert_eq!(
+            subcommand_for_argv0(argv("environment")),
+            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+        );
+        assert_eq!(
+            subcommand_for_argv0(argv("command")),
+            ["kernelkite-isolate", "command"].map(OsString::from)
+        );
+        assert_eq!(
+            subcommand_for_argv0(argv("pre-exit")),
+            ["kernelkite-isolate", "pre-exit"].map(OsString::from)
+        );
+        // Any other file is left for clap and `run` to refuse by name.
+        assert_eq!(
+            subcommand_for_argv0(argv("post-command")),
+            argv("post-command")
+        );
+    }
+}
