@@ -2,8 +2,9 @@
 //! `BUILDKITE_PLUGIN_CONFIGURATION` (JSON), parsed and checked against the same rules as the
 //! JSON Schema in `plugin.yml`.
 //!
-//! Validation is hand-written rather than driven by a schema engine so that the hook binary
-//! stays small and fast and every message names the key and says what would be accepted.
+//! serde reads the block (`deny_unknown_fields`, `serde_path_to_error` for the key a bad value
+//! sits at), each key into a type that checks its value, so every message names the key and
+//! says what would be accepted. Not a JSON Schema engine: the hook binary stays small and fast.
 //! `tests/hooks/hooks_config.rs` checks that the keys here and in `plugin.yml` agree.
 
 use serde::{Deserialize, Serialize};
@@ -263,67 +264,6 @@ fn refused_short_cluster(arg: &str) -> Option<String> {
     None
 }
 
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
-
-fn want_u64(key: &str, v: &Value, min: u64, max: u64) -> Result<u64, ConfigError> {
-    let n = v.as_u64().ok_or_else(|| {
-        bad(
-            key,
-            format!("expected an integer, got {} {v}", type_name(v)),
-        )
-    })?;
-    if n < min || n > max {
-        return Err(bad(
-            key,
-            format!("must be between {min} and {max}, got {n}"),
-        ));
-    }
-    Ok(n)
-}
-
-fn want_bool(key: &str, v: &Value) -> Result<bool, ConfigError> {
-    v.as_bool().ok_or_else(|| {
-        bad(
-            key,
-            format!("expected true or false, got {} {v}", type_name(v)),
-        )
-    })
-}
-
-fn want_string(key: &str, v: &Value) -> Result<String, ConfigError> {
-    match v {
-        Value::String(s) if !s.trim().is_empty() => Ok(s.clone()),
-        Value::String(_) => Err(bad(key, "must not be empty")),
-        _ => Err(bad(
-            key,
-            format!("expected a string, got {} {v}", type_name(v)),
-        )),
-    }
-}
-
-fn want_strings(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
-    let items = v.as_array().ok_or_else(|| {
-        bad(
-            key,
-            format!("expected a list of strings, got {} {v}", type_name(v)),
-        )
-    })?;
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| want_string(&format!("{key}[{i}]"), item))
-        .collect()
-}
-
 /// Parses a memory size: bytes as an integer, or a string with a binary suffix
 /// (`512M`, `64G`, `64GiB`, `1T`).
 pub fn parse_memory_size(text: &str) -> Option<u64> {
@@ -342,31 +282,187 @@ pub fn parse_memory_size(text: &str) -> Option<u64> {
     n.checked_mul(1u64 << shift)
 }
 
-fn want_memory(key: &str, v: &Value) -> Result<u64, ConfigError> {
-    let parsed = match v {
-        Value::Number(n) => n.as_u64(),
-        Value::String(s) => parse_memory_size(s),
-        _ => None,
-    };
-    match parsed {
-        Some(n) if n >= 64 << 20 => Ok(n),
-        Some(n) => Err(bad(key, format!("{n} bytes is below the 64M minimum"))),
-        None => Err(bad(
-            key,
-            format!("expected a size like \"64G\", \"512M\" or a number of bytes, got {v}"),
-        )),
+/// What a value is, in the words of the messages (`expected an integer, got string "two"`).
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
     }
 }
 
-/// A user name as `useradd` accepts it (`kernelkite-job`), a uid (`1500`) or `uid:gid`.
-fn want_user(key: &str, v: &Value) -> Result<String, ConfigError> {
-    let user = want_string(key, v)?;
+/// The step's block as serde reads it: one field per key of `plugin.yml` (kebab-case), each of
+/// a type that checks its value and says what would be accepted. `deny_unknown_fields` refuses
+/// a misspelt key; `serde_path_to_error` names the key (`docker-args[0]`) in the error. Keys
+/// are read in the order of the parsed map (sorted), so the first bad key is reported.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+struct Block {
+    gpus: Key<Int<1, 16>>,
+    mode: Key<ModeKey>,
+    image: Key<Image>,
+    network: Key<Flag>,
+    mount_checkout: Key<Flag>,
+    workdir: Key<Workdir>,
+    environment: Key<List<VarName>>,
+    docker_args: Key<List<DockerArg>>,
+    memory: Key<Size>,
+    cpus_per_gpu: Key<Int<1, 4096>>,
+    pids_limit: Key<Int<16, 4_194_304>>,
+    require_idle_gpu: Key<Flag>,
+    idle_memory_mib: Key<Int<0, { 1 << 24 }>>,
+    lock_clocks: Key<Clocks>,
+    lease_wait: Key<Int<0, 86_400>>,
+    allow_unenforced: Key<Flag>,
+    user: Key<User>,
+    allow_root: Key<Flag>,
+    tmp_size: Key<Size>,
+    shm_size: Key<Size>,
+    allow_syscalls: Key<List<Syscall>>,
+}
+
+/// A key that may be left out. Unlike `Option`, a `null` given for it is checked (and
+/// refused) like any other value, rather than read as "left out".
+struct Key<T>(Option<T>);
+
+impl<T> Default for Key<T> {
+    fn default() -> Self {
+        Key(None)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Key<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        T::deserialize(d).map(|t| Key(Some(t)))
+    }
+}
+
+/// A value checked by `$check` (`&Value` → the value, or what is wrong with it).
+macro_rules! checked {
+    ($(#[$doc:meta])* $name:ident($t:ty) = $check:expr) => {
+        $(#[$doc])*
+        struct $name($t);
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let check: fn(&Value) -> Result<$t, String> = $check;
+                check(&Value::deserialize(d)?).map($name).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+/// An integer in `MIN..=MAX`.
+struct Int<const MIN: u64, const MAX: u64>(u64);
+
+impl<'de, const MIN: u64, const MAX: u64> Deserialize<'de> for Int<MIN, MAX> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        int(&v, MIN, MAX).map(Int).map_err(serde::de::Error::custom)
+    }
+}
+
+fn int(v: &Value, min: u64, max: u64) -> Result<u64, String> {
+    let n = v
+        .as_u64()
+        .ok_or_else(|| format!("expected an integer, got {} {v}", type_name(v)))?;
+    if n < min || n > max {
+        return Err(format!("must be between {min} and {max}, got {n}"));
+    }
+    Ok(n)
+}
+
+fn non_empty(v: &Value) -> Result<String, String> {
+    match v {
+        Value::String(s) if !s.trim().is_empty() => Ok(s.clone()),
+        Value::String(_) => Err("must not be empty".into()),
+        _ => Err(format!("expected a string, got {} {v}", type_name(v))),
+    }
+}
+
+checked!(
+    /// `true` or `false`.
+    Flag(bool) = |v| {
+        v.as_bool()
+            .ok_or_else(|| format!("expected true or false, got {} {v}", type_name(v)))
+    }
+);
+
+checked!(
+    /// `host` or `docker`.
+    ModeKey(Mode) = |v| match v.as_str() {
+        Some("host") => Ok(Mode::Host),
+        Some("docker") => Ok(Mode::Docker),
+        _ => Err(format!("expected \"host\" or \"docker\", got {v}")),
+    }
+);
+
+checked!(
+    /// An image reference. It goes into `docker run`'s argument vector, where a leading `-`
+    /// would be read as a flag (`--privileged`) instead of the image.
+    Image(String) = |v| {
+        let image = non_empty(v)?;
+        if image.starts_with('-') || image.chars().any(char::is_whitespace) {
+            return Err(format!(
+                "expected an image reference like \"ghcr.io/org/image:tag\", got {image:?}"
+            ));
+        }
+        Ok(image)
+    }
+);
+
+checked!(
+    /// An absolute path in the container.
+    Workdir(String) = |v| {
+        let w = non_empty(v)?;
+        if !w.starts_with('/') {
+            return Err(format!("must be an absolute path, got {w:?}"));
+        }
+        Ok(w)
+    }
+);
+
+checked!(
+    /// A memory size of at least 64 MiB ([`parse_memory_size`]).
+    Size(u64) = |v| {
+        let parsed = match v {
+            Value::Number(n) => n.as_u64(),
+            Value::String(s) => parse_memory_size(s),
+            _ => None,
+        };
+        match parsed {
+            Some(n) if n >= 64 << 20 => Ok(n),
+            Some(n) => Err(format!("{n} bytes is below the 64M minimum")),
+            None => Err(format!(
+                "expected a size like \"64G\", \"512M\" or a number of bytes, got {v}"
+            )),
+        }
+    }
+);
+
+checked!(
+    /// A user name as `useradd` accepts it (`kernelkite-job`), a uid (`1500`) or `uid:gid`.
+    User(String) = |v| {
+        let user = non_empty(v)?;
+        if !is_user(&user) {
+            return Err(format!(
+                "expected a user name (\"{DEFAULT_JOB_USER}\"), a uid or \"uid:gid\", got {user:?}"
+            ));
+        }
+        Ok(user)
+    }
+);
+
+fn is_user(user: &str) -> bool {
     let numeric = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
-    let ok = match user.split_once(':') {
+    match user.split_once(':') {
         Some((uid, gid)) => numeric(uid) && numeric(gid),
         None => {
-            let name = user.strip_suffix('$').unwrap_or(&user);
-            numeric(&user)
+            let name = user.strip_suffix('$').unwrap_or(user);
+            numeric(user)
                 || (name.len() <= 32
                     && name
                         .bytes()
@@ -376,85 +472,152 @@ fn want_user(key: &str, v: &Value) -> Result<String, ConfigError> {
                         b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
                     }))
         }
-    };
-    if !ok {
-        return Err(bad(
-            key,
-            format!(
-                "expected a user name (\"{DEFAULT_JOB_USER}\"), a uid or \"uid:gid\", got {user:?}"
-            ),
-        ));
     }
-    Ok(user)
 }
 
-fn want_docker_args(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
-    let args = want_strings(key, v)?;
-    for (i, arg) in args.iter().enumerate() {
-        let at = format!("{key}[{i}]");
+checked!(
+    /// `true`/`"max"` (the GPU's maximum), `false` (none) or a clock in MHz.
+    Clocks(Option<LockClocks>) = |v| match v {
+        Value::Bool(false) => Ok(None),
+        Value::Bool(true) => Ok(Some(LockClocks::Max)),
+        Value::String(s) if s == "max" => Ok(Some(LockClocks::Max)),
+        Value::Number(_) => Ok(Some(LockClocks::Mhz(int(v, 100, 10_000)? as u32))),
+        _ => Err(format!(
+            "expected true, false, \"max\" or a clock in MHz, got {} {v}",
+            type_name(v)
+        )),
+    }
+);
+
+checked!(
+    /// An environment variable's name.
+    VarName(String) = |v| {
+        let n = non_empty(v)?;
+        if n.contains('=') || n.chars().any(char::is_whitespace) {
+            return Err(format!("expected a variable name (no `=` or spaces), got {n:?}"));
+        }
+        Ok(n)
+    }
+);
+
+checked!(
+    /// One `docker run` argument that does not undo a guarantee of the plugin's (a value
+    /// following `-e`/`--env` is checked with the whole list, in [`docker_env_pairs`]).
+    DockerArg(String) = |v| {
+        let arg = non_empty(v)?;
         let (flag, value) = match arg.split_once('=') {
             Some((f, v)) => (f, Some(v)),
             None => (arg.as_str(), None),
         };
         if FORBIDDEN_DOCKER_ARGS.contains(&flag) {
-            return Err(bad(
-                &at,
-                format!(
-                    "`{flag}` is set by the plugin from the job's slice and may not be overridden"
-                ),
+            return Err(format!(
+                "`{flag}` is set by the plugin from the job's slice and may not be overridden"
             ));
         }
-        if let Some(why) = refused_short_cluster(arg) {
-            return Err(bad(&at, why));
+        if let Some(why) = refused_short_cluster(&arg) {
+            return Err(why);
         }
-        // `--env NAME=V` / `-e NAME=V` as two items, or `--env=NAME=V`.
-        let env_value = match (flag, value) {
-            ("--env", Some(v)) => Some(v),
-            ("--env" | "-e", None) => args.get(i + 1).map(String::as_str),
-            _ => None,
-        };
-        if env_value.is_some_and(sets_nvidia_variable) {
-            return Err(bad(
-                &at,
-                "NVIDIA_* variables pick the container's GPUs and may not be set",
-            ));
+        if flag == "--env" && value.is_some_and(sets_nvidia_variable) {
+            return Err(NVIDIA_VARIABLES.into());
         }
+        Ok(arg)
     }
-    Ok(args)
-}
+);
 
-fn want_lock_clocks(key: &str, v: &Value) -> Result<Option<LockClocks>, ConfigError> {
-    match v {
-        Value::Bool(false) => Ok(None),
-        Value::Bool(true) => Ok(Some(LockClocks::Max)),
-        Value::String(s) if s == "max" => Ok(Some(LockClocks::Max)),
-        Value::Number(_) => Ok(Some(LockClocks::Mhz(want_u64(key, v, 100, 10_000)? as u32))),
-        _ => Err(bad(
-            key,
-            format!(
-                "expected true, false, \"max\" or a clock in MHz, got {} {v}",
-                type_name(v)
-            ),
-        )),
-    }
-}
+const NVIDIA_VARIABLES: &str = "NVIDIA_* variables pick the container's GPUs and may not be set";
 
-/// `allow-syscalls`: names from the sandbox filter's opt-outs only.
-fn want_syscalls(key: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
-    let names = want_strings(key, v)?;
-    let allowed = crate::sandbox::seccomp::opt_outs();
-    for (i, n) in names.iter().enumerate() {
+checked!(
+    /// A system call the sandbox's filter may let through for a step (only the names
+    /// `sandbox::seccomp::opt_outs` lists).
+    Syscall(String) = |v| {
+        let n = non_empty(v)?;
+        let allowed = crate::sandbox::seccomp::opt_outs();
         if !allowed.contains(&n.as_str()) {
-            return Err(bad(
-                &format!("{key}[{i}]"),
-                format!(
-                    "{n:?} cannot be let through the sandbox's system-call filter; a step may allow only {}",
-                    allowed.join(", ")
-                ),
+            return Err(format!(
+                "{n:?} cannot be let through the sandbox's system-call filter; a step may allow only {}",
+                allowed.join(", ")
             ));
         }
+        Ok(n)
     }
-    Ok(names)
+);
+
+/// A list of `T`, each element checked where it stands (`environment[2]`).
+struct List<T>(Vec<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for List<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ListVisitor(std::marker::PhantomData))
+    }
+}
+
+/// Reads a sequence element by element (so the path names the element); anything else is
+/// refused with what it is.
+struct ListVisitor<T>(std::marker::PhantomData<T>);
+
+impl<T> ListVisitor<T> {
+    fn not_a_list<E: serde::de::Error>(v: Value) -> Result<List<T>, E> {
+        Err(E::custom(format!(
+            "expected a list of strings, got {} {v}",
+            type_name(&v)
+        )))
+    }
+}
+
+impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for ListVisitor<T> {
+    type Value = List<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of strings")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<List<T>, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(List(items))
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<List<T>, E> {
+        Self::not_a_list(Value::Null)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<List<T>, E> {
+        Self::not_a_list(Value::Bool(b))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<List<T>, E> {
+        Self::not_a_list(n.into())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<List<T>, E> {
+        Self::not_a_list(n.into())
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<List<T>, E> {
+        Self::not_a_list(n.into())
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<List<T>, E> {
+        Self::not_a_list(s.into())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<List<T>, A::Error> {
+        let v = Value::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+        Self::not_a_list(v)
+    }
+}
+
+/// `-e NAME=V` / `--env NAME=V` as two items: the value may not set an NVIDIA_* variable.
+/// The error is at the flag's item.
+fn docker_env_pairs(args: &[String]) -> Result<(), ConfigError> {
+    for (i, pair) in args.windows(2).enumerate() {
+        if matches!(pair[0].as_str(), "--env" | "-e") && sets_nvidia_variable(&pair[1]) {
+            return Err(bad(&format!("docker-args[{i}]"), NVIDIA_VARIABLES));
+        }
+    }
+    Ok(())
 }
 
 /// Parses the configuration JSON (`BUILDKITE_PLUGIN_CONFIGURATION`); blank or `null` means all
@@ -472,9 +635,9 @@ pub fn parse_config(json: &str) -> Result<PluginConfig, ConfigError> {
 
 /// Like [`parse_config`], from an already parsed value.
 pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
-    let map = match value {
+    let block: Block = match value {
         Value::Null => return Ok(PluginConfig::default()),
-        Value::Object(map) => map,
+        Value::Object(_) => serde_path_to_error::deserialize(value).map_err(block_error)?,
         other => {
             return Err(bad(
                 "(root)",
@@ -485,77 +648,31 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
             ))
         }
     };
-    let mut c = PluginConfig::default();
-    for (key, v) in map {
-        match key.as_str() {
-            "gpus" => c.gpus = Some(want_u64(key, v, 1, 16)? as u32),
-            "mode" => {
-                c.mode = match v.as_str() {
-                    Some("host") => Mode::Host,
-                    Some("docker") => Mode::Docker,
-                    _ => {
-                        return Err(bad(
-                            key,
-                            format!("expected \"host\" or \"docker\", got {v}"),
-                        ))
-                    }
-                }
-            }
-            "image" => {
-                let image = want_string(key, v)?;
-                // It goes into `docker run`'s argument vector, where a leading `-` would be
-                // read as a flag (`--privileged`) instead of the image.
-                if image.starts_with('-') || image.chars().any(char::is_whitespace) {
-                    return Err(bad(
-                        key,
-                        format!("expected an image reference like \"ghcr.io/org/image:tag\", got {image:?}"),
-                    ));
-                }
-                c.image = Some(image);
-            }
-            "network" => c.network = Some(want_bool(key, v)?),
-            "mount-checkout" => c.mount_checkout = want_bool(key, v)?,
-            "workdir" => {
-                let w = want_string(key, v)?;
-                if !w.starts_with('/') {
-                    return Err(bad(key, format!("must be an absolute path, got {w:?}")));
-                }
-                c.workdir = w;
-            }
-            "environment" => {
-                let names = want_strings(key, v)?;
-                for (i, n) in names.iter().enumerate() {
-                    if n.contains('=') || n.chars().any(char::is_whitespace) {
-                        return Err(bad(
-                            &format!("{key}[{i}]"),
-                            format!("expected a variable name (no `=` or spaces), got {n:?}"),
-                        ));
-                    }
-                }
-                c.environment = names;
-            }
-            "docker-args" => c.docker_args = want_docker_args(key, v)?,
-            "memory" => c.memory_bytes = Some(want_memory(key, v)?),
-            "cpus-per-gpu" => c.cpus_per_gpu = Some(want_u64(key, v, 1, 4096)? as u32),
-            "pids-limit" => c.pids_limit = want_u64(key, v, 16, 4_194_304)? as u32,
-            "require-idle-gpu" => c.require_idle_gpu = want_bool(key, v)?,
-            "idle-memory-mib" => c.idle_memory_mib = want_u64(key, v, 0, 1 << 24)?,
-            "lock-clocks" => c.lock_clocks = want_lock_clocks(key, v)?,
-            "lease-wait" => c.lease_wait_secs = want_u64(key, v, 0, 86_400)?,
-            "allow-unenforced" => c.allow_unenforced = want_bool(key, v)?,
-            "user" => c.user = want_user(key, v)?,
-            "allow-root" => c.allow_root = want_bool(key, v)?,
-            "tmp-size" => c.tmp_size = Some(want_memory(key, v)?),
-            "shm-size" => c.shm_size = Some(want_memory(key, v)?),
-            "allow-syscalls" => c.allow_syscalls = want_syscalls(key, v)?,
-            other => {
-                return Err(bad(
-                    other,
-                    format!("unknown key; allowed keys are: {}", KEYS.join(", ")),
-                ))
-            }
-        }
+    let c = block.into_config();
+    docker_env_pairs(&c.docker_args)?;
+    check_mode(&c)?;
+    Ok(c)
+}
+
+/// The key serde stopped at and what was wrong there; a misspelt key is named as itself.
+fn block_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
+    let message = e.inner().to_string();
+    // serde's message for `deny_unknown_fields` is "unknown field `KEY`, expected one of ...".
+    if let Some(unknown) = message
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(key, _)| key)
+    {
+        return bad(
+            unknown,
+            format!("unknown key; allowed keys are: {}", KEYS.join(", ")),
+        );
     }
+    bad(&e.path().to_string(), message)
+}
+
+/// The keys that only make sense in one mode.
+fn check_mode(c: &PluginConfig) -> Result<(), ConfigError> {
     if c.mode == Mode::Docker && c.image.is_none() {
         return Err(bad("image", "required when mode is \"docker\""));
     }
@@ -572,7 +689,50 @@ pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
             }
         }
     }
-    Ok(c)
+    Ok(())
+}
+
+impl Block {
+    /// The configuration: what the step set, defaults for the rest.
+    fn into_config(self) -> PluginConfig {
+        let d = PluginConfig::default();
+        PluginConfig {
+            gpus: self.gpus.0.map(|n| n.0 as u32),
+            mode: self.mode.0.map_or(d.mode, |m| m.0),
+            image: self.image.0.map(|i| i.0),
+            network: self.network.0.map(|f| f.0),
+            mount_checkout: self.mount_checkout.0.map_or(d.mount_checkout, |f| f.0),
+            workdir: self.workdir.0.map_or(d.workdir, |w| w.0),
+            environment: self
+                .environment
+                .0
+                .map_or(d.environment, |l| strings(l.0, |n| n.0)),
+            docker_args: self
+                .docker_args
+                .0
+                .map_or(d.docker_args, |l| strings(l.0, |a| a.0)),
+            memory_bytes: self.memory.0.map(|s| s.0),
+            cpus_per_gpu: self.cpus_per_gpu.0.map(|n| n.0 as u32),
+            pids_limit: self.pids_limit.0.map_or(d.pids_limit, |n| n.0 as u32),
+            require_idle_gpu: self.require_idle_gpu.0.map_or(d.require_idle_gpu, |f| f.0),
+            idle_memory_mib: self.idle_memory_mib.0.map_or(d.idle_memory_mib, |n| n.0),
+            lock_clocks: self.lock_clocks.0.and_then(|c| c.0),
+            lease_wait_secs: self.lease_wait.0.map_or(d.lease_wait_secs, |n| n.0),
+            allow_unenforced: self.allow_unenforced.0.map_or(d.allow_unenforced, |f| f.0),
+            user: self.user.0.map_or(d.user, |u| u.0),
+            allow_root: self.allow_root.0.map_or(d.allow_root, |f| f.0),
+            tmp_size: self.tmp_size.0.map(|s| s.0),
+            shm_size: self.shm_size.0.map(|s| s.0),
+            allow_syscalls: self
+                .allow_syscalls
+                .0
+                .map_or(d.allow_syscalls, |l| strings(l.0, |n| n.0)),
+        }
+    }
+}
+
+fn strings<T>(items: Vec<T>, f: fn(T) -> String) -> Vec<String> {
+    items.into_iter().map(f).collect()
 }
 
 #[cfg(test)]
@@ -751,6 +911,31 @@ mod tests {
         let e = parse_config(r#"{"allow-syscalls":["ptrace","unshare"]}"#).unwrap_err();
         assert_eq!(e.key, "allow-syscalls[1]");
         assert!(e.message.contains("perf_event_open, ptrace"), "{e}");
+    }
+
+    #[test]
+    fn every_key_is_read_and_a_null_is_checked_not_taken_for_absent() {
+        for key in KEYS {
+            let e = parse_config(&serde_json::json!({ *key: {"x": 1} }).to_string()).unwrap_err();
+            assert_eq!(e.key, *key);
+            assert!(!e.message.contains("unknown key"), "{e}");
+            let e = parse_config(&serde_json::json!({ *key: null }).to_string()).unwrap_err();
+            assert_eq!(e.key, *key, "null is not \"left out\"");
+        }
+        let e = parse_config(r#"{"environment":{"A":1}}"#).unwrap_err();
+        assert_eq!(
+            e.message,
+            r#"expected a list of strings, got object {"A":1}"#
+        );
+        let e = parse_config(r#"{"gpus":1,"zz":2}"#).unwrap_err();
+        assert_eq!(
+            (
+                e.key.as_str(),
+                e.message
+                    .starts_with("unknown key; allowed keys are: gpus, mode")
+            ),
+            ("zz", true)
+        );
     }
 
     #[test]
