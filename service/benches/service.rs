@@ -915,9 +915,8 @@ async fn finished_memory(sizes: &Sizes) {
     // Ended builds are remembered this long (to drop their late webhooks), then forgotten;
     // short here so the table shows the steady state within the run.
     cfg.early_event_ttl_s = 2;
-    let app = kernelkite_service::App::with_executor(
+    let app = kernelkite_service::cli::serve::start(
         cfg,
-        Arc::new(|| chrono::Utc::now().timestamp()),
         Arc::new(Instantly(std::sync::atomic::AtomicU64::new(0))),
     )
     .expect("app");

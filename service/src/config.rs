@@ -309,7 +309,7 @@ pub struct Config {
 
     /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
     #[command(flatten)]
-    pub queues: crate::queues::QueueSettings,
+    pub queues: QueueSettings,
 
     // ---- durability, reconciliation, callbacks (issue 11, core) ----
     /// How commits reach the disk: `normal` survives the process being killed at any
@@ -419,6 +419,48 @@ pub enum EdgeConfigError {
     /// The budget is over what one semaphore counts.
     #[error("KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES must be at most {0}")]
     BodyBudgetTooLarge(usize),
+}
+
+/// Where queue status gets its agent counts: the flags of `GET /v1/queues/{queue}`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct QueueSettings {
+    /// Buildkite agent token. When set, agent counts come from the agent API's metrics
+    /// endpoint (one call for every queue of the token's cluster) instead of the REST agents
+    /// list (which needs the `read_agents` scope on BUILDKITE_API_TOKEN).
+    #[arg(long, env = "BUILDKITE_AGENT_TOKEN", hide_env_values = true)]
+    pub buildkite_agent_token: Option<Secret>,
+
+    /// Base URL of Buildkite's agent API (its metrics endpoint is `<url>/metrics`).
+    #[arg(long, env = "BUILDKITE_AGENT_API_URL", default_value = DEFAULT_AGENT_API_URL)]
+    pub buildkite_agent_api_url: String,
+
+    /// Agent counts are fetched from Buildkite at most this often, seconds (at least 60: the
+    /// calls share the API token's 50 requests/min with submissions).
+    #[arg(
+        long,
+        env = "KERNELKITE_AGENTS_REFRESH_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(60..)
+    )]
+    pub agents_refresh_s: u64,
+}
+
+/// Buildkite's agent API.
+pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
+
+/// Whether `url`'s host may receive callbacks under KERNELKITE_CALLBACK_ALLOWED_HOSTS
+/// (`allowed`): any host when the list is empty, else one of the list (exact,
+/// case-insensitive). Checked when a submission names its `callback_url` and again before
+/// every delivery.
+pub fn host_allowed(url: &url::Url, allowed: &[String]) -> bool {
+    if allowed.iter().all(|h| h.trim().is_empty()) {
+        return true;
+    }
+    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
+    allowed
+        .iter()
+        .map(|h| h.trim().trim_matches(['[', ']']))
+        .any(|h| !h.is_empty() && h.eq_ignore_ascii_case(host))
 }
 
 impl Config {

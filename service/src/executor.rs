@@ -79,6 +79,18 @@ pub struct BuildStatus {
     pub blocked: bool,
 }
 
+/// The build states in which a build has ended: Buildkite's words, which every executor
+/// speaks in [`BuildStatus::state`] (the local one too), so the core can tell an end without
+/// knowing who ran the build.
+pub const FINISHED_STATES: &[&str] = &["passed", "failed", "canceled", "skipped", "not_run"];
+
+impl BuildStatus {
+    /// Whether the build has ended (in any of [`FINISHED_STATES`]).
+    pub fn finished(&self) -> bool {
+        FINISHED_STATES.contains(&self.state.as_str())
+    }
+}
+
 /// What an executor knows of a build after the service restarted ([`Executor::recover`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recovered {

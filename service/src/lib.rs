@@ -6,16 +6,22 @@
 //! the submission by build id, the service downloads `result.json` (checking its size and
 //! SHA-1 and its shape), and every waiter (long-poll, SSE, callback) hears of it at once.
 //!
-//! Layout, from the edge in:
+//! Layout, from the edge in (each module uses only those below it; none imports one above):
+//! - [`cli`]: the commands; [`cli::serve`] is the composition root: it picks the executor and
+//!   the store, builds the core around them and starts the background loops.
 //! - [`http`]: routes, handlers, the client guard, the one error-to-status mapping, and the
 //!   connection server (cap, timeouts, graceful shutdown); [`health`]: liveness and readiness.
-//! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types.
+//! - Background loops beside the core, each holding it weakly and its own state:
+//!   [`recovery`] (recovery on start, the one place it happens), [`reconcile`] (the
+//!   reconciler for lost events), [`callback`] (the signed callback outbox).
+//! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types, and it
+//!   names no executor and no database: it holds an [`executor::Executor`] and a
+//!   [`store::Durable`] it is given.
 //! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
-//!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks.
+//!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks;
+//!   [`local`]: the local executor.
 //! - [`store`]: submissions in flight in memory with their waiters, every submission in the
 //!   durable store behind them ([`store::sqlite`]); commit, then wake.
-//! - [`reconcile`]: recovery on start and the reconciler for lost webhooks; [`callback`]: the
-//!   signed callback outbox.
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
 //!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports;

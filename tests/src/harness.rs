@@ -59,7 +59,7 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = App::new(cfg).unwrap();
+    let app = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
     let serving = app.clone();
     let server = tokio::spawn(async move {
         let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;

@@ -70,9 +70,6 @@ pub struct BuildFilter {
     pub meta_data: Option<(String, String)>,
 }
 
-/// The build states in which a build has ended.
-pub const FINISHED_STATES: &[&str] = &["passed", "failed", "canceled", "skipped", "not_run"];
-
 /// An artifact as listed by the REST API.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Artifact {

@@ -17,12 +17,14 @@ use std::time::Duration;
 
 pub use budget::{Priority, RateBudget};
 pub use client::{
-    Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, FINISHED_STATES,
-    MAX_RATE_LIMITED_RETRIES, SUBMISSION_META_KEY,
+    Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, MAX_RATE_LIMITED_RETRIES,
+    SUBMISSION_META_KEY,
 };
 
 use crate::config::Config;
-use crate::executor::{BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing};
+use crate::executor::{
+    BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+};
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
 use crate::submission::{BuildInfo, Outcome};

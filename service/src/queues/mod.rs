@@ -22,37 +22,10 @@ use tokio::sync::watch;
 // Tokio's clock, so tests can pause it.
 use tokio::time::Instant;
 
-use crate::config::{Config, Secret};
+use crate::config::Config;
 use crate::executor::BoxFuture;
 use crate::report::{report, BoxError};
 use crate::store::Store;
-
-/// Where queue status gets its agent counts: the flags of `GET /v1/queues/{queue}`.
-#[derive(Clone, Debug, clap::Args)]
-pub struct QueueSettings {
-    /// Buildkite agent token. When set, agent counts come from the agent API's metrics
-    /// endpoint (one call for every queue of the token's cluster) instead of the REST agents
-    /// list (which needs the `read_agents` scope on BUILDKITE_API_TOKEN).
-    #[arg(long, env = "BUILDKITE_AGENT_TOKEN", hide_env_values = true)]
-    pub buildkite_agent_token: Option<Secret>,
-
-    /// Base URL of Buildkite's agent API (its metrics endpoint is `<url>/metrics`).
-    #[arg(long, env = "BUILDKITE_AGENT_API_URL", default_value = DEFAULT_AGENT_API_URL)]
-    pub buildkite_agent_api_url: String,
-
-    /// Agent counts are fetched from Buildkite at most this often, seconds (at least 60: the
-    /// calls share the API token's 50 requests/min with submissions).
-    #[arg(
-        long,
-        env = "KERNELKITE_AGENTS_REFRESH_S",
-        default_value_t = 60,
-        value_parser = clap::value_parser!(u64).range(60..)
-    )]
-    pub agents_refresh_s: u64,
-}
-
-/// Buildkite's agent API.
-pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
 
 /// How long the first request after start waits for the first agent counts.
 const FIRST_WAIT: Duration = Duration::from_secs(3);

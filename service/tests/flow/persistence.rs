@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kernelkite_service::{App, Config};
+use kernelkite_service::Config;
 use kernelkite_testkit::fake_buildkite::{
     signature_header, unix_now, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
 };
@@ -63,7 +63,7 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
     // A second service on the same data dir, with nothing in memory.
     let mut cfg = Config::new(&h.fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
     cfg.data_dir = Some(h._dir.path().to_path_buf());
-    let restarted = App::new(cfg).unwrap();
+    let restarted = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
     assert!(restarted.store.is_empty());
     let after = restarted
         .lookup(&id)
