@@ -9,9 +9,9 @@
 use kernelkite_kernelbot::config::ConfigError;
 use kernelkite_kernelbot::payload::PayloadError;
 
+use crate::buildkite::webhook::{AuthError, ParseError, WebhookError};
 use crate::report::BoxError;
 use crate::submission::State;
-use crate::webhook::{AuthError, ParseError, WebhookError};
 
 /// Why a request was refused or failed.
 #[derive(Debug, thiserror::Error)]

@@ -145,6 +145,30 @@ impl Listing {
     }
 }
 
+/// Agents of one queue (for queue status, `crate::queues`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AgentCounts {
+    /// Connected and not running a job.
+    pub idle: u64,
+    /// Running a job.
+    pub busy: u64,
+    /// Connected.
+    pub total: u64,
+}
+
+/// Agent counts for every queue the source knows of.
+pub type AgentsByQueue = std::collections::HashMap<String, AgentCounts>;
+
+/// Where agent counts come from (Buildkite's REST agents list, its agent metrics endpoint; a
+/// local executor's own slices).
+pub trait AgentSource: Send + Sync + 'static {
+    /// For log lines ("Buildkite agents list").
+    fn name(&self) -> &'static str;
+
+    /// Every connected agent, counted by queue. A queue missing from the map has no agent.
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
+}
+
 /// Runs builds for submissions.
 pub trait Executor: Send + Sync + 'static {
     /// Who runs the builds, for messages ("Buildkite").
@@ -201,5 +225,11 @@ pub trait Executor: Send + Sync + 'static {
     fn recover<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<Recovered, BoxError>> {
         let _ = build;
         Box::pin(async { Ok(Recovered::Unknown) })
+    }
+
+    /// Where queue status counts the machines that serve the queues (`None`: this executor
+    /// has no source; queue status then shows no agent counts).
+    fn agents(&self) -> Option<std::sync::Arc<dyn AgentSource>> {
+        None
     }
 }

@@ -17,15 +17,16 @@
 //! - [`app`]: the core: submit, cancel, time out, act on build events. No HTTP types, and it
 //!   names no executor and no database: it holds an [`executor::Executor`] and a
 //!   [`store::Durable`] it is given.
-//! - [`executor`]: where builds run (the interface); [`buildkite`]: the Buildkite executor
-//!   (REST client, artifacts); [`webhook`]: verifying and reading Buildkite's signed webhooks;
+//! - [`executor`]: where builds run (the interface); [`buildkite`]: all the Buildkite code
+//!   (the executor, REST client and rate budget, artifacts, signed webhooks, agents);
 //!   [`local`]: the local executor.
 //! - [`store`]: submissions in flight in memory with their waiters, every submission in the
 //!   durable store behind them ([`store::sqlite`]); commit, then wake.
 //! - [`submission`]: a submission's state machine, as a plain value; [`result`]: the checked
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
 //!   people; [`config`]: flags and environment; [`metrics`]: what `GET /metrics` exports;
-//!   [`queues`]: queue status (the store's counts, agent counts fetched at most once a minute).
+//!   [`queues`]: queue status (the store's counts, the executor's agent counts fetched at most
+//!   once a minute).
 
 #![deny(missing_docs)]
 
@@ -48,7 +49,6 @@ pub mod result;
 pub mod store;
 pub mod submission;
 pub mod task;
-pub mod webhook;
 
 pub use app::{App, SubmitRequest};
 pub use config::Config;

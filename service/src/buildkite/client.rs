@@ -411,6 +411,51 @@ impl BuildkiteClient {
         &self.retry
     }
 
+    /// The API's base URL (BUILDKITE_API_URL, no trailing `/`): the token goes only below it.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// The HTTP client every call of this client (and its clones) goes through: no redirect
+    /// followed, KERNELKITE_HTTP_TIMEOUT_S. Other Buildkite calls (the agent API) share it.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    /// `GET <base><path_and_query>` with the API token, once: it spends the shared rate
+    /// budget at `priority` and is counted as `name`, but is not retried (a caller whose
+    /// answer can wait for its next interval, queue status, keeps its last one instead).
+    pub async fn get_once(
+        &self,
+        name: &'static str,
+        priority: Priority,
+        path_and_query: &str,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        self.budget.acquire(priority).await;
+        let label = CallLabel {
+            call: name.to_string(),
+        };
+        if let Some(m) = &self.metrics {
+            m.buildkite_calls.get_or_create(&label).inc();
+        }
+        let sent = self
+            .http
+            .get(format!("{}{path_and_query}", self.base))
+            .bearer_auth(self.token.expose())
+            .send()
+            .await;
+        if let Ok(resp) = &sent {
+            let limited = resp.status() == StatusCode::TOO_MANY_REQUESTS;
+            self.budget.observe(resp.headers(), limited, Instant::now());
+            if limited {
+                if let Some(m) = &self.metrics {
+                    m.buildkite_rate_limited.get_or_create(&label).inc();
+                }
+            }
+        }
+        sent
+    }
+
     /// `POST .../builds`: creates a build. Never repeated once the request may have arrived
     /// (a timeout, a broken connection, a 5xx): the caller looks the build up first. A `429`
     /// is waited out as long as it takes; a refused connection is retried.
@@ -512,7 +557,7 @@ impl BuildkiteClient {
                     None,
                 )
                 .await?;
-            let more = has_next_page(resp.headers());
+            let more = next_link(resp.headers()).is_some();
             let builds: Vec<Build> = decode(Method::GET, &path, resp).await?;
             let short = builds.len() < 100;
             out.extend(builds);
@@ -766,14 +811,26 @@ impl Call {
     }
 }
 
-/// Whether a `Link` header names a next page.
-fn has_next_page(headers: &reqwest::header::HeaderMap) -> bool {
+/// The `rel="next"` URL of a response's `Link` header, when it names one: how every paged
+/// Buildkite listing (builds, agents) knows another page follows.
+pub fn next_link(headers: &reqwest::header::HeaderMap) -> Option<&str> {
     headers
         .get_all(reqwest::header::LINK)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|part| part.contains("rel=\"next\""))
+        .find_map(next_in)
+}
+
+/// The `rel="next"` URL of one `Link` header value.
+fn next_in(link: &str) -> Option<&str> {
+    link.split(',').find_map(|part| {
+        let (url, params) = part.split_once(';')?;
+        let is_next = params
+            .split(';')
+            .any(|p| matches!(p.trim(), "rel=\"next\"" | "rel=next"));
+        let url = url.trim().strip_prefix('<')?.strip_suffix('>')?;
+        is_next.then_some(url)
+    })
 }
 
 enum Next {
@@ -981,6 +1038,30 @@ async fn read_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_link_reads_rel_next_only() {
+        let h = r#"<https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100>; rel="next", <https://api.buildkite.com/v2/organizations/o/agents?page=9&per_page=100>; rel="last""#;
+        assert_eq!(
+            next_in(h),
+            Some("https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100")
+        );
+        let last_page =
+            r#"<https://x/v2/a?page=1>; rel="first", <https://x/v2/a?page=8>; rel="prev""#;
+        assert_eq!(next_in(last_page), None);
+        assert_eq!(next_in(""), None);
+        assert_eq!(next_in("garbage; rel=\"next\""), None);
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.append(
+            reqwest::header::LINK,
+            "<https://x/v2/a?page=1>; rel=\"prev\"".parse().unwrap(),
+        );
+        headers.append(
+            reqwest::header::LINK,
+            "<https://x/v2/a?page=3>; rel=\"next\"".parse().unwrap(),
+        );
+        assert_eq!(next_link(&headers), Some("https://x/v2/a?page=3"));
+    }
 
     #[test]
     fn only_public_addresses_are_public() {

@@ -2,14 +2,22 @@
 //! the payload in the build's env; Buildkite's signed webhooks report its progress; once it
 //! finished, its `result.json` artifact is downloaded and checked.
 //!
-//! - [`client`]: the REST client (create, cancel, list artifacts, download), with retries.
-//! - [`crate::webhook`] (beside this module): verifying and reading webhook deliveries.
+//! All the service's Buildkite code is here:
+//! - [`client`]: the REST client (create, cancel, list artifacts, download), with retries,
+//!   and the `Link` reader every paged listing uses; [`budget`]: the one rate budget all its
+//!   calls spend.
+//! - [`webhook`]: verifying and reading webhook deliveries.
 //! - [`artifact`]: choosing, downloading and checking `result.json`.
+//! - [`agents`]: the agents serving each queue (REST agents list or agent metrics), for queue
+//!   status, through the client's HTTP client and budget.
+//! - [`plugins`]: the plugin configuration the agent hands hooks (shared with local mode).
 
+pub mod agents;
 pub mod artifact;
 pub mod budget;
 pub mod client;
 pub mod plugins;
+pub mod webhook;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,9 +29,9 @@ pub use client::{
     SUBMISSION_META_KEY,
 };
 
-use crate::config::Config;
+use crate::config::{Config, Secret};
 use crate::executor::{
-    BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+    AgentSource, BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
 };
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
@@ -44,6 +52,11 @@ pub struct BuildkiteExecutor {
     retry_base: Duration,
     /// Most pages one listing reads.
     max_pages: u32,
+    /// The organization, whose agents queue status counts.
+    org: String,
+    /// Agent counts from the agent API's metrics endpoint with this token and URL, instead
+    /// of the REST agents list (BUILDKITE_AGENT_TOKEN, BUILDKITE_AGENT_API_URL).
+    agent_api: Option<(Secret, String)>,
 }
 
 impl BuildkiteExecutor {
@@ -57,6 +70,12 @@ impl BuildkiteExecutor {
             attempts: cfg.retry_attempts.max(1),
             retry_base: Duration::from_millis(cfg.retry_base_ms),
             max_pages: cfg.reconcile_max_pages.max(1),
+            org: cfg.buildkite_org.clone(),
+            agent_api: cfg
+                .queues
+                .buildkite_agent_token
+                .clone()
+                .map(|t| (t, cfg.queues.buildkite_agent_api_url.clone())),
         })
     }
 
@@ -186,6 +205,19 @@ impl BuildkiteExecutor {
 }
 
 impl Executor for BuildkiteExecutor {
+    /// The agent metrics endpoint when an agent token is configured (one call for every
+    /// queue of the token's cluster), else the REST agents list (needs `read_agents`).
+    fn agents(&self) -> Option<Arc<dyn AgentSource>> {
+        Some(match &self.agent_api {
+            Some((token, url)) => Arc::new(agents::AgentMetrics::new(
+                self.client.http().clone(),
+                url,
+                token.clone(),
+            )),
+            None => Arc::new(agents::AgentsList::new(self.client.clone(), &self.org)),
+        })
+    }
+
     fn name(&self) -> &'static str {
         "Buildkite"
     }

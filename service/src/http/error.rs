@@ -97,9 +97,9 @@ pub(crate) fn elide(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buildkite::webhook::AuthError;
     use crate::error::{BadRequest, Invalid, Unavailable};
     use crate::submission::State;
-    use crate::webhook::AuthError;
 
     async fn answer(e: Error) -> (u16, Option<String>, serde_json::Value) {
         let r = e.into_response();

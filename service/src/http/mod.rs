@@ -25,7 +25,7 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::app::App;
-use crate::webhook::WebhookReceiver;
+use crate::buildkite::webhook::WebhookReceiver;
 pub use edge::{Edge, Phase};
 pub use server::RequestId;
 

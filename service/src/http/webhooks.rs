@@ -19,9 +19,9 @@ use serde_json::{json, Value};
 use super::edge::Edge;
 use super::server::{unauthenticated, ConnSlot};
 use crate::app::App;
+use crate::buildkite::webhook::{WebhookError, WebhookReceiver};
 use crate::error::{Error, Unauthorized};
 use crate::metrics::ReasonLabel;
-use crate::webhook::{WebhookError, WebhookReceiver};
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
 pub(super) async fn buildkite(

@@ -3,16 +3,14 @@
 //!
 //! Two sources, read differently. The service's own counts (its in-flight submissions on the
 //! queue, by state) are exact and read from the store on every request. The agents (GPU
-//! machines) serving the queue come from the executor's world, Buildkite's agents list or its
-//! agent metrics endpoint ([`buildkite`]), which costs API calls against the same 50/min budget
+//! machines) serving the queue come from the executor's world
+//! ([`Executor::agents`](crate::executor::Executor::agents); Buildkite: its agents list or its
+//! agent metrics endpoint, `crate::buildkite::agents`), which costs API calls against the same 50/min budget
 //! that submissions spend; so they are fetched in the background at most once per
 //! `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only while
 //! somebody asks, and every request in between is answered from that snapshot. A request
 //! never waits for Buildkite except the very first, and then only briefly.
 
-pub mod buildkite;
-
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,8 +21,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::executor::BoxFuture;
-use crate::report::{report, BoxError};
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, Executor};
+use crate::report::report;
 use crate::store::Store;
 
 /// How long the first request after start waits for the first agent counts.
@@ -38,30 +36,6 @@ pub fn valid_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-}
-
-/// Agents of one queue.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct AgentCounts {
-    /// Connected and not running a job.
-    pub idle: u64,
-    /// Running a job.
-    pub busy: u64,
-    /// Connected.
-    pub total: u64,
-}
-
-/// Agent counts for every queue the source knows of.
-pub type AgentsByQueue = HashMap<String, AgentCounts>;
-
-/// Where agent counts come from (Buildkite's REST agents list, its agent metrics endpoint; a
-/// local executor's own slices).
-pub trait AgentSource: Send + Sync + 'static {
-    /// For log lines ("Buildkite agents list").
-    fn name(&self) -> &'static str;
-
-    /// Every connected agent, counted by queue. A queue missing from the map has no agent.
-    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
 }
 
 /// `GET /v1/queues/{queue}`.
@@ -114,30 +88,12 @@ impl Queues {
         }
     }
 
-    /// The agent source the configuration asks for, given which executor runs builds.
-    /// Buildkite: the agent metrics endpoint when an agent token is configured, else the REST
-    /// agents list. Another executor has no Buildkite agents; until it supplies a source of
-    /// its own (a local executor: its slices), `agents` is null.
-    pub fn for_executor(cfg: &Config, executor: &str) -> Queues {
+    /// Queue status with the agents `executor` counts (Buildkite: its agents list or agent
+    /// metrics; an executor without a source of its own: `agents` is null), refreshed as
+    /// KERNELKITE_AGENTS_REFRESH_S says.
+    pub fn for_executor(cfg: &Config, executor: &dyn Executor) -> Queues {
         let refresh = Duration::from_secs(cfg.queues.agents_refresh_s);
-        if executor != "Buildkite" {
-            return Queues::new(None, refresh);
-        }
-        let source: Result<Arc<dyn AgentSource>, reqwest::Error> = match &cfg
-            .queues
-            .buildkite_agent_token
-        {
-            Some(token) => buildkite::AgentMetrics::new(cfg, token.clone())
-                .map(|s| Arc::new(s) as Arc<dyn AgentSource>),
-            None => buildkite::AgentsList::new(cfg).map(|s| Arc::new(s) as Arc<dyn AgentSource>),
-        };
-        match source {
-            Ok(s) => Queues::new(Some(s), refresh),
-            Err(e) => {
-                tracing::warn!(error = %report(&e), "queue status will not show agents: cannot build the HTTP client");
-                Queues::new(None, refresh)
-            }
-        }
+        Queues::new(executor.agents(), refresh)
     }
 
     /// The queue's status: the store's counts now, the agents as last fetched. Starts a
@@ -218,6 +174,9 @@ impl Queues {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::executor::BoxFuture;
+    use crate::report::BoxError;
+    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     struct Counting {
