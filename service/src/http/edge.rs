@@ -83,8 +83,6 @@ pub struct Edge {
     budget: Arc<Semaphore>,
     /// Refusal log lines, rate-limited.
     pub log: RateLimitedLog,
-    /// Finished submissions' events, shared by the streams sending them.
-    pub(crate) finished: super::events::Finished,
 }
 
 impl Edge {
@@ -96,7 +94,6 @@ impl Edge {
             phase: watch::channel(Phase::Serving).0,
             budget: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
             log: RateLimitedLog::new(LOG_INTERVAL),
-            finished: super::events::Finished::default(),
         }
     }
 

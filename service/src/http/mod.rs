@@ -36,6 +36,14 @@ pub(crate) struct Http {
     app: Arc<App>,
     edge: Arc<Edge>,
     webhooks: Arc<WebhookReceiver>,
+    /// Finished submissions' events, shared by the streams sending them.
+    finished: Arc<events::Finished>,
+}
+
+impl FromRef<Http> for Arc<events::Finished> {
+    fn from_ref(h: &Http) -> Arc<events::Finished> {
+        h.finished.clone()
+    }
 }
 
 impl FromRef<Http> for Arc<WebhookReceiver> {
@@ -87,6 +95,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/metrics", get(metrics))
         .with_state(Http {
             webhooks: Arc::new(WebhookReceiver::from_config(&app.cfg)),
+            finished: Arc::new(events::Finished::default()),
             app,
             edge,
         })
