@@ -121,10 +121,10 @@ impl App {
         cfg.check()?;
         Ok(Arc::new(App {
             store: Store::new(
-                cfg.early_event_max,
-                Duration::from_secs(cfg.early_event_ttl_s),
+                cfg.store.early_event_max,
+                Duration::from_secs(cfg.store.early_event_ttl_s),
                 Duration::from_millis(cfg.reconcile_min_ms),
-                Duration::from_secs(cfg.callback_retry_s),
+                Duration::from_secs(cfg.callbacks.callback_retry_s),
                 durable,
                 metrics.clone(),
             ),
@@ -141,7 +141,7 @@ impl App {
     /// Forgets expired early events now and then, until the core is dropped.
     pub fn spawn_housekeeping(self: &Arc<Self>) {
         let app = Arc::downgrade(self);
-        let period = Duration::from_secs((self.cfg.early_event_ttl_s / 2).clamp(1, 60));
+        let period = Duration::from_secs((self.cfg.store.early_event_ttl_s / 2).clamp(1, 60));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -781,7 +781,7 @@ impl App {
 
     /// Where clients read a submission.
     pub fn status_url(&self, id: &str) -> String {
-        match &self.cfg.public_url {
+        match &self.cfg.edge.public_url {
             Some(base) => format!("{}/v1/submissions/{id}", base.trim_end_matches('/')),
             None => format!("/v1/submissions/{id}"),
         }
@@ -801,10 +801,10 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if let Some(u) = &req.callback_url {
         match url::Url::parse(u) {
             Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {
-                if cfg.callback_secret.is_none() {
+                if cfg.callbacks.callback_secret.is_none() {
                     return Err(Invalid::CallbackUnsigned);
                 }
-                if !crate::config::host_allowed(&url, &cfg.callback_allowed_hosts) {
+                if !crate::config::host_allowed(&url, &cfg.callbacks.callback_allowed_hosts) {
                     return Err(Invalid::CallbackHost(
                         url.host_str().unwrap_or_default().to_string(),
                     ));

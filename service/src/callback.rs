@@ -73,7 +73,7 @@ impl Outbox {
     /// The outbox of `app`'s store, configured by its KERNELKITE_CALLBACK_* settings.
     pub fn new(app: &Arc<App>) -> Result<Arc<Outbox>, reqwest::Error> {
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(app.cfg.callback_timeout_s))
+            .timeout(Duration::from_secs(app.cfg.callbacks.callback_timeout_s))
             // A redirect could send the full submission to another (internal) address.
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
@@ -91,7 +91,7 @@ impl Outbox {
             let slots = Arc::new(Semaphore::new(CONCURRENCY));
             let tick = {
                 let Some(a) = self.app.upgrade() else { return };
-                Duration::from_millis(a.cfg.callback_backoff_ms.clamp(10, 1_000))
+                Duration::from_millis(a.cfg.callbacks.callback_backoff_ms.clamp(10, 1_000))
             };
             loop {
                 let Some(a) = self.app.upgrade() else { return };
@@ -140,9 +140,9 @@ impl Outbox {
         let attempts = cb.attempts + 1;
         let outcome = self.attempt(app, &cb).await;
         let now = now_ms();
-        let base = Duration::from_millis(app.cfg.callback_backoff_ms.max(1));
-        let capped =
-            app.cfg.callback_attempts > 0 && attempts >= i64::from(app.cfg.callback_attempts);
+        let base = Duration::from_millis(app.cfg.callbacks.callback_backoff_ms.max(1));
+        let capped = app.cfg.callbacks.callback_attempts > 0
+            && attempts >= i64::from(app.cfg.callbacks.callback_attempts);
         let (state, next_at, error, label) = match outcome {
             Attempt::Delivered => (CallbackState::Delivered, now, None, "delivered"),
             Attempt::Refused(why) => {
@@ -182,13 +182,13 @@ impl Outbox {
     }
 
     async fn attempt(&self, app: &App, cb: &DueCallback) -> Attempt {
-        let Some(secret) = &app.cfg.callback_secret else {
+        let Some(secret) = &app.cfg.callbacks.callback_secret else {
             return Attempt::Failed(
                 "KERNELKITE_CALLBACK_SECRET is not set, so the callback cannot be signed".into(),
             );
         };
         match url::Url::parse(&cb.url) {
-            Ok(u) if host_allowed(&u, &app.cfg.callback_allowed_hosts) => {}
+            Ok(u) if host_allowed(&u, &app.cfg.callbacks.callback_allowed_hosts) => {}
             _ => {
                 return Attempt::Refused(format!(
                     "callback_url {:?} is not allowed by KERNELKITE_CALLBACK_ALLOWED_HOSTS",

@@ -451,7 +451,7 @@ pub struct Crashable {
 /// The service's durable store for the restart tests: both lives of the service open it.
 fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut Config) {
     let data = dir.path().join("data");
-    move |c| c.data_dir = Some(data)
+    move |c| c.store.data_dir = Some(data)
 }
 
 /// Starts local mode with `args` and a durable store under `dir`, ready to be crashed.

@@ -363,33 +363,37 @@ impl BuildkiteClient {
         let http = reqwest::Client::builder()
             // Redirects are followed by hand: the blob store must not see the API token.
             .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
-            .timeout(cfg.http_timeout())
+            .connect_timeout(Duration::from_secs(5).min(cfg.buildkite.http_timeout()))
+            .timeout(cfg.buildkite.http_timeout())
             .pool_idle_timeout(Duration::from_secs(60))
             .build()?;
-        let blob_stall = Duration::from_secs(cfg.blob_stall_s.max(1));
-        let blob_http = blob_client(cfg.http_timeout(), blob_stall, None)?;
+        let blob_stall = Duration::from_secs(cfg.buildkite.blob_stall_s.max(1));
+        let blob_http = blob_client(cfg.buildkite.http_timeout(), blob_stall, None)?;
         Ok(BuildkiteClient {
             blob_http,
             http,
-            base: cfg.buildkite_api_url.trim_end_matches('/').to_string(),
+            base: cfg
+                .buildkite
+                .buildkite_api_url
+                .trim_end_matches('/')
+                .to_string(),
             builds_path: format!(
                 "/organizations/{}/pipelines/{}/builds",
-                cfg.buildkite_org, cfg.buildkite_pipeline
+                cfg.buildkite.buildkite_org, cfg.buildkite.buildkite_pipeline
             ),
-            token: cfg.buildkite_api_token.clone(),
+            token: cfg.buildkite.buildkite_api_token.clone(),
             retry: RetryPolicy {
-                attempts: cfg.retry_attempts.max(1),
+                attempts: cfg.buildkite.retry_attempts.max(1),
                 base: Duration::from_millis(cfg.retry_base_ms),
                 max_backoff: Duration::from_secs(30),
-                max_rate_limit_wait: Duration::from_secs(cfg.rate_limit_max_wait_s),
+                max_rate_limit_wait: Duration::from_secs(cfg.buildkite.rate_limit_max_wait_s),
             },
             max_artifact_bytes: cfg.max_artifact_bytes,
-            artifact_hosts: cfg.artifact_hosts.clone(),
-            http_timeout: cfg.http_timeout(),
+            artifact_hosts: cfg.buildkite.artifact_hosts.clone(),
+            http_timeout: cfg.buildkite.http_timeout(),
             blob_stall,
             budget: Arc::new(RateBudget::new(Duration::from_secs(
-                cfg.rate_limit_max_wait_s.max(1),
+                cfg.buildkite.rate_limit_max_wait_s.max(1),
             ))),
             metrics: None,
         })

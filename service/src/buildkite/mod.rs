@@ -64,13 +64,13 @@ impl BuildkiteExecutor {
     pub fn new(cfg: &Config) -> Result<BuildkiteExecutor, reqwest::Error> {
         Ok(BuildkiteExecutor {
             client: BuildkiteClient::new(cfg)?,
-            commit: cfg.commit.clone(),
-            branch: cfg.branch.clone(),
-            lookup_delay: Duration::from_millis(cfg.create_lookup_delay_ms),
-            attempts: cfg.retry_attempts.max(1),
+            commit: cfg.buildkite.commit.clone(),
+            branch: cfg.buildkite.branch.clone(),
+            lookup_delay: Duration::from_millis(cfg.buildkite.create_lookup_delay_ms),
+            attempts: cfg.buildkite.retry_attempts.max(1),
             retry_base: Duration::from_millis(cfg.retry_base_ms),
-            max_pages: cfg.reconcile_max_pages.max(1),
-            org: cfg.buildkite_org.clone(),
+            max_pages: cfg.buildkite.reconcile_max_pages.max(1),
+            org: cfg.buildkite.buildkite_org.clone(),
             agent_api: cfg
                 .queues
                 .buildkite_agent_token

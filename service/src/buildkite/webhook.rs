@@ -242,11 +242,11 @@ impl WebhookReceiver {
     pub fn from_config(cfg: &Config) -> WebhookReceiver {
         WebhookReceiver {
             auth: WebhookAuth {
-                token: cfg.buildkite_webhook_token.clone(),
-                allow_plain_token: cfg.allow_plain_webhook_token,
-                window_s: cfg.webhook_window_s,
+                token: cfg.buildkite.buildkite_webhook_token.clone(),
+                allow_plain_token: cfg.buildkite.allow_plain_webhook_token,
+                window_s: cfg.buildkite.webhook_window_s,
             },
-            pipeline: cfg.buildkite_pipeline.clone(),
+            pipeline: cfg.buildkite.buildkite_pipeline.clone(),
         }
     }
 

@@ -30,7 +30,7 @@ impl Drop for Embedded {
 /// Starts local mode with the local executor's `args` on a free loopback port.
 pub async fn start(args: &LocalArgs) -> anyhow::Result<Embedded> {
     let mut cfg = Config::local();
-    cfg.listen = "127.0.0.1:0".parse().context("loopback address")?;
+    cfg.edge.listen = "127.0.0.1:0".parse().context("loopback address")?;
     let local = LocalExecutor::new(args, None)
         .await
         .context("cannot start local mode")?;

@@ -60,14 +60,14 @@ fn assemble(
     executor: Arc<dyn Executor>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<App>, StartError> {
-    if cfg.data_dir.is_none() {
+    if cfg.store.data_dir.is_none() {
         tracing::warn!(
             "KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart"
         );
     }
     let (db, pending) = Sqlite::open_with_pending(
-        cfg.data_dir.as_deref(),
-        cfg.store_sync,
+        cfg.store.data_dir.as_deref(),
+        cfg.store.store_sync,
         Some(metrics.clone()),
     )?;
     let app = App::new(cfg, executor, Arc::new(db), metrics)?;
@@ -88,7 +88,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
         cfg.executor = ExecutorKind::Local;
     }
     cfg.check().context("invalid configuration")?;
-    if cfg.api_token.is_none() {
+    if cfg.edge.api_token.is_none() {
         tracing::warn!("KERNELKITE_API_TOKEN is not set: /v1 serves loopback clients only");
     }
     // systemd starts services with a soft limit of 1024 open files and a much higher hard
@@ -106,13 +106,13 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "could not raise the open-files limit; the connection cap follows the current one")
         }
     }
-    let listen = cfg.listen;
+    let listen = cfg.edge.listen;
     let app = match cfg.executor {
         ExecutorKind::Buildkite => {
-            if cfg.buildkite_webhook_token.is_none() {
+            if cfg.buildkite.buildkite_webhook_token.is_none() {
                 tracing::warn!("BUILDKITE_WEBHOOK_TOKEN is not set: every webhook will be refused and no submission can finish");
             }
-            if cfg.allow_plain_webhook_token {
+            if cfg.buildkite.allow_plain_webhook_token {
                 tracing::warn!(
                     "plain X-Buildkite-Token webhooks are accepted; prefer signed webhooks"
                 );
@@ -120,7 +120,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             start_buildkite(cfg).context("cannot start kernelkite-service")?
         }
         ExecutorKind::Local => {
-            let executor = LocalExecutor::new(&args.local, cfg.data_dir.as_deref())
+            let executor = LocalExecutor::new(&args.local, cfg.store.data_dir.as_deref())
                 .await
                 .context("cannot start the local executor")?;
             for s in executor.slices() {

@@ -88,7 +88,7 @@ pub struct Edge {
 impl Edge {
     /// The edge of `app`, serving.
     pub fn new(app: Arc<App>) -> Edge {
-        let budget = app.cfg.unauthenticated_body_budget_bytes;
+        let budget = app.cfg.edge.unauthenticated_body_budget_bytes;
         Edge {
             app,
             phase: watch::channel(Phase::Serving).0,
@@ -175,7 +175,7 @@ impl Edge {
                 permit = Some(self.take_budget(n)?);
             }
         }
-        let timeout = self.app.cfg.body_read_timeout();
+        let timeout = self.app.cfg.edge.body_read_timeout();
         let read = async {
             let mut stream = body.into_data_stream();
             let mut first: Option<Bytes> = None;

@@ -612,10 +612,10 @@ pub(crate) async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let nofile = open_files_limit();
-    let (cap, lowered) = connection_cap(app.cfg.max_connections, nofile);
+    let (cap, lowered) = connection_cap(app.cfg.edge.max_connections, nofile);
     if lowered {
         tracing::warn!(
-            configured = app.cfg.max_connections,
+            configured = app.cfg.edge.max_connections,
             cap,
             open_files_limit = ?nofile,
             "KERNELKITE_MAX_CONNECTIONS is above what the open-files limit leaves room for; using the lower cap (raise LimitNOFILE= or `ulimit -n`)"
@@ -623,11 +623,11 @@ pub(crate) async fn run(
     }
     app.metrics.connection_cap.set(cap as i64);
     let limits = Limits {
-        header: app.cfg.header_read_timeout(),
-        idle: app.cfg.idle_timeout(),
+        header: app.cfg.edge.header_read_timeout(),
+        idle: app.cfg.edge.idle_timeout(),
         cap,
-        grace: app.cfg.shutdown_grace(),
-        stall: app.cfg.write_stall(),
+        grace: app.cfg.edge.shutdown_grace(),
+        stall: app.cfg.edge.write_stall(),
     };
     tracing::info!(
         cap,

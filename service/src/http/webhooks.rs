@@ -31,7 +31,7 @@ pub(super) async fn buildkite(
     req: Request,
 ) -> Result<Json<Value>, Error> {
     let (parts, body) = req.into_parts();
-    let limit = app.cfg.webhook_max_bytes;
+    let limit = app.cfg.edge.webhook_max_bytes;
     const SETTING: &str = "KERNELKITE_WEBHOOK_MAX_BYTES";
     if body.size_hint().lower() > limit as u64 {
         refused(

@@ -143,7 +143,7 @@ async fn agents_are_null_when_buildkite_refuses_and_the_counts_still_come() {
 
 #[tokio::test]
 async fn a_bad_queue_name_is_refused_and_the_token_is_required() {
-    let h = harness_with(|c| c.api_token = Some(Secret::new("kk"))).await;
+    let h = harness_with(|c| c.edge.api_token = Some(Secret::new("kk"))).await;
     let r = h
         .http
         .get(format!("{}/v1/queues/h100", h.base))
