@@ -11,8 +11,9 @@
 //!
 //! The SQL is kept portable for a later Postgres backend: `$n` placeholders, `TEXT` and
 //! `BIGINT` columns, booleans as `0/1`, no `INSERT OR ...`, no `RETURNING`, times as unix
-//! milliseconds. The schema is created by numbered migrations embedded in this file and
-//! recorded in `kernelkite_schema`.
+//! milliseconds. The schema is created by the numbered migrations in `service/migrations/`,
+//! run by sqlx's migrator and recorded in `_sqlx_migrations` (a database from before then
+//! also keeps its old `kernelkite_schema` table, unused).
 //!
 //! Durability: WAL mode with `synchronous=NORMAL` by default: a commit survives the process
 //! being killed at any instant (the WAL is in the kernel's page cache); a power loss may roll
@@ -775,62 +776,15 @@ fn classify_open(path: &Path, e: sqlx::Error) -> StoreError {
     }
 }
 
-/// The schema, one step per version; a step runs once, in a transaction, and is recorded.
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    "CREATE TABLE submissions (
-        id TEXT PRIMARY KEY,
-        state TEXT NOT NULL,
-        terminal BIGINT NOT NULL,
-        created_at_ms BIGINT NOT NULL,
-        deadline_ms BIGINT NOT NULL,
-        build_id TEXT,
-        build_number BIGINT,
-        idempotency_key TEXT UNIQUE,
-        request_sha256 TEXT,
-        job TEXT,
-        doc TEXT NOT NULL
-    );
-    CREATE INDEX submissions_open ON submissions (terminal);
-    CREATE TABLE callbacks (
-        submission_id TEXT PRIMARY KEY,
-        url TEXT NOT NULL,
-        body TEXT NOT NULL,
-        state TEXT NOT NULL,
-        attempts BIGINT NOT NULL,
-        next_at_ms BIGINT NOT NULL,
-        give_up_at_ms BIGINT NOT NULL,
-        last_error TEXT
-    );
-    CREATE INDEX callbacks_due ON callbacks (state, next_at_ms);
-    CREATE TABLE kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
-    INSERT INTO kernelkite_health (id, checked_at_ms) VALUES (1, 0);",
-)];
+/// The schema: the files of `service/migrations/`, embedded at build time, applied in order
+/// by sqlx's migrator (each in a transaction, once) and recorded in `_sqlx_migrations`.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)")
-        .execute(&mut *conn)
-        .await?;
-    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM kernelkite_schema")
-        .fetch_one(&mut *conn)
-        .await?
-        .try_get(0)?;
-    for (version, sql) in MIGRATIONS {
-        if current.is_some_and(|c| c >= *version) {
-            continue;
-        }
-        transaction(conn, async |c| {
-            sqlx::raw_sql(sql).execute(&mut *c).await?;
-            sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
-                .bind(version)
-                .bind(now_ms())
-                .execute(&mut *c)
-                .await
-                .map(drop)
-        })
-        .await?;
-    }
-    Ok(())
+    MIGRATOR
+        .run(&mut *conn)
+        .await
+        .map_err(|e| sqlx::Error::Migrate(Box::new(e)))
 }
 
 // Transactions are begun and ended by hand, not with sqlx's `Transaction`: sqlx counts the
@@ -1455,5 +1409,120 @@ mod tests {
         let e = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap_err();
         assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
         assert!(e.to_string().contains("restore it from a backup"), "{e}");
+    }
+
+    /// What a database made before sqlx's migrator holds: the schema as that release's own
+    /// migrator wrote it (its version 1, verbatim), recorded in its `kernelkite_schema`.
+    const PRE_SQLX_SCHEMA: &str = "CREATE TABLE kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
+        CREATE TABLE submissions (
+            id TEXT PRIMARY KEY,
+            state TEXT NOT NULL,
+            terminal BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            deadline_ms BIGINT NOT NULL,
+            build_id TEXT,
+            build_number BIGINT,
+            idempotency_key TEXT UNIQUE,
+            request_sha256 TEXT,
+            job TEXT,
+            doc TEXT NOT NULL
+        );
+        CREATE INDEX submissions_open ON submissions (terminal);
+        CREATE TABLE callbacks (
+            submission_id TEXT PRIMARY KEY,
+            url TEXT NOT NULL,
+            body TEXT NOT NULL,
+            state TEXT NOT NULL,
+            attempts BIGINT NOT NULL,
+            next_at_ms BIGINT NOT NULL,
+            give_up_at_ms BIGINT NOT NULL,
+            last_error TEXT
+        );
+        CREATE INDEX callbacks_due ON callbacks (state, next_at_ms);
+        CREATE TABLE kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
+        INSERT INTO kernelkite_health (id, checked_at_ms) VALUES (1, 0);
+        INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES (1, 1700000000000);";
+
+    async fn raw(dir: &Path) -> SqliteConnection {
+        SqliteConnectOptions::new()
+            .filename(dir.join(DB_FILE))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    /// Every table's columns and every index's columns, the migrators' bookkeeping aside.
+    async fn layout(conn: &mut SqliteConnection) -> Vec<String> {
+        let rows = sqlx::query(
+            "SELECT m.type || ' ' || m.name || ' on ' || m.tbl_name || ': ' || COALESCE(
+                 (SELECT group_concat(c.name || ' ' || c.type || ' ' || c.\"notnull\" || ' ' || c.pk, ', ')
+                  FROM pragma_table_info(m.name) c),
+                 (SELECT group_concat(i.name, ', ') FROM pragma_index_info(m.name) i), '')
+             FROM sqlite_master m
+             WHERE m.name NOT IN ('_sqlx_migrations', 'kernelkite_schema')
+               AND m.tbl_name NOT IN ('_sqlx_migrations', 'kernelkite_schema')
+             ORDER BY m.type, m.name",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        rows.iter().map(|r| r.get::<String, _>(0)).collect()
+    }
+
+    #[tokio::test]
+    async fn a_database_from_before_sqlx_migrations_opens_with_its_submissions() {
+        // The schema the migrations make is the one the old migrator made.
+        let old = tempfile::tempdir().unwrap();
+        let old_layout = {
+            let mut c = raw(old.path()).await;
+            sqlx::raw_sql(PRE_SQLX_SCHEMA)
+                .execute(&mut c)
+                .await
+                .unwrap();
+            layout(&mut c).await
+        };
+        assert!(old_layout.len() >= 6, "{old_layout:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let n = new_sub(None);
+        {
+            let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+            db.insert(n.clone()).await.unwrap();
+        }
+        // Made old: the submission kept, the bookkeeping the old release's.
+        {
+            let mut c = raw(dir.path()).await;
+            assert_eq!(layout(&mut c).await, old_layout);
+            sqlx::raw_sql(
+                "DROP TABLE _sqlx_migrations;
+                 CREATE TABLE kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
+                 INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES (1, 1700000000000);",
+            )
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+        for d in [dir.path(), old.path()] {
+            let db = Sqlite::open(Some(d), SyncMode::Normal, None).unwrap();
+            db.health().await.unwrap();
+            db.insert(new_sub(None)).await.unwrap();
+            drop(db);
+            let mut c = raw(d).await;
+            assert_eq!(layout(&mut c).await, old_layout, "{}", d.display());
+            let applied: Vec<(i64, bool)> =
+                sqlx::query_as("SELECT version, success FROM _sqlx_migrations")
+                    .fetch_all(&mut c)
+                    .await
+                    .unwrap();
+            assert_eq!(applied, [(1, true)]);
+        }
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let pending = db.pending().await.unwrap();
+        assert!(
+            pending.iter().any(|p| p.sub == n.sub),
+            "the old submission is kept"
+        );
+        assert_eq!(pending.len(), 2);
     }
 }
