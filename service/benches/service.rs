@@ -854,7 +854,7 @@ impl kernelkite_service::executor::Executor for Instantly {
     fn launch<'a>(
         &'a self,
         _job: &'a kernelkite_service::executor::Job,
-    ) -> kernelkite_service::executor::BoxFuture<
+    ) -> futures_util::future::BoxFuture<
         'a,
         Result<kernelkite_service::executor::Launched, kernelkite_service::report::BoxError>,
     > {
@@ -873,16 +873,14 @@ impl kernelkite_service::executor::Executor for Instantly {
     fn cancel<'a>(
         &'a self,
         _build: &'a BuildInfo,
-    ) -> kernelkite_service::executor::BoxFuture<
-        'a,
-        Result<bool, kernelkite_service::report::BoxError>,
-    > {
+    ) -> futures_util::future::BoxFuture<'a, Result<bool, kernelkite_service::report::BoxError>>
+    {
         Box::pin(async { Ok(true) })
     }
     fn collect<'a>(
         &'a self,
         _build: &'a kernelkite_service::executor::BuildStatus,
-    ) -> kernelkite_service::executor::BoxFuture<
+    ) -> futures_util::future::BoxFuture<
         'a,
         Result<kernelkite_service::submission::Outcome, kernelkite_service::report::BoxError>,
     > {

@@ -7,14 +7,10 @@
 //! feeds the same events to [`crate::App::on_event`], so both share one state machine, one
 //! store and one set of waiters.
 
-use std::future::Future;
-use std::pin::Pin;
+use futures_util::future::BoxFuture;
 
 use crate::report::BoxError;
 use crate::submission::{BuildInfo, Outcome};
-
-/// A boxed future that can cross threads: what the object-safe traits here return.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// An accepted submission, as an executor needs it to run. Kept in the store until the
 /// submission ends, so a build that was never created can be created after a restart.

@@ -174,8 +174,8 @@ impl Queues {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::executor::BoxFuture;
     use crate::report::BoxError;
+    use futures_util::future::BoxFuture;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};
 

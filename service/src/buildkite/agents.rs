@@ -19,7 +19,9 @@ use serde::Deserialize;
 use super::client::{next_link, BuildkiteClient};
 use super::Priority;
 use crate::config::Secret;
-use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, BoxFuture};
+use futures_util::future::BoxFuture;
+
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue};
 use crate::report::BoxError;
 
 /// Most pages of the agents list read per fetch (100 agents each).

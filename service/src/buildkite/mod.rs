@@ -23,6 +23,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+
 pub use budget::{Priority, RateBudget};
 pub use client::{
     Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, MAX_RATE_LIMITED_RETRIES,
@@ -31,7 +33,7 @@ pub use client::{
 
 use crate::config::{Config, Secret};
 use crate::executor::{
-    AgentSource, BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+    AgentSource, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
 };
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};

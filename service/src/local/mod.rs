@@ -40,11 +40,12 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
 use crate::app::App;
 use crate::executor::{
-    BoxFuture, BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
+    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
 };
 use crate::report::BoxError;
 use crate::result::ResultJson;

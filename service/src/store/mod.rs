@@ -23,7 +23,9 @@ pub use sqlite::{
     SyncMode,
 };
 
-use crate::executor::{BoxFuture, BuildEvent};
+use futures_util::future::BoxFuture;
+
+use crate::executor::BuildEvent;
 use crate::metrics::{Metrics, StateLabel};
 use crate::report::BoxError;
 use crate::submission::{State, Submission};

@@ -5,8 +5,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use futures_util::future::BoxFuture;
 use kernelkite_service::executor::{
-    BoxFuture, BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
+    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
 };
 use kernelkite_service::report::BoxError;
 use kernelkite_service::result::ResultJson;
