@@ -15,18 +15,21 @@ use std::time::Duration;
 
 use clap::Parser;
 
-/// A token. Printing it (Debug or Display) shows `<redacted>`; only [`Secret::expose`] reads it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+/// A token, held in a [`secrecy::SecretString`] (zeroed when dropped, read only through
+/// [`Secret::expose`]). Printing it (Debug or Display) shows `<redacted>`, as every log line and
+/// panic message that shows a config always has.
+#[derive(Clone)]
+pub struct Secret(secrecy::SecretString);
 
 impl Secret {
     /// Wraps a token.
     pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
+        Secret(secrecy::SecretString::from(value.into()))
     }
     /// The token itself; call it only where the value goes on the wire or into a MAC.
     pub fn expose(&self) -> &str {
-        &self.0
+        use secrecy::ExposeSecret;
+        self.0.expose_secret()
     }
 
     /// Compares `given` with the token in constant time. Both sides are MACed first, so
@@ -38,7 +41,7 @@ impl Secret {
             Hmac::<sha2::Sha256>::new_from_slice(b"kernelkite secret compare")
                 .map(|m| m.chain_update(v).finalize().into_bytes())
         };
-        match (mac(given), mac(self.0.as_bytes())) {
+        match (mac(given), mac(self.expose().as_bytes())) {
             (Ok(a), Ok(b)) => bool::from(a.as_slice().ct_eq(b.as_slice())),
             _ => false,
         }
@@ -60,7 +63,7 @@ impl std::fmt::Display for Secret {
 impl std::str::FromStr for Secret {
     type Err = std::convert::Infallible;
     fn from_str(s: &str) -> Result<Secret, Self::Err> {
-        Ok(Secret(s.to_string()))
+        Ok(Secret::new(s))
     }
 }
 
@@ -846,7 +849,13 @@ mod tests {
             .unwrap()
         };
         let c = from_env("--buildkite-webhook-token");
-        assert_eq!(c.buildkite.buildkite_webhook_token, Some(Secret::new("")));
+        assert_eq!(
+            c.buildkite
+                .buildkite_webhook_token
+                .as_ref()
+                .map(Secret::expose),
+            Some("")
+        );
         assert!(c
             .check()
             .unwrap_err()
