@@ -48,6 +48,8 @@ impl Reconciler {
         })
     }
 
+    // Over 80 lines: list, feed and reschedule work on one snapshot of the due submissions and one
+    // pass start; split, each part would re-read or carry them.
     /// One reconciler pass: lists the builds finished since the last complete pass and feeds
     /// each of a submission in flight through the webhook path. `all`: every submission with
     /// a build counts as due (after a restart). Returns how many builds were fed.

@@ -91,6 +91,8 @@ pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, pending: Vec<Pendin
     });
 }
 
+// Over 80 lines: the one listing, the twin check and each submission's decision (adopt, create,
+// fail) share the listing's results.
 /// Submissions without a recorded build: adopt the build each may already have (one
 /// listing for all of them), create the rest.
 async fn recover_orphans(app: &Arc<App>, orphans: Vec<Pending>) {
