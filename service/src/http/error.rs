@@ -180,7 +180,7 @@ mod tests {
                 "request body is over the 10 bytes allowed; send less, or raise KERNELKITE_MAX_SUBMISSION_BYTES",
             ),
             (
-                Unauthorized::Webhook(AuthError::Missing).into(),
+                Unauthorized::Webhook(crate::error::WebhookRefusal::new(AuthError::Missing)).into(),
                 401,
                 "missing X-Buildkite-Signature header",
             ),

@@ -20,7 +20,7 @@ use super::edge::Edge;
 use super::server::{unauthenticated, ConnSlot};
 use crate::app::App;
 use crate::buildkite::webhook::{WebhookError, WebhookReceiver};
-use crate::error::{Error, Unauthorized};
+use crate::error::{BadRequest, Error, Unauthorized, WebhookRefusal};
 use crate::metrics::ReasonLabel;
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
@@ -48,7 +48,7 @@ pub(super) async fn buildkite(
     let now = chrono::Utc::now().timestamp();
     if let Err(e) = webhooks.auth.precheck(&parts.headers, now) {
         refused(&app, &edge, e.reason(), &e);
-        return Err(Unauthorized::Webhook(e).into());
+        return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
     }
     let reading = unauthenticated(parts.extensions.get::<ConnSlot>());
     let (body, _budget) = match edge.read_body(body, limit, SETTING, true).await {
@@ -68,9 +68,11 @@ pub(super) async fn buildkite(
         Ok(None) => {}
         Err(WebhookError::Auth(e)) => {
             refused(&app, &edge, e.reason(), &e);
-            return Err(Unauthorized::Webhook(e).into());
+            return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
         }
-        Err(e) => return Err(e.into()),
+        Err(WebhookError::Parse(e)) => {
+            return Err(BadRequest::Webhook(WebhookRefusal::new(e)).into())
+        }
     }
     Ok(Json(json!({ "ok": true })))
 }
