@@ -20,7 +20,7 @@ use crate::app::App;
 use crate::config::host_allowed;
 use crate::metrics::OutcomeLabel;
 use crate::report::report;
-use crate::store::{sqlite::now_ms, CallbackState, DueCallback};
+use crate::store::{now_ms, CallbackState, DueCallback};
 
 /// The signature header of callbacks.
 pub const HEADER_SIGNATURE: &str = "x-kernelkite-signature";
