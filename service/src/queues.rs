@@ -3,10 +3,10 @@
 //!
 //! Two sources, read differently. The service's own counts (its in-flight submissions on the
 //! queue, by state) are exact and read from the store on every request. The agents (GPU
-//! machines) serving the queue come from the executor's world
-//! ([`Executor::agents`](crate::executor::Executor::agents); Buildkite: its agents list or its
-//! agent metrics endpoint, `crate::buildkite::agents`), which costs API calls against the same 50/min budget
-//! that submissions spend; so they are fetched in the background at most once per
+//! machines) serving the queue come from the executor's world ([`Executor::agents`];
+//! Buildkite: its agents list or its agent metrics endpoint, `crate::buildkite::agents`), which
+//! costs API calls against the same 50/min budget that submissions spend; so they are fetched
+//! in the background at most once per
 //! `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only while
 //! somebody asks, and every request in between is answered from that snapshot. A request
 //! never waits for Buildkite except the very first, and then only briefly.
