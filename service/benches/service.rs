@@ -242,12 +242,14 @@ async fn latency(sizes: &Sizes) {
     // The same run's stand-in for the service before the durable store: the store in memory
     // (no data dir), so no disk write is on the path.
     let in_memory = {
-        let m = common::harness_with(|c| c.data_dir = None).await;
+        let m = common::harness_with(|c| c.store.data_dir = None).await;
         wake_to_result(&m, sizes.latency_n).await.0
     };
     let full_sync = {
-        let f = common::harness_with(|c| c.store_sync = kernelkite_service::store::SyncMode::Full)
-            .await;
+        let f = common::harness_with(|c| {
+            c.store.store_sync = kernelkite_service::store::SyncMode::Full
+        })
+        .await;
         wake_to_result(&f, sizes.latency_n / 4).await.0
     };
     let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
@@ -852,7 +854,7 @@ impl kernelkite_service::executor::Executor for Instantly {
     fn launch<'a>(
         &'a self,
         _job: &'a kernelkite_service::executor::Job,
-    ) -> kernelkite_service::executor::BoxFuture<
+    ) -> futures_util::future::BoxFuture<
         'a,
         Result<kernelkite_service::executor::Launched, kernelkite_service::report::BoxError>,
     > {
@@ -871,16 +873,14 @@ impl kernelkite_service::executor::Executor for Instantly {
     fn cancel<'a>(
         &'a self,
         _build: &'a BuildInfo,
-    ) -> kernelkite_service::executor::BoxFuture<
-        'a,
-        Result<bool, kernelkite_service::report::BoxError>,
-    > {
+    ) -> futures_util::future::BoxFuture<'a, Result<bool, kernelkite_service::report::BoxError>>
+    {
         Box::pin(async { Ok(true) })
     }
     fn collect<'a>(
         &'a self,
         _build: &'a kernelkite_service::executor::BuildStatus,
-    ) -> kernelkite_service::executor::BoxFuture<
+    ) -> futures_util::future::BoxFuture<
         'a,
         Result<kernelkite_service::submission::Outcome, kernelkite_service::report::BoxError>,
     > {
@@ -911,13 +911,12 @@ async fn finished_memory(sizes: &Sizes) {
     use futures_util::StreamExt;
     let dir = tempfile::tempdir().expect("dir");
     let mut cfg = kernelkite_service::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
-    cfg.data_dir = Some(dir.path().to_path_buf());
+    cfg.store.data_dir = Some(dir.path().to_path_buf());
     // Ended builds are remembered this long (to drop their late webhooks), then forgotten;
     // short here so the table shows the steady state within the run.
-    cfg.early_event_ttl_s = 2;
-    let app = kernelkite_service::App::with_executor(
+    cfg.store.early_event_ttl_s = 2;
+    let app = kernelkite_service::cli::serve::start(
         cfg,
-        Arc::new(|| chrono::Utc::now().timestamp()),
         Arc::new(Instantly(std::sync::atomic::AtomicU64::new(0))),
     )
     .expect("app");

@@ -5,14 +5,15 @@
 //! in the [`Store`], which commits every change before any waiter hears of it.
 //!
 //! Nothing here polls a build. A submission waits on its `watch` channel; the executor's
-//! events move it; a per-submission timer enforces its absolute deadline. Two background
-//! loops make it self-healing: the reconciler ([`crate::reconcile`]) lists the builds that
-//! finished while their webhook was lost, and after a restart it finds the builds of
-//! submissions whose create call was cut off; the callback outbox ([`crate::callback`])
-//! delivers every final submission at least once.
+//! events move it; a per-submission timer enforces its absolute deadline. It names no
+//! executor and no database: the composition root (`crate::cli::serve`) picks both and hands
+//! them in, and starts the background loops that make it self-healing beside it (recovery
+//! after a restart, `crate::recovery`; the reconciler for lost events, `crate::reconcile`; the
+//! callback outbox, `crate::callback`). Those loops call into the core; the core calls none
+//! of them.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -22,15 +23,13 @@ use sha2::Digest;
 use tokio::sync::{watch, Notify, Semaphore};
 use tracing::Instrument;
 
-use crate::buildkite::BuildkiteExecutor;
 use crate::config::{Config, ConfigError};
 use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
 use crate::metrics::Metrics;
 use crate::report::report;
-use crate::store::{Changed, Inserted, NewSubmission, Routed, Sqlite, Store, StoreError};
+use crate::store::{Changed, Durable, Inserted, NewSubmission, Routed, Store, StoreError};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
-use crate::webhook::{WebhookAuth, WebhookReceiver};
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -51,16 +50,14 @@ pub struct SubmitRequest {
     pub timeout_s: Option<u64>,
 }
 
-/// Unix seconds; injected so webhook-window tests can move the clock.
-pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
-
 /// At most one log line per this while about events dropped for a full early-event buffer.
 const DROP_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How long the deadline waits for a build found finished at the last moment to be collected.
 const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
 
-/// The running service: configuration, submissions, the executor, and its background tasks.
+/// The service's core: configuration, submissions and the executor. Its background loops
+/// live beside it and hold it, never the other way round.
 pub struct App {
     /// The configuration it started with.
     pub cfg: Config,
@@ -68,39 +65,16 @@ pub struct App {
     pub store: Store,
     /// Where builds run.
     pub executor: Arc<dyn Executor>,
-    /// The receiving end of Buildkite's webhook.
-    pub webhooks: WebhookReceiver,
-    /// The time webhook signatures are checked against.
-    pub clock: Clock,
     /// Result collections in flight. Holding permits pauses collecting (the ingest benchmark
     /// does, to measure the webhook path alone).
     pub fetch_slots: Semaphore,
     /// What `GET /metrics` exports.
     pub metrics: Arc<Metrics>,
-    pub(crate) callback_http: reqwest::Client,
-    /// Wakes the callback outbox when a callback was written.
+    /// Wakes the callback outbox (`crate::callback`) when a callback was written.
     pub(crate) callbacks_due: Notify,
-    /// Callbacks being delivered now (never two attempts of one at once).
-    pub(crate) callbacks_inflight: dashmap::DashSet<String>,
-    /// Where the reconciler's next listing starts (the start of its last complete pass).
-    pub(crate) reconciled_until: Mutex<Option<chrono::DateTime<Utc>>>,
     /// Events dropped for a full early-event buffer, and when that was last logged.
     dropped_events: std::sync::atomic::AtomicU64,
     dropped_logged: Mutex<Option<Instant>>,
-}
-
-/// Why the service cannot start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// A setting is wrong; the cause names it.
-    #[error("invalid configuration")]
-    Config(#[from] ConfigError),
-    /// The HTTP client cannot be built (no TLS roots, ...).
-    #[error("cannot build the HTTP client")]
-    Http(#[from] reqwest::Error),
-    /// The store cannot be opened, is damaged, or cannot be read; the message says what to do.
-    #[error(transparent)]
-    Store(#[from] StoreError),
 }
 
 /// What a client watches: a submission in flight (it sees every change), or one read from
@@ -134,85 +108,49 @@ pub struct Submitted {
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
 impl App {
-    /// Builds the service with Buildkite as the executor, opens its store (blocking while it
-    /// does), reloads the submissions that had not ended and starts its background tasks.
-    /// Needs a tokio runtime.
-    pub fn new(cfg: Config) -> Result<Arc<App>, StartError> {
-        let clock: Clock = Arc::new(|| Utc::now().timestamp());
-        App::with_clock(cfg, clock)
-    }
-
-    /// [`App::new`] with the clock webhook signatures are checked against.
-    pub fn with_clock(cfg: Config, clock: Clock) -> Result<Arc<App>, StartError> {
-        cfg.check()?;
-        let metrics = Arc::new(Metrics::new());
-        let executor = Arc::new(BuildkiteExecutor::new(&cfg)?.with_metrics(metrics.clone()));
-        App::start(cfg, clock, executor, metrics)
-    }
-
-    /// Builds the service around another executor (one that runs builds on this machine, a
-    /// test's) and starts its background tasks.
-    pub fn with_executor(
+    /// The core around `executor` (where builds run) and `durable` (where submissions are
+    /// kept), both chosen by the composition root (`crate::cli::serve`). Nothing runs yet:
+    /// the root starts the background loops (housekeeping, recovery, the reconciler, the
+    /// callback outbox) around it.
+    pub fn new(
         cfg: Config,
-        clock: Clock,
         executor: Arc<dyn Executor>,
-    ) -> Result<Arc<App>, StartError> {
-        cfg.check()?;
-        App::start(cfg, clock, executor, Arc::new(Metrics::new()))
-    }
-
-    fn start(
-        cfg: Config,
-        clock: Clock,
-        executor: Arc<dyn Executor>,
+        durable: Arc<dyn Durable>,
         metrics: Arc<Metrics>,
-    ) -> Result<Arc<App>, StartError> {
-        if cfg.data_dir.is_none() {
-            tracing::warn!("KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart");
-        }
-        let (db, pending) = Sqlite::open_with_pending(
-            cfg.data_dir.as_deref(),
-            cfg.store_sync,
-            Some(metrics.clone()),
-        )?;
-        let app = Arc::new(App {
+    ) -> Result<Arc<App>, ConfigError> {
+        cfg.check()?;
+        Ok(Arc::new(App {
             store: Store::new(
-                cfg.early_event_max,
-                Duration::from_secs(cfg.early_event_ttl_s),
+                cfg.store.early_event_max,
+                Duration::from_secs(cfg.store.early_event_ttl_s),
                 Duration::from_millis(cfg.reconcile_min_ms),
-                Duration::from_secs(cfg.callback_retry_s),
-                Arc::new(db),
+                Duration::from_secs(cfg.callbacks.callback_retry_s),
+                durable,
                 metrics.clone(),
             ),
             executor,
-            webhooks: WebhookReceiver {
-                auth: WebhookAuth {
-                    token: cfg.buildkite_webhook_token.clone(),
-                    allow_plain_token: cfg.allow_plain_webhook_token,
-                    window_s: cfg.webhook_window_s,
-                },
-                pipeline: cfg.buildkite_pipeline.clone(),
-            },
-            clock,
             fetch_slots: Semaphore::new(cfg.fetch_concurrency),
             metrics,
-            callback_http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(cfg.callback_timeout_s))
-                // A redirect could send the full submission to another (internal) address.
-                .redirect(reqwest::redirect::Policy::none())
-                .build()?,
             callbacks_due: Notify::new(),
-            callbacks_inflight: dashmap::DashSet::new(),
-            reconciled_until: Mutex::new(None),
             dropped_events: std::sync::atomic::AtomicU64::new(0),
             dropped_logged: Mutex::new(None),
             cfg,
+        }))
+    }
+
+    /// Forgets expired early events now and then, until the core is dropped.
+    pub fn spawn_housekeeping(self: &Arc<Self>) {
+        let app = Arc::downgrade(self);
+        let period = Duration::from_secs((self.cfg.store.early_event_ttl_s / 2).clamp(1, 60));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(a) = app.upgrade() else { return };
+                a.store.sweep_early(std::time::Instant::now());
+            }
         });
-        spawn_housekeeping(Arc::downgrade(&app));
-        app.recover(pending);
-        crate::reconcile::spawn(Arc::downgrade(&app));
-        crate::callback::spawn(Arc::downgrade(&app));
-        Ok(app)
     }
 
     /// Checks a request and makes its payload (CPU work: a large config takes milliseconds,
@@ -775,7 +713,7 @@ impl App {
                 return false;
             }
         };
-        if !crate::buildkite::FINISHED_STATES.contains(&status.state.as_str()) || status.blocked {
+        if !status.finished() || status.blocked {
             return false;
         }
         tracing::info!(%id, build = build.number, state = %status.state, "at the deadline the build had finished (its event was lost): collecting it");
@@ -843,7 +781,7 @@ impl App {
 
     /// Where clients read a submission.
     pub fn status_url(&self, id: &str) -> String {
-        match &self.cfg.public_url {
+        match &self.cfg.edge.public_url {
             Some(base) => format!("{}/v1/submissions/{id}", base.trim_end_matches('/')),
             None => format!("/v1/submissions/{id}"),
         }
@@ -863,10 +801,10 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if let Some(u) = &req.callback_url {
         match url::Url::parse(u) {
             Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {
-                if cfg.callback_secret.is_none() {
+                if cfg.callbacks.callback_secret.is_none() {
                     return Err(Invalid::CallbackUnsigned);
                 }
-                if !crate::callback::host_allowed(&url, &cfg.callback_allowed_hosts) {
+                if !crate::config::host_allowed(&url, &cfg.callbacks.callback_allowed_hosts) {
                     return Err(Invalid::CallbackHost(
                         url.host_str().unwrap_or_default().to_string(),
                     ));
@@ -891,21 +829,4 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
         return Err(Invalid::ConfigNotObject);
     }
     Ok(())
-}
-
-/// Forgets expired early events now and then.
-fn spawn_housekeeping(app: Weak<App>) {
-    tokio::spawn(async move {
-        let period = {
-            let Some(a) = app.upgrade() else { return };
-            Duration::from_secs((a.cfg.early_event_ttl_s / 2).clamp(1, 60))
-        };
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let Some(a) = app.upgrade() else { return };
-            a.store.sweep_early(std::time::Instant::now());
-        }
-    });
 }

@@ -17,9 +17,10 @@ use sha2::Sha256;
 use tokio::sync::Semaphore;
 
 use crate::app::App;
+use crate::config::host_allowed;
 use crate::metrics::OutcomeLabel;
 use crate::report::report;
-use crate::store::{sqlite::now_ms, CallbackState, DueCallback};
+use crate::store::{now_ms, CallbackState, DueCallback};
 
 /// The signature header of callbacks.
 pub const HEADER_SIGNATURE: &str = "x-kernelkite-signature";
@@ -45,19 +46,6 @@ pub fn signature(secret: &str, timestamp: i64, body: &[u8]) -> String {
     )
 }
 
-/// Whether `url`'s host is allowed: any host when the list is empty, else one of the list
-/// (exact, case-insensitive).
-pub fn host_allowed(url: &url::Url, allowed: &[String]) -> bool {
-    if allowed.iter().all(|h| h.trim().is_empty()) {
-        return true;
-    }
-    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
-    allowed
-        .iter()
-        .map(|h| h.trim().trim_matches(['[', ']']))
-        .any(|h| !h.is_empty() && h.eq_ignore_ascii_case(host))
-}
-
 /// The wait before attempt `attempts + 1`: base·2^(attempts-1), capped.
 pub fn backoff(base: Duration, attempts: i64) -> Duration {
     let n = u32::try_from(attempts.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
@@ -70,14 +58,91 @@ enum Attempt {
     Failed(String),
 }
 
-impl App {
-    async fn deliver(self: &Arc<Self>, cb: DueCallback) {
+/// The outbox's worker: what it delivers with, and what it is delivering now. Started by the
+/// composition root (`crate::cli::serve`); it holds the core weakly and stops once the core
+/// is dropped.
+pub struct Outbox {
+    app: Weak<App>,
+    /// Never follows redirects, with KERNELKITE_CALLBACK_TIMEOUT_S per attempt.
+    http: reqwest::Client,
+    /// Callbacks being delivered now (never two attempts of one at once).
+    inflight: dashmap::DashSet<String>,
+}
+
+impl Outbox {
+    /// The outbox of `app`'s store, configured by its KERNELKITE_CALLBACK_* settings.
+    pub fn new(app: &Arc<App>) -> Result<Arc<Outbox>, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(app.cfg.callbacks.callback_timeout_s))
+            // A redirect could send the full submission to another (internal) address.
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        Ok(Arc::new(Outbox {
+            app: Arc::downgrade(app),
+            http,
+            inflight: dashmap::DashSet::new(),
+        }))
+    }
+
+    /// Delivers due callbacks until the core is dropped: at once when one is written, and
+    /// otherwise as their retries come due.
+    pub fn spawn(self: Arc<Self>) {
+        tokio::spawn(async move {
+            let slots = Arc::new(Semaphore::new(CONCURRENCY));
+            let tick = {
+                let Some(a) = self.app.upgrade() else { return };
+                Duration::from_millis(a.cfg.callbacks.callback_backoff_ms.clamp(10, 1_000))
+            };
+            loop {
+                let Some(a) = self.app.upgrade() else { return };
+                let due = match a.store.durable().due_callbacks(now_ms(), 64).await {
+                    Ok(d) => d,
+                    Err(e) => {
+                        tracing::warn!(error = %report(&e), "could not read the callback outbox");
+                        Vec::new()
+                    }
+                };
+                for cb in due {
+                    if !self.inflight.insert(cb.submission_id.clone()) {
+                        continue;
+                    }
+                    let Ok(permit) = slots.clone().acquire_owned().await else {
+                        return;
+                    };
+                    let (outbox, app) = (self.clone(), a.clone());
+                    tokio::spawn(async move {
+                        let id = cb.submission_id.clone();
+                        outbox.deliver(&app, cb).await;
+                        outbox.inflight.remove(&id);
+                        drop(permit);
+                    });
+                }
+                // Asleep until the next retry is due (looked up, not polled) or a new
+                // callback is written; at most a minute, and at least a tick apart.
+                let next = match a.store.durable().next_callback_at().await {
+                    Ok(Some(at)) => Duration::from_millis(
+                        u64::try_from(at.saturating_sub(now_ms())).unwrap_or(0),
+                    ),
+                    Ok(None) => Duration::from_secs(60),
+                    Err(_) => tick,
+                };
+                let wake = a.clone();
+                drop(a);
+                tokio::select! {
+                    _ = wake.callbacks_due.notified() => {}
+                    _ = tokio::time::sleep(next.clamp(tick, Duration::from_secs(60))) => {}
+                }
+            }
+        });
+    }
+
+    async fn deliver(&self, app: &App, cb: DueCallback) {
         let attempts = cb.attempts + 1;
-        let outcome = self.attempt(&cb).await;
+        let outcome = self.attempt(app, &cb).await;
         let now = now_ms();
-        let base = Duration::from_millis(self.cfg.callback_backoff_ms.max(1));
-        let capped =
-            self.cfg.callback_attempts > 0 && attempts >= i64::from(self.cfg.callback_attempts);
+        let base = Duration::from_millis(app.cfg.callbacks.callback_backoff_ms.max(1));
+        let capped = app.cfg.callbacks.callback_attempts > 0
+            && attempts >= i64::from(app.cfg.callbacks.callback_attempts);
         let (state, next_at, error, label) = match outcome {
             Attempt::Delivered => (CallbackState::Delivered, now, None, "delivered"),
             Attempt::Refused(why) => {
@@ -99,13 +164,13 @@ impl App {
                 )
             }
         };
-        self.metrics
+        app.metrics
             .callbacks
             .get_or_create(&OutcomeLabel {
                 outcome: label.to_string(),
             })
             .inc();
-        if let Err(e) = self
+        if let Err(e) = app
             .store
             .durable()
             .callback_attempted(&cb.submission_id, state, attempts, next_at, error)
@@ -116,14 +181,14 @@ impl App {
         }
     }
 
-    async fn attempt(&self, cb: &DueCallback) -> Attempt {
-        let Some(secret) = &self.cfg.callback_secret else {
+    async fn attempt(&self, app: &App, cb: &DueCallback) -> Attempt {
+        let Some(secret) = &app.cfg.callbacks.callback_secret else {
             return Attempt::Failed(
                 "KERNELKITE_CALLBACK_SECRET is not set, so the callback cannot be signed".into(),
             );
         };
         match url::Url::parse(&cb.url) {
-            Ok(u) if host_allowed(&u, &self.cfg.callback_allowed_hosts) => {}
+            Ok(u) if host_allowed(&u, &app.cfg.callbacks.callback_allowed_hosts) => {}
             _ => {
                 return Attempt::Refused(format!(
                     "callback_url {:?} is not allowed by KERNELKITE_CALLBACK_ALLOWED_HOSTS",
@@ -133,7 +198,7 @@ impl App {
         }
         let ts = chrono::Utc::now().timestamp();
         let sent = self
-            .callback_http
+            .http
             .post(&cb.url)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(
@@ -157,58 +222,6 @@ impl App {
             Err(e) => Attempt::Failed(report(&e.without_url())),
         }
     }
-}
-
-/// Delivers due callbacks until the service is dropped: at once when one is written, and
-/// otherwise as their retries come due.
-pub(crate) fn spawn(app: Weak<App>) {
-    tokio::spawn(async move {
-        let slots = Arc::new(Semaphore::new(CONCURRENCY));
-        let tick = {
-            let Some(a) = app.upgrade() else { return };
-            Duration::from_millis(a.cfg.callback_backoff_ms.clamp(10, 1_000))
-        };
-        loop {
-            let Some(a) = app.upgrade() else { return };
-            let due = match a.store.durable().due_callbacks(now_ms(), 64).await {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::warn!(error = %report(&e), "could not read the callback outbox");
-                    Vec::new()
-                }
-            };
-            for cb in due {
-                if !a.callbacks_inflight.insert(cb.submission_id.clone()) {
-                    continue;
-                }
-                let Ok(permit) = slots.clone().acquire_owned().await else {
-                    return;
-                };
-                let app = a.clone();
-                tokio::spawn(async move {
-                    let id = cb.submission_id.clone();
-                    app.deliver(cb).await;
-                    app.callbacks_inflight.remove(&id);
-                    drop(permit);
-                });
-            }
-            // Asleep until the next retry is due (looked up, not polled) or a new callback
-            // is written; at most a minute, and at least a tick apart.
-            let next = match a.store.durable().next_callback_at().await {
-                Ok(Some(at)) => {
-                    Duration::from_millis(u64::try_from(at.saturating_sub(now_ms())).unwrap_or(0))
-                }
-                Ok(None) => Duration::from_secs(60),
-                Err(_) => tick,
-            };
-            let wake = a.clone();
-            drop(a);
-            tokio::select! {
-                _ = wake.callbacks_due.notified() => {}
-                _ = tokio::time::sleep(next.clamp(tick, Duration::from_secs(60))) => {}
-            }
-        }
-    });
 }
 
 #[cfg(test)]

@@ -1,5 +1,11 @@
 //! The service's configuration: flags, each with an environment fallback.
 //!
+//! [`Config`] holds what the core itself reads (the executor, submission timeouts, result
+//! size, fetch concurrency, the reconciler's waits) and one group per part that reads the
+//! rest: [`EdgeConfig`] (the HTTP edge), [`BuildkiteConfig`], [`StoreConfig`],
+//! [`CallbackConfig`] and [`QueueSettings`]. The groups are flattened into one command line,
+//! so every flag and variable keeps its name.
+//!
 //! Tokens are wrapped in [`Secret`], whose `Debug` and `Display` never show the value, so a
 //! config printed in a log or a panic message leaks nothing.
 
@@ -9,18 +15,21 @@ use std::time::Duration;
 
 use clap::Parser;
 
-/// A token. Printing it (Debug or Display) shows `<redacted>`; only [`Secret::expose`] reads it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+/// A token, held in a [`secrecy::SecretString`] (zeroed when dropped, read only through
+/// [`Secret::expose`]). Printing it (Debug or Display) shows `<redacted>`, as every log line and
+/// panic message that shows a config always has.
+#[derive(Clone)]
+pub struct Secret(secrecy::SecretString);
 
 impl Secret {
     /// Wraps a token.
     pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
+        Secret(secrecy::SecretString::from(value.into()))
     }
     /// The token itself; call it only where the value goes on the wire or into a MAC.
     pub fn expose(&self) -> &str {
-        &self.0
+        use secrecy::ExposeSecret;
+        self.0.expose_secret()
     }
 
     /// Compares `given` with the token in constant time. Both sides are MACed first, so
@@ -32,7 +41,7 @@ impl Secret {
             Hmac::<sha2::Sha256>::new_from_slice(b"kernelkite secret compare")
                 .map(|m| m.chain_update(v).finalize().into_bytes())
         };
-        match (mac(given), mac(self.0.as_bytes())) {
+        match (mac(given), mac(self.expose().as_bytes())) {
             (Ok(a), Ok(b)) => bool::from(a.as_slice().ct_eq(b.as_slice())),
             _ => false,
         }
@@ -54,7 +63,7 @@ impl std::fmt::Display for Secret {
 impl std::str::FromStr for Secret {
     type Err = std::convert::Infallible;
     fn from_str(s: &str) -> Result<Secret, Self::Err> {
-        Ok(Secret(s.to_string()))
+        Ok(Secret::new(s))
     }
 }
 
@@ -144,10 +153,6 @@ pub enum ExecutorKind {
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kernelkite-service", version)]
 pub struct Config {
-    /// Address to listen on (HTTP).
-    #[arg(long, env = "KERNELKITE_LISTEN", default_value = DEFAULT_LISTEN)]
-    pub listen: SocketAddr,
-
     /// Where submissions run: `buildkite` (builds of BUILDKITE_PIPELINE) or `local` (on this
     /// machine; the BUILDKITE_* settings are then not needed).
     #[arg(
@@ -158,6 +163,153 @@ pub struct Config {
     )]
     pub executor: ExecutorKind,
 
+    /// The HTTP edge.
+    #[command(flatten)]
+    pub edge: EdgeConfig,
+
+    /// Buildkite.
+    #[command(flatten)]
+    pub buildkite: BuildkiteConfig,
+
+    /// The store.
+    #[command(flatten)]
+    pub store: StoreConfig,
+
+    /// Callbacks.
+    #[command(flatten)]
+    pub callbacks: CallbackConfig,
+
+    /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
+    #[command(flatten)]
+    pub queues: QueueSettings,
+
+    /// Timeout of a submission when the request names none, seconds. On expiry the submission
+    /// becomes `timed_out` and its build is canceled.
+    #[arg(long, env = "KERNELKITE_DEFAULT_TIMEOUT_S", default_value_t = 1800)]
+    pub default_timeout_s: u64,
+
+    /// Largest `timeout_s` a request may ask for, seconds.
+    #[arg(long, env = "KERNELKITE_MAX_TIMEOUT_S", default_value_t = 86_400)]
+    pub max_timeout_s: u64,
+
+    /// Largest result.json accepted, bytes (a Buildkite artifact, or a local job's file).
+    #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = DEFAULT_MAX_ARTIFACT_BYTES)]
+    pub max_artifact_bytes: u64,
+
+    /// First retry backoff, milliseconds; doubles per attempt (with jitter), capped at 30 s.
+    #[arg(long, env = "KERNELKITE_RETRY_BASE_MS", default_value_t = 250)]
+    pub retry_base_ms: u64,
+
+    /// Artifact fetches running at once (the rest queue).
+    #[arg(long, env = "KERNELKITE_FETCH_CONCURRENCY", default_value_t = 32)]
+    pub fetch_concurrency: usize,
+
+    /// A submission that has heard nothing from Buildkite this long (milliseconds) is
+    /// checked by the reconciler; the wait doubles after each check that finds nothing.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MIN_MS", default_value_t = 30_000)]
+    pub reconcile_min_ms: u64,
+
+    /// The longest wait between checks of one submission, milliseconds.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_MS", default_value_t = 300_000)]
+    pub reconcile_max_ms: u64,
+}
+
+/// The HTTP edge: where it listens, who it serves, how large and slow requests may be, connections, shutdown. Checked by [`EdgeConfig::check`]; read by `crate::http`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EdgeConfig {
+    /// Address to listen on (HTTP).
+    #[arg(long, env = "KERNELKITE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Bearer token required on /v1/*. Unset: only loopback clients are served.
+    #[arg(long, env = "KERNELKITE_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<Secret>,
+
+    /// Public base URL of this service (e.g. `https://kite.example.org`); makes `status_url`
+    /// absolute. Unset: `status_url` is a path.
+    #[arg(long, env = "KERNELKITE_PUBLIC_URL")]
+    pub public_url: Option<String>,
+
+    /// Longest `?wait=` a long-poll may ask for, seconds (longer asks are cut to this).
+    #[arg(long, env = "KERNELKITE_MAX_WAIT_S", default_value_t = 600)]
+    pub max_wait_s: u64,
+
+    /// Largest submission request body, bytes.
+    #[arg(long, env = "KERNELKITE_MAX_SUBMISSION_BYTES", default_value_t = 16 << 20)]
+    pub max_submission_bytes: usize,
+
+    /// Largest webhook body, bytes. Buildkite's build object carries the build's env, which
+    /// holds the payload, so this must exceed the largest submission's payload.
+    #[arg(long, env = "KERNELKITE_WEBHOOK_MAX_BYTES", default_value_t = 16 << 20)]
+    pub webhook_max_bytes: usize,
+
+    /// A request's head must arrive complete within this many seconds of its first byte
+    /// (slow-header clients are disconnected).
+    #[arg(long, env = "KERNELKITE_HEADER_READ_TIMEOUT_S", default_value_t = 10)]
+    pub header_read_timeout_s: u64,
+
+    /// A connection with no request in progress and no byte received for this many seconds
+    /// is closed (the keep-alive idle timeout; also bounds a connection that never sends).
+    #[arg(long, env = "KERNELKITE_IDLE_TIMEOUT_S", default_value_t = 60)]
+    pub idle_timeout_s: u64,
+
+    /// A request body must arrive complete within this many seconds of the handler starting
+    /// to read it (`408` otherwise).
+    #[arg(long, env = "KERNELKITE_BODY_READ_TIMEOUT_S", default_value_t = 30)]
+    pub body_read_timeout_s: u64,
+
+    /// A response the client has stopped reading (the socket's buffers full, no byte taken)
+    /// for this many seconds has its connection closed: an event stream or long-poll whose
+    /// client went away or stalled holds nothing for long. Detected within twice this.
+    #[arg(long, env = "KERNELKITE_WRITE_STALL_S", default_value_t = 30)]
+    pub write_stall_s: u64,
+
+    /// Most client connections held at once. 0: automatic, the open-files limit less a
+    /// reserve (an eighth, at least 128) for the service's own files and Buildkite
+    /// connections, at most 8192. Over the cap the longest-idle connection is closed to make
+    /// room; when every connection is busy the new one is answered `503` and closed.
+    #[arg(long, env = "KERNELKITE_MAX_CONNECTIONS", default_value_t = 0)]
+    pub max_connections: usize,
+
+    /// Bytes that all webhook bodies not yet verified may hold in memory together; a
+    /// delivery that would go over is answered `503` without being read. At least
+    /// KERNELKITE_WEBHOOK_MAX_BYTES.
+    #[arg(long, env = "KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES", default_value_t = 64 << 20)]
+    pub unauthenticated_body_budget_bytes: usize,
+
+    /// On SIGTERM/SIGINT: seconds to let in-flight requests finish after listening stops
+    /// (long-polls and event streams are answered at once); then the process exits anyway.
+    #[arg(long, env = "KERNELKITE_SHUTDOWN_GRACE_S", default_value_t = 10)]
+    pub shutdown_grace_s: u64,
+}
+
+/// The store: where submissions are kept and how commits reach the disk, and how long memory keeps events for builds not yet known.
+#[derive(Clone, Debug, clap::Args)]
+pub struct StoreConfig {
+    /// Directory of the store (`kernelkite.db`, SQLite): every submission, its state changes
+    /// and result, idempotency keys and the callback outbox, so a restart loses nothing.
+    /// Unset: the store is in memory and nothing survives a restart (for tests and trials).
+    #[arg(long, env = "KERNELKITE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// How commits reach the disk: `normal` survives the process being killed at any
+    /// instant; `full` also survives a power loss (an fsync per commit).
+    #[arg(long, env = "KERNELKITE_STORE_SYNC", value_enum, default_value_t = crate::store::SyncMode::Normal)]
+    pub store_sync: crate::store::SyncMode,
+
+    /// Webhooks for builds not yet known (their create call has not returned) are kept this
+    /// long, seconds.
+    #[arg(long, env = "KERNELKITE_EARLY_EVENT_TTL_S", default_value_t = 120)]
+    pub early_event_ttl_s: u64,
+
+    /// At most this many builds' early webhooks are kept.
+    #[arg(long, env = "KERNELKITE_EARLY_EVENT_MAX", default_value_t = 10_000)]
+    pub early_event_max: usize,
+}
+
+/// Buildkite: the REST API, the pipeline and its builds, the webhook, artifact downloads, retries and the rate budget. Read by `crate::buildkite`; checked only when Buildkite is the executor (the webhook token always).
+#[derive(Clone, Debug, clap::Args)]
+pub struct BuildkiteConfig {
     /// Buildkite REST API base URL. Every Buildkite call goes through it (point it at a fake
     /// or a local stand-in for tests).
     #[arg(long, env = "BUILDKITE_API_URL", default_value = DEFAULT_API_URL)]
@@ -206,9 +358,9 @@ pub struct Config {
     )]
     pub allow_plain_webhook_token: bool,
 
-    /// Bearer token required on /v1/*. Unset: only loopback clients are served.
-    #[arg(long, env = "KERNELKITE_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<Secret>,
+    /// A signed webhook older or newer than this (seconds) is refused as a replay.
+    #[arg(long, env = "KERNELKITE_WEBHOOK_WINDOW_S", default_value_t = 300)]
+    pub webhook_window_s: u64,
 
     /// Branch the builds run on.
     #[arg(long, env = "KERNELKITE_BRANCH", default_value = "main")]
@@ -217,47 +369,6 @@ pub struct Config {
     /// Commit the builds run at (`HEAD`: the branch's head).
     #[arg(long, env = "KERNELKITE_COMMIT", default_value = "HEAD")]
     pub commit: String,
-
-    /// Directory of the store (`kernelkite.db`, SQLite): every submission, its state changes
-    /// and result, idempotency keys and the callback outbox, so a restart loses nothing.
-    /// Unset: the store is in memory and nothing survives a restart (for tests and trials).
-    #[arg(long, env = "KERNELKITE_DATA_DIR")]
-    pub data_dir: Option<PathBuf>,
-
-    /// Public base URL of this service (e.g. `https://kite.example.org`); makes `status_url`
-    /// absolute. Unset: `status_url` is a path.
-    #[arg(long, env = "KERNELKITE_PUBLIC_URL")]
-    pub public_url: Option<String>,
-
-    /// Timeout of a submission when the request names none, seconds. On expiry the submission
-    /// becomes `timed_out` and its build is canceled.
-    #[arg(long, env = "KERNELKITE_DEFAULT_TIMEOUT_S", default_value_t = 1800)]
-    pub default_timeout_s: u64,
-
-    /// Largest `timeout_s` a request may ask for, seconds.
-    #[arg(long, env = "KERNELKITE_MAX_TIMEOUT_S", default_value_t = 86_400)]
-    pub max_timeout_s: u64,
-
-    /// Longest `?wait=` a long-poll may ask for, seconds (longer asks are cut to this).
-    #[arg(long, env = "KERNELKITE_MAX_WAIT_S", default_value_t = 600)]
-    pub max_wait_s: u64,
-
-    /// Largest submission request body, bytes.
-    #[arg(long, env = "KERNELKITE_MAX_SUBMISSION_BYTES", default_value_t = 16 << 20)]
-    pub max_submission_bytes: usize,
-
-    /// Largest webhook body, bytes. Buildkite's build object carries the build's env, which
-    /// holds the payload, so this must exceed the largest submission's payload.
-    #[arg(long, env = "KERNELKITE_WEBHOOK_MAX_BYTES", default_value_t = 16 << 20)]
-    pub webhook_max_bytes: usize,
-
-    /// A signed webhook older or newer than this (seconds) is refused as a replay.
-    #[arg(long, env = "KERNELKITE_WEBHOOK_WINDOW_S", default_value_t = 300)]
-    pub webhook_window_s: u64,
-
-    /// Largest result.json accepted, bytes (a Buildkite artifact, or a local job's file).
-    #[arg(long, env = "KERNELKITE_MAX_ARTIFACT_BYTES", default_value_t = DEFAULT_MAX_ARTIFACT_BYTES)]
-    pub max_artifact_bytes: u64,
 
     /// Hosts an artifact download may be redirected to besides public https ones (comma
     /// separated; e.g. an S3 endpoint on a private network). Loopback, private and link-local
@@ -281,54 +392,9 @@ pub struct Config {
     #[arg(long, env = "KERNELKITE_RETRY_ATTEMPTS", default_value_t = 6)]
     pub retry_attempts: u32,
 
-    /// First retry backoff, milliseconds; doubles per attempt (with jitter), capped at 30 s.
-    #[arg(long, env = "KERNELKITE_RETRY_BASE_MS", default_value_t = 250)]
-    pub retry_base_ms: u64,
-
     /// Longest wait honoured from a 429's `RateLimit-Reset`, seconds.
     #[arg(long, env = "KERNELKITE_RATE_LIMIT_MAX_WAIT_S", default_value_t = 60)]
     pub rate_limit_max_wait_s: u64,
-
-    /// Artifact fetches running at once (the rest queue).
-    #[arg(long, env = "KERNELKITE_FETCH_CONCURRENCY", default_value_t = 32)]
-    pub fetch_concurrency: usize,
-
-    /// Webhooks for builds not yet known (their create call has not returned) are kept this
-    /// long, seconds.
-    #[arg(long, env = "KERNELKITE_EARLY_EVENT_TTL_S", default_value_t = 120)]
-    pub early_event_ttl_s: u64,
-
-    /// At most this many builds' early webhooks are kept.
-    #[arg(long, env = "KERNELKITE_EARLY_EVENT_MAX", default_value_t = 10_000)]
-    pub early_event_max: usize,
-
-    /// Most attempts to POST a finished submission to its `callback_url`; 0: no cap (retried
-    /// until KERNELKITE_CALLBACK_RETRY_S has passed).
-    #[arg(long, env = "KERNELKITE_CALLBACK_ATTEMPTS", default_value_t = 0)]
-    pub callback_attempts: u32,
-
-    /// Queue status (`GET /v1/queues/{queue}`): where agent counts come from, how often.
-    #[command(flatten)]
-    pub queues: crate::queues::QueueSettings,
-
-    // ---- durability, reconciliation, callbacks (issue 11, core) ----
-    /// How commits reach the disk: `normal` survives the process being killed at any
-    /// instant; `full` also survives a power loss (an fsync per commit).
-    #[arg(long, env = "KERNELKITE_STORE_SYNC", value_enum, default_value_t = crate::store::SyncMode::Normal)]
-    pub store_sync: crate::store::SyncMode,
-
-    /// A submission that has heard nothing from Buildkite this long (milliseconds) is
-    /// checked by the reconciler; the wait doubles after each check that finds nothing.
-    #[arg(long, env = "KERNELKITE_RECONCILE_MIN_MS", default_value_t = 30_000)]
-    pub reconcile_min_ms: u64,
-
-    /// The longest wait between checks of one submission, milliseconds.
-    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_MS", default_value_t = 300_000)]
-    pub reconcile_max_ms: u64,
-
-    /// Most pages (100 builds each) one reconciler listing reads.
-    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_PAGES", default_value_t = 50)]
-    pub reconcile_max_pages: u32,
 
     /// After a create-build call timed out or lost its connection, wait this long
     /// (milliseconds) before looking the build up by its meta-data.
@@ -338,6 +404,19 @@ pub struct Config {
         default_value_t = 5_000
     )]
     pub create_lookup_delay_ms: u64,
+
+    /// Most pages (100 builds each) one reconciler listing reads.
+    #[arg(long, env = "KERNELKITE_RECONCILE_MAX_PAGES", default_value_t = 50)]
+    pub reconcile_max_pages: u32,
+}
+
+/// Callbacks: how finished submissions are signed and POSTed to their `callback_url`. Read by `crate::callback` and the submission checks.
+#[derive(Clone, Debug, clap::Args)]
+pub struct CallbackConfig {
+    /// Most attempts to POST a finished submission to its `callback_url`; 0: no cap (retried
+    /// until KERNELKITE_CALLBACK_RETRY_S has passed).
+    #[arg(long, env = "KERNELKITE_CALLBACK_ATTEMPTS", default_value_t = 0)]
+    pub callback_attempts: u32,
 
     /// HMAC-SHA256 key of callbacks (`X-Kernelkite-Signature`). Unset: submissions with a
     /// `callback_url` are refused.
@@ -359,47 +438,6 @@ pub struct Config {
     /// Per callback attempt, seconds.
     #[arg(long, env = "KERNELKITE_CALLBACK_TIMEOUT_S", default_value_t = 10)]
     pub callback_timeout_s: u64,
-
-    // --- The HTTP edge: connections, timeouts, unauthenticated bodies, shutdown. Checked by
-    // `check_edge`; read by `http::server`.
-    /// A request's head must arrive complete within this many seconds of its first byte
-    /// (slow-header clients are disconnected).
-    #[arg(long, env = "KERNELKITE_HEADER_READ_TIMEOUT_S", default_value_t = 10)]
-    pub header_read_timeout_s: u64,
-
-    /// A connection with no request in progress and no byte received for this many seconds
-    /// is closed (the keep-alive idle timeout; also bounds a connection that never sends).
-    #[arg(long, env = "KERNELKITE_IDLE_TIMEOUT_S", default_value_t = 60)]
-    pub idle_timeout_s: u64,
-
-    /// A request body must arrive complete within this many seconds of the handler starting
-    /// to read it (`408` otherwise).
-    #[arg(long, env = "KERNELKITE_BODY_READ_TIMEOUT_S", default_value_t = 30)]
-    pub body_read_timeout_s: u64,
-
-    /// A response the client has stopped reading (the socket's buffers full, no byte taken)
-    /// for this many seconds has its connection closed: an event stream or long-poll whose
-    /// client went away or stalled holds nothing for long. Detected within twice this.
-    #[arg(long, env = "KERNELKITE_WRITE_STALL_S", default_value_t = 30)]
-    pub write_stall_s: u64,
-
-    /// Most client connections held at once. 0: automatic, the open-files limit less a
-    /// reserve (an eighth, at least 128) for the service's own files and Buildkite
-    /// connections, at most 8192. Over the cap the longest-idle connection is closed to make
-    /// room; when every connection is busy the new one is answered `503` and closed.
-    #[arg(long, env = "KERNELKITE_MAX_CONNECTIONS", default_value_t = 0)]
-    pub max_connections: usize,
-
-    /// Bytes that all webhook bodies not yet verified may hold in memory together; a
-    /// delivery that would go over is answered `503` without being read. At least
-    /// KERNELKITE_WEBHOOK_MAX_BYTES.
-    #[arg(long, env = "KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES", default_value_t = 64 << 20)]
-    pub unauthenticated_body_budget_bytes: usize,
-
-    /// On SIGTERM/SIGINT: seconds to let in-flight requests finish after listening stops
-    /// (long-polls and event streams are answered at once); then the process exits anyway.
-    #[arg(long, env = "KERNELKITE_SHUTDOWN_GRACE_S", default_value_t = 10)]
-    pub shutdown_grace_s: u64,
 }
 
 /// A setting of the HTTP edge that cannot work.
@@ -421,7 +459,49 @@ pub enum EdgeConfigError {
     BodyBudgetTooLarge(usize),
 }
 
-impl Config {
+/// Where queue status gets its agent counts: the flags of `GET /v1/queues/{queue}`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct QueueSettings {
+    /// Buildkite agent token. When set, agent counts come from the agent API's metrics
+    /// endpoint (one call for every queue of the token's cluster) instead of the REST agents
+    /// list (which needs the `read_agents` scope on BUILDKITE_API_TOKEN).
+    #[arg(long, env = "BUILDKITE_AGENT_TOKEN", hide_env_values = true)]
+    pub buildkite_agent_token: Option<Secret>,
+
+    /// Base URL of Buildkite's agent API (its metrics endpoint is `<url>/metrics`).
+    #[arg(long, env = "BUILDKITE_AGENT_API_URL", default_value = DEFAULT_AGENT_API_URL)]
+    pub buildkite_agent_api_url: String,
+
+    /// Agent counts are fetched from Buildkite at most this often, seconds (at least 60: the
+    /// calls share the API token's 50 requests/min with submissions).
+    #[arg(
+        long,
+        env = "KERNELKITE_AGENTS_REFRESH_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(60..)
+    )]
+    pub agents_refresh_s: u64,
+}
+
+/// Buildkite's agent API.
+pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
+
+/// Whether `url`'s host may receive callbacks under KERNELKITE_CALLBACK_ALLOWED_HOSTS
+/// (`allowed`): any host when the list is empty, else one of the list (exact,
+/// case-insensitive). Checked when a submission names its `callback_url` and again before
+/// every delivery.
+pub fn host_allowed(url: &url::Url, allowed: &[String]) -> bool {
+    if allowed.iter().all(|h| h.trim().is_empty()) {
+        return true;
+    }
+    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
+    allowed
+        .iter()
+        .map(|h| h.trim().trim_matches(['[', ']']))
+        .any(|h| !h.is_empty() && h.eq_ignore_ascii_case(host))
+}
+
+impl EdgeConfig {
     /// KERNELKITE_HEADER_READ_TIMEOUT_S.
     pub fn header_read_timeout(&self) -> Duration {
         Duration::from_secs(self.header_read_timeout_s)
@@ -448,7 +528,7 @@ impl Config {
     }
 
     /// The HTTP edge's settings; part of [`Config::check`].
-    pub fn check_edge(&self) -> Result<(), EdgeConfigError> {
+    pub fn check(&self) -> Result<(), EdgeConfigError> {
         for (name, v) in [
             (
                 "KERNELKITE_HEADER_READ_TIMEOUT_S",
@@ -474,6 +554,13 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+impl BuildkiteConfig {
+    /// KERNELKITE_HTTP_TIMEOUT_S.
+    pub fn http_timeout(&self) -> Duration {
+        Duration::from_secs(self.http_timeout_s)
     }
 }
 
@@ -513,11 +600,6 @@ impl Config {
         }
     }
 
-    /// KERNELKITE_HTTP_TIMEOUT_S.
-    pub fn http_timeout(&self) -> Duration {
-        Duration::from_secs(self.http_timeout_s)
-    }
-
     /// Checks what clap cannot; the error says what to fix.
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.executor == ExecutorKind::Buildkite {
@@ -528,28 +610,28 @@ impl Config {
 
     /// The settings only the Buildkite executor uses.
     fn check_buildkite(&self) -> Result<(), ConfigError> {
+        let b = &self.buildkite;
         for (name, v) in [
-            ("BUILDKITE_ORG", &self.buildkite_org),
-            ("BUILDKITE_PIPELINE", &self.buildkite_pipeline),
+            ("BUILDKITE_ORG", &b.buildkite_org),
+            ("BUILDKITE_PIPELINE", &b.buildkite_pipeline),
         ] {
             if v.is_empty() {
                 return Err(ConfigError::MissingBuildkite { name });
             }
         }
-        if self.buildkite_api_token.expose().is_empty() {
+        if b.buildkite_api_token.expose().is_empty() {
             return Err(ConfigError::EmptyApiToken);
         }
-        let url =
-            url::Url::parse(&self.buildkite_api_url).map_err(|source| ConfigError::ApiUrl {
-                url: self.buildkite_api_url.clone(),
-                source,
-            })?;
+        let url = url::Url::parse(&b.buildkite_api_url).map_err(|source| ConfigError::ApiUrl {
+            url: b.buildkite_api_url.clone(),
+            source,
+        })?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(ConfigError::ApiUrlScheme(self.buildkite_api_url.clone()));
+            return Err(ConfigError::ApiUrlScheme(b.buildkite_api_url.clone()));
         }
         for (name, v) in [
-            ("BUILDKITE_ORG", &self.buildkite_org),
-            ("BUILDKITE_PIPELINE", &self.buildkite_pipeline),
+            ("BUILDKITE_ORG", &b.buildkite_org),
+            ("BUILDKITE_PIPELINE", &b.buildkite_pipeline),
         ] {
             if v.is_empty()
                 || !v
@@ -572,6 +654,7 @@ impl Config {
         // any client sending `Authorization: Bearer `, while unset means loopback only. Both
         // would fail open, so an empty value is refused instead.
         if self
+            .buildkite
             .buildkite_webhook_token
             .as_ref()
             .is_some_and(|t| t.expose().is_empty())
@@ -579,13 +662,14 @@ impl Config {
             return Err(ConfigError::EmptyWebhookToken);
         }
         if self
+            .edge
             .api_token
             .as_ref()
             .is_some_and(|t| t.expose().is_empty())
         {
             return Err(ConfigError::EmptyClientToken);
         }
-        if self.retry_attempts == 0 {
+        if self.buildkite.retry_attempts == 0 {
             return Err(ConfigError::NoRetryAttempts);
         }
         if self.fetch_concurrency == 0 {
@@ -594,20 +678,20 @@ impl Config {
         if self.default_timeout_s == 0 || self.default_timeout_s > self.max_timeout_s {
             return Err(ConfigError::DefaultTimeout);
         }
-        self.check_edge()?;
+        self.edge.check()?;
         for (value, name, effect) in [
             (
-                self.http_timeout_s,
+                self.buildkite.http_timeout_s,
                 "KERNELKITE_HTTP_TIMEOUT_S",
                 "every Buildkite call time out at once",
             ),
             (
-                self.max_submission_bytes as u64,
+                self.edge.max_submission_bytes as u64,
                 "KERNELKITE_MAX_SUBMISSION_BYTES",
                 "every submission too large",
             ),
             (
-                self.callback_timeout_s,
+                self.callbacks.callback_timeout_s,
                 "KERNELKITE_CALLBACK_TIMEOUT_S",
                 "every callback time out at once",
             ),
@@ -620,6 +704,7 @@ impl Config {
             return Err(ConfigError::ReconcileBackoff);
         }
         if self
+            .callbacks
             .callback_secret
             .as_ref()
             .is_some_and(|t| t.expose().is_empty())
@@ -637,12 +722,12 @@ mod tests {
     #[test]
     fn debug_redacts_every_token() {
         let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "bk-api-SECRET-1");
-        c.buildkite_webhook_token = Some(Secret::new("wh-SECRET-2"));
-        c.api_token = Some(Secret::new("kk-SECRET-3"));
+        c.buildkite.buildkite_webhook_token = Some(Secret::new("wh-SECRET-2"));
+        c.edge.api_token = Some(Secret::new("kk-SECRET-3"));
         let shown = format!("{c:?} {c:#?}");
         assert!(!shown.contains("SECRET"), "{shown}");
         assert!(shown.contains("<redacted>"));
-        assert_eq!(c.buildkite_api_token.expose(), "bk-api-SECRET-1");
+        assert_eq!(c.buildkite.buildkite_api_token.expose(), "bk-api-SECRET-1");
     }
 
     /// The fewest flags the service starts with; the rest from defaults and the environment.
@@ -662,12 +747,17 @@ mod tests {
     #[test]
     fn defaults_match_the_issue() {
         let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
-        assert_eq!(c.branch, "main");
-        assert!(c.buildkite_webhook_token.is_none() && !c.allow_plain_webhook_token);
+        assert_eq!(c.edge.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.buildkite.branch, "main");
+        assert!(
+            c.buildkite.buildkite_webhook_token.is_none() && !c.buildkite.allow_plain_webhook_token
+        );
         assert!(c.check().is_ok());
         let d = parse_minimal();
-        assert_eq!(d.buildkite_api_url, "https://api.buildkite.com/v2");
+        assert_eq!(
+            d.buildkite.buildkite_api_url,
+            "https://api.buildkite.com/v2"
+        );
     }
 
     #[test]
@@ -675,23 +765,23 @@ mod tests {
         // Set for this process only; no other test reads KERNELKITE_BRANCH.
         std::env::set_var("KERNELKITE_BRANCH", "from-env");
         let c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        assert_eq!(c.branch, "main");
+        assert_eq!(c.buildkite.branch, "main");
         let d = parse_minimal();
-        assert_eq!(d.branch, "from-env");
+        assert_eq!(d.buildkite.branch, "from-env");
         std::env::remove_var("KERNELKITE_BRANCH");
     }
 
     #[test]
     fn zero_timeouts_and_limits_are_refused_naming_the_variable() {
         let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        c.http_timeout_s = 0;
+        c.buildkite.http_timeout_s = 0;
         let e = c.check().unwrap_err().to_string();
         assert!(
             e.contains("KERNELKITE_HTTP_TIMEOUT_S must be at least 1"),
             "{e}"
         );
         let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        c.max_submission_bytes = 0;
+        c.edge.max_submission_bytes = 0;
         let e = c.check().unwrap_err().to_string();
         assert!(
             e.contains("KERNELKITE_MAX_SUBMISSION_BYTES must be at least 1"),
@@ -705,7 +795,7 @@ mod tests {
     #[test]
     fn check_names_the_bad_setting() {
         let mut c = Config::new("http://127.0.0.1:1/v2", "org", "pipe", "t");
-        c.buildkite_org = "a/b".into();
+        c.buildkite.buildkite_org = "a/b".into();
         assert!(c.check().unwrap_err().to_string().contains("BUILDKITE_ORG"));
         let c = Config::new("ftp://x", "org", "pipe", "t");
         assert!(c
@@ -736,7 +826,7 @@ mod tests {
         parse(&["x", "--executor", "local"]).check().unwrap();
         // The checks every executor shares still apply.
         let mut c = Config::local();
-        c.api_token = Some(Secret::new(""));
+        c.edge.api_token = Some(Secret::new(""));
         assert!(c.check().is_err());
     }
 
@@ -759,7 +849,13 @@ mod tests {
             .unwrap()
         };
         let c = from_env("--buildkite-webhook-token");
-        assert_eq!(c.buildkite_webhook_token, Some(Secret::new("")));
+        assert_eq!(
+            c.buildkite
+                .buildkite_webhook_token
+                .as_ref()
+                .map(Secret::expose),
+            Some("")
+        );
         assert!(c
             .check()
             .unwrap_err()

@@ -11,7 +11,6 @@ use kernelkite_kernelbot::payload::PayloadError;
 
 use crate::report::BoxError;
 use crate::submission::State;
-use crate::webhook::{AuthError, ParseError, WebhookError};
 
 /// Why a request was refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +121,7 @@ pub enum BadRequest {
     IdempotencyKey,
     /// A verified webhook whose body is not an event.
     #[error(transparent)]
-    Webhook(#[from] ParseError),
+    Webhook(WebhookRefusal),
 }
 
 /// A submission that is read but refused; nothing is created for it.
@@ -175,16 +174,32 @@ pub enum Unauthorized {
     /// `/v1` without the configured bearer token.
     #[error("missing or wrong bearer token (Authorization: Bearer <KERNELKITE_API_TOKEN>)")]
     BearerToken,
-    /// A webhook that is not Buildkite's.
+    /// A webhook that is not the executor's (Buildkite: not signed with its token).
     #[error(transparent)]
-    Webhook(#[from] AuthError),
+    Webhook(WebhookRefusal),
 }
 
-impl From<WebhookError> for Error {
-    fn from(e: WebhookError) -> Error {
-        match e {
-            WebhookError::Auth(e) => Unauthorized::Webhook(e).into(),
-            WebhookError::Parse(e) => BadRequest::Webhook(e).into(),
-        }
+/// Why a webhook's verifier (the executor's, `crate::buildkite::webhook`) refused a delivery:
+/// its error, kept whole (it reads as that error, and its causes are that error's), without
+/// the core's errors naming the executor's types.
+#[derive(Debug)]
+pub struct WebhookRefusal(BoxError);
+
+impl WebhookRefusal {
+    /// Wraps the verifier's error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> WebhookRefusal {
+        WebhookRefusal(Box::new(e))
+    }
+}
+
+impl std::fmt::Display for WebhookRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for WebhookRefusal {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }

@@ -7,14 +7,10 @@
 //! feeds the same events to [`crate::App::on_event`], so both share one state machine, one
 //! store and one set of waiters.
 
-use std::future::Future;
-use std::pin::Pin;
+use futures_util::future::BoxFuture;
 
 use crate::report::BoxError;
 use crate::submission::{BuildInfo, Outcome};
-
-/// A boxed future that can cross threads: what the object-safe traits here return.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// An accepted submission, as an executor needs it to run. Kept in the store until the
 /// submission ends, so a build that was never created can be created after a restart.
@@ -79,6 +75,18 @@ pub struct BuildStatus {
     pub blocked: bool,
 }
 
+/// The build states in which a build has ended: Buildkite's words, which every executor
+/// speaks in [`BuildStatus::state`] (the local one too), so the core can tell an end without
+/// knowing who ran the build.
+pub const FINISHED_STATES: &[&str] = &["passed", "failed", "canceled", "skipped", "not_run"];
+
+impl BuildStatus {
+    /// Whether the build has ended (in any of [`FINISHED_STATES`]).
+    pub fn finished(&self) -> bool {
+        FINISHED_STATES.contains(&self.state.as_str())
+    }
+}
+
 /// What an executor knows of a build after the service restarted ([`Executor::recover`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recovered {
@@ -131,6 +139,30 @@ impl Listing {
             complete: true,
         }
     }
+}
+
+/// Agents of one queue (for queue status, `crate::queues`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AgentCounts {
+    /// Connected and not running a job.
+    pub idle: u64,
+    /// Running a job.
+    pub busy: u64,
+    /// Connected.
+    pub total: u64,
+}
+
+/// Agent counts for every queue the source knows of.
+pub type AgentsByQueue = std::collections::HashMap<String, AgentCounts>;
+
+/// Where agent counts come from (Buildkite's REST agents list, its agent metrics endpoint; a
+/// local executor's own slices).
+pub trait AgentSource: Send + Sync + 'static {
+    /// For log lines ("Buildkite agents list").
+    fn name(&self) -> &'static str;
+
+    /// Every connected agent, counted by queue. A queue missing from the map has no agent.
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
 }
 
 /// Runs builds for submissions.
@@ -189,5 +221,11 @@ pub trait Executor: Send + Sync + 'static {
     fn recover<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<Recovered, BoxError>> {
         let _ = build;
         Box::pin(async { Ok(Recovered::Unknown) })
+    }
+
+    /// Where queue status counts the machines that serve the queues (`None`: this executor
+    /// has no source; queue status then shows no agent counts).
+    fn agents(&self) -> Option<std::sync::Arc<dyn AgentSource>> {
+        None
     }
 }

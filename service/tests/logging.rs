@@ -45,7 +45,7 @@ async fn logs_never_contain_tokens_or_payloads() {
     tracing::subscriber::set_global_default(subscriber)
         .expect("the only subscriber in this process");
 
-    let h = harness_with(|c| c.api_token = Some(Secret::new("kk-api-SECRET"))).await;
+    let h = harness_with(|c| c.edge.api_token = Some(Secret::new("kk-api-SECRET"))).await;
     let authed = |r: reqwest::RequestBuilder| r.bearer_auth("kk-api-SECRET");
     h.fake
         .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 0 });

@@ -47,19 +47,19 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     let fake = FakeBuildkite::start().await;
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
-    cfg.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
+    cfg.buildkite.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
     cfg.retry_base_ms = 5;
-    cfg.http_timeout_s = 5;
-    cfg.data_dir = Some(dir.path().to_path_buf());
+    cfg.buildkite.http_timeout_s = 5;
+    cfg.store.data_dir = Some(dir.path().to_path_buf());
     // Never the real agent API, even when a test configures an agent token.
     cfg.queues.buildkite_agent_api_url = fake.agent_api_url();
-    cfg.callback_secret = Some(Secret::new(CALLBACK_SECRET));
-    cfg.callback_backoff_ms = 20;
-    cfg.create_lookup_delay_ms = 200;
+    cfg.callbacks.callback_secret = Some(Secret::new(CALLBACK_SECRET));
+    cfg.callbacks.callback_backoff_ms = 20;
+    cfg.buildkite.create_lookup_delay_ms = 200;
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = App::new(cfg).unwrap();
+    let app = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
     let serving = app.clone();
     let server = tokio::spawn(async move {
         let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;

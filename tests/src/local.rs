@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kernelkite_service::app::Clock;
 use kernelkite_service::local::{LocalArgs, LocalExecutor};
 use kernelkite_service::{App, Config};
 use kernelkite_topology::fakesys::{FakeSys, SmtNumbering};
@@ -235,8 +234,7 @@ pub async fn start_stack(
     let local = LocalExecutor::new(&args, None)
         .await
         .expect("local executor starts");
-    let clock: Clock = Arc::new(|| chrono::Utc::now().timestamp());
-    let app = App::with_executor(cfg, clock, local.clone()).expect("service starts");
+    let app = kernelkite_service::cli::serve::start(cfg, local.clone()).expect("service starts");
     local.start(&app).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -453,7 +451,7 @@ pub struct Crashable {
 /// The service's durable store for the restart tests: both lives of the service open it.
 fn data_dir(dir: &tempfile::TempDir) -> impl FnOnce(&mut Config) {
     let data = dir.path().join("data");
-    move |c| c.data_dir = Some(data)
+    move |c| c.store.data_dir = Some(data)
 }
 
 /// Starts local mode with `args` and a durable store under `dir`, ready to be crashed.

@@ -70,9 +70,6 @@ pub struct BuildFilter {
     pub meta_data: Option<(String, String)>,
 }
 
-/// The build states in which a build has ended.
-pub const FINISHED_STATES: &[&str] = &["passed", "failed", "canceled", "skipped", "not_run"];
-
 /// An artifact as listed by the REST API.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Artifact {
@@ -366,33 +363,37 @@ impl BuildkiteClient {
         let http = reqwest::Client::builder()
             // Redirects are followed by hand: the blob store must not see the API token.
             .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
-            .timeout(cfg.http_timeout())
+            .connect_timeout(Duration::from_secs(5).min(cfg.buildkite.http_timeout()))
+            .timeout(cfg.buildkite.http_timeout())
             .pool_idle_timeout(Duration::from_secs(60))
             .build()?;
-        let blob_stall = Duration::from_secs(cfg.blob_stall_s.max(1));
-        let blob_http = blob_client(cfg.http_timeout(), blob_stall, None)?;
+        let blob_stall = Duration::from_secs(cfg.buildkite.blob_stall_s.max(1));
+        let blob_http = blob_client(cfg.buildkite.http_timeout(), blob_stall, None)?;
         Ok(BuildkiteClient {
             blob_http,
             http,
-            base: cfg.buildkite_api_url.trim_end_matches('/').to_string(),
+            base: cfg
+                .buildkite
+                .buildkite_api_url
+                .trim_end_matches('/')
+                .to_string(),
             builds_path: format!(
                 "/organizations/{}/pipelines/{}/builds",
-                cfg.buildkite_org, cfg.buildkite_pipeline
+                cfg.buildkite.buildkite_org, cfg.buildkite.buildkite_pipeline
             ),
-            token: cfg.buildkite_api_token.clone(),
+            token: cfg.buildkite.buildkite_api_token.clone(),
             retry: RetryPolicy {
-                attempts: cfg.retry_attempts.max(1),
+                attempts: cfg.buildkite.retry_attempts.max(1),
                 base: Duration::from_millis(cfg.retry_base_ms),
                 max_backoff: Duration::from_secs(30),
-                max_rate_limit_wait: Duration::from_secs(cfg.rate_limit_max_wait_s),
+                max_rate_limit_wait: Duration::from_secs(cfg.buildkite.rate_limit_max_wait_s),
             },
             max_artifact_bytes: cfg.max_artifact_bytes,
-            artifact_hosts: cfg.artifact_hosts.clone(),
-            http_timeout: cfg.http_timeout(),
+            artifact_hosts: cfg.buildkite.artifact_hosts.clone(),
+            http_timeout: cfg.buildkite.http_timeout(),
             blob_stall,
             budget: Arc::new(RateBudget::new(Duration::from_secs(
-                cfg.rate_limit_max_wait_s.max(1),
+                cfg.buildkite.rate_limit_max_wait_s.max(1),
             ))),
             metrics: None,
         })
@@ -412,6 +413,51 @@ impl BuildkiteClient {
     /// How this client backs off between tries (the create-build loop uses it too).
     pub fn retry_policy(&self) -> &RetryPolicy {
         &self.retry
+    }
+
+    /// The API's base URL (BUILDKITE_API_URL, no trailing `/`): the token goes only below it.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// The HTTP client every call of this client (and its clones) goes through: no redirect
+    /// followed, KERNELKITE_HTTP_TIMEOUT_S. Other Buildkite calls (the agent API) share it.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    /// `GET <base><path_and_query>` with the API token, once: it spends the shared rate
+    /// budget at `priority` and is counted as `name`, but is not retried (a caller whose
+    /// answer can wait for its next interval, queue status, keeps its last one instead).
+    pub async fn get_once(
+        &self,
+        name: &'static str,
+        priority: Priority,
+        path_and_query: &str,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        self.budget.acquire(priority).await;
+        let label = CallLabel {
+            call: name.to_string(),
+        };
+        if let Some(m) = &self.metrics {
+            m.buildkite_calls.get_or_create(&label).inc();
+        }
+        let sent = self
+            .http
+            .get(format!("{}{path_and_query}", self.base))
+            .bearer_auth(self.token.expose())
+            .send()
+            .await;
+        if let Ok(resp) = &sent {
+            let limited = resp.status() == StatusCode::TOO_MANY_REQUESTS;
+            self.budget.observe(resp.headers(), limited, Instant::now());
+            if limited {
+                if let Some(m) = &self.metrics {
+                    m.buildkite_rate_limited.get_or_create(&label).inc();
+                }
+            }
+        }
+        sent
     }
 
     /// `POST .../builds`: creates a build. Never repeated once the request may have arrived
@@ -515,7 +561,7 @@ impl BuildkiteClient {
                     None,
                 )
                 .await?;
-            let more = has_next_page(resp.headers());
+            let more = next_link(resp.headers()).is_some();
             let builds: Vec<Build> = decode(Method::GET, &path, resp).await?;
             let short = builds.len() < 100;
             out.extend(builds);
@@ -769,14 +815,26 @@ impl Call {
     }
 }
 
-/// Whether a `Link` header names a next page.
-fn has_next_page(headers: &reqwest::header::HeaderMap) -> bool {
+/// The `rel="next"` URL of a response's `Link` header, when it names one: how every paged
+/// Buildkite listing (builds, agents) knows another page follows.
+pub fn next_link(headers: &reqwest::header::HeaderMap) -> Option<&str> {
     headers
         .get_all(reqwest::header::LINK)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|part| part.contains("rel=\"next\""))
+        .find_map(next_in)
+}
+
+/// The `rel="next"` URL of one `Link` header value.
+fn next_in(link: &str) -> Option<&str> {
+    link.split(',').find_map(|part| {
+        let (url, params) = part.split_once(';')?;
+        let is_next = params
+            .split(';')
+            .any(|p| matches!(p.trim(), "rel=\"next\"" | "rel=next"));
+        let url = url.trim().strip_prefix('<')?.strip_suffix('>')?;
+        is_next.then_some(url)
+    })
 }
 
 enum Next {
@@ -984,6 +1042,30 @@ async fn read_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_link_reads_rel_next_only() {
+        let h = r#"<https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100>; rel="next", <https://api.buildkite.com/v2/organizations/o/agents?page=9&per_page=100>; rel="last""#;
+        assert_eq!(
+            next_in(h),
+            Some("https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100")
+        );
+        let last_page =
+            r#"<https://x/v2/a?page=1>; rel="first", <https://x/v2/a?page=8>; rel="prev""#;
+        assert_eq!(next_in(last_page), None);
+        assert_eq!(next_in(""), None);
+        assert_eq!(next_in("garbage; rel=\"next\""), None);
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.append(
+            reqwest::header::LINK,
+            "<https://x/v2/a?page=1>; rel=\"prev\"".parse().unwrap(),
+        );
+        headers.append(
+            reqwest::header::LINK,
+            "<https://x/v2/a?page=3>; rel=\"next\"".parse().unwrap(),
+        );
+        assert_eq!(next_link(&headers), Some("https://x/v2/a?page=3"));
+    }
 
     #[test]
     fn only_public_addresses_are_public() {

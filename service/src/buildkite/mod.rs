@@ -2,27 +2,39 @@
 //! the payload in the build's env; Buildkite's signed webhooks report its progress; once it
 //! finished, its `result.json` artifact is downloaded and checked.
 //!
-//! - [`client`]: the REST client (create, cancel, list artifacts, download), with retries.
-//! - [`crate::webhook`] (beside this module): verifying and reading webhook deliveries.
+//! All the service's Buildkite code is here:
+//! - [`client`]: the REST client (create, cancel, list artifacts, download), with retries,
+//!   and the `Link` reader every paged listing uses; [`budget`]: the one rate budget all its
+//!   calls spend.
+//! - [`webhook`]: verifying and reading webhook deliveries.
 //! - [`artifact`]: choosing, downloading and checking `result.json`.
+//! - [`agents`]: the agents serving each queue (REST agents list or agent metrics), for queue
+//!   status, through the client's HTTP client and budget.
+//! - [`plugins`]: the plugin configuration the agent hands hooks (shared with local mode).
 
+pub mod agents;
 pub mod artifact;
 pub mod budget;
 pub mod client;
 pub mod plugins;
+pub mod webhook;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+
 pub use budget::{Priority, RateBudget};
 pub use client::{
-    Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, FINISHED_STATES,
-    MAX_RATE_LIMITED_RETRIES, SUBMISSION_META_KEY,
+    Build, BuildFilter, BuildkiteClient, BuildkiteError, NewBuild, MAX_RATE_LIMITED_RETRIES,
+    SUBMISSION_META_KEY,
 };
 
-use crate::config::Config;
-use crate::executor::{BoxFuture, BuildStatus, Executor, Found, Job, Launched, Listing};
+use crate::config::{Config, Secret};
+use crate::executor::{
+    AgentSource, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+};
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
 use crate::submission::{BuildInfo, Outcome};
@@ -42,6 +54,11 @@ pub struct BuildkiteExecutor {
     retry_base: Duration,
     /// Most pages one listing reads.
     max_pages: u32,
+    /// The organization, whose agents queue status counts.
+    org: String,
+    /// Agent counts from the agent API's metrics endpoint with this token and URL, instead
+    /// of the REST agents list (BUILDKITE_AGENT_TOKEN, BUILDKITE_AGENT_API_URL).
+    agent_api: Option<(Secret, String)>,
 }
 
 impl BuildkiteExecutor {
@@ -49,12 +66,18 @@ impl BuildkiteExecutor {
     pub fn new(cfg: &Config) -> Result<BuildkiteExecutor, reqwest::Error> {
         Ok(BuildkiteExecutor {
             client: BuildkiteClient::new(cfg)?,
-            commit: cfg.commit.clone(),
-            branch: cfg.branch.clone(),
-            lookup_delay: Duration::from_millis(cfg.create_lookup_delay_ms),
-            attempts: cfg.retry_attempts.max(1),
+            commit: cfg.buildkite.commit.clone(),
+            branch: cfg.buildkite.branch.clone(),
+            lookup_delay: Duration::from_millis(cfg.buildkite.create_lookup_delay_ms),
+            attempts: cfg.buildkite.retry_attempts.max(1),
             retry_base: Duration::from_millis(cfg.retry_base_ms),
-            max_pages: cfg.reconcile_max_pages.max(1),
+            max_pages: cfg.buildkite.reconcile_max_pages.max(1),
+            org: cfg.buildkite.buildkite_org.clone(),
+            agent_api: cfg
+                .queues
+                .buildkite_agent_token
+                .clone()
+                .map(|t| (t, cfg.queues.buildkite_agent_api_url.clone())),
         })
     }
 
@@ -184,6 +207,19 @@ impl BuildkiteExecutor {
 }
 
 impl Executor for BuildkiteExecutor {
+    /// The agent metrics endpoint when an agent token is configured (one call for every
+    /// queue of the token's cluster), else the REST agents list (needs `read_agents`).
+    fn agents(&self) -> Option<Arc<dyn AgentSource>> {
+        Some(match &self.agent_api {
+            Some((token, url)) => Arc::new(agents::AgentMetrics::new(
+                self.client.http().clone(),
+                url,
+                token.clone(),
+            )),
+            None => Arc::new(agents::AgentsList::new(self.client.clone(), &self.org)),
+        })
+    }
+
     fn name(&self) -> &'static str {
         "Buildkite"
     }

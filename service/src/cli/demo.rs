@@ -59,6 +59,7 @@ struct Measured {
     ok: bool,
 }
 
+// Over 80 lines: the demo's script: start, each step, the summary, in the order it prints.
 /// Runs the demo; exit 0 when every step ended as expected.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout();
@@ -159,6 +160,7 @@ fn choose(example: Example, service: &Embedded) -> Bundled {
     }
 }
 
+// Over 80 lines: one demo step from submission to printed result, in the order the user reads it.
 async fn run_step(
     service: &Embedded,
     client: &Client,

@@ -5,9 +5,8 @@
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use chrono::Utc;
 
-use crate::app::{App, Clock};
+use crate::app::App;
 use crate::config::Config;
 use crate::local::{LocalArgs, LocalExecutor};
 
@@ -31,12 +30,11 @@ impl Drop for Embedded {
 /// Starts local mode with the local executor's `args` on a free loopback port.
 pub async fn start(args: &LocalArgs) -> anyhow::Result<Embedded> {
     let mut cfg = Config::local();
-    cfg.listen = "127.0.0.1:0".parse().context("loopback address")?;
+    cfg.edge.listen = "127.0.0.1:0".parse().context("loopback address")?;
     let local = LocalExecutor::new(args, None)
         .await
         .context("cannot start local mode")?;
-    let clock: Clock = Arc::new(|| Utc::now().timestamp());
-    let app = App::with_executor(cfg, clock, local.clone()).context("cannot start local mode")?;
+    let app = super::serve::start(cfg, local.clone()).context("cannot start local mode")?;
     local.start(&app).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -169,7 +169,7 @@ mod tests {
         <Cli as clap::CommandFactory>::command().debug_assert();
         let cli = Cli::try_parse_from(["kernelkite-service", "--listen", "127.0.0.1:9"]).unwrap();
         assert!(cli.command.is_none());
-        assert_eq!(cli.serve.config.listen.port(), 9);
+        assert_eq!(cli.serve.config.edge.listen.port(), 9);
         let cli = Cli::try_parse_from([
             "kernelkite-service",
             "serve",

@@ -1,17 +1,84 @@
-//! `kernelkite-service [serve]` and `kernelkite-service local`: the HTTP API until SIGINT or
-//! SIGTERM, with the Buildkite executor (configured by the BUILDKITE_* settings) or the local
-//! one (configured by the local executor's flags).
+//! The composition root. `kernelkite-service [serve]` and `kernelkite-service local`: the
+//! HTTP API until SIGINT or SIGTERM, with the Buildkite executor (configured by the
+//! BUILDKITE_* settings) or the local one (configured by the local executor's flags).
+//!
+//! This is where the parts are chosen and wired: the executor and the durable store are built
+//! here and handed to the core ([`App`]), and the background loops that live beside the core
+//! (housekeeping, [`recovery`](crate::recovery), the [`Reconciler`], the callback
+//! [`Outbox`]) are started here. [`start`] and [`start_buildkite`] are that wiring, for the
+//! commands, local mode in process, and tests.
 
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use chrono::Utc;
 
 use super::ServeArgs;
-use crate::app::{App, Clock};
-use crate::config::ExecutorKind;
+use crate::app::App;
+use crate::buildkite::BuildkiteExecutor;
+use crate::callback::Outbox;
+use crate::config::{ConfigError, ExecutorKind};
+use crate::executor::Executor;
 use crate::http::serve;
 use crate::local::LocalExecutor;
+use crate::metrics::Metrics;
+use crate::reconcile::Reconciler;
+use crate::store::{Sqlite, StoreError};
+
+/// Why the service cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A setting is wrong; the cause names it.
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    /// The HTTP client cannot be built (no TLS roots, ...).
+    #[error("cannot build the HTTP client")]
+    Http(#[from] reqwest::Error),
+    /// The store cannot be opened, is damaged, or cannot be read; the message says what to do.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The service with Buildkite as the executor: opens its store (blocking while it does),
+/// reloads the submissions that had not ended and starts the background loops. Needs a
+/// tokio runtime.
+pub fn start_buildkite(cfg: crate::Config) -> Result<Arc<App>, StartError> {
+    cfg.check()?;
+    let metrics = Arc::new(Metrics::new());
+    let executor = Arc::new(BuildkiteExecutor::new(&cfg)?.with_metrics(metrics.clone()));
+    assemble(cfg, executor, metrics)
+}
+
+/// The service around another executor (one that runs builds on this machine, a test's):
+/// [`start_buildkite`] otherwise.
+pub fn start(cfg: crate::Config, executor: Arc<dyn Executor>) -> Result<Arc<App>, StartError> {
+    cfg.check()?;
+    assemble(cfg, executor, Arc::new(Metrics::new()))
+}
+
+fn assemble(
+    cfg: crate::Config,
+    executor: Arc<dyn Executor>,
+    metrics: Arc<Metrics>,
+) -> Result<Arc<App>, StartError> {
+    if cfg.store.data_dir.is_none() {
+        tracing::warn!(
+            "KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart"
+        );
+    }
+    let (db, pending) = Sqlite::open_with_pending(
+        cfg.store.data_dir.as_deref(),
+        cfg.store.store_sync,
+        Some(metrics.clone()),
+    )?;
+    let app = App::new(cfg, executor, Arc::new(db), metrics)?;
+    let outbox = Outbox::new(&app)?;
+    app.spawn_housekeeping();
+    let reconciler = Reconciler::new(&app);
+    crate::recovery::recover(&app, &reconciler, pending);
+    reconciler.spawn();
+    outbox.spawn();
+    Ok(app)
+}
 
 /// Serves until a shutdown signal; `local` forces the local executor (`kernelkite-service
 /// local`).
@@ -21,7 +88,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
         cfg.executor = ExecutorKind::Local;
     }
     cfg.check().context("invalid configuration")?;
-    if cfg.api_token.is_none() {
+    if cfg.edge.api_token.is_none() {
         tracing::warn!("KERNELKITE_API_TOKEN is not set: /v1 serves loopback clients only");
     }
     // systemd starts services with a soft limit of 1024 open files and a much higher hard
@@ -39,29 +106,27 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "could not raise the open-files limit; the connection cap follows the current one")
         }
     }
-    let listen = cfg.listen;
+    let listen = cfg.edge.listen;
     let app = match cfg.executor {
         ExecutorKind::Buildkite => {
-            if cfg.buildkite_webhook_token.is_none() {
+            if cfg.buildkite.buildkite_webhook_token.is_none() {
                 tracing::warn!("BUILDKITE_WEBHOOK_TOKEN is not set: every webhook will be refused and no submission can finish");
             }
-            if cfg.allow_plain_webhook_token {
+            if cfg.buildkite.allow_plain_webhook_token {
                 tracing::warn!(
                     "plain X-Buildkite-Token webhooks are accepted; prefer signed webhooks"
                 );
             }
-            App::new(cfg).context("cannot start kernelkite-service")?
+            start_buildkite(cfg).context("cannot start kernelkite-service")?
         }
         ExecutorKind::Local => {
-            let executor = LocalExecutor::new(&args.local, cfg.data_dir.as_deref())
+            let executor = LocalExecutor::new(&args.local, cfg.store.data_dir.as_deref())
                 .await
                 .context("cannot start the local executor")?;
             for s in executor.slices() {
                 tracing::info!("local executor: {}", s.describe());
             }
-            let clock: Clock = Arc::new(|| Utc::now().timestamp());
-            let app = App::with_executor(cfg, clock, executor.clone())
-                .context("cannot start kernelkite-service")?;
+            let app = start(cfg, executor.clone()).context("cannot start kernelkite-service")?;
             executor.start(&app).await;
             app
         }

@@ -67,6 +67,8 @@ pub struct SubmitArgs {
 const INPUT_ERROR: u8 = 2;
 const NO_RESULT: u8 = 3;
 
+// Over 80 lines: the command's steps in order (load, check, reach the service, submit, follow,
+// print), each with its own exit code.
 /// Runs `submit`.
 pub async fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let task = match task::load(&args.task) {

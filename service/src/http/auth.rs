@@ -17,7 +17,7 @@ pub(super) async fn require_client(
     req: Request,
     next: Next,
 ) -> Result<Response, Error> {
-    match &app.cfg.api_token {
+    match &app.cfg.edge.api_token {
         Some(token) => {
             let given = req
                 .headers()

@@ -83,20 +83,17 @@ pub struct Edge {
     budget: Arc<Semaphore>,
     /// Refusal log lines, rate-limited.
     pub log: RateLimitedLog,
-    /// Finished submissions' events, shared by the streams sending them.
-    pub(crate) finished: super::events::Finished,
 }
 
 impl Edge {
     /// The edge of `app`, serving.
     pub fn new(app: Arc<App>) -> Edge {
-        let budget = app.cfg.unauthenticated_body_budget_bytes;
+        let budget = app.cfg.edge.unauthenticated_body_budget_bytes;
         Edge {
             app,
             phase: watch::channel(Phase::Serving).0,
             budget: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
             log: RateLimitedLog::new(LOG_INTERVAL),
-            finished: super::events::Finished::default(),
         }
     }
 
@@ -178,7 +175,7 @@ impl Edge {
                 permit = Some(self.take_budget(n)?);
             }
         }
-        let timeout = self.app.cfg.body_read_timeout();
+        let timeout = self.app.cfg.edge.body_read_timeout();
         let read = async {
             let mut stream = body.into_data_stream();
             let mut first: Option<Bytes> = None;

@@ -97,9 +97,9 @@ pub(crate) fn elide(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buildkite::webhook::AuthError;
     use crate::error::{BadRequest, Invalid, Unavailable};
     use crate::submission::State;
-    use crate::webhook::AuthError;
 
     async fn answer(e: Error) -> (u16, Option<String>, serde_json::Value) {
         let r = e.into_response();
@@ -180,7 +180,7 @@ mod tests {
                 "request body is over the 10 bytes allowed; send less, or raise KERNELKITE_MAX_SUBMISSION_BYTES",
             ),
             (
-                Unauthorized::Webhook(AuthError::Missing).into(),
+                Unauthorized::Webhook(crate::error::WebhookRefusal::new(AuthError::Missing)).into(),
                 401,
                 "missing X-Buildkite-Signature header",
             ),

@@ -98,6 +98,7 @@ enum Step {
 pub(super) async fn stream(
     AxState(app): AxState<Arc<App>>,
     AxState(edge): AxState<Arc<Edge>>,
+    AxState(finished): AxState<Arc<Finished>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Error> {
@@ -107,31 +108,33 @@ pub(super) async fn stream(
         .and_then(|v| v.trim().parse::<usize>().ok())
         // Client-chosen: `usize::MAX` must not overflow (it means "after everything").
         .map_or(0, |n| n.saturating_add(1));
-    let source = match edge.finished.get(&id) {
+    let source = match finished.get(&id) {
         Some(encoded) => Source::Finished(encoded),
         None => match app.watch(&id).await? {
             Watch::Live(rx) => Source::Live(rx),
             // The submission read from the store is dropped here; only the encoding stays.
-            Watch::Done(s) => Source::Finished(edge.finished.get_or_encode(&s)),
+            Watch::Done(s) => Source::Finished(finished.get_or_encode(&s)),
         },
     };
     let stopping: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(edge.stopping());
-    let state = (source, start, Some(stopping), edge);
-    let events =
-        futures_util::stream::unfold(state, |(mut source, next, stopping, edge)| async move {
+    // The edge rides along: a stream keeps it (and so its phase) alive, as it keeps the cache.
+    let state = (source, start, Some(stopping), (edge, finished));
+    let events = futures_util::stream::unfold(
+        state,
+        |(mut source, next, stopping, (edge, finished))| async move {
             // `None`: the shutdown event went out; the stream is over.
             let mut stopping = stopping?;
             loop {
                 let rx = match &mut source {
                     Source::Finished(encoded) => {
                         let event = encoded.0.get(next)?.clone();
-                        return Some((event, (source, next + 1, Some(stopping), edge)));
+                        return Some((event, (source, next + 1, Some(stopping), (edge, finished))));
                     }
                     Source::Live(rx) => rx,
                 };
-                match live_step(&edge.finished, rx, next) {
+                match live_step(&finished, rx, next) {
                     Step::Send(event) => {
-                        return Some((event, (source, next + 1, Some(stopping), edge)));
+                        return Some((event, (source, next + 1, Some(stopping), (edge, finished))));
                     }
                     Step::Finished(encoded) => source = Source::Finished(encoded),
                     Step::End => return None,
@@ -144,16 +147,17 @@ pub(super) async fn stream(
                                 "shutting down; reconnect with Last-Event-ID",
                                 RECONNECT,
                             );
-                            return Some((bye, (source, next, None, edge)));
+                            return Some((bye, (source, next, None, (edge, finished))));
                         }
                         () = tokio::time::sleep(KEEP_ALIVE) => {
                             let ping = Bytes::from_static(b":\n\n");
-                            return Some((ping, (source, next, Some(stopping), edge)));
+                            return Some((ping, (source, next, Some(stopping), (edge, finished))));
                         }
                     },
                 }
             }
-        });
+        },
+    );
     let body = Body::from_stream(futures_util::StreamExt::map(events, Ok::<_, Infallible>));
     Ok((
         [

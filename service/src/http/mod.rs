@@ -25,14 +25,31 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::app::App;
+use crate::buildkite::webhook::WebhookReceiver;
 pub use edge::{Edge, Phase};
 pub use server::RequestId;
 
-/// What the handlers are given: the core, and the edge's shared state.
+/// What the handlers are given: the core, the edge's shared state, and the receiving end of
+/// Buildkite's webhook (the edge's, not the core's: the core hears only executor events).
 #[derive(Clone)]
 pub(crate) struct Http {
     app: Arc<App>,
     edge: Arc<Edge>,
+    webhooks: Arc<WebhookReceiver>,
+    /// Finished submissions' events, shared by the streams sending them.
+    finished: Arc<events::Finished>,
+}
+
+impl FromRef<Http> for Arc<events::Finished> {
+    fn from_ref(h: &Http) -> Arc<events::Finished> {
+        h.finished.clone()
+    }
+}
+
+impl FromRef<Http> for Arc<WebhookReceiver> {
+    fn from_ref(h: &Http) -> Arc<WebhookReceiver> {
+        h.webhooks.clone()
+    }
 }
 
 impl FromRef<Http> for Arc<App> {
@@ -76,7 +93,12 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi::serve))
         .route("/metrics", get(metrics))
-        .with_state(Http { app, edge })
+        .with_state(Http {
+            webhooks: Arc::new(WebhookReceiver::from_config(&app.cfg)),
+            finished: Arc::new(events::Finished::default()),
+            app,
+            edge,
+        })
 }
 
 /// Serves on `listener` until `shutdown` resolves, then drains for up to
@@ -164,7 +186,7 @@ mod tests {
     #[tokio::test]
     async fn draining_is_healthy_but_not_ready_and_takes_no_submissions() {
         let cfg = crate::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "t");
-        let app = App::new(cfg).unwrap();
+        let app = crate::cli::serve::start_buildkite(cfg).unwrap();
         let edge = Arc::new(Edge::new(app.clone()));
         let router = router_with(app, edge.clone());
         assert_eq!(

@@ -30,7 +30,7 @@ pub fn document(cfg: &Config) -> String {
             if let Some(Value::Object(t)) = props.get_mut("timeout_s") {
                 t.insert("maximum".into(), cfg.max_timeout_s.into());
             }
-            if cfg.callback_secret.is_none() {
+            if cfg.callbacks.callback_secret.is_none() {
                 props.remove("callback_url");
                 request.insert(
                     "description".into(),
@@ -69,7 +69,7 @@ mod tests {
         let schema = request_schema(&document(&cfg));
         assert_eq!(schema["properties"]["timeout_s"]["maximum"], 600);
         assert!(schema["properties"].get("callback_url").is_none());
-        cfg.callback_secret = Some(crate::config::Secret::new("s"));
+        cfg.callbacks.callback_secret = Some(crate::config::Secret::new("s"));
         let schema = request_schema(&document(&cfg));
         assert!(schema["properties"]["callback_url"].is_object());
         // Everything else is the document as written.

@@ -13,7 +13,7 @@ use crate::queues::{QueueStatus, Queues};
 /// The route, with its agent-count cache. The cache lives as long as the router: one per
 /// server, so one Buildkite fetch per refresh interval however many clients ask.
 pub(super) fn route(app: &Arc<App>) -> MethodRouter<super::Http> {
-    let queues = Arc::new(Queues::for_executor(&app.cfg, app.executor.name()));
+    let queues = Arc::new(Queues::for_executor(&app.cfg, app.executor.as_ref()));
     get(
         move |State(app): State<Arc<App>>, Path(queue): Path<String>| async move {
             status(&app, &queues, &queue).await

@@ -611,32 +611,7 @@ pub(crate) async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let nofile = open_files_limit();
-    let (cap, lowered) = connection_cap(app.cfg.max_connections, nofile);
-    if lowered {
-        tracing::warn!(
-            configured = app.cfg.max_connections,
-            cap,
-            open_files_limit = ?nofile,
-            "KERNELKITE_MAX_CONNECTIONS is above what the open-files limit leaves room for; using the lower cap (raise LimitNOFILE= or `ulimit -n`)"
-        );
-    }
-    app.metrics.connection_cap.set(cap as i64);
-    let limits = Limits {
-        header: app.cfg.header_read_timeout(),
-        idle: app.cfg.idle_timeout(),
-        cap,
-        grace: app.cfg.shutdown_grace(),
-        stall: app.cfg.write_stall(),
-    };
-    tracing::info!(
-        cap,
-        open_files_limit = ?nofile,
-        header_read_timeout_s = limits.header.as_secs(),
-        idle_timeout_s = limits.idle.as_secs(),
-        write_stall_s = limits.stall.as_secs(),
-        "accepting connections"
-    );
+    let limits = limits(&app);
     let conns = Arc::new(Conns {
         slots: Mutex::new(std::collections::HashMap::new()),
         next: AtomicU64::new(1),
@@ -648,7 +623,6 @@ pub(crate) async fn run(
     });
     // Dropping `run` (a test aborting its server) stops every connection task too.
     let _stop = StopOnDrop(edge.clone());
-    let epoch = conns.epoch;
     let mut normal = hyper::server::conn::http1::Builder::new();
     // The watchdog enforces the header and idle timeouts; hyper's own would need a timer per
     // request.
@@ -686,53 +660,24 @@ pub(crate) async fn run(
                 continue;
             }
         }
-        let slot = Arc::new(Slot::new(epoch));
-        let id = conns.next.fetch_add(1, Ordering::Relaxed);
-        if ops_only {
-            conns.reserve.fetch_add(1, Ordering::Relaxed);
-        } else {
-            conns.lock().insert(id, slot.clone());
-        }
-        app.metrics.connections.inc();
-        let service = ConnService {
-            router: router.clone(),
-            peer,
-            slot: slot.clone(),
-            ops_only,
-            edge: edge.clone(),
-        };
         let builder = if ops_only { &reserve } else { &normal };
-        let conn = builder.serve_connection(
-            TokioIo::new(Watched {
-                stream,
-                slot: slot.clone(),
-            }),
-            service,
-        );
-        let ended = Ended {
-            conns: conns.clone(),
-            app: app.clone(),
-            slot,
-            id,
+        let conn = Accepted {
+            stream,
+            peer,
             ops_only,
         };
-        let edge = edge.clone();
-        tokio::spawn(async move {
-            drive(
-                conn,
-                &ended.slot,
-                &ended.conns.evicting,
-                &edge,
-                limits,
-                peer,
-            )
-            .await;
-        });
+        spawn_connection(&app, &edge, &router, &conns, builder, limits, conn);
     }
 
-    // Draining: no new connections (the listening socket closes now, so clients are refused
-    // and go elsewhere), long-polls and streams answer, idle connections close.
     drop(listener);
+    drain(&app, &edge, &conns, limits).await;
+    Ok(())
+}
+
+/// Draining: no new connections (the listening socket is closed, so clients are refused and
+/// go elsewhere), long-polls and streams answer, idle connections close; then what is left of
+/// the grace period for connections and result fetches to finish.
+async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
     let open = conns.open();
     tracing::info!(
         open_connections = open,
@@ -763,7 +708,104 @@ pub(crate) async fn run(
     {
         tracing::warn!("shutdown grace period over with result fetches still running");
     }
-    Ok(())
+}
+
+/// The connection layer's settings, from the edge's configuration and the open-files limit
+/// (which may lower the connection cap); logged, and the cap exported.
+fn limits(app: &App) -> Limits {
+    let nofile = open_files_limit();
+    let (cap, lowered) = connection_cap(app.cfg.edge.max_connections, nofile);
+    if lowered {
+        tracing::warn!(
+            configured = app.cfg.edge.max_connections,
+            cap,
+            open_files_limit = ?nofile,
+            "KERNELKITE_MAX_CONNECTIONS is above what the open-files limit leaves room for; using the lower cap (raise LimitNOFILE= or `ulimit -n`)"
+        );
+    }
+    app.metrics.connection_cap.set(cap as i64);
+    let limits = Limits {
+        header: app.cfg.edge.header_read_timeout(),
+        idle: app.cfg.edge.idle_timeout(),
+        cap,
+        grace: app.cfg.edge.shutdown_grace(),
+        stall: app.cfg.edge.write_stall(),
+    };
+    tracing::info!(
+        cap,
+        open_files_limit = ?nofile,
+        header_read_timeout_s = limits.header.as_secs(),
+        idle_timeout_s = limits.idle.as_secs(),
+        write_stall_s = limits.stall.as_secs(),
+        "accepting connections"
+    );
+    limits
+}
+
+/// A connection just accepted, and whether it is one of the reserve's (operational routes
+/// only, no keep-alive).
+struct Accepted {
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    ops_only: bool,
+}
+
+/// Registers an accepted connection and serves it in a task of its own.
+fn spawn_connection(
+    app: &Arc<App>,
+    edge: &Arc<Edge>,
+    router: &Router,
+    conns: &Arc<Conns>,
+    builder: &hyper::server::conn::http1::Builder,
+    limits: Limits,
+    accepted: Accepted,
+) {
+    let Accepted {
+        stream,
+        peer,
+        ops_only,
+    } = accepted;
+    let slot = Arc::new(Slot::new(conns.epoch));
+    let id = conns.next.fetch_add(1, Ordering::Relaxed);
+    if ops_only {
+        conns.reserve.fetch_add(1, Ordering::Relaxed);
+    } else {
+        conns.lock().insert(id, slot.clone());
+    }
+    app.metrics.connections.inc();
+    let service = ConnService {
+        router: router.clone(),
+        peer,
+        slot: slot.clone(),
+        ops_only,
+        edge: edge.clone(),
+    };
+    let conn = builder.serve_connection(
+        TokioIo::new(Watched {
+            stream,
+            slot: slot.clone(),
+        }),
+        service,
+    );
+    let ended = Ended {
+        conns: conns.clone(),
+        app: app.clone(),
+        slot,
+        id,
+        ops_only,
+    };
+    let edge = edge.clone();
+    tokio::spawn(async move {
+        drive(
+            conn,
+            &ended.slot,
+            &ended.conns.evicting,
+            &edge,
+            limits,
+            peer,
+        )
+        .await;
+    });
 }
 
 /// Serves one connection until it ends, its watchdog fires, it is chosen to make room, or

@@ -45,7 +45,7 @@ pub(super) async fn create(
     let (body, _) = edge
         .read_body(
             body,
-            app.cfg.max_submission_bytes,
+            app.cfg.edge.max_submission_bytes,
             "KERNELKITE_MAX_SUBMISSION_BYTES",
             false,
         )
@@ -116,9 +116,8 @@ pub(super) async fn get(
     let wait = match q.wait {
         Some(w) if !w.is_finite() || w < 0.0 => return Err(BadRequest::Wait.into()),
         // try_: a KERNELKITE_MAX_WAIT_S near u64::MAX lets `wait` exceed Duration's range.
-        Some(w) => {
-            Duration::try_from_secs_f64(w.min(app.cfg.max_wait_s as f64)).unwrap_or(Duration::MAX)
-        }
+        Some(w) => Duration::try_from_secs_f64(w.min(app.cfg.edge.max_wait_s as f64))
+            .unwrap_or(Duration::MAX),
         None => Duration::ZERO,
     };
     if wait.is_zero() {

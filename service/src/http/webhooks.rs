@@ -19,18 +19,19 @@ use serde_json::{json, Value};
 use super::edge::Edge;
 use super::server::{unauthenticated, ConnSlot};
 use crate::app::App;
-use crate::error::{Error, Unauthorized};
+use crate::buildkite::webhook::{WebhookError, WebhookReceiver};
+use crate::error::{BadRequest, Error, Unauthorized, WebhookRefusal};
 use crate::metrics::ReasonLabel;
-use crate::webhook::WebhookError;
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
 pub(super) async fn buildkite(
     State(app): State<Arc<App>>,
     State(edge): State<Arc<Edge>>,
+    State(webhooks): State<Arc<WebhookReceiver>>,
     req: Request,
 ) -> Result<Json<Value>, Error> {
     let (parts, body) = req.into_parts();
-    let limit = app.cfg.webhook_max_bytes;
+    let limit = app.cfg.edge.webhook_max_bytes;
     const SETTING: &str = "KERNELKITE_WEBHOOK_MAX_BYTES";
     if body.size_hint().lower() > limit as u64 {
         refused(
@@ -44,10 +45,10 @@ pub(super) async fn buildkite(
             setting: SETTING,
         });
     }
-    let now = (app.clock)();
-    if let Err(e) = app.webhooks.auth.precheck(&parts.headers, now) {
+    let now = chrono::Utc::now().timestamp();
+    if let Err(e) = webhooks.auth.precheck(&parts.headers, now) {
         refused(&app, &edge, e.reason(), &e);
-        return Err(Unauthorized::Webhook(e).into());
+        return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
     }
     let reading = unauthenticated(parts.extensions.get::<ConnSlot>());
     let (body, _budget) = match edge.read_body(body, limit, SETTING, true).await {
@@ -61,15 +62,17 @@ pub(super) async fn buildkite(
         }
     };
     drop(reading);
-    match app.webhooks.receive(&parts.headers, &body, now) {
+    match webhooks.receive(&parts.headers, &body, now) {
         // Answered once the change is committed (commit, then acknowledge).
         Ok(Some(event)) => app.handle_event(event).await,
         Ok(None) => {}
         Err(WebhookError::Auth(e)) => {
             refused(&app, &edge, e.reason(), &e);
-            return Err(Unauthorized::Webhook(e).into());
+            return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
         }
-        Err(e) => return Err(e.into()),
+        Err(WebhookError::Parse(e)) => {
+            return Err(BadRequest::Webhook(WebhookRefusal::new(e)).into())
+        }
     }
     Ok(Json(json!({ "ok": true })))
 }

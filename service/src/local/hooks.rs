@@ -129,6 +129,14 @@ pub struct ProcessId {
     pub start_time: u64,
 }
 
+/// This boot's id (empty where the kernel does not say): a [`ProcessId`] means something
+/// only within the boot that recorded it.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// `pid` as `/proc/<pid>/stat` shows it, or `None` when it is gone.
 fn stat(pid: u32) -> Option<kernelkite_sys::procfs::Stat> {
     kernelkite_sys::procfs::read_stat(Path::new("/proc"), pid)
@@ -191,7 +199,7 @@ pub fn verify_hook(pid: u32, start_time: u64, boot_id: &str) -> Result<ProcessId
     if pid == me || i64::from(pid) == i64::from(my_group) {
         return Err(NotTheHook::Service(pid));
     }
-    if boot_id != super::jobdir::boot_id() {
+    if boot_id != self::boot_id() {
         return Err(NotTheHook::OtherBoot(pid));
     }
     let Some(s) = stat(pid).filter(|s| !s.is_exited()) else {
@@ -303,7 +311,7 @@ mod tests {
             assert!(!group_exists(pgid), "{pgid}");
         }
         assert!(group_target(2).is_some());
-        let boot = super::super::jobdir::boot_id();
+        let boot = super::boot_id();
         // pid 1 with its true start time: still never the hook.
         let init = start_time(1).unwrap_or(0);
         assert_eq!(verify_hook(1, init, &boot), Err(NotTheHook::Reserved(1)));
@@ -318,7 +326,7 @@ mod tests {
     #[test]
     fn only_the_recorded_group_leader_of_this_boot_is_the_hook() {
         use std::os::unix::process::CommandExt;
-        let boot = super::super::jobdir::boot_id();
+        let boot = super::boot_id();
         // A process in this test's group (not a leader), and one leading its own group.
         let mut member = std::process::Command::new("sleep")
             .arg("30")

@@ -77,6 +77,9 @@ impl LocalExecutor {
         self.spawn_cleanup(file.submission_id.clone(), build.id.clone());
     }
 
+    // Over 80 lines: one attempt's hooks in the agent's order (log, environment hook, its exports,
+    // command), each failure ending the attempt its own way; split, that order would be spread over
+    // helpers.
     /// The `environment` and `command` hooks of one attempt, as the agent runs them; what
     /// `pre-exit` needs, once it has something to undo.
     async fn run_attempt(

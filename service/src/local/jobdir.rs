@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::hooks::ProcessId;
+use super::hooks::{boot_id, ProcessId};
 use super::safe_read::{self, ReadError};
 use crate::submission::BuildInfo;
 
@@ -239,13 +239,6 @@ pub struct CommandRecord {
     /// The boot it ran in (`/proc/sys/kernel/random/boot_id`): after a reboot, pids and start
     /// times begin again, and the same pair names another process.
     pub boot_id: String,
-}
-
-/// This boot's id (empty where the kernel does not say).
-pub fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -40,11 +40,12 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
 use crate::app::App;
 use crate::executor::{
-    BoxFuture, BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
+    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
 };
 use crate::report::BoxError;
 use crate::result::ResultJson;
@@ -484,6 +485,8 @@ impl Executor for LocalExecutor {
         "local"
     }
 
+    // Over 80 lines: the job is registered, written to its directory and queued in one place, in
+    // the order the start-up sweep relies on.
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
         Box::pin(async move {
             let id = uuid::Uuid::new_v4().to_string();
@@ -603,6 +606,8 @@ impl Executor for LocalExecutor {
         })
     }
 
+    // Over 80 lines: each way a job's result.json can be missing, too large or unusable gets
+    // its own message, naming what to do.
     fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
         // A local job's result is on this machine: nothing transient to retry.
         Box::pin(async move {
@@ -690,6 +695,8 @@ impl Executor for LocalExecutor {
         })
     }
 
+    // Over 80 lines: a job directory found after a restart is checked, its last attempt stopped and
+    // the job re-registered in one place, so nothing else sees it half-recovered.
     fn recover<'a>(&'a self, build: &'a BuildInfo) -> BoxFuture<'a, Result<Recovered, BoxError>> {
         Box::pin(async move {
             if lock(&self.jobs).contains_key(&build.id) {

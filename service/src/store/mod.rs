@@ -12,22 +12,167 @@ pub mod backup;
 mod memory;
 pub mod sqlite;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
 pub use memory::{Heard, Live, Routed};
-pub use sqlite::{
-    CallbackState, DueCallback, Inserted, NewCallback, NewSubmission, Pending, Sqlite, StoreError,
-    SyncMode,
-};
+pub use sqlite::{Sqlite, SyncMode};
 
-use crate::executor::{BoxFuture, BuildEvent};
+use futures_util::future::BoxFuture;
+
+use crate::executor::{BuildEvent, Job};
 use crate::metrics::{Metrics, StateLabel};
 use crate::report::BoxError;
 use crate::submission::{State, Submission};
 use memory::Memory;
+
+// The types of the `Durable` interface: any backend's (SQLite's now, Postgres's later).
+
+/// Why the store cannot be used. Each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be opened or created.
+    #[error("cannot open the store {}: {}; check that KERNELKITE_DATA_DIR and the file are readable and writable by this user", .path.display(), .cause)]
+    Open {
+        /// The database file.
+        path: PathBuf,
+        /// Why, with its causes.
+        cause: String,
+    },
+    /// Another process holds the data directory (one service per data directory: two would
+    /// both recover and run its submissions).
+    #[error("the data directory {} is in use by another kernelkite-service ({holder}); stop that one first, or give this one another KERNELKITE_DATA_DIR", .dir.display())]
+    Locked {
+        /// The data directory.
+        dir: PathBuf,
+        /// Who holds it, as its lock file says (pid, host, since when).
+        holder: String,
+    },
+    /// The database file was deleted, replaced or overwritten while the service ran: what it
+    /// writes would be lost (an unlinked file) or land in another file.
+    #[error("the store {} {what} while the service ran; nothing more is written. Put the file back (restore it from a backup) and restart the service", .path.display())]
+    Gone {
+        /// The database file.
+        path: PathBuf,
+        /// What happened to it.
+        what: String,
+    },
+    /// The database file is damaged.
+    #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
+    Corrupt {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite reported.
+        detail: String,
+    },
+    /// A change could not be committed; nothing of it was kept.
+    #[error("the store could not save the change ({0}); free disk space in KERNELKITE_DATA_DIR or check the disk, then retry")]
+    Write(String),
+    /// A read failed.
+    #[error("the store could not be read ({0})")]
+    Read(String),
+    /// The database thread is gone (the service is stopping).
+    #[error("the store is closed")]
+    Closed,
+}
+
+/// A finished submission's callback, written with its terminal state in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCallback {
+    /// Where it is POSTed.
+    pub url: String,
+    /// The exact bytes POSTed on every attempt (the final submission's JSON).
+    pub body: String,
+    /// After this (unix ms) no further attempt is made.
+    pub give_up_at_ms: i64,
+}
+
+/// A callback waiting in the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueCallback {
+    /// The submission (also the callback's idempotency key).
+    pub submission_id: String,
+    /// Where it is POSTed.
+    pub url: String,
+    /// What is POSTed.
+    pub body: String,
+    /// Attempts made so far.
+    pub attempts: i64,
+    /// After this (unix ms) it is given up.
+    pub give_up_at_ms: i64,
+}
+
+/// Where a callback stands after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallbackState {
+    /// Waiting for its next attempt.
+    Pending,
+    /// The receiver answered 2xx.
+    Delivered,
+    /// The receiver refused it for good (4xx other than 408/429, or a redirect).
+    Refused,
+    /// Retried until KERNELKITE_CALLBACK_RETRY_S passed.
+    GivenUp,
+}
+
+impl CallbackState {
+    /// The state as the store writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallbackState::Pending => "pending",
+            CallbackState::Delivered => "delivered",
+            CallbackState::Refused => "refused",
+            CallbackState::GivenUp => "given_up",
+        }
+    }
+}
+
+/// A submission to write before its build is created.
+#[derive(Debug, Clone)]
+pub struct NewSubmission {
+    /// The submission.
+    pub sub: Submission,
+    /// What its executor needs to (re)create its build.
+    pub job: Job,
+    /// Its absolute deadline, unix ms.
+    pub deadline_ms: i64,
+    /// The client's `Idempotency-Key`, with the SHA-256 of the request it came with.
+    pub idempotency: Option<(String, String)>,
+}
+
+/// What inserting a submission did.
+#[derive(Debug, Clone)]
+pub enum Inserted {
+    /// Written.
+    Created,
+    /// The idempotency key was used before: the submission it made, and whether the earlier
+    /// request was the same.
+    Existing {
+        /// The submission the key made.
+        sub: Box<Submission>,
+        /// The earlier request had the same hash.
+        same_request: bool,
+    },
+}
+
+/// A submission that had not ended when the store was last written.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    /// The submission.
+    pub sub: Submission,
+    /// Its job, to create its build again.
+    pub job: Option<Job>,
+    /// Its absolute deadline, unix ms.
+    pub deadline_ms: i64,
+}
+
+/// Now, unix milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
 
 /// What must outlive the process: every submission with its job, deadline and idempotency
 /// key, and the callback outbox. Narrow on purpose, so a Postgres backend (several replicas)
@@ -78,56 +223,6 @@ pub struct InFlight {
     pub queued: u64,
     /// On a machine, or its result being fetched: `running` or `fetching`.
     pub running: u64,
-}
-
-impl Durable for Sqlite {
-    fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>> {
-        Box::pin(Sqlite::insert(self, new))
-    }
-    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(Sqlite::save(self, sub))
-    }
-    fn finish<'a>(
-        &'a self,
-        sub: &'a Submission,
-        callback: Option<NewCallback>,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(Sqlite::finish(self, sub, callback))
-    }
-    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
-        Box::pin(Sqlite::load(self, id))
-    }
-    fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
-        Box::pin(Sqlite::pending(self))
-    }
-    fn due_callbacks(
-        &self,
-        now_ms: i64,
-        limit: i64,
-    ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
-        Box::pin(Sqlite::due_callbacks(self, now_ms, limit))
-    }
-    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
-        Box::pin(Sqlite::next_callback_at(self))
-    }
-    fn callback_attempted<'a>(
-        &'a self,
-        id: &'a str,
-        state: CallbackState,
-        attempts: i64,
-        next_at_ms: i64,
-        error: Option<String>,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(Sqlite::callback_attempted(
-            self, id, state, attempts, next_at_ms, error,
-        ))
-    }
-    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        Box::pin(Sqlite::health(self))
-    }
-    fn persistent(&self) -> bool {
-        self.path().is_some()
-    }
 }
 
 /// A change as [`Store::update`] made it.
@@ -281,8 +376,7 @@ impl Store {
                     url: url.clone(),
                     body: serde_json::to_string(&next)
                         .map_err(|e| StoreError::Write(e.to_string()))?,
-                    give_up_at_ms: sqlite::now_ms()
-                        .saturating_add(self.callback_retry.as_millis() as i64),
+                    give_up_at_ms: now_ms().saturating_add(self.callback_retry.as_millis() as i64),
                 }),
                 None => None,
             };

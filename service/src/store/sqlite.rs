@@ -11,8 +11,9 @@
 //!
 //! The SQL is kept portable for a later Postgres backend: `$n` placeholders, `TEXT` and
 //! `BIGINT` columns, booleans as `0/1`, no `INSERT OR ...`, no `RETURNING`, times as unix
-//! milliseconds. The schema is created by numbered migrations embedded in this file and
-//! recorded in `kernelkite_schema`.
+//! milliseconds. The schema is created by the numbered migrations in `service/migrations/`,
+//! run by sqlx's migrator and recorded in `_sqlx_migrations` (a database from before then
+//! also keeps its old `kernelkite_schema` table, unused).
 //!
 //! Durability: WAL mode with `synchronous=NORMAL` by default: a commit survives the process
 //! being killed at any instant (the WAL is in the kernel's page cache); a power loss may roll
@@ -25,11 +26,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures_util::future::BoxFuture;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{ConnectOptions, Row, SqliteConnection};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::executor::Job;
+use super::{
+    now_ms, CallbackState, DueCallback, Durable, Inserted, NewCallback, NewSubmission, Pending,
+    StoreError,
+};
 use crate::report::report;
 use crate::submission::Submission;
 
@@ -51,143 +56,6 @@ pub enum SyncMode {
     Normal,
     /// Every commit is fsynced: survives a power loss too, at a disk flush per commit.
     Full,
-}
-
-/// Why the store cannot be used. Each message says what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The database cannot be opened or created.
-    #[error("cannot open the store {}: {}; check that KERNELKITE_DATA_DIR and the file are readable and writable by this user", .path.display(), .cause)]
-    Open {
-        /// The database file.
-        path: PathBuf,
-        /// Why, with its causes.
-        cause: String,
-    },
-    /// Another process holds the data directory (one service per data directory: two would
-    /// both recover and run its submissions).
-    #[error("the data directory {} is in use by another kernelkite-service ({holder}); stop that one first, or give this one another KERNELKITE_DATA_DIR", .dir.display())]
-    Locked {
-        /// The data directory.
-        dir: PathBuf,
-        /// Who holds it, as its lock file says (pid, host, since when).
-        holder: String,
-    },
-    /// The database file was deleted, replaced or overwritten while the service ran: what it
-    /// writes would be lost (an unlinked file) or land in another file.
-    #[error("the store {} {what} while the service ran; nothing more is written. Put the file back (restore it from a backup) and restart the service", .path.display())]
-    Gone {
-        /// The database file.
-        path: PathBuf,
-        /// What happened to it.
-        what: String,
-    },
-    /// The database file is damaged.
-    #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
-    Corrupt {
-        /// The database file.
-        path: PathBuf,
-        /// What SQLite reported.
-        detail: String,
-    },
-    /// A change could not be committed; nothing of it was kept.
-    #[error("the store could not save the change ({0}); free disk space in KERNELKITE_DATA_DIR or check the disk, then retry")]
-    Write(String),
-    /// A read failed.
-    #[error("the store could not be read ({0})")]
-    Read(String),
-    /// The database thread is gone (the service is stopping).
-    #[error("the store is closed")]
-    Closed,
-}
-
-/// A finished submission's callback, written with its terminal state in one transaction.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewCallback {
-    /// Where it is POSTed.
-    pub url: String,
-    /// The exact bytes POSTed on every attempt (the final submission's JSON).
-    pub body: String,
-    /// After this (unix ms) no further attempt is made.
-    pub give_up_at_ms: i64,
-}
-
-/// A callback waiting in the outbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DueCallback {
-    /// The submission (also the callback's idempotency key).
-    pub submission_id: String,
-    /// Where it is POSTed.
-    pub url: String,
-    /// What is POSTed.
-    pub body: String,
-    /// Attempts made so far.
-    pub attempts: i64,
-    /// After this (unix ms) it is given up.
-    pub give_up_at_ms: i64,
-}
-
-/// Where a callback stands after an attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallbackState {
-    /// Waiting for its next attempt.
-    Pending,
-    /// The receiver answered 2xx.
-    Delivered,
-    /// The receiver refused it for good (4xx other than 408/429, or a redirect).
-    Refused,
-    /// Retried until KERNELKITE_CALLBACK_RETRY_S passed.
-    GivenUp,
-}
-
-impl CallbackState {
-    fn as_str(self) -> &'static str {
-        match self {
-            CallbackState::Pending => "pending",
-            CallbackState::Delivered => "delivered",
-            CallbackState::Refused => "refused",
-            CallbackState::GivenUp => "given_up",
-        }
-    }
-}
-
-/// A submission to write before its build is created.
-#[derive(Debug, Clone)]
-pub struct NewSubmission {
-    /// The submission.
-    pub sub: Submission,
-    /// What its executor needs to (re)create its build.
-    pub job: Job,
-    /// Its absolute deadline, unix ms.
-    pub deadline_ms: i64,
-    /// The client's `Idempotency-Key`, with the SHA-256 of the request it came with.
-    pub idempotency: Option<(String, String)>,
-}
-
-/// What inserting a submission did.
-#[derive(Debug, Clone)]
-pub enum Inserted {
-    /// Written.
-    Created,
-    /// The idempotency key was used before: the submission it made, and whether the earlier
-    /// request was the same.
-    Existing {
-        /// The submission the key made.
-        sub: Box<Submission>,
-        /// The earlier request had the same hash.
-        same_request: bool,
-    },
-}
-
-/// A submission that had not ended when the store was last written.
-#[derive(Debug, Clone)]
-pub struct Pending {
-    /// The submission.
-    pub sub: Submission,
-    /// Its job, to create its build again.
-    pub job: Option<Job>,
-    /// Its absolute deadline, unix ms.
-    pub deadline_ms: i64,
 }
 
 enum Op {
@@ -775,62 +643,15 @@ fn classify_open(path: &Path, e: sqlx::Error) -> StoreError {
     }
 }
 
-/// The schema, one step per version; a step runs once, in a transaction, and is recorded.
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    "CREATE TABLE submissions (
-        id TEXT PRIMARY KEY,
-        state TEXT NOT NULL,
-        terminal BIGINT NOT NULL,
-        created_at_ms BIGINT NOT NULL,
-        deadline_ms BIGINT NOT NULL,
-        build_id TEXT,
-        build_number BIGINT,
-        idempotency_key TEXT UNIQUE,
-        request_sha256 TEXT,
-        job TEXT,
-        doc TEXT NOT NULL
-    );
-    CREATE INDEX submissions_open ON submissions (terminal);
-    CREATE TABLE callbacks (
-        submission_id TEXT PRIMARY KEY,
-        url TEXT NOT NULL,
-        body TEXT NOT NULL,
-        state TEXT NOT NULL,
-        attempts BIGINT NOT NULL,
-        next_at_ms BIGINT NOT NULL,
-        give_up_at_ms BIGINT NOT NULL,
-        last_error TEXT
-    );
-    CREATE INDEX callbacks_due ON callbacks (state, next_at_ms);
-    CREATE TABLE kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
-    INSERT INTO kernelkite_health (id, checked_at_ms) VALUES (1, 0);",
-)];
+/// The schema: the files of `service/migrations/`, embedded at build time, applied in order
+/// by sqlx's migrator (each in a transaction, once) and recorded in `_sqlx_migrations`.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)")
-        .execute(&mut *conn)
-        .await?;
-    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM kernelkite_schema")
-        .fetch_one(&mut *conn)
-        .await?
-        .try_get(0)?;
-    for (version, sql) in MIGRATIONS {
-        if current.is_some_and(|c| c >= *version) {
-            continue;
-        }
-        transaction(conn, async |c| {
-            sqlx::raw_sql(sql).execute(&mut *c).await?;
-            sqlx::query("INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES ($1, $2)")
-                .bind(version)
-                .bind(now_ms())
-                .execute(&mut *c)
-                .await
-                .map(drop)
-        })
-        .await?;
-    }
-    Ok(())
+    MIGRATOR
+        .run(&mut *conn)
+        .await
+        .map_err(|e| sqlx::Error::Migrate(Box::new(e)))
 }
 
 // Transactions are begun and ended by hand, not with sqlx's `Transaction`: sqlx counts the
@@ -873,11 +694,6 @@ async fn rollback(conn: &mut SqliteConnection) {
     if let Err(e) = sqlx::query("ROLLBACK").execute(&mut *conn).await {
         tracing::debug!(error = %report(&e), "ROLLBACK after a failed transaction");
     }
-}
-
-/// Now, unix milliseconds.
-pub fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
 }
 
 async fn serve(
@@ -1072,6 +888,7 @@ fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, sqlx::Error> 
     serde_json::from_str(text).map_err(|e| sqlx::Error::Decode(e.into()))
 }
 
+// Over 80 lines: one match arm per write operation, each a few SQL statements side by side.
 async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Error> {
     match op {
         Op::Insert(new) => {
@@ -1253,9 +1070,61 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
     }
 }
 
+// The SQLite store is the default `Durable`: each call one message to its connections' tasks.
+impl Durable for Sqlite {
+    fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>> {
+        Box::pin(Sqlite::insert(self, new))
+    }
+    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Sqlite::save(self, sub))
+    }
+    fn finish<'a>(
+        &'a self,
+        sub: &'a Submission,
+        callback: Option<NewCallback>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Sqlite::finish(self, sub, callback))
+    }
+    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        Box::pin(Sqlite::load(self, id))
+    }
+    fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
+        Box::pin(Sqlite::pending(self))
+    }
+    fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
+        Box::pin(Sqlite::due_callbacks(self, now_ms, limit))
+    }
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
+        Box::pin(Sqlite::next_callback_at(self))
+    }
+    fn callback_attempted<'a>(
+        &'a self,
+        id: &'a str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Sqlite::callback_attempted(
+            self, id, state, attempts, next_at_ms, error,
+        ))
+    }
+    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(Sqlite::health(self))
+    }
+    fn persistent(&self) -> bool {
+        self.path().is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::executor::Job;
     use crate::submission::{Outcome, State};
 
     fn job(id: &str) -> Job {
@@ -1455,5 +1324,120 @@ mod tests {
         let e = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap_err();
         assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
         assert!(e.to_string().contains("restore it from a backup"), "{e}");
+    }
+
+    /// What a database made before sqlx's migrator holds: the schema as that release's own
+    /// migrator wrote it (its version 1, verbatim), recorded in its `kernelkite_schema`.
+    const PRE_SQLX_SCHEMA: &str = "CREATE TABLE kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
+        CREATE TABLE submissions (
+            id TEXT PRIMARY KEY,
+            state TEXT NOT NULL,
+            terminal BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            deadline_ms BIGINT NOT NULL,
+            build_id TEXT,
+            build_number BIGINT,
+            idempotency_key TEXT UNIQUE,
+            request_sha256 TEXT,
+            job TEXT,
+            doc TEXT NOT NULL
+        );
+        CREATE INDEX submissions_open ON submissions (terminal);
+        CREATE TABLE callbacks (
+            submission_id TEXT PRIMARY KEY,
+            url TEXT NOT NULL,
+            body TEXT NOT NULL,
+            state TEXT NOT NULL,
+            attempts BIGINT NOT NULL,
+            next_at_ms BIGINT NOT NULL,
+            give_up_at_ms BIGINT NOT NULL,
+            last_error TEXT
+        );
+        CREATE INDEX callbacks_due ON callbacks (state, next_at_ms);
+        CREATE TABLE kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
+        INSERT INTO kernelkite_health (id, checked_at_ms) VALUES (1, 0);
+        INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES (1, 1700000000000);";
+
+    async fn raw(dir: &Path) -> SqliteConnection {
+        SqliteConnectOptions::new()
+            .filename(dir.join(DB_FILE))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    /// Every table's columns and every index's columns, the migrators' bookkeeping aside.
+    async fn layout(conn: &mut SqliteConnection) -> Vec<String> {
+        let rows = sqlx::query(
+            "SELECT m.type || ' ' || m.name || ' on ' || m.tbl_name || ': ' || COALESCE(
+                 (SELECT group_concat(c.name || ' ' || c.type || ' ' || c.\"notnull\" || ' ' || c.pk, ', ')
+                  FROM pragma_table_info(m.name) c),
+                 (SELECT group_concat(i.name, ', ') FROM pragma_index_info(m.name) i), '')
+             FROM sqlite_master m
+             WHERE m.name NOT IN ('_sqlx_migrations', 'kernelkite_schema')
+               AND m.tbl_name NOT IN ('_sqlx_migrations', 'kernelkite_schema')
+             ORDER BY m.type, m.name",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        rows.iter().map(|r| r.get::<String, _>(0)).collect()
+    }
+
+    #[tokio::test]
+    async fn a_database_from_before_sqlx_migrations_opens_with_its_submissions() {
+        // The schema the migrations make is the one the old migrator made.
+        let old = tempfile::tempdir().unwrap();
+        let old_layout = {
+            let mut c = raw(old.path()).await;
+            sqlx::raw_sql(PRE_SQLX_SCHEMA)
+                .execute(&mut c)
+                .await
+                .unwrap();
+            layout(&mut c).await
+        };
+        assert!(old_layout.len() >= 6, "{old_layout:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let n = new_sub(None);
+        {
+            let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+            db.insert(n.clone()).await.unwrap();
+        }
+        // Made old: the submission kept, the bookkeeping the old release's.
+        {
+            let mut c = raw(dir.path()).await;
+            assert_eq!(layout(&mut c).await, old_layout);
+            sqlx::raw_sql(
+                "DROP TABLE _sqlx_migrations;
+                 CREATE TABLE kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
+                 INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES (1, 1700000000000);",
+            )
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+        for d in [dir.path(), old.path()] {
+            let db = Sqlite::open(Some(d), SyncMode::Normal, None).unwrap();
+            db.health().await.unwrap();
+            db.insert(new_sub(None)).await.unwrap();
+            drop(db);
+            let mut c = raw(d).await;
+            assert_eq!(layout(&mut c).await, old_layout, "{}", d.display());
+            let applied: Vec<(i64, bool)> =
+                sqlx::query_as("SELECT version, success FROM _sqlx_migrations")
+                    .fetch_all(&mut c)
+                    .await
+                    .unwrap();
+            assert_eq!(applied, [(1, true)]);
+        }
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let pending = db.pending().await.unwrap();
+        assert!(
+            pending.iter().any(|p| p.sub == n.sub),
+            "the old submission is kept"
+        );
+        assert_eq!(pending.len(), 2);
     }
 }

@@ -133,7 +133,7 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
         path: yml.clone(),
         source,
     })?;
-    let invalid = |what: String| TaskError::Invalid {
+    let invalid = &|what: String| TaskError::Invalid {
         path: yml.clone(),
         what,
     };
@@ -149,6 +149,56 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
         )));
     }
 
+    let files = read_files(&mut raw, &root, invalid)?;
+    read_validation(&mut raw, &root, invalid)?;
+    let templates = read_templates(&mut raw, &root, invalid)?;
+
+    let description = match raw.remove("description") {
+        Some(Value::String(d)) => d,
+        Some(other) => other.to_string(),
+        None => return Err(invalid("`description` is required".into())),
+    };
+    let gpus = raw.remove("gpus").unwrap_or_else(|| json!([]));
+
+    let lang = match raw.remove("lang") {
+        Some(Value::String(l)) if l == "py" || l == "cu" => l,
+        other => {
+            return Err(invalid(format!(
+                "`lang` must be \"py\" or \"cu\", not {}",
+                other.map_or("missing".into(), |v| v.to_string())
+            )))
+        }
+    };
+    let config = match raw.remove("config") {
+        Some(Value::Object(c)) => c,
+        _ => return Err(invalid("`config` is required (a mapping)".into())),
+    };
+    check_task_config(&lang, &config).map_err(invalid)?;
+
+    let task = run_settings(&mut raw, invalid)?;
+
+    Ok(TaskDefinition {
+        dir: root,
+        lang,
+        files,
+        config,
+        description,
+        templates,
+        gpus,
+        task,
+    })
+}
+
+/// Builds a [`TaskError::Invalid`] for the `task.yml` being read.
+type Invalid<'a> = &'a dyn Fn(String) -> TaskError;
+
+/// `files`: each `{name, source}` read from the task directory (the submission's slot keeps
+/// [`SUBMISSION_PLACEHOLDER`]), in order; one of them must be the submission's.
+fn read_files(
+    raw: &mut Map<String, Value>,
+    root: &Path,
+    invalid: Invalid<'_>,
+) -> Result<Map<String, Value>, TaskError> {
     let files = match raw.remove("files") {
         Some(Value::Array(specs)) => {
             let mut files = Map::new();
@@ -184,7 +234,16 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
             "no file has source {SUBMISSION_PLACEHOLDER:?}, so a submission has nowhere to go"
         )));
     }
+    Ok(files)
+}
 
+/// `validation`: its `script` is read in now, as kernelbot does at load time (it is not part
+/// of a run), and kept as `source`.
+fn read_validation(
+    raw: &mut Map<String, Value>,
+    root: &Path,
+    invalid: Invalid<'_>,
+) -> Result<(), TaskError> {
     if let Some(v) = raw.get_mut("validation") {
         // kernelbot reads the script in at load time; it is not part of a run.
         let script = v
@@ -197,7 +256,15 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
             m.insert("source".into(), Value::String(source));
         }
     }
+    Ok(())
+}
 
+/// `templates`: language → the named file's content.
+fn read_templates(
+    raw: &mut Map<String, Value>,
+    root: &Path,
+    invalid: Invalid<'_>,
+) -> Result<Map<String, Value>, TaskError> {
     let mut templates = Map::new();
     match raw.remove("templates") {
         None => {}
@@ -222,29 +289,15 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
             ))
         }
     }
+    Ok(templates)
+}
 
-    let description = match raw.remove("description") {
-        Some(Value::String(d)) => d,
-        Some(other) => other.to_string(),
-        None => return Err(invalid("`description` is required".into())),
-    };
-    let gpus = raw.remove("gpus").unwrap_or_else(|| json!([]));
-
-    let lang = match raw.remove("lang") {
-        Some(Value::String(l)) if l == "py" || l == "cu" => l,
-        other => {
-            return Err(invalid(format!(
-                "`lang` must be \"py\" or \"cu\", not {}",
-                other.map_or("missing".into(), |v| v.to_string())
-            )))
-        }
-    };
-    let config = match raw.remove("config") {
-        Some(Value::Object(c)) => c,
-        _ => return Err(invalid("`config` is required (a mapping)".into())),
-    };
-    check_task_config(&lang, &config).map_err(invalid)?;
-
+/// The rest of `LeaderboardTask` (tests, benchmarks, timeouts, seed, `ranking_by`, ...), with
+/// kernelbot's defaults filled in; a multi-GPU task's cases must each name their world size.
+fn run_settings(
+    raw: &mut Map<String, Value>,
+    invalid: Invalid<'_>,
+) -> Result<Map<String, Value>, TaskError> {
     let ranking_by = match raw.remove("ranking_by") {
         None => "last".to_string(),
         Some(Value::String(r)) if ["last", "mean", "geom"].contains(&r.as_str()) => r,
@@ -282,17 +335,7 @@ pub fn load(dir: &Path) -> Result<TaskDefinition, TaskError> {
             }
         }
     }
-
-    Ok(TaskDefinition {
-        dir: root,
-        lang,
-        files,
-        config,
-        description,
-        templates,
-        gpus,
-        task,
-    })
+    Ok(task)
 }
 
 /// kernelbot's `PythonTaskData(main)` / `CudaTaskData(sources, include_dirs, defines,

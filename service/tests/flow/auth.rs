@@ -7,7 +7,7 @@ use serde_json::json;
 
 #[tokio::test]
 async fn bearer_token_guards_the_api() {
-    let h = harness_with(|c| c.api_token = Some(Secret::new("kk-token"))).await;
+    let h = harness_with(|c| c.edge.api_token = Some(Secret::new("kk-token"))).await;
     let url = format!("{}/v1/submissions", h.base);
     let body = json!({"config": sample_config(), "queue": "h100"});
     let r = h.http.post(&url).json(&body).send().await.unwrap();

@@ -86,7 +86,7 @@ async fn a_build_created_after_its_canceled_submission_left_memory_is_canceled()
     // An ended submission leaves memory at once: the canceled submission is gone while its
     // (slow) create call is still out.
     let h = harness_with(|c| {
-        c.early_event_ttl_s = 2;
+        c.store.early_event_ttl_s = 2;
     })
     .await;
     h.fake.inject(

@@ -5,13 +5,14 @@
 
 use std::sync::{Arc, Mutex};
 
+use futures_util::future::BoxFuture;
 use kernelkite_service::executor::{
-    BoxFuture, BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
+    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
 };
 use kernelkite_service::report::BoxError;
 use kernelkite_service::result::ResultJson;
 use kernelkite_service::submission::{BuildInfo, Outcome};
-use kernelkite_service::{App, Config};
+use kernelkite_service::Config;
 use kernelkite_testkit::harness::WAIT;
 use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::{json, Value};
@@ -80,8 +81,7 @@ async fn another_executor_drives_the_same_state_machine() {
     let executor = Arc::new(InProcess::default());
     // The configuration requires Buildkite settings; this executor never uses them.
     let cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
-    let clock = Arc::new(|| chrono::Utc::now().timestamp());
-    let app = App::with_executor(cfg, clock, executor.clone()).unwrap();
+    let app = kernelkite_service::cli::serve::start(cfg, executor.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(kernelkite_service::serve(

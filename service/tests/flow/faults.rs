@@ -66,8 +66,8 @@ async fn server_errors_are_retried() {
 async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted_not_repeated() {
     // Looked up 1 s after the timeout: the delayed create (1.5 s) has landed by then.
     let h = harness_with(|c| {
-        c.http_timeout_s = 1;
-        c.create_lookup_delay_ms = 1000;
+        c.buildkite.http_timeout_s = 1;
+        c.buildkite.create_lookup_delay_ms = 1000;
     })
     .await;
     let (id, number) = h.submit().await;
@@ -117,7 +117,7 @@ async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted
 
 #[tokio::test]
 async fn persistent_client_errors_fail_the_submission_with_buildkites_message() {
-    let h = harness_with(|c| c.retry_attempts = 2).await;
+    let h = harness_with(|c| c.buildkite.retry_attempts = 2).await;
     h.fake.inject(Route::CreateBuild, Fault::Status(500));
     h.fake.inject(Route::CreateBuild, Fault::Status(500));
     let (_, v) = h
@@ -137,8 +137,8 @@ async fn unreachable_buildkite_is_retried_then_fails_the_submission() {
         l.local_addr().unwrap().port()
     };
     let h = harness_with(|c| {
-        c.buildkite_api_url = format!("http://127.0.0.1:{port}/v2");
-        c.retry_attempts = 4;
+        c.buildkite.buildkite_api_url = format!("http://127.0.0.1:{port}/v2");
+        c.buildkite.retry_attempts = 4;
         c.retry_base_ms = 20;
     })
     .await;
@@ -169,7 +169,7 @@ async fn unreachable_buildkite_is_retried_then_fails_the_submission() {
 
 #[tokio::test]
 async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
-    let h = harness_with(|c| c.retry_attempts = 2).await;
+    let h = harness_with(|c| c.buildkite.retry_attempts = 2).await;
     for _ in 0..5 {
         h.fake
             .inject(Route::CreateBuild, Fault::RateLimited { reset_s: 0 });
@@ -215,7 +215,7 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
 async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
     let h = harness_with(|c| {
         c.retry_base_ms = 250;
-        c.retry_attempts = 6;
+        c.buildkite.retry_attempts = 6;
     })
     .await;
     let outage = Duration::from_millis(1500);
@@ -245,7 +245,7 @@ async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
 /// no build is left behind scheduled.
 #[tokio::test]
 async fn a_build_made_by_the_last_failed_create_is_adopted_not_orphaned() {
-    let h = harness_with(|c| c.retry_attempts = 1).await;
+    let h = harness_with(|c| c.buildkite.retry_attempts = 1).await;
     h.fake
         .inject(Route::CreateBuild, Fault::StatusAfterCreate(502));
     let (_, v) = h
@@ -293,7 +293,7 @@ async fn a_rate_limit_window_of_two_still_creates_every_build() {
 async fn stalled_downloads_cannot_hold_up_a_healthy_result() {
     let h = harness_with(|c| {
         c.fetch_concurrency = 4;
-        c.blob_stall_s = 1;
+        c.buildkite.blob_stall_s = 1;
     })
     .await;
     let mut stuck = Vec::new();

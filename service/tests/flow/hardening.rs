@@ -19,7 +19,7 @@ async fn a_short_outage_after_build_finished_does_not_fail_the_submission() {
     // Two tries per call: the old service gave up after them and failed the submission for
     // good (Buildkite does not redeliver build.finished).
     let h = harness_with(|c| {
-        c.retry_attempts = 2;
+        c.buildkite.retry_attempts = 2;
         c.retry_base_ms = 20;
     })
     .await;
@@ -116,7 +116,7 @@ async fn callbacks_never_follow_redirects() {
 
 #[tokio::test]
 async fn callback_urls_need_a_secret_and_an_allowed_host() {
-    let h = harness_with(|c| c.callback_secret = None).await;
+    let h = harness_with(|c| c.callbacks.callback_secret = None).await;
     let (status, v) = h
         .post(json!({"config": sample_config(), "queue": "h100", "callback_url": "http://127.0.0.1:9/cb"}))
         .await;
@@ -134,8 +134,8 @@ async fn callback_urls_need_a_secret_and_an_allowed_host() {
     );
 
     let h = harness_with(|c| {
-        c.callback_secret = Some(Secret::new(CALLBACK_SECRET));
-        c.callback_allowed_hosts = vec!["backend.example".into()];
+        c.callbacks.callback_secret = Some(Secret::new(CALLBACK_SECRET));
+        c.callbacks.callback_allowed_hosts = vec!["backend.example".into()];
     })
     .await;
     let (status, v) = h

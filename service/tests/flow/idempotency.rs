@@ -1,7 +1,6 @@
 //! `Idempotency-Key` on `POST /v1/submissions`: the same key with the same request is the
 //! same submission (`200`, one build), with another request `409`; keys outlive a restart.
 
-use kernelkite_service::App;
 use kernelkite_testkit::harness::{harness, WAIT};
 use kernelkite_testkit::sample_config;
 use serde_json::{json, Value};
@@ -75,7 +74,7 @@ async fn the_same_key_and_request_is_the_same_submission() {
     }
 
     // The key is kept in the store: after a restart it still names the submission.
-    let restarted = App::new(h.app.cfg.clone()).unwrap();
+    let restarted = kernelkite_service::cli::serve::start_buildkite(h.app.cfg.clone()).unwrap();
     let req: kernelkite_service::SubmitRequest = serde_json::from_value(body).unwrap();
     let again = restarted.submit(req, Some("key-1".into())).await.unwrap();
     assert!(!again.created);

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kernelkite_service::{App, Config};
+use kernelkite_service::Config;
 use kernelkite_testkit::fake_buildkite::{
     signature_header, unix_now, FAKE_API_TOKEN, FAKE_ORG, FAKE_PIPELINE,
 };
@@ -13,7 +13,7 @@ use serde_json::Value;
 #[tokio::test]
 async fn finished_submissions_leave_memory_at_once_and_early_events_expire() {
     let h = harness_with(|c| {
-        c.early_event_ttl_s = 1;
+        c.store.early_event_ttl_s = 1;
     })
     .await;
     let (id, number) = h.submit().await;
@@ -62,8 +62,8 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
     let before = h.wait_terminal(&id).await;
     // A second service on the same data dir, with nothing in memory.
     let mut cfg = Config::new(&h.fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
-    cfg.data_dir = Some(h._dir.path().to_path_buf());
-    let restarted = App::new(cfg).unwrap();
+    cfg.store.data_dir = Some(h._dir.path().to_path_buf());
+    let restarted = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
     assert!(restarted.store.is_empty());
     let after = restarted
         .lookup(&id)

@@ -60,6 +60,13 @@ async fn counts_submissions_by_state_and_agents_from_one_listing() {
     );
     assert!(v["agents_updated_at"].is_string(), "{v}");
     assert_eq!(calls(&h, Route::ListAgents), 2, "one fetch of two pages");
+    // Through the REST client, as every other Buildkite call: counted with them, and spending
+    // the same rate budget.
+    let metrics = h.app.metrics.render();
+    assert!(
+        metrics.contains("kernelkite_buildkite_calls_total{call=\"list_agents\"} 2"),
+        "{metrics}"
+    );
     let list = h
         .fake
         .requests()
@@ -143,7 +150,7 @@ async fn agents_are_null_when_buildkite_refuses_and_the_counts_still_come() {
 
 #[tokio::test]
 async fn a_bad_queue_name_is_refused_and_the_token_is_required() {
-    let h = harness_with(|c| c.api_token = Some(Secret::new("kk"))).await;
+    let h = harness_with(|c| c.edge.api_token = Some(Secret::new("kk"))).await;
     let r = h
         .http
         .get(format!("{}/v1/queues/h100", h.base))

@@ -126,7 +126,7 @@ async fn long_poll_on_a_finished_submission_returns_at_once() {
 
 #[tokio::test]
 async fn a_huge_wait_under_a_huge_cap_does_not_panic() {
-    let h = harness_with(|c| c.max_wait_s = u64::MAX).await;
+    let h = harness_with(|c| c.edge.max_wait_s = u64::MAX).await;
     let (id, number) = h.submit().await;
     h.wait_build_attached(&id).await;
     h.fake.finish_build(number, "failed", None).await;

@@ -246,8 +246,8 @@ async fn openapi_document_describes_the_routes() {
 #[tokio::test]
 async fn oversized_bodies_are_refused_with_a_json_error_naming_the_limit() {
     let h = harness_with(|c| {
-        c.max_submission_bytes = 1024;
-        c.webhook_max_bytes = 1024;
+        c.edge.max_submission_bytes = 1024;
+        c.edge.webhook_max_bytes = 1024;
     })
     .await;
     let mut cfg = sample_config();

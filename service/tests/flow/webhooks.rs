@@ -116,7 +116,7 @@ async fn forged_webhooks_are_refused_and_change_nothing() {
 
 #[tokio::test]
 async fn plain_token_mode_only_when_allowed() {
-    let h = harness_with(|c| c.allow_plain_webhook_token = true).await;
+    let h = harness_with(|c| c.buildkite.allow_plain_webhook_token = true).await;
     let url = format!("{}/webhooks/buildkite", h.base);
     h.fake
         .set_webhook(url.clone(), Signing::Token("wrong".into()));
@@ -137,8 +137,8 @@ async fn plain_token_mode_only_when_allowed() {
 #[tokio::test]
 async fn without_a_webhook_token_every_webhook_is_refused() {
     let h = harness_with(|c| {
-        c.buildkite_webhook_token = None;
-        c.allow_plain_webhook_token = true;
+        c.buildkite.buildkite_webhook_token = None;
+        c.buildkite.allow_plain_webhook_token = true;
     })
     .await;
     let (id, number) = h.submit().await;
@@ -279,7 +279,7 @@ async fn unknown_builds_and_pings_are_acknowledged() {
 
 #[tokio::test]
 async fn webhook_body_limit_applies() {
-    let h = harness_with(|c| c.webhook_max_bytes = 1024).await;
+    let h = harness_with(|c| c.edge.webhook_max_bytes = 1024).await;
     let body = vec![b' '; 4096];
     let headers = vec![(
         "X-Buildkite-Signature",

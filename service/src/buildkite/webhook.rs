@@ -10,7 +10,7 @@ use reqwest::header::HeaderMap;
 use serde::Deserialize;
 use sha2::Sha256;
 
-use crate::config::Secret;
+use crate::config::{Config, Secret};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus};
 
 /// Buildkite's signature header: `timestamp=<unix s>,signature=<hex HMAC-SHA256>`.
@@ -237,6 +237,19 @@ pub struct WebhookReceiver {
 }
 
 impl WebhookReceiver {
+    /// The receiver the configuration describes: BUILDKITE_WEBHOOK_TOKEN,
+    /// KERNELKITE_ALLOW_PLAIN_WEBHOOK_TOKEN, KERNELKITE_WEBHOOK_WINDOW_S, BUILDKITE_PIPELINE.
+    pub fn from_config(cfg: &Config) -> WebhookReceiver {
+        WebhookReceiver {
+            auth: WebhookAuth {
+                token: cfg.buildkite.buildkite_webhook_token.clone(),
+                allow_plain_token: cfg.buildkite.allow_plain_webhook_token,
+                window_s: cfg.buildkite.webhook_window_s,
+            },
+            pipeline: cfg.buildkite.buildkite_pipeline.clone(),
+        }
+    }
+
     /// Verifies (before reading anything) and reads one delivery; `now` is unix seconds.
     /// Returns the build event to act on, if the delivery is one. A refusal is not logged
     /// here: the caller knows the peer, counts it and rate-limits the log.

@@ -3,16 +3,14 @@
 //!
 //! Two sources, read differently. The service's own counts (its in-flight submissions on the
 //! queue, by state) are exact and read from the store on every request. The agents (GPU
-//! machines) serving the queue come from the executor's world, Buildkite's agents list or its
-//! agent metrics endpoint ([`buildkite`]), which costs API calls against the same 50/min budget
-//! that submissions spend; so they are fetched in the background at most once per
+//! machines) serving the queue come from the executor's world ([`Executor::agents`];
+//! Buildkite: its agents list or its agent metrics endpoint, `crate::buildkite::agents`), which
+//! costs API calls against the same 50/min budget that submissions spend; so they are fetched
+//! in the background at most once per
 //! `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only while
 //! somebody asks, and every request in between is answered from that snapshot. A request
 //! never waits for Buildkite except the very first, and then only briefly.
 
-pub mod buildkite;
-
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,37 +20,10 @@ use tokio::sync::watch;
 // Tokio's clock, so tests can pause it.
 use tokio::time::Instant;
 
-use crate::config::{Config, Secret};
-use crate::executor::BoxFuture;
-use crate::report::{report, BoxError};
+use crate::config::Config;
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, Executor};
+use crate::report::report;
 use crate::store::Store;
-
-/// Where queue status gets its agent counts: the flags of `GET /v1/queues/{queue}`.
-#[derive(Clone, Debug, clap::Args)]
-pub struct QueueSettings {
-    /// Buildkite agent token. When set, agent counts come from the agent API's metrics
-    /// endpoint (one call for every queue of the token's cluster) instead of the REST agents
-    /// list (which needs the `read_agents` scope on BUILDKITE_API_TOKEN).
-    #[arg(long, env = "BUILDKITE_AGENT_TOKEN", hide_env_values = true)]
-    pub buildkite_agent_token: Option<Secret>,
-
-    /// Base URL of Buildkite's agent API (its metrics endpoint is `<url>/metrics`).
-    #[arg(long, env = "BUILDKITE_AGENT_API_URL", default_value = DEFAULT_AGENT_API_URL)]
-    pub buildkite_agent_api_url: String,
-
-    /// Agent counts are fetched from Buildkite at most this often, seconds (at least 60: the
-    /// calls share the API token's 50 requests/min with submissions).
-    #[arg(
-        long,
-        env = "KERNELKITE_AGENTS_REFRESH_S",
-        default_value_t = 60,
-        value_parser = clap::value_parser!(u64).range(60..)
-    )]
-    pub agents_refresh_s: u64,
-}
-
-/// Buildkite's agent API.
-pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
 
 /// How long the first request after start waits for the first agent counts.
 const FIRST_WAIT: Duration = Duration::from_secs(3);
@@ -65,30 +36,6 @@ pub fn valid_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-}
-
-/// Agents of one queue.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct AgentCounts {
-    /// Connected and not running a job.
-    pub idle: u64,
-    /// Running a job.
-    pub busy: u64,
-    /// Connected.
-    pub total: u64,
-}
-
-/// Agent counts for every queue the source knows of.
-pub type AgentsByQueue = HashMap<String, AgentCounts>;
-
-/// Where agent counts come from (Buildkite's REST agents list, its agent metrics endpoint; a
-/// local executor's own slices).
-pub trait AgentSource: Send + Sync + 'static {
-    /// For log lines ("Buildkite agents list").
-    fn name(&self) -> &'static str;
-
-    /// Every connected agent, counted by queue. A queue missing from the map has no agent.
-    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
 }
 
 /// `GET /v1/queues/{queue}`.
@@ -141,30 +88,12 @@ impl Queues {
         }
     }
 
-    /// The agent source the configuration asks for, given which executor runs builds.
-    /// Buildkite: the agent metrics endpoint when an agent token is configured, else the REST
-    /// agents list. Another executor has no Buildkite agents; until it supplies a source of
-    /// its own (a local executor: its slices), `agents` is null.
-    pub fn for_executor(cfg: &Config, executor: &str) -> Queues {
+    /// Queue status with the agents `executor` counts (Buildkite: its agents list or agent
+    /// metrics; an executor without a source of its own: `agents` is null), refreshed as
+    /// KERNELKITE_AGENTS_REFRESH_S says.
+    pub fn for_executor(cfg: &Config, executor: &dyn Executor) -> Queues {
         let refresh = Duration::from_secs(cfg.queues.agents_refresh_s);
-        if executor != "Buildkite" {
-            return Queues::new(None, refresh);
-        }
-        let source: Result<Arc<dyn AgentSource>, reqwest::Error> = match &cfg
-            .queues
-            .buildkite_agent_token
-        {
-            Some(token) => buildkite::AgentMetrics::new(cfg, token.clone())
-                .map(|s| Arc::new(s) as Arc<dyn AgentSource>),
-            None => buildkite::AgentsList::new(cfg).map(|s| Arc::new(s) as Arc<dyn AgentSource>),
-        };
-        match source {
-            Ok(s) => Queues::new(Some(s), refresh),
-            Err(e) => {
-                tracing::warn!(error = %report(&e), "queue status will not show agents: cannot build the HTTP client");
-                Queues::new(None, refresh)
-            }
-        }
+        Queues::new(executor.agents(), refresh)
     }
 
     /// The queue's status: the store's counts now, the agents as last fetched. Starts a
@@ -245,6 +174,9 @@ impl Queues {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::BoxError;
+    use futures_util::future::BoxFuture;
+    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     struct Counting {

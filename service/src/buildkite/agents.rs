@@ -8,28 +8,24 @@
 //! - [`AgentMetrics`]: `GET <agent api>/metrics` with `Authorization: Token <agent token>`: idle,
 //!   busy and total agents per queue of the token's cluster, in one call.
 //!
-//! One fetch is one snapshot for every queue; [`super::Queues`] decides when to fetch. These
-//! calls are not retried: a failed fetch keeps the last counts until the next interval.
-
-use std::time::Duration;
+//! One fetch is one snapshot for every queue; `crate::queues::Queues` decides when to fetch.
+//! Both go through the REST client's HTTP client; the agents list also spends the client's
+//! shared rate budget (it counts against the same token as submissions), at the lowest
+//! priority, and pages with the client's `Link` reader. These calls are not retried: a
+//! failed fetch keeps the last counts until the next interval.
 
 use serde::Deserialize;
 
-use super::{AgentCounts, AgentSource, AgentsByQueue};
-use crate::config::{Config, Secret};
-use crate::executor::BoxFuture;
+use super::client::{next_link, BuildkiteClient};
+use super::Priority;
+use crate::config::Secret;
+use futures_util::future::BoxFuture;
+
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue};
 use crate::report::BoxError;
 
 /// Most pages of the agents list read per fetch (100 agents each).
 pub const MAX_PAGES: usize = 10;
-
-fn http_client(cfg: &Config) -> Result<reqwest::Client, reqwest::Error> {
-    reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .connect_timeout(Duration::from_secs(5).min(cfg.http_timeout()))
-        .timeout(cfg.http_timeout())
-        .build()
-}
 
 /// Why agent counts could not be fetched.
 #[derive(Debug, thiserror::Error)]
@@ -94,18 +90,6 @@ fn queue_of(meta_data: &[String]) -> &str {
         .unwrap_or("default")
 }
 
-/// The `rel="next"` URL of a `Link` header.
-pub fn next_link(link: &str) -> Option<&str> {
-    link.split(',').find_map(|part| {
-        let (url, params) = part.split_once(';')?;
-        let is_next = params
-            .split(';')
-            .any(|p| matches!(p.trim(), "rel=\"next\"" | "rel=next"));
-        let url = url.trim().strip_prefix('<')?.strip_suffix('>')?;
-        is_next.then_some(url)
-    })
-}
-
 fn count(agents: &[ListedAgent], into: &mut AgentsByQueue) {
     for a in agents {
         // The list holds connected agents only; a field saying otherwise wins.
@@ -149,46 +133,32 @@ fn checked(
 /// Agent counts from the REST agents list.
 #[derive(Debug)]
 pub struct AgentsList {
-    http: reqwest::Client,
-    base: String,
+    client: BuildkiteClient,
     first_page: String,
-    token: Secret,
 }
 
 impl AgentsList {
-    /// For the configured organization, with BUILDKITE_API_TOKEN.
-    pub fn new(cfg: &Config) -> Result<AgentsList, reqwest::Error> {
-        let base = cfg.buildkite_api_url.trim_end_matches('/').to_string();
-        Ok(AgentsList {
-            http: http_client(cfg)?,
-            first_page: format!(
-                "{base}/organizations/{}/agents?per_page=100",
-                cfg.buildkite_org
-            ),
-            base,
-            token: cfg.buildkite_api_token.clone(),
-        })
+    /// For `org`, through `client` (its token, HTTP client and rate budget).
+    pub fn new(client: BuildkiteClient, org: &str) -> AgentsList {
+        AgentsList {
+            client,
+            first_page: format!("/organizations/{org}/agents?per_page=100"),
+        }
     }
 
     async fn fetch_all(&self) -> Result<AgentsByQueue, AgentsError> {
         const WHAT: &str = "GET .../agents";
         const HINT: &str = "give BUILDKITE_API_TOKEN the read_agents scope, or set BUILDKITE_AGENT_TOKEN to use the agent metrics endpoint";
         let mut counts = AgentsByQueue::new();
-        let mut url = self.first_page.clone();
+        let mut path = self.first_page.clone();
         for number in 1..=MAX_PAGES {
+            // Queue status can wait: it yields to every other call in the budget.
             let sent = self
-                .http
-                .get(&url)
-                .bearer_auth(self.token.expose())
-                .send()
+                .client
+                .get_once("list_agents", Priority::Reconcile, &path)
                 .await;
             let resp = checked(WHAT, sent, HINT)?;
-            let next = resp
-                .headers()
-                .get(reqwest::header::LINK)
-                .and_then(|v| v.to_str().ok())
-                .and_then(next_link)
-                .map(str::to_string);
+            let next = next_link(resp.headers()).map(str::to_string);
             let agents: Vec<ListedAgent> = resp.json().await.map_err(|e| AgentsError::Decode {
                 what: WHAT,
                 source: e.without_url(),
@@ -204,13 +174,10 @@ impl AgentsList {
                     );
                 }
                 // The token goes only below the API base URL (as with artifact downloads).
-                Some(n)
-                    if n.strip_prefix(&self.base)
-                        .is_some_and(|p| p.starts_with('/')) =>
-                {
-                    url = n
-                }
-                Some(n) => return Err(AgentsError::ForeignLink(n)),
+                Some(n) => match n.strip_prefix(self.client.base()) {
+                    Some(p) if p.starts_with('/') => path = p.to_string(),
+                    _ => return Err(AgentsError::ForeignLink(n)),
+                },
             }
         }
         Ok(counts)
@@ -257,16 +224,14 @@ struct QueueAgents {
 }
 
 impl AgentMetrics {
-    /// For BUILDKITE_AGENT_API_URL, with the agent token.
-    pub fn new(cfg: &Config, token: Secret) -> Result<AgentMetrics, reqwest::Error> {
-        Ok(AgentMetrics {
-            http: http_client(cfg)?,
-            url: format!(
-                "{}/metrics",
-                cfg.queues.buildkite_agent_api_url.trim_end_matches('/')
-            ),
+    /// For the agent API at `api_url` (BUILDKITE_AGENT_API_URL), with the agent token,
+    /// through `http` (the REST client's: the agent API has limits of its own, so no budget).
+    pub fn new(http: reqwest::Client, api_url: &str, token: Secret) -> AgentMetrics {
+        AgentMetrics {
+            http,
+            url: format!("{}/metrics", api_url.trim_end_matches('/')),
             token,
-        })
+        }
     }
 
     async fn fetch_all(&self) -> Result<AgentsByQueue, AgentsError> {
@@ -318,20 +283,6 @@ impl AgentSource for AgentMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn next_link_reads_rel_next_only() {
-        let h = r#"<https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100>; rel="next", <https://api.buildkite.com/v2/organizations/o/agents?page=9&per_page=100>; rel="last""#;
-        assert_eq!(
-            next_link(h),
-            Some("https://api.buildkite.com/v2/organizations/o/agents?page=2&per_page=100")
-        );
-        let last_page =
-            r#"<https://x/v2/a?page=1>; rel="first", <https://x/v2/a?page=8>; rel="prev""#;
-        assert_eq!(next_link(last_page), None);
-        assert_eq!(next_link(""), None);
-        assert_eq!(next_link("garbage; rel=\"next\""), None);
-    }
 
     #[test]
     fn agents_count_by_queue_tag_and_job() {
