@@ -308,7 +308,56 @@ pub fn decide(
     let prev = previous.unwrap_or(&empty);
     let mut actions = Actions::default();
 
-    // Files.
+    let (entries, backups) = decide_files(desired, observed, prev, flags, &mut actions)?;
+    decide_stale_files(desired, observed, prev, &mut actions);
+    let created_dirs = decide_dirs(desired, observed, prev, &mut actions);
+
+    // Units going away are stopped before their files go.
+    let agent_units: Vec<String> = desired.agents.iter().map(|a| a.unit()).collect();
+    let wanted_units: BTreeSet<&String> = agent_units.iter().chain(desired.units.iter()).collect();
+    let going: Vec<String> = prev
+        .enabled_units
+        .iter()
+        .filter(|u| !wanted_units.contains(u))
+        .cloned()
+        .collect();
+    if !going.is_empty() {
+        actions
+            .before
+            .push(Step::systemctl(&["disable", "--now"], &going));
+    }
+
+    let (created_job_user, added_groups) = decide_job_user(desired, observed, prev, &mut actions);
+
+    let mut enabled = decide_units(desired, prev, &wanted_units, &mut actions);
+    actions.after.push(Step::Doctor);
+    actions.after.push(Step::Smoke);
+    if !flags.no_start {
+        start_agents(desired, &agent_units, &mut enabled, &mut actions);
+    }
+
+    actions.manifest = Some(Manifest {
+        version: VERSION,
+        node: node.to_string(),
+        files: entries,
+        created_dirs,
+        backups,
+        created_job_user,
+        added_groups,
+        enabled_units: enabled,
+    });
+    Ok(actions)
+}
+
+/// What to do with each wanted file; returns their manifest entries and the backups (the
+/// previous ones and those of the files replaced now).
+fn decide_files(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    flags: Flags,
+    actions: &mut Actions,
+) -> Result<(Vec<Entry>, Vec<Backup>), SetupError> {
     let mut entries = Vec::new();
     let mut backups = prev.backups.clone();
     for f in &desired.files {
@@ -329,6 +378,17 @@ pub fn decide(
         entries.push(entry_for(f)?);
         actions.files.push((f.clone(), action));
     }
+    Ok((entries, backups))
+}
+
+/// What to do with the files setup wrote before and no longer wants: remove them, unless
+/// someone changed them since.
+fn decide_stale_files(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) {
     let wanted: BTreeSet<&Path> = desired.files.iter().map(|f| f.path.as_path()).collect();
     for e in &prev.files {
         if wanted.contains(e.path()) {
@@ -344,8 +404,15 @@ pub fn decide(
             Some(Recorded::Missing) | None => {}
         }
     }
+}
 
-    // Directories.
+/// The directories to make; returns every directory setup has made, for the manifest.
+fn decide_dirs(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) -> Vec<PathBuf> {
     let mut created_dirs = prev.created_dirs.clone();
     for d in needed_dirs(desired) {
         if !observed.existing_dirs.contains(&d.path) {
@@ -355,23 +422,17 @@ pub fn decide(
             actions.mkdirs.push(d);
         }
     }
+    created_dirs
+}
 
-    // Units going away are stopped before their files go.
-    let agent_units: Vec<String> = desired.agents.iter().map(|a| a.unit()).collect();
-    let wanted_units: BTreeSet<&String> = agent_units.iter().chain(desired.units.iter()).collect();
-    let going: Vec<String> = prev
-        .enabled_units
-        .iter()
-        .filter(|u| !wanted_units.contains(u))
-        .cloned()
-        .collect();
-    if !going.is_empty() {
-        actions
-            .before
-            .push(Step::systemctl(&["disable", "--now"], &going));
-    }
-
-    // The job user.
+/// The job user: created when missing, added to the device nodes' groups it lacks. Returns
+/// whether setup created it and the groups setup added it to, for the manifest.
+fn decide_job_user(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) -> (bool, Vec<String>) {
     let mut created_job_user = prev.created_job_user;
     let mut added_groups = prev.added_groups.clone();
     if !observed.job_user_exists {
@@ -416,14 +477,17 @@ pub fn decide(
             }
         }
     }
+    (created_job_user, added_groups)
+}
 
-    // Units.
-    let changed = |p: &Path| {
-        actions
-            .files
-            .iter()
-            .any(|(f, a)| f.path == p && *a != FileAction::Same)
-    };
+/// systemd's view of the units: reloaded when a unit file changed, the node's own units
+/// (not the agents') enabled. Returns the units enabled after that.
+fn decide_units(
+    desired: &Desired,
+    prev: &Manifest,
+    wanted_units: &BTreeSet<&String>,
+    actions: &mut Actions,
+) -> Vec<String> {
     let units_changed = actions
         .files
         .iter()
@@ -453,47 +517,48 @@ pub fn decide(
             .push(Step::systemctl(&["enable", "--now"], &new_units));
         enabled.extend(new_units);
     }
-    actions.after.push(Step::Doctor);
-    actions.after.push(Step::Smoke);
-    if !flags.no_start {
-        let start: Vec<String> = agent_units
-            .iter()
-            .filter(|u| !enabled.contains(u))
-            .cloned()
-            .collect();
-        // A running agent reads its configuration, environment and unit only when it starts.
-        let shared_changed = changed(Path::new(AGENT_ENV))
-            || changed(&Path::new(UNIT_DIR).join(AGENT_UNIT))
-            || changed(&Path::new(UNIT_DIR).join(SLICE_UNIT));
-        let restart: Vec<String> = desired
-            .agents
-            .iter()
-            .filter(|a| enabled.contains(&a.unit()))
-            .filter(|a| shared_changed || changed(&a.config_path()))
-            .map(|a| a.unit())
-            .collect();
-        if !restart.is_empty() {
-            actions.after.push(Step::systemctl(&["restart"], &restart));
-        }
-        if !start.is_empty() {
-            actions
-                .after
-                .push(Step::systemctl(&["enable", "--now"], &start));
-            enabled.extend(start);
-        }
-    }
+    enabled
+}
 
-    actions.manifest = Some(Manifest {
-        version: VERSION,
-        node: node.to_string(),
-        files: entries,
-        created_dirs,
-        backups,
-        created_job_user,
-        added_groups,
-        enabled_units: enabled,
-    });
-    Ok(actions)
+/// The agents: those running restarted when what they read changed, the others enabled and
+/// started (and added to `enabled`).
+fn start_agents(
+    desired: &Desired,
+    agent_units: &[String],
+    enabled: &mut Vec<String>,
+    actions: &mut Actions,
+) {
+    let changed = |p: &Path| {
+        actions
+            .files
+            .iter()
+            .any(|(f, a)| f.path == p && *a != FileAction::Same)
+    };
+    let start: Vec<String> = agent_units
+        .iter()
+        .filter(|u| !enabled.contains(u))
+        .cloned()
+        .collect();
+    // A running agent reads its configuration, environment and unit only when it starts.
+    let shared_changed = changed(Path::new(AGENT_ENV))
+        || changed(&Path::new(UNIT_DIR).join(AGENT_UNIT))
+        || changed(&Path::new(UNIT_DIR).join(SLICE_UNIT));
+    let restart: Vec<String> = desired
+        .agents
+        .iter()
+        .filter(|a| enabled.contains(&a.unit()))
+        .filter(|a| shared_changed || changed(&a.config_path()))
+        .map(|a| a.unit())
+        .collect();
+    if !restart.is_empty() {
+        actions.after.push(Step::systemctl(&["restart"], &restart));
+    }
+    if !start.is_empty() {
+        actions
+            .after
+            .push(Step::systemctl(&["enable", "--now"], &start));
+        enabled.extend(start);
+    }
 }
 
 /// What `--uninstall` does: undo exactly what the manifest records.
