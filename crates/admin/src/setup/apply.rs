@@ -701,7 +701,32 @@ pub fn execute(
     }
     let mut leftovers = Vec::new();
     run_steps(&actions.before, runner)?;
-    for d in &actions.mkdirs {
+    make_dirs(root, &actions.mkdirs)?;
+    write_files(root, &actions.files)?;
+    remove_stale(root, &actions.stale, &mut leftovers)?;
+    restore_backups(root, &actions.restore, &mut leftovers)?;
+    match &actions.manifest {
+        Some(m) => write_manifest(root, &manifest_before_steps(m, previous))?,
+        None => {
+            let p = under(root, Path::new(MANIFEST));
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(SetupError::io(&p, e)),
+            }
+        }
+    }
+    remove_dirs(root, &actions.rmdirs, &mut leftovers);
+    run_steps(&actions.after, runner)?;
+    if let Some(m) = &actions.manifest {
+        write_manifest(root, m)?;
+    }
+    Ok(leftovers)
+}
+
+/// Makes the directories, each with its mode; one already there is left as it is.
+fn make_dirs(root: &Path, dirs: &[Dir]) -> Result<(), SetupError> {
+    for d in dirs {
         let p = under(root, &d.path);
         match std::fs::create_dir(&p) {
             Ok(()) => {}
@@ -711,7 +736,12 @@ pub fn execute(
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(d.mode))
             .map_err(|e| SetupError::io(&p, e))?;
     }
-    for (f, action) in &actions.files {
+    Ok(())
+}
+
+/// Writes the files to create, update or replace (a replaced one moved aside first).
+fn write_files(root: &Path, files: &[(File, FileAction)]) -> Result<(), SetupError> {
+    for (f, action) in files {
         match action {
             FileAction::Same | FileAction::Conflict => continue,
             FileAction::Replace => {
@@ -730,7 +760,16 @@ pub fn execute(
         }
         write_file(root, f)?;
     }
-    for (path, action) in &actions.stale {
+    Ok(())
+}
+
+/// Removes the stale files; those changed since stay, with a line in `leftovers`.
+fn remove_stale(
+    root: &Path,
+    stale: &[(PathBuf, StaleAction)],
+    leftovers: &mut Leftovers,
+) -> Result<(), SetupError> {
+    for (path, action) in stale {
         let p = under(root, path);
         match action {
             StaleAction::Remove => std::fs::remove_file(&p).map_err(|e| SetupError::io(&p, e))?,
@@ -740,7 +779,16 @@ pub fn execute(
             )),
         }
     }
-    for b in &actions.restore {
+    Ok(())
+}
+
+/// Puts the files `--replace` moved aside back, unless something took their place since.
+fn restore_backups(
+    root: &Path,
+    restore: &[Backup],
+    leftovers: &mut Leftovers,
+) -> Result<(), SetupError> {
+    for b in restore {
         let from = under(root, &b.moved_to);
         let to = under(root, &b.path);
         if std::fs::symlink_metadata(&to).is_ok() {
@@ -753,37 +801,34 @@ pub fn execute(
             std::fs::rename(&from, &to).map_err(|e| SetupError::io(&from, e))?;
         }
     }
-    match &actions.manifest {
-        Some(m) => {
-            // First with the state as it was: a command failing below must not leave a
-            // manifest claiming what it would have done.
-            let mut now = m.clone();
-            if let Some(p) = previous {
-                now.created_job_user = p.created_job_user;
-                now.added_groups = p.added_groups.clone();
-                now.enabled_units = p
-                    .enabled_units
-                    .iter()
-                    .filter(|u| m.enabled_units.contains(u))
-                    .cloned()
-                    .collect();
-            } else {
-                now.created_job_user = false;
-                now.added_groups.clear();
-                now.enabled_units.clear();
-            }
-            write_manifest(root, &now)?;
-        }
-        None => {
-            let p = under(root, Path::new(MANIFEST));
-            match std::fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(SetupError::io(&p, e)),
-            }
-        }
+    Ok(())
+}
+
+/// The manifest to write before the commands run: `m`'s files, with the state the commands
+/// change (the job user, its groups, the enabled units) as it was, so that a command failing
+/// does not leave a manifest claiming what it would have done.
+fn manifest_before_steps(m: &Manifest, previous: Option<&Manifest>) -> Manifest {
+    let mut now = m.clone();
+    if let Some(p) = previous {
+        now.created_job_user = p.created_job_user;
+        now.added_groups = p.added_groups.clone();
+        now.enabled_units = p
+            .enabled_units
+            .iter()
+            .filter(|u| m.enabled_units.contains(u))
+            .cloned()
+            .collect();
+    } else {
+        now.created_job_user = false;
+        now.added_groups.clear();
+        now.enabled_units.clear();
     }
-    for d in &actions.rmdirs {
+    now
+}
+
+/// Removes the directories setup made; one not empty stays, with a line in `leftovers`.
+fn remove_dirs(root: &Path, rmdirs: &[PathBuf], leftovers: &mut Leftovers) {
+    for d in rmdirs {
         let p = under(root, d);
         match std::fs::remove_dir(&p) {
             Ok(()) => {}
@@ -794,9 +839,4 @@ pub fn execute(
             )),
         }
     }
-    run_steps(&actions.after, runner)?;
-    if let Some(m) = &actions.manifest {
-        write_manifest(root, m)?;
-    }
-    Ok(leftovers)
 }

@@ -602,28 +602,16 @@ fn random_token() -> String {
     hex::encode(buf)
 }
 
-/// Runs one smoke job on `slice` through the hooks in `opts.hooks_dir`.
-pub fn run_slice(
+/// The variables the agent gives a job, for the smoke job `job_id` on `slice` (the Job API's
+/// socket and token are added once it listens): the caller's `PATH`, `HOME`, `LANG` and
+/// `TMPDIR`, then `opts.env`, then Buildkite's.
+fn smoke_job_env(
     opts: &SmokeOptions,
-    plan: &Plan,
     slice: &Slice,
     config: &str,
-    mode: Mode,
-    allow_root: bool,
-) -> Result<SliceReport, SetupError> {
-    let job_id = format!("kernelkite-smoke-{}-{}", std::process::id(), slice.index);
-    let dir = tempfile::Builder::new()
-        .prefix("kernelkite-smoke.")
-        .tempdir()
-        .map_err(|e| SetupError::io(&std::env::temp_dir(), e))?;
-    let checkout = dir.path().join("checkout");
-    std::fs::create_dir(&checkout).map_err(|e| SetupError::io(&checkout, e))?;
-    // The command runs as the unprivileged job user, which must reach its checkout.
-    for (p, mode) in [(dir.path(), 0o755), (checkout.as_path(), 0o777)] {
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| SetupError::io(p, e))?;
-    }
-    let token = random_token();
+    job_id: &str,
+    checkout: &Path,
+) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     for k in ["PATH", "HOME", "LANG", "TMPDIR"] {
         if let Ok(v) = std::env::var(k) {
@@ -637,8 +625,8 @@ pub fn run_slice(
     set(&mut env, "KERNELKITE_CONFIG", config);
     set(&mut env, "BUILDKITE", "true");
     set(&mut env, "CI", "true");
-    set(&mut env, "BUILDKITE_JOB_ID", &job_id);
-    set(&mut env, "BUILDKITE_BUILD_ID", &job_id);
+    set(&mut env, "BUILDKITE_JOB_ID", job_id);
+    set(&mut env, "BUILDKITE_BUILD_ID", job_id);
     set(&mut env, "BUILDKITE_BUILD_NUMBER", "0");
     set(&mut env, "BUILDKITE_PIPELINE_SLUG", "kernelkite-smoke");
     set(&mut env, "BUILDKITE_ORGANIZATION_SLUG", "local");
@@ -663,14 +651,40 @@ pub fn run_slice(
         "BUILDKITE_COMMAND",
         &command(opts.runner.as_deref()),
     );
+    env
+}
+
+/// Runs one smoke job on `slice` through the hooks in `opts.hooks_dir`.
+// Long because one smoke job end to end: checkout, Job API, the three hooks in order, verdicts.
+pub fn run_slice(
+    opts: &SmokeOptions,
+    plan: &Plan,
+    slice: &Slice,
+    config: &str,
+    mode: Mode,
+    allow_root: bool,
+) -> Result<SliceReport, SetupError> {
+    let job_id = format!("kernelkite-smoke-{}-{}", std::process::id(), slice.index);
+    let dir = tempfile::Builder::new()
+        .prefix("kernelkite-smoke.")
+        .tempdir()
+        .map_err(|e| SetupError::io(&std::env::temp_dir(), e))?;
+    let checkout = dir.path().join("checkout");
+    std::fs::create_dir(&checkout).map_err(|e| SetupError::io(&checkout, e))?;
+    // The command runs as the unprivileged job user, which must reach its checkout.
+    for (p, mode) in [(dir.path(), 0o755), (checkout.as_path(), 0o777)] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| SetupError::io(p, e))?;
+    }
+    let token = random_token();
+    let mut env = smoke_job_env(opts, slice, config, &job_id, &checkout);
     let api = JobApiServer::start(&dir.path().join("job-api.sock"), &token, env.clone())
         .map_err(|e| SetupError::io(&dir.path().join("job-api.sock"), e))?;
-    set(
-        &mut env,
-        "BUILDKITE_AGENT_JOB_API_SOCKET",
-        &api.socket().display().to_string(),
+    env.insert(
+        "BUILDKITE_AGENT_JOB_API_SOCKET".into(),
+        api.socket().display().to_string(),
     );
-    set(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
+    env.insert("BUILDKITE_AGENT_JOB_API_TOKEN".into(), token.clone());
 
     // The hooks run in the checkout: a relative hooks-path would no longer name them.
     let hooks_dir =
@@ -717,19 +731,9 @@ pub fn run_slice(
         .as_ref()
         .map(|o| parse_seen(&String::from_utf8_lossy(&o.stdout)))
         .unwrap_or_default();
-    let gpus: Vec<&str> = slice.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
     Ok(SliceReport {
         slice: slice.index,
-        about: format!(
-            "{}, CPUs {}, {}",
-            if gpus.is_empty() {
-                "no GPU".to_string()
-            } else {
-                format!("GPU {}", gpus.join(","))
-            },
-            format_cpu_list(&slice.cpus),
-            format_bytes(slice.memory_bytes)
-        ),
+        about: slice_about(slice),
         checks: {
             let mut checks = judge(plan, slice, mode, &job_id, &results, &seen);
             if command_out.is_some() {
@@ -743,6 +747,21 @@ pub fn run_slice(
             checks
         },
     })
+}
+
+/// What a slice holds, for its report: its GPUs, CPUs and memory.
+fn slice_about(slice: &Slice) -> String {
+    let gpus: Vec<&str> = slice.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
+    format!(
+        "{}, CPUs {}, {}",
+        if gpus.is_empty() {
+            "no GPU".to_string()
+        } else {
+            format!("GPU {}", gpus.join(","))
+        },
+        format_cpu_list(&slice.cpus),
+        format_bytes(slice.memory_bytes)
+    )
 }
 
 /// Runs the smoke job on every slice (or those asked for), one after the other.
