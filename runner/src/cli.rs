@@ -314,6 +314,7 @@ fn secrets_of(json: &serde_json::Value) -> Vec<String> {
     .collect()
 }
 
+// Long because a linear set-up (work directory, handlers, subreaper, guard), each failure a result.
 fn evaluate_in_workdir(
     args: &Args,
     cfg: &RunConfig,

@@ -166,6 +166,7 @@ pub fn evaluate(cfg: &RunConfig, opts: &Options) -> Evaluation {
     }
 }
 
+// Long because the evaluation's steps in kernelbot's order: checks, compiler, each mode's runs.
 fn evaluate_into(
     cfg: &RunConfig,
     opts: &Options,
@@ -203,34 +204,7 @@ fn evaluate_into(
     let job = match cfg.lang {
         Lang::Cuda => {
             let Some(nvcc) = cuda::find_nvcc(opts.nvcc.as_deref(), &opts.cuda_fallbacks) else {
-                // kernelbot's record of a failed `which nvcc`, plus the reason for the node.
-                let first = match cfg.mode {
-                    Mode::Leaderboard | Mode::Private => "test".to_string(),
-                    Mode::Profile => "profile.0".to_string(),
-                    m => m.as_str().to_string(),
-                };
-                let now = Timestamp::now();
-                runs.insert(
-                    first,
-                    EvalResult {
-                        start: now,
-                        end: now,
-                        compilation: Some(CompileResult {
-                            nvcc_found: false,
-                            nvcc_version: String::new(),
-                            success: false,
-                            command: "which nvcc".into(),
-                            stdout: String::new(),
-                            stderr: String::new(),
-                            exit_code: 1,
-                        }),
-                        run: None,
-                        profile: None,
-                    },
-                );
-                return Err(Failure::recorded_infrastructure(
-                    "nvcc not found (looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin and /usr/local/cuda/bin); install the CUDA toolkit on the node or pass --nvcc",
-                ));
+                return Err(record_missing_nvcc(cfg, runs));
             };
             cuda::check_include_dirs(&cfg.include_dirs).map_err(Failure::infrastructure)?;
             Job {
@@ -281,6 +255,38 @@ fn evaluate_into(
         }
     }
     Ok(())
+}
+
+/// kernelbot's record of a failed `which nvcc` (as the first run's compilation), and the
+/// failure, with the reason for the node.
+fn record_missing_nvcc(cfg: &RunConfig, runs: &mut IndexMap<String, EvalResult>) -> Failure {
+    let first = match cfg.mode {
+        Mode::Leaderboard | Mode::Private => "test".to_string(),
+        Mode::Profile => "profile.0".to_string(),
+        m => m.as_str().to_string(),
+    };
+    let now = Timestamp::now();
+    runs.insert(
+        first,
+        EvalResult {
+            start: now,
+            end: now,
+            compilation: Some(CompileResult {
+                nvcc_found: false,
+                nvcc_version: String::new(),
+                success: false,
+                command: "which nvcc".into(),
+                stdout: String::new(),
+                stderr: String::new(),
+                exit_code: 1,
+            }),
+            run: None,
+            profile: None,
+        },
+    );
+    Failure::recorded_infrastructure(
+        "nvcc not found (looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin and /usr/local/cuda/bin); install the CUDA toolkit on the node or pass --nvcc",
+    )
 }
 
 /// A cancelled job stops after the run that was killed (kept in `runs` for the record).

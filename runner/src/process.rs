@@ -182,6 +182,7 @@ pub fn run(spec: &Spec) -> io::Result<Outcome> {
 }
 
 /// Reads the child's output until it is gone (or timed out / cancelled) and cleaned up.
+// Long because one poll loop: exit, cancellation and deadline share the pipe-draining state.
 fn supervise(
     spec: &Spec,
     child: &mut std::process::Child,

@@ -348,6 +348,32 @@ fn under_root(root: &Path, mount_point: &str) -> PathBuf {
     root.join(mount_point.trim_start_matches('/'))
 }
 
+/// The needed v1 controllers: those mounted and usable (`found`), and what is wrong with the
+/// others (`problems`), each a phrase.
+fn v1_controllers(root: &Path, mounts: &[Mount]) -> (Vec<String>, Vec<String>) {
+    let mut found = Vec::new();
+    let mut problems = Vec::new();
+    for c in NEEDED {
+        match mounts
+            .iter()
+            .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == c))
+        {
+            Some(m) if m.read_only => {
+                problems.push(format!("{c} at {} is read-only", m.mount_point))
+            }
+            Some(m) if !under_root(root, &m.mount_point).is_dir() => {
+                problems.push(format!("{c} mount point {} is missing", m.mount_point))
+            }
+            Some(m) if !cgroup_writable(&under_root(root, &m.mount_point)) => problems.push(
+                format!("{c} at {} is not writable by this user", m.mount_point),
+            ),
+            Some(m) => found.push(format!("{c} at {}", m.mount_point)),
+            None => problems.push(format!("{c} is not mounted")),
+        }
+    }
+    (found, problems)
+}
+
 /// cgroup v2 with cpuset, memory and pids available and writable, else v1 with each mounted rw.
 pub fn check_cgroups(root: &Path, mountinfo: &str) -> Check {
     const NAME: &str = "cgroups";
@@ -389,26 +415,7 @@ pub fn check_cgroups(root: &Path, mountinfo: &str) -> Check {
             missing.join(", ")
         );
     }
-    let mut found = Vec::new();
-    let mut problems = Vec::new();
-    for c in NEEDED {
-        match mounts
-            .iter()
-            .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == c))
-        {
-            Some(m) if m.read_only => {
-                problems.push(format!("{c} at {} is read-only", m.mount_point))
-            }
-            Some(m) if !under_root(root, &m.mount_point).is_dir() => {
-                problems.push(format!("{c} mount point {} is missing", m.mount_point))
-            }
-            Some(m) if !cgroup_writable(&under_root(root, &m.mount_point)) => problems.push(
-                format!("{c} at {} is not writable by this user", m.mount_point),
-            ),
-            Some(m) => found.push(format!("{c} at {}", m.mount_point)),
-            None => problems.push(format!("{c} is not mounted")),
-        }
-    }
+    let (found, problems) = v1_controllers(root, &mounts);
     if problems.is_empty() {
         return Check::ok(NAME, format!("cgroup v1: {}{v2_note}", found.join(", ")));
     }

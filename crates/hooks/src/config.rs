@@ -634,6 +634,7 @@ pub fn parse_config(json: &str) -> Result<PluginConfig, ConfigError> {
 }
 
 /// Like [`parse_config`], from an already parsed value.
+// Long because one match arm per configuration key, each with its own bounds.
 pub fn parse_config_value(value: &Value) -> Result<PluginConfig, ConfigError> {
     let block: Block = match value {
         Value::Null => return Ok(PluginConfig::default()),

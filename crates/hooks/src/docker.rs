@@ -157,18 +157,11 @@ pub fn amd_render_node(sysfs_root: &Path, bus_id: &str) -> Option<PathBuf> {
     nodes.first().map(|n| Path::new("/dev/dri").join(n))
 }
 
-/// The argument vector after `docker`.
-pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
+/// The flags that give the container the slice's GPUs: `--gpus` for NVIDIA; for AMD, the
+/// device nodes and the groups that may open them.
+fn gpu_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
     let s = |x: &str| x.to_string();
-    let mut a = vec![
-        s("run"),
-        s("--rm"),
-        s("--init"),
-        s("--name"),
-        container_name(&r.job_id),
-        s("--label"),
-        format!("kernelkite.job={}", r.job_id),
-    ];
+    let mut a = Vec::new();
     let gpus = r.slice.gpus();
     if let Some(first) = gpus.first() {
         match first.vendor {
@@ -194,6 +187,22 @@ pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
             }
         }
     }
+    a
+}
+
+/// The argument vector after `docker`.
+pub fn run_args(r: &DockerRun, host_indices: &[u32]) -> Vec<String> {
+    let s = |x: &str| x.to_string();
+    let mut a = vec![
+        s("run"),
+        s("--rm"),
+        s("--init"),
+        s("--name"),
+        container_name(&r.job_id),
+        s("--label"),
+        format!("kernelkite.job={}", r.job_id),
+    ];
+    a.extend(gpu_args(r, host_indices));
     let mem = r.slice.memory_bytes.to_string();
     a.extend([
         s("--cpuset-cpus"),

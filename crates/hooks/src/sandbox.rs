@@ -90,28 +90,8 @@ impl SandboxError {
 
 pub use environ::job_env;
 
-/// The lines the job log gets: what the job can see.
-pub fn describe(
-    spec: &SandboxSpec,
-    built: &mounts::Built,
-    creds: &privileges::Credentials,
-    status: &str,
-    cwd_reachable: bool,
-) -> Vec<String> {
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .map(|v| v.trim().to_string())
-            .unwrap_or_else(|| "?".into())
-    };
-    let list = |v: &[PathBuf]| {
-        v.iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let mut lines = Vec::new();
+/// Who the command runs as: its user, groups and capabilities.
+fn identity_line(spec: &SandboxSpec, creds: &privileges::Credentials) -> String {
     let groups = if creds.groups.is_empty() {
         "no supplementary groups".to_string()
     } else {
@@ -132,10 +112,56 @@ pub fn describe(
         ),
         _ => "no capabilities".into(),
     };
-    lines.push(format!(
+    format!(
         "the command runs as {} (uid {}, gid {}, {groups}), no_new_privs, {caps}",
         spec.user.name, spec.user.uid, spec.user.gid
-    ));
+    )
+}
+
+/// What the view made read-only: the cgroup mounts, the host's other file systems, `.git`.
+fn read_only_parts(built: &mounts::Built) -> Vec<String> {
+    let mut ro: Vec<String> = Vec::new();
+    if !built.read_only_cgroups.is_empty() {
+        ro.push(format!(
+            "the cgroup file system ({} mount{})",
+            built.read_only_cgroups.len(),
+            if built.read_only_cgroups.len() == 1 {
+                ""
+            } else {
+                "s"
+            }
+        ));
+    }
+    if built.host_read_only {
+        ro.push("every other file system of the host's".into());
+    }
+    ro.extend(built.read_only.iter().map(|p| p.display().to_string()));
+    ro
+}
+
+/// The lines the job log gets: what the job can see.
+// Long because one line per fact of the job's view, in the order the job log shows them.
+pub fn describe(
+    spec: &SandboxSpec,
+    built: &mounts::Built,
+    creds: &privileges::Credentials,
+    status: &str,
+    cwd_reachable: bool,
+) -> Vec<String> {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    let list = |v: &[PathBuf]| {
+        v.iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut lines = vec![identity_line(spec, creds)];
     if spec.user.is_root() {
         lines.push("WARNING: the command runs as root (allow-root: true): without capabilities, but it can change files root owns on the host (/etc, /usr, ...)".into());
     }
@@ -179,22 +205,7 @@ pub fn describe(
             ""
         }
     ));
-    let mut ro: Vec<String> = Vec::new();
-    if !built.read_only_cgroups.is_empty() {
-        ro.push(format!(
-            "the cgroup file system ({} mount{})",
-            built.read_only_cgroups.len(),
-            if built.read_only_cgroups.len() == 1 {
-                ""
-            } else {
-                "s"
-            }
-        ));
-    }
-    if built.host_read_only {
-        ro.push("every other file system of the host's".into());
-    }
-    ro.extend(built.read_only.iter().map(|p| p.display().to_string()));
+    let ro = read_only_parts(built);
     if !ro.is_empty() {
         lines.push(format!("read-only: {}", ro.join(", ")));
     }

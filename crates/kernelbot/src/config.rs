@@ -281,6 +281,7 @@ impl RunConfig {
 
     /// Checks everything kernelbot would trip over later, and the things it does not check
     /// but should (paths escaping the work directory). Returns the warnings on success.
+    // Long because one check per field, in kernelbot's order, each with its own error.
     pub fn validate(&self) -> Result<Vec<String>, ConfigError> {
         if self.sources.is_empty() {
             return Err(ConfigError::NoSources);

@@ -209,6 +209,16 @@ impl FakeSys {
     /// Writes the tree under `root` (created if missing).
     pub fn write_to(&self, root: &Path) -> io::Result<()> {
         let nbits = self.cpus.iter().map(|c| c.id + 1).max().unwrap_or(1);
+        self.write_cpus(root, nbits)?;
+        self.write_nodes(root, nbits)?;
+        self.write_proc(root)?;
+        self.write_doctor_traces(root)?;
+        self.write_pci(root, nbits)
+    }
+
+    /// `sys/devices/system/cpu`: the CPU lists and each online CPU's topology. `nbits` is
+    /// the width of the masks.
+    fn write_cpus(&self, root: &Path, nbits: u32) -> io::Result<()> {
         let all: Vec<u32> = self.cpus.iter().map(|c| c.id).collect();
         let online = self.online();
         let cpu_dir = root.join("sys/devices/system/cpu");
@@ -248,7 +258,11 @@ impl FakeSys {
             write(&t.join("core_siblings"), &format_mask(&package, nbits))?;
             write(&t.join("core_siblings_list"), &format_cpu_list(&package))?;
         }
+        Ok(())
+    }
 
+    /// `sys/devices/system/node`: the node lists and each node's CPUs, memory and distances.
+    fn write_nodes(&self, root: &Path, nbits: u32) -> io::Result<()> {
         let node_dir = root.join("sys/devices/system/node");
         let node_ids: Vec<u32> = self.nodes.iter().map(|(n, _)| *n).collect();
         write(&node_dir.join("online"), &format_cpu_list(&node_ids))?;
@@ -273,7 +287,13 @@ impl FakeSys {
             write(&d.join("distance"), &distance.join(" "))?;
             fs::create_dir_all(d.join("hugepages"))?;
         }
+        Ok(())
+    }
 
+    /// `proc`: the memory, this process's allowed CPUs and memory nodes, and `cpuinfo`.
+    fn write_proc(&self, root: &Path) -> io::Result<()> {
+        let online = self.online();
+        let node_ids: Vec<u32> = self.nodes.iter().map(|(n, _)| *n).collect();
         let kb = self.total_memory() / 1024;
         write(
             &root.join("proc/meminfo"),
@@ -289,9 +309,12 @@ impl FakeSys {
             ),
         )?;
         write(&root.join("proc/cpuinfo"), &self.cpuinfo())?;
+        Ok(())
+    }
 
-        // What `doctor` looks for: a cgroup v2 hierarchy with the controllers isolation needs,
-        // and the GPU drivers' traces.
+    /// What `doctor` looks for: a cgroup v2 hierarchy with the controllers isolation needs,
+    /// and the GPU drivers' traces.
+    fn write_doctor_traces(&self, root: &Path) -> io::Result<()> {
         write(
             &root.join("proc/self/mountinfo"),
             "25 1 0:23 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw\n\
@@ -311,7 +334,12 @@ impl FakeSys {
             write(&root.join("dev/kfd"), "")?;
             fs::create_dir_all(root.join("sys/module/amdgpu"))?;
         }
+        Ok(())
+    }
 
+    /// `sys/bus/pci/devices`, and each NVIDIA GPU's `proc/driver/nvidia` information.
+    fn write_pci(&self, root: &Path, nbits: u32) -> io::Result<()> {
+        let online = self.online();
         let pci_dir = root.join("sys/bus/pci/devices");
         fs::create_dir_all(&pci_dir)?;
         for p in &self.pci {

@@ -223,85 +223,15 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
     let mut warnings = Vec::new();
 
     let allowed: BTreeSet<u32> = topology.allowed_cpus.iter().copied().collect();
-    let online = topology.online_cpus();
-    let offline = topology.offline_cpus();
-    if !offline.is_empty() {
-        warnings.push(format!(
-            "CPUs {} are offline and were not planned; re-run `plan` after bringing them online",
-            format_cpu_list(&offline)
-        ));
-    }
-    let outside: Vec<u32> = online
-        .iter()
-        .copied()
-        .filter(|c| !allowed.contains(c))
-        .collect();
-    if !outside.is_empty() {
-        warnings.push(format!(
-            "CPUs {} are outside this process's cpuset and were not planned; run `plan` from the agent's cgroup or widen its cpuset",
-            format_cpu_list(&outside)
-        ));
-    }
-
-    let first_node = topology.numa_nodes.first().map_or(0, |n| n.id);
-    let cores: Vec<Core> = topology
-        .physical_cores()
-        .into_iter()
-        .filter_map(|c| {
-            let cpus: Vec<u32> = c.cpus.into_iter().filter(|x| allowed.contains(x)).collect();
-            (!cpus.is_empty()).then_some(Core {
-                key: c.key,
-                package: c.package,
-                node: c.numa_node.unwrap_or(first_node),
-                cpus,
-            })
-        })
-        .collect();
-    if cores.is_empty() {
-        return Err(PlanError::NoUsableCpus(format!(
-            "online {} ∩ allowed {} is empty; run `plan` inside the agent's cgroup",
-            format_cpu_list(&online),
-            format_cpu_list(&topology.allowed_cpus)
-        )));
-    }
-    let smt_partial = cores.iter().filter(|c| {
-        topology
-            .cpus
-            .iter()
-            .filter(|x| x.online && x.core == c.key)
-            .count()
-            > c.cpus.len()
-    });
-    let partial: Vec<u32> = smt_partial.flat_map(|c| c.cpus.iter().copied()).collect();
-    if !partial.is_empty() {
-        warnings.push(format!(
-            "the cpuset holds only some SMT threads of the cores of CPUs {}; their other threads may be used by processes outside the plan",
-            format_cpu_list(&partial)
-        ));
-    }
+    warn_unplanned_cpus(topology, &allowed, &mut warnings);
+    let cores = usable_cores(topology, &allowed)?;
+    warn_partial_smt(topology, &cores, &mut warnings);
 
     // Free cores per node, lowest key first, after housekeeping.
-    let mut free: BTreeMap<u32, Vec<Core>> = BTreeMap::new();
-    for core in &cores {
-        free.entry(core.node).or_default().push(core.clone());
-    }
+    let mut free = cores_by_node(&cores);
     let package_of: BTreeMap<u32, Option<u32>> =
         free.iter().map(|(n, cs)| (*n, cs[0].package)).collect();
-    let mut reserved: Vec<u32> = Vec::new();
-    for (node, list) in free.iter_mut() {
-        let n = (policy.housekeeping_cores_per_node as usize).min(list.len());
-        let kept: Vec<Core> = list.drain(..n).collect();
-        if !kept.is_empty() {
-            let cpus: Vec<u32> = kept.iter().flat_map(|c| c.cpus.iter().copied()).collect();
-            notes.push(format!(
-                "housekeeping: NUMA node {node} keeps {} core(s) (CPUs {}) for the OS and the agent",
-                kept.len(),
-                format_cpu_list(&cpus)
-            ));
-            reserved.extend(cpus);
-        }
-    }
-    reserved.sort_unstable();
+    let reserved = reserve_housekeeping(policy, &mut free, &mut notes);
 
     let units = make_units(
         topology,
@@ -320,125 +250,318 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
         )));
     }
 
-    // Slice size in cores.
-    let avail: BTreeMap<u32, usize> = free.iter().map(|(n, l)| (*n, l.len())).collect();
-    let total_avail: usize = avail.values().sum();
+    let demand = slices_per_node(&units);
+    let first_node = topology.numa_nodes.first().map_or(0, |n| n.id);
+    let size = slice_size(
+        policy,
+        &free,
+        &demand,
+        nslices,
+        first_node,
+        &mut notes,
+        &mut warnings,
+    )?;
+
+    let slice_cores = assign_cores(&units, &cores, size, &package_of, &mut free, &mut warnings);
+
+    let budgets = memory_budgets(topology, policy, &free_nodes(&cores), &mut warnings);
+    let memory = memory_per_slice(policy, &units, &budgets, &demand)?;
+    note_memory(policy, &budgets, &demand, &mut notes);
+
+    let mut slices = Vec::with_capacity(nslices);
+    for (i, ((u, cores), bytes)) in units.iter().zip(slice_cores).zip(memory).enumerate() {
+        let slice = make_slice(topology, i, u, &cores, bytes, &mut notes, &mut warnings);
+        slices.push(slice);
+    }
+
+    Ok(Explained {
+        plan: Plan {
+            slices,
+            reserved_cpus: reserved,
+            warnings,
+        },
+        notes,
+    })
+}
+
+/// The cores of each NUMA node, in the order given.
+fn cores_by_node(cores: &[Core]) -> BTreeMap<u32, Vec<Core>> {
+    let mut by_node: BTreeMap<u32, Vec<Core>> = BTreeMap::new();
+    for core in cores {
+        by_node.entry(core.node).or_default().push(core.clone());
+    }
+    by_node
+}
+
+/// How many slices each NUMA node is home to.
+fn slices_per_node(units: &[Unit]) -> BTreeMap<u32, usize> {
     let mut demand: BTreeMap<u32, usize> = BTreeMap::new();
-    for u in &units {
+    for u in units {
         *demand.entry(u.home).or_default() += 1;
     }
-    let size = match policy.cores_per_slice {
-        Some(c) => {
-            let needed = c as usize * nslices;
-            if needed > total_avail {
-                return Err(PlanError::FixedCoresDoNotFit {
-                    requested: c,
-                    slices: nslices,
-                    needed,
-                    available: total_avail,
-                });
-            }
-            notes.push(format!(
-                "slice size: {c} core(s), fixed by --cores-per-slice"
-            ));
-            c as usize
-        }
-        None => {
-            let (local, node) = demand
-                .iter()
-                .map(|(n, d)| (avail.get(n).copied().unwrap_or(0) / d, *n))
-                .min()
-                .unwrap_or((0, first_node));
-            if local >= 1 {
-                notes.push(format!(
-                    "slice size: {local} core(s), the most NUMA node {node} can give each of its {} slice(s) from its {} free core(s)",
-                    demand.get(&node).copied().unwrap_or(0),
-                    avail.get(&node).copied().unwrap_or(0)
-                ));
-                local
-            } else if total_avail / nslices >= 1 {
-                let s = total_avail / nslices;
-                warnings.push(format!(
-                    "NUMA node {node} has fewer free cores than slices; every slice gets {s} core(s) and some take remote cores"
-                ));
-                notes.push(format!(
-                    "slice size: {s} core(s) = {total_avail} free cores / {nslices} slices (not enough local cores on node {node})"
-                ));
-                s
-            } else if policy.allow_sharing {
-                0
-            } else {
-                return Err(PlanError::TooFewCores {
-                    slices: nslices,
-                    cores: total_avail,
-                });
-            }
-        }
-    };
+    demand
+}
 
+/// Warns about online CPUs the plan leaves out: offline ones and those outside this process's
+/// cpuset.
+fn warn_unplanned_cpus(topology: &Topology, allowed: &BTreeSet<u32>, warnings: &mut Vec<String>) {
+    let offline = topology.offline_cpus();
+    if !offline.is_empty() {
+        warnings.push(format!(
+            "CPUs {} are offline and were not planned; re-run `plan` after bringing them online",
+            format_cpu_list(&offline)
+        ));
+    }
+    let outside: Vec<u32> = topology
+        .online_cpus()
+        .iter()
+        .copied()
+        .filter(|c| !allowed.contains(c))
+        .collect();
+    if !outside.is_empty() {
+        warnings.push(format!(
+            "CPUs {} are outside this process's cpuset and were not planned; run `plan` from the agent's cgroup or widen its cpuset",
+            format_cpu_list(&outside)
+        ));
+    }
+}
+
+/// The physical cores with at least one allowed thread, each holding only its allowed threads;
+/// an error when there are none.
+fn usable_cores(topology: &Topology, allowed: &BTreeSet<u32>) -> Result<Vec<Core>, PlanError> {
+    let first_node = topology.numa_nodes.first().map_or(0, |n| n.id);
+    let cores: Vec<Core> = topology
+        .physical_cores()
+        .into_iter()
+        .filter_map(|c| {
+            let cpus: Vec<u32> = c.cpus.into_iter().filter(|x| allowed.contains(x)).collect();
+            (!cpus.is_empty()).then_some(Core {
+                key: c.key,
+                package: c.package,
+                node: c.numa_node.unwrap_or(first_node),
+                cpus,
+            })
+        })
+        .collect();
+    if cores.is_empty() {
+        return Err(PlanError::NoUsableCpus(format!(
+            "online {} ∩ allowed {} is empty; run `plan` inside the agent's cgroup",
+            format_cpu_list(&topology.online_cpus()),
+            format_cpu_list(&topology.allowed_cpus)
+        )));
+    }
+    Ok(cores)
+}
+
+/// Warns about cores of which the cpuset holds only some SMT threads.
+fn warn_partial_smt(topology: &Topology, cores: &[Core], warnings: &mut Vec<String>) {
+    let smt_partial = cores.iter().filter(|c| {
+        topology
+            .cpus
+            .iter()
+            .filter(|x| x.online && x.core == c.key)
+            .count()
+            > c.cpus.len()
+    });
+    let partial: Vec<u32> = smt_partial.flat_map(|c| c.cpus.iter().copied()).collect();
+    if !partial.is_empty() {
+        warnings.push(format!(
+            "the cpuset holds only some SMT threads of the cores of CPUs {}; their other threads may be used by processes outside the plan",
+            format_cpu_list(&partial)
+        ));
+    }
+}
+
+/// Takes each node's housekeeping cores (its lowest) out of `free`; returns their CPUs, sorted.
+fn reserve_housekeeping(
+    policy: &Policy,
+    free: &mut BTreeMap<u32, Vec<Core>>,
+    notes: &mut Vec<String>,
+) -> Vec<u32> {
+    let mut reserved: Vec<u32> = Vec::new();
+    for (node, list) in free.iter_mut() {
+        let n = (policy.housekeeping_cores_per_node as usize).min(list.len());
+        let kept: Vec<Core> = list.drain(..n).collect();
+        if !kept.is_empty() {
+            let cpus: Vec<u32> = kept.iter().flat_map(|c| c.cpus.iter().copied()).collect();
+            notes.push(format!(
+                "housekeeping: NUMA node {node} keeps {} core(s) (CPUs {}) for the OS and the agent",
+                kept.len(),
+                format_cpu_list(&cpus)
+            ));
+            reserved.extend(cpus);
+        }
+    }
+    reserved.sort_unstable();
+    reserved
+}
+
+/// Slice size in cores: fixed by the policy, else the most the tightest node can give each of
+/// its slices, else an even split of all free cores; 0 means the slices share cores.
+fn slice_size(
+    policy: &Policy,
+    free: &BTreeMap<u32, Vec<Core>>,
+    demand: &BTreeMap<u32, usize>,
+    nslices: usize,
+    first_node: u32,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Result<usize, PlanError> {
+    let avail: BTreeMap<u32, usize> = free.iter().map(|(n, l)| (*n, l.len())).collect();
+    let total_avail: usize = avail.values().sum();
+    if let Some(c) = policy.cores_per_slice {
+        let needed = c as usize * nslices;
+        if needed > total_avail {
+            return Err(PlanError::FixedCoresDoNotFit {
+                requested: c,
+                slices: nslices,
+                needed,
+                available: total_avail,
+            });
+        }
+        notes.push(format!(
+            "slice size: {c} core(s), fixed by --cores-per-slice"
+        ));
+        return Ok(c as usize);
+    }
+    let (local, node) = demand
+        .iter()
+        .map(|(n, d)| (avail.get(n).copied().unwrap_or(0) / d, *n))
+        .min()
+        .unwrap_or((0, first_node));
+    if local >= 1 {
+        notes.push(format!(
+            "slice size: {local} core(s), the most NUMA node {node} can give each of its {} slice(s) from its {} free core(s)",
+            demand.get(&node).copied().unwrap_or(0),
+            avail.get(&node).copied().unwrap_or(0)
+        ));
+        Ok(local)
+    } else if total_avail / nslices >= 1 {
+        let s = total_avail / nslices;
+        warnings.push(format!(
+            "NUMA node {node} has fewer free cores than slices; every slice gets {s} core(s) and some take remote cores"
+        ));
+        notes.push(format!(
+            "slice size: {s} core(s) = {total_avail} free cores / {nslices} slices (not enough local cores on node {node})"
+        ));
+        Ok(s)
+    } else if policy.allow_sharing {
+        Ok(0)
+    } else {
+        Err(PlanError::TooFewCores {
+            slices: nslices,
+            cores: total_avail,
+        })
+    }
+}
+
+/// The cores of each slice: `size` each, local first then remote, or shared when `size` is 0.
+fn assign_cores(
+    units: &[Unit],
+    cores: &[Core],
+    size: usize,
+    package_of: &BTreeMap<u32, Option<u32>>,
+    free: &mut BTreeMap<u32, Vec<Core>>,
+    warnings: &mut Vec<String>,
+) -> Vec<Vec<Core>> {
+    let nslices = units.len();
     let mut slice_cores: Vec<Vec<Core>> = vec![Vec::new(); nslices];
     if size == 0 {
-        share_cores(&units, &cores, &free, &mut slice_cores);
+        share_cores(units, cores, free, &mut slice_cores);
         warnings.push(format!(
             "{nslices} slices share {} core(s): slices are NOT isolated from each other (--allow-sharing)",
             cores.len()
         ));
     } else {
-        // Local cores first, in slice order within each node.
-        for (i, u) in units.iter().enumerate() {
-            if let Some(list) = free.get_mut(&u.home) {
-                let take = size.min(list.len());
-                slice_cores[i].extend(list.drain(..take));
-            }
-        }
-        // Then remote cores for slices that are short, nearest package first.
-        for (i, u) in units.iter().enumerate() {
-            let short = size - slice_cores[i].len();
-            if short == 0 {
-                continue;
-            }
-            let home_pkg = package_of.get(&u.home).copied().flatten();
-            let mut order: Vec<u32> = free.keys().copied().filter(|n| *n != u.home).collect();
-            order.sort_by_key(|n| (package_of.get(n).copied().flatten() != home_pkg, *n));
-            let mut taken = 0;
-            let mut from = BTreeSet::new();
-            for n in order {
-                if taken == short {
-                    break;
-                }
-                if let Some(list) = free.get_mut(&n) {
-                    let take = (short - taken).min(list.len());
-                    if take > 0 {
-                        from.insert(n);
-                    }
-                    slice_cores[i].extend(list.drain(..take));
-                    taken += take;
-                }
-            }
-            warnings.push(format!(
-                "slice {i}: {short} of its {size} cores are on NUMA node(s) {} because node {} has too few free cores; they are remote to its GPU",
-                join(&from),
-                u.home
-            ));
-        }
-        let left: Vec<u32> = free
-            .values()
-            .flatten()
-            .flat_map(|c| c.cpus.iter().copied())
-            .collect();
-        if !left.is_empty() {
-            let ncores = free.values().map(Vec::len).sum::<usize>();
-            warnings.push(format!(
-                "{ncores} core(s) (CPUs {}) are in no slice, to keep slices equal; the host keeps them (use --cores-per-slice or --housekeeping-cores to change this)",
-                format_cpu_list(&left)
-            ));
+        take_local_cores(units, size, free, &mut slice_cores);
+        take_remote_cores(units, size, package_of, free, &mut slice_cores, warnings);
+        warn_unused_cores(free, warnings);
+    }
+    slice_cores
+}
+
+/// Gives each slice up to `size` cores of its home node, in slice order within each node.
+fn take_local_cores(
+    units: &[Unit],
+    size: usize,
+    free: &mut BTreeMap<u32, Vec<Core>>,
+    slice_cores: &mut [Vec<Core>],
+) {
+    for (i, u) in units.iter().enumerate() {
+        if let Some(list) = free.get_mut(&u.home) {
+            let take = size.min(list.len());
+            slice_cores[i].extend(list.drain(..take));
         }
     }
+}
 
-    // Memory per slice.
-    let budgets = memory_budgets(topology, policy, &free_nodes(&cores), &mut warnings);
-    let mut memory: Vec<u64> = Vec::with_capacity(nslices);
-    for u in &units {
+/// Fills the slices that are short of `size` with remote cores, nearest package first, and
+/// warns for each.
+fn take_remote_cores(
+    units: &[Unit],
+    size: usize,
+    package_of: &BTreeMap<u32, Option<u32>>,
+    free: &mut BTreeMap<u32, Vec<Core>>,
+    slice_cores: &mut [Vec<Core>],
+    warnings: &mut Vec<String>,
+) {
+    for (i, u) in units.iter().enumerate() {
+        let short = size - slice_cores[i].len();
+        if short == 0 {
+            continue;
+        }
+        let home_pkg = package_of.get(&u.home).copied().flatten();
+        let mut order: Vec<u32> = free.keys().copied().filter(|n| *n != u.home).collect();
+        order.sort_by_key(|n| (package_of.get(n).copied().flatten() != home_pkg, *n));
+        let mut taken = 0;
+        let mut from = BTreeSet::new();
+        for n in order {
+            if taken == short {
+                break;
+            }
+            if let Some(list) = free.get_mut(&n) {
+                let take = (short - taken).min(list.len());
+                if take > 0 {
+                    from.insert(n);
+                }
+                slice_cores[i].extend(list.drain(..take));
+                taken += take;
+            }
+        }
+        warnings.push(format!(
+            "slice {i}: {short} of its {size} cores are on NUMA node(s) {} because node {} has too few free cores; they are remote to its GPU",
+            join(&from),
+            u.home
+        ));
+    }
+}
+
+/// Warns about the free cores no slice took.
+fn warn_unused_cores(free: &BTreeMap<u32, Vec<Core>>, warnings: &mut Vec<String>) {
+    let left: Vec<u32> = free
+        .values()
+        .flatten()
+        .flat_map(|c| c.cpus.iter().copied())
+        .collect();
+    if !left.is_empty() {
+        let ncores = free.values().map(Vec::len).sum::<usize>();
+        warnings.push(format!(
+            "{ncores} core(s) (CPUs {}) are in no slice, to keep slices equal; the host keeps them (use --cores-per-slice or --housekeeping-cores to change this)",
+            format_cpu_list(&left)
+        ));
+    }
+}
+
+/// Memory per slice: the policy's fixed size where it fits its node's budget, else an equal
+/// share of the home node's budget.
+fn memory_per_slice(
+    policy: &Policy,
+    units: &[Unit],
+    budgets: &BTreeMap<u32, u64>,
+    demand: &BTreeMap<u32, usize>,
+) -> Result<Vec<u64>, PlanError> {
+    let mut memory: Vec<u64> = Vec::with_capacity(units.len());
+    for u in units {
         let budget = budgets.get(&u.home).copied().unwrap_or(0);
         let share = demand.get(&u.home).copied().unwrap_or(1).max(1);
         let bytes = match policy.memory_per_slice {
@@ -457,7 +580,17 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
         };
         memory.push(bytes);
     }
-    for (node, share) in &demand {
+    Ok(memory)
+}
+
+/// Explains each node's memory budget and how its slices share it.
+fn note_memory(
+    policy: &Policy,
+    budgets: &BTreeMap<u32, u64>,
+    demand: &BTreeMap<u32, usize>,
+    notes: &mut Vec<String>,
+) {
+    for (node, share) in demand {
         let budget = budgets.get(node).copied().unwrap_or(0);
         notes.push(match policy.memory_per_slice {
             Some(m) => format!(
@@ -474,81 +607,82 @@ pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained,
             ),
         });
     }
+}
 
-    let mut slices = Vec::with_capacity(nslices);
-    for (i, u) in units.iter().enumerate() {
-        let mut cpus: Vec<u32> = slice_cores[i]
-            .iter()
-            .flat_map(|c| c.cpus.iter().copied())
-            .collect();
-        cpus.sort_unstable();
-        cpus.dedup();
-        let mems = u.mems.clone();
-        let outside: Vec<u32> = mems
-            .iter()
-            .copied()
-            .filter(|m| !topology.allowed_mems.is_empty() && !topology.allowed_mems.contains(m))
-            .collect();
-        if !outside.is_empty() {
-            warnings.push(format!(
-                "slice {i}: memory node(s) {} are outside this process's Mems_allowed; run `plan` from the agent's cgroup or widen its cpuset.mems",
-                join(&outside)
-            ));
-        }
-        let to_slice_gpu = |g: &&Gpu| SliceGpu {
-            vendor: g.vendor,
-            pci_bus_id: g.pci_bus_id.clone(),
-            uuid: u.mig.map(|m| m.uuid.clone()).or_else(|| g.uuid.clone()),
-            numa_node: g.numa_node,
-            mig: u.mig.cloned(),
-        };
-        let local = slice_cores[i].iter().filter(|c| c.node == u.home).count();
-        let what = match (u.gpus.first(), u.mig) {
-            (Some(g), Some(m)) => format!(
-                "MIG device {} (GPU instance {}, compute instance {}, {}) of GPU {} on NUMA node {}",
-                m.uuid,
-                m.gpu_instance_id,
-                m.compute_instance_id,
-                format_bytes(m.memory_bytes),
-                g.pci_bus_id,
-                u.home
-            ),
-            (Some(g), None) => format!(
-                "GPU {} ({}) on NUMA node {}",
-                g.pci_bus_id,
-                g.vendor,
-                g.numa_node.map_or_else(
-                    || format!("{} (placed; firmware reports none)", u.home),
-                    |n| n.to_string()
-                )
-            ),
-            (None, _) => format!("CPU-only, NUMA node {}", u.home),
-        };
-        notes.push(format!(
-            "slice {i}: {what}; {} whole core(s), {local} local to node {}; CPUs {}; mems {}",
-            slice_cores[i].len(),
-            u.home,
-            format_cpu_list(&cpus),
-            join(&mems)
+/// Slice `i` from its unit, cores and memory, with a note saying what it holds.
+fn make_slice(
+    topology: &Topology,
+    i: usize,
+    u: &Unit,
+    cores: &[Core],
+    memory_bytes: u64,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Slice {
+    let mut cpus: Vec<u32> = cores.iter().flat_map(|c| c.cpus.iter().copied()).collect();
+    cpus.sort_unstable();
+    cpus.dedup();
+    let mems = u.mems.clone();
+    let outside: Vec<u32> = mems
+        .iter()
+        .copied()
+        .filter(|m| !topology.allowed_mems.is_empty() && !topology.allowed_mems.contains(m))
+        .collect();
+    if !outside.is_empty() {
+        warnings.push(format!(
+            "slice {i}: memory node(s) {} are outside this process's Mems_allowed; run `plan` from the agent's cgroup or widen its cpuset.mems",
+            join(&outside)
         ));
-        slices.push(Slice {
-            index: i as u32,
-            gpu: u.gpus.first().map(to_slice_gpu),
-            extra_gpus: u.gpus.iter().skip(1).map(to_slice_gpu).collect(),
-            cpus,
-            mems,
-            memory_bytes: memory[i],
-        });
     }
+    let to_slice_gpu = |g: &&Gpu| SliceGpu {
+        vendor: g.vendor,
+        pci_bus_id: g.pci_bus_id.clone(),
+        uuid: u.mig.map(|m| m.uuid.clone()).or_else(|| g.uuid.clone()),
+        numa_node: g.numa_node,
+        mig: u.mig.cloned(),
+    };
+    let local = cores.iter().filter(|c| c.node == u.home).count();
+    notes.push(format!(
+        "slice {i}: {}; {} whole core(s), {local} local to node {}; CPUs {}; mems {}",
+        describe_unit(u),
+        cores.len(),
+        u.home,
+        format_cpu_list(&cpus),
+        join(&mems)
+    ));
+    Slice {
+        index: i as u32,
+        gpu: u.gpus.first().map(to_slice_gpu),
+        extra_gpus: u.gpus.iter().skip(1).map(to_slice_gpu).collect(),
+        cpus,
+        mems,
+        memory_bytes,
+    }
+}
 
-    Ok(Explained {
-        plan: Plan {
-            slices,
-            reserved_cpus: reserved,
-            warnings,
-        },
-        notes,
-    })
+/// What a slice holds, for its note: its MIG device, its GPU, or no GPU.
+fn describe_unit(u: &Unit) -> String {
+    match (u.gpus.first(), u.mig) {
+        (Some(g), Some(m)) => format!(
+            "MIG device {} (GPU instance {}, compute instance {}, {}) of GPU {} on NUMA node {}",
+            m.uuid,
+            m.gpu_instance_id,
+            m.compute_instance_id,
+            format_bytes(m.memory_bytes),
+            g.pci_bus_id,
+            u.home
+        ),
+        (Some(g), None) => format!(
+            "GPU {} ({}) on NUMA node {}",
+            g.pci_bus_id,
+            g.vendor,
+            g.numa_node.map_or_else(
+                || format!("{} (placed; firmware reports none)", u.home),
+                |n| n.to_string()
+            )
+        ),
+        (None, _) => format!("CPU-only, NUMA node {}", u.home),
+    }
 }
 
 fn validate(policy: &Policy) -> Result<(), PlanError> {
@@ -595,27 +729,8 @@ fn make_units<'a>(
     notes: &mut Vec<String>,
     warnings: &mut Vec<String>,
 ) -> Result<Vec<Unit<'a>>, PlanError> {
-    let nodes: Vec<u32> = free.keys().copied().collect();
     if topology.gpus.is_empty() {
-        let Some(n) = policy.cpu_only_slices else {
-            return Err(PlanError::NoGpus);
-        };
-        notes.push(format!(
-            "no GPU: {n} CPU-only slice(s) spread over NUMA node(s) {}",
-            join(&nodes)
-        ));
-        let k = nodes.len();
-        return Ok((0..n as usize)
-            .map(|i| {
-                let home = nodes[i * k / n as usize];
-                Unit {
-                    gpus: Vec::new(),
-                    mig: None,
-                    home,
-                    mems: vec![home],
-                }
-            })
-            .collect());
+        return cpu_only_units(policy, free, notes);
     }
     if policy.cpu_only_slices.is_some() {
         warnings.push("--cpu-only-slices is ignored: this node has GPUs".into());
@@ -627,7 +742,81 @@ fn make_units<'a>(
         );
     }
 
-    // Home node of every GPU: its own when it has CPUs, else placed to spread over packages.
+    let home = place_gpus(topology, free, package_of, warnings)?;
+
+    let g = policy.gpus_per_slice as usize;
+    let mig: Vec<usize> = (0..topology.gpus.len())
+        .filter(|&i| !topology.gpus[i].mig.is_empty())
+        .collect();
+    if g > 1 {
+        if let Some(&i) = mig.first() {
+            return Err(PlanError::InvalidPolicy(format!(
+                "--gpus-per-slice {g}: GPU {} is in MIG mode, and CUDA shows a process one MIG device only, so a MIG slice holds one instance; plan with --gpus-per-slice 1, or turn MIG off on that GPU (nvidia-smi -i <index> -mig 0)",
+                topology.gpus[i].pci_bus_id
+            )));
+        }
+    }
+    let whole: Vec<usize> = (0..topology.gpus.len())
+        .filter(|i| !mig.contains(i))
+        .collect();
+    let mut groups = group_gpus(topology, &whole, &home, g, notes, warnings);
+    for &i in &mig {
+        groups.extend(mig_groups(topology, i, notes, warnings));
+    }
+    groups.sort_by_key(|(grp, m)| (grp[0], *m));
+    Ok(groups
+        .into_iter()
+        .map(|(grp, m)| {
+            let mut mems: Vec<u32> = grp.iter().filter_map(|&i| home[i]).collect();
+            mems.sort_unstable();
+            mems.dedup();
+            Unit {
+                home: home[grp[0]].unwrap_or(0),
+                gpus: grp.iter().map(|&i| &topology.gpus[i]).collect(),
+                mig: m.map(|m| &topology.gpus[grp[0]].mig[m]),
+                mems,
+            }
+        })
+        .collect())
+}
+
+/// The slices of a node without GPUs: the policy's count, spread evenly over the nodes with
+/// free cores; an error when the policy asks for none.
+fn cpu_only_units<'a>(
+    policy: &Policy,
+    free: &BTreeMap<u32, Vec<Core>>,
+    notes: &mut Vec<String>,
+) -> Result<Vec<Unit<'a>>, PlanError> {
+    let nodes: Vec<u32> = free.keys().copied().collect();
+    let Some(n) = policy.cpu_only_slices else {
+        return Err(PlanError::NoGpus);
+    };
+    notes.push(format!(
+        "no GPU: {n} CPU-only slice(s) spread over NUMA node(s) {}",
+        join(&nodes)
+    ));
+    let k = nodes.len();
+    Ok((0..n as usize)
+        .map(|i| {
+            let home = nodes[i * k / n as usize];
+            Unit {
+                gpus: Vec::new(),
+                mig: None,
+                home,
+                mems: vec![home],
+            }
+        })
+        .collect())
+}
+
+/// Home node of every GPU: its own when it has CPUs, else placed to spread over packages.
+fn place_gpus(
+    topology: &Topology,
+    free: &BTreeMap<u32, Vec<Core>>,
+    package_of: &BTreeMap<u32, Option<u32>>,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Option<u32>>, PlanError> {
+    let nodes: Vec<u32> = free.keys().copied().collect();
     let mut home: Vec<Option<u32>> = topology
         .gpus
         .iter()
@@ -656,24 +845,7 @@ fn make_units<'a>(
         if home[i].is_some() {
             continue;
         }
-        // Local CPUs that are a proper subset of the machine still say which node(s) are near.
-        let informative = !gpu.local_cpus.is_empty() && gpu.local_cpus.len() < online.len();
-        let mut candidates: Vec<u32> = if informative {
-            nodes
-                .iter()
-                .copied()
-                .filter(|n| {
-                    node_cpus
-                        .get(n)
-                        .is_some_and(|cs| gpu.local_cpus.iter().any(|c| cs.contains(c)))
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        if candidates.is_empty() {
-            candidates = nodes.clone();
-        }
+        let candidates = near_nodes(gpu, &nodes, &node_cpus, online.len());
         let Some(chosen) = candidates.iter().copied().min_by_key(|n| {
             let pkg = package_of.get(n).copied().flatten();
             (
@@ -705,60 +877,66 @@ fn make_units<'a>(
                 .map_or_else(|| "?".into(), |p| p.to_string())
         ));
     }
+    Ok(home)
+}
 
-    let g = policy.gpus_per_slice as usize;
-    let mig: Vec<usize> = (0..topology.gpus.len())
-        .filter(|&i| !topology.gpus[i].mig.is_empty())
-        .collect();
-    if g > 1 {
-        if let Some(&i) = mig.first() {
-            return Err(PlanError::InvalidPolicy(format!(
-                "--gpus-per-slice {g}: GPU {} is in MIG mode, and CUDA shows a process one MIG device only, so a MIG slice holds one instance; plan with --gpus-per-slice 1, or turn MIG off on that GPU (nvidia-smi -i <index> -mig 0)",
-                topology.gpus[i].pci_bus_id
-            )));
-        }
+/// The nodes a GPU without a usable NUMA node may be placed on: those its local CPUs are on,
+/// or all of them when its local CPUs do not say.
+fn near_nodes(
+    gpu: &Gpu,
+    nodes: &[u32],
+    node_cpus: &BTreeMap<u32, BTreeSet<u32>>,
+    online: usize,
+) -> Vec<u32> {
+    // Local CPUs that are a proper subset of the machine still say which node(s) are near.
+    let informative = !gpu.local_cpus.is_empty() && gpu.local_cpus.len() < online;
+    let candidates: Vec<u32> = if informative {
+        nodes
+            .iter()
+            .copied()
+            .filter(|n| {
+                node_cpus
+                    .get(n)
+                    .is_some_and(|cs| gpu.local_cpus.iter().any(|c| cs.contains(c)))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if candidates.is_empty() {
+        nodes.to_vec()
+    } else {
+        candidates
     }
-    let whole: Vec<usize> = (0..topology.gpus.len())
-        .filter(|i| !mig.contains(i))
-        .collect();
-    let mut groups = group_gpus(topology, &whole, &home, g, notes, warnings);
-    // A GPU in MIG mode is cut into one slice per MIG device, each sharing the GPU's node.
-    for &i in &mig {
-        let gpu = &topology.gpus[i];
-        notes.push(format!(
-            "GPU {} is in MIG mode: one slice per MIG device ({})",
-            gpu.pci_bus_id,
-            gpu.mig.len()
+}
+
+/// A GPU in MIG mode is cut into one slice per MIG device, each sharing the GPU's node: the
+/// groups of GPU `i`, one per MIG device.
+fn mig_groups(
+    topology: &Topology,
+    i: usize,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Vec<(Vec<usize>, Option<usize>)> {
+    let gpu = &topology.gpus[i];
+    notes.push(format!(
+        "GPU {} is in MIG mode: one slice per MIG device ({})",
+        gpu.pci_bus_id,
+        gpu.mig.len()
+    ));
+    // Compute instances of one GPU instance share its memory and L2 cache: their slices'
+    // jobs are not isolated from each other in memory.
+    let mut per_gi: BTreeMap<u32, usize> = BTreeMap::new();
+    for m in &gpu.mig {
+        *per_gi.entry(m.gpu_instance_id).or_default() += 1;
+    }
+    for (gi, n) in per_gi.into_iter().filter(|(_, n)| *n > 1) {
+        warnings.push(format!(
+            "GPU {}: GPU instance {gi} holds {n} compute instances, whose slices share its memory and L2 cache (each reports the whole instance's memory); for slices isolated in memory give each GPU instance one compute instance (nvidia-smi mig -cgi <profile> -C)",
+            gpu.pci_bus_id
         ));
-        // Compute instances of one GPU instance share its memory and L2 cache: their slices'
-        // jobs are not isolated from each other in memory.
-        let mut per_gi: BTreeMap<u32, usize> = BTreeMap::new();
-        for m in &gpu.mig {
-            *per_gi.entry(m.gpu_instance_id).or_default() += 1;
-        }
-        for (gi, n) in per_gi.into_iter().filter(|(_, n)| *n > 1) {
-            warnings.push(format!(
-                "GPU {}: GPU instance {gi} holds {n} compute instances, whose slices share its memory and L2 cache (each reports the whole instance's memory); for slices isolated in memory give each GPU instance one compute instance (nvidia-smi mig -cgi <profile> -C)",
-                gpu.pci_bus_id
-            ));
-        }
-        groups.extend((0..gpu.mig.len()).map(|m| (vec![i], Some(m))));
     }
-    groups.sort_by_key(|(grp, m)| (grp[0], *m));
-    Ok(groups
-        .into_iter()
-        .map(|(grp, m)| {
-            let mut mems: Vec<u32> = grp.iter().filter_map(|&i| home[i]).collect();
-            mems.sort_unstable();
-            mems.dedup();
-            Unit {
-                home: home[grp[0]].unwrap_or(0),
-                gpus: grp.iter().map(|&i| &topology.gpus[i]).collect(),
-                mig: m.map(|m| &topology.gpus[grp[0]].mig[m]),
-                mems,
-            }
-        })
-        .collect())
+    (0..gpu.mig.len()).map(|m| (vec![i], Some(m))).collect()
 }
 
 /// Whether GPUs `a` and `b` share a fast link (NVLink, xGMI), as either one reports it.

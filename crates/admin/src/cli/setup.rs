@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use kernelkite_topology::planner::{multi_gpu_groups, plan_explained};
+use kernelkite_topology::plan::Plan;
+use kernelkite_topology::planner::{multi_gpu_groups, plan_explained, Policy};
 use kernelkite_topology::topology::Topology;
 
 use super::plan::PolicyArgs;
@@ -335,44 +336,34 @@ fn read_manifest(root: &Path) -> anyhow::Result<Option<Manifest>> {
     Ok(Manifest::read(&under(root, Path::new(MANIFEST)))?)
 }
 
-/// `setup`.
-pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
-    let live = args.root.is_none();
-    let root = args.root.clone().unwrap_or_else(|| PathBuf::from("/"));
-    if live && !args.dry_run && !rustix::process::geteuid().is_root() {
-        anyhow::bail!("setup writes /etc, /opt and systemd units and creates a user: run it as root (sudo), or see what it would do with --dry-run");
-    }
-    let previous = read_manifest(&root)?;
-    if args.uninstall {
-        return uninstall(&args, &root, previous.as_ref());
-    }
-
-    let topo = Topology::discover(&args.sysfs_root)?;
-    let policy = args.policy.to_policy();
-    let plan = plan_explained(&topo, &policy)?.plan;
-    let multi_gpu = match &args.multi_gpu_queue {
-        Some(queue) => {
-            // Whole GPUs: a MIG device is never part of a group.
-            let gpus = plan
-                .slices
-                .iter()
-                .filter(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_none()))
-                .count() as u32;
-            let size = args.multi_gpu_size.unwrap_or(gpus);
-            let groups = multi_gpu_groups(&topo, &policy, &plan, size)
-                .context("cannot group the node's GPUs for --multi-gpu-queue")?;
-            Some(MultiGpu {
-                queue: queue.clone(),
-                groups,
-            })
-        }
-        None => None,
+/// The multi-GPU queue's groups, when `--multi-gpu-queue` asks for one.
+fn multi_gpu(
+    args: &SetupArgs,
+    topo: &Topology,
+    policy: &Policy,
+    plan: &Plan,
+) -> anyhow::Result<Option<MultiGpu>> {
+    let Some(queue) = &args.multi_gpu_queue else {
+        return Ok(None);
     };
-    let facts = facts::gather(&root, &args.sysfs_root, &plan, topo.total_memory_bytes)?;
-    let token = agent_token(&args, &root, previous.as_ref())?;
-    if token.is_none() && !args.dry_run {
-        anyhow::bail!("no agent token: pass --agent-token-file FILE or set BUILDKITE_AGENT_TOKEN (create one on the Buildkite cluster's Agent Tokens page)");
-    }
+    // Whole GPUs: a MIG device is never part of a group.
+    let gpus = plan
+        .slices
+        .iter()
+        .filter(|s| s.gpu.as_ref().is_some_and(|g| g.mig.is_none()))
+        .count() as u32;
+    let size = args.multi_gpu_size.unwrap_or(gpus);
+    let groups = multi_gpu_groups(topo, policy, plan, size)
+        .context("cannot group the node's GPUs for --multi-gpu-queue")?;
+    Ok(Some(MultiGpu {
+        queue: queue.clone(),
+        groups,
+    }))
+}
+
+/// The directory the binaries are installed from (`--from`, else this binary's), which must
+/// hold every one of them.
+fn binaries_dir(args: &SetupArgs) -> anyhow::Result<PathBuf> {
     let from = match &args.from {
         Some(d) => d.clone(),
         None => std::env::current_exe()
@@ -389,13 +380,69 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let buildkite_agent = args.buildkite_agent.clone().unwrap_or_else(|| {
+    Ok(from)
+}
+
+/// The agent binary the units run: `--buildkite-agent`, else the first installed of the usual
+/// places, else the default.
+fn buildkite_agent(args: &SetupArgs, root: &Path) -> PathBuf {
+    args.buildkite_agent.clone().unwrap_or_else(|| {
         ["/usr/bin/buildkite-agent", "/usr/local/bin/buildkite-agent"]
             .iter()
             .map(PathBuf::from)
-            .find(|p| under(&root, p).is_file())
+            .find(|p| under(root, p).is_file())
             .unwrap_or_else(|| PathBuf::from(DEFAULT_BUILDKITE_AGENT))
-    });
+    })
+}
+
+/// Carries the actions out: on the live node (`/`), running its commands; under `--root`,
+/// only recording them.
+fn execute(
+    args: &SetupArgs,
+    root: &Path,
+    opts: &Options,
+    actions: &apply::Actions,
+    previous: Option<&Manifest>,
+) -> anyhow::Result<apply::Leftovers> {
+    let leftovers = if args.root.is_none() {
+        let mut runner = Live {
+            root,
+            sysfs_root: &args.sysfs_root,
+            node: opts.node.clone(),
+            docker: parse_config(&opts.job_config).is_ok_and(|c| c.mode == Mode::Docker),
+        };
+        sayln!();
+        apply::execute(root, actions, previous, &mut runner)?
+    } else {
+        apply::execute(root, actions, previous, &mut Recorder::default())?
+    };
+    Ok(leftovers)
+}
+
+/// `setup`.
+// Long because a linear script (plan, render, observe, decide, report, execute) read in order.
+pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
+    let live = args.root.is_none();
+    let root = args.root.clone().unwrap_or_else(|| PathBuf::from("/"));
+    if live && !args.dry_run && !rustix::process::geteuid().is_root() {
+        anyhow::bail!("setup writes /etc, /opt and systemd units and creates a user: run it as root (sudo), or see what it would do with --dry-run");
+    }
+    let previous = read_manifest(&root)?;
+    if args.uninstall {
+        return uninstall(&args, &root, previous.as_ref());
+    }
+
+    let topo = Topology::discover(&args.sysfs_root)?;
+    let policy = args.policy.to_policy();
+    let plan = plan_explained(&topo, &policy)?.plan;
+    let multi_gpu = multi_gpu(&args, &topo, &policy, &plan)?;
+    let facts = facts::gather(&root, &args.sysfs_root, &plan, topo.total_memory_bytes)?;
+    let token = agent_token(&args, &root, previous.as_ref())?;
+    if token.is_none() && !args.dry_run {
+        anyhow::bail!("no agent token: pass --agent-token-file FILE or set BUILDKITE_AGENT_TOKEN (create one on the Buildkite cluster's Agent Tokens page)");
+    }
+    let from = binaries_dir(&args)?;
+    let buildkite_agent = buildkite_agent(&args, &root);
     let queue = args.queue.clone().unwrap_or_default();
     let opts = Options {
         prefix: args.prefix.clone(),
@@ -448,18 +495,7 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
 
-    let leftovers = if live {
-        let mut runner = Live {
-            root: &root,
-            sysfs_root: &args.sysfs_root,
-            node: opts.node.clone(),
-            docker: parse_config(&opts.job_config).is_ok_and(|c| c.mode == Mode::Docker),
-        };
-        sayln!();
-        apply::execute(&root, &actions, previous.as_ref(), &mut runner)?
-    } else {
-        apply::execute(&root, &actions, previous.as_ref(), &mut Recorder::default())?
-    };
+    let leftovers = execute(&args, &root, &opts, &actions, previous.as_ref())?;
     for l in &leftovers {
         sayln!("note: {l}");
     }

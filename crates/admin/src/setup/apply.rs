@@ -308,7 +308,56 @@ pub fn decide(
     let prev = previous.unwrap_or(&empty);
     let mut actions = Actions::default();
 
-    // Files.
+    let (entries, backups) = decide_files(desired, observed, prev, flags, &mut actions)?;
+    decide_stale_files(desired, observed, prev, &mut actions);
+    let created_dirs = decide_dirs(desired, observed, prev, &mut actions);
+
+    // Units going away are stopped before their files go.
+    let agent_units: Vec<String> = desired.agents.iter().map(|a| a.unit()).collect();
+    let wanted_units: BTreeSet<&String> = agent_units.iter().chain(desired.units.iter()).collect();
+    let going: Vec<String> = prev
+        .enabled_units
+        .iter()
+        .filter(|u| !wanted_units.contains(u))
+        .cloned()
+        .collect();
+    if !going.is_empty() {
+        actions
+            .before
+            .push(Step::systemctl(&["disable", "--now"], &going));
+    }
+
+    let (created_job_user, added_groups) = decide_job_user(desired, observed, prev, &mut actions);
+
+    let mut enabled = decide_units(desired, prev, &wanted_units, &mut actions);
+    actions.after.push(Step::Doctor);
+    actions.after.push(Step::Smoke);
+    if !flags.no_start {
+        start_agents(desired, &agent_units, &mut enabled, &mut actions);
+    }
+
+    actions.manifest = Some(Manifest {
+        version: VERSION,
+        node: node.to_string(),
+        files: entries,
+        created_dirs,
+        backups,
+        created_job_user,
+        added_groups,
+        enabled_units: enabled,
+    });
+    Ok(actions)
+}
+
+/// What to do with each wanted file; returns their manifest entries and the backups (the
+/// previous ones and those of the files replaced now).
+fn decide_files(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    flags: Flags,
+    actions: &mut Actions,
+) -> Result<(Vec<Entry>, Vec<Backup>), SetupError> {
     let mut entries = Vec::new();
     let mut backups = prev.backups.clone();
     for f in &desired.files {
@@ -329,6 +378,17 @@ pub fn decide(
         entries.push(entry_for(f)?);
         actions.files.push((f.clone(), action));
     }
+    Ok((entries, backups))
+}
+
+/// What to do with the files setup wrote before and no longer wants: remove them, unless
+/// someone changed them since.
+fn decide_stale_files(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) {
     let wanted: BTreeSet<&Path> = desired.files.iter().map(|f| f.path.as_path()).collect();
     for e in &prev.files {
         if wanted.contains(e.path()) {
@@ -344,8 +404,15 @@ pub fn decide(
             Some(Recorded::Missing) | None => {}
         }
     }
+}
 
-    // Directories.
+/// The directories to make; returns every directory setup has made, for the manifest.
+fn decide_dirs(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) -> Vec<PathBuf> {
     let mut created_dirs = prev.created_dirs.clone();
     for d in needed_dirs(desired) {
         if !observed.existing_dirs.contains(&d.path) {
@@ -355,23 +422,17 @@ pub fn decide(
             actions.mkdirs.push(d);
         }
     }
+    created_dirs
+}
 
-    // Units going away are stopped before their files go.
-    let agent_units: Vec<String> = desired.agents.iter().map(|a| a.unit()).collect();
-    let wanted_units: BTreeSet<&String> = agent_units.iter().chain(desired.units.iter()).collect();
-    let going: Vec<String> = prev
-        .enabled_units
-        .iter()
-        .filter(|u| !wanted_units.contains(u))
-        .cloned()
-        .collect();
-    if !going.is_empty() {
-        actions
-            .before
-            .push(Step::systemctl(&["disable", "--now"], &going));
-    }
-
-    // The job user.
+/// The job user: created when missing, added to the device nodes' groups it lacks. Returns
+/// whether setup created it and the groups setup added it to, for the manifest.
+fn decide_job_user(
+    desired: &Desired,
+    observed: &Observed,
+    prev: &Manifest,
+    actions: &mut Actions,
+) -> (bool, Vec<String>) {
     let mut created_job_user = prev.created_job_user;
     let mut added_groups = prev.added_groups.clone();
     if !observed.job_user_exists {
@@ -416,14 +477,17 @@ pub fn decide(
             }
         }
     }
+    (created_job_user, added_groups)
+}
 
-    // Units.
-    let changed = |p: &Path| {
-        actions
-            .files
-            .iter()
-            .any(|(f, a)| f.path == p && *a != FileAction::Same)
-    };
+/// systemd's view of the units: reloaded when a unit file changed, the node's own units
+/// (not the agents') enabled. Returns the units enabled after that.
+fn decide_units(
+    desired: &Desired,
+    prev: &Manifest,
+    wanted_units: &BTreeSet<&String>,
+    actions: &mut Actions,
+) -> Vec<String> {
     let units_changed = actions
         .files
         .iter()
@@ -453,47 +517,48 @@ pub fn decide(
             .push(Step::systemctl(&["enable", "--now"], &new_units));
         enabled.extend(new_units);
     }
-    actions.after.push(Step::Doctor);
-    actions.after.push(Step::Smoke);
-    if !flags.no_start {
-        let start: Vec<String> = agent_units
-            .iter()
-            .filter(|u| !enabled.contains(u))
-            .cloned()
-            .collect();
-        // A running agent reads its configuration, environment and unit only when it starts.
-        let shared_changed = changed(Path::new(AGENT_ENV))
-            || changed(&Path::new(UNIT_DIR).join(AGENT_UNIT))
-            || changed(&Path::new(UNIT_DIR).join(SLICE_UNIT));
-        let restart: Vec<String> = desired
-            .agents
-            .iter()
-            .filter(|a| enabled.contains(&a.unit()))
-            .filter(|a| shared_changed || changed(&a.config_path()))
-            .map(|a| a.unit())
-            .collect();
-        if !restart.is_empty() {
-            actions.after.push(Step::systemctl(&["restart"], &restart));
-        }
-        if !start.is_empty() {
-            actions
-                .after
-                .push(Step::systemctl(&["enable", "--now"], &start));
-            enabled.extend(start);
-        }
-    }
+    enabled
+}
 
-    actions.manifest = Some(Manifest {
-        version: VERSION,
-        node: node.to_string(),
-        files: entries,
-        created_dirs,
-        backups,
-        created_job_user,
-        added_groups,
-        enabled_units: enabled,
-    });
-    Ok(actions)
+/// The agents: those running restarted when what they read changed, the others enabled and
+/// started (and added to `enabled`).
+fn start_agents(
+    desired: &Desired,
+    agent_units: &[String],
+    enabled: &mut Vec<String>,
+    actions: &mut Actions,
+) {
+    let changed = |p: &Path| {
+        actions
+            .files
+            .iter()
+            .any(|(f, a)| f.path == p && *a != FileAction::Same)
+    };
+    let start: Vec<String> = agent_units
+        .iter()
+        .filter(|u| !enabled.contains(u))
+        .cloned()
+        .collect();
+    // A running agent reads its configuration, environment and unit only when it starts.
+    let shared_changed = changed(Path::new(AGENT_ENV))
+        || changed(&Path::new(UNIT_DIR).join(AGENT_UNIT))
+        || changed(&Path::new(UNIT_DIR).join(SLICE_UNIT));
+    let restart: Vec<String> = desired
+        .agents
+        .iter()
+        .filter(|a| enabled.contains(&a.unit()))
+        .filter(|a| shared_changed || changed(&a.config_path()))
+        .map(|a| a.unit())
+        .collect();
+    if !restart.is_empty() {
+        actions.after.push(Step::systemctl(&["restart"], &restart));
+    }
+    if !start.is_empty() {
+        actions
+            .after
+            .push(Step::systemctl(&["enable", "--now"], &start));
+        enabled.extend(start);
+    }
 }
 
 /// What `--uninstall` does: undo exactly what the manifest records.
@@ -636,7 +701,32 @@ pub fn execute(
     }
     let mut leftovers = Vec::new();
     run_steps(&actions.before, runner)?;
-    for d in &actions.mkdirs {
+    make_dirs(root, &actions.mkdirs)?;
+    write_files(root, &actions.files)?;
+    remove_stale(root, &actions.stale, &mut leftovers)?;
+    restore_backups(root, &actions.restore, &mut leftovers)?;
+    match &actions.manifest {
+        Some(m) => write_manifest(root, &manifest_before_steps(m, previous))?,
+        None => {
+            let p = under(root, Path::new(MANIFEST));
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(SetupError::io(&p, e)),
+            }
+        }
+    }
+    remove_dirs(root, &actions.rmdirs, &mut leftovers);
+    run_steps(&actions.after, runner)?;
+    if let Some(m) = &actions.manifest {
+        write_manifest(root, m)?;
+    }
+    Ok(leftovers)
+}
+
+/// Makes the directories, each with its mode; one already there is left as it is.
+fn make_dirs(root: &Path, dirs: &[Dir]) -> Result<(), SetupError> {
+    for d in dirs {
         let p = under(root, &d.path);
         match std::fs::create_dir(&p) {
             Ok(()) => {}
@@ -646,7 +736,12 @@ pub fn execute(
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(d.mode))
             .map_err(|e| SetupError::io(&p, e))?;
     }
-    for (f, action) in &actions.files {
+    Ok(())
+}
+
+/// Writes the files to create, update or replace (a replaced one moved aside first).
+fn write_files(root: &Path, files: &[(File, FileAction)]) -> Result<(), SetupError> {
+    for (f, action) in files {
         match action {
             FileAction::Same | FileAction::Conflict => continue,
             FileAction::Replace => {
@@ -665,7 +760,16 @@ pub fn execute(
         }
         write_file(root, f)?;
     }
-    for (path, action) in &actions.stale {
+    Ok(())
+}
+
+/// Removes the stale files; those changed since stay, with a line in `leftovers`.
+fn remove_stale(
+    root: &Path,
+    stale: &[(PathBuf, StaleAction)],
+    leftovers: &mut Leftovers,
+) -> Result<(), SetupError> {
+    for (path, action) in stale {
         let p = under(root, path);
         match action {
             StaleAction::Remove => std::fs::remove_file(&p).map_err(|e| SetupError::io(&p, e))?,
@@ -675,7 +779,16 @@ pub fn execute(
             )),
         }
     }
-    for b in &actions.restore {
+    Ok(())
+}
+
+/// Puts the files `--replace` moved aside back, unless something took their place since.
+fn restore_backups(
+    root: &Path,
+    restore: &[Backup],
+    leftovers: &mut Leftovers,
+) -> Result<(), SetupError> {
+    for b in restore {
         let from = under(root, &b.moved_to);
         let to = under(root, &b.path);
         if std::fs::symlink_metadata(&to).is_ok() {
@@ -688,37 +801,34 @@ pub fn execute(
             std::fs::rename(&from, &to).map_err(|e| SetupError::io(&from, e))?;
         }
     }
-    match &actions.manifest {
-        Some(m) => {
-            // First with the state as it was: a command failing below must not leave a
-            // manifest claiming what it would have done.
-            let mut now = m.clone();
-            if let Some(p) = previous {
-                now.created_job_user = p.created_job_user;
-                now.added_groups = p.added_groups.clone();
-                now.enabled_units = p
-                    .enabled_units
-                    .iter()
-                    .filter(|u| m.enabled_units.contains(u))
-                    .cloned()
-                    .collect();
-            } else {
-                now.created_job_user = false;
-                now.added_groups.clear();
-                now.enabled_units.clear();
-            }
-            write_manifest(root, &now)?;
-        }
-        None => {
-            let p = under(root, Path::new(MANIFEST));
-            match std::fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(SetupError::io(&p, e)),
-            }
-        }
+    Ok(())
+}
+
+/// The manifest to write before the commands run: `m`'s files, with the state the commands
+/// change (the job user, its groups, the enabled units) as it was, so that a command failing
+/// does not leave a manifest claiming what it would have done.
+fn manifest_before_steps(m: &Manifest, previous: Option<&Manifest>) -> Manifest {
+    let mut now = m.clone();
+    if let Some(p) = previous {
+        now.created_job_user = p.created_job_user;
+        now.added_groups = p.added_groups.clone();
+        now.enabled_units = p
+            .enabled_units
+            .iter()
+            .filter(|u| m.enabled_units.contains(u))
+            .cloned()
+            .collect();
+    } else {
+        now.created_job_user = false;
+        now.added_groups.clear();
+        now.enabled_units.clear();
     }
-    for d in &actions.rmdirs {
+    now
+}
+
+/// Removes the directories setup made; one not empty stays, with a line in `leftovers`.
+fn remove_dirs(root: &Path, rmdirs: &[PathBuf], leftovers: &mut Leftovers) {
+    for d in rmdirs {
         let p = under(root, d);
         match std::fs::remove_dir(&p) {
             Ok(()) => {}
@@ -729,9 +839,4 @@ pub fn execute(
             )),
         }
     }
-    run_steps(&actions.after, runner)?;
-    if let Some(m) = &actions.manifest {
-        write_manifest(root, m)?;
-    }
-    Ok(leftovers)
 }

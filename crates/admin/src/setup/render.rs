@@ -656,6 +656,66 @@ fn unit_path(name: &str) -> PathBuf {
 
 /// Everything the node needs, from its plan.
 pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, SetupError> {
+    let opts = &checked_options(plan, opts)?;
+    let bin = opts.prefix.join("bin");
+    let mut dirs = node_dirs(opts, &bin);
+    let mut files = installed_files(plan, opts, &bin);
+    link_plugin_hook_binary(&bin, &mut dirs, &mut files);
+    files.push(File {
+        path: AGENT_ENV.into(),
+        mode: 0o644,
+        content: Content::Text(agent_env(plan, opts)),
+    });
+    let agents = agents(plan, opts);
+    for a in &agents {
+        let (text, shown) = agent_config(plan, opts, a);
+        files.push(File {
+            path: a.config_path(),
+            mode: 0o600,
+            content: Content::Secret { text, shown },
+        });
+    }
+    files.push(File {
+        path: unit_path(SLICE_UNIT),
+        mode: 0o644,
+        content: Content::Text(slice_unit(plan, facts, &opts.node)),
+    });
+    files.push(File {
+        path: unit_path(AGENT_UNIT),
+        mode: 0o644,
+        content: Content::Text(agent_unit(plan, facts, opts)),
+    });
+
+    let mut units = Vec::new();
+    let mut notes = Vec::new();
+    if facts.cgroup_version == 1 {
+        cgroup_v1_migrations(facts, opts, &mut files, &mut units, &mut notes);
+    }
+    if plan.reserved_cpus.is_empty() {
+        notes.push("the plan reserves no housekeeping CPU (--housekeeping-cores 0): the agents share the jobs' CPUs".into());
+    }
+    if host_reserve(plan, facts.total_memory_bytes) == 0 {
+        notes.push("the slices take all the memory: the agents' slice gets no MemoryMax".into());
+    }
+    let job_user_groups = job_user_groups(facts, &mut notes);
+    for w in &plan.warnings {
+        notes.push(format!("plan: {w}"));
+    }
+
+    Ok(Desired {
+        summary: summary(plan, facts, opts),
+        dirs,
+        files,
+        agents,
+        units,
+        job_user_groups,
+        notes,
+    })
+}
+
+/// Checks the options and the plan; returns the options with the job configuration as it is
+/// to be written.
+fn checked_options(plan: &Plan, opts: &Options) -> Result<Options, SetupError> {
     check_name("the queue", "--queue NAME", &opts.queue)?;
     if let Some(m) = &opts.multi_gpu {
         check_name("the multi-GPU queue", "--multi-gpu-queue NAME", &m.queue)?;
@@ -682,18 +742,21 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         check_job_env(name)?;
     }
     let job_config = check_job_config(&opts.job_config)?;
-    let opts = &Options {
+    Ok(Options {
         job_config,
         ..opts.clone()
-    };
-    let bin = opts.prefix.join("bin");
-    let mut dirs = vec![
+    })
+}
+
+/// The node's directories, parents first.
+fn node_dirs(opts: &Options, bin: &Path) -> Vec<Dir> {
+    vec![
         Dir {
             path: opts.prefix.clone(),
             mode: 0o755,
         },
         Dir {
-            path: bin.clone(),
+            path: bin.to_path_buf(),
             mode: 0o755,
         },
         Dir {
@@ -725,7 +788,11 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
             path: UNIT_DIR.into(),
             mode: 0o755,
         },
-    ];
+    ]
+}
+
+/// The binaries copied into `bin`, the plan, and the agent's hooks (links to the binary).
+fn installed_files(plan: &Plan, opts: &Options, bin: &Path) -> Vec<File> {
     let mut files: Vec<File> = BINARIES
         .iter()
         .copied()
@@ -748,8 +815,12 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
             content: Content::Link(bin.join("kernelkite-isolate")),
         });
     }
-    // The plugin's hook files name the binary at the default prefix on their first line (a
-    // shebang cannot search): with another prefix, that path leads to this one.
+    files
+}
+
+/// The plugin's hook files name the binary at the default prefix on their first line (a
+/// shebang cannot search): with another prefix, that path leads to this one.
+fn link_plugin_hook_binary(bin: &Path, dirs: &mut Vec<Dir>, files: &mut Vec<File>) {
     let plugin_bin = Path::new(kernelkite_sys::node::plugin_hook_binary());
     if plugin_bin != bin.join("kernelkite-isolate") {
         for path in [
@@ -764,56 +835,37 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
             content: Content::Link(bin.join("kernelkite-isolate")),
         });
     }
-    files.push(File {
-        path: AGENT_ENV.into(),
-        mode: 0o644,
-        content: Content::Text(agent_env(plan, opts)),
-    });
-    let agents = agents(plan, opts);
-    for a in &agents {
-        let (text, shown) = agent_config(plan, opts, a);
-        files.push(File {
-            path: a.config_path(),
-            mode: 0o600,
-            content: Content::Secret { text, shown },
-        });
-    }
-    files.push(File {
-        path: unit_path(SLICE_UNIT),
-        mode: 0o644,
-        content: Content::Text(slice_unit(plan, facts, &opts.node)),
-    });
-    files.push(File {
-        path: unit_path(AGENT_UNIT),
-        mode: 0o644,
-        content: Content::Text(agent_unit(plan, facts, opts)),
-    });
+}
 
-    let mut units = Vec::new();
-    let mut notes = Vec::new();
-    if facts.cgroup_version == 1 {
-        let kernel = facts
-            .kernel_release
-            .as_deref()
-            .unwrap_or("of unknown version");
-        if favordynmods_supported(facts) {
-            files.push(File {
-                path: unit_path(FAVORDYNMODS_UNIT),
-                mode: 0o644,
-                content: Content::Text(favordynmods_unit(&opts.node)),
-            });
-            units.push(FAVORDYNMODS_UNIT.to_string());
-            notes.push(format!("cgroup v1: moving each job's command into its cgroup would wait for an RCU grace period (~10 ms); {FAVORDYNMODS_UNIT} mounts an empty cgroup hierarchy with `favordynmods` (Linux {kernel} has it), which makes those moves fast for every hierarchy. cgroup v2 needs none of this: boot with systemd.unified_cgroup_hierarchy=1 to switch."));
-        } else {
-            notes.push(format!("cgroup v1 on Linux {kernel}, which has no `favordynmods` (Linux 6.0+): moving each job's command into its cgroup waits for an RCU grace period (~10 ms). Boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) or a 6.0+ kernel to avoid it."));
-        }
+/// cgroup v1: the favordynmods mount that makes moving a job's command into its cgroup fast,
+/// where the kernel has it, and a note either way.
+fn cgroup_v1_migrations(
+    facts: &Facts,
+    opts: &Options,
+    files: &mut Vec<File>,
+    units: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) {
+    let kernel = facts
+        .kernel_release
+        .as_deref()
+        .unwrap_or("of unknown version");
+    if favordynmods_supported(facts) {
+        files.push(File {
+            path: unit_path(FAVORDYNMODS_UNIT),
+            mode: 0o644,
+            content: Content::Text(favordynmods_unit(&opts.node)),
+        });
+        units.push(FAVORDYNMODS_UNIT.to_string());
+        notes.push(format!("cgroup v1: moving each job's command into its cgroup would wait for an RCU grace period (~10 ms); {FAVORDYNMODS_UNIT} mounts an empty cgroup hierarchy with `favordynmods` (Linux {kernel} has it), which makes those moves fast for every hierarchy. cgroup v2 needs none of this: boot with systemd.unified_cgroup_hierarchy=1 to switch."));
+    } else {
+        notes.push(format!("cgroup v1 on Linux {kernel}, which has no `favordynmods` (Linux 6.0+): moving each job's command into its cgroup waits for an RCU grace period (~10 ms). Boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) or a 6.0+ kernel to avoid it."));
     }
-    if plan.reserved_cpus.is_empty() {
-        notes.push("the plan reserves no housekeeping CPU (--housekeeping-cores 0): the agents share the jobs' CPUs".into());
-    }
-    if host_reserve(plan, facts.total_memory_bytes) == 0 {
-        notes.push("the slices take all the memory: the agents' slice gets no MemoryMax".into());
-    }
+}
+
+/// The groups the job user joins to open the GPUs' device nodes, with a note for each node
+/// whose group it cannot join.
+fn job_user_groups(facts: &Facts, notes: &mut Vec<String>) -> Vec<String> {
     let mut job_user_groups: Vec<String> = Vec::new();
     for owner in &facts.device_owners {
         match (&owner.group, owner.gid) {
@@ -826,10 +878,11 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
             (None, gid) => notes.push(format!("{} belongs to group id {gid}, which /etc/group does not name: {JOB_USER} is not added to it", owner.device.display())),
         }
     }
-    for w in &plan.warnings {
-        notes.push(format!("plan: {w}"));
-    }
+    job_user_groups
+}
 
+/// One line saying what the node gets.
+fn summary(plan: &Plan, facts: &Facts, opts: &Options) -> String {
     let gpus: usize = plan.slices.iter().map(|s| s.gpus().len()).sum();
     let vendors: Vec<String> = {
         let mut v: Vec<String> = plan
@@ -860,22 +913,13 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
         ),
         None => String::new(),
     };
-    let summary = format!(
+    format!(
         "node {}: {} slice(s), {what}, cgroup v{}; {layout}, queue {:?}{multi}",
         opts.node,
         plan.slices.len(),
         facts.cgroup_version,
         opts.queue
-    );
-    Ok(Desired {
-        summary,
-        dirs,
-        files,
-        agents,
-        units,
-        job_user_groups,
-        notes,
-    })
+    )
 }
 
 #[cfg(test)]

@@ -179,6 +179,29 @@ pub fn judge(
     hooks: &HookResults,
     seen: &Seen,
 ) -> Vec<Check> {
+    let mut out = check_hooks(hooks);
+    // Without its environment the job did not run: nothing else can be judged.
+    if hooks.environment.0 != 0 {
+        return out;
+    }
+    out.push(check_gpu(plan, slice, mode, seen));
+    out.extend(check_gpu_count(slice, seen));
+    let (want_cpus, want_mems) = job_cpus_and_mems(slice, seen);
+    out.push(check_cpuset(slice, seen, &want_cpus));
+    out.push(check_affinity(seen, &want_cpus, &want_mems));
+    if mode == Mode::Host {
+        out.push(check_cgroup(job_id, seen));
+    }
+    if let Some(code) = seen.runner {
+        out.push(check_runner(code, seen));
+    }
+    out.push(check_clean_up(hooks));
+    out
+}
+
+/// `hooks`: each hook that failed, or one verdict that all exited 0. Only `environment`'s
+/// failure when it failed, since then the others did not run for real.
+fn check_hooks(hooks: &HookResults) -> Vec<Check> {
     let mut out = Vec::new();
     let (env_code, env_err) = &hooks.environment;
     if *env_code != 0 {
@@ -216,32 +239,33 @@ pub fn judge(
             "environment, command and pre-exit exited 0".into(),
         ));
     }
+    out
+}
 
-    // One GPU, the slice's, in the variables the job's CUDA/ROCm read.
+/// The non-empty comma-separated items of the job's variable `name`.
+fn env_items(seen: &Seen, name: &str) -> Vec<String> {
+    seen.env
+        .get(name)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `gpu`: the slice's GPUs, and no other, in the variables the job's CUDA/ROCm read.
+fn check_gpu(plan: &Plan, slice: &Slice, mode: Mode, seen: &Seen) -> Check {
     let gpus = slice.gpus();
-    let var_of = |v: Vendor| match v {
-        Vendor::Nvidia => "CUDA_VISIBLE_DEVICES",
-        Vendor::Amd => "ROCR_VISIBLE_DEVICES",
-    };
-    let items = |name: &str| -> Vec<String> {
-        seen.env
-            .get(name)
-            .map(|v| {
-                v.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     if gpus.is_empty() {
         let visible: Vec<String> = ["CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"]
             .iter()
-            .filter(|v| !items(v).is_empty())
+            .filter(|v| !env_items(seen, v).is_empty())
             .map(|v| format!("{v}={}", seen.env[*v]))
             .collect();
-        out.push(check(
+        return check(
             "gpu",
             visible.is_empty(),
             if visible.is_empty() {
@@ -249,81 +273,88 @@ pub fn judge(
             } else {
                 format!("a CPU-only slice, yet the job sees {}", visible.join(" "))
             },
-        ));
-    } else {
-        let vendor = gpus[0].vendor;
-        let name = var_of(vendor);
-        let got = items(name);
-        // In docker mode the container numbers its devices from 0; UUIDs stay. An AMD job in
-        // host mode is numbered from 0 in the sandbox's private /dev, in host order with the
-        // sandbox off (kernelkite_sys::kfd): either is right for its /dev, and `gpu-count`
-        // checks what the job can really use.
-        let local: Vec<String> = gpus
-            .iter()
-            .enumerate()
-            .map(|(i, g)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
-            .collect();
-        let host: Vec<String> = gpus
-            .iter()
-            .zip(device_indices(plan, slice))
-            .map(|(g, i)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
-            .collect();
-        let wanted = match (mode, vendor) {
-            (Mode::Docker, _) => local.clone(),
-            (Mode::Host, Vendor::Nvidia) => host.clone(),
-            (Mode::Host, Vendor::Amd) if got == local => local.clone(),
-            (Mode::Host, Vendor::Amd) => host.clone(),
-        };
-        let ok = got == wanted;
-        out.push(check(
-            "gpu",
-            ok,
-            if ok {
-                format!(
-                    "{name}={} ({} GPU(s): {})",
-                    got.join(","),
-                    got.len(),
-                    gpus.iter()
-                        .map(|g| g.pci_bus_id.as_str())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                )
-            } else {
-                format!(
-                    "{name} is {:?}, not the slice's {}",
-                    seen.env.get(name).map(String::as_str).unwrap_or("<unset>"),
-                    wanted.join(",")
-                )
-            },
-        ));
+        );
     }
+    let vendor = gpus[0].vendor;
+    let name = match vendor {
+        Vendor::Nvidia => "CUDA_VISIBLE_DEVICES",
+        Vendor::Amd => "ROCR_VISIBLE_DEVICES",
+    };
+    let got = env_items(seen, name);
+    // In docker mode the container numbers its devices from 0; UUIDs stay. An AMD job in
+    // host mode is numbered from 0 in the sandbox's private /dev, in host order with the
+    // sandbox off (kernelkite_sys::kfd): either is right for its /dev, and `gpu-count`
+    // checks what the job can really use.
+    let local: Vec<String> = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
+        .collect();
+    let host: Vec<String> = gpus
+        .iter()
+        .zip(device_indices(plan, slice))
+        .map(|(g, i)| g.uuid.clone().unwrap_or_else(|| i.to_string()))
+        .collect();
+    let wanted = match (mode, vendor) {
+        (Mode::Docker, _) => local.clone(),
+        (Mode::Host, Vendor::Nvidia) => host.clone(),
+        (Mode::Host, Vendor::Amd) if got == local => local.clone(),
+        (Mode::Host, Vendor::Amd) => host.clone(),
+    };
+    let ok = got == wanted;
+    check(
+        "gpu",
+        ok,
+        if ok {
+            format!(
+                "{name}={} ({} GPU(s): {})",
+                got.join(","),
+                got.len(),
+                gpus.iter()
+                    .map(|g| g.pci_bus_id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+        } else {
+            format!(
+                "{name} is {:?}, not the slice's {}",
+                seen.env.get(name).map(String::as_str).unwrap_or("<unset>"),
+                wanted.join(",")
+            )
+        },
+    )
+}
 
-    // How many GPUs the job can use, counted inside it the way CUDA and ROCm enumerate them
-    // (the runner: NVML and CUDA_VISIBLE_DEVICES; AMD's KFD topology, the render nodes the
-    // job's /dev holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES): variables that name
-    // the right GPUs are not enough if the job cannot reach them.
+/// `gpu-count`: how many GPUs the job can use, counted inside it the way CUDA and ROCm
+/// enumerate them (the runner: NVML and CUDA_VISIBLE_DEVICES; AMD's KFD topology, the render
+/// nodes the job's /dev holds, ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES): variables that
+/// name the right GPUs are not enough if the job cannot reach them. `None` when the runner
+/// did not count.
+fn check_gpu_count(slice: &Slice, seen: &Seen) -> Option<Check> {
     if seen.runner == Some(0) && seen.runner_gpus.is_none() {
-        out.push(check(
+        return Some(check(
             "gpu-count",
             false,
             "the runner evaluated the example but its result.json gave no system.device_count"
                 .into(),
         ));
     }
-    if let Some(n) = seen.runner_gpus {
-        let want = gpus.len() as u32;
-        out.push(check(
-            "gpu-count",
-            n == want,
-            if n == want {
-                format!("the runner in the job counts {n} GPU(s), as CUDA/ROCm enumerate them there")
-            } else {
-                format!("the runner in the job counts {n} GPU(s), the slice has {want}: the job cannot use the GPUs planned for it (its device nodes, and CUDA_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)")
-            },
-        ));
-    }
+    let n = seen.runner_gpus?;
+    let want = slice.gpus().len() as u32;
+    Some(check(
+        "gpu-count",
+        n == want,
+        if n == want {
+            format!("the runner in the job counts {n} GPU(s), as CUDA/ROCm enumerate them there")
+        } else {
+            format!("the runner in the job counts {n} GPU(s), the slice has {want}: the job cannot use the GPUs planned for it (its device nodes, and CUDA_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)")
+        },
+    ))
+}
 
-    // The job's slice: what the hooks exported, against the plan.
+/// The CPUs and memory nodes the job should have: those of the slice the hooks exported
+/// (`KERNELKITE_SLICE`), else the plan's.
+fn job_cpus_and_mems(slice: &Slice, seen: &Seen) -> (Vec<u32>, Vec<u32>) {
     let job_slice: Option<Slice> = seen
         .env
         .get("KERNELKITE_SLICE")
@@ -336,16 +367,21 @@ pub fn judge(
         .as_ref()
         .map(|s| s.mems.clone())
         .unwrap_or_else(|| slice.mems.clone());
+    (want_cpus, want_mems)
+}
+
+/// `cpuset`: the job's slice, as the hooks exported it, against the plan.
+fn check_cpuset(slice: &Slice, seen: &Seen, want_cpus: &[u32]) -> Check {
     let in_plan = want_cpus.iter().all(|c| slice.cpus.contains(c));
     let exported = seen.env.get("KERNELBOT_CPUSET").map(String::as_str);
-    let cpuset_ok = in_plan && exported == Some(format_cpu_list(&want_cpus).as_str());
-    out.push(check(
+    let cpuset_ok = in_plan && exported == Some(format_cpu_list(want_cpus).as_str());
+    check(
         "cpuset",
         cpuset_ok,
         if cpuset_ok {
             format!(
                 "KERNELBOT_CPUSET={} (the plan's slice {}: {})",
-                format_cpu_list(&want_cpus),
+                format_cpu_list(want_cpus),
                 slice.index,
                 format_cpu_list(&slice.cpus)
             )
@@ -357,65 +393,72 @@ pub fn judge(
                 format_cpu_list(&slice.cpus)
             )
         },
-    ));
+    )
+}
 
-    // Where the command really ran: its affinity and memory nodes.
+/// `affinity`: where the command really ran, its affinity and memory nodes.
+fn check_affinity(seen: &Seen, want_cpus: &[u32], want_mems: &[u32]) -> Check {
     let cpus = seen.cpus_allowed.as_deref().and_then(cpus_of);
     let mems = seen.mems_allowed.as_deref().and_then(cpus_of);
-    let affinity_ok = cpus.as_deref() == Some(&want_cpus) && mems.as_deref() == Some(&want_mems);
-    out.push(check(
+    let affinity_ok = cpus.as_deref() == Some(want_cpus) && mems.as_deref() == Some(want_mems);
+    check(
         "affinity",
         affinity_ok,
         if affinity_ok {
             format!(
                 "the command ran on CPUs {} and memory node(s) {}",
-                format_cpu_list(&want_cpus),
-                format_cpu_list(&want_mems)
+                format_cpu_list(want_cpus),
+                format_cpu_list(want_mems)
             )
         } else {
             format!(
                 "the command could run on CPUs {} and memory node(s) {}, not the slice's {} and {} (is it in its cgroup? see `kernelkite-isolate doctor`)",
                 seen.cpus_allowed.as_deref().unwrap_or("?"),
                 seen.mems_allowed.as_deref().unwrap_or("?"),
-                format_cpu_list(&want_cpus),
-                format_cpu_list(&want_mems)
+                format_cpu_list(want_cpus),
+                format_cpu_list(want_mems)
             )
         },
-    ));
+    )
+}
 
-    if mode == Mode::Host {
-        let suffix = format!("/{}/{job_id}", kernelkite_hooks::cgroup::PARENT);
-        let inside = seen.cgroups.iter().any(|l| l.trim_end().ends_with(&suffix));
-        out.push(check(
-            "cgroup",
-            inside,
-            if inside {
-                format!("the command ran in its job cgroup (…{suffix})")
-            } else {
-                format!(
-                    "the command was not in …{suffix}: its /proc/self/cgroup says {}",
-                    seen.cgroups.join("; ")
-                )
-            },
-        ));
-    }
+/// `cgroup` (host mode): the command ran in its job's cgroup.
+fn check_cgroup(job_id: &str, seen: &Seen) -> Check {
+    let suffix = format!("/{}/{job_id}", kernelkite_hooks::cgroup::PARENT);
+    let inside = seen.cgroups.iter().any(|l| l.trim_end().ends_with(&suffix));
+    check(
+        "cgroup",
+        inside,
+        if inside {
+            format!("the command ran in its job cgroup (…{suffix})")
+        } else {
+            format!(
+                "the command was not in …{suffix}: its /proc/self/cgroup says {}",
+                seen.cgroups.join("; ")
+            )
+        },
+    )
+}
 
-    if let Some(code) = seen.runner {
-        out.push(check(
-            "runner",
-            code == 0,
-            if code == 0 {
-                "kernelkite-runner --example evaluated the example task".into()
-            } else {
-                format!(
-                    "kernelkite-runner --example exited {code} (3: a node problem such as no python3 or no GPU; see runner/README.md): {}",
-                    seen.runner_log.join(" | ")
-                )
-            },
-        ));
-    }
+/// `runner`: the runner evaluated the example task (it exited `code`).
+fn check_runner(code: i32, seen: &Seen) -> Check {
+    check(
+        "runner",
+        code == 0,
+        if code == 0 {
+            "kernelkite-runner --example evaluated the example task".into()
+        } else {
+            format!(
+                "kernelkite-runner --example exited {code} (3: a node problem such as no python3 or no GPU; see runner/README.md): {}",
+                seen.runner_log.join(" | ")
+            )
+        },
+    )
+}
 
-    out.push(check(
+/// `clean-up`: pre-exit released the slice and removed the job's state.
+fn check_clean_up(hooks: &HookResults) -> Check {
+    check(
         "clean-up",
         !hooks.state_left && hooks.pre_exit.0 == 0,
         if hooks.state_left {
@@ -423,8 +466,7 @@ pub fn judge(
         } else {
             "pre-exit released the slice and removed the job's state".into()
         },
-    ));
-    out
+    )
 }
 
 /// Who the command ran as: never root (the sandbox runs it as the job user) unless the
@@ -560,28 +602,16 @@ fn random_token() -> String {
     hex::encode(buf)
 }
 
-/// Runs one smoke job on `slice` through the hooks in `opts.hooks_dir`.
-pub fn run_slice(
+/// The variables the agent gives a job, for the smoke job `job_id` on `slice` (the Job API's
+/// socket and token are added once it listens): the caller's `PATH`, `HOME`, `LANG` and
+/// `TMPDIR`, then `opts.env`, then Buildkite's.
+fn smoke_job_env(
     opts: &SmokeOptions,
-    plan: &Plan,
     slice: &Slice,
     config: &str,
-    mode: Mode,
-    allow_root: bool,
-) -> Result<SliceReport, SetupError> {
-    let job_id = format!("kernelkite-smoke-{}-{}", std::process::id(), slice.index);
-    let dir = tempfile::Builder::new()
-        .prefix("kernelkite-smoke.")
-        .tempdir()
-        .map_err(|e| SetupError::io(&std::env::temp_dir(), e))?;
-    let checkout = dir.path().join("checkout");
-    std::fs::create_dir(&checkout).map_err(|e| SetupError::io(&checkout, e))?;
-    // The command runs as the unprivileged job user, which must reach its checkout.
-    for (p, mode) in [(dir.path(), 0o755), (checkout.as_path(), 0o777)] {
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| SetupError::io(p, e))?;
-    }
-    let token = random_token();
+    job_id: &str,
+    checkout: &Path,
+) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     for k in ["PATH", "HOME", "LANG", "TMPDIR"] {
         if let Ok(v) = std::env::var(k) {
@@ -595,8 +625,8 @@ pub fn run_slice(
     set(&mut env, "KERNELKITE_CONFIG", config);
     set(&mut env, "BUILDKITE", "true");
     set(&mut env, "CI", "true");
-    set(&mut env, "BUILDKITE_JOB_ID", &job_id);
-    set(&mut env, "BUILDKITE_BUILD_ID", &job_id);
+    set(&mut env, "BUILDKITE_JOB_ID", job_id);
+    set(&mut env, "BUILDKITE_BUILD_ID", job_id);
     set(&mut env, "BUILDKITE_BUILD_NUMBER", "0");
     set(&mut env, "BUILDKITE_PIPELINE_SLUG", "kernelkite-smoke");
     set(&mut env, "BUILDKITE_ORGANIZATION_SLUG", "local");
@@ -621,14 +651,40 @@ pub fn run_slice(
         "BUILDKITE_COMMAND",
         &command(opts.runner.as_deref()),
     );
+    env
+}
+
+/// Runs one smoke job on `slice` through the hooks in `opts.hooks_dir`.
+// Long because one smoke job end to end: checkout, Job API, the three hooks in order, verdicts.
+pub fn run_slice(
+    opts: &SmokeOptions,
+    plan: &Plan,
+    slice: &Slice,
+    config: &str,
+    mode: Mode,
+    allow_root: bool,
+) -> Result<SliceReport, SetupError> {
+    let job_id = format!("kernelkite-smoke-{}-{}", std::process::id(), slice.index);
+    let dir = tempfile::Builder::new()
+        .prefix("kernelkite-smoke.")
+        .tempdir()
+        .map_err(|e| SetupError::io(&std::env::temp_dir(), e))?;
+    let checkout = dir.path().join("checkout");
+    std::fs::create_dir(&checkout).map_err(|e| SetupError::io(&checkout, e))?;
+    // The command runs as the unprivileged job user, which must reach its checkout.
+    for (p, mode) in [(dir.path(), 0o755), (checkout.as_path(), 0o777)] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| SetupError::io(p, e))?;
+    }
+    let token = random_token();
+    let mut env = smoke_job_env(opts, slice, config, &job_id, &checkout);
     let api = JobApiServer::start(&dir.path().join("job-api.sock"), &token, env.clone())
         .map_err(|e| SetupError::io(&dir.path().join("job-api.sock"), e))?;
-    set(
-        &mut env,
-        "BUILDKITE_AGENT_JOB_API_SOCKET",
-        &api.socket().display().to_string(),
+    env.insert(
+        "BUILDKITE_AGENT_JOB_API_SOCKET".into(),
+        api.socket().display().to_string(),
     );
-    set(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
+    env.insert("BUILDKITE_AGENT_JOB_API_TOKEN".into(), token.clone());
 
     // The hooks run in the checkout: a relative hooks-path would no longer name them.
     let hooks_dir =
@@ -675,19 +731,9 @@ pub fn run_slice(
         .as_ref()
         .map(|o| parse_seen(&String::from_utf8_lossy(&o.stdout)))
         .unwrap_or_default();
-    let gpus: Vec<&str> = slice.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
     Ok(SliceReport {
         slice: slice.index,
-        about: format!(
-            "{}, CPUs {}, {}",
-            if gpus.is_empty() {
-                "no GPU".to_string()
-            } else {
-                format!("GPU {}", gpus.join(","))
-            },
-            format_cpu_list(&slice.cpus),
-            format_bytes(slice.memory_bytes)
-        ),
+        about: slice_about(slice),
         checks: {
             let mut checks = judge(plan, slice, mode, &job_id, &results, &seen);
             if command_out.is_some() {
@@ -701,6 +747,21 @@ pub fn run_slice(
             checks
         },
     })
+}
+
+/// What a slice holds, for its report: its GPUs, CPUs and memory.
+fn slice_about(slice: &Slice) -> String {
+    let gpus: Vec<&str> = slice.gpus().iter().map(|g| g.pci_bus_id.as_str()).collect();
+    format!(
+        "{}, CPUs {}, {}",
+        if gpus.is_empty() {
+            "no GPU".to_string()
+        } else {
+            format!("GPU {}", gpus.join(","))
+        },
+        format_cpu_list(&slice.cpus),
+        format_bytes(slice.memory_bytes)
+    )
 }
 
 /// Runs the smoke job on every slice (or those asked for), one after the other.

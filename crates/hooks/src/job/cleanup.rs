@@ -78,6 +78,25 @@ impl CleanupReport {
     }
 }
 
+/// Removes the job's container (docker mode); one already gone is no problem.
+fn remove_container(settings: &Settings, job_id: &str, report: &mut CleanupReport) {
+    let out = Command::new(&settings.docker)
+        .args(["rm", "--force", &docker::container_name(job_id)])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => report.container_removed = true,
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            if !err.contains("No such container") {
+                report.problems.push(format!("docker rm: {}", err.trim()));
+            }
+        }
+        Err(e) => report
+            .problems
+            .push(format!("cannot run {}: {e}", settings.docker.display())),
+    }
+}
+
 /// Undoes everything a job did to the node; idempotent, keeps going past failures and
 /// reports them. Works from the state file when there is one, else from the job id alone.
 pub fn clean_job(
@@ -101,21 +120,7 @@ pub fn clean_job(
         .as_ref()
         .is_some_and(|s| s.config.mode == Mode::Docker)
     {
-        let out = Command::new(&settings.docker)
-            .args(["rm", "--force", &docker::container_name(job_id)])
-            .output();
-        match out {
-            Ok(o) if o.status.success() => report.container_removed = true,
-            Ok(o) => {
-                let err = String::from_utf8_lossy(&o.stderr);
-                if !err.contains("No such container") {
-                    report.problems.push(format!("docker rm: {}", err.trim()));
-                }
-            }
-            Err(e) => report
-                .problems
-                .push(format!("cannot run {}: {e}", settings.docker.display())),
-        }
+        remove_container(settings, job_id, &mut report);
     }
     if let Some(cg) = cgroups {
         match cg.clean_up(job_id) {

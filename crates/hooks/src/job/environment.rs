@@ -35,6 +35,7 @@ pub struct Prepared {
 
 /// The `environment` hook: clean orphans, lease GPU(s), check and prepare the slice, record
 /// the state. Every failure after the lease releases it.
+// Long because the steps run in this order, and all after the lease is one chain undone on failure.
 pub fn run(
     settings: &Settings,
     env: &BTreeMap<String, String>,
@@ -50,16 +51,7 @@ pub fn run(
     let job_user = job_user(settings, &config, &mut notices)?;
 
     // Decided before anything is held: a broken cgroup set-up fails the job up front.
-    let cgroups = match Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root) {
-        Ok(c) => Some(c),
-        Err(e) if config.mode == Mode::Host && !config.allow_unenforced => return Err(e.into()),
-        Err(e) => {
-            if config.mode == Mode::Host {
-                notices.push(format!("WARNING: {}", Chain(&e)));
-            }
-            None
-        }
-    };
+    let cgroups = detect_cgroups(settings, &config, &mut notices)?;
 
     let scan = clean_orphans(settings, &job_id, cgroups.as_ref(), gpu);
     for r in scan.cleaned {
@@ -114,15 +106,7 @@ pub fn run(
             if devices.is_empty() {
                 devices = gpus.clone();
             }
-            for (key, asked) in [("tmp-size", config.tmp_size), ("shm-size", config.shm_size)] {
-                if let Some(asked) = asked.filter(|a| *a > slice.memory_bytes) {
-                    return Err(JobError::OverSlice {
-                        key,
-                        asked: format!("{asked} bytes"),
-                        has: format!("a memory limit of {} bytes", slice.memory_bytes),
-                    });
-                }
-            }
+            check_sizes_fit(&config, &slice)?;
             let mut state = JobState {
                 job_id: job_id.clone(),
                 agent,
@@ -174,6 +158,39 @@ pub fn run(
             Err(e)
         }
     }
+}
+
+/// The node's cgroups; `None` where they cannot be used and the job may run unenforced (docker
+/// mode, or `allow-unenforced`), with a warning in host mode.
+fn detect_cgroups(
+    settings: &Settings,
+    config: &PluginConfig,
+    notices: &mut Vec<String>,
+) -> Result<Option<Cgroups>, JobError> {
+    match Cgroups::detect_with(&settings.cgroup_root, &settings.proc_root) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if config.mode == Mode::Host && !config.allow_unenforced => Err(e.into()),
+        Err(e) => {
+            if config.mode == Mode::Host {
+                notices.push(format!("WARNING: {}", Chain(&e)));
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// The job's tmpfs sizes (`tmp-size`, `shm-size`) must fit in its slice's memory limit.
+fn check_sizes_fit(config: &PluginConfig, slice: &Slice) -> Result<(), JobError> {
+    for (key, asked) in [("tmp-size", config.tmp_size), ("shm-size", config.shm_size)] {
+        if let Some(asked) = asked.filter(|a| *a > slice.memory_bytes) {
+            return Err(JobError::OverSlice {
+                key,
+                asked: format!("{asked} bytes"),
+                has: format!("a memory limit of {} bytes", slice.memory_bytes),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The default job user becomes the slice's own identity (`sandbox::user::for_slice`): one uid

@@ -287,7 +287,6 @@ fn real(path: &Path) -> Option<PathBuf> {
 /// overlaid checkouts whose writes the namespace's init carries back when the job ends.
 pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError> {
     let mut built = Built::default();
-    let mut overlays: Vec<Overlaid> = Vec::new();
     let root = Path::new("/");
     rustix::mount::mount_change(
         root,
@@ -296,6 +295,73 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
     .map_err(step("make every mount private under", root))?;
 
     // Everything to be attached later is cloned before anything covers it.
+    let mut sources = clone_sources(spec)?;
+
+    // Every mount of the host's read-only in this view (the cgroup mounts with the rest), so
+    // that nothing the job can write lands on a host disk: what it may write (the fresh tmpfs
+    // mounts, the checkout's overlay, `/dev`) is mounted afterwards, each bounded. Device nodes
+    // stay usable (a read-only mount refuses writes to files and directories, not to
+    // devices). A kernel without `mount_setattr` (before 5.12) gets the cgroup mounts
+    // read-only one by one, and the host's other file systems stay as they are.
+    built.read_only_cgroups = cgroup_mounts()?;
+    built.host_read_only = kernelkite_sys::raw::make_tree_read_only(root).is_ok();
+    if !built.host_read_only {
+        read_only_cgroups(&built.read_only_cgroups)?;
+    }
+
+    // Step 3.
+    let overlays = mount_layers(spec, &mut sources, &mut built)?;
+
+    // Step 4.
+    for p in spec.read_only.iter().filter_map(|p| real(p)) {
+        rustix::mount::mount_bind(&p, &p).map_err(step("bind", &p))?;
+        bind_read_only(&p)?;
+        built.read_only.push(p);
+    }
+
+    // Step 5.
+    private_dev(spec, &sources, &mut built)?;
+
+    // Step 6.
+    if proc_options_are_per_mount() {
+        let proc = Path::new("/proc");
+        rustix::mount::mount(
+            "proc",
+            proc,
+            "proc",
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+            c"hidepid=invisible",
+        )
+        .map_err(step("mount a private /proc on", proc))?;
+        built.private_proc = true;
+    }
+
+    // Step 7.
+    rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
+    Ok((built, overlays))
+}
+
+/// What [`build`] attaches, cloned (`open_tree`) before anything covers it.
+struct Sources {
+    /// The writable paths (real locations) and their trees.
+    writable: Vec<(PathBuf, OwnedFd)>,
+    /// The hidden paths (real locations), each with whether it is a directory; `/run` last.
+    hide: Vec<(PathBuf, bool)>,
+    /// The resolver file kept under the covered `/run`, and its tree.
+    kept: Vec<(PathBuf, OwnedFd)>,
+    /// A clone of `/dev/null` for each hidden file.
+    null_copies: Vec<OwnedFd>,
+    /// The private `/dev`'s nodes: path under `/dev`, tree, whether it is a directory.
+    nodes: Vec<(PathBuf, OwnedFd, bool)>,
+    /// The host's `/dev/pts` and `/dev/ptmx`, for kernels without devpts instances.
+    host_pts: Option<OwnedFd>,
+    host_ptmx: Option<OwnedFd>,
+    /// The host has `/dev/mqueue`.
+    mqueue: bool,
+}
+
+/// Clones every source [`build`] attaches later, and settles what is hidden.
+fn clone_sources(spec: &SandboxSpec) -> Result<Sources, SandboxError> {
     let writable: Vec<(PathBuf, OwnedFd)> = spec
         .writable
         .iter()
@@ -322,7 +388,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
     if std::fs::symlink_metadata(HOST_RUN).is_ok_and(|m| m.is_dir()) {
         hide.push((PathBuf::from(HOST_RUN), true));
     }
-    let mut null_copies: Vec<OwnedFd> = hide
+    let null_copies: Vec<OwnedFd> = hide
         .iter()
         .filter(|(_, dir)| !dir)
         .map(|_| clone_tree(Path::new("/dev/null")))
@@ -339,23 +405,25 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             nodes.push((PathBuf::from(n), clone_tree(&source)?, false));
         }
     }
-    let host_pts = clone_tree(&dev.join("pts")).ok();
-    let host_ptmx = clone_tree(&dev.join("ptmx")).ok();
-    let mqueue = dev.join("mqueue").is_dir();
+    Ok(Sources {
+        writable,
+        hide,
+        kept,
+        null_copies,
+        nodes,
+        host_pts: clone_tree(&dev.join("pts")).ok(),
+        host_ptmx: clone_tree(&dev.join("ptmx")).ok(),
+        mqueue: dev.join("mqueue").is_dir(),
+    })
+}
 
-    // Every mount of the host's read-only in this view (the cgroup mounts with the rest), so
-    // that nothing the job can write lands on a host disk: what it may write (the fresh tmpfs
-    // mounts, the checkout's overlay, `/dev`) is mounted afterwards, each bounded. Device nodes
-    // stay usable (a read-only mount refuses writes to files and directories, not to
-    // devices). A kernel without `mount_setattr` (before 5.12) gets the cgroup mounts
-    // read-only one by one, and the host's other file systems stay as they are.
-    built.read_only_cgroups = cgroup_mounts()?;
-    built.host_read_only = kernelkite_sys::raw::make_tree_read_only(root).is_ok();
-    if !built.host_read_only {
-        read_only_cgroups(&built.read_only_cgroups)?;
-    }
-
-    // Step 3.
+/// Mounts the layers (step 3), shallowest first; returns the overlaid checkouts.
+fn mount_layers(
+    spec: &SandboxSpec,
+    sources: &mut Sources,
+    built: &mut Built,
+) -> Result<Vec<Overlaid>, SandboxError> {
+    let mut overlays: Vec<Overlaid> = Vec::new();
     let mut layers: Vec<Layer> = FRESH_DIRS
         .iter()
         .map(Path::new)
@@ -369,10 +437,15 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             Layer::Fresh(p.to_path_buf(), size)
         })
         .collect();
-    layers.extend(hide.iter().map(|(p, _)| Layer::Hidden(p.clone())));
-    layers.extend(writable.iter().map(|(p, _)| Layer::Writable(p.clone())));
-    layers.extend(kept.iter().map(|(p, _)| Layer::Kept(p.clone())));
-    let writable_paths: Vec<PathBuf> = writable.iter().map(|(p, _)| p.clone()).collect();
+    layers.extend(sources.hide.iter().map(|(p, _)| Layer::Hidden(p.clone())));
+    layers.extend(
+        sources
+            .writable
+            .iter()
+            .map(|(p, _)| Layer::Writable(p.clone())),
+    );
+    layers.extend(sources.kept.iter().map(|(p, _)| Layer::Kept(p.clone())));
+    let writable_paths: Vec<PathBuf> = sources.writable.iter().map(|(p, _)| p.clone()).collect();
     // What a covering tmpfs must hold mount points for: the writable paths, the fresh
     // directories (`/run/lock` under `/run`) and the kept files' directories.
     let mut deeper: Vec<PathBuf> = writable_paths.clone();
@@ -383,7 +456,9 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             .map(|l| l.path().to_path_buf()),
     );
     deeper.extend(
-        kept.iter()
+        sources
+            .kept
+            .iter()
             .filter_map(|(p, _)| p.parent().map(Path::to_path_buf)),
     );
     for layer in order_layers(layers) {
@@ -400,33 +475,9 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
                 }
                 built.fresh.push((p.clone(), *size));
             }
-            Layer::Hidden(p) => {
-                // A layer made before may have covered it (a hidden path under /tmp): it is
-                // gone from the view already.
-                let Ok(meta) = std::fs::metadata(p) else {
-                    built.hidden.push(p.clone());
-                    continue;
-                };
-                if meta.is_dir() {
-                    let inner = dirs_to_make(p, &deeper);
-                    let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
-                    tmpfs(p, flags, "size=64k,mode=755")?;
-                    mkdir_p(p, &inner)?;
-                    for (k, _) in kept.iter().filter(|(k, _)| k.starts_with(p)) {
-                        touch(k)?;
-                    }
-                    rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
-                        .map_err(step("make read-only", p))?;
-                } else {
-                    let Some(null) = null_copies.pop() else {
-                        continue;
-                    };
-                    attach(&null, p)?;
-                }
-                built.hidden.push(p.clone());
-            }
+            Layer::Hidden(p) => hide_path(p, &deeper, sources, built)?,
             Layer::Writable(p) => {
-                if let Some((_, tree)) = writable.iter().find(|(w, _)| w == p) {
+                if let Some((_, tree)) = sources.writable.iter().find(|(w, _)| w == p) {
                     attach(tree, p)?;
                     overlays.push(overlay(p, spec, overlays.len())?);
                     built.writable.push(p.clone());
@@ -434,7 +485,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             }
             Layer::Kept(p) => {
                 // Its mount point exists only where a covering layer made it.
-                if let Some((_, tree)) = kept.iter().find(|(k, _)| k == p && k.exists()) {
+                if let Some((_, tree)) = sources.kept.iter().find(|(k, _)| k == p && k.exists()) {
                     attach(tree, p)?;
                     bind_read_only(p)?;
                     built.read_only.push(p.clone());
@@ -442,21 +493,56 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
             }
         }
     }
+    Ok(overlays)
+}
 
-    // Step 4.
-    for p in spec.read_only.iter().filter_map(|p| real(p)) {
-        rustix::mount::mount_bind(&p, &p).map_err(step("bind", &p))?;
-        bind_read_only(&p)?;
-        built.read_only.push(p);
+/// Covers a hidden path: a directory by an empty read-only tmpfs holding the mount points of
+/// what `deeper` puts under it (and the kept files), a file by a copy of `/dev/null`.
+fn hide_path(
+    p: &Path,
+    deeper: &[PathBuf],
+    sources: &mut Sources,
+    built: &mut Built,
+) -> Result<(), SandboxError> {
+    // A layer made before may have covered it (a hidden path under /tmp): it is gone from the
+    // view already.
+    let Ok(meta) = std::fs::metadata(p) else {
+        built.hidden.push(p.to_path_buf());
+        return Ok(());
+    };
+    if meta.is_dir() {
+        let inner = dirs_to_make(p, deeper);
+        let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+        tmpfs(p, flags, "size=64k,mode=755")?;
+        mkdir_p(p, &inner)?;
+        for (k, _) in sources.kept.iter().filter(|(k, _)| k.starts_with(p)) {
+            touch(k)?;
+        }
+        rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
+            .map_err(step("make read-only", p))?;
+    } else {
+        let Some(null) = sources.null_copies.pop() else {
+            return Ok(());
+        };
+        attach(&null, p)?;
     }
+    built.hidden.push(p.to_path_buf());
+    Ok(())
+}
 
-    // Step 5.
+/// Mounts the private `/dev` (step 5) and makes it read-only.
+fn private_dev(
+    spec: &SandboxSpec,
+    sources: &Sources,
+    built: &mut Built,
+) -> Result<(), SandboxError> {
+    let dev = Path::new("/dev");
     tmpfs(
         dev,
         MountFlags::NOSUID | MountFlags::NOEXEC,
         "size=1m,nr_inodes=4096,mode=755",
     )?;
-    for (target, tree, is_dir) in &nodes {
+    for (target, tree, is_dir) in &sources.nodes {
         let at = dev.join(target);
         if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
             mkdir_p(dev, &[parent.to_path_buf()])?;
@@ -469,28 +555,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
         attach(tree, &at)?;
         built.devices.push(at);
     }
-    let pts = dev.join("pts");
-    mkdir_p(dev, &[PathBuf::from("pts")])?;
-    let new_pts = rustix::mount::mount(
-        "devpts",
-        &pts,
-        "devpts",
-        MountFlags::NOSUID | MountFlags::NOEXEC,
-        c"newinstance,ptmxmode=0666,mode=0620",
-    );
-    match (new_pts, &host_pts, &host_ptmx) {
-        (Ok(()), _, _) => {
-            rustix::fs::symlink("pts/ptmx", dev.join("ptmx"))
-                .map_err(step("link", &dev.join("ptmx")))?;
-        }
-        // A kernel without multiple devpts instances: the host's, as it is.
-        (Err(_), Some(host_pts), Some(host_ptmx)) => {
-            attach(host_pts, &pts)?;
-            touch(&dev.join("ptmx"))?;
-            attach(host_ptmx, &dev.join("ptmx"))?;
-        }
-        (Err(e), _, _) => return Err(step("mount a devpts instance on", &pts)(e)),
-    }
+    dev_pts(dev, sources)?;
     let shm = dev.join("shm");
     mkdir_p(dev, &[PathBuf::from("shm")])?;
     tmpfs(
@@ -499,7 +564,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
         &format!("size={},mode=1777", spec.shm_size),
     )?;
     built.fresh.push((shm, spec.shm_size));
-    if mqueue {
+    if sources.mqueue {
         let mq = dev.join("mqueue");
         mkdir_p(dev, &[PathBuf::from("mqueue")])?;
         rustix::mount::mount(
@@ -524,25 +589,35 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
         MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NOEXEC,
         "",
     )
-    .map_err(step("make read-only", dev))?;
+    .map_err(step("make read-only", dev))
+}
 
-    // Step 6.
-    if proc_options_are_per_mount() {
-        let proc = Path::new("/proc");
-        rustix::mount::mount(
-            "proc",
-            proc,
-            "proc",
-            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
-            c"hidepid=invisible",
-        )
-        .map_err(step("mount a private /proc on", proc))?;
-        built.private_proc = true;
+/// Mounts a new devpts instance on `/dev/pts` with its `ptmx` linked, or binds the host's where
+/// the kernel has no instances.
+fn dev_pts(dev: &Path, sources: &Sources) -> Result<(), SandboxError> {
+    let pts = dev.join("pts");
+    mkdir_p(dev, &[PathBuf::from("pts")])?;
+    let new_pts = rustix::mount::mount(
+        "devpts",
+        &pts,
+        "devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        c"newinstance,ptmxmode=0666,mode=0620",
+    );
+    match (new_pts, &sources.host_pts, &sources.host_ptmx) {
+        (Ok(()), _, _) => {
+            rustix::fs::symlink("pts/ptmx", dev.join("ptmx"))
+                .map_err(step("link", &dev.join("ptmx")))?;
+        }
+        // A kernel without multiple devpts instances: the host's, as it is.
+        (Err(_), Some(host_pts), Some(host_ptmx)) => {
+            attach(host_pts, &pts)?;
+            touch(&dev.join("ptmx"))?;
+            attach(host_ptmx, &dev.join("ptmx"))?;
+        }
+        (Err(e), _, _) => return Err(step("mount a devpts instance on", &pts)(e)),
     }
-
-    // Step 7.
-    rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
-    Ok((built, overlays))
+    Ok(())
 }
 
 /// Puts an overlay over the checkout bound at `path`: the real checkout as its lower layer,

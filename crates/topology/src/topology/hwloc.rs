@@ -125,25 +125,7 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
         },
     )
     .map_err(|e| TopologyError::Xml(e.into()))?;
-    let root = doc.root_element();
-    if root.tag_name().name() != "topology" {
-        return Err(bad_xml(format!(
-            "root element is <{}>, expected <topology>",
-            root.tag_name().name()
-        )));
-    }
-    if let Some(v) = root.attribute("version") {
-        let major = v.split('.').next().and_then(|m| m.parse::<u32>().ok());
-        if !matches!(major, Some(2) | Some(3)) {
-            return Err(bad_xml(format!(
-                "format version {v} is not supported (2.0 and 3.0 are); re-export with hwloc 2 or 3"
-            )));
-        }
-    }
-    let machine = root
-        .children()
-        .find(|c| object_type(*c).is_some())
-        .ok_or_else(|| TopologyError::Xml("no top-level <object> (Machine)".into()))?;
+    let machine = machine_object(&doc)?;
 
     let mut cpus: BTreeMap<u32, Cpu> = BTreeMap::new();
     let mut numa_nodes: Vec<NumaNode> = Vec::new();
@@ -153,98 +135,17 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
     for node in machine.descendants().filter(|n| object_type(*n).is_some()) {
         match object_type(node) {
             Some("PU") => {
-                let Some(id) = attr_u32(node, "os_index") else {
-                    return Err(TopologyError::Xml("a PU has no os_index".into()));
-                };
-                let ancestors = || node.ancestors().filter(|a| object_type(*a).is_some());
-                let core_obj = ancestors().find(|a| object_type(*a) == Some("Core"));
-                let package = ancestors()
-                    .find(|a| object_type(*a) == Some("Package"))
-                    .and_then(|p| attr_u32(p, "os_index"));
-                let core = core_obj
-                    .map(|c| {
-                        c.descendants()
-                            .filter(|d| object_type(*d) == Some("PU"))
-                            .filter_map(|d| attr_u32(d, "os_index"))
-                            .min()
-                            .unwrap_or(id)
-                    })
-                    .unwrap_or(id);
-                cpus.insert(
-                    id,
-                    Cpu {
-                        id,
-                        package,
-                        core_id: core_obj.and_then(|c| attr_u32(c, "os_index")),
-                        core,
-                        numa_node: None,
-                        online: true,
-                    },
-                );
+                let cpu = pu_cpu(node)?;
+                cpus.insert(cpu.id, cpu);
             }
             Some("NUMANode") => {
-                let id = attr_u32(node, "os_index").unwrap_or(numa_nodes.len() as u32);
-                let node_cpus = attr_bitmap(node, "cpuset")?.unwrap_or_default();
-                for &c in &node_cpus {
-                    node_of.insert(c, id);
+                let numa = numa_node(node, numa_nodes.len() as u32)?;
+                for &c in &numa.cpus {
+                    node_of.insert(c, numa.id);
                 }
-                let memory_bytes = node
-                    .attribute("local_memory")
-                    .and_then(|m| m.trim().parse().ok())
-                    .unwrap_or(0);
-                numa_nodes.push(NumaNode {
-                    id,
-                    cpus: node_cpus,
-                    memory_bytes,
-                });
+                numa_nodes.push(numa);
             }
-            Some("PCIDev") => {
-                let Some((class, vendor_id, device_id)) = pci_ids(node) else {
-                    continue;
-                };
-                let Some(vendor) = gpu_vendor(vendor_id, class) else {
-                    continue;
-                };
-                let Some(bus) = node.attribute("pci_busid") else {
-                    continue;
-                };
-                let parent = node
-                    .ancestors()
-                    .filter(|a| object_type(*a).is_some())
-                    .find(|a| object_type(*a).is_some_and(|t| !is_io(t)));
-                let (local_cpus, nodeset) = match parent {
-                    Some(p) => (
-                        attr_bitmap(p, "cpuset")?.unwrap_or_default(),
-                        attr_bitmap(p, "nodeset")?.unwrap_or_default(),
-                    ),
-                    None => (Vec::new(), Vec::new()),
-                };
-                let osdevs: Vec<Node> = node
-                    .children()
-                    .filter(|c| object_type(*c) == Some("OSDev"))
-                    .collect();
-                let uuid = osdevs
-                    .iter()
-                    .find_map(|o| info(*o, "NVIDIAUUID"))
-                    .map(str::to_string);
-                let name = osdevs
-                    .iter()
-                    .find_map(|o| info(*o, "GPUModel"))
-                    .or_else(|| info(node, "PCIDevice"))
-                    .map(str::to_string);
-                gpus.push(Gpu {
-                    vendor,
-                    pci_bus_id: canonical_bus_id(bus),
-                    numa_node: (nodeset.len() == 1).then(|| nodeset[0]),
-                    local_cpus,
-                    uuid,
-                    minor: None,
-                    device_id: Some(device_id),
-                    name,
-                    mig: Vec::new(),
-                    links: Vec::new(),
-                });
-            }
+            Some("PCIDev") => gpus.extend(pci_gpu(node)?),
             _ => {}
         }
     }
@@ -254,28 +155,10 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
             "no PU objects: the export has no CPUs".into(),
         ));
     }
-    // CPUs in the machine's complete cpuset but without a PU object are offline.
-    let complete = attr_bitmap(machine, "complete_cpuset")?.unwrap_or_default();
-    for id in complete {
-        cpus.entry(id).or_insert(Cpu {
-            id,
-            package: None,
-            core_id: None,
-            core: id,
-            numa_node: None,
-            online: false,
-        });
-    }
+    add_offline_cpus(machine, &mut cpus)?;
     let online: BTreeSet<u32> = cpus.values().filter(|c| c.online).map(|c| c.id).collect();
     if numa_nodes.is_empty() {
-        numa_nodes.push(NumaNode {
-            id: 0,
-            cpus: online.iter().copied().collect(),
-            memory_bytes: machine
-                .attribute("local_memory")
-                .and_then(|m| m.parse().ok())
-                .unwrap_or(0),
-        });
+        numa_nodes.push(whole_machine_node(machine, &online));
         for c in &online {
             node_of.insert(*c, 0);
         }
@@ -303,6 +186,156 @@ pub(crate) fn parse(xml: &str) -> Result<Topology, TopologyError> {
     };
     topo.normalise();
     Ok(topo)
+}
+
+/// Adds the CPUs in the machine's complete cpuset but without a PU object: they are offline.
+fn add_offline_cpus(machine: Node, cpus: &mut BTreeMap<u32, Cpu>) -> Result<(), TopologyError> {
+    let complete = attr_bitmap(machine, "complete_cpuset")?.unwrap_or_default();
+    for id in complete {
+        cpus.entry(id).or_insert(Cpu {
+            id,
+            package: None,
+            core_id: None,
+            core: id,
+            numa_node: None,
+            online: false,
+        });
+    }
+    Ok(())
+}
+
+/// The one NUMA node of an export that has none: node 0, all online CPUs and the machine's
+/// memory.
+fn whole_machine_node(machine: Node, online: &BTreeSet<u32>) -> NumaNode {
+    NumaNode {
+        id: 0,
+        cpus: online.iter().copied().collect(),
+        memory_bytes: machine
+            .attribute("local_memory")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0),
+    }
+}
+
+/// The export's top-level object (the Machine), after checking the root element and the
+/// format version.
+fn machine_object<'a, 'input>(
+    doc: &'a Document<'input>,
+) -> Result<Node<'a, 'input>, TopologyError> {
+    let root = doc.root_element();
+    if root.tag_name().name() != "topology" {
+        return Err(bad_xml(format!(
+            "root element is <{}>, expected <topology>",
+            root.tag_name().name()
+        )));
+    }
+    if let Some(v) = root.attribute("version") {
+        let major = v.split('.').next().and_then(|m| m.parse::<u32>().ok());
+        if !matches!(major, Some(2) | Some(3)) {
+            return Err(bad_xml(format!(
+                "format version {v} is not supported (2.0 and 3.0 are); re-export with hwloc 2 or 3"
+            )));
+        }
+    }
+    root.children()
+        .find(|c| object_type(*c).is_some())
+        .ok_or_else(|| TopologyError::Xml("no top-level <object> (Machine)".into()))
+}
+
+/// The online CPU a PU object is, with its package and core from its ancestors (its NUMA
+/// node is filled in later).
+fn pu_cpu(node: Node) -> Result<Cpu, TopologyError> {
+    let Some(id) = attr_u32(node, "os_index") else {
+        return Err(TopologyError::Xml("a PU has no os_index".into()));
+    };
+    let ancestors = || node.ancestors().filter(|a| object_type(*a).is_some());
+    let core_obj = ancestors().find(|a| object_type(*a) == Some("Core"));
+    let package = ancestors()
+        .find(|a| object_type(*a) == Some("Package"))
+        .and_then(|p| attr_u32(p, "os_index"));
+    let core = core_obj
+        .map(|c| {
+            c.descendants()
+                .filter(|d| object_type(*d) == Some("PU"))
+                .filter_map(|d| attr_u32(d, "os_index"))
+                .min()
+                .unwrap_or(id)
+        })
+        .unwrap_or(id);
+    Ok(Cpu {
+        id,
+        package,
+        core_id: core_obj.and_then(|c| attr_u32(c, "os_index")),
+        core,
+        numa_node: None,
+        online: true,
+    })
+}
+
+/// The NUMA node a NUMANode object is; `index` (its position) stands in for a missing
+/// os_index.
+fn numa_node(node: Node, index: u32) -> Result<NumaNode, TopologyError> {
+    let id = attr_u32(node, "os_index").unwrap_or(index);
+    let cpus = attr_bitmap(node, "cpuset")?.unwrap_or_default();
+    let memory_bytes = node
+        .attribute("local_memory")
+        .and_then(|m| m.trim().parse().ok())
+        .unwrap_or(0);
+    Ok(NumaNode {
+        id,
+        cpus,
+        memory_bytes,
+    })
+}
+
+/// The GPU a PCIDev object is, or `None` when it is not a GPU (or has no ids or bus id); its
+/// locality is its nearest non-I/O ancestor's.
+fn pci_gpu(node: Node) -> Result<Option<Gpu>, TopologyError> {
+    let Some((class, vendor_id, device_id)) = pci_ids(node) else {
+        return Ok(None);
+    };
+    let Some(vendor) = gpu_vendor(vendor_id, class) else {
+        return Ok(None);
+    };
+    let Some(bus) = node.attribute("pci_busid") else {
+        return Ok(None);
+    };
+    let parent = node
+        .ancestors()
+        .filter(|a| object_type(*a).is_some())
+        .find(|a| object_type(*a).is_some_and(|t| !is_io(t)));
+    let (local_cpus, nodeset) = match parent {
+        Some(p) => (
+            attr_bitmap(p, "cpuset")?.unwrap_or_default(),
+            attr_bitmap(p, "nodeset")?.unwrap_or_default(),
+        ),
+        None => (Vec::new(), Vec::new()),
+    };
+    let osdevs: Vec<Node> = node
+        .children()
+        .filter(|c| object_type(*c) == Some("OSDev"))
+        .collect();
+    let uuid = osdevs
+        .iter()
+        .find_map(|o| info(*o, "NVIDIAUUID"))
+        .map(str::to_string);
+    let name = osdevs
+        .iter()
+        .find_map(|o| info(*o, "GPUModel"))
+        .or_else(|| info(node, "PCIDevice"))
+        .map(str::to_string);
+    Ok(Some(Gpu {
+        vendor,
+        pci_bus_id: canonical_bus_id(bus),
+        numa_node: (nodeset.len() == 1).then(|| nodeset[0]),
+        local_cpus,
+        uuid,
+        minor: None,
+        device_id: Some(device_id),
+        name,
+        mig: Vec::new(),
+        links: Vec::new(),
+    }))
 }
 
 #[cfg(test)]

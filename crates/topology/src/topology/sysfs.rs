@@ -40,6 +40,50 @@ pub(crate) fn read(root: &Path) -> Result<Topology, TopologyError> {
         .flat_map(|n| n.cpus.iter().map(move |&c| (c, n.id)))
         .collect();
 
+    let mut cpus = read_cpus(&cpu_dir, all, &online, &node_of)?;
+
+    let total_memory_bytes = read_meminfo_total(&root.join("proc/meminfo"))?;
+    let numa_nodes = if numa_nodes.is_empty() {
+        // No NUMA support in the kernel: the whole machine is node 0.
+        for cpu in &mut cpus {
+            if cpu.online {
+                cpu.numa_node = Some(0);
+            }
+        }
+        vec![NumaNode {
+            id: 0,
+            cpus: online.clone(),
+            memory_bytes: total_memory_bytes,
+        }]
+    } else {
+        numa_nodes
+    };
+
+    let (allowed_cpus, allowed_mems) = read_allowed(&root.join("proc/self/status"))?;
+    let allowed_cpus = allowed_cpus.unwrap_or_else(|| online.clone());
+    let mut gpus = read_pci_gpus(root)?;
+    read_nvidia_proc(root, &mut gpus)?;
+
+    let mut topo = Topology {
+        cpus,
+        numa_nodes,
+        total_memory_bytes,
+        allowed_cpus,
+        allowed_mems: allowed_mems.unwrap_or_default(),
+        gpus,
+    };
+    topo.normalise();
+    Ok(topo)
+}
+
+/// The CPUs `all`, each online one with its package and core from its `topology/` files and
+/// its NUMA node from `node_of`.
+fn read_cpus(
+    cpu_dir: &Path,
+    all: Vec<u32>,
+    online: &[u32],
+    node_of: &BTreeMap<u32, u32>,
+) -> Result<Vec<Cpu>, TopologyError> {
     let mut cpus = Vec::with_capacity(all.len());
     // Files are read once per core and once per package, not once per CPU: a DGX H100 has
     // 224 CPUs, and on a live node each sysfs read is a syscall round trip that `plan` pays at
@@ -92,39 +136,7 @@ pub(crate) fn read(root: &Path) -> Result<Topology, TopologyError> {
             online: is_online,
         });
     }
-
-    let total_memory_bytes = read_meminfo_total(&root.join("proc/meminfo"))?;
-    let numa_nodes = if numa_nodes.is_empty() {
-        // No NUMA support in the kernel: the whole machine is node 0.
-        for cpu in &mut cpus {
-            if cpu.online {
-                cpu.numa_node = Some(0);
-            }
-        }
-        vec![NumaNode {
-            id: 0,
-            cpus: online.clone(),
-            memory_bytes: total_memory_bytes,
-        }]
-    } else {
-        numa_nodes
-    };
-
-    let (allowed_cpus, allowed_mems) = read_allowed(&root.join("proc/self/status"))?;
-    let allowed_cpus = allowed_cpus.unwrap_or_else(|| online.clone());
-    let mut gpus = read_pci_gpus(root)?;
-    read_nvidia_proc(root, &mut gpus)?;
-
-    let mut topo = Topology {
-        cpus,
-        numa_nodes,
-        total_memory_bytes,
-        allowed_cpus,
-        allowed_mems: allowed_mems.unwrap_or_default(),
-        gpus,
-    };
-    topo.normalise();
-    Ok(topo)
+    Ok(cpus)
 }
 
 fn io_err(path: &Path, source: io::Error) -> TopologyError {
