@@ -8,6 +8,7 @@ mod systemd;
 use agent::common;
 
 mod deployment;
+mod layout;
 mod lint;
 mod plan_cli;
 mod plan_prototype;

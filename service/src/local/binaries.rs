@@ -6,10 +6,8 @@ use std::path::{Path, PathBuf};
 
 use super::LocalError;
 
-/// The runner's binary name.
-pub const RUNNER: &str = "kernelkite-runner";
-/// The plugin's binary name.
-pub const ISOLATE: &str = "kernelkite-isolate";
+/// The runner's and the plugin's binary names: the node's layout, `kernelkite_sys::node`.
+pub use kernelkite_sys::node::{ISOLATE_BINARY as ISOLATE, RUNNER_BINARY as RUNNER};
 
 /// The binaries local jobs run.
 #[derive(Debug, Clone, PartialEq, Eq)]

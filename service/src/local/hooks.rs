@@ -83,7 +83,7 @@ pub fn hook_env(
     set("BUILDKITE_COMMAND", job.command.into());
     // The step's artifact_paths, as the agent hands them to the hooks
     // (internal/job/config.go in github.com/buildkite/agent): in the sandbox, what of the job's
-    // writes to its checkout reaches this machine's disk (plugin/src/sandbox/disk.rs).
+    // writes to its checkout reaches this machine's disk (crates/hooks/src/sandbox/disk.rs).
     set("BUILDKITE_ARTIFACT_PATHS", "result.json".into());
     // As an agent runs the pipeline's step (`deployment/pipelines/host.yml` names the plugin
     // by its repository subdirectory): the plugin's variables, and the step's plugin list.

@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use kernelkite_sys::node::{COMMAND_HOOK, ENVIRONMENT_HOOK, PRE_EXIT_HOOK};
 use tokio::process::Command;
 use tokio::sync::Notify;
 
@@ -136,7 +137,7 @@ impl LocalExecutor {
 
         // environment: lease, cgroup, exports.
         let environment = self
-            .hook("environment")
+            .hook(ENVIRONMENT_HOOK)
             .args(["--export", "shell"])
             .envs(&env)
             .current_dir(&checkout)
@@ -154,7 +155,7 @@ impl LocalExecutor {
             }
         };
         let env_log = String::from_utf8_lossy(&environment.stderr).into_owned();
-        append_log(&log, "environment", &env_log);
+        append_log(&log, ENVIRONMENT_HOOK, &env_log);
         let cleanup = PreExit {
             env: env.clone(),
             checkout: checkout.clone(),
@@ -274,7 +275,7 @@ impl LocalExecutor {
         };
         let (log, log_err) = (clone()?, clone()?);
         let mut child = self
-            .hook("command")
+            .hook(COMMAND_HOOK)
             .envs(env)
             .envs(exports)
             .current_dir(checkout)
@@ -323,7 +324,7 @@ impl LocalExecutor {
         log: Option<&std::fs::File>,
     ) {
         let out = self
-            .hook("pre-exit")
+            .hook(PRE_EXIT_HOOK)
             .envs(env)
             .current_dir(checkout)
             .stdin(std::process::Stdio::null())
@@ -337,7 +338,7 @@ impl LocalExecutor {
                     String::from_utf8_lossy(&o.stderr)
                 );
                 if let Some(log) = log {
-                    append_log(log, "pre-exit", &text);
+                    append_log(log, PRE_EXIT_HOOK, &text);
                 }
                 if !o.status.success() {
                     tracing::warn!(report = %text.trim(), "pre-exit could not clean up everything");
