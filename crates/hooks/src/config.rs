@@ -349,10 +349,61 @@ macro_rules! checked {
         impl<'de> Deserialize<'de> for $name {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 let check: fn(&Value) -> Result<$t, String> = $check;
-                check(&Value::deserialize(d)?).map($name).map_err(serde::de::Error::custom)
+                check(&value_of(d)?).map($name).map_err(serde::de::Error::custom)
             }
         }
     };
+}
+
+/// The value as the step wrote it. Not `Value::deserialize`: with serde_json's
+/// `arbitrary_precision` (which the runner's build turns on in a workspace build), reading a
+/// `Value` back from a `Value` turns `-0` into `0`, which the key's check would then accept.
+/// Only a negative number, or that `-0`, reaches `visit_i64`; it stays negative here.
+fn value_of<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+    d.deserialize_any(ValueOf)
+}
+
+struct ValueOf;
+
+impl<'de> serde::de::Visitor<'de> for ValueOf {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(b.into())
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+        Ok(n.into())
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+        // `-0` as a float keeps its sign and is no integer to `as_u64`, as it was not before.
+        Ok(if n == 0 { (-0.0f64).into() } else { n.into() })
+    }
+
+    fn visit_f64<E>(self, n: f64) -> Result<Value, E> {
+        Ok(n.into())
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(s.into())
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Value, A::Error> {
+        Value::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Value, A::Error> {
+        Value::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+    }
 }
 
 /// An integer in `MIN..=MAX`.
@@ -360,7 +411,7 @@ struct Int<const MIN: u64, const MAX: u64>(u64);
 
 impl<'de, const MIN: u64, const MAX: u64> Deserialize<'de> for Int<MIN, MAX> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
+        let v = value_of(d)?;
         int(&v, MIN, MAX).map(Int).map_err(serde::de::Error::custom)
     }
 }
@@ -922,6 +973,17 @@ mod tests {
             assert!(!e.message.contains("unknown key"), "{e}");
             let e = parse_config(&serde_json::json!({ *key: null }).to_string()).unwrap_err();
             assert_eq!(e.key, *key, "null is not \"left out\"");
+        }
+        // `-0` is no integer, however serde_json is built (`arbitrary_precision` or not).
+        for key in [
+            "gpus",
+            "lease-wait",
+            "idle-memory-mib",
+            "memory",
+            "lock-clocks",
+        ] {
+            let e = parse_config(&format!(r#"{{"{key}": -0}}"#)).unwrap_err();
+            assert_eq!(e.key, key);
         }
         let e = parse_config(r#"{"environment":{"A":1}}"#).unwrap_err();
         assert_eq!(
