@@ -33,3 +33,9 @@ CREATE INDEX IF NOT EXISTS callbacks_due ON callbacks (state, next_at_ms);
 CREATE TABLE IF NOT EXISTS kernelkite_health (id BIGINT PRIMARY KEY, checked_at_ms BIGINT NOT NULL);
 INSERT INTO kernelkite_health (id, checked_at_ms)
     SELECT 1, 0 WHERE NOT EXISTS (SELECT 1 FROM kernelkite_health WHERE id = 1);
+-- The release before sqlx's migrator reads its own version table, and would run its first
+-- schema again (and fail on the tables above) on a database without it: recording version 1
+-- there keeps a rollback to that release possible.
+CREATE TABLE IF NOT EXISTS kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
+INSERT INTO kernelkite_schema (version, applied_at_ms)
+    SELECT 1, 0 WHERE NOT EXISTS (SELECT 1 FROM kernelkite_schema WHERE version = 1);

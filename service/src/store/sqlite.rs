@@ -1409,14 +1409,18 @@ mod tests {
         {
             let mut c = raw(dir.path()).await;
             assert_eq!(layout(&mut c).await, old_layout);
-            sqlx::raw_sql(
-                "DROP TABLE _sqlx_migrations;
-                 CREATE TABLE kernelkite_schema (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL);
-                 INSERT INTO kernelkite_schema (version, applied_at_ms) VALUES (1, 1700000000000);",
-            )
-            .execute(&mut c)
-            .await
-            .unwrap();
+            // The previous release skips its first schema when it finds version 1 here:
+            // what lets it open (after a rollback) a database this release made.
+            let old_version: Option<i64> =
+                sqlx::query_scalar("SELECT MAX(version) FROM kernelkite_schema")
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap();
+            assert_eq!(old_version, Some(1));
+            sqlx::raw_sql("DROP TABLE _sqlx_migrations;")
+                .execute(&mut c)
+                .await
+                .unwrap();
         }
         for d in [dir.path(), old.path()] {
             let db = Sqlite::open(Some(d), SyncMode::Normal, None).unwrap();
@@ -1439,5 +1443,17 @@ mod tests {
             "the old submission is kept"
         );
         assert_eq!(pending.len(), 2);
+    }
+
+    #[test]
+    fn an_applied_migration_is_never_edited() {
+        // sqlx refuses to open a database whose applied migration's bytes changed (a comment,
+        // whitespace, line endings): add a new migration instead of editing one.
+        let checksums: Vec<String> = MIGRATOR.iter().map(|m| hex::encode(&m.checksum)).collect();
+        // The SHA-384 of migrations/0001_initial.sql (`sha384sum`).
+        assert_eq!(
+            checksums,
+            ["c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241"]
+        );
     }
 }
