@@ -439,21 +439,30 @@ impl BuildkiteClient {
         let label = CallLabel {
             call: name.to_string(),
         };
-        if let Some(m) = &self.metrics {
-            m.buildkite_calls.get_or_create(&label).inc();
-        }
-        let sent = self
+        let req = self
             .http
             .get(format!("{}{path_and_query}", self.base))
-            .bearer_auth(self.token.expose())
-            .send()
-            .await;
+            .bearer_auth(self.token.expose());
+        self.send_counted(req, &label).await
+    }
+
+    /// Sends one request, counted as `label`; its answer feeds the shared rate budget (and a
+    /// `429` the rate-limited count). Every call to Buildkite's REST API goes through here.
+    async fn send_counted(
+        &self,
+        req: reqwest::RequestBuilder,
+        label: &CallLabel,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        if let Some(m) = &self.metrics {
+            m.buildkite_calls.get_or_create(label).inc();
+        }
+        let sent = req.send().await;
         if let Ok(resp) = &sent {
             let limited = resp.status() == StatusCode::TOO_MANY_REQUESTS;
             self.budget.observe(resp.headers(), limited, Instant::now());
             if limited {
                 if let Some(m) = &self.metrics {
-                    m.buildkite_rate_limited.get_or_create(&label).inc();
+                    m.buildkite_rate_limited.get_or_create(label).inc();
                 }
             }
         }
@@ -768,19 +777,7 @@ impl BuildkiteClient {
                     .header(reqwest::header::CONTENT_TYPE, "application/json")
                     .body(b.clone());
             }
-            if let Some(m) = &self.metrics {
-                m.buildkite_calls.get_or_create(&label).inc();
-            }
-            let sent = req.send().await;
-            if let Ok(resp) = &sent {
-                let limited = resp.status() == StatusCode::TOO_MANY_REQUESTS;
-                self.budget.observe(resp.headers(), limited, Instant::now());
-                if limited {
-                    if let Some(m) = &self.metrics {
-                        m.buildkite_rate_limited.get_or_create(&label).inc();
-                    }
-                }
-            }
+            let sent = self.send_counted(req, &label).await;
             // Only POST (create build) is unsafe to repeat after a request may have arrived:
             // its timeouts, broken connections and 5xx go back to the caller, which looks for
             // the build before creating another.
