@@ -29,7 +29,7 @@
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
 //!   people; [`config`]: flags and environment, in groups; [`metrics`]: what `GET /metrics` exports;
 //!   [`queues`]: queue status (the store's counts, the executor's agent counts fetched at most
-//!   once a minute).
+//!   once a minute); [`fairshare`]: who runs next on a queue (a pure policy, not yet wired in).
 
 #![deny(missing_docs)]
 
@@ -40,6 +40,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod executor;
+pub mod fairshare;
 pub mod health;
 pub mod http;
 pub mod local;
