@@ -150,10 +150,7 @@ impl FairQueue {
         for users in self.waiting.values() {
             let mut heap = std::collections::BinaryHeap::new();
             let key = |user: &str, charged: &BTreeMap<&str, f64>| {
-                self.usage
-                    .get(user)
-                    .map_or(0.0, |u| u.at(now, self.half_life))
-                    + charged.get(user).copied().unwrap_or(0.0)
+                self.used(user, now) + charged.get(user).copied().unwrap_or(0.0)
             };
             for (user, line) in users {
                 if let Some((arrival, _)) = line.front() {
@@ -177,6 +174,13 @@ impl FairQueue {
         out
     }
 
+    /// `user`'s recent GPU-seconds as of `now`.
+    fn used(&self, user: &str, now: f64) -> f64 {
+        self.usage
+            .get(user)
+            .map_or(0.0, |u| u.at(now, self.half_life))
+    }
+
     /// The class and user whose next submission goes first: the highest class with anyone
     /// waiting, its least-used user, then the earliest waiting.
     fn pick(&self, now: f64) -> Option<(Class, String)> {
@@ -185,11 +189,7 @@ impl FairQueue {
                 .iter()
                 .filter_map(|(user, line)| {
                     let (arrival, _) = line.front()?;
-                    let used = self
-                        .usage
-                        .get(user)
-                        .map_or(0.0, |u| u.at(now, self.half_life));
-                    Some((Used(used), *arrival, user))
+                    Some((Used(self.used(user, now)), *arrival, user))
                 })
                 .min();
             if let Some((_, _, user)) = best {

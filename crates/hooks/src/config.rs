@@ -630,33 +630,33 @@ impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for ListVisitor<T> {
         Ok(List(items))
     }
 
+    // Anything but a sequence is refused with what it is, read as `value_of` reads it.
     fn visit_unit<E: serde::de::Error>(self) -> Result<List<T>, E> {
-        Self::not_a_list(Value::Null)
+        Self::not_a_list(ValueOf.visit_unit()?)
     }
 
     fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<List<T>, E> {
-        Self::not_a_list(Value::Bool(b))
+        Self::not_a_list(ValueOf.visit_bool(b)?)
     }
 
     fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<List<T>, E> {
-        Self::not_a_list(n.into())
+        Self::not_a_list(ValueOf.visit_u64(n)?)
     }
 
     fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<List<T>, E> {
-        Self::not_a_list(n.into())
+        Self::not_a_list(ValueOf.visit_i64(n)?)
     }
 
     fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<List<T>, E> {
-        Self::not_a_list(n.into())
+        Self::not_a_list(ValueOf.visit_f64(n)?)
     }
 
     fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<List<T>, E> {
-        Self::not_a_list(s.into())
+        Self::not_a_list(ValueOf.visit_str(s)?)
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<List<T>, A::Error> {
-        let v = Value::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-        Self::not_a_list(v)
+        Self::not_a_list(ValueOf.visit_map(map)?)
     }
 }
 

@@ -28,7 +28,9 @@ impl Drop for CgroupGuard {
 
 /// Where the hooks keep `job`'s state in the shared run dir.
 pub fn state_file(job: &str) -> PathBuf {
-    shared_run_dir().join("jobs").join(format!("{job}.json"))
+    shared_run_dir()
+        .join(kernelkite_sys::node::JOB_STATE_DIR)
+        .join(format!("{job}.json"))
 }
 
 /// Records a live job for a cgroup a test creates directly (not through the hooks). Tests run
