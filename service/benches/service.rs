@@ -618,6 +618,8 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
                             job,
                             deadline_ms: i64::MAX,
                             idempotency: None,
+                            fair_tag: Some(0),
+                            cache_key: None,
                         })
                         .await
                         .expect("insert");
@@ -792,6 +794,8 @@ async fn store_throughput(sizes: &Sizes) {
                         job: job_for(&id),
                         deadline_ms: i64::MAX,
                         idempotency: Some((id.clone(), "h".into())),
+                        fair_tag: Some(0),
+                        cache_key: None,
                     })
                     .await
                     .expect("insert");
@@ -820,6 +824,8 @@ async fn store_throughput(sizes: &Sizes) {
             job: job_for(&sub.id),
             deadline_ms: i64::MAX,
             idempotency: None,
+            fair_tag: Some(0),
+            cache_key: None,
         })
         .await
         .expect("insert");
@@ -912,6 +918,8 @@ async fn finished_memory(sizes: &Sizes) {
     let dir = tempfile::tempdir().expect("dir");
     let mut cfg = kernelkite_service::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
     cfg.store.data_dir = Some(dir.path().to_path_buf());
+    // Every submission is the same sample run, and each must run.
+    cfg.fair.cache = false;
     // Ended builds are remembered this long (to drop their late webhooks), then forgotten;
     // short here so the table shows the steady state within the run.
     cfg.store.early_event_ttl_s = 2;

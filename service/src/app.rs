@@ -24,12 +24,23 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::config::{Config, ConfigError};
+use crate::dispatch::{Dispatcher, Who, ANONYMOUS};
 use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
+use crate::fairshare::Class;
 use crate::metrics::Metrics;
+use crate::queues::Queues;
 use crate::report::report;
 use crate::store::{Changed, Durable, Inserted, NewSubmission, Routed, Store, StoreError};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
+
+/// A started submission whose build is to be created.
+enum Launch {
+    /// With its job in hand.
+    Job(Job),
+    /// Its job is read from the store.
+    Stored(String),
+}
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -48,10 +59,30 @@ pub struct SubmitRequest {
     /// Seconds until the submission times out (default: KERNELKITE_DEFAULT_TIMEOUT_S).
     #[serde(default)]
     pub timeout_s: Option<u64>,
+    /// The backend's id of the user who submitted it: fair share and quotas count per user
+    /// (none: one shared anonymous user). Left out of the request's hash when absent, so an
+    /// `Idempotency-Key` made before this field existed still matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Its priority class: `admin`, `ranked` or `test` (default: `ranked` for a
+    /// `leaderboard` or `private` run, else `test`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<String>,
+    /// Whether the result cache may answer it (default: for `test` and `benchmark` runs;
+    /// `true` lets it answer other modes too, `false` never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<bool>,
 }
 
 /// At most one log line per this while about events dropped for a full early-event buffer.
 const DROP_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A waiting submission's place is told at least this often (its estimate drifts; slots
+/// come and go).
+const PLACES_REFRESH: Duration = Duration::from_secs(5);
+
+/// After a queue moved, its places are told this much later: a burst of changes is one pass.
+const PLACES_DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// How long the deadline waits for a build found finished at the last moment to be collected.
 const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
@@ -72,6 +103,14 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// Wakes the callback outbox (`crate::callback`) when a callback was written.
     pub(crate) callbacks_due: Notify,
+    /// The service's queue: who waits for a slot, who starts next, the quotas.
+    pub dispatch: Dispatcher,
+    /// Agent counts (a queue's slots, and `GET /v1/queues/{queue}`).
+    pub queues: Arc<Queues>,
+    /// Wakes the place publisher (`App::spawn_places`) when a queue moved.
+    places_due: Arc<Notify>,
+    /// Per queue with slots: where its started submissions' builds are created, in order.
+    launchers: Mutex<std::collections::HashMap<String, tokio::sync::mpsc::UnboundedSender<Launch>>>,
     /// Events dropped for a full early-event buffer, and when that was last logged.
     dropped_events: std::sync::atomic::AtomicU64,
     dropped_logged: Mutex<Option<Instant>>,
@@ -93,6 +132,9 @@ pub struct Prepared {
     job: Job,
     deadline_ms: i64,
     idempotency: Option<(String, String)>,
+    who: Who,
+    cache_key: String,
+    use_cache: bool,
 }
 
 /// What [`App::accept`] did.
@@ -119,7 +161,15 @@ impl App {
         metrics: Arc<Metrics>,
     ) -> Result<Arc<App>, ConfigError> {
         cfg.check()?;
+        let queues = Arc::new(Queues::for_executor(&cfg, executor.as_ref()));
         Ok(Arc::new(App {
+            dispatch: Dispatcher::new(
+                cfg.fair.queue_limits.clone(),
+                Duration::from_secs(cfg.fair.queue_estimate_s),
+            ),
+            queues,
+            places_due: Arc::new(Notify::new()),
+            launchers: Mutex::new(std::collections::HashMap::new()),
             store: Store::new(
                 cfg.store.early_event_max,
                 Duration::from_secs(cfg.store.early_event_ttl_s),
@@ -186,22 +236,40 @@ impl App {
             }
             None => None,
         };
+        let mode = req
+            .config
+            .get("mode")
+            .and_then(|m| m.as_str())
+            .unwrap_or("?")
+            .to_string();
+        let class = match &req.priority {
+            Some(p) => Class::parse(p).ok_or_else(|| Invalid::Priority(p.clone()))?,
+            None => Class::of_mode(&mode),
+        };
+        let use_cache = self.cfg.fair.cache
+            && match req.cache {
+                Some(allowed) => allowed,
+                None => matches!(mode.as_str(), "test" | "benchmark"),
+            };
+        let cache_key = cache_key(&self.cfg.fair.runner_version, &req.queue, &req.config)?;
         let id = uuid::Uuid::new_v4().to_string();
         let timeout_s = req.timeout_s.unwrap_or(self.cfg.default_timeout_s);
         let job = Job {
             submission_id: id.clone(),
             run_id: req.run_id.clone().unwrap_or_else(|| id.clone()),
             queue: req.queue.clone(),
-            mode: req
-                .config
-                .get("mode")
-                .and_then(|m| m.as_str())
-                .unwrap_or("?")
-                .to_string(),
+            mode,
             payload,
         };
         let now = Utc::now();
-        let sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);
+        let who = Who {
+            queue: req.queue.clone(),
+            user: req.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
+            class,
+        };
+        let mut sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);
+        sub.user = req.user;
+        sub.priority = class;
         let deadline_ms = sub
             .created_at
             .timestamp_millis()
@@ -211,14 +279,105 @@ impl App {
             job,
             deadline_ms,
             idempotency,
+            who,
+            cache_key,
+            use_cache,
         })
     }
 
-    /// Writes a prepared submission, and only then starts it: its build is created in the
-    /// background. An idempotency key used before returns that submission instead.
+    /// Writes a prepared submission, and only then queues it: its build is created when its
+    /// queue has a free slot and its turn came (`crate::dispatch`). An identical earlier
+    /// submission's stored result answers it at once where the cache may; an idempotency key
+    /// used before returns that submission instead; a user over a quota is refused.
     pub async fn accept(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
+        if p.use_cache {
+            if let Some(origin) = self.cached(&p).await {
+                return self.accept_cached(p, origin).await;
+            }
+        }
+        let now_ms = p.sub.created_at.timestamp_millis();
+        let slots = self.capacity(&p.who.queue);
+        let admission = match self.dispatch.admit(&p.who, now_ms, slots) {
+            Ok(a) => a,
+            Err(q) => return self.refused(&p, q).await,
+        };
+        let arrival = p.sub.created_at.timestamp_micros();
+        let who = p.who.clone();
+        let (id, job) = (p.sub.id.clone(), p.job.clone());
+        match self.write(p, Some(admission.tag)).await {
+            Ok(s) if s.created => {
+                self.dispatch.enqueue(&who, &id, arrival, admission);
+                self.pump(&who.queue, Some(job));
+                Ok(s)
+            }
+            other => {
+                self.dispatch.withdraw(&who, admission, now_ms);
+                other
+            }
+        }
+    }
+
+    /// A quota refused `p`, unless its idempotency key was used before: a replay is answered
+    /// with what the key made (`200`, or `409` for another request), as without quotas.
+    async fn refused(
+        self: &Arc<Self>,
+        p: &Prepared,
+        q: crate::dispatch::OverQuota,
+    ) -> Result<Submitted, Error> {
+        if let Some((key, hash)) = &p.idempotency {
+            match self.store.durable().keyed(key, hash).await {
+                Ok(Some(Inserted::Existing { sub, same_request })) => {
+                    return self.replayed(key.clone(), *sub, same_request);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    return Err(crate::error::Unavailable::Store {
+                        what: "the store could not be read",
+                        source: e.into(),
+                    }
+                    .into())
+                }
+            }
+        }
+        self.metrics
+            .quota_refusals
+            .get_or_create(&crate::metrics::QuotaLabel {
+                queue: p.who.queue.clone(),
+                limit: q.limit().to_string(),
+            })
+            .inc();
+        tracing::info!(user = %p.who.user, queue = %p.who.queue, "submission refused: {q}");
+        Err(q.into())
+    }
+
+    /// The answer to a replayed idempotency key: its submission as it is now, or a conflict
+    /// when the key came with another request.
+    fn replayed(
+        &self,
+        key: String,
+        sub: Submission,
+        same_request: bool,
+    ) -> Result<Submitted, Error> {
+        if !same_request {
+            return Err(Error::KeyReused { key });
+        }
+        tracing::info!(id = %sub.id, "idempotent replay of a submission");
+        let current = self.store.get(&sub.id).unwrap_or(sub);
+        Ok(Submitted {
+            submission: current,
+            created: false,
+        })
+    }
+
+    /// Writes a submission (with its start tag in the queue, if it waits there), arms its
+    /// timeout; an idempotency key used before returns that key's submission.
+    async fn write(
+        self: &Arc<Self>,
+        p: Prepared,
+        fair_tag: Option<u64>,
+    ) -> Result<Submitted, Error> {
         let key = p.idempotency.as_ref().map(|k| k.0.clone());
-        let (id, deadline_ms, job) = (p.sub.id.clone(), p.deadline_ms, p.job.clone());
+        let (id, deadline_ms) = (p.sub.id.clone(), p.deadline_ms);
         let inserted = self
             .store
             .create(NewSubmission {
@@ -226,6 +385,8 @@ impl App {
                 job: p.job,
                 deadline_ms,
                 idempotency: p.idempotency,
+                fair_tag,
+                cache_key: Some(p.cache_key),
             })
             .await
             .map_err(|e| {
@@ -237,24 +398,156 @@ impl App {
         match inserted {
             Inserted::Created => {
                 self.spawn_timeout(&id, deadline_ms);
-                self.spawn_launch(job);
-                tracing::info!(id = %id, queue = %p.sub.queue, "submission accepted");
+                tracing::info!(id = %id, queue = %p.sub.queue, user = p.sub.user.as_deref().unwrap_or(ANONYMOUS), priority = p.sub.priority.as_str(), "submission accepted");
                 Ok(Submitted {
                     submission: p.sub,
                     created: true,
                 })
             }
             Inserted::Existing { sub, same_request } => {
-                let key = key.unwrap_or_default();
-                if !same_request {
-                    return Err(Error::KeyReused { key });
-                }
-                tracing::info!(id = %sub.id, "idempotent replay of a submission");
-                let current = self.store.get(&sub.id).unwrap_or(*sub);
-                Ok(Submitted {
-                    submission: current,
-                    created: false,
+                self.replayed(key.unwrap_or_default(), *sub, same_request)
+            }
+        }
+    }
+
+    /// The earlier submission whose result may answer `p`: the newest that succeeded with the
+    /// same cache key within KERNELKITE_CACHE_MAX_AGE_S. A store that cannot be read is a
+    /// miss (the submission runs).
+    async fn cached(&self, p: &Prepared) -> Option<Submission> {
+        let max_age =
+            i64::try_from(self.cfg.fair.cache_max_age_s.saturating_mul(1000)).unwrap_or(i64::MAX);
+        let since = p.sub.created_at.timestamp_millis().saturating_sub(max_age);
+        match self.store.durable().cached(&p.cache_key, since).await {
+            Ok(hit) => hit.filter(|s| s.result.is_some()),
+            Err(e) => {
+                tracing::warn!(error = %report(&e), "could not read the result cache; the submission runs");
+                None
+            }
+        }
+    }
+
+    /// Answers `p` with `origin`'s result: written `queued`, then ended `succeeded` with the
+    /// result and `cached_from` (the first submission that ran it), as any other end is:
+    /// committed, then woken, then its callback is due. Never queued, so no quota counts it.
+    async fn accept_cached(
+        self: &Arc<Self>,
+        mut p: Prepared,
+        origin: Submission,
+    ) -> Result<Submitted, Error> {
+        let from = origin
+            .cached_from
+            .clone()
+            .unwrap_or_else(|| origin.id.clone());
+        let Some(result) = origin.result else {
+            return Err(Error::Internal {
+                what: "the result cache",
+                source: "a cached submission without its result".into(),
+            });
+        };
+        p.sub.cached_from = Some(from.clone());
+        let queue = p.sub.queue.clone();
+        let submitted = self.write(p, None).await?;
+        if !submitted.created {
+            return Ok(submitted);
+        }
+        let id = submitted.submission.id.clone();
+        let ended = self.finish_durably(&id, Outcome::Succeeded(result)).await;
+        self.metrics
+            .cache_hits
+            .get_or_create(&crate::metrics::QueueLabel { queue })
+            .inc();
+        tracing::info!(%id, cached_from = %from, "answered from the result cache");
+        Ok(Submitted {
+            submission: ended.map_or(submitted.submission, |c| c.after),
+            created: true,
+        })
+    }
+
+    /// `sub`'s user, queue and class, as the queue counts them.
+    pub(crate) fn who(&self, sub: &Submission) -> Who {
+        Who {
+            queue: sub.queue.clone(),
+            user: sub.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
+            class: sub.priority,
+        }
+    }
+
+    /// How many submissions of `queue` may have builds at once: KERNELKITE_QUEUE_SLOTS, else
+    /// the executor's own slots (the local executor's slices), else the queue's connected
+    /// Buildkite agents as last fetched (`crate::queues`); `None`: not known, so not limited.
+    pub fn capacity(&self, queue: &str) -> Option<u64> {
+        self.cfg
+            .fair
+            .queue_slots
+            .of(queue)
+            .or_else(|| self.executor.slots())
+            .or_else(|| self.queues.known(queue).map(|a| a.total).filter(|t| *t > 0))
+    }
+
+    /// Starts what `queue` has room for, and has its waiting submissions told their new
+    /// places soon.
+    pub(crate) fn pump(self: &Arc<Self>, queue: &str, ready: Option<Job>) {
+        self.start_ready(queue, self.capacity(queue), ready);
+        self.places_due.notify_one();
+    }
+
+    /// Starts what `queue` has room for with `slots`: each started submission's build is
+    /// created (from `ready`, the job in hand, when it is that one; else from the store's
+    /// copy).
+    fn start_ready(self: &Arc<Self>, queue: &str, slots: Option<u64>, mut ready: Option<Job>) {
+        for s in self.dispatch.take(queue, slots) {
+            self.store.set_place(&s.id, None);
+            self.metrics
+                .queue_wait_seconds
+                .get_or_create(&crate::metrics::WaitLabel {
+                    queue: queue.to_string(),
+                    class: s.class.as_str().to_string(),
+                    user_bucket: crate::metrics::WaitLabel::bucket(s.user_open).to_string(),
                 })
+                .observe(s.waited.as_secs_f64());
+            let what = match ready.take_if(|j| j.submission_id == s.id) {
+                Some(job) => Launch::Job(job),
+                None => Launch::Stored(s.id),
+            };
+            if slots.is_some() {
+                self.launch_in_order(queue, what);
+            } else {
+                // Not limited: Buildkite orders them; creating them side by side is faster.
+                let app = self.clone();
+                tokio::spawn(async move { app.launch(what).await });
+            }
+        }
+    }
+
+    /// Tells every waiting submission its place, whenever a queue moved (a little after, so a
+    /// burst of changes is one pass) and every few seconds (slots can change: agents come and
+    /// go), until the core is dropped. Queues with free slots start their next submissions
+    /// on the way.
+    pub fn spawn_places(self: &Arc<Self>) {
+        let app = Arc::downgrade(self);
+        let due = self.places_due.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = due.notified() => {}
+                    () = tokio::time::sleep(PLACES_REFRESH) => {}
+                }
+                tokio::time::sleep(PLACES_DEBOUNCE).await;
+                let Some(a) = app.upgrade() else { return };
+                a.publish_places();
+            }
+        });
+    }
+
+    /// One pass of [`App::spawn_places`]: every queue with anything waiting starts what
+    /// its slots (asked again: agents come and go) have room for, then tells the rest their
+    /// places.
+    pub fn publish_places(self: &Arc<Self>) {
+        for queue in self.dispatch.busy_queues() {
+            let slots = self.capacity(&queue);
+            self.start_ready(&queue, slots, None);
+            for (id, place) in self.dispatch.places(&queue, slots) {
+                self.store.set_place(&id, Some(place));
             }
         }
     }
@@ -269,28 +562,78 @@ impl App {
         self.accept(p).await
     }
 
-    /// Creates the build of a submission in the background.
-    pub(crate) fn spawn_launch(self: &Arc<Self>, job: Job) {
-        let app = self.clone();
+    /// Creates the build of a started submission: from the job in hand, or from the store's
+    /// copy (the queue keeps ids, not payloads; read again while the store cannot be read
+    /// and the submission is in flight). A submission that ended meanwhile needs no build.
+    async fn launch(self: &Arc<Self>, what: Launch) {
+        let job = match what {
+            Launch::Job(job) => job,
+            Launch::Stored(id) => match self.stored_job(&id).await {
+                Some(job) => job,
+                None => return,
+            },
+        };
+        let id = job.submission_id.clone();
         // A root span: the work outlives the request that started it, and its logs must not
         // read as that request's.
-        let span = tracing::info_span!(parent: None, "submission", id = %job.submission_id);
-        tokio::spawn(
-            async move {
-                let id = job.submission_id.clone();
-                match app.executor.launch(&job).await {
-                    Ok(launched) => app.attach(&id, launched).await,
-                    Err(e) => {
-                        let why = report(&*e);
-                        tracing::warn!(error = %why, "build creation failed");
-                        let msg =
-                            format!("could not create the {} build: {why}", app.executor.name());
-                        app.finish_durably(&id, Outcome::Failed(msg)).await;
-                    }
+        let span = tracing::info_span!(parent: None, "submission", id = %id);
+        async {
+            match self.executor.launch(&job).await {
+                Ok(launched) => self.attach(&id, launched).await,
+                Err(e) => {
+                    let why = report(&*e);
+                    tracing::warn!(error = %why, "build creation failed");
+                    let msg = format!("could not create the {} build: {why}", self.executor.name());
+                    self.finish_durably(&id, Outcome::Failed(msg)).await;
                 }
             }
-            .instrument(span),
-        );
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn stored_job(self: &Arc<Self>, id: &str) -> Option<Job> {
+        let mut wait = Duration::from_millis(self.cfg.retry_base_ms.max(10));
+        loop {
+            self.store.live(id)?;
+            match self.store.durable().job(id).await {
+                Ok(Some(job)) => return Some(job),
+                Ok(None) => {
+                    let why = "the submission's job was not kept; submit it again";
+                    self.finish_durably(id, Outcome::Failed(why.into())).await;
+                    return None;
+                }
+                Err(e) => {
+                    tracing::error!(%id, error = %report(&e), retry_in = ?wait, "could not read the job of a started submission; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    }
+
+    /// Creates the builds of a queue with slots one after another, in the order the queue
+    /// started them, so builds are made (and the submissions become `scheduled`) in the order
+    /// their places said. One task per queue, which ends with the core.
+    fn launch_in_order(self: &Arc<Self>, queue: &str, what: Launch) {
+        let mut lines = self.launchers.lock().unwrap_or_else(|p| p.into_inner());
+        let what = match lines.get(queue) {
+            Some(tx) => match tx.send(what) {
+                Ok(()) => return,
+                Err(e) => e.0,
+            },
+            None => what,
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _ = tx.send(what);
+        lines.insert(queue.to_string(), tx);
+        let app = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(what) = rx.recv().await {
+                let Some(app) = app.upgrade() else { return };
+                app.launch(what).await;
+            }
+        });
     }
 
     /// Records a submission's build (committed before anyone hears of it), hands it the events
@@ -571,6 +914,9 @@ impl App {
                 if s.callback_url.is_some() {
                     self.callbacks_due.notify_one();
                 }
+                // Its slot frees (or its place in the queue), and the next one starts.
+                self.dispatch.ended(&s.queue, &s.id, ran(s));
+                self.pump(&s.queue, None);
             }
         }
         Ok(changed)
@@ -788,9 +1134,44 @@ impl App {
     }
 }
 
+/// How long a submission ran: from `running` to its end (`None`: it never ran).
+fn ran(s: &Submission) -> Option<Duration> {
+    let start = s.history.iter().find(|t| t.state == State::Running)?.at;
+    (s.finished_at? - start).to_std().ok()
+}
+
+/// What an identical submission is found by: the SHA-256 of the runner version, the queue
+/// and the run config exactly as sent (key order counts, as the runner sees it).
+fn cache_key(
+    runner_version: &str,
+    queue: &str,
+    config: &serde_json::Value,
+) -> Result<String, Error> {
+    let config = serde_json::to_vec(config).map_err(|e| Error::Internal {
+        what: "encoding the run config",
+        source: e.into(),
+    })?;
+    let mut h = sha2::Sha256::new();
+    for part in [
+        b"kernelkite-cache-1".as_slice(),
+        runner_version.as_bytes(),
+        queue.as_bytes(),
+        &config,
+    ] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
 fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if !crate::queues::valid_name(&req.queue) {
         return Err(Invalid::Queue(req.queue.clone()));
+    }
+    if let Some(u) = &req.user {
+        if u.is_empty() || u.chars().count() > 128 || u.chars().any(char::is_control) {
+            return Err(Invalid::User);
+        }
     }
     if let Some(r) = &req.run_id {
         // Characters, not bytes: what the OpenAPI document's maxLength counts.

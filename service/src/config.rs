@@ -183,6 +183,10 @@ pub struct Config {
     #[command(flatten)]
     pub queues: QueueSettings,
 
+    /// The service's queue: slots, quotas, estimates, the result cache.
+    #[command(flatten)]
+    pub fair: FairConfig,
+
     /// Timeout of a submission when the request names none, seconds. On expiry the submission
     /// becomes `timed_out` and its build is canceled.
     #[arg(long, env = "KERNELKITE_DEFAULT_TIMEOUT_S", default_value_t = 1800)]
@@ -481,6 +485,42 @@ pub struct QueueSettings {
         value_parser = clap::value_parser!(u64).range(60..)
     )]
     pub agents_refresh_s: u64,
+}
+
+/// The service's queue (issue 25; `crate::dispatch`) and result cache.
+#[derive(Clone, Debug, clap::Args)]
+pub struct FairConfig {
+    /// Slots per queue: `QUEUE=N` pairs separated by commas, `*=N` for the rest. A queue
+    /// without one has the local executor's slices, else its connected Buildkite agents; with
+    /// neither known, builds are created at once and wait in Buildkite.
+    #[arg(long, env = "KERNELKITE_QUEUE_SLOTS", default_value = "", value_parser = crate::dispatch::Slots::parse)]
+    pub queue_slots: crate::dispatch::Slots,
+
+    /// Per-user quotas: rules `SCOPE:queued=N,hourly=M` separated by `;` (SCOPE: `*`, `QUEUE`,
+    /// `*/CLASS` or `QUEUE/CLASS`; a number may be `none`); the most specific rule wins.
+    /// `queued`: most of a user's submissions waiting or running at once; `hourly`: most
+    /// accepted in any hour. Over either: 429 with Retry-After. Default: no limits.
+    #[arg(long, env = "KERNELKITE_QUEUE_LIMITS", default_value = "", value_parser = crate::dispatch::Limits::parse)]
+    pub queue_limits: crate::dispatch::Limits,
+
+    /// A run's estimated time on a queue without measured runs yet, seconds (fair-share
+    /// charges and wait estimates; then the mean of the queue's last 32 runs).
+    #[arg(long, env = "KERNELKITE_QUEUE_ESTIMATE_S", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub queue_estimate_s: u64,
+
+    /// Answer identical `test`/`benchmark` submissions (same run config, queue and runner
+    /// version) from the stored result of an earlier one. `false`: every submission runs.
+    #[arg(long, env = "KERNELKITE_CACHE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cache: bool,
+
+    /// The oldest result the cache answers with, seconds.
+    #[arg(long, env = "KERNELKITE_CACHE_MAX_AGE_S", default_value_t = 86_400)]
+    pub cache_max_age_s: u64,
+
+    /// The runner version cache keys name (default: this release's; set it when the agents
+    /// run another runner, and change it when they are upgraded).
+    #[arg(long, env = "KERNELKITE_RUNNER_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
+    pub runner_version: String,
 }
 
 /// Buildkite's agent API.

@@ -66,6 +66,9 @@ pub enum Error {
     /// The service cannot take the request now; the same request may be retried later.
     #[error(transparent)]
     Unavailable(#[from] Unavailable),
+    /// A per-user quota: the user has too many submissions queued, or sent too many this hour.
+    #[error(transparent)]
+    OverQuota(#[from] crate::dispatch::OverQuota),
     /// The request's body did not arrive in time.
     #[error("request body did not arrive within {seconds} s; send it faster, or raise {setting}")]
     RequestTimeout {
@@ -136,6 +139,12 @@ pub enum Invalid {
     /// `run_id` is empty, too long or has control characters.
     #[error("run_id must be 1-256 characters without control characters")]
     RunId,
+    /// `user` is empty, too long or has control characters.
+    #[error("user must be 1-128 characters without control characters")]
+    User,
+    /// `priority` is not a class.
+    #[error("priority {0:?} must be admin, ranked or test")]
+    Priority(String),
     /// `callback_url` is not an absolute http(s) URL.
     #[error("callback_url {url:?} must be an absolute http(s) URL")]
     CallbackUrl {

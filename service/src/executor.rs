@@ -223,6 +223,12 @@ pub trait Executor: Send + Sync + 'static {
         Box::pin(async { Ok(Recovered::Unknown) })
     }
 
+    /// How many builds this executor runs at once on any queue, when it knows (the local
+    /// executor: its slices); the service's queue starts no more than that.
+    fn slots(&self) -> Option<u64> {
+        None
+    }
+
     /// Where queue status counts the machines that serve the queues (`None`: this executor
     /// has no source; queue status then shows no agent counts).
     fn agents(&self) -> Option<std::sync::Arc<dyn AgentSource>> {

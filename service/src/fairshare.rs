@@ -1,320 +1,374 @@
-//! Who runs next on a queue (issue 25, the policy alone; not yet wired to the service): a pure
-//! value, so the order can be tested, simulated and benchmarked without a service.
+//! Who runs next on a queue: a pure value, so the order can be tested, simulated and
+//! benchmarked without a service (`crate::dispatch` holds one per queue).
 //!
-//! Order: the priority class first (`admin` before `ranked` before `test`); within a class,
-//! the user who used least of the queue's GPU time recently (decayed: each second of use
-//! counts half after `half_life`); then arrival. A user's own submissions run in arrival order.
-//! A start is charged the queue's estimated duration and corrected by the measured one when it
-//! finishes, so a user who submits dozens at once falls behind after the first start, not after
-//! the first finish.
+//! **Order**: the priority class first (`admin` before `ranked` before `test`); within a class,
+//! start-time fair queueing over GPU time; then arrival.
+//!
+//! Each class keeps a virtual clock (the tag of the last submission started, in milliseconds
+//! of GPU time) and, per user, where that user's queued work ends on it. A submission is
+//! tagged when it is accepted: it starts at the later of the clock and its user's end, and
+//! moves the user's end on by the queue's estimated run time. The queue starts the smallest
+//! tag. So a user who submits fifty at once gets tags one estimate apart and everyone else's
+//! first run slots in beside their first, second beside their second: the light users are
+//! served before the heavy user's second run. A user's lead over the clock is their recent
+//! use; once the clock passes it (the queue served the others), it is forgotten. When a run
+//! ends its measured time replaces the estimate it was charged, for the user's next
+//! submissions.
+//!
+//! Tags are fixed at acceptance, so the order of the submissions waiting now never changes
+//! except by a later arrival with a smaller tag: the place reported is the place a
+//! submission starts from, and a restart that reloads the tags restores the order exactly.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 /// A submission's priority class, highest first (set by the backend only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Class {
     /// Organisers' verification runs: next whenever a slice frees.
     Admin,
     /// Ranked (leaderboard) runs.
     Ranked,
-    /// Tests and benchmarks.
+    /// Tests, benchmarks and profiles.
+    #[default]
     Test,
 }
 
-/// One waiting submission.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Waiting {
-    /// The submission.
-    pub id: String,
-    /// Who submitted it (the backend's user id).
-    pub user: String,
-    /// Its class.
-    pub class: Class,
-}
+impl Class {
+    /// Every class, highest first.
+    pub const ALL: [Class; 3] = [Class::Admin, Class::Ranked, Class::Test];
 
-/// A user's recent use of the queue: `value` GPU-seconds as of `at` (seconds on the queue's
-/// clock), decaying with the queue's half-life.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Usage {
-    value: f64,
-    at: f64,
-}
-
-impl Usage {
-    fn at(self, now: f64, half_life: f64) -> f64 {
-        let age = (now - self.at).max(0.0);
-        self.value * (-age / half_life).exp2()
-    }
-
-    fn add(&mut self, secs: f64, now: f64, half_life: f64) {
-        self.value = self.at(now, half_life) + secs;
-        self.at = now;
-    }
-}
-
-/// The waiting submissions of one queue and its users' recent use.
-#[derive(Debug, Clone)]
-pub struct FairQueue {
-    half_life: f64,
-    /// Per class, per user: that user's waiting submissions, oldest first, each with its
-    /// arrival number.
-    waiting: BTreeMap<Class, BTreeMap<String, VecDeque<(u64, String)>>>,
-    usage: BTreeMap<String, Usage>,
-    arrivals: u64,
-}
-
-impl FairQueue {
-    /// An empty queue whose users' use counts half after `half_life`.
-    pub fn new(half_life: Duration) -> FairQueue {
-        FairQueue {
-            half_life: half_life.as_secs_f64().max(1.0),
-            waiting: BTreeMap::new(),
-            usage: BTreeMap::new(),
-            arrivals: 0,
+    /// The class's name in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Admin => "admin",
+            Class::Ranked => "ranked",
+            Class::Test => "test",
         }
     }
 
-    /// Adds a submission at the back of its user's line.
-    pub fn push(&mut self, w: Waiting) {
-        self.arrivals += 1;
-        self.waiting
-            .entry(w.class)
-            .or_default()
-            .entry(w.user)
-            .or_default()
-            .push_back((self.arrivals, w.id));
+    /// The class named `s` (as in the API).
+    pub fn parse(s: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
+    /// The class a run config's `mode` gets when the backend names none: kernelbot's ranked
+    /// runs are `leaderboard` (and its secret `private` run of a leaderboard submission).
+    pub fn of_mode(mode: &str) -> Class {
+        if matches!(mode, "leaderboard" | "private") {
+            Class::Ranked
+        } else {
+            Class::Test
+        }
+    }
+}
+
+/// A waiting submission, as the queue orders it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ticket {
+    /// Its class (ordered first).
+    pub class: Class,
+    /// Its start tag: milliseconds of GPU time on its class's virtual clock.
+    pub tag: u64,
+    /// When it was accepted, unix microseconds (ties between equal tags).
+    pub arrival: i64,
+    /// The submission's id (the last tie).
+    pub id: String,
+}
+
+/// The waiting submissions of one queue, and where each user's work ends on each class's
+/// virtual clock.
+#[derive(Debug, Clone, Default)]
+pub struct FairQueue {
+    waiting: BTreeSet<Ticket>,
+    by_id: HashMap<String, Ticket>,
+    /// Per class: the tag of the last submission started.
+    clock: BTreeMap<Class, u64>,
+    /// Per class and user: where the user's tagged work ends.
+    ends: HashMap<(Class, String), u64>,
+}
+
+impl FairQueue {
+    /// An empty queue.
+    pub fn new() -> FairQueue {
+        FairQueue::default()
+    }
+
+    fn clock(&self, class: Class) -> u64 {
+        self.clock.get(&class).copied().unwrap_or(0)
+    }
+
+    /// The start tag of a new submission of `user` in `class`, charged `cost` (the queue's
+    /// estimated run time); moves the user's end on by it. [`FairQueue::untag`] takes it back
+    /// when the submission is not kept after all.
+    pub fn tag(&mut self, class: Class, user: &str, cost: Duration) -> u64 {
+        let clock = self.clock(class);
+        let end = self.ends.entry((class, user.to_string())).or_insert(0);
+        let start = (*end).max(clock);
+        *end = start.saturating_add(millis(cost));
+        start
+    }
+
+    /// Takes back [`FairQueue::tag`]'s charge for a submission that was not kept, when no
+    /// later tag of the user's was given meanwhile.
+    pub fn untag(&mut self, class: Class, user: &str, tag: u64, cost: Duration) {
+        if let Some(end) = self.ends.get_mut(&(class, user.to_string())) {
+            if *end == tag.saturating_add(millis(cost)) {
+                *end = tag;
+            }
+        }
+    }
+
+    /// Adds a tagged submission.
+    pub fn push(&mut self, t: Ticket) {
+        if let Some(old) = self.by_id.insert(t.id.clone(), t.clone()) {
+            self.waiting.remove(&old);
+        }
+        self.waiting.insert(t);
+    }
+
+    /// Takes a submission tagged before a restart back: waiting (`started` false) or already
+    /// started (its tag moves the class's clock on). Its user's end moves past it either way.
+    pub fn restore(&mut self, t: Ticket, user: &str, cost: Duration, started: bool) {
+        let end = self.ends.entry((t.class, user.to_string())).or_insert(0);
+        *end = (*end).max(t.tag.saturating_add(millis(cost)));
+        if started {
+            let clock = self.clock.entry(t.class).or_insert(0);
+            *clock = (*clock).max(t.tag);
+        } else {
+            self.push(t);
+        }
     }
 
     /// How many are waiting.
     pub fn len(&self) -> usize {
-        self.waiting
-            .values()
-            .flat_map(|u| u.values())
-            .map(VecDeque::len)
-            .sum()
+        self.waiting.len()
     }
 
     /// Whether nothing waits.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.waiting.is_empty()
     }
 
-    /// Removes a waiting submission (cancelled); whether it was there.
-    pub fn remove(&mut self, id: &str) -> bool {
-        for users in self.waiting.values_mut() {
-            for line in users.values_mut() {
-                if let Some(i) = line.iter().position(|(_, w)| w == id) {
-                    line.remove(i);
-                    users.retain(|_, l| !l.is_empty());
-                    return true;
-                }
-            }
+    /// Whether `id` waits.
+    pub fn contains(&self, id: &str) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    /// Removes a waiting submission (canceled, timed out); what it was.
+    pub fn remove(&mut self, id: &str) -> Option<Ticket> {
+        let t = self.by_id.remove(id)?;
+        self.waiting.remove(&t);
+        Some(t)
+    }
+
+    /// The submission to start now; its class's clock moves to its tag.
+    pub fn pop(&mut self) -> Option<Ticket> {
+        let t = self.waiting.pop_first()?;
+        self.by_id.remove(&t.id);
+        let clock = self.clock.entry(t.class).or_insert(0);
+        *clock = (*clock).max(t.tag);
+        self.forget_idle_users();
+        Some(t)
+    }
+
+    /// A run ended: it was charged `charged` when it was tagged and took `took`. The user's
+    /// later submissions are tagged from the corrected end (those already waiting keep
+    /// their tags, so the places reported stay true).
+    pub fn correct(&mut self, class: Class, user: &str, charged: Duration, took: Duration) {
+        let clock = self.clock(class);
+        if let Some(end) = self.ends.get_mut(&(class, user.to_string())) {
+            let corrected = end
+                .saturating_add(millis(took))
+                .saturating_sub(millis(charged));
+            *end = corrected.max(clock);
         }
-        false
     }
 
-    /// The submission to start now (at `now` seconds), charged `estimate` of GPU time to its
-    /// user; `None` when nothing waits.
-    pub fn start(&mut self, now: f64, estimate: Duration) -> Option<Waiting> {
-        let (class, user) = self.pick(now)?;
-        let users = self.waiting.get_mut(&class)?;
-        let line = users.get_mut(&user)?;
-        let (_, id) = line.pop_front()?;
-        if line.is_empty() {
-            users.remove(&user);
+    /// The waiting submissions in the order they start (position 0 next), as long as nothing
+    /// else arrives.
+    pub fn order(&self) -> impl Iterator<Item = &Ticket> {
+        self.waiting.iter()
+    }
+
+    /// Users whose end the clock has passed weigh nothing: their entries go (now and then,
+    /// so the map does not grow with every user ever seen).
+    fn forget_idle_users(&mut self) {
+        if self.ends.len() < 1024 || !self.ends.len().is_power_of_two() {
+            return;
         }
-        self.usage.entry(user.clone()).or_default().add(
-            estimate.as_secs_f64(),
-            now,
-            self.half_life,
-        );
-        Some(Waiting { id, user, class })
-    }
-
-    /// A finished run's correction: it was charged `estimate` at its start and took `took`.
-    pub fn finished(&mut self, user: &str, estimate: Duration, took: Duration, now: f64) {
-        let delta = took.as_secs_f64() - estimate.as_secs_f64();
-        let usage = self.usage.entry(user.to_string()).or_default();
-        usage.add(delta, now, self.half_life);
-        usage.value = usage.value.max(0.0);
-    }
-
-    /// Every waiting submission in the order they would start if nothing else arrived and
-    /// each start were charged `estimate`: position 0 starts next. One heap of users per
-    /// class (least used, then earliest waiting): O(n log users).
-    pub fn order(&self, now: f64, estimate: Duration) -> Vec<String> {
-        use std::cmp::Reverse;
-        let mut out = Vec::with_capacity(self.len());
-        let mut charged: BTreeMap<&str, f64> = BTreeMap::new();
-        for users in self.waiting.values() {
-            let mut heap = std::collections::BinaryHeap::new();
-            let key = |user: &str, charged: &BTreeMap<&str, f64>| {
-                self.used(user, now) + charged.get(user).copied().unwrap_or(0.0)
-            };
-            for (user, line) in users {
-                if let Some((arrival, _)) = line.front() {
-                    heap.push(Reverse((
-                        Used(key(user, &charged)),
-                        *arrival,
-                        user.as_str(),
-                        0,
-                    )));
-                }
-            }
-            while let Some(Reverse((_, _, user, at))) = heap.pop() {
-                let line = &users[user];
-                out.push(line[at].1.clone());
-                *charged.entry(user).or_default() += estimate.as_secs_f64();
-                if let Some((arrival, _)) = line.get(at + 1) {
-                    heap.push(Reverse((Used(key(user, &charged)), *arrival, user, at + 1)));
-                }
-            }
-        }
-        out
-    }
-
-    /// `user`'s recent GPU-seconds as of `now`.
-    fn used(&self, user: &str, now: f64) -> f64 {
-        self.usage
-            .get(user)
-            .map_or(0.0, |u| u.at(now, self.half_life))
-    }
-
-    /// The class and user whose next submission goes first: the highest class with anyone
-    /// waiting, its least-used user, then the earliest waiting.
-    fn pick(&self, now: f64) -> Option<(Class, String)> {
-        for (class, users) in &self.waiting {
-            let best = users
-                .iter()
-                .filter_map(|(user, line)| {
-                    let (arrival, _) = line.front()?;
-                    Some((Used(self.used(user, now)), *arrival, user))
-                })
-                .min();
-            if let Some((_, _, user)) = best {
-                return Some((*class, user.clone()));
-            }
-        }
-        None
+        let clock = self.clock.clone();
+        self.ends
+            .retain(|(class, _), end| *end > clock.get(class).copied().unwrap_or(0));
     }
 }
 
-/// GPU-seconds, ordered (never NaN: sums of durations and their decay).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Used(f64);
-
-impl Eq for Used {}
-
-impl PartialOrd for Used {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Used {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
-    }
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn w(id: &str, user: &str, class: Class) -> Waiting {
-        Waiting {
-            id: id.into(),
-            user: user.into(),
+    const MIN: Duration = Duration::from_secs(60);
+
+    fn add(q: &mut FairQueue, id: &str, user: &str, class: Class, arrival: i64) {
+        let tag = q.tag(class, user, MIN);
+        q.push(Ticket {
             class,
-        }
+            tag,
+            arrival,
+            id: id.into(),
+        });
     }
 
-    const MIN: Duration = Duration::from_secs(60);
+    fn drain(q: &mut FairQueue) -> Vec<String> {
+        std::iter::from_fn(|| q.pop().map(|t| t.id)).collect()
+    }
 
     #[test]
     fn a_heavy_user_does_not_hold_up_the_light_ones() {
-        let mut q = FairQueue::new(Duration::from_secs(3600));
+        let mut q = FairQueue::new();
+        let mut n = 0;
         for i in 0..50 {
-            q.push(w(&format!("heavy-{i}"), "heavy", Class::Test));
+            n += 1;
+            add(&mut q, &format!("heavy-{i}"), "heavy", Class::Test, n);
         }
         for u in 0..5 {
             for i in 0..2 {
-                q.push(w(
+                n += 1;
+                add(
+                    &mut q,
                     &format!("light{u}-{i}"),
                     &format!("light{u}"),
                     Class::Test,
-                ));
+                    n,
+                );
             }
         }
-        let order = q.order(0.0, MIN);
+        let order: Vec<String> = q.order().map(|t| t.id.clone()).collect();
         assert_eq!(order.len(), 60);
-        let tenth_heavy = order.iter().position(|id| id == "heavy-9").unwrap();
+        let third_heavy = order.iter().position(|id| id == "heavy-2").unwrap();
         let last_light = order
             .iter()
             .rposition(|id| id.starts_with("light"))
             .unwrap();
-        assert!(last_light < tenth_heavy, "{order:?}");
-        // The order `order` predicts is the order `start` gives.
-        let mut started = Vec::new();
-        while let Some(s) = q.start(0.0, MIN) {
-            started.push(s.id);
-        }
-        assert_eq!(started, order);
-    }
-
-    #[test]
-    fn ten_thousand_waiting_are_ordered_as_they_start() {
-        let mut q = FairQueue::new(Duration::from_secs(3600));
-        for i in 0..10_000 {
-            let user = format!("u{}", i % 97);
-            let class = [Class::Test, Class::Ranked, Class::Admin][i % 3];
-            q.push(w(&format!("s{i}"), &user, class));
-        }
-        let order = q.order(0.0, MIN);
-        let mut started = Vec::new();
-        while let Some(s) = q.start(0.0, MIN) {
-            started.push(s.id);
-        }
-        assert_eq!(order.len(), 10_000);
-        assert_eq!(started, order);
+        assert!(last_light < third_heavy, "{order:?}");
+        // The order reported is the order they start.
+        assert_eq!(drain(&mut q), order);
     }
 
     #[test]
     fn classes_go_first_and_a_user_s_own_runs_keep_their_order() {
-        let mut q = FairQueue::new(Duration::from_secs(3600));
-        q.push(w("t1", "a", Class::Test));
-        q.push(w("r1", "b", Class::Ranked));
-        q.push(w("t2", "a", Class::Test));
-        q.push(w("adm", "org", Class::Admin));
-        assert_eq!(q.order(0.0, MIN), ["adm", "r1", "t1", "t2"]);
-        assert!(q.remove("r1"));
-        assert!(!q.remove("r1"));
-        assert_eq!(q.order(0.0, MIN), ["adm", "t1", "t2"]);
+        let mut q = FairQueue::new();
+        add(&mut q, "t1", "a", Class::Test, 1);
+        add(&mut q, "r1", "b", Class::Ranked, 2);
+        add(&mut q, "t2", "a", Class::Test, 3);
+        add(&mut q, "adm", "org", Class::Admin, 4);
+        let ids = |q: &FairQueue| q.order().map(|t| t.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&q), ["adm", "r1", "t1", "t2"]);
+        assert!(q.remove("r1").is_some());
+        assert!(q.remove("r1").is_none());
+        assert_eq!(ids(&q), ["adm", "t1", "t2"]);
         assert_eq!(q.len(), 3);
     }
 
     #[test]
-    fn recent_use_decays_and_measured_time_corrects_the_estimate() {
-        let half = Duration::from_secs(100);
-        let mut q = FairQueue::new(half);
-        q.push(w("a1", "a", Class::Test));
-        assert_eq!(q.start(0.0, MIN).unwrap().id, "a1");
-        // a has used 60 s; b nothing: b goes first.
-        q.push(w("a2", "a", Class::Test));
-        q.push(w("b1", "b", Class::Test));
-        assert_eq!(q.order(1.0, MIN), ["b1", "a2"]);
-        // a's run took no time at all: corrected to nothing used, a's older arrival wins.
-        q.finished("a", MIN, Duration::ZERO, 1.0);
-        assert_eq!(q.order(1.0, MIN), ["a2", "b1"]);
-        // Use fades: 60 s used 10 half-lives ago is less than 1 s used now.
-        let mut q = FairQueue::new(half);
-        q.push(w("a1", "a", Class::Test));
-        q.start(0.0, MIN);
-        q.push(w("b1", "b", Class::Test));
-        q.start(1000.0, Duration::from_secs(1));
-        q.push(w("a2", "a", Class::Test));
-        q.push(w("b2", "b", Class::Test));
-        assert_eq!(q.order(1000.0, MIN)[0], "a2");
+    fn use_is_forgotten_once_the_clock_passes_it_and_measured_time_corrects_it() {
+        let mut q = FairQueue::new();
+        // a ran three alone: a's end is ahead of the clock, so b, who used nothing, goes first.
+        for i in 0..3 {
+            add(&mut q, &format!("a{i}"), "a", Class::Test, i);
+        }
+        drain(&mut q);
+        add(&mut q, "a3", "a", Class::Test, 10);
+        add(&mut q, "b0", "b", Class::Test, 11);
+        assert_eq!(drain(&mut q), ["b0", "a3"]);
+        // Then b ran five alone: the clock passed a's end, a's use is forgotten, b's is not.
+        for i in 1..6 {
+            add(&mut q, &format!("b{i}"), "b", Class::Test, 11 + i);
+        }
+        drain(&mut q);
+        add(&mut q, "b6", "b", Class::Test, 20);
+        add(&mut q, "a4", "a", Class::Test, 21);
+        assert_eq!(drain(&mut q), ["a4", "b6"]);
+        // c's run was charged a minute and took ten: c's next waits behind d's two.
+        add(&mut q, "c0", "c", Class::Test, 30);
+        q.pop();
+        q.correct(Class::Test, "c", MIN, MIN * 10);
+        add(&mut q, "c1", "c", Class::Test, 31);
+        add(&mut q, "d0", "d", Class::Test, 32);
+        add(&mut q, "d1", "d", Class::Test, 33);
+        assert_eq!(drain(&mut q), ["d0", "d1", "c1"]);
+    }
+
+    #[test]
+    fn a_tag_not_kept_is_taken_back_and_a_restart_restores_the_order() {
+        let mut q = FairQueue::new();
+        let tag = q.tag(Class::Test, "a", MIN);
+        q.untag(Class::Test, "a", tag, MIN);
+        assert_eq!(
+            q.tag(Class::Test, "a", MIN),
+            tag,
+            "the charge was taken back"
+        );
+        let mut tickets = Vec::new();
+        let mut q = FairQueue::new();
+        for i in 0..20 {
+            let user = ["x", "y", "z"][i % 3];
+            let class = [Class::Test, Class::Ranked][i % 2];
+            let tag = q.tag(class, user, MIN);
+            let t = Ticket {
+                class,
+                tag,
+                arrival: i as i64,
+                id: format!("s{i}"),
+            };
+            tickets.push((t.clone(), user));
+            q.push(t);
+        }
+        let started = q.pop().unwrap();
+        let before: Vec<String> = q.order().map(|t| t.id.clone()).collect();
+        let mut again = FairQueue::new();
+        for (t, user) in tickets {
+            let was_started = t.id == started.id;
+            again.restore(t, user, MIN, was_started);
+        }
+        assert_eq!(
+            again.order().map(|t| t.id.clone()).collect::<Vec<_>>(),
+            before
+        );
+        // And new arrivals are tagged as they would have been.
+        assert_eq!(
+            again.tag(Class::Test, "x", MIN),
+            q.tag(Class::Test, "x", MIN)
+        );
+    }
+
+    #[test]
+    fn ten_thousand_waiting_are_ordered_as_they_start() {
+        let mut q = FairQueue::new();
+        for i in 0..10_000 {
+            let user = format!("u{}", i % 97);
+            let class = Class::ALL[i % 3];
+            add(&mut q, &format!("s{i}"), &user, class, i as i64);
+        }
+        let order: Vec<String> = q.order().map(|t| t.id.clone()).collect();
+        assert_eq!(order.len(), 10_000);
+        assert_eq!(drain(&mut q), order);
     }
 }

@@ -29,7 +29,8 @@
 //!   `result.json`; [`error`]: the core's errors; [`report`]: errors with their causes, for
 //!   people; [`config`]: flags and environment, in groups; [`metrics`]: what `GET /metrics` exports;
 //!   [`queues`]: queue status (the store's counts, the executor's agent counts fetched at most
-//!   once a minute); [`fairshare`]: who runs next on a queue (a pure policy, not yet wired in).
+//!   once a minute); [`fairshare`]: who runs next on a queue (a pure policy); [`dispatch`]: the service's
+//!   queue around it (slots, quotas, places).
 
 #![deny(missing_docs)]
 
@@ -38,6 +39,7 @@ pub mod buildkite;
 pub mod callback;
 pub mod cli;
 pub mod config;
+pub mod dispatch;
 pub mod error;
 pub mod executor;
 pub mod fairshare;

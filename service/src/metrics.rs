@@ -39,6 +39,52 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// A wait in the service's queue: the queue, the class, and the user's bucket (how many of
+/// that user's submissions were open when it started: `1`, `2-5`, `6-20`, `21+`; never the
+/// user id, whose values are unbounded).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WaitLabel {
+    /// The queue.
+    pub queue: String,
+    /// `admin`, `ranked` or `test`.
+    pub class: String,
+    /// `1`, `2-5`, `6-20`, `21+`.
+    pub user_bucket: String,
+}
+
+impl WaitLabel {
+    /// The bucket of a user with `open` submissions open.
+    pub fn bucket(open: u64) -> &'static str {
+        match open {
+            0 | 1 => "1",
+            2..=5 => "2-5",
+            6..=20 => "6-20",
+            _ => "21+",
+        }
+    }
+}
+
+/// A queue, and a quota's name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QuotaLabel {
+    /// The queue.
+    pub queue: String,
+    /// `queued` or `hourly`.
+    pub limit: String,
+}
+
+/// A queue.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// The queue.
+    pub queue: String,
+}
+
+/// Queue waits: 100 ms to about 3 hours.
+fn wait_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.1, 2.8, 11))
+}
+
 /// Which store operation.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OpLabel {
@@ -108,6 +154,12 @@ pub struct Metrics {
     pub connections: Gauge,
     /// The connection cap in force (KERNELKITE_MAX_CONNECTIONS, or the automatic one).
     pub connection_cap: Gauge,
+    /// Time submissions waited in the service's queue before their build was created.
+    pub queue_wait_seconds: Family<WaitLabel, Histogram>,
+    /// Submissions refused by a per-user quota.
+    pub quota_refusals: Family<QuotaLabel, Counter>,
+    /// Submissions answered from the result cache.
+    pub cache_hits: Family<QueueLabel, Counter>,
 }
 
 /// [`Refusal`] as a label set.
@@ -144,6 +196,9 @@ impl Metrics {
             http_refusals: Family::default(),
             connections: Gauge::default(),
             connection_cap: Gauge::default(),
+            queue_wait_seconds: Family::new_with_constructor(wait_histogram),
+            quota_refusals: Family::default(),
+            cache_hits: Family::default(),
             registry: Registry::default(),
         };
         registry.register("submissions", "Submissions by state", m.submissions.clone());
@@ -196,6 +251,21 @@ impl Metrics {
             "http_connection_cap",
             "Most client connections held at once",
             m.connection_cap.clone(),
+        );
+        registry.register(
+            "queue_wait_seconds",
+            "Time submissions waited in the service's queue, by queue, class and user bucket",
+            m.queue_wait_seconds.clone(),
+        );
+        registry.register(
+            "quota_refusals",
+            "Submissions refused by a per-user quota (429), by queue and limit",
+            m.quota_refusals.clone(),
+        );
+        registry.register(
+            "cache_hits",
+            "Submissions answered from the result cache, by queue",
+            m.cache_hits.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -39,7 +39,7 @@ pub fn valid_name(name: &str) -> bool {
 }
 
 /// `GET /v1/queues/{queue}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueStatus {
     /// The queue.
     pub queue: String,
@@ -55,6 +55,9 @@ pub struct QueueStatus {
     /// When `agents` was fetched.
     #[serde(with = "crate::submission::iso_opt")]
     pub agents_updated_at: Option<DateTime<Utc>>,
+    /// The service's own queue: waiting, started, slots, estimates (`crate::dispatch`).
+    #[serde(flatten)]
+    pub line: crate::dispatch::LineStatus,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -98,7 +101,12 @@ impl Queues {
 
     /// The queue's status: the store's counts now, the agents as last fetched. Starts a
     /// background fetch when the last one is older than the refresh interval.
-    pub async fn status(self: &Arc<Self>, store: &Store, queue: &str) -> QueueStatus {
+    pub async fn status(
+        self: &Arc<Self>,
+        store: &Store,
+        queue: &str,
+        line: crate::dispatch::LineStatus,
+    ) -> QueueStatus {
         let agents = self.agents(queue).await;
         let counts = store.in_flight(queue);
         QueueStatus {
@@ -108,6 +116,7 @@ impl Queues {
             agents: agents.map(|a| a.0),
             updated_at: Utc::now(),
             agents_updated_at: agents.map(|a| a.1),
+            line,
         }
     }
 
@@ -127,6 +136,18 @@ impl Queues {
             counts.get(queue).copied().unwrap_or_default(),
             snap.fetched_at?,
         ))
+    }
+
+    /// The queue's agents as last fetched, without waiting (`None`: not fetched yet, or no
+    /// source); starts a fetch when the last is older than the refresh interval. The
+    /// service's queue reads its slots here.
+    pub fn known(self: &Arc<Self>, queue: &str) -> Option<AgentCounts> {
+        self.source.as_ref()?;
+        self.refresh_if_due();
+        let snap = self.snapshot.borrow();
+        snap.counts
+            .as_ref()
+            .map(|c| c.get(queue).copied().unwrap_or_default())
     }
 
     /// Starts a fetch when none started within `refresh`. The start time is taken before the

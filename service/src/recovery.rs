@@ -21,10 +21,11 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 
 use crate::app::App;
+use crate::dispatch::ANONYMOUS;
 use crate::executor::{BuildEvent, BuildEventKind, Found, Launched, Recovered};
 use crate::reconcile::{Reconciler, MARGIN};
 use crate::report::report;
-use crate::store::Pending;
+use crate::store::{Pending, Reopened};
 use crate::submission::{Outcome, State, Submission};
 
 /// Longest wait for the first pass after a restart before deadlines are enforced anyway.
@@ -32,7 +33,16 @@ const FIRST_PASS_LIMIT: Duration = Duration::from_secs(30);
 
 /// Reloads the submissions that had not ended (`pending`, read when the store was opened)
 /// and starts putting them right; `reconciler` makes the first pass over their builds.
-pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, pending: Vec<Pending>) {
+pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened) {
+    for a in &reopened.accepted {
+        let who = crate::dispatch::Who {
+            queue: a.queue.clone(),
+            user: a.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
+            class: a.class,
+        };
+        app.dispatch.restore_accepted(&who, a.created_at_ms);
+    }
+    let pending = reopened.pending;
     if pending.is_empty() {
         return;
     }
@@ -47,6 +57,15 @@ pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, pending: Vec<Pendin
         let id = p.sub.id.clone();
         let build = p.sub.build.clone();
         let queued_without_build = build.is_none();
+        // Every one holds a slot of its queue until its build is known: one that never got
+        // a build goes back in the queue, in its old place, once the listing below says so.
+        app.dispatch.restore(
+            &app.who(&p.sub),
+            &id,
+            p.fair_tag.unwrap_or(0),
+            p.sub.created_at.timestamp_micros(),
+            true,
+        );
         app.store.reload(p.sub.clone(), p.deadline_ms);
         if let Some(live) = app.store.live(&id) {
             // Due at once: the first pass looks at every reloaded build.
@@ -144,6 +163,7 @@ async fn recover_orphans(app: &Arc<App>, orphans: Vec<Pending>) {
             }
         }
     }
+    let mut requeued = std::collections::BTreeSet::new();
     for p in orphans {
         let id = p.sub.id.clone();
         if app.store.live(&id).is_none() {
@@ -173,9 +193,12 @@ async fn recover_orphans(app: &Arc<App>, orphans: Vec<Pending>) {
                 }
             }
             None => match p.job {
-                Some(job) => {
-                    tracing::info!(%id, "creating the build of an interrupted submission");
-                    app.spawn_launch(job);
+                Some(_) => {
+                    // Its build is created from the store's copy of the job when its turn
+                    // comes.
+                    tracing::info!(%id, "an interrupted submission waits in the queue again");
+                    app.dispatch.requeue(&p.sub.queue, &id);
+                    requeued.insert(p.sub.queue.clone());
                 }
                 None => {
                     app.finish_durably(
@@ -188,6 +211,9 @@ async fn recover_orphans(app: &Arc<App>, orphans: Vec<Pending>) {
                 }
             },
         }
+    }
+    for queue in requeued {
+        app.pump(&queue, None);
     }
 }
 

@@ -8,6 +8,7 @@
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::fairshare::Class;
 use crate::result::ResultJson;
 
 /// Where a submission is in its life.
@@ -119,6 +120,51 @@ pub struct Submission {
     pub finished_at: Option<DateTime<Utc>>,
     /// Every state this submission has been in, in order; SSE replays it.
     pub history: Vec<Transition>,
+    /// The backend's user id (fair share and quotas count per user; none: one shared
+    /// anonymous user).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Its priority class.
+    #[serde(default)]
+    pub priority: Class,
+    /// Answered from the result cache: the submission whose result this is.
+    #[serde(default)]
+    pub cached_from: Option<String>,
+    /// Its place in the service's queue, while it waits there (never kept in the store: it
+    /// is recomputed as the queue moves).
+    #[serde(default)]
+    pub place: Option<Place>,
+}
+
+/// A waiting submission's place in its queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Place {
+    /// 1: it starts next.
+    pub position: u64,
+    /// Seconds from when the place was computed until it is expected to start (from the
+    /// queue's recent run times).
+    pub estimated_wait_s: f64,
+    /// When it is expected to start.
+    #[serde(with = "iso")]
+    pub estimated_start_at: DateTime<Utc>,
+}
+
+impl Place {
+    /// Whether `new` says something `old` did not: another position, or a start estimate
+    /// that moved by 5 s or more (an estimate that only drifts is not news).
+    pub fn moved(old: Option<&Place>, new: Option<&Place>) -> bool {
+        match (old, new) {
+            (None, None) => false,
+            (Some(a), Some(b)) => {
+                a.position != b.position
+                    || (a.estimated_start_at - b.estimated_start_at)
+                        .num_milliseconds()
+                        .abs()
+                        >= 5_000
+            }
+            _ => true,
+        }
+    }
 }
 
 /// How a submission ended.
@@ -162,6 +208,10 @@ impl Submission {
                 state: State::Queued,
                 at: now,
             }],
+            user: None,
+            priority: Class::Test,
+            cached_from: None,
+            place: None,
         }
     }
 
@@ -198,6 +248,7 @@ impl Submission {
             Some(b) => b == &build,
             None => {
                 self.build = Some(build);
+                self.place = None;
                 self.updated_at = now.trunc_subsecs(6);
                 // The create response means Buildkite has the build; it is at least scheduled.
                 self.advance(State::Scheduled, now);
@@ -212,6 +263,8 @@ impl Submission {
         let now = now.trunc_subsecs(6);
         self.state = state;
         self.updated_at = now;
+        // A place is only had while waiting in the service's queue.
+        self.place = None;
         self.history.push(Transition { state, at: now });
     }
 }

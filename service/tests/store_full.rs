@@ -33,6 +33,8 @@ fn new_submission(i: usize) -> NewSubmission {
         },
         deadline_ms: i64::MAX,
         idempotency: None,
+        fair_tag: Some(0),
+        cache_key: None,
     }
 }
 

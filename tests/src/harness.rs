@@ -47,6 +47,8 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     let fake = FakeBuildkite::start().await;
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
+    // The tests submit the same fixture config again on purpose, to run it again.
+    cfg.fair.cache = false;
     cfg.buildkite.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
     cfg.retry_base_ms = 5;
     cfg.buildkite.http_timeout_s = 5;

@@ -230,6 +230,8 @@ pub async fn start_stack(
     tweak: impl FnOnce(&mut Config),
 ) -> LocalStack {
     let mut cfg = Config::local();
+    // The tests submit the same fixture config again on purpose, to run it again.
+    cfg.fair.cache = false;
     tweak(&mut cfg);
     let local = LocalExecutor::new(&args, None)
         .await

@@ -68,6 +68,8 @@ impl ServiceProcess {
             ("KERNELKITE_CALLBACK_SECRET", CALLBACK_SECRET.into()),
             ("KERNELKITE_DATA_DIR", data_dir.display().to_string()),
             ("KERNELKITE_RETRY_BASE_MS", "10".into()),
+            // The tests submit the same fixture config again on purpose, to run it again.
+            ("KERNELKITE_CACHE", "false".into()),
             ("KERNELKITE_CALLBACK_BACKOFF_MS", "50".into()),
             ("KERNELKITE_CREATE_LOOKUP_DELAY_MS", "100".into()),
             ("RUST_LOG", "info".into()),

@@ -264,6 +264,8 @@ class Stack:
             "KERNELKITE_API_TOKEN": API_TOKEN,
             "KERNELKITE_DATA_DIR": str(data_dir),
             "KERNELKITE_RETRY_BASE_MS": "10",
+            # The tests send the same sample run again on purpose, to run it again.
+            "KERNELKITE_CACHE": "false",
         }
         env.update(extra_env or {})
         self.service = Service([], env, port, tmp)
@@ -296,6 +298,8 @@ def local_service(tmp: Path) -> Service:
         "KERNELKITE_DATA_DIR": str(data),
         # `auto` would depend on this machine's users.
         "KERNELKITE_LOCAL_SANDBOX": "off",
+        # The tests send the same sample run again on purpose, to run it again.
+        "KERNELKITE_CACHE": "false",
     }
     return Service(["serve", "--executor", "local"], env, port, tmp)
 

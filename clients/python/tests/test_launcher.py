@@ -390,3 +390,46 @@ async def test_a_reporter_that_fails_does_not_fail_the_run(stack: Stack):
     launcher = make_launcher(stack.url, stack.token)
     result = await asyncio.wait_for(launcher.run_submission(sample_config(), H100, Broken()), 20)
     assert result.success, result.error
+
+
+async def test_the_status_line_shows_the_place_in_the_real_service_s_queue(tmp_path):
+    """The fair queue of the real service (one slot on `h100`): a run behind another shows
+    its place and wait, then runs; the same run again is answered from the result cache."""
+    stack = Stack(tmp_path, {"KERNELKITE_QUEUE_SLOTS": "h100=1", "KERNELKITE_CACHE": "true"})
+    try:
+        launcher = make_launcher(stack.url, stack.token, user_of=lambda config: "alice")
+        first_reporter, second_reporter = RecordingReporter(), RecordingReporter()
+        first = await run_in_background(launcher, first_reporter)
+        build = await the_build(stack)
+        second = await run_in_background(launcher, second_reporter)
+        await wait_until(
+            lambda: any(
+                t.startswith("⏳ Next in line for H100_KK, about") for t in second_reporter.texts()
+            ),
+            what="the second run's place",
+        )
+        assert len(await stack.fake.builds()) == 1, (
+            "the second waits in the service, not in Buildkite"
+        )
+        await stack.fake.finish(build["number"], "passed", result_json())
+        assert (await asyncio.wait_for(first, 20)).success
+        build = await the_build(stack, 2)
+        await stack.fake.finish(build["number"], "passed", result_json())
+        assert (await asyncio.wait_for(second, 20)).success
+        assert_in_order(
+            second_reporter.texts(),
+            [
+                "⏳ Queued for H100_KK",
+                "⏳ Next in line for H100_KK",
+                "⏳ Waiting for a free H100_KK GPU",
+                "✅ Finished",
+            ],
+        )
+        # The same run again: answered from the cache, no third build.
+        third_reporter = RecordingReporter()
+        third = await run_in_background(launcher, third_reporter)
+        assert (await asyncio.wait_for(third, 20)).success
+        assert "(cached result of " in third_reporter.texts()[-1], third_reporter.texts()
+        assert len(await stack.fake.builds()) == 2
+    finally:
+        await stack.aclose()

@@ -65,7 +65,7 @@ fn assemble(
             "KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart"
         );
     }
-    let (db, pending) = Sqlite::open_with_pending(
+    let (db, reopened) = Sqlite::open_with_pending(
         cfg.store.data_dir.as_deref(),
         cfg.store.store_sync,
         Some(metrics.clone()),
@@ -73,8 +73,9 @@ fn assemble(
     let app = App::new(cfg, executor, Arc::new(db), metrics)?;
     let outbox = Outbox::new(&app)?;
     app.spawn_housekeeping();
+    app.spawn_places();
     let reconciler = Reconciler::new(&app);
-    crate::recovery::recover(&app, &reconciler, pending);
+    crate::recovery::recover(&app, &reconciler, reopened);
     reconciler.spawn();
     outbox.spawn();
     Ok(app)

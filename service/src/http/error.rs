@@ -22,6 +22,11 @@ impl IntoResponse for Error {
             Error::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Error::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Error::OverQuota(_) => StatusCode::TOO_MANY_REQUESTS,
+        };
+        let retry_after = match &self {
+            Error::OverQuota(q) => Some(q.retry_after_s()),
+            _ => None,
         };
         let bearer = matches!(self, Error::Unauthorized(Unauthorized::BearerToken));
         let message = elide(&report(&self));
@@ -34,6 +39,10 @@ impl IntoResponse for Error {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let Some(s) = retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         if status == StatusCode::REQUEST_TIMEOUT {
             // The rest of the body may still be on its way: the connection cannot be reused.

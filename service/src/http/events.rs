@@ -23,7 +23,7 @@ use bytes::Bytes;
 use super::edge::Edge;
 use crate::app::{App, Watch};
 use crate::error::Error;
-use crate::submission::{State, Submission};
+use crate::submission::{Place, State, Submission};
 
 /// How soon a client should reconnect after the service ended its stream to shut down.
 pub(super) const RECONNECT: Duration = Duration::from_secs(1);
@@ -83,9 +83,24 @@ enum Source {
     Finished(Arc<Encoded>),
 }
 
+/// A stream's state between events.
+struct Stream {
+    source: Source,
+    /// The next state event's index in the history.
+    next: usize,
+    /// `None` once the shutdown event went out.
+    stopping: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    _edge: Arc<Edge>,
+    finished: Arc<Finished>,
+    /// The place last sent.
+    place: Option<Place>,
+}
+
 /// What a live stream does next.
 enum Step {
     Send(Bytes),
+    /// A `queue` event: the submission's place moved.
+    Place(Bytes, Place),
     Finished(Arc<Encoded>),
     End,
     Wait,
@@ -118,46 +133,60 @@ pub(super) async fn stream(
     };
     let stopping: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(edge.stopping());
     // The edge rides along: a stream keeps it (and so its phase) alive, as it keeps the cache.
-    let state = (source, start, Some(stopping), (edge, finished));
-    let events = futures_util::stream::unfold(
-        state,
-        |(mut source, next, stopping, (edge, finished))| async move {
-            // `None`: the shutdown event went out; the stream is over.
-            let mut stopping = stopping?;
-            loop {
-                let rx = match &mut source {
-                    Source::Finished(encoded) => {
-                        let event = encoded.0.get(next)?.clone();
-                        return Some((event, (source, next + 1, Some(stopping), (edge, finished))));
-                    }
-                    Source::Live(rx) => rx,
-                };
-                match live_step(&finished, rx, next) {
-                    Step::Send(event) => {
-                        return Some((event, (source, next + 1, Some(stopping), (edge, finished))));
-                    }
-                    Step::Finished(encoded) => source = Source::Finished(encoded),
-                    Step::End => return None,
-                    Step::Wait => tokio::select! {
-                        r = rx.changed() => if r.is_err() {
-                            return None;
-                        },
-                        () = &mut stopping => {
-                            let bye = encode_comment_and_retry(
-                                "shutting down; reconnect with Last-Event-ID",
-                                RECONNECT,
-                            );
-                            return Some((bye, (source, next, None, (edge, finished))));
-                        }
-                        () = tokio::time::sleep(KEEP_ALIVE) => {
-                            let ping = Bytes::from_static(b":\n\n");
-                            return Some((ping, (source, next, Some(stopping), (edge, finished))));
-                        }
-                    },
+    let state = Stream {
+        source,
+        next: start,
+        stopping: Some(stopping),
+        _edge: edge,
+        finished,
+        place: None,
+    };
+    let events = futures_util::stream::unfold(state, |mut st| async move {
+        // `None`: the shutdown event went out; the stream is over.
+        let mut stopping = st.stopping.take()?;
+        loop {
+            let rx = match &mut st.source {
+                Source::Finished(encoded) => {
+                    let event = encoded.0.get(st.next)?.clone();
+                    st.next += 1;
+                    st.stopping = Some(stopping);
+                    return Some((event, st));
                 }
+                Source::Live(rx) => rx,
+            };
+            match live_step(&st.finished, rx, st.next, st.place.as_ref()) {
+                Step::Send(event) => {
+                    st.next += 1;
+                    st.stopping = Some(stopping);
+                    return Some((event, st));
+                }
+                Step::Place(event, place) => {
+                    st.place = Some(place);
+                    st.stopping = Some(stopping);
+                    return Some((event, st));
+                }
+                Step::Finished(encoded) => st.source = Source::Finished(encoded),
+                Step::End => return None,
+                Step::Wait => tokio::select! {
+                    r = rx.changed() => if r.is_err() {
+                        return None;
+                    },
+                    () = &mut stopping => {
+                        let bye = encode_comment_and_retry(
+                            "shutting down; reconnect with Last-Event-ID",
+                            RECONNECT,
+                        );
+                        return Some((bye, st));
+                    }
+                    () = tokio::time::sleep(KEEP_ALIVE) => {
+                        let ping = Bytes::from_static(b":\n\n");
+                        st.stopping = Some(stopping);
+                        return Some((ping, st));
+                    }
+                },
             }
-        },
-    );
+        }
+    });
     let body = Body::from_stream(futures_util::StreamExt::map(events, Ok::<_, Infallible>));
     Ok((
         [
@@ -175,14 +204,32 @@ fn live_step(
     finished: &Finished,
     rx: &mut tokio::sync::watch::Receiver<Submission>,
     next: usize,
+    sent: Option<&Place>,
 ) -> Step {
     let s = rx.borrow_and_update();
     match s.history.get(next) {
         Some(t) if t.state.is_terminal() => Step::Finished(finished.get_or_encode(&s)),
         Some(_) => Step::Send(state_event(&s, next)),
         None if s.state.is_terminal() => Step::End,
-        None => Step::Wait,
+        None => match &s.place {
+            Some(p) if Place::moved(sent, Some(p)) => Step::Place(place_event(&s.id, p), p.clone()),
+            _ => Step::Wait,
+        },
     }
+}
+
+/// `event: queue` with data `{"id","position","estimated_wait_s","estimated_start_at"}`, and
+/// no `id:` line: a place is not part of the history `Last-Event-ID` counts, so a client
+/// that reconnects resumes its state events where it was and gets the place then current.
+fn place_event(id: &str, p: &Place) -> Bytes {
+    #[derive(serde::Serialize)]
+    struct PlaceEvent<'a> {
+        id: &'a str,
+        #[serde(flatten)]
+        place: &'a Place,
+    }
+    let data = serde_json::to_string(&PlaceEvent { id, place: p }).unwrap_or_default();
+    Bytes::from(format!("event: queue\ndata: {data}\n\n"))
 }
 
 /// `event: <state>`, `id: <index in history>`, data `{"id","seq","state","at"}`; the terminal

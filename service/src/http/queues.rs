@@ -13,7 +13,7 @@ use crate::queues::{QueueStatus, Queues};
 /// The route, with its agent-count cache. The cache lives as long as the router: one per
 /// server, so one Buildkite fetch per refresh interval however many clients ask.
 pub(super) fn route(app: &Arc<App>) -> MethodRouter<super::Http> {
-    let queues = Arc::new(Queues::for_executor(&app.cfg, app.executor.as_ref()));
+    let queues = app.queues.clone();
     get(
         move |State(app): State<Arc<App>>, Path(queue): Path<String>| async move {
             status(&app, &queues, &queue).await
@@ -25,5 +25,8 @@ async fn status(app: &App, queues: &Arc<Queues>, queue: &str) -> Result<Json<Que
     if !crate::queues::valid_name(queue) {
         return Err(Invalid::Queue(queue.to_string()).into());
     }
-    Ok(Json(queues.status(&app.store, queue).await))
+    // Asked first: the agents' first fetch, which `status` may wait for, then counts.
+    let _ = queues.agents(queue).await;
+    let line = app.dispatch.status(queue, app.capacity(queue));
+    Ok(Json(queues.status(&app.store, queue, line).await))
 }

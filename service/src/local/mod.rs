@@ -485,6 +485,10 @@ impl Executor for LocalExecutor {
         "local"
     }
 
+    fn slots(&self) -> Option<u64> {
+        Some(self.slices.len() as u64)
+    }
+
     // Over 80 lines: the job is registered, written to its directory and queued in one place, in
     // the order the start-up sweep relies on.
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {

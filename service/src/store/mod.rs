@@ -26,7 +26,7 @@ use futures_util::future::BoxFuture;
 use crate::executor::{BuildEvent, Job};
 use crate::metrics::{Metrics, StateLabel};
 use crate::report::BoxError;
-use crate::submission::{State, Submission};
+use crate::submission::{Place, State, Submission};
 use memory::Memory;
 
 // The types of the `Durable` interface: any backend's (SQLite's now, Postgres's later).
@@ -141,6 +141,24 @@ pub struct NewSubmission {
     pub deadline_ms: i64,
     /// The client's `Idempotency-Key`, with the SHA-256 of the request it came with.
     pub idempotency: Option<(String, String)>,
+    /// Its start tag in the fair queue (`crate::fairshare`); none: it never waits there (a
+    /// cache answer).
+    pub fair_tag: Option<u64>,
+    /// What an identical submission is found by (`crate::cache`).
+    pub cache_key: Option<String>,
+}
+
+/// A submission queued recently, as the quotas count it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accepted {
+    /// Its queue.
+    pub queue: String,
+    /// Its user (none: the anonymous user).
+    pub user: Option<String>,
+    /// Its class.
+    pub class: crate::fairshare::Class,
+    /// When it was accepted, unix ms.
+    pub created_at_ms: i64,
 }
 
 /// What inserting a submission did.
@@ -167,6 +185,18 @@ pub struct Pending {
     pub job: Option<Job>,
     /// Its absolute deadline, unix ms.
     pub deadline_ms: i64,
+    /// Its start tag in the fair queue, when it was queued there.
+    pub fair_tag: Option<u64>,
+}
+
+/// What a store opened with: the submissions that had not ended, and those queued in the last
+/// hour (the hourly quotas' count).
+#[derive(Debug, Clone, Default)]
+pub struct Reopened {
+    /// Every submission that had not ended.
+    pub pending: Vec<Pending>,
+    /// The submissions queued in the last hour.
+    pub accepted: Vec<Accepted>,
 }
 
 /// Now, unix milliseconds.
@@ -193,6 +223,23 @@ pub trait Durable: Send + Sync + 'static {
     fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>>;
     /// Every submission that has not ended.
     fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>>;
+    /// The job of a submission that has not ended (what its build is created from).
+    fn job<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Job>, StoreError>>;
+    /// What idempotency key `key` made, if it was used ([`Inserted::Existing`], `hash` the
+    /// SHA-256 of the request now): a replay is answered with it before any quota counts.
+    fn keyed<'a>(
+        &'a self,
+        key: &'a str,
+        hash: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Inserted>, StoreError>>;
+    /// The submissions queued since `since_ms` (cache answers left out), for the quotas.
+    fn accepted_since(&self, since_ms: i64) -> BoxFuture<'_, Result<Vec<Accepted>, StoreError>>;
+    /// The newest submission that succeeded under cache key `key`, accepted since `since_ms`.
+    fn cached<'a>(
+        &'a self,
+        key: &'a str,
+        since_ms: i64,
+    ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>>;
     /// Callbacks due at `now_ms`.
     fn due_callbacks(
         &self,
@@ -293,7 +340,9 @@ impl Store {
     }
 
     /// Puts a submission read back from the durable store in memory (recovery).
-    pub fn reload(&self, sub: Submission, deadline_ms: i64) {
+    pub fn reload(&self, mut sub: Submission, deadline_ms: i64) {
+        // A place kept with it is stale: the queue gives it a new one.
+        sub.place = None;
         self.gauge(sub.state).inc();
         self.memory.insert(sub, deadline_ms);
     }
@@ -340,6 +389,25 @@ impl Store {
     /// long-polls, SSE streams and the timeout timer).
     pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Submission>> {
         self.memory.subscribe(id)
+    }
+
+    /// Tells the waiters of a submission that waits in the service's queue where it is now
+    /// (`None`: it left the queue). Not committed: a place is derived from the queue, which
+    /// a restart rebuilds. Returns whether it was news ([`Place::moved`]).
+    pub fn set_place(&self, id: &str, place: Option<Place>) -> bool {
+        let Some(live) = self.memory.live(id) else {
+            return false;
+        };
+        live.tx.send_if_modified(|s| {
+            if s.state != State::Queued || s.build.is_some() {
+                return false;
+            }
+            if !Place::moved(s.place.as_ref(), place.as_ref()) {
+                return false;
+            }
+            s.place = place;
+            true
+        })
     }
 
     /// How many receivers watch the submission.

@@ -32,9 +32,11 @@ use sqlx::{ConnectOptions, Row, SqliteConnection};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    now_ms, CallbackState, DueCallback, Durable, Inserted, NewCallback, NewSubmission, Pending,
-    StoreError,
+    now_ms, Accepted, CallbackState, DueCallback, Durable, Inserted, NewCallback, NewSubmission,
+    Pending, Reopened, StoreError,
 };
+use crate::executor::Job;
+use crate::fairshare::Class;
 use crate::report::report;
 use crate::submission::Submission;
 
@@ -77,6 +79,16 @@ enum Op {
         limit: i64,
     },
     NextCallbackAt,
+    Job(String),
+    Accepted(i64),
+    Keyed {
+        key: String,
+        hash: String,
+    },
+    Cached {
+        key: String,
+        since_ms: i64,
+    },
 }
 
 impl Op {
@@ -105,6 +117,9 @@ enum Reply {
     Pending(Vec<Pending>),
     Due(Vec<DueCallback>),
     At(Option<i64>),
+    Job(Option<Box<Job>>),
+    Keyed(Option<Inserted>),
+    Accepted(Vec<Accepted>),
 }
 
 struct Request {
@@ -172,7 +187,7 @@ impl Sqlite {
         dir: Option<&Path>,
         sync: SyncMode,
         metrics: Option<Arc<crate::metrics::Metrics>>,
-    ) -> Result<(Sqlite, Vec<Pending>), StoreError> {
+    ) -> Result<(Sqlite, Reopened), StoreError> {
         let shared = Arc::new(Shared {
             last_write_failed: Mutex::new(None),
             metrics,
@@ -210,7 +225,7 @@ impl Sqlite {
         };
         let opts = opts.disable_statement_logging();
         let shown = path.clone().unwrap_or_else(|| PathBuf::from(":memory:"));
-        let (wconn, rconn, pending) = open_connections(opts, shown, path.is_some())?;
+        let (wconn, rconn, reopened) = open_connections(opts, shown, path.is_some())?;
         // The connections serve from tasks of the caller's runtime: one hop less per call
         // than a thread of their own.
         let (writer, wrx) = mpsc::channel(4096);
@@ -236,7 +251,7 @@ impl Sqlite {
                 _lock: lock,
                 gone: Arc::new(Mutex::new(None)),
             },
-            pending,
+            reopened,
         ))
     }
 
@@ -367,6 +382,51 @@ impl Sqlite {
     pub async fn pending(&self) -> Result<Vec<Pending>, StoreError> {
         match self.call(Op::Pending).await? {
             Reply::Pending(p) => Ok(p),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// The job of a submission that has not ended.
+    pub async fn job(&self, id: &str) -> Result<Option<Job>, StoreError> {
+        match self.call(Op::Job(id.to_string())).await? {
+            Reply::Job(j) => Ok(j.map(|b| *b)),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// What the idempotency key `key` made, if it was used: as [`Sqlite::insert`] answers it
+    /// (`hash`: the SHA-256 of the request now).
+    pub async fn keyed(&self, key: &str, hash: &str) -> Result<Option<Inserted>, StoreError> {
+        match self
+            .call(Op::Keyed {
+                key: key.to_string(),
+                hash: hash.to_string(),
+            })
+            .await?
+        {
+            Reply::Keyed(k) => Ok(k),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// The submissions queued since `since_ms` (cache answers left out), for the quotas.
+    pub async fn accepted_since(&self, since_ms: i64) -> Result<Vec<Accepted>, StoreError> {
+        match self.call(Op::Accepted(since_ms)).await? {
+            Reply::Accepted(a) => Ok(a),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    /// The newest submission that succeeded under `key`, accepted since `since_ms`.
+    pub async fn cached(&self, key: &str, since_ms: i64) -> Result<Option<Submission>, StoreError> {
+        match self
+            .call(Op::Cached {
+                key: key.to_string(),
+                since_ms,
+            })
+            .await?
+        {
+            Reply::Loaded(s) => Ok(s.map(|b| *b)),
             _ => Err(StoreError::Closed),
         }
     }
@@ -547,7 +607,7 @@ fn open_connections(
     opts: SqliteConnectOptions,
     path: PathBuf,
     reader: bool,
-) -> Result<(SqliteConnection, Option<SqliteConnection>, Vec<Pending>), StoreError> {
+) -> Result<(SqliteConnection, Option<SqliteConnection>, Reopened), StoreError> {
     let open_err = |path: &Path, cause: String| StoreError::Open {
         path: path.to_path_buf(),
         cause,
@@ -567,6 +627,14 @@ fn open_connections(
                     Ok(_) => Vec::new(),
                     Err(e) => return Err(StoreError::Read(report(&e))),
                 };
+                // The quotas' last hour, so a restart cannot reset a user's hourly count.
+                let since = now_ms().saturating_sub(3_600_000);
+                let accepted = match read(&mut w, Op::Accepted(since)).await {
+                    Ok(Reply::Accepted(a)) => a,
+                    Ok(_) => Vec::new(),
+                    Err(e) => return Err(StoreError::Read(report(&e))),
+                };
+                let pending = Reopened { pending, accepted };
                 let r = if reader {
                     Some(connect(&opts, &thread_path, false).await?)
                 } else {
@@ -648,7 +716,14 @@ fn classify_open(path: &Path, e: sqlx::Error) -> StoreError {
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 async fn migrate(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
-    MIGRATOR
+    // A database a later release migrated further opens too (every migration only adds,
+    // so this release's statements still work on it): what makes a rollback possible.
+    let mut migrator = sqlx::migrate::Migrator {
+        migrations: MIGRATOR.migrations.clone(),
+        ..sqlx::migrate::Migrator::DEFAULT
+    };
+    migrator.set_ignore_missing(true);
+    migrator
         .run(&mut *conn)
         .await
         .map_err(|e| sqlx::Error::Migrate(Box::new(e)))
@@ -893,25 +968,14 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
     match op {
         Op::Insert(new) => {
             if let Some((key, hash)) = &new.idempotency {
-                let row = sqlx::query(
-                    "SELECT request_sha256, doc FROM submissions WHERE idempotency_key = $1",
-                )
-                .bind(key)
-                .fetch_optional(&mut *conn)
-                .await?;
-                if let Some(row) = row {
-                    let earlier: Option<String> = row.try_get(0)?;
-                    let doc: String = row.try_get(1)?;
-                    return Ok(Reply::Inserted(Inserted::Existing {
-                        sub: Box::new(decode(&doc)?),
-                        same_request: earlier.as_deref() == Some(hash.as_str()),
-                    }));
+                if let Some(existing) = keyed(conn, key, hash).await? {
+                    return Ok(Reply::Inserted(existing));
                 }
             }
             let s = &new.sub;
             sqlx::query(
-                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc, queue, user_id, class, fair_tag, cache_key)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
             )
             .bind(&s.id)
             .bind(s.state.as_str())
@@ -924,6 +988,11 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             .bind(new.idempotency.as_ref().map(|k| k.1.clone()))
             .bind(encode(&new.job)?)
             .bind(encode(s)?)
+            .bind(&s.queue)
+            .bind(&s.user)
+            .bind(s.priority.as_str())
+            .bind(new.fair_tag.map(|t| i64::try_from(t).unwrap_or(i64::MAX)))
+            .bind(&new.cache_key)
             .execute(&mut *conn)
             .await?;
             Ok(Reply::Inserted(Inserted::Created))
@@ -998,10 +1067,45 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 .await?;
             Ok(Reply::Done(true))
         }
-        Op::Load(_) | Op::Pending | Op::DueCallbacks { .. } | Op::NextCallbackAt => {
-            Ok(Reply::Done(false))
-        }
+        Op::Load(_)
+        | Op::Pending
+        | Op::DueCallbacks { .. }
+        | Op::NextCallbackAt
+        | Op::Job(_)
+        | Op::Accepted(_)
+        | Op::Keyed { .. }
+        | Op::Cached { .. } => Ok(Reply::Done(false)),
     }
+}
+
+/// A submission read as its `doc` (the row's first column), if there was a row.
+fn loaded(row: Option<sqlx::sqlite::SqliteRow>) -> Result<Reply, sqlx::Error> {
+    let sub = row
+        .map(|r| decode(&r.try_get::<String, _>(0)?))
+        .transpose()?;
+    Ok(Reply::Loaded(sub.map(Box::new)))
+}
+
+/// What idempotency key `key` made, if it was used: the submission, and whether it came with
+/// the same request (`hash`).
+async fn keyed(
+    conn: &mut SqliteConnection,
+    key: &str,
+    hash: &str,
+) -> Result<Option<Inserted>, sqlx::Error> {
+    let row = sqlx::query("SELECT request_sha256, doc FROM submissions WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let earlier: Option<String> = row.try_get(0)?;
+    let doc: String = row.try_get(1)?;
+    Ok(Some(Inserted::Existing {
+        sub: Box::new(decode(&doc)?),
+        same_request: earlier.as_deref() == Some(hash),
+    }))
 }
 
 async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error> {
@@ -1011,16 +1115,11 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 .bind(&id)
                 .fetch_optional(&mut *conn)
                 .await?;
-            match row {
-                Some(r) => Ok(Reply::Loaded(Some(Box::new(decode(
-                    &r.try_get::<String, _>(0)?,
-                )?)))),
-                None => Ok(Reply::Loaded(None)),
-            }
+            loaded(row)
         }
         Op::Pending => {
             let rows = sqlx::query(
-                "SELECT doc, job, deadline_ms FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
+                "SELECT doc, job, deadline_ms, fair_tag FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
             )
             .fetch_all(&mut *conn)
             .await?;
@@ -1031,6 +1130,9 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                     sub: decode(&r.try_get::<String, _>(0)?)?,
                     job: job.map(|j| decode(&j)).transpose()?,
                     deadline_ms: r.try_get(2)?,
+                    fair_tag: r
+                        .try_get::<Option<i64>, _>(3)?
+                        .and_then(|t| u64::try_from(t).ok()),
                 });
             }
             Ok(Reply::Pending(out))
@@ -1066,6 +1168,48 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                     .try_get(0)?;
             Ok(Reply::At(at))
         }
+        Op::Job(id) => {
+            let job: Option<Option<String>> =
+                sqlx::query_scalar("SELECT job FROM submissions WHERE id = $1 AND terminal = 0")
+                    .bind(&id)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            let job = job.flatten().map(|j| decode(&j)).transpose()?;
+            Ok(Reply::Job(job.map(Box::new)))
+        }
+        Op::Keyed { key, hash } => Ok(Reply::Keyed(keyed(conn, &key, &hash).await?)),
+        Op::Accepted(since_ms) => {
+            let rows = sqlx::query(
+                "SELECT queue, user_id, class, created_at_ms FROM submissions
+                 WHERE created_at_ms >= $1 AND fair_tag IS NOT NULL",
+            )
+            .bind(since_ms)
+            .fetch_all(&mut *conn)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                let class: Option<String> = r.try_get(2)?;
+                out.push(Accepted {
+                    queue: r.try_get(0)?,
+                    user: r.try_get(1)?,
+                    class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
+                    created_at_ms: r.try_get(3)?,
+                });
+            }
+            Ok(Reply::Accepted(out))
+        }
+        Op::Cached { key, since_ms } => {
+            let row = sqlx::query(
+                "SELECT doc FROM submissions WHERE cache_key = $1 AND created_at_ms >= $2 AND state = $3
+                 ORDER BY created_at_ms DESC LIMIT 1",
+            )
+            .bind(&key)
+            .bind(since_ms)
+            .bind(crate::submission::State::Succeeded.as_str())
+            .fetch_optional(&mut *conn)
+            .await?;
+            loaded(row)
+        }
         other => write(conn, &other).await,
     }
 }
@@ -1087,6 +1231,26 @@ impl Durable for Sqlite {
     }
     fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
         Box::pin(Sqlite::load(self, id))
+    }
+    fn job<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Job>, StoreError>> {
+        Box::pin(Sqlite::job(self, id))
+    }
+    fn keyed<'a>(
+        &'a self,
+        key: &'a str,
+        hash: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Inserted>, StoreError>> {
+        Box::pin(Sqlite::keyed(self, key, hash))
+    }
+    fn accepted_since(&self, since_ms: i64) -> BoxFuture<'_, Result<Vec<Accepted>, StoreError>> {
+        Box::pin(Sqlite::accepted_since(self, since_ms))
+    }
+    fn cached<'a>(
+        &'a self,
+        key: &'a str,
+        since_ms: i64,
+    ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        Box::pin(Sqlite::cached(self, key, since_ms))
     }
     fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
         Box::pin(Sqlite::pending(self))
@@ -1144,6 +1308,8 @@ mod tests {
             job: job(&id),
             deadline_ms: now_ms() + 60_000,
             idempotency: key.map(|(k, h)| (k.to_string(), h.to_string())),
+            fair_tag: Some(0),
+            cache_key: None,
         }
     }
 
@@ -1406,9 +1572,11 @@ mod tests {
             db.insert(n.clone()).await.unwrap();
         }
         // Made old: the submission kept, the bookkeeping the old release's.
-        {
+        let new_layout = {
             let mut c = raw(dir.path()).await;
-            assert_eq!(layout(&mut c).await, old_layout);
+            let new_layout = layout(&mut c).await;
+            // The first migration makes the old schema; later ones only add to it.
+            assert!(new_layout.len() > old_layout.len(), "{new_layout:?}");
             // The previous release skips its first schema when it finds version 1 here:
             // what lets it open (after a rollback) a database this release made.
             let old_version: Option<i64> =
@@ -1417,26 +1585,32 @@ mod tests {
                     .await
                     .unwrap();
             assert_eq!(old_version, Some(1));
-            sqlx::raw_sql("DROP TABLE _sqlx_migrations;")
-                .execute(&mut c)
-                .await
-                .unwrap();
-        }
-        for d in [dir.path(), old.path()] {
+            // A later release's migration (a rollback to this one): the database still opens.
+            sqlx::raw_sql(
+                "INSERT INTO _sqlx_migrations (version, description, installed_on, success, checksum, execution_time)
+                 VALUES (99, 'later', CURRENT_TIMESTAMP, 1, X'00', 0);",
+            )
+            .execute(&mut c)
+            .await
+            .unwrap();
+            new_layout
+        };
+        for d in [old.path()] {
             let db = Sqlite::open(Some(d), SyncMode::Normal, None).unwrap();
             db.health().await.unwrap();
             db.insert(new_sub(None)).await.unwrap();
             drop(db);
             let mut c = raw(d).await;
-            assert_eq!(layout(&mut c).await, old_layout, "{}", d.display());
+            assert_eq!(layout(&mut c).await, new_layout, "{}", d.display());
             let applied: Vec<(i64, bool)> =
-                sqlx::query_as("SELECT version, success FROM _sqlx_migrations")
+                sqlx::query_as("SELECT version, success FROM _sqlx_migrations ORDER BY version")
                     .fetch_all(&mut c)
                     .await
                     .unwrap();
-            assert_eq!(applied, [(1, true)]);
+            assert_eq!(applied, [(1, true), (2, true)]);
         }
         let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        db.insert(new_sub(None)).await.unwrap();
         let pending = db.pending().await.unwrap();
         assert!(
             pending.iter().any(|p| p.sub == n.sub),
@@ -1450,10 +1624,13 @@ mod tests {
         // sqlx refuses to open a database whose applied migration's bytes changed (a comment,
         // whitespace, line endings): add a new migration instead of editing one.
         let checksums: Vec<String> = MIGRATOR.iter().map(|m| hex::encode(&m.checksum)).collect();
-        // The SHA-384 of migrations/0001_initial.sql (`sha384sum`).
+        // The SHA-384 of each of migrations/*.sql (`sha384sum`).
         assert_eq!(
             checksums,
-            ["c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241"]
+            [
+                "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
+                "6abb18a2ef9620526bc51f8639ef60faf00c57b20cc4937773e9cb6aab9503b7af3851bdb483fa60805d27388f716f4f"
+            ]
         );
     }
 }

@@ -29,6 +29,7 @@ async fn the_binary_serves_a_submission_end_to_end_and_stops_on_sigterm() {
         .env("KERNELKITE_API_TOKEN", "kk")
         .env("KERNELKITE_BRANCH", "release")
         .env("KERNELKITE_DATA_DIR", data.path())
+        .env("KERNELKITE_CACHE", "false")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

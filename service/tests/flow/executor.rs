@@ -80,7 +80,9 @@ fn finished(number: u64) -> BuildEvent {
 async fn another_executor_drives_the_same_state_machine() {
     let executor = Arc::new(InProcess::default());
     // The configuration requires Buildkite settings; this executor never uses them.
-    let cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
+    let mut cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
+    // The same config is submitted again to run again.
+    cfg.fair.cache = false;
     let app = kernelkite_service::cli::serve::start(cfg, executor.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

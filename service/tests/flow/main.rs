@@ -9,6 +9,7 @@ mod callbacks;
 mod cancel_timeout;
 mod docs_promises;
 mod executor;
+mod fair_queue;
 mod faults;
 mod hardening;
 mod idempotency;

@@ -2,6 +2,7 @@
 the one module that imports kernelbot) a launcher that runs kernelbot submissions through it."""
 
 from kernelkite.client import (
+    PRIORITIES,
     STATES,
     TERMINAL_STATES,
     Conflict,
@@ -9,6 +10,8 @@ from kernelkite.client import (
     KernelkiteClient,
     KernelkiteError,
     NotFound,
+    QueueEvent,
+    QuotaExceeded,
     ServerError,
     ServiceError,
     StateEvent,
@@ -18,6 +21,7 @@ from kernelkite.client import (
 )
 
 __all__ = [
+    "PRIORITIES",
     "STATES",
     "TERMINAL_STATES",
     "Conflict",
@@ -25,6 +29,8 @@ __all__ = [
     "KernelkiteClient",
     "KernelkiteError",
     "NotFound",
+    "QueueEvent",
+    "QuotaExceeded",
     "ServerError",
     "ServiceError",
     "StateEvent",

@@ -5,7 +5,8 @@
 `events` (one server-sent-events connection, resumable with `Last-Event-ID`). `follow` is the
 one method that keeps going across failures: it yields every state change of a submission
 exactly once, in order, reconnecting the event stream where it broke off and falling back to
-long-polling when the stream keeps failing.
+long-polling when the stream keeps failing. Both also yield `QueueEvent`s: the submission's
+place in the service's queue while it waits there.
 
 Every request has a timeout. Error answers raise `ServiceError` subclasses carrying the
 service's own message; a service that cannot be reached raises `Unreachable`.
@@ -16,21 +17,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 
 from kernelkite.sse import SSEDecoder
 
+log = logging.getLogger(__name__)
+
 TERMINAL_STATES = frozenset({"succeeded", "failed", "canceled", "timed_out"})
 """States a submission never leaves."""
 
 STATES = ("queued", "scheduled", "running", "fetching", *sorted(TERMINAL_STATES))
 """Every state, the in-flight ones in the order a submission goes through them."""
+
+PRIORITIES = ("admin", "ranked", "test")
+"""The priority classes a submission may ask for (`submit(priority=...)`), first served first."""
+
+_STATE_EVENT_TYPES = frozenset({*STATES, "message"})
+"""The stream's event types that are state changes (each is named after its state)."""
 
 
 def valid_queue_name(name: str) -> bool:
@@ -47,12 +58,21 @@ class Unreachable(KernelkiteError):
 
 
 class ServiceError(KernelkiteError):
-    """The service answered with an error status; `message` is its `{"error"}` text."""
+    """The service answered with an error status; `message` is its `{"error"}` text,
+    `retry_after_s` its `Retry-After` in seconds (None without one)."""
 
-    def __init__(self, status: int, message: str, method: str, path: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        method: str,
+        path: str,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{method} {path}: {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class Unauthorized(ServiceError):
@@ -73,10 +93,19 @@ class Conflict(ServiceError):
 
 
 class ServerError(ServiceError):
-    """5xx, or 429: the service has a problem now; the same request may work later."""
+    """5xx, or a 429 other than a submission's quota refusal: the service has a problem now;
+    the same request may work later."""
 
 
-def _error_for(status: int) -> type[ServiceError]:
+class QuotaExceeded(ServiceError):
+    """429 to `POST /v1/submissions`: the submission's user (or the service) is over a quota.
+    `message` says which limit and when it frees, `retry_after_s` how long until then. Not a
+    `ServerError`: sending the same submission again before then is refused the same way."""
+
+
+def _error_for(status: int, method: str = "", path: str = "") -> type[ServiceError]:
+    if status == 429 and method == "POST" and path == "/v1/submissions":
+        return QuotaExceeded
     if status in (401, 403):
         return Unauthorized
     if status == 404:
@@ -96,6 +125,23 @@ def parse_time(text: str) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
+def parse_retry_after(value: str | None) -> float | None:
+    """A `Retry-After` header in seconds: its delay-seconds, or the time until its HTTP date
+    (never below 0); None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
 @dataclass(frozen=True)
 class StateEvent:
     """A submission entered `state` at `at`; `seq` is the change's index in its history.
@@ -112,6 +158,51 @@ class StateEvent:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+
+@dataclass(frozen=True)
+class QueueEvent:
+    """The submission's place while it waits in the service's queue: the `queue` event of the
+    stream, or the `place` of a long-poll's answer. Not a state change: it has no `seq`.
+
+    `position` 1 starts next. `estimated_wait_s` is the service's estimate, when it sent it, of
+    the seconds until the submission starts, `estimated_start_at` the same as a time; either
+    may be None (the service does not know).
+    """
+
+    submission_id: str
+    position: int
+    estimated_wait_s: float | None = None
+    estimated_start_at: datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return False
+
+    @classmethod
+    def from_json(cls, submission_id: str, data: Any) -> QueueEvent:
+        """From a `queue` event's data or a submission's `place`; `ValueError`, `KeyError`
+        or `TypeError` when it has no integer position."""
+        position = data["position"]
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"position is not an integer: {position!r}")
+        wait = data.get("estimated_wait_s")
+        start = data.get("estimated_start_at")
+        return cls(
+            submission_id=str(data.get("id") or submission_id),
+            position=position,
+            estimated_wait_s=None if wait is None else float(wait),
+            estimated_start_at=None if start is None else parse_time(start),
+        )
+
+    def same_place(self, other: QueueEvent | None) -> bool:
+        """Whether `other` says the same (position and wait; the start time moves with the
+        clock when the service computes it as now plus the wait)."""
+        return (
+            other is not None
+            and other.position == self.position
+            and other.estimated_wait_s == self.estimated_wait_s
+        )
 
 
 def backoff_s(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
@@ -182,8 +273,12 @@ class KernelkiteClient:
         except httpx.TransportError as e:
             raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
-            raise _error_for(resp.status_code)(
-                resp.status_code, _message(resp.content), method, path
+            raise _error_for(resp.status_code, method, path)(
+                resp.status_code,
+                _message(resp.content),
+                method,
+                path,
+                parse_retry_after(resp.headers.get("Retry-After")),
             )
         return resp
 
@@ -196,11 +291,21 @@ class KernelkiteClient:
         timeout_s: int | None = None,
         callback_url: str | None = None,
         idempotency_key: str | None = None,
+        user: str | None = None,
+        priority: str | None = None,
+        cache: bool | None = None,
     ) -> dict[str, Any]:
         """`POST /v1/submissions`: `{"id", "state", "status_url"}`.
 
         With `idempotency_key`, sending the same request again (after a timeout, say) returns
         the submission the first one made instead of a second one.
+
+        `user` (the backend's user id, 1-128 characters, no control characters) is who the
+        service's fair share and quotas count the run for; `priority` its class (`PRIORITIES`;
+        the service's default: `ranked` for a `leaderboard` config, else `test`); `cache`
+        False never answers it from the service's result cache, True lets the cache answer a
+        `leaderboard` run too. Each is sent only when given. Over a quota the service refuses
+        with `QuotaExceeded` (429), saying which limit and when it frees.
         """
         body: dict[str, Any] = {"config": dict(config), "queue": queue}
         if run_id is not None:
@@ -209,6 +314,12 @@ class KernelkiteClient:
             body["timeout_s"] = timeout_s
         if callback_url is not None:
             body["callback_url"] = callback_url
+        if user is not None:
+            body["user"] = user
+        if priority is not None:
+            body["priority"] = priority
+        if cache is not None:
+            body["cache"] = cache
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         resp = await self._request("POST", "/v1/submissions", json_body=body, headers=headers)
         return _json(resp)
@@ -237,11 +348,18 @@ class KernelkiteClient:
         return _json(await self._request("GET", f"/v1/queues/{queue}"))
 
     async def events(
-        self, submission_id: str, *, last_event_id: int | None = None
-    ) -> AsyncIterator[StateEvent]:
+        self,
+        submission_id: str,
+        *,
+        last_event_id: int | None = None,
+        queue_events: bool = True,
+    ) -> AsyncIterator[StateEvent | QueueEvent]:
         """One connection to `GET /v1/submissions/{id}/events`: the state changes after
         `last_event_id` (all of them without it), ending after the terminal one or when the
-        stream ends. Raises `Unreachable` when the connection fails or breaks."""
+        stream ends, and (unless `queue_events` is False) each `queue` event: the place while
+        the submission waits in the service's queue. Events of other types are skipped.
+        Raises `Unreachable` when the connection fails or breaks, or a state event cannot be
+        read."""
         path = f"/v1/submissions/{submission_id}/events"
         headers = {"Accept": "text/event-stream"}
         if last_event_id is not None:
@@ -251,14 +369,30 @@ class KernelkiteClient:
             async with self._http.stream("GET", path, headers=headers, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     body = await resp.aread()
-                    raise _error_for(resp.status_code)(
-                        resp.status_code, _message(body), "GET", path
+                    raise _error_for(resp.status_code, "GET", path)(
+                        resp.status_code,
+                        _message(body),
+                        "GET",
+                        path,
+                        parse_retry_after(resp.headers.get("Retry-After")),
                     )
                 decoder = SSEDecoder()
                 async for line in resp.aiter_lines():
                     ev = decoder.feed(line)
                     if ev is None:
                         continue
+                    if ev.event == "queue":
+                        if not queue_events:
+                            continue
+                        try:
+                            yield QueueEvent.from_json(submission_id, json.loads(ev.data))
+                        except (ValueError, KeyError, TypeError, AttributeError):
+                            # A place is only news: one that cannot be read is skipped, not
+                            # a reason to drop the stream.
+                            log.debug("skipped an unreadable queue event: %r", ev.data)
+                        continue
+                    if ev.event not in _STATE_EVENT_TYPES:
+                        continue  # an event type this client does not know
                     try:
                         data = json.loads(ev.data)
                         state_event = StateEvent(
@@ -268,7 +402,7 @@ class KernelkiteClient:
                             at=parse_time(data["at"]),
                             submission=data.get("submission"),
                         )
-                    except (ValueError, KeyError, TypeError) as e:
+                    except (ValueError, KeyError, TypeError, AttributeError) as e:
                         raise Unreachable(
                             f"GET {path}: an event that is not a state change: {e}"
                         ) from e
@@ -285,31 +419,53 @@ class KernelkiteClient:
         sse_failures_before_poll: int = 3,
         poll_wait_s: float = 30.0,
         after_seq: int = -1,
-    ) -> AsyncIterator[StateEvent]:
+        queue_events: bool = True,
+    ) -> AsyncIterator[StateEvent | QueueEvent]:
         """Every state change after `after_seq`, each once and in order, until the terminal
-        one (which carries the submission).
+        one (which carries the submission); and, unless `queue_events` is False, a
+        `QueueEvent` each time the submission's place in the service's queue changes while it
+        is `queued` (never a repeat of the one before, never after a later state).
 
         Follows the event stream; when it breaks, reconnects with `Last-Event-ID` (after a
-        short backoff), so nothing is lost or repeated. After `sse_failures_before_poll`
-        connections in a row that failed without bringing a new event, it long-polls
-        `GET ?wait=` instead, turning each answer's history into the same events. Connection
-        failures and 5xx/429 answers are retried without end: bound the call with a timeout
-        (`asyncio.timeout`). `NotFound`, `Unauthorized` and `Invalid` are raised.
+        short backoff), so no state change is lost or repeated. After
+        `sse_failures_before_poll` connections in a row that failed without bringing a new
+        event, it long-polls `GET ?wait=` instead, turning each answer's history into the same
+        events and its `place` into a `QueueEvent`. Connection failures and 5xx/429 answers
+        are retried without end: bound the call with a timeout (`asyncio.timeout`).
+        `NotFound`, `Unauthorized` and `Invalid` are raised.
         """
         next_seq = after_seq + 1
         failures = 0
+        state: str | None = None  # the last state yielded
+        place: QueueEvent | None = None  # the last place yielded while in that state
+
+        def news(ev: QueueEvent) -> bool:
+            nonlocal place
+            if state not in (None, "queued") or ev.same_place(place):
+                return False
+            place = ev
+            return True
+
         while True:
             if failures < sse_failures_before_poll:
                 progressed = False
                 try:
                     last = next_seq - 1 if next_seq > 0 else None
-                    stream = self.events(submission_id, last_event_id=last)
+                    stream = self.events(
+                        submission_id, last_event_id=last, queue_events=queue_events
+                    )
                     async with contextlib.aclosing(stream):
                         async for ev in stream:
+                            if isinstance(ev, QueueEvent):
+                                if news(ev):
+                                    yield ev
+                                continue
                             if ev.seq < next_seq:
                                 continue
                             next_seq = ev.seq + 1
                             progressed = True
+                            if ev.state != state:
+                                state, place = ev.state, None
                             yield ev
                             if ev.terminal:
                                 return
@@ -337,9 +493,19 @@ class KernelkiteClient:
                     submission=sub if entry["state"] in TERMINAL_STATES else None,
                 )
                 next_seq = seq + 1
+                if ev.state != state:
+                    state, place = ev.state, None
                 yield ev
                 if ev.terminal:
                     return
+            if queue_events and sub.get("state") == "queued" and sub.get("place") is not None:
+                try:
+                    ev = QueueEvent.from_json(submission_id, sub["place"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    log.debug("skipped an unreadable place: %r", sub["place"])
+                    continue
+                if news(ev):
+                    yield ev
 
 
 def _json(resp: httpx.Response) -> dict[str, Any]:

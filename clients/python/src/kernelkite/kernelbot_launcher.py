@@ -8,8 +8,9 @@ kernelbot's `Launcher`, so `KernelBackend.register_launcher` takes it as it is.
 
 What a run does: submit (with an idempotency key, retried on transient failures), follow the
 submission's state changes (server-sent events, resumed with `Last-Event-ID`; long-polling
-after repeated stream failures), report them through kernelbot's `RunProgressReporter` (one
-`push`, then `update`s), and rebuild `FullResult` from the runner's `result.json`.
+after repeated stream failures) and its place in the service's queue while it waits, report
+them through kernelbot's `RunProgressReporter` (one `push`, then `update`s), and rebuild
+`FullResult` from the runner's `result.json`.
 
 Results where kernelbot expects results, exceptions where it expects exceptions: an
 evaluation that ran (whatever its tests said, a compile error included) is returned as
@@ -34,18 +35,22 @@ import importlib.util
 import logging
 import math
 import time
+import unicodedata
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from kernelkite.client import (
+    PRIORITIES,
     Conflict,
     Invalid,
     KernelkiteClient,
     KernelkiteError,
     NotFound,
+    QueueEvent,
+    QuotaExceeded,
     ServerError,
     StateEvent,
     Unauthorized,
@@ -105,6 +110,49 @@ COMPILE_TIMEOUT_S = 120
 
 NOT_YOUR_CODE = "not your code"
 """The status line's reason for failures of the machine, the service or the task."""
+
+
+def ordinal(n: int) -> str:
+    """`1st`, `2nd`, `3rd`, `4th`, ..., `11th`, `12th`, `13th`, ..., `21st`, `22nd`, ..."""
+    teen = 11 <= n % 100 <= 13
+    return f"{n}{'th' if teen else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def about(seconds: float) -> str:
+    """A duration as a person reads it: `about 7 s`; to 5 s under 90 s (`about 40 s`); in
+    minutes under 90 minutes (`about 3 min`); in hours past that (`about 2 h`)."""
+    s = max(0.0, seconds)
+
+    def near(x: float, step: int = 1) -> int:
+        return max(step, math.floor(x / step + 0.5) * step)
+
+    if s < 10:
+        return f"about {near(s)} s"
+    if s < 90:
+        return f"about {near(s, 5)} s"
+    if s < 90 * 60:
+        return f"about {near(s / 60)} min"
+    return f"about {near(s / 3600)} h"
+
+
+def wait_wording(seconds: float | None) -> str:
+    """The status line's estimate of the wait for a GPU: `starting now` under a second, else
+    `about(seconds)`; empty when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return ""
+    return "starting now" if seconds < 1 else about(seconds)
+
+
+def ranked_priority(config: Mapping[str, Any]) -> str | None:
+    """`priority_of`'s default: `ranked` for both runs of a leaderboard submission (kernelbot's
+    `leaderboard` mode and its secret `private` one), None (the service's default, `test`) for
+    every other run."""
+    return "ranked" if config.get("mode") in ("leaderboard", "private") else None
+
+
+def _valid_user(user: str) -> bool:
+    """The service's rule for `user`: 1-128 characters, none of them a control character."""
+    return 0 < len(user) <= 128 and not any(unicodedata.category(c) == "Cc" for c in user)
 
 
 @dataclass(frozen=True)
@@ -276,9 +324,14 @@ class _View:
 
     gpu: str
     state: str = "queued"
-    # Why a failed run failed, in a few words (`NOT_YOUR_CODE`); shown after the state.
+    # Why a failed run failed, in a few words (`NOT_YOUR_CODE`); shown after the state. For a
+    # `refused` one, the service's reason.
     why: str | None = None
     build: dict[str, Any] | None = None
+    # The place in the service's queue while `queued`, when the service says it.
+    place: QueueEvent | None = None
+    # The earlier submission whose result answered this one (the service's result cache).
+    cached_from: str | None = None
     running_since: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -286,7 +339,12 @@ class _View:
         link = _build_link(self.build)
         on = f": {link}" if link else ""
         if self.state == "queued":
-            return f"⏳ Queued for {self.gpu}"
+            if self.place is None:
+                return f"⏳ Queued for {self.gpu}"
+            pos = self.place.position
+            where = "Next in line" if pos <= 1 else f"{ordinal(pos)} in line"
+            wait = wait_wording(self.place.estimated_wait_s)
+            return f"⏳ {where} for {self.gpu}" + (f", {wait}" if wait else "")
         if self.state == "scheduled":
             return f"⏳ Waiting for a free {self.gpu} GPU{on}"
         if self.state == "running":
@@ -297,12 +355,19 @@ class _View:
         because = f" ({self.why})" if self.why else ""
         if self.state == "succeeded":
             total = time.monotonic() - self.started
-            return f"✅ Finished on {self.gpu} in {total:.1f}s{on}"
+            cached = f" (cached result of {self.cached_from})" if self.cached_from else ""
+            return f"✅ Finished on {self.gpu} in {total:.1f}s{on}{cached}"
+        if self.state == "refused":
+            return f"❌ Not started on {self.gpu}: {_cut(self.why or 'refused', 300)}"
         if self.state == "timed_out":
             return f"❌ Timed out on {self.gpu}{on}{because}"
         if self.state == "canceled":
             return f"❌ Canceled on {self.gpu}{on}{because}"
         return f"❌ Failed on {self.gpu}{on}{because}"
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 def _resolve_queues(gpus: type[Enum], queues: Mapping[Any, str]) -> dict[str, str]:
@@ -345,6 +410,12 @@ class KernelkiteLauncher(_LauncherBase):
     `cuda_include_dirs` are added to every CUDA run's `include_dirs`, as kernelbot's Modal
     launcher adds `/ThunderKittens/include`: directories the GPU machines' image provides
     (the runner fails the job, as the node's fault, when one is missing).
+
+    `user_of(config)` and `priority_of(config)` give each run's `user` (for the service's fair
+    share and quotas; kernelbot's run config names no user, so the default `None` sends none)
+    and `priority` (`PRIORITIES`; the default, `ranked_priority`, asks `ranked` for both runs of
+    a leaderboard submission and leaves the rest to the service). A value the service would
+    refuse, or a callable that raises, fails the run as a configuration problem.
     """
 
     def __init__(
@@ -366,6 +437,8 @@ class KernelkiteLauncher(_LauncherBase):
         queue_status_ttl_s: float = 5.0,
         submit_attempts: int = 5,
         cuda_include_dirs: Sequence[str] = (),
+        user_of: Callable[[dict], str | None] | None = None,
+        priority_of: Callable[[dict], str | None] | None = ranked_priority,
         types: KernelbotTypes | None = None,
     ) -> None:
         super().__init__(name, gpus)
@@ -386,6 +459,8 @@ class KernelkiteLauncher(_LauncherBase):
         if isinstance(cuda_include_dirs, str):
             raise TypeError("cuda_include_dirs is a list of directories, not one string")
         self.cuda_include_dirs = list(cuda_include_dirs)
+        self.user_of = user_of
+        self.priority_of = priority_of
         self._queue_cache: dict[str, tuple[float, dict[str, Any] | None, str | None]] = {}
         self._queue_locks: dict[str, asyncio.Lock] = {}
         self._cleanups: set[asyncio.Task] = set()
@@ -411,6 +486,33 @@ class KernelkiteLauncher(_LauncherBase):
         extra = [d for d in self.cuda_include_dirs if d not in given]
         return {**config, "include_dirs": [*given, *extra]}
 
+    def _who(self, config: dict) -> tuple[str | None, str | None]:
+        """The run's `user` and `priority` from `user_of` and `priority_of`; `ValueError`
+        saying what is wrong with either."""
+        user = priority = None
+        if self.user_of is not None:
+            try:
+                user = self.user_of(config)
+            except Exception as e:
+                raise ValueError(f"user_of raised {type(e).__name__}: {e}") from e
+            if isinstance(user, int) and not isinstance(user, bool):
+                user = str(user)  # kernelbot's user ids are ints
+            if user is not None and (not isinstance(user, str) or not _valid_user(user)):
+                raise ValueError(
+                    f"user_of gave {user!r}, not a user id of 1-128 characters without "
+                    "control characters"
+                )
+        if self.priority_of is not None:
+            try:
+                priority = self.priority_of(config)
+            except Exception as e:
+                raise ValueError(f"priority_of raised {type(e).__name__}: {e}") from e
+            if priority is not None and priority not in PRIORITIES:
+                raise ValueError(
+                    f"priority_of gave {priority!r}, not one of {', '.join(PRIORITIES)}"
+                )
+        return user, priority
+
     async def run_submission(self, config: dict, gpu_type: Any, status: Any) -> Any:
         """Runs `config` on `gpu_type`'s queue, reporting progress on `status` (kernelbot's
         `RunProgressReporter`); returns kernelbot's `FullResult` for an evaluation that ran,
@@ -426,6 +528,17 @@ class KernelkiteLauncher(_LauncherBase):
                 500,
             )
         config = self._with_include_dirs(config)
+        try:
+            user, priority = self._who(config)
+        except ValueError as e:
+            log.error("kernelkite run on %s: %s", gpu, e)
+            await progress.show(_View(gpu=gpu, state="failed", why=NOT_YOUR_CODE))
+            raise RunFailed(
+                f"{self.name} could not tell who the run on {gpu} is for ({e}); this is a "
+                "configuration problem on our side, not your code: please report it to the "
+                "organizers.",
+                500,
+            ) from e
         deadline = self.deadline_s or default_deadline_s(config, self.queue_wait_s)
         timeout_s = max(1, math.ceil(deadline))
         key = str(uuid.uuid4())
@@ -435,7 +548,16 @@ class KernelkiteLauncher(_LauncherBase):
         try:
             async with self._client() as client, asyncio.timeout(deadline + self.deadline_grace_s):
                 return await self._run(
-                    client, config, queue, run_id, timeout_s, key, view, progress, state
+                    client,
+                    config,
+                    queue,
+                    run_id,
+                    timeout_s,
+                    key,
+                    view,
+                    progress,
+                    state,
+                    who=(user, priority),
                 )
         except TimeoutError:
             # The service did not end the submission itself within its timeout: it is not
@@ -467,7 +589,10 @@ class KernelkiteLauncher(_LauncherBase):
                 log.warning("kernelkite run %s on %s failed: %s", run_id, gpu, e)
             else:
                 log.exception("kernelkite run %s on %s failed", run_id, gpu)
-            view.state, view.why = "failed", NOT_YOUR_CODE
+            if isinstance(e, QuotaExceeded):
+                view.state, view.why = "refused", e.message
+            else:
+                view.state, view.why = "failed", NOT_YOUR_CODE
             await progress.show(view)
             message, code = self._explain(e, gpu, state["id"])
             raise RunFailed(message, code) from e
@@ -483,8 +608,9 @@ class KernelkiteLauncher(_LauncherBase):
         view: _View,
         progress: _Progress,
         state: dict[str, Any],
+        who: tuple[str | None, str | None] = (None, None),
     ) -> Any:
-        post = asyncio.ensure_future(self._submit(config, queue, run_id, timeout_s, key))
+        post = asyncio.ensure_future(self._submit(config, queue, run_id, timeout_s, key, who))
         state["post"] = post
         # Shielded: if the run is canceled meanwhile, the cleanup still learns the id.
         accepted = await asyncio.shield(post)
@@ -508,9 +634,12 @@ class KernelkiteLauncher(_LauncherBase):
         run_id: str,
         timeout_s: int,
         key: str,
+        who: tuple[str | None, str | None] = (None, None),
     ) -> dict[str, Any]:
         """POSTs the submission, retrying transient failures with the same idempotency key
-        (the service then answers with the submission the first try made)."""
+        (the service then answers with the submission the first try made). A quota refusal
+        (`QuotaExceeded`) is no transient failure: it is raised at once."""
+        user, priority = who
         # A client of its own: this call may outlive the run's (a canceled run waits for it to
         # learn the id to cancel).
         async with self._client() as client:
@@ -519,7 +648,13 @@ class KernelkiteLauncher(_LauncherBase):
                 attempt += 1
                 try:
                     return await client.submit(
-                        config, queue, run_id=run_id, timeout_s=timeout_s, idempotency_key=key
+                        config,
+                        queue,
+                        run_id=run_id,
+                        timeout_s=timeout_s,
+                        idempotency_key=key,
+                        user=user,
+                        priority=priority,
                     )
                 except (Unreachable, ServerError):
                     if attempt >= self.submit_attempts:
@@ -543,8 +678,19 @@ class KernelkiteLauncher(_LauncherBase):
         raise Unreachable("the event stream ended before the submission did")
 
     async def _on_event(
-        self, client: KernelkiteClient, ev: StateEvent, view: _View, progress: _Progress
+        self,
+        client: KernelkiteClient,
+        ev: StateEvent | QueueEvent,
+        view: _View,
+        progress: _Progress,
     ) -> None:
+        if isinstance(ev, QueueEvent):
+            # `follow` sends places only while queued; the check keeps a late one from
+            # turning a later state's line back.
+            if view.state == "queued":
+                view.place = ev
+                await progress.show(view)
+            return
         if ev.terminal:
             # The end is shown by `run_submission`, once `_result` has said what it means (a
             # "succeeded" submission whose runner could not evaluate is no "✅ Finished").
@@ -552,6 +698,8 @@ class KernelkiteLauncher(_LauncherBase):
                 view.build = ev.submission.get("build") or view.build
             return
         view.state = ev.state
+        if ev.state != "queued":
+            view.place = None
         if ev.state == "running" and view.running_since is None:
             view.running_since = time.monotonic()
         if ev.submission is not None:
@@ -595,6 +743,8 @@ class KernelkiteLauncher(_LauncherBase):
                     "the organizers if it happens again."
                 ) from e
             view.state, view.why = "succeeded", None
+            cached_from = sub.get("cached_from")
+            view.cached_from = cached_from if isinstance(cached_from, str) else None
             return parsed
         why = sub.get("error") or "no reason given"
         if state == "timed_out":
@@ -629,6 +779,14 @@ class KernelkiteLauncher(_LauncherBase):
     def _explain(self, e: Exception, gpu: str, sub_id: str | None) -> tuple[str, int]:
         """The competitor's message for an error of the service or the client, and the
         `http_code` for kernelbot's API."""
+        if isinstance(e, QuotaExceeded):
+            wait = e.retry_after_s
+            when = "later" if wait is None else f"in {about(max(1.0, wait))}"
+            return (
+                f"{self.name} did not start your run on {gpu}: {e.message.rstrip('. ')}. "
+                f"Please try again {when}.",
+                429,
+            )
         if isinstance(e, Invalid):
             return (
                 f"{self.name} refused the run: {e.message}. The task's run configuration is "

@@ -1,0 +1,596 @@
+//! Issue 25's simulation through the real service (HTTP API, core, store, the service's queue)
+//! with an executor whose builds end when the test says: one heavy user submitting 50 at once
+//! and five light users 2 each on a queue of 2 slots; an admin submission; the per-user
+//! quotas; the result cache; and the queue across a restart. Written here rather than with
+//! the local executor so the start order is exact: every build is launched (and recorded) in
+//! the order the service started it.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use kernelkite_service::executor::{
+    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
+};
+use kernelkite_service::report::BoxError;
+use kernelkite_service::result::ResultJson;
+use kernelkite_service::submission::{BuildInfo, Outcome};
+use kernelkite_service::{App, Config};
+use kernelkite_testkit::harness::WAIT;
+use kernelkite_testkit::{sample_config, sample_result_json};
+use serde_json::{json, Value};
+
+/// Launches builds numbered from 1 and records them; they "run" until the test finishes them.
+#[derive(Default)]
+struct Slots {
+    launched: Mutex<Vec<Job>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Executor for Slots {
+    fn name(&self) -> &'static str {
+        "test slots"
+    }
+
+    fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
+        Box::pin(async move {
+            let number = {
+                let mut l = self.launched.lock().unwrap();
+                l.push(job.clone());
+                l.len() as u64
+            };
+            self.changed.notify_waiters();
+            Ok(Launched {
+                build: BuildInfo {
+                    id: format!("b-{number}"),
+                    number,
+                    web_url: String::new(),
+                },
+                running: true,
+            })
+        })
+    }
+
+    fn cancel<'a>(&'a self, _: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>> {
+        Box::pin(async { Ok(true) })
+    }
+
+    fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+        Box::pin(async {
+            ResultJson::parse(sample_result_json().as_bytes())
+                .map(Outcome::Succeeded)
+                .map_err(|e| e.to_string().into())
+        })
+    }
+}
+
+impl Slots {
+    fn ids(&self) -> Vec<String> {
+        let l = self.launched.lock().unwrap();
+        l.iter().map(|j| j.submission_id.clone()).collect()
+    }
+
+    /// Waits until `n` builds were launched.
+    async fn wait_launched(&self, n: usize) {
+        tokio::time::timeout(WAIT, async {
+            loop {
+                let changed = self.changed.notified();
+                if self.launched.lock().unwrap().len() >= n {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{n} builds were not launched: {:?}", self.ids()));
+    }
+}
+
+struct Service {
+    app: Arc<App>,
+    slots: Arc<Slots>,
+    base: String,
+    http: reqwest::Client,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn service(tweak: impl FnOnce(&mut Config)) -> Service {
+    let mut cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
+    cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=2").unwrap();
+    tweak(&mut cfg);
+    let slots = Arc::new(Slots::default());
+    let app = kernelkite_service::cli::serve::start(cfg, slots.clone()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let serving = app.clone();
+    let server = tokio::spawn(async move {
+        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+    });
+    Service {
+        app,
+        slots,
+        base,
+        http: reqwest::Client::new(),
+        server,
+    }
+}
+
+/// A config that differs from every other by `n` (the cache must not answer it).
+fn config(n: usize) -> Value {
+    let mut c = sample_config();
+    c["seed"] = json!(n);
+    c
+}
+
+impl Service {
+    async fn post(&self, body: Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}/v1/submissions", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn submit(&self, user: &str, priority: Option<&str>, config: Value) -> String {
+        let mut body = json!({"config": config, "queue": "h100", "user": user});
+        if let Some(p) = priority {
+            body["priority"] = json!(p);
+        }
+        let r = self.post(body).await;
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 202, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    async fn metrics(&self) -> String {
+        let r = self.http.get(format!("{}/metrics", self.base)).send();
+        r.await.unwrap().text().await.unwrap()
+    }
+
+    async fn get(&self, id: &str) -> Value {
+        self.http
+            .get(format!("{}/v1/submissions/{id}", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Every waiting submission's reported position, once they form 1..=n (the queue's
+    /// places were told after its last change): the ids in position order.
+    async fn places(&self, ids: &[String]) -> Vec<String> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let mut placed = Vec::new();
+            let mut waiting = 0;
+            for id in ids {
+                let v = self.get(id).await;
+                if v["state"] == "queued" && v["build"].is_null() {
+                    waiting += 1;
+                    if let Some(p) = v["place"]["position"].as_u64() {
+                        placed.push((p, id.clone()));
+                    }
+                }
+            }
+            placed.sort();
+            let positions: Vec<u64> = placed.iter().map(|p| p.0).collect();
+            if placed.len() == waiting && positions == (1..=waiting as u64).collect::<Vec<_>>() {
+                return placed.into_iter().map(|p| p.1).collect();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the places never settled: {placed:?} of {waiting} waiting"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Ends build `number` as passed, as its executor's event would.
+    async fn finish(&self, number: usize) {
+        self.app
+            .handle_event(BuildEvent {
+                kind: BuildEventKind::Finished,
+                build: BuildStatus {
+                    id: format!("b-{number}"),
+                    number: number as u64,
+                    state: "passed".into(),
+                    web_url: String::new(),
+                    blocked: false,
+                },
+            })
+            .await;
+    }
+
+    async fn wait_ended(&self, id: &str) -> Value {
+        let v: Value = self
+            .http
+            .get(format!("{}/v1/submissions/{id}?wait=10", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["state"], "succeeded", "{v}");
+        v
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_from_one_user_do_not_hold_up_five_light_users_and_places_match_starts() {
+    let s = service(|c| c.fair.cache = false).await;
+    let mut heavy = Vec::new();
+    for i in 0..50 {
+        heavy.push(s.submit("heavy", None, config(i)).await);
+    }
+    let mut light = Vec::new();
+    for u in 0..5 {
+        for k in 0..2 {
+            light.push(
+                s.submit(&format!("light{u}"), None, config(100 + u * 2 + k))
+                    .await,
+            );
+        }
+    }
+    s.slots.wait_launched(2).await;
+    let all: Vec<String> = heavy.iter().chain(&light).cloned().collect();
+    let predicted = s.places(&all).await;
+    assert_eq!(predicted.len(), 58, "two run, the rest wait");
+    let place = |id: &String| predicted.iter().position(|p| p == id);
+    let tenth_heavy = place(&heavy[9]).unwrap();
+    for id in &light {
+        assert!(
+            place(id).is_some_and(|p| p < tenth_heavy),
+            "a light user's run was placed after the heavy user's tenth: {predicted:?}"
+        );
+    }
+    // The wait estimates grow along the queue (2 slots, the default estimate of 60 s each).
+    let first = s.get(&predicted[0]).await;
+    let last = s.get(predicted.last().unwrap()).await;
+    let wait = |v: &Value| v["place"]["estimated_wait_s"].as_f64().unwrap();
+    assert!((55.0..=60.0).contains(&wait(&first)), "{first}");
+    assert!(
+        (29.0 * 60.0 - 5.0..=29.0 * 60.0).contains(&wait(&last)),
+        "{last}"
+    );
+
+    // Run them: each time a build ends, the next starts; an admin submission, sent while
+    // everything waits, starts when the first slot frees.
+    let admin = s.submit("organiser", Some("admin"), config(999)).await;
+    let mut finished = 0;
+    while finished < 61 {
+        finished += 1;
+        s.finish(finished).await;
+        let want = (finished + 2).min(61);
+        s.slots.wait_launched(want).await;
+        // What still waits is reported where it is, in the order predicted.
+        if finished % 10 == 0 {
+            let left: Vec<String> = all
+                .iter()
+                .filter(|id| !s.slots.ids().contains(id))
+                .cloned()
+                .collect();
+            assert!(predicted.ends_with(&s.places(&left).await));
+        }
+    }
+    let started = s.slots.ids();
+    assert_eq!(started.len(), 61);
+    assert_eq!(
+        started[2], admin,
+        "the admin run starts when the first slot frees"
+    );
+    let rest: Vec<String> = started[2..]
+        .iter()
+        .filter(|id| **id != admin)
+        .cloned()
+        .collect();
+    assert_eq!(
+        rest, predicted,
+        "the positions reported are the order they started in"
+    );
+    for id in started {
+        s.wait_ended(&id).await;
+    }
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains(
+            r#"kernelkite_queue_wait_seconds_count{queue="h100",class="admin",user_bucket="1"} 1"#
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_over_a_quota_is_refused_with_429_and_when_it_frees() {
+    let s = service(|c| {
+        c.fair.cache = false;
+        c.fair.queue_limits = kernelkite_service::dispatch::Limits::parse("*:queued=10").unwrap();
+    })
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..9 {
+        ids.push(s.submit("heavy", None, config(i)).await);
+    }
+    // The tenth with an idempotency key: its replay is answered as without quotas.
+    let keyed = |n: usize| {
+        s.http
+            .post(format!("{}/v1/submissions", s.base))
+            .header("idempotency-key", "heavy-10")
+            .json(&json!({"config": config(n), "queue": "h100", "user": "heavy"}))
+            .send()
+    };
+    let r = keyed(9).await.unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let tenth: Value = r.json().await.unwrap();
+    ids.push(tenth["id"].as_str().unwrap().to_string());
+    let r = keyed(9).await.unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        200,
+        "a replay at the limit is its submission, not a 429"
+    );
+    assert_eq!(r.json::<Value>().await.unwrap()["id"], tenth["id"]);
+    assert_eq!(
+        keyed(99).await.unwrap().status().as_u16(),
+        409,
+        "the key with another request"
+    );
+    let r = s
+        .post(json!({"config": config(10), "queue": "h100", "user": "heavy"}))
+        .await;
+    assert_eq!(r.status().as_u16(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let body: Value = r.json().await.unwrap();
+    let msg = body["error"].as_str().unwrap();
+    assert!(
+        msg.contains("heavy") && msg.contains("10") && msg.contains("at once") && msg.contains("s"),
+        "the message says which limit and when it frees: {msg}"
+    );
+    // Nothing of the refused one was kept: still ten of heavy's.
+    let status: Value = s
+        .http
+        .get(format!("{}/v1/queues/h100", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (status["waiting"].as_u64(), status["started"].as_u64()),
+        (Some(8), Some(2)),
+        "{status}"
+    );
+    assert_eq!(status["slots"], 2);
+    // Other users are not limited by heavy's count, and heavy is again once one ends.
+    s.submit("light", None, config(11)).await;
+    s.slots.wait_launched(2).await;
+    s.finish(1).await;
+    s.wait_ended(&ids[0]).await;
+    s.submit("heavy", None, config(12)).await;
+    // A bad priority and a bad user are refused, not queued.
+    for (k, v) in [
+        ("priority", json!("boss")),
+        ("user", json!("")),
+        ("user", json!("a\nb")),
+    ] {
+        let mut body = json!({"config": config(13), "queue": "h100"});
+        body[k] = v;
+        let r = s.post(body).await;
+        assert_eq!(r.status().as_u16(), 422, "{k}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identical_test_run_is_answered_from_the_cache_and_a_ranked_run_is_not() {
+    let s = service(|_| {}).await;
+    let first = s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    s.finish(1).await;
+    let original = s.wait_ended(&first).await;
+
+    let again = s.submit("b", None, config(1)).await;
+    let cached = s.get(&again).await;
+    assert_eq!(cached["state"], "succeeded", "{cached}");
+    assert_eq!(cached["cached_from"], first.as_str());
+    assert_eq!(cached["result"], original["result"]);
+    assert_eq!(s.slots.ids().len(), 1, "nothing ran");
+    // Its events say so: queued, then succeeded with the cached result.
+    let events = s
+        .http
+        .get(format!("{}/v1/submissions/{again}/events", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let names: Vec<&str> = events
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names, ["queued", "succeeded"], "{events}");
+    assert!(
+        events.contains(&format!(r#""cached_from":"{first}""#)),
+        "{events}"
+    );
+
+    // Turned off for the submission; a leaderboard run; another queue: each runs.
+    let off = json!({"config": config(1), "queue": "h100", "cache": false});
+    let r = s.post(off).await;
+    assert_eq!(r.status().as_u16(), 202);
+    let mut ranked = config(1);
+    ranked["mode"] = json!("leaderboard");
+    let ranked_id = s.submit("a", None, ranked.clone()).await;
+    s.slots.wait_launched(3).await;
+    s.finish(2).await;
+    s.finish(3).await;
+    s.wait_ended(&ranked_id).await;
+    let ranked_again = s.submit("a", None, ranked).await;
+    s.slots.wait_launched(4).await;
+    assert!(s.get(&ranked_again).await["cached_from"].is_null());
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains(r#"kernelkite_cache_hits_total{queue="h100"} 1"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_keeps_its_order_and_counters_across_a_restart() {
+    let data = tempfile::tempdir().unwrap();
+    let tweak = |c: &mut Config| {
+        c.fair.cache = false;
+        c.store.data_dir = Some(data.path().to_path_buf());
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=1").unwrap();
+        c.fair.queue_limits =
+            kernelkite_service::dispatch::Limits::parse("*:queued=3,hourly=4").unwrap();
+    };
+    let s = service(tweak).await;
+    let mut ids = Vec::new();
+    for (i, user) in ["u", "u", "u", "v", "v", "w"].into_iter().enumerate() {
+        ids.push(s.submit(user, None, config(i)).await);
+    }
+    s.slots.wait_launched(1).await;
+    let before = s.places(&ids).await;
+    assert_eq!(before.len(), 5);
+    drop(s);
+
+    // Another service on the same data dir: the same places, the same counts.
+    let s = service(tweak).await;
+    let after = s.places(&ids).await;
+    assert_eq!(after, before, "the queue's order survived the restart");
+    assert!(
+        s.slots.ids().is_empty(),
+        "nothing started twice: the one started holds the slot"
+    );
+    let r = s
+        .post(json!({"config": config(10), "queue": "h100", "user": "u"}))
+        .await;
+    assert_eq!(r.status().as_u16(), 429, "u still has 3 queued");
+    // The started one ends: its slot goes to the first in line.
+    s.app
+        .finish(&ids[0], Outcome::Failed("ended for the test".into()))
+        .await
+        .unwrap();
+    s.slots.wait_launched(1).await;
+    assert_eq!(s.slots.ids()[0], before[0]);
+    s.submit("u", None, config(11)).await;
+    // u cancels one: 2 queued, but 4 accepted this hour (3 of them before the restart).
+    let r = s
+        .http
+        .delete(format!("{}/v1/submissions/{}", s.base, ids[1]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = s
+        .post(json!({"config": config(12), "queue": "h100", "user": "u"}))
+        .await;
+    assert_eq!(r.status().as_u16(), 429, "u's fifth this hour");
+    let body: Value = r.json().await.unwrap();
+    assert!(body["error"].as_str().unwrap().contains("hour"), "{body}");
+}
+
+/// Reads SSE events (name, data, whether it had an `id:`) from `stream` until `until` holds
+/// for the last one.
+async fn read_events(
+    stream: &mut reqwest::Response,
+    buf: &mut String,
+    until: impl Fn(&str, &Value) -> bool,
+) -> Vec<(String, Value, bool)> {
+    let mut out = Vec::new();
+    loop {
+        while let Some(end) = buf.find("\n\n") {
+            let block: String = buf.drain(..end + 2).collect();
+            let (mut name, mut data, mut id) = (String::new(), Value::Null, false);
+            for line in block.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_string();
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(d).unwrap();
+                } else if line.starts_with("id: ") {
+                    id = true;
+                }
+            }
+            if name.is_empty() {
+                continue;
+            }
+            let done = until(&name, &data);
+            out.push((name, data, id));
+            if done {
+                return out;
+            }
+        }
+        let chunk = tokio::time::timeout(WAIT, stream.chunk())
+            .await
+            .expect("an event in time")
+            .unwrap()
+            .expect("the stream goes on");
+        buf.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_tells_a_waiting_submission_its_place_as_it_moves() {
+    let s = service(|c| {
+        c.fair.cache = false;
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=1").unwrap();
+    })
+    .await;
+    s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    let b = s.submit("b", None, config(2)).await;
+    let mut stream = s
+        .http
+        .get(format!("{}/v1/submissions/{b}/events", s.base))
+        .send()
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    let first = read_events(&mut stream, &mut buf, |n, _| n == "queue").await;
+    let names: Vec<&str> = first.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(names, ["queued", "queue"]);
+    let (_, place, had_id) = &first[1];
+    assert!(
+        !had_id,
+        "a place is not part of the history Last-Event-ID counts"
+    );
+    assert_eq!(
+        (place["id"].as_str(), place["position"].as_u64()),
+        (Some(b.as_str()), Some(1))
+    );
+    assert!(place["estimated_wait_s"].as_f64().unwrap() > 0.0, "{place}");
+    // An admin run goes ahead of it: b moves back to second.
+    s.submit("org", Some("admin"), config(3)).await;
+    let moved = read_events(&mut stream, &mut buf, |n, _| n == "queue").await;
+    assert_eq!(moved.last().unwrap().1["position"], 2);
+    // The running build ends: the admin run starts, b is next again; then b starts.
+    s.finish(1).await;
+    let moved = read_events(&mut stream, &mut buf, |n, _| n == "queue").await;
+    assert_eq!(moved.last().unwrap().1["position"], 1);
+    s.slots.wait_launched(2).await;
+    s.finish(2).await;
+    let rest = read_events(&mut stream, &mut buf, |n, _| n == "running").await;
+    let names: Vec<&str> = rest.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(
+        names,
+        ["scheduled", "running"],
+        "no place once it left the queue"
+    );
+}
