@@ -4,8 +4,10 @@
 -- counted from these after a restart; fair_tag: the submission's place on its class's
 -- virtual clock, so a restart restores the queue's order exactly; cache_key: the hash of
 -- (runner version, queue, run config) an identical submission is answered by.
--- Added columns only: the release before reads and writes the table as it did (its INSERT
--- names its columns), so a rollback keeps working.
+-- Added columns only, so an older release's statements still work on the table (its INSERT
+-- names its columns). Releases from this one on open a database a later release migrated
+-- further; the release just before it refuses one with this migration recorded, so to roll
+-- back to it, first run `DELETE FROM _sqlx_migrations WHERE version = 2` (the columns stay).
 ALTER TABLE submissions ADD COLUMN queue TEXT;
 ALTER TABLE submissions ADD COLUMN user_id TEXT;
 ALTER TABLE submissions ADD COLUMN class TEXT;

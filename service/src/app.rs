@@ -29,7 +29,7 @@ use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
 use crate::fairshare::Class;
 use crate::metrics::Metrics;
-use crate::queues::Queues;
+use crate::queues::{AgentSlots, Queues};
 use crate::report::report;
 use crate::store::{Changed, Durable, Inserted, NewSubmission, Routed, Store, StoreError};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
@@ -41,6 +41,18 @@ enum Launch {
     /// Its job is read from the store.
     Stored(String),
 }
+
+impl Launch {
+    fn id(&self) -> &str {
+        match self {
+            Launch::Job(j) => &j.submission_id,
+            Launch::Stored(id) => id,
+        }
+    }
+}
+
+/// The longest a queue's next build creation waits for the one before it.
+const ORDER_WAIT: Duration = Duration::from_secs(30);
 
 /// `POST /v1/submissions` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -246,10 +258,12 @@ impl App {
             Some(p) => Class::parse(p).ok_or_else(|| Invalid::Priority(p.clone()))?,
             None => Class::of_mode(&mode),
         };
+        // An organiser's verification run is meant to run: the cache answers it only when
+        // asked to.
         let use_cache = self.cfg.fair.cache
             && match req.cache {
                 Some(allowed) => allowed,
-                None => matches!(mode.as_str(), "test" | "benchmark"),
+                None => class != Class::Admin && matches!(mode.as_str(), "test" | "benchmark"),
             };
         let cache_key = cache_key(&self.cfg.fair.runner_version, &req.queue, &req.config)?;
         let id = uuid::Uuid::new_v4().to_string();
@@ -290,6 +304,19 @@ impl App {
     /// submission's stored result answers it at once where the cache may; an idempotency key
     /// used before returns that submission instead; a user over a quota is refused.
     pub async fn accept(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
+        // Its own task: a client that hangs up drops the request's future, and admitting,
+        // writing and queueing must finish (or be taken back) all the same, or the user's
+        // quota would keep counting a submission that does not exist.
+        let app = self.clone();
+        tokio::spawn(async move { app.accept_now(p).await })
+            .await
+            .map_err(|e| Error::Internal {
+                what: "accepting the submission",
+                source: e.into(),
+            })?
+    }
+
+    async fn accept_now(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
         if p.use_cache {
             if let Some(origin) = self.cached(&p).await {
                 return self.accept_cached(p, origin).await;
@@ -304,7 +331,8 @@ impl App {
         let arrival = p.sub.created_at.timestamp_micros();
         let who = p.who.clone();
         let (id, job) = (p.sub.id.clone(), p.job.clone());
-        match self.write(p, Some(admission.tag)).await {
+        let cache_key = Some(p.cache_key.clone());
+        match self.write(p, Some(admission.tag), cache_key).await {
             Ok(s) if s.created => {
                 self.dispatch.enqueue(&who, &id, arrival, admission);
                 self.pump(&who.queue, Some(job));
@@ -375,6 +403,7 @@ impl App {
         self: &Arc<Self>,
         p: Prepared,
         fair_tag: Option<u64>,
+        cache_key: Option<String>,
     ) -> Result<Submitted, Error> {
         let key = p.idempotency.as_ref().map(|k| k.0.clone());
         let (id, deadline_ms) = (p.sub.id.clone(), p.deadline_ms);
@@ -386,7 +415,7 @@ impl App {
                 deadline_ms,
                 idempotency: p.idempotency,
                 fair_tag,
-                cache_key: Some(p.cache_key),
+                cache_key,
             })
             .await
             .map_err(|e| {
@@ -418,7 +447,9 @@ impl App {
             i64::try_from(self.cfg.fair.cache_max_age_s.saturating_mul(1000)).unwrap_or(i64::MAX);
         let since = p.sub.created_at.timestamp_millis().saturating_sub(max_age);
         match self.store.durable().cached(&p.cache_key, since).await {
-            Ok(hit) => hit.filter(|s| s.result.is_some()),
+            // A runner that could not evaluate (`success: false`: a machine's fault, say) is
+            // no answer to repeat: the submission runs.
+            Ok(hit) => hit.filter(|s| s.result.as_ref().is_some_and(|r| r.success())),
             Err(e) => {
                 tracing::warn!(error = %report(&e), "could not read the result cache; the submission runs");
                 None
@@ -446,7 +477,9 @@ impl App {
         };
         p.sub.cached_from = Some(from.clone());
         let queue = p.sub.queue.clone();
-        let submitted = self.write(p, None).await?;
+        // Without a cache key: only a submission that ran answers later ones, so an answer
+        // from the cache never renews the age of the result it repeats.
+        let submitted = self.write(p, None, None).await?;
         if !submitted.created {
             return Ok(submitted);
         }
@@ -472,16 +505,24 @@ impl App {
         }
     }
 
-    /// How many submissions of `queue` may have builds at once: KERNELKITE_QUEUE_SLOTS, else
-    /// the executor's own slots (the local executor's slices), else the queue's connected
-    /// Buildkite agents as last fetched (`crate::queues`); `None`: not known, so not limited.
+    /// How many submissions of `queue` may be started at once (`None`: not limited):
+    /// KERNELKITE_QUEUE_SLOTS (`none`: not limited), else the executor's own slots (the
+    /// local executor's slices), else the queue's connected Buildkite agents as last fetched
+    /// (`crate::queues`): none connected, or none fetched yet, is no slot (the queue holds its
+    /// submissions, in order, until agents connect); counts that cannot be had at all (the
+    /// token cannot list agents) do not limit, as before the queue.
     pub fn capacity(&self, queue: &str) -> Option<u64> {
-        self.cfg
-            .fair
-            .queue_slots
-            .of(queue)
-            .or_else(|| self.executor.slots())
-            .or_else(|| self.queues.known(queue).map(|a| a.total).filter(|t| *t > 0))
+        if let Some(set) = self.cfg.fair.queue_slots.of(queue) {
+            return set;
+        }
+        if let Some(n) = self.executor.slots() {
+            return Some(n);
+        }
+        match self.queues.agent_slots(queue) {
+            AgentSlots::NoSource | AgentSlots::Unknown => None,
+            AgentSlots::NotFetched => Some(0),
+            AgentSlots::Connected(n) => Some(n),
+        }
     }
 
     /// Starts what `queue` has room for, and has its waiting submissions told their new
@@ -526,10 +567,13 @@ impl App {
     pub fn spawn_places(self: &Arc<Self>) {
         let app = Arc::downgrade(self);
         let due = self.places_due.clone();
+        let mut agents = self.queues.fetched();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     () = due.notified() => {}
+                    // New agent counts: a queue may have slots now.
+                    () = agents.next() => {}
                     () = tokio::time::sleep(PLACES_REFRESH) => {}
                 }
                 tokio::time::sleep(PLACES_DEBOUNCE).await;
@@ -574,6 +618,10 @@ impl App {
             },
         };
         let id = job.submission_id.clone();
+        if self.store.live(&id).is_none() {
+            // Ended while it waited for its turn (canceled, timed out): no build for nobody.
+            return;
+        }
         // A root span: the work outlives the request that started it, and its logs must not
         // read as that request's.
         let span = tracing::info_span!(parent: None, "submission", id = %id);
@@ -630,8 +678,24 @@ impl App {
         let app = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(what) = rx.recv().await {
-                let Some(app) = app.upgrade() else { return };
-                app.launch(what).await;
+                let Some(a) = app.upgrade() else { return };
+                let ended = a.store.subscribe(what.id());
+                let launch = tokio::spawn(async move { a.launch(what).await });
+                // The next build waits for this one, so they are made in the queue's order;
+                // but not past this one's end, nor longer than ORDER_WAIT: a create that
+                // hangs (Buildkite unreachable) must not hold up the queue behind it.
+                let ended = async move {
+                    if let Some(mut rx) = ended {
+                        let _ = rx.wait_for(|s| s.state.is_terminal()).await;
+                    }
+                };
+                let _ = tokio::time::timeout(ORDER_WAIT, async {
+                    tokio::select! {
+                        _ = launch => {}
+                        () = ended => {}
+                    }
+                })
+                .await;
             }
         });
     }
@@ -1165,7 +1229,7 @@ fn cache_key(
 }
 
 fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
-    if !crate::queues::valid_name(&req.queue) {
+    if !crate::dispatch::valid_name(&req.queue) {
         return Err(Invalid::Queue(req.queue.clone()));
     }
     if let Some(u) = &req.user {

@@ -490,9 +490,10 @@ pub struct QueueSettings {
 /// The service's queue (issue 25; `crate::dispatch`) and result cache.
 #[derive(Clone, Debug, clap::Args)]
 pub struct FairConfig {
-    /// Slots per queue: `QUEUE=N` pairs separated by commas, `*=N` for the rest. A queue
-    /// without one has the local executor's slices, else its connected Buildkite agents; with
-    /// neither known, builds are created at once and wait in Buildkite.
+    /// Slots per queue: `QUEUE=N` pairs separated by commas, `*=N` for the rest; `N` may be
+    /// `none`: not limited (builds wait in Buildkite; for autoscaled agents). A queue without
+    /// one has the local executor's slices, else its connected Buildkite agents (none
+    /// connected: the queue waits for one).
     #[arg(long, env = "KERNELKITE_QUEUE_SLOTS", default_value = "", value_parser = crate::dispatch::Slots::parse)]
     pub queue_slots: crate::dispatch::Slots,
 

@@ -21,6 +21,16 @@ use chrono::{DateTime, Utc};
 use crate::fairshare::{Class, FairQueue, Ticket};
 use crate::submission::Place;
 
+/// Whether `name` is a queue name the service takes: 1-64 of `A-Za-z0-9._-`, what Buildkite
+/// takes in a `queue=` agent tag.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
+
 /// The user of submissions that name none: they share one fair share and one quota.
 pub const ANONYMOUS: &str = "anonymous";
 
@@ -69,7 +79,7 @@ impl Limits {
             };
             let queue = match queue {
                 "*" => None,
-                q if crate::queues::valid_name(q) => Some(q.to_string()),
+                q if valid_name(q) => Some(q.to_string()),
                 q => {
                     return Err(format!(
                         "{rule:?}: {q:?} is not a queue name (1-64 of A-Za-z0-9._-) or *"
@@ -135,9 +145,9 @@ impl Limits {
 }
 
 /// KERNELKITE_QUEUE_SLOTS, parsed: `QUEUE=N` pairs separated by `,` (`*=N` for every other
-/// queue).
+/// queue); `N` may be `none`: not limited.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Slots(BTreeMap<String, u64>);
+pub struct Slots(BTreeMap<String, Option<u64>>);
 
 impl Slots {
     /// Parses the setting.
@@ -148,24 +158,23 @@ impl Slots {
                 .split_once('=')
                 .ok_or_else(|| format!("{pair:?}: write QUEUE=N (or *=N)"))?;
             let queue = queue.trim();
-            if queue != "*" && !crate::queues::valid_name(queue) {
+            if queue != "*" && !valid_name(queue) {
                 return Err(format!("{pair:?}: {queue:?} is not a queue name or *"));
             }
-            let n = n
-                .trim()
-                .parse::<u64>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| {
-                    format!("{pair:?}: the slots must be a whole number of at least 1")
-                })?;
+            let n = match n.trim() {
+                "none" => None,
+                n => Some(n.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    format!("{pair:?}: the slots must be a whole number of at least 1, or none")
+                })?),
+            };
             out.insert(queue.to_string(), n);
         }
         Ok(Slots(out))
     }
 
-    /// The slots set for `queue`, if any.
-    pub fn of(&self, queue: &str) -> Option<u64> {
+    /// The slots set for `queue`, if a pair names it (or `*`): `Some(None)` when that is
+    /// `none`, not limited.
+    pub fn of(&self, queue: &str) -> Option<Option<u64>> {
         self.0.get(queue).or_else(|| self.0.get("*")).copied()
     }
 }
@@ -220,6 +229,18 @@ impl OverQuota {
             OverQuota::Hourly { .. } => "hourly",
         }
     }
+}
+
+/// How a submission open before a restart comes back ([`Dispatcher::restore`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restored {
+    /// Its build exists: it holds a slot, and its tag moves its class's clock.
+    Started,
+    /// Whether its build was created is not known yet (recovery looks): it holds a slot
+    /// until [`Dispatcher::requeue`] puts it back, and leaves the clock alone.
+    Held,
+    /// It waits for a slot.
+    Waiting,
 }
 
 /// A submission's admission: its start tag and what it was charged.
@@ -332,7 +353,10 @@ impl Line {
     fn places(&self, estimate: Duration, slots: Option<u64>, now: DateTime<Utc>) -> Vec<Place> {
         use std::cmp::Reverse;
         let mut free: BinaryHeap<Reverse<Duration>> = BinaryHeap::new();
-        let slots = slots.map_or(usize::MAX, |s| usize::try_from(s).unwrap_or(usize::MAX));
+        // No slot now (a queue without connected agents): the estimate is as if it had one.
+        let slots = slots.map_or(usize::MAX, |s| {
+            usize::try_from(s.max(1)).unwrap_or(usize::MAX)
+        });
         for r in self.running.values() {
             free.push(Reverse(estimate.saturating_sub(r.started.elapsed())));
         }
@@ -421,6 +445,12 @@ impl Dispatcher {
                 });
             }
         }
+        // Users with nothing in the last hour weigh nothing: their entries go now and then,
+        // so the map does not grow with every user ever seen.
+        if line.recent.len() >= 1024 && line.recent.len().is_power_of_two() {
+            line.recent
+                .retain(|_, r| r.back().is_some_and(|t| *t > now_ms - HOUR_MS));
+        }
         let recent = line.recent.entry(key.clone()).or_default();
         while recent.front().is_some_and(|t| *t <= now_ms - HOUR_MS) {
             recent.pop_front();
@@ -485,9 +515,8 @@ impl Dispatcher {
         );
     }
 
-    /// Takes a submission that was open before a restart back: waiting (its build never
-    /// created) or started; `accepted_ms` counts it for the hourly quota when it is recent.
-    pub fn restore(&self, who: &Who, id: &str, tag: u64, arrival_us: i64, started: bool) {
+    /// Takes a submission that was open before a restart back, with the tag it was given.
+    pub fn restore(&self, who: &Who, id: &str, tag: u64, arrival_us: i64, how: Restored) {
         let mut lines = self.lock();
         let line = lines.entry(who.queue.clone()).or_default();
         let charged = line.estimate(self.default_estimate);
@@ -498,10 +527,15 @@ impl Dispatcher {
             id: id.to_string(),
         };
         line.fair
-            .restore(ticket.clone(), &who.user, charged, started);
+            .charge_restored(who.class, &who.user, tag, charged);
+        match how {
+            Restored::Started => line.fair.started_restored(who.class, tag),
+            Restored::Held => {}
+            Restored::Waiting => line.fair.push(ticket.clone()),
+        }
         *line.open.entry((who.class, who.user.clone())).or_insert(0) += 1;
         let (user, class) = (who.user.clone(), who.class);
-        if started {
+        if how != Restored::Waiting {
             line.running.insert(
                 id.to_string(),
                 Run {
@@ -701,6 +735,16 @@ mod tests {
     }
 
     #[test]
+    fn queue_names() {
+        for ok in ["h100", "b200.nebius", "mi300_x8", "a-b", &"q".repeat(64)] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in ["", "h100 ", "a/b", "queue=x", &"q".repeat(65), "ü"] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn limits_parse_and_the_most_specific_rule_wins() {
         let l = Limits::parse("*:queued=10,hourly=60; h100:queued=5; */admin:queued=none,hourly=none; h100/test:hourly=3").unwrap();
         assert_eq!(
@@ -748,8 +792,12 @@ mod tests {
             let e = Limits::parse(bad).unwrap_err();
             assert!(e.contains(bad.split(':').next().unwrap()), "{bad}: {e}");
         }
-        assert_eq!(Slots::parse("h100=8, *=2").unwrap().of("mi300"), Some(2));
-        assert_eq!(Slots::parse("h100=8").unwrap().of("h100"), Some(8));
+        assert_eq!(
+            Slots::parse("h100=8, *=2").unwrap().of("mi300"),
+            Some(Some(2))
+        );
+        assert_eq!(Slots::parse("h100=8").unwrap().of("h100"), Some(Some(8)));
+        assert_eq!(Slots::parse("*=none").unwrap().of("h100"), Some(None));
         assert_eq!(Slots::parse("h100=8").unwrap().of("mi300"), None);
         for bad in ["h100", "h100=0", "h100=x", "a/b=1"] {
             assert!(Slots::parse(bad).is_err(), "{bad}");

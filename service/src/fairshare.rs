@@ -140,17 +140,18 @@ impl FairQueue {
         self.waiting.insert(t);
     }
 
-    /// Takes a submission tagged before a restart back: waiting (`started` false) or already
-    /// started (its tag moves the class's clock on). Its user's end moves past it either way.
-    pub fn restore(&mut self, t: Ticket, user: &str, cost: Duration, started: bool) {
-        let end = self.ends.entry((t.class, user.to_string())).or_insert(0);
-        *end = (*end).max(t.tag.saturating_add(millis(cost)));
-        if started {
-            let clock = self.clock.entry(t.class).or_insert(0);
-            *clock = (*clock).max(t.tag);
-        } else {
-            self.push(t);
-        }
+    /// A submission tagged `tag` before a restart, charged `cost`: its user's end moves past
+    /// it (then [`FairQueue::push`] it if it waits, [`FairQueue::started_restored`] if it ran).
+    pub fn charge_restored(&mut self, class: Class, user: &str, tag: u64, cost: Duration) {
+        let end = self.ends.entry((class, user.to_string())).or_insert(0);
+        *end = (*end).max(tag.saturating_add(millis(cost)));
+    }
+
+    /// A submission tagged `tag` had started before a restart: the class's clock is at least
+    /// there.
+    pub fn started_restored(&mut self, class: Class, tag: u64) {
+        let clock = self.clock.entry(class).or_insert(0);
+        *clock = (*clock).max(tag);
     }
 
     /// How many are waiting.
@@ -345,8 +346,12 @@ mod tests {
         let before: Vec<String> = q.order().map(|t| t.id.clone()).collect();
         let mut again = FairQueue::new();
         for (t, user) in tickets {
-            let was_started = t.id == started.id;
-            again.restore(t, user, MIN, was_started);
+            again.charge_restored(t.class, user, t.tag, MIN);
+            if t.id == started.id {
+                again.started_restored(t.class, t.tag);
+            } else {
+                again.push(t);
+            }
         }
         assert_eq!(
             again.order().map(|t| t.id.clone()).collect::<Vec<_>>(),

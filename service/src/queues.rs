@@ -28,16 +28,6 @@ use crate::store::Store;
 /// How long the first request after start waits for the first agent counts.
 const FIRST_WAIT: Duration = Duration::from_secs(3);
 
-/// Whether `name` is a queue name the service takes: 1-64 of `A-Za-z0-9._-`, what Buildkite
-/// takes in a `queue=` agent tag.
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-}
-
 /// `GET /v1/queues/{queue}`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueStatus {
@@ -58,6 +48,31 @@ pub struct QueueStatus {
     /// The service's own queue: waiting, started, slots, estimates (`crate::dispatch`).
     #[serde(flatten)]
     pub line: crate::dispatch::LineStatus,
+}
+
+/// What the agents say of a queue's slots ([`Queues::agent_slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentSlots {
+    /// The executor has no agents (none to count).
+    NoSource,
+    /// The first fetch has not ended yet.
+    NotFetched,
+    /// The fetches fail (a token without `read_agents`, Buildkite down for three intervals).
+    Unknown,
+    /// This many agents of the queue are connected.
+    Connected(u64),
+}
+
+/// Wakes when a fetch of agent counts ended ([`Queues::fetched`]).
+pub struct Fetched(watch::Receiver<Snapshot>);
+
+impl Fetched {
+    /// Until the next fetch ends (never, once the counts are dropped).
+    pub async fn next(&mut self) {
+        if self.0.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -138,16 +153,27 @@ impl Queues {
         ))
     }
 
-    /// The queue's agents as last fetched, without waiting (`None`: not fetched yet, or no
-    /// source); starts a fetch when the last is older than the refresh interval. The
-    /// service's queue reads its slots here.
-    pub fn known(self: &Arc<Self>, queue: &str) -> Option<AgentCounts> {
-        self.source.as_ref()?;
+    /// What the agents say of `queue`'s slots, without waiting; starts a fetch when the last
+    /// is older than the refresh interval. The service's queue reads its slots here.
+    pub fn agent_slots(self: &Arc<Self>, queue: &str) -> AgentSlots {
+        if self.source.is_none() {
+            return AgentSlots::NoSource;
+        }
         self.refresh_if_due();
         let snap = self.snapshot.borrow();
-        snap.counts
-            .as_ref()
-            .map(|c| c.get(queue).copied().unwrap_or_default())
+        if snap.attempts == 0 {
+            return AgentSlots::NotFetched;
+        }
+        match &snap.counts {
+            Some(c) => AgentSlots::Connected(c.get(queue).map_or(0, |a| a.total)),
+            None => AgentSlots::Unknown,
+        }
+    }
+
+    /// Changes each time a fetch ends (the service's queue starts what new agents have room
+    /// for).
+    pub fn fetched(&self) -> Fetched {
+        Fetched(self.snapshot.subscribe())
     }
 
     /// Starts a fetch when none started within `refresh`. The start time is taken before the
@@ -302,15 +328,5 @@ mod tests {
     async fn without_a_source_agents_are_unknown() {
         let q = Arc::new(Queues::new(None, Duration::from_secs(60)));
         assert_eq!(q.agents("h100").await, None);
-    }
-
-    #[test]
-    fn queue_names() {
-        for ok in ["h100", "b200.nebius", "mi300_x8", "a-b", &"q".repeat(64)] {
-            assert!(valid_name(ok), "{ok}");
-        }
-        for bad in ["", "h100 ", "a/b", "queue=x", &"q".repeat(65), "ü"] {
-            assert!(!valid_name(bad), "{bad}");
-        }
     }
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 
 use crate::app::App;
-use crate::dispatch::ANONYMOUS;
+use crate::dispatch::{Restored, ANONYMOUS};
 use crate::executor::{BuildEvent, BuildEventKind, Found, Launched, Recovered};
 use crate::reconcile::{Reconciler, MARGIN};
 use crate::report::report;
@@ -59,12 +59,16 @@ pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened)
         let queued_without_build = build.is_none();
         // Every one holds a slot of its queue until its build is known: one that never got
         // a build goes back in the queue, in its old place, once the listing below says so.
+        let how = match build {
+            Some(_) => Restored::Started,
+            None => Restored::Held,
+        };
         app.dispatch.restore(
             &app.who(&p.sub),
             &id,
             p.fair_tag.unwrap_or(0),
             p.sub.created_at.timestamp_micros(),
-            true,
+            how,
         );
         app.store.reload(p.sub.clone(), p.deadline_ms);
         if let Some(live) = app.store.live(&id) {

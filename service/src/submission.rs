@@ -151,16 +151,15 @@ pub struct Place {
 
 impl Place {
     /// Whether `new` says something `old` did not: another position, or a start estimate
-    /// that moved by 5 s or more (an estimate that only drifts is not news).
+    /// that moved by 5 s or a fifth of the wait, whichever is more (an estimate that only
+    /// drifts is not news: runs that overrun move every estimate a little at each refresh).
     pub fn moved(old: Option<&Place>, new: Option<&Place>) -> bool {
         match (old, new) {
             (None, None) => false,
             (Some(a), Some(b)) => {
-                a.position != b.position
-                    || (a.estimated_start_at - b.estimated_start_at)
-                        .num_milliseconds()
-                        .abs()
-                        >= 5_000
+                let shift = (a.estimated_start_at - b.estimated_start_at).num_milliseconds();
+                let enough = (a.estimated_wait_s * 200.0).max(5_000.0);
+                a.position != b.position || shift.abs() as f64 >= enough
             }
             _ => true,
         }

@@ -49,6 +49,9 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     let mut cfg = Config::new(&fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
     // The tests submit the same fixture config again on purpose, to run it again.
     cfg.fair.cache = false;
+    // The fake's agents list is empty unless a test fills it: builds are created at once, as
+    // they were before the service held queues (`fair_queue` tests the queue).
+    cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("*=none").expect("slots");
     cfg.buildkite.buildkite_webhook_token = Some(Secret::new(WEBHOOK_TOKEN));
     cfg.retry_base_ms = 5;
     cfg.buildkite.http_timeout_s = 5;

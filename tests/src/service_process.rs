@@ -70,6 +70,9 @@ impl ServiceProcess {
             ("KERNELKITE_RETRY_BASE_MS", "10".into()),
             // The tests submit the same fixture config again on purpose, to run it again.
             ("KERNELKITE_CACHE", "false".into()),
+            // The fake's agents list is empty unless a test fills it: builds are created at once,
+            // as they were before the service held queues (`fair_queue` tests the queue).
+            ("KERNELKITE_QUEUE_SLOTS", "*=none".into()),
             ("KERNELKITE_CALLBACK_BACKOFF_MS", "50".into()),
             ("KERNELKITE_CREATE_LOOKUP_DELAY_MS", "100".into()),
             ("RUST_LOG", "info".into()),

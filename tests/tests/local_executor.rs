@@ -572,3 +572,101 @@ async fn a_large_payload_travels_in_chunks() {
     assert_eq!(done["state"], "succeeded", "{done}");
     assert_eq!(done["result"]["runs"]["test"]["run"]["passed"], true);
 }
+
+/// Issue 25's simulation in local mode (real hooks, real runner, two slices): one user submits
+/// 50 at once, five others 2 each; every light run starts before the heavy user's tenth, the
+/// places reported while they wait are the order they start in, and an organiser's run sent
+/// meanwhile starts when the first slice frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
+    if need_python().is_none() {
+        return;
+    }
+    let bins = local_bins!();
+    let node = fixture_node(&bins, 2);
+    let stack = local_stack(&bins, Some(&node), Confinement::Unenforced).await;
+    let submit = |user: &str, priority: &str, n: usize, sleep_ms: u64| {
+        let config = probe_config("test", json!([{"sleep_ms": sleep_ms, "n": n}]));
+        let body = json!({"config": config, "queue": "local", "user": user, "priority": priority});
+        stack.submit_body(body)
+    };
+    // The first two hold the slices while the rest is sent and its places are read.
+    let mut heavy = Vec::new();
+    for i in 0..50 {
+        heavy.push(submit("heavy", "test", i, if i < 2 { 8000 } else { 20 }).await);
+    }
+    let mut light = Vec::new();
+    for u in 0..5 {
+        for k in 0..2 {
+            light.push(submit(&format!("light{u}"), "test", 100 + u * 2 + k, 20).await);
+        }
+    }
+    let waiting: Vec<&String> = heavy[2..].iter().chain(&light).collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+    let placed = loop {
+        let mut placed = Vec::new();
+        for id in &waiting {
+            let v: Value = stack
+                .http
+                .get(format!("{}/v1/submissions/{id}", stack.base))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if let Some(p) = v["place"]["position"].as_u64() {
+                placed.push((p, id.to_string()));
+            }
+        }
+        placed.sort();
+        if placed.iter().map(|p| p.0).eq(1..=waiting.len() as u64) {
+            break placed;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every waiting submission has its place, 1..=58: {placed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let predicted: Vec<String> = placed.iter().map(|p| p.1.clone()).collect();
+    let admin = submit("organiser", "admin", 999, 20).await;
+    // When each left the queue: its `scheduled` time (builds are created one at a time, in
+    // the queue's order).
+    let mut started = Vec::new();
+    for id in heavy.iter().chain(&light).chain([&admin]) {
+        let done = stack.wait(id).await;
+        assert_eq!(done["state"], "succeeded", "{done}");
+        let at = done["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["state"] == "scheduled")
+            .map(|t| t["at"].as_str().unwrap().to_string())
+            .unwrap();
+        started.push((at, id.clone()));
+    }
+    started.sort();
+    let order: Vec<String> = started.into_iter().map(|s| s.1).collect();
+    assert_eq!(
+        order[2], admin,
+        "the organiser's run takes the first slice that frees"
+    );
+    let rest: Vec<String> = order[2..]
+        .iter()
+        .filter(|id| **id != admin)
+        .cloned()
+        .collect();
+    assert_eq!(
+        rest, predicted,
+        "the places reported are the order they started in"
+    );
+    let tenth_heavy = order.iter().position(|id| *id == heavy[9]).unwrap();
+    for id in &light {
+        assert!(
+            order.iter().position(|o| o == id).unwrap() < tenth_heavy,
+            "{order:?}"
+        );
+    }
+    job_dirs_removed(&stack).await;
+}

@@ -266,6 +266,8 @@ class Stack:
             "KERNELKITE_RETRY_BASE_MS": "10",
             # The tests send the same sample run again on purpose, to run it again.
             "KERNELKITE_CACHE": "false",
+            # The fake lists no agents unless a test sets them: builds are created at once.
+            "KERNELKITE_QUEUE_SLOTS": "*=none",
         }
         env.update(extra_env or {})
         self.service = Service([], env, port, tmp)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -100,6 +101,9 @@ def test_the_queued_line_shows_place_and_wait():
     assert line(1, 0.4) == "⏳ Next in line for H100_KK, starting now"
     assert line(12, 600) == "⏳ 12th in line for H100_KK, about 10 min"
     assert line(22, None) == "⏳ 22nd in line for H100_KK"
+    # The wait counts down from when the place arrived, between the service's updates.
+    counted = _View(gpu="H100_KK", place=QueueEvent("s", 2, 100.0), place_at=time.monotonic() - 40)
+    assert counted.message() == "⏳ 2nd in line for H100_KK, about 60 s"
     assert _View(gpu="H100_KK", state="scheduled", place=QueueEvent("s", 2, 5)).message() == (
         "⏳ Waiting for a free H100_KK GPU"
     ), "the place is for the queued line only"

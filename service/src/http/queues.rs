@@ -22,7 +22,7 @@ pub(super) fn route(app: &Arc<App>) -> MethodRouter<super::Http> {
 }
 
 async fn status(app: &App, queues: &Arc<Queues>, queue: &str) -> Result<Json<QueueStatus>, Error> {
-    if !crate::queues::valid_name(queue) {
+    if !crate::dispatch::valid_name(queue) {
         return Err(Invalid::Queue(queue.to_string()).into());
     }
     // Asked first: the agents' first fetch, which `status` may wait for, then counts.

@@ -959,6 +959,17 @@ fn encode<T: serde::Serialize>(v: &T) -> Result<String, sqlx::Error> {
     serde_json::to_string(v).map_err(|e| sqlx::Error::Encode(e.into()))
 }
 
+/// A submission as kept: without its place in the queue, which is derived from the queue and
+/// told to its waiters only (a restart rebuilds the queue).
+fn encode_kept(s: &Submission) -> Result<String, sqlx::Error> {
+    if s.place.is_none() {
+        return encode(s);
+    }
+    let mut kept = s.clone();
+    kept.place = None;
+    encode(&kept)
+}
+
 fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, sqlx::Error> {
     serde_json::from_str(text).map_err(|e| sqlx::Error::Decode(e.into()))
 }
@@ -1004,7 +1015,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             )
             .bind(&s.id)
             .bind(s.state.as_str())
-            .bind(encode(&**s)?)
+            .bind(encode_kept(s)?)
             .bind(s.build.as_ref().map(|b| b.id.clone()))
             .bind(s.build.as_ref().map(|b| b.number as i64))
             .execute(&mut *conn)
@@ -1629,7 +1640,7 @@ mod tests {
             checksums,
             [
                 "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
-                "6abb18a2ef9620526bc51f8639ef60faf00c57b20cc4937773e9cb6aab9503b7af3851bdb483fa60805d27388f716f4f"
+                "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59"
             ]
         );
     }

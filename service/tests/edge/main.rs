@@ -98,7 +98,9 @@ impl Service {
             .env("BUILDKITE_API_TOKEN", FAKE_API_TOKEN)
             .env("BUILDKITE_WEBHOOK_TOKEN", WEBHOOK_TOKEN)
             .env("KERNELKITE_DATA_DIR", &data)
-            .env("KERNELKITE_RETRY_BASE_MS", "5");
+            .env("KERNELKITE_RETRY_BASE_MS", "5")
+            // The fake lists no agents: builds are created at once (the queue is tested apart).
+            .env("KERNELKITE_QUEUE_SLOTS", "*=none");
         for (k, v) in &opts.env {
             cmd.env(k, v);
         }

@@ -30,6 +30,7 @@ async fn the_binary_serves_a_submission_end_to_end_and_stops_on_sigterm() {
         .env("KERNELKITE_BRANCH", "release")
         .env("KERNELKITE_DATA_DIR", data.path())
         .env("KERNELKITE_CACHE", "false")
+        .env("KERNELKITE_QUEUE_SLOTS", "*=none")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

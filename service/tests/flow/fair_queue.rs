@@ -25,6 +25,8 @@ use serde_json::{json, Value};
 struct Slots {
     launched: Mutex<Vec<Job>>,
     changed: tokio::sync::Notify,
+    /// Its runner reports it could not evaluate (`success: false`, a machine's fault).
+    runner_fails: std::sync::atomic::AtomicBool,
 }
 
 impl Executor for Slots {
@@ -57,7 +59,12 @@ impl Executor for Slots {
 
     fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
         Box::pin(async {
-            ResultJson::parse(sample_result_json().as_bytes())
+            let mut result: Value = serde_json::from_str(&sample_result_json()).unwrap();
+            if self.runner_fails.load(std::sync::atomic::Ordering::SeqCst) {
+                result["success"] = json!(false);
+                result["error"] = json!("the GPU fell off the bus");
+            }
+            ResultJson::parse(result.to_string().as_bytes())
                 .map(Outcome::Succeeded)
                 .map_err(|e| e.to_string().into())
         })
@@ -362,15 +369,7 @@ async fn a_user_over_a_quota_is_refused_with_429_and_when_it_frees() {
         "the message says which limit and when it frees: {msg}"
     );
     // Nothing of the refused one was kept: still ten of heavy's.
-    let status: Value = s
-        .http
-        .get(format!("{}/v1/queues/h100", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let status = queue_status(&s.http, &s.base).await;
     assert_eq!(
         (status["waiting"].as_u64(), status["started"].as_u64()),
         (Some(8), Some(2)),
@@ -475,6 +474,13 @@ async fn the_queue_keeps_its_order_and_counters_across_a_restart() {
     let s = service(tweak).await;
     let after = s.places(&ids).await;
     assert_eq!(after, before, "the queue's order survived the restart");
+    // So did the class's clock: a new user starts beside the others' first runs (tag 0, after
+    // them by arrival), not behind everything that waited before the restart.
+    let x = s.submit("x", None, config(20)).await;
+    let mut with_x = ids.clone();
+    with_x.push(x.clone());
+    let placed = s.places(&with_x).await;
+    assert_eq!(placed.iter().position(|id| *id == x), Some(2), "{placed:?}");
     assert!(
         s.slots.ids().is_empty(),
         "nothing started twice: the one started holds the slot"
@@ -593,4 +599,99 @@ async fn the_event_stream_tells_a_waiting_submission_its_place_as_it_moves() {
         ["scheduled", "running"],
         "no place once it left the queue"
     );
+}
+
+/// Buildkite's agents are the queue's slots: none connected holds the queue in the service
+/// (nothing is created in Buildkite); an agent that connects is used, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_s_connected_buildkite_agents_are_its_slots() {
+    use kernelkite_testkit::fake_buildkite::FakeAgent;
+    let h = kernelkite_testkit::harness::harness_with(|c| {
+        // The harness turns the queue off for the other tests; this one uses the agents.
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::default();
+        // Below clap's floor of 60 s, so the test need not wait a minute for a new count.
+        c.queues.agents_refresh_s = 1;
+    })
+    .await;
+    let body = |n: usize| json!({"config": config(n), "queue": "h100", "user": "u"});
+    let (first, _) = h.post(body(1)).await;
+    let (second, _) = h.post(body(2)).await;
+    assert_eq!((first, second), (202, 202));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        h.fake.build_count(),
+        0,
+        "no agent: the service holds the queue"
+    );
+    let status = queue_status(&h.http, &h.base).await;
+    assert_eq!(
+        (status["slots"].as_u64(), status["waiting"].as_u64()),
+        (Some(0), Some(2)),
+        "{status}"
+    );
+    h.fake
+        .set_agents(vec![FakeAgent::new("gpu-0", "h100", false)]);
+    let number = h
+        .fake
+        .next_created(WAIT * 2)
+        .await
+        .expect("a build once an agent connects");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(h.fake.build_count(), 1, "one agent, one build at a time");
+    h.fake
+        .finish_build(
+            number,
+            "passed",
+            kernelkite_testkit::harness::result_artifact(),
+        )
+        .await;
+    h.fake
+        .next_created(WAIT)
+        .await
+        .expect("the second, once the first ended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_repeats_only_evaluations_that_ran_and_only_while_they_are_fresh() {
+    let s = service(|c| c.fair.cache_max_age_s = 2).await;
+    // A runner that could not evaluate is not repeated: the same run runs again.
+    s.slots
+        .runner_fails
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let failed = s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    s.finish(1).await;
+    assert_eq!(s.wait_ended(&failed).await["result"]["success"], false);
+    s.slots
+        .runner_fails
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let ran = s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(2).await;
+    s.finish(2).await;
+    s.wait_ended(&ran).await;
+    // An organiser's run is not answered from the cache unless it asks.
+    let admin = s.submit("org", Some("admin"), config(1)).await;
+    s.slots.wait_launched(3).await;
+    s.finish(3).await;
+    s.wait_ended(&admin).await;
+    // Answered from the cache a second later; that answer does not make the result younger:
+    // past the maximum age of the run itself, the same run runs again.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let hit = s.submit("b", None, config(1)).await;
+    // (The newest run that succeeded answers: the organiser's, which ran last.)
+    assert_eq!(s.get(&hit).await["cached_from"], admin.as_str());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let fresh = s.submit("b", None, config(1)).await;
+    s.slots.wait_launched(4).await;
+    assert!(s.get(&fresh).await["cached_from"].is_null());
+}
+
+/// `GET /v1/queues/h100`.
+async fn queue_status(http: &reqwest::Client, base: &str) -> Value {
+    let r = http
+        .get(format!("{base}/v1/queues/h100"))
+        .send()
+        .await
+        .unwrap();
+    r.json().await.unwrap()
 }

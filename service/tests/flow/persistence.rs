@@ -63,6 +63,7 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
     // A second service on the same data dir, with nothing in memory.
     let mut cfg = Config::new(&h.fake.api_url(), FAKE_ORG, FAKE_PIPELINE, FAKE_API_TOKEN);
     cfg.fair.cache = false;
+    cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("*=none").unwrap();
     cfg.store.data_dir = Some(h._dir.path().to_path_buf());
     let restarted = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
     assert!(restarted.store.is_empty());

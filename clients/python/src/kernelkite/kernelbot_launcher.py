@@ -330,6 +330,8 @@ class _View:
     build: dict[str, Any] | None = None
     # The place in the service's queue while `queued`, when the service says it.
     place: QueueEvent | None = None
+    # When the place arrived (monotonic): the wait shown counts down from it.
+    place_at: float | None = None
     # The earlier submission whose result answered this one (the service's result cache).
     cached_from: str | None = None
     running_since: float | None = None
@@ -343,7 +345,10 @@ class _View:
                 return f"⏳ Queued for {self.gpu}"
             pos = self.place.position
             where = "Next in line" if pos <= 1 else f"{ordinal(pos)} in line"
-            wait = wait_wording(self.place.estimated_wait_s)
+            left = self.place.estimated_wait_s
+            if left is not None and self.place_at is not None:
+                left = max(0.0, left - (time.monotonic() - self.place_at))
+            wait = wait_wording(left)
             return f"⏳ {where} for {self.gpu}" + (f", {wait}" if wait else "")
         if self.state == "scheduled":
             return f"⏳ Waiting for a free {self.gpu} GPU{on}"
@@ -689,6 +694,7 @@ class KernelkiteLauncher(_LauncherBase):
             # turning a later state's line back.
             if view.state == "queued":
                 view.place = ev
+                view.place_at = time.monotonic()
                 await progress.show(view)
             return
         if ev.terminal:
@@ -711,10 +717,11 @@ class KernelkiteLauncher(_LauncherBase):
         await progress.show(view)
 
     async def _tick(self, view: _View, progress: _Progress) -> None:
-        """Refreshes the elapsed time of a running submission."""
+        """Refreshes the elapsed time of a running submission, and the wait of one in the
+        service's queue (it counts down between the service's place updates)."""
         while True:
             await asyncio.sleep(self.progress_interval_s)
-            if view.state == "running":
+            if view.state == "running" or (view.state == "queued" and view.place is not None):
                 await progress.show(view)
 
     def _result(self, sub: dict[str, Any], view: _View, timeout_s: int) -> Any:
