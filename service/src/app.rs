@@ -121,6 +121,8 @@ pub struct App {
     pub queues: Arc<Queues>,
     /// Wakes the place publisher (`App::spawn_places`) when a queue moved.
     places_due: Arc<Notify>,
+    /// When each queue held for want of agents was last said so (`App::warn_held`).
+    held_logged: Mutex<std::collections::HashMap<String, Instant>>,
     /// Per queue with slots: where its started submissions' builds are created, in order.
     launchers: Mutex<std::collections::HashMap<String, tokio::sync::mpsc::UnboundedSender<Launch>>>,
     /// Events dropped for a full early-event buffer, and when that was last logged.
@@ -182,6 +184,7 @@ impl App {
             queues,
             places_due: Arc::new(Notify::new()),
             launchers: Mutex::new(std::collections::HashMap::new()),
+            held_logged: Mutex::new(std::collections::HashMap::new()),
             store: Store::new(
                 cfg.store.early_event_max,
                 Duration::from_secs(cfg.store.early_event_ttl_s),
@@ -308,7 +311,7 @@ impl App {
         // writing and queueing must finish (or be taken back) all the same, or the user's
         // quota would keep counting a submission that does not exist.
         let app = self.clone();
-        tokio::spawn(async move { app.accept_now(p).await })
+        tokio::spawn(async move { app.accept_now(p).await }.instrument(tracing::Span::current()))
             .await
             .map_err(|e| Error::Internal {
                 what: "accepting the submission",
@@ -335,6 +338,11 @@ impl App {
         match self.write(p, Some(admission.tag), cache_key).await {
             Ok(s) if s.created => {
                 self.dispatch.enqueue(&who, &id, arrival, admission);
+                if self.store.live(&id).is_none() {
+                    // It ended before it was queued (canceled through its idempotency key's
+                    // replay, say): its end found nothing to free.
+                    self.dispatch.ended(&who.queue, &id, None);
+                }
                 self.pump(&who.queue, Some(job));
                 Ok(s)
             }
@@ -583,12 +591,31 @@ impl App {
         });
     }
 
+    /// Says (at most once a minute per queue) that a queue holds submissions for want of a
+    /// connected agent: a queue name no agent serves, or agents outside the agent token's
+    /// cluster, would otherwise only show as submissions timing out.
+    fn warn_held(&self, queue: &str) {
+        let mut held = self.held_logged.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        if held
+            .get(queue)
+            .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(60))
+        {
+            return;
+        }
+        held.insert(queue.to_string(), now);
+        tracing::warn!(%queue, waiting = self.dispatch.status(queue, Some(0)).waiting, "no Buildkite agent of this queue is connected: its submissions wait in the service until one connects (set KERNELKITE_QUEUE_SLOTS for a queue whose agents this service cannot count)");
+    }
+
     /// One pass of [`App::spawn_places`]: every queue with anything waiting starts what
     /// its slots (asked again: agents come and go) have room for, then tells the rest their
     /// places.
     pub fn publish_places(self: &Arc<Self>) {
         for queue in self.dispatch.busy_queues() {
             let slots = self.capacity(&queue);
+            if slots == Some(0) {
+                self.warn_held(&queue);
+            }
             self.start_ready(&queue, slots, None);
             for (id, place) in self.dispatch.places(&queue, slots) {
                 self.store.set_place(&id, Some(place));
@@ -619,7 +646,10 @@ impl App {
         };
         let id = job.submission_id.clone();
         if self.store.live(&id).is_none() {
-            // Ended while it waited for its turn (canceled, timed out): no build for nobody.
+            // Ended while it waited for its turn (canceled, timed out): no build for nobody,
+            // and its slot is free (a no-op when its end already freed it).
+            self.dispatch.ended(&job.queue, &id, None);
+            self.pump(&job.queue, None);
             return;
         }
         // A root span: the work outlives the request that started it, and its logs must not

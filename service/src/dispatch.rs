@@ -239,8 +239,6 @@ pub enum Restored {
     /// Whether its build was created is not known yet (recovery looks): it holds a slot
     /// until [`Dispatcher::requeue`] puts it back, and leaves the clock alone.
     Held,
-    /// It waits for a slot.
-    Waiting,
 }
 
 /// A submission's admission: its start tag and what it was charged.
@@ -528,34 +526,20 @@ impl Dispatcher {
         };
         line.fair
             .charge_restored(who.class, &who.user, tag, charged);
-        match how {
-            Restored::Started => line.fair.started_restored(who.class, tag),
-            Restored::Held => {}
-            Restored::Waiting => line.fair.push(ticket.clone()),
+        if how == Restored::Started {
+            line.fair.started_restored(who.class, tag);
         }
         *line.open.entry((who.class, who.user.clone())).or_insert(0) += 1;
-        let (user, class) = (who.user.clone(), who.class);
-        if how != Restored::Waiting {
-            line.running.insert(
-                id.to_string(),
-                Run {
-                    ticket,
-                    user,
-                    class,
-                    charged,
-                    started: Instant::now(),
-                },
-            );
-        } else {
-            line.waiting.insert(
-                id.to_string(),
-                Waiting {
-                    user,
-                    charged,
-                    since: Instant::now(),
-                },
-            );
-        }
+        line.running.insert(
+            id.to_string(),
+            Run {
+                ticket,
+                user: who.user.clone(),
+                class: who.class,
+                charged,
+                started: Instant::now(),
+            },
+        );
     }
 
     /// Counts a submission accepted at `accepted_ms` (before a restart) for the hourly quota.
@@ -607,6 +591,19 @@ impl Dispatcher {
             );
         }
         out
+    }
+
+    /// A submission restored as held turned out to have its build (recovery adopted it): its
+    /// tag moves its class's clock, as a start does.
+    pub fn adopted(&self, queue: &str, id: &str) {
+        let mut lines = self.lock();
+        let Some(line) = lines.get_mut(queue) else {
+            return;
+        };
+        if let Some(run) = line.running.get(id) {
+            let (class, tag) = (run.ticket.class, run.ticket.tag);
+            line.fair.started_restored(class, tag);
+        }
     }
 
     /// Puts a submission restored as started back in the queue: after a restart, no build

@@ -50,16 +50,21 @@ pub struct QueueStatus {
     pub line: crate::dispatch::LineStatus,
 }
 
+/// Fetches that must fail, with none ever succeeding, before a queue's slots are taken for
+/// unknowable (a token without `read_agents`) rather than not yet known.
+const FETCHES_BEFORE_UNKNOWN: u64 = 3;
+
 /// What the agents say of a queue's slots ([`Queues::agent_slots`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AgentSlots {
     /// The executor has no agents (none to count).
     NoSource,
-    /// The first fetch has not ended yet.
+    /// No fetch has succeeded yet, and fewer than three ended.
     NotFetched,
-    /// The fetches fail (a token without `read_agents`, Buildkite down for three intervals).
+    /// Every fetch so far failed, three or more (a token without `read_agents`).
     Unknown,
-    /// This many agents of the queue are connected.
+    /// This many agents of the queue were connected at the last fetch that succeeded (however
+    /// old: a failed fetch keeps them).
     Connected(u64),
 }
 
@@ -83,6 +88,9 @@ struct Snapshot {
     fetched_at: Option<DateTime<Utc>>,
     /// `fetched_at` on the (pausable) monotonic clock, for ageing.
     fetched: Option<Instant>,
+    /// The last counts a fetch brought, however old: the service's queue keeps using them
+    /// through failed fetches (a Buildkite outage must not lift every queue's limit).
+    last_good: Option<Arc<AgentsByQueue>>,
 }
 
 /// Queue status: the store's counts, and agent counts refreshed in the background.
@@ -161,11 +169,9 @@ impl Queues {
         }
         self.refresh_if_due();
         let snap = self.snapshot.borrow();
-        if snap.attempts == 0 {
-            return AgentSlots::NotFetched;
-        }
-        match &snap.counts {
+        match &snap.last_good {
             Some(c) => AgentSlots::Connected(c.get(queue).map_or(0, |a| a.total)),
+            None if snap.attempts < FETCHES_BEFORE_UNKNOWN => AgentSlots::NotFetched,
             None => AgentSlots::Unknown,
         }
     }
@@ -199,7 +205,9 @@ impl Queues {
                 s.attempts += 1;
                 match result {
                     Ok(counts) => {
-                        s.counts = Some(Arc::new(counts));
+                        let counts = Arc::new(counts);
+                        s.last_good = Some(counts.clone());
+                        s.counts = Some(counts);
                         s.fetched_at = Some(Utc::now());
                         s.fetched = Some(Instant::now());
                     }
@@ -208,6 +216,7 @@ impl Queues {
                         if s.fetched.is_none_or(|t| t.elapsed() > stale_after) {
                             *s = Snapshot {
                                 attempts: s.attempts,
+                                last_good: s.last_good.take(),
                                 ..Snapshot::default()
                             };
                         }
@@ -322,6 +331,47 @@ mod tests {
         }
         assert_eq!(q.agents("h100").await, None);
         assert_eq!(source.calls.load(Ordering::SeqCst), 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_queue_s_slots_hold_until_counts_come_and_survive_failed_fetches() {
+        let source = counting();
+        let minute = Duration::from_secs(60);
+        source.fail.store(true, Ordering::SeqCst);
+        let q = Arc::new(Queues::new(Some(source.clone()), minute));
+        assert_eq!(q.agent_slots("h100"), AgentSlots::NotFetched);
+        for n in 1..FETCHES_BEFORE_UNKNOWN {
+            settled(&q, n).await;
+            assert_eq!(
+                q.agent_slots("h100"),
+                AgentSlots::NotFetched,
+                "a failure or two: wait"
+            );
+            tokio::time::sleep(minute).await;
+            q.agent_slots("h100");
+        }
+        settled(&q, FETCHES_BEFORE_UNKNOWN).await;
+        assert_eq!(
+            q.agent_slots("h100"),
+            AgentSlots::Unknown,
+            "they never come: unlimited"
+        );
+        source.fail.store(false, Ordering::SeqCst);
+        tokio::time::sleep(minute).await;
+        q.agent_slots("h100");
+        settled(&q, FETCHES_BEFORE_UNKNOWN + 1).await;
+        let n = source.calls.load(Ordering::SeqCst);
+        assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(n + 1));
+        assert_eq!(q.agent_slots("b200"), AgentSlots::Connected(0));
+        // Buildkite down for longer than queue status keeps counts: the slots keep the last.
+        source.fail.store(true, Ordering::SeqCst);
+        for k in 2..=6 {
+            tokio::time::sleep(minute + Duration::from_secs(1)).await;
+            q.agent_slots("h100");
+            settled(&q, FETCHES_BEFORE_UNKNOWN + k).await;
+        }
+        assert_eq!(q.agents("h100").await, None, "queue status drops them");
+        assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(n + 1));
     }
 
     #[tokio::test]

@@ -176,6 +176,7 @@ async fn recover_orphans(app: &Arc<App>, orphans: Vec<Pending>) {
         match by_submission.remove(&id) {
             Some(f) => {
                 tracing::info!(%id, build = f.build.number, "adopting the build an interrupted create made");
+                app.dispatch.adopted(&p.sub.queue, &id);
                 let finished = f.build.finished();
                 app.attach(
                     &id,

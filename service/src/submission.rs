@@ -137,16 +137,39 @@ pub struct Submission {
 }
 
 /// A waiting submission's place in its queue.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Place {
     /// 1: it starts next.
     pub position: u64,
     /// Seconds from when the place was computed until it is expected to start (from the
-    /// queue's recent run times).
+    /// queue's recent run times). Written out as the seconds left when it is sent, so a
+    /// place read long after it was computed does not overstate the wait.
     pub estimated_wait_s: f64,
     /// When it is expected to start.
     #[serde(with = "iso")]
     pub estimated_start_at: DateTime<Utc>,
+}
+
+impl Serialize for Place {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let left_ms = (self.estimated_start_at - Utc::now())
+            .num_milliseconds()
+            .max(0);
+        let mut out = s.serialize_struct("Place", 3)?;
+        out.serialize_field("position", &self.position)?;
+        out.serialize_field(
+            "estimated_wait_s",
+            &((left_ms as f64 / 100.0).round() / 10.0),
+        )?;
+        out.serialize_field(
+            "estimated_start_at",
+            &self
+                .estimated_start_at
+                .to_rfc3339_opts(SecondsFormat::Micros, true),
+        )?;
+        out.end()
+    }
 }
 
 impl Place {

@@ -406,8 +406,10 @@ impl LocalExecutor {
         }
     }
 
-    /// Puts a job in the queue, before every job accepted after it (FIFO by acceptance,
-    /// also for jobs recovered after a restart).
+    /// Puts a job in the queue, before every job whose key is later. A launch's key is the
+    /// time it was launched (the service's queue chose that order, and launches a job only
+    /// when a slice is free, so this queue is short); a job recovered after a restart keeps
+    /// its submission's acceptance time, so it goes before every later launch.
     fn enqueue(&self, build_id: String, accepted_at: DateTime<Utc>) {
         let mut q = lock(&self.queue);
         // Read under the queue's lock, like `pop`'s time: the two compare.
@@ -502,8 +504,8 @@ impl Executor for LocalExecutor {
                 // after the run (kernelbot's launcher links only http(s) pages).
                 web_url: String::new(),
             };
-            // Queue order is the order the service accepted the submissions in (their
-            // launches may run in any order).
+            // When the submission was accepted (its timings); the queue's order is the order
+            // of the launches below.
             let accepted_at = self
                 .app()
                 .and_then(|app| app.store.get(&job.submission_id))
@@ -553,7 +555,7 @@ impl Executor for LocalExecutor {
                 )
                 .into());
             }
-            self.enqueue(id, accepted_at);
+            self.enqueue(id, Utc::now());
             // The build is handed back (and the submission becomes `scheduled`) when a slice
             // takes the job: until then it waits in `queued`. A submission that ends while
             // queued (canceled, timed out) gets its build back at once, and the core cancels

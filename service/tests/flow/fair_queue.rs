@@ -631,9 +631,11 @@ async fn a_queue_s_connected_buildkite_agents_are_its_slots() {
     );
     h.fake
         .set_agents(vec![FakeAgent::new("gpu-0", "h100", false)]);
+    // A fetch starts at the next pass over the queue (every 5 s) and the queue moves when it
+    // ends.
     let number = h
         .fake
-        .next_created(WAIT * 2)
+        .next_created(Duration::from_secs(8))
         .await
         .expect("a build once an agent connects");
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -653,7 +655,7 @@ async fn a_queue_s_connected_buildkite_agents_are_its_slots() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cache_repeats_only_evaluations_that_ran_and_only_while_they_are_fresh() {
-    let s = service(|c| c.fair.cache_max_age_s = 2).await;
+    let s = service(|c| c.fair.cache_max_age_s = 3).await;
     // A runner that could not evaluate is not repeated: the same run runs again.
     s.slots
         .runner_fails
@@ -674,13 +676,22 @@ async fn the_cache_repeats_only_evaluations_that_ran_and_only_while_they_are_fre
     s.slots.wait_launched(3).await;
     s.finish(3).await;
     s.wait_ended(&admin).await;
-    // Answered from the cache a second later; that answer does not make the result younger:
-    // past the maximum age of the run itself, the same run runs again.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Answered from the cache (by the newest run that succeeded: the organiser's); that
+    // answer does not make the result younger: past the maximum age of the run itself (3 s),
+    // the same run runs again.
     let hit = s.submit("b", None, config(1)).await;
-    // (The newest run that succeeded answers: the organiser's, which ran last.)
-    assert_eq!(s.get(&hit).await["cached_from"], admin.as_str());
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let hit = s.get(&hit).await;
+    assert_eq!(hit["cached_from"], admin.as_str(), "{hit}");
+    let ran_at = s.get(&admin).await["created_at"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ran_at = chrono::DateTime::parse_from_rfc3339(&ran_at).unwrap();
+    let old = ran_at + chrono::Duration::milliseconds(3_500);
+    let left = (old - chrono::Utc::now().fixed_offset())
+        .to_std()
+        .unwrap_or_default();
+    tokio::time::sleep(left).await;
     let fresh = s.submit("b", None, config(1)).await;
     s.slots.wait_launched(4).await;
     assert!(s.get(&fresh).await["cached_from"].is_null());

@@ -348,6 +348,9 @@ class _View:
             left = self.place.estimated_wait_s
             if left is not None and self.place_at is not None:
                 left = max(0.0, left - (time.monotonic() - self.place_at))
+                if left < 1 and pos > 1:
+                    # The estimate ran out with others still ahead: it was wrong, say none.
+                    left = None
             wait = wait_wording(left)
             return f"⏳ {where} for {self.gpu}" + (f", {wait}" if wait else "")
         if self.state == "scheduled":
