@@ -24,7 +24,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::config::{Config, ConfigError};
-use crate::dispatch::{Dispatcher, Who, ANONYMOUS};
+use crate::dispatch::{Dispatcher, Who};
 use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
 use crate::fairshare::Class;
@@ -268,7 +268,7 @@ impl App {
                 Some(allowed) => allowed,
                 None => class != Class::Admin && matches!(mode.as_str(), "test" | "benchmark"),
             };
-        let cache_key = cache_key(&self.cfg.fair.runner_version, &req.queue, &req.config)?;
+        let cache_key = cache_key(&self.cfg.fair.runner_version, &req.queue, &payload);
         let id = uuid::Uuid::new_v4().to_string();
         let timeout_s = req.timeout_s.unwrap_or(self.cfg.default_timeout_s);
         let job = Job {
@@ -279,14 +279,10 @@ impl App {
             payload,
         };
         let now = Utc::now();
-        let who = Who {
-            queue: req.queue.clone(),
-            user: req.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
-            class,
-        };
         let mut sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);
         sub.user = req.user;
         sub.priority = class;
+        let who = self.who(&sub);
         let deadline_ms = sub
             .created_at
             .timestamp_millis()
@@ -321,8 +317,8 @@ impl App {
 
     async fn accept_now(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
         if p.use_cache {
-            if let Some(origin) = self.cached(&p).await {
-                return self.accept_cached(p, origin).await;
+            if let Some((origin, result)) = self.cached(&p).await {
+                return self.accept_cached(p, origin, result).await;
             }
         }
         let now_ms = p.sub.created_at.timestamp_millis();
@@ -435,7 +431,7 @@ impl App {
         match inserted {
             Inserted::Created => {
                 self.spawn_timeout(&id, deadline_ms);
-                tracing::info!(id = %id, queue = %p.sub.queue, user = p.sub.user.as_deref().unwrap_or(ANONYMOUS), priority = p.sub.priority.as_str(), "submission accepted");
+                tracing::info!(id = %id, queue = %p.sub.queue, user = %p.who.user, priority = p.sub.priority.as_str(), "submission accepted");
                 Ok(Submitted {
                     submission: p.sub,
                     created: true,
@@ -447,17 +443,20 @@ impl App {
         }
     }
 
-    /// The earlier submission whose result may answer `p`: the newest that succeeded with the
-    /// same cache key within KERNELKITE_CACHE_MAX_AGE_S. A store that cannot be read is a
-    /// miss (the submission runs).
-    async fn cached(&self, p: &Prepared) -> Option<Submission> {
+    /// The earlier submission whose result may answer `p`, and that result: the newest that
+    /// ran and succeeded with the same cache key within KERNELKITE_CACHE_MAX_AGE_S (only runs
+    /// carry a key). A store that cannot be read is a miss (the submission runs).
+    async fn cached(&self, p: &Prepared) -> Option<(String, crate::result::ResultJson)> {
         let max_age =
             i64::try_from(self.cfg.fair.cache_max_age_s.saturating_mul(1000)).unwrap_or(i64::MAX);
         let since = p.sub.created_at.timestamp_millis().saturating_sub(max_age);
         match self.store.durable().cached(&p.cache_key, since).await {
             // A runner that could not evaluate (`success: false`: a machine's fault, say) is
             // no answer to repeat: the submission runs.
-            Ok(hit) => hit.filter(|s| s.result.as_ref().is_some_and(|r| r.success())),
+            Ok(hit) => {
+                let hit = hit?;
+                hit.result.filter(|r| r.success()).map(|r| (hit.id, r))
+            }
             Err(e) => {
                 tracing::warn!(error = %report(&e), "could not read the result cache; the submission runs");
                 None
@@ -465,24 +464,15 @@ impl App {
         }
     }
 
-    /// Answers `p` with `origin`'s result: written `queued`, then ended `succeeded` with the
-    /// result and `cached_from` (the first submission that ran it), as any other end is:
+    /// Answers `p` with `result`, that of submission `from` (which ran): written `queued`,
+    /// then ended `succeeded` with the result and `cached_from`, as any other end is:
     /// committed, then woken, then its callback is due. Never queued, so no quota counts it.
     async fn accept_cached(
         self: &Arc<Self>,
         mut p: Prepared,
-        origin: Submission,
+        from: String,
+        result: crate::result::ResultJson,
     ) -> Result<Submitted, Error> {
-        let from = origin
-            .cached_from
-            .clone()
-            .unwrap_or_else(|| origin.id.clone());
-        let Some(result) = origin.result else {
-            return Err(Error::Internal {
-                what: "the result cache",
-                source: "a cached submission without its result".into(),
-            });
-        };
         p.sub.cached_from = Some(from.clone());
         let queue = p.sub.queue.clone();
         // Without a cache key: only a submission that ran answers later ones, so an answer
@@ -506,11 +496,7 @@ impl App {
 
     /// `sub`'s user, queue and class, as the queue counts them.
     pub(crate) fn who(&self, sub: &Submission) -> Who {
-        Who {
-            queue: sub.queue.clone(),
-            user: sub.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
-            class: sub.priority,
-        }
+        Who::new(&sub.queue, sub.user.as_deref(), sub.priority)
     }
 
     /// How many submissions of `queue` may be started at once (`None`: not limited):
@@ -1235,43 +1221,37 @@ fn ran(s: &Submission) -> Option<Duration> {
 }
 
 /// What an identical submission is found by: the SHA-256 of the runner version, the queue
-/// and the run config exactly as sent (key order counts, as the runner sees it).
-fn cache_key(
-    runner_version: &str,
-    queue: &str,
-    config: &serde_json::Value,
-) -> Result<String, Error> {
-    let config = serde_json::to_vec(config).map_err(|e| Error::Internal {
-        what: "encoding the run config",
-        source: e.into(),
-    })?;
+/// and the payload, the run config exactly as sent (key order counts, as the runner sees it),
+/// already encoded for the build: hashing it costs no second encoding of a large config.
+fn cache_key(runner_version: &str, queue: &str, payload: &str) -> String {
     let mut h = sha2::Sha256::new();
     for part in [
         b"kernelkite-cache-1".as_slice(),
         runner_version.as_bytes(),
         queue.as_bytes(),
-        &config,
+        payload.as_bytes(),
     ] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part);
     }
-    Ok(hex::encode(h.finalize()))
+    hex::encode(h.finalize())
+}
+
+/// Whether `s` is a label the request may carry: 1 to `max` characters (characters, not
+/// bytes: what the OpenAPI document's maxLength counts), none a control character.
+fn label(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.chars().count() <= max && !s.chars().any(char::is_control)
 }
 
 fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if !crate::dispatch::valid_name(&req.queue) {
         return Err(Invalid::Queue(req.queue.clone()));
     }
-    if let Some(u) = &req.user {
-        if u.is_empty() || u.chars().count() > 128 || u.chars().any(char::is_control) {
-            return Err(Invalid::User);
-        }
+    if req.user.as_deref().is_some_and(|u| !label(u, 128)) {
+        return Err(Invalid::User);
     }
-    if let Some(r) = &req.run_id {
-        // Characters, not bytes: what the OpenAPI document's maxLength counts.
-        if r.is_empty() || r.chars().count() > 256 || r.chars().any(char::is_control) {
-            return Err(Invalid::RunId);
-        }
+    if req.run_id.as_deref().is_some_and(|r| !label(r, 256)) {
+        return Err(Invalid::RunId);
     }
     if let Some(u) = &req.callback_url {
         match url::Url::parse(u) {

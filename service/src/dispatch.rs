@@ -102,12 +102,12 @@ impl Limits {
                 let (key, value) = set
                     .split_once('=')
                     .ok_or_else(|| format!("{rule:?}: {set:?} is not KEY=NUMBER"))?;
-                let value = match value.trim() {
-                    "none" => None,
-                    v => Some(v.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                        format!("{rule:?}: {key}={v} must be a whole number of at least 1, or none")
-                    })?),
-                };
+                let value = count_or_none(value).ok_or_else(|| {
+                    format!(
+                        "{rule:?}: {key}={} must be a whole number of at least 1, or none",
+                        value.trim()
+                    )
+                })?;
                 match key.trim() {
                     "queued" => r.queued = Some(value),
                     "hourly" => r.hourly = Some(value),
@@ -144,6 +144,15 @@ impl Limits {
     }
 }
 
+/// A setting's number: a whole number of at least 1 (`Some(Some(n))`) or `none`
+/// (`Some(None)`: no limit); anything else is `None`.
+fn count_or_none(text: &str) -> Option<Option<u64>> {
+    match text.trim() {
+        "none" => Some(None),
+        n => n.parse::<u64>().ok().filter(|n| *n > 0).map(Some),
+    }
+}
+
 /// KERNELKITE_QUEUE_SLOTS, parsed: `QUEUE=N` pairs separated by `,` (`*=N` for every other
 /// queue); `N` may be `none`: not limited.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -161,12 +170,9 @@ impl Slots {
             if queue != "*" && !valid_name(queue) {
                 return Err(format!("{pair:?}: {queue:?} is not a queue name or *"));
             }
-            let n = match n.trim() {
-                "none" => None,
-                n => Some(n.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    format!("{pair:?}: the slots must be a whole number of at least 1, or none")
-                })?),
-            };
+            let n = count_or_none(n).ok_or_else(|| {
+                format!("{pair:?}: the slots must be a whole number of at least 1, or none")
+            })?;
             out.insert(queue.to_string(), n);
         }
         Ok(Slots(out))
@@ -259,6 +265,18 @@ pub struct Who {
     pub user: String,
     /// The class.
     pub class: Class,
+}
+
+impl Who {
+    /// `user` on `queue` in `class`; a submission that names no user is the shared
+    /// [`ANONYMOUS`] one's.
+    pub fn new(queue: &str, user: Option<&str>, class: Class) -> Who {
+        Who {
+            queue: queue.to_string(),
+            user: user.unwrap_or(ANONYMOUS).to_string(),
+            class,
+        }
+    }
 }
 
 /// A submission that left the queue: its build is to be created now.

@@ -164,11 +164,6 @@ impl FairQueue {
         self.waiting.is_empty()
     }
 
-    /// Whether `id` waits.
-    pub fn contains(&self, id: &str) -> bool {
-        self.by_id.contains_key(id)
-    }
-
     /// Removes a waiting submission (canceled, timed out); what it was.
     pub fn remove(&mut self, id: &str) -> Option<Ticket> {
         let t = self.by_id.remove(id)?;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 
 use crate::app::App;
-use crate::dispatch::{Restored, ANONYMOUS};
+use crate::dispatch::Restored;
 use crate::executor::{BuildEvent, BuildEventKind, Found, Launched, Recovered};
 use crate::reconcile::{Reconciler, MARGIN};
 use crate::report::report;
@@ -35,11 +35,7 @@ const FIRST_PASS_LIMIT: Duration = Duration::from_secs(30);
 /// and starts putting them right; `reconciler` makes the first pass over their builds.
 pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened) {
     for a in &reopened.accepted {
-        let who = crate::dispatch::Who {
-            queue: a.queue.clone(),
-            user: a.user.clone().unwrap_or_else(|| ANONYMOUS.to_string()),
-            class: a.class,
-        };
+        let who = crate::dispatch::Who::new(&a.queue, a.user.as_deref(), a.class);
         app.dispatch.restore_accepted(&who, a.created_at_ms);
     }
     let pending = reopened.pending;

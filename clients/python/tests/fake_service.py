@@ -22,6 +22,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from stack import LoopbackServer
+
 TERMINAL = {"succeeded", "failed", "canceled", "timed_out"}
 REASONS = {200: "OK", 202: "Accepted", 401: "Unauthorized", 404: "Not Found"}
 
@@ -118,7 +120,7 @@ class FakeSubmission:
         return n
 
 
-class FakeService:
+class FakeService(LoopbackServer):
     """The stand-in service. `quota = (message, retry_after)` answers the next POSTs `429`;
     `refuse_events` answers `/events` with `503` (so `follow` falls back to long-polling);
     `on_submit(sub)` runs for each new submission (a cached answer moves it on at once)."""
@@ -131,17 +133,6 @@ class FakeService:
         self.quota: tuple[str, str | None] | None = None
         self.refuse_events = False
         self.on_submit: Any = None
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> FakeService:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def aclose(self) -> None:
         for sub in self.submissions.values():

@@ -19,7 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -323,7 +323,26 @@ def local_mode_supported() -> tuple[bool, str]:
     return False, "local mode not available in this build"
 
 
-class TcpProxy:
+class LoopbackServer:
+    """A server on a free loopback port; `_handle` serves each connection."""
+
+    port = 0
+    _server: asyncio.Server | None = None
+
+    async def start(self) -> Self:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class TcpProxy(LoopbackServer):
     """A loopback TCP proxy in front of the service: it records each connection's request
     head and can cut every open connection, or refuse those whose request matches a text."""
 
@@ -332,17 +351,6 @@ class TcpProxy:
         self.heads: list[str] = []
         self.refuse_containing: str | None = None
         self._open: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.base_events.Server | None = None
-        self.port = 0
-
-    async def start(self) -> TcpProxy:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
