@@ -302,9 +302,9 @@ class KernelkiteClient:
 
         `user` (the backend's user id, 1-128 characters, no control characters) is who the
         service's fair share and quotas count the run for; `priority` its class (`PRIORITIES`;
-        the service's default: `ranked` for a `leaderboard` config, else `test`); `cache`
-        False never answers it from the service's result cache, True lets the cache answer a
-        `leaderboard` run too. Each is sent only when given. Over a quota the service refuses
+        the service's default: `ranked` for a `leaderboard` or `private` config, else `test`);
+        `cache` False never answers it from the service's result cache, True lets the cache
+        answer a run of any mode. Each is sent only when given. Over a quota the service refuses
         with `QuotaExceeded` (429), saying which limit and when it frees.
         """
         body: dict[str, Any] = {"config": dict(config), "queue": queue}
