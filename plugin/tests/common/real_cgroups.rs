@@ -1,11 +1,14 @@
 //! What the real-cgroup tests share (`hooks_cgroup_real*.rs`): a check that this machine's
-//! cgroups are usable (else the test is skipped with the reason), guards that remove a test's
-//! job cgroups however it ends, a run dir shared by every test of a binary (as every agent on
-//! a node shares one), and agents bound to one GPU of a plan whose slices sit on one CPU.
-//! Included with `#[path]` by test crates that also declare `mod agent;`.
+//! cgroups are usable (else the test is skipped with the reason), the node's turn (tests on the
+//! shared run dir side by side, a test with a run dir of its own alone), guards that remove a
+//! test's job cgroups however it ends, a run dir shared by every test of a binary (as every
+//! agent on a node shares one), and agents bound to one GPU of a plan whose slices sit on one
+//! CPU. Included with `#[path]` by test crates that also declare `mod agent;`.
 #![allow(dead_code)]
 
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
@@ -65,9 +68,59 @@ pub fn claim(job: &str) {
     std::fs::write(path, serde_json::to_string(&state).unwrap()).unwrap();
 }
 
+/// The node's job cgroups, as the tests of one binary take turns at them. Every `environment`
+/// hook looks at every job cgroup of the node: one with running processes and no state in the
+/// hook's run dir is another instance's, and the hook refuses to start. Tests on the shared run
+/// dir may therefore run side by side; a test with a run dir of its own (the sandbox tests,
+/// which check that their run dir is left as it was) must run alone, or its jobs and the
+/// others' make each other's hooks refuse.
+static NODE: RwLock<()> = RwLock::new(());
+
+/// A test's turn at the node, held until the test ends.
+pub enum Turn {
+    Shared(RwLockReadGuard<'static, ()>),
+    Alone(RwLockWriteGuard<'static, ()>),
+}
+
+/// The turn of a test whose jobs use the shared run dir.
+pub fn shared_turn() -> Turn {
+    Turn::Shared(NODE.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// The turn of a test whose jobs use a run dir of their own: no other real-cgroup test runs.
+pub fn turn_alone() -> Turn {
+    Turn::Alone(NODE.write().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// This machine's cgroups as the hooks will use them, and the test's turn at them.
+pub struct RealCgroups {
+    cg: Cgroups,
+    _turn: Turn,
+}
+
+impl Deref for RealCgroups {
+    type Target = Cgroups;
+    fn deref(&self) -> &Cgroups {
+        &self.cg
+    }
+}
+
+/// This machine's cgroups, for a test on the shared run dir ([`shared_turn`]); `None`, after
+/// recording why the test is skipped, when not root or not writable.
+pub fn real_cgroups() -> Option<RealCgroups> {
+    let turn = shared_turn();
+    usable_cgroups().map(|cg| RealCgroups { cg, _turn: turn })
+}
+
+/// [`real_cgroups`] for a test whose jobs use a run dir of their own ([`turn_alone`]).
+pub fn real_cgroups_alone() -> Option<RealCgroups> {
+    let turn = turn_alone();
+    usable_cgroups().map(|cg| RealCgroups { cg, _turn: turn })
+}
+
 /// This machine's cgroups as the hooks will use them, once a probe cgroup could be created;
 /// `None`, after recording why the test is skipped, when not root or not writable.
-pub fn real_cgroups() -> Option<Cgroups> {
+fn usable_cgroups() -> Option<Cgroups> {
     if !rustix::process::geteuid().is_root() {
         kernelkite_testkit::skip("real cgroup tests need root");
         return None;

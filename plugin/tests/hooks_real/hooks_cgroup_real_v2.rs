@@ -9,11 +9,11 @@ use crate::real_cgroups;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use real_cgroups::{alive, unique, wait_for_file};
+use real_cgroups::{alive, claim, shared_turn, state_file, unique, wait_for_file, Turn};
 
 #[test]
 fn real_cgroup_v2_kills_a_daemonized_grandchild() {
-    let Some((v2, name, dir)) = real_v2("v2", "") else {
+    let Some((v2, name, dir, _claim)) = real_v2("v2", "") else {
         return;
     };
     let _guard = scopeguard(v2.clone(), name.clone());
@@ -34,7 +34,7 @@ fn real_cgroup_v2_kills_a_daemonized_grandchild() {
 
 #[test]
 fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
-    let Some((v2, name, dir)) = real_v2("clone3", "") else {
+    let Some((v2, name, dir, _claim)) = real_v2("clone3", "") else {
         return;
     };
     let _guard = scopeguard(v2.clone(), name.clone());
@@ -80,7 +80,7 @@ fn real_cgroup_v2_command_is_born_inside_its_cgroup() {
 #[test]
 fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
     let deep = vec!["d"; kernelkite_hooks::cgroup::MAX_TREE_DEPTH + 2].join("/");
-    let Some((v2, name, dir)) = real_v2("v2hidden", &deep) else {
+    let Some((v2, name, dir, _claim)) = real_v2("v2hidden", &deep) else {
         return;
     };
     let leaf = dir.join(&deep);
@@ -114,7 +114,7 @@ fn real_cgroup_v2_kills_a_process_hidden_below_the_walk_bound() {
 
 #[test]
 fn real_cgroup_v2_kills_and_removes_nested_child_cgroups() {
-    let Some((v2, name, dir)) = real_v2("v2nested", "sub/deeper") else {
+    let Some((v2, name, dir, _claim)) = real_v2("v2nested", "sub/deeper") else {
         return;
     };
     let leaf = dir.join("sub/deeper");
@@ -149,13 +149,33 @@ fn cgroup2_mount() -> Option<PathBuf> {
         .map(|m| PathBuf::from(m.mount_point))
 }
 
+/// A job the test made directly on the cgroup2 mount, claimed as live in the shared run dir
+/// for as long as the test runs: on a machine whose job cgroups are v2 the hooks of the tests
+/// beside it see it, and would take an unclaimed one with processes for another instance's.
+struct V2Claim {
+    name: String,
+    _turn: Turn,
+}
+
+impl Drop for V2Claim {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(state_file(&self.name));
+    }
+}
+
 /// A fresh job cgroup on this machine's cgroup2 mount, with `sub` (a relative path, or "")
-/// created under it: (the v2 interface, the job's name, its directory). `None`, after saying
-/// why, where real cgroup v2 tests cannot run.
+/// created under it: (the v2 interface, the job's name, its directory, its claim). `None`,
+/// after saying why, where real cgroup v2 tests cannot run.
 fn real_v2(
     prefix: &str,
     sub: &str,
-) -> Option<(kernelkite_hooks::cgroup::v2::V2, String, std::path::PathBuf)> {
+) -> Option<(
+    kernelkite_hooks::cgroup::v2::V2,
+    String,
+    std::path::PathBuf,
+    V2Claim,
+)> {
+    let turn = shared_turn();
     if !rustix::process::geteuid().is_root() {
         kernelkite_testkit::skip("real cgroup tests need root");
         return None;
@@ -167,11 +187,16 @@ fn real_v2(
     let v2 = kernelkite_hooks::cgroup::v2::V2::new(mount.clone());
     let name = unique(prefix);
     let dir = v2.base().join(&name);
+    claim(&name);
+    let held = V2Claim {
+        name: name.clone(),
+        _turn: turn,
+    };
     if std::fs::create_dir_all(dir.join(sub)).is_err() {
         kernelkite_testkit::skip(format_args!("{} is not writable", mount.display()));
         return None;
     }
-    Some((v2, name, dir))
+    Some((v2, name, dir, held))
 }
 
 struct V2Guard(kernelkite_hooks::cgroup::v2::V2, String);

@@ -8,9 +8,10 @@
 //! each test starts a holder process in fresh mount and IPC namespaces with its own `/tmp`,
 //! `/var/tmp` and `/dev/shm`, and every hook runs inside them (`nsenter`), as if that were the
 //! host. A sandbox that leaked would leak there, where nothing else writes. The tests' files
-//! live under `CARGO_TARGET_TMPDIR` (not `/tmp`) so the hooks see them. Tests of this binary
-//! run one at a time: each has its own run dir, and an `environment` hook treats job cgroups
-//! without state in its run dir as a lost job's.
+//! live under `CARGO_TARGET_TMPDIR` (not `/tmp`) so the hooks see them. Each test has its own
+//! run dir, and an `environment` hook takes running job cgroups without state in its run dir
+//! for another instance's and refuses: so each runs alone, while no other test of the binary
+//! has a job on the node (`real_cgroups::turn_alone`).
 //!
 //! Skipped (counted as skipped) where not root or cgroups are not writable.
 
@@ -26,15 +27,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use agent::{output_text, Agent, Install, Job};
-use real_cgroups::{online_cpus, real_cgroups};
+use real_cgroups::{online_cpus, real_cgroups_alone};
 use serde_json::json;
-
-/// One sandbox test at a time (see the module's documentation).
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A job id prefix of this test process, so snapshots can tell our cgroups from others'.
 fn prefix() -> String {
@@ -427,8 +421,9 @@ impl Drop for RemovedAtEnd {
     }
 }
 
-fn needs_root_and_cgroups() -> Option<kernelkite_hooks::cgroup::Cgroups> {
-    let cg = real_cgroups()?;
+/// The machine's cgroups and this test's turn alone at them (see the module's documentation).
+fn needs_root_and_cgroups() -> Option<real_cgroups::RealCgroups> {
+    let cg = real_cgroups_alone()?;
     for tool in ["unshare", "nsenter", "ipcs", "ipcmk", "mknod"] {
         let found = Command::new("sh")
             .args(["-c", &format!("command -v {tool}")])
@@ -517,7 +512,6 @@ echo done
 
 #[test]
 fn every_escape_fails_and_the_node_is_left_as_it_was() {
-    let _one = serial();
     let Some(cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -749,7 +743,6 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
 
 #[test]
 fn a_kernelbot_evaluation_passes_inside_the_sandbox() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -865,7 +858,6 @@ if __name__ != "__main__":
 /// with the runner). The result is the runner's.
 #[test]
 fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -934,7 +926,6 @@ fn a_submission_cannot_stop_the_evaluator_or_forge_its_result() {
 /// (not even with `kill -9 -1`), and the node is the same afterwards.
 #[test]
 fn two_jobs_on_two_slices_cannot_reach_each_other() {
-    let _one = serial();
     let Some(cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -1020,7 +1011,6 @@ echo "survived kill -9 -1"
 /// the artifact reaches the host's checkout; and the node is the same afterwards.
 #[test]
 fn a_job_that_fills_its_disk_fails_clearly_and_the_host_disk_is_untouched() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -1073,7 +1063,6 @@ echo '{"ok": true}' > result.json
 
 #[test]
 fn root_needs_allow_root_and_then_runs_without_capabilities() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -1138,7 +1127,6 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
 
 #[test]
 fn a_missing_job_user_fails_the_job_before_anything_is_held() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -1161,7 +1149,6 @@ fn a_missing_job_user_fails_the_job_before_anything_is_held() {
 
 #[test]
 fn a_command_that_cannot_start_fails_the_step_with_the_reason() {
-    let _one = serial();
     let Some(_cg) = needs_root_and_cgroups() else {
         return;
     };
@@ -1208,7 +1195,6 @@ fn a_command_that_cannot_start_fails_the_step_with_the_reason() {
 /// its host node is reachable; and the node is the same afterwards.
 #[test]
 fn a_mig_slice_sees_only_its_own_mig_device() {
-    let _one = serial();
     let Some(cg) = needs_root_and_cgroups() else {
         return;
     };
