@@ -286,10 +286,16 @@ class Stack:
 
 def local_service(tmp: Path) -> Service:
     """`kernelkite-service serve --executor local` on a free port (not started): the runner
-    really runs each job on this machine, unsandboxed (these tests are about the client)."""
+    really runs each job on this machine, unsandboxed and without cgroups (these tests are
+    about the client). The run dir is the test's own and the cgroup root an empty directory:
+    the node's own (`/run/kernelkite`, its `kernelkite/` cgroups) are for the node's agents,
+    and a job left there when a test kills the service would be taken for another instance's
+    by every hook after it."""
     port = free_port()
     data = tmp / "data"
     data.mkdir(exist_ok=True)
+    no_cgroups = tmp / "no-cgroups"
+    no_cgroups.mkdir(exist_ok=True)
     bin_dir = str(service_bin().parent)
     env = {
         # The runner and the isolation hook are found beside the service binary.
@@ -298,6 +304,8 @@ def local_service(tmp: Path) -> Service:
         "KERNELKITE_LISTEN": f"127.0.0.1:{port}",
         "KERNELKITE_API_TOKEN": API_TOKEN,
         "KERNELKITE_DATA_DIR": str(data),
+        "KERNELKITE_RUN_DIR": str(tmp / "run"),
+        "KERNELKITE_CGROUP_ROOT": str(no_cgroups),
         # `auto` would depend on this machine's users.
         "KERNELKITE_LOCAL_SANDBOX": "off",
         # The tests send the same sample run again on purpose, to run it again.

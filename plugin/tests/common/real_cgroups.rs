@@ -65,7 +65,14 @@ pub fn claim(job: &str) {
     };
     let path = state_file(job);
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(path, serde_json::to_string(&state).unwrap()).unwrap();
+    // Atomic, as the hooks write state: a sweep that read a half-written file would take the
+    // job for a lost one and remove its state.
+    kernelkite_sys::fs::write_atomic(
+        &path,
+        serde_json::to_string(&state).unwrap().as_bytes(),
+        0o600,
+    )
+    .unwrap();
 }
 
 /// The node's job cgroups, as the tests of one binary take turns at them. Every `environment`
