@@ -995,7 +995,7 @@ impl App {
                     self.callbacks_due.notify_one();
                 }
                 // Its slot frees (or its place in the queue), and the next one starts.
-                self.dispatch.ended(&s.queue, &s.id, ran(s));
+                self.dispatch.ended(&s.queue, &s.id, s.ran());
                 self.pump(&s.queue, None);
             }
         }
@@ -1212,12 +1212,6 @@ impl App {
             None => format!("/v1/submissions/{id}"),
         }
     }
-}
-
-/// How long a submission ran: from `running` to its end (`None`: it never ran).
-fn ran(s: &Submission) -> Option<Duration> {
-    let start = s.history.iter().find(|t| t.state == State::Running)?.at;
-    (s.finished_at? - start).to_std().ok()
 }
 
 /// What an identical submission is found by: the SHA-256 of the runner version, the queue

@@ -37,8 +37,8 @@ pub const ANONYMOUS: &str = "anonymous";
 /// An hour, in ms: the window of the hourly quota.
 const HOUR_MS: i64 = 3_600_000;
 
-/// Run times kept per queue for the estimate.
-const RECENT_RUNS: usize = 32;
+/// Run times kept per queue for the estimate (and read back from the store on start).
+pub const RECENT_RUNS: usize = 32;
 
 /// The quotas of one queue and class (`None`: no limit).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -332,6 +332,14 @@ impl Line {
         self.runs.iter().sum::<Duration>() / self.runs.len() as u32
     }
 
+    /// Learns a run's measured time: the estimate is the mean of the last [`RECENT_RUNS`].
+    fn measured(&mut self, took: Duration) {
+        self.runs.push_back(took);
+        if self.runs.len() > RECENT_RUNS {
+            self.runs.pop_front();
+        }
+    }
+
     fn close(&mut self, class: Class, user: &str) {
         let key = (class, user.to_string());
         if let Some(n) = self.open.get_mut(&key) {
@@ -560,6 +568,16 @@ impl Dispatcher {
         );
     }
 
+    /// Learns a run of `queue` measured before a restart (oldest first), so the estimates and
+    /// the charges of the submissions restored after it start from the queue's own run times,
+    /// not the default.
+    pub fn restore_run(&self, queue: &str, took: Duration) {
+        self.lock()
+            .entry(queue.to_string())
+            .or_default()
+            .measured(took);
+    }
+
     /// Counts a submission accepted at `accepted_ms` (before a restart) for the hourly quota.
     pub fn restore_accepted(&self, who: &Who, accepted_ms: i64) {
         let mut lines = self.lock();
@@ -665,10 +683,7 @@ impl Dispatcher {
         line.close(run.class, &run.user);
         if let Some(took) = ran {
             line.fair.correct(run.class, &run.user, run.charged, took);
-            line.runs.push_back(took);
-            if line.runs.len() > RECENT_RUNS {
-                line.runs.pop_front();
-            }
+            line.measured(took);
         }
     }
 

@@ -34,6 +34,10 @@ const FIRST_PASS_LIMIT: Duration = Duration::from_secs(30);
 /// Reloads the submissions that had not ended (`pending`, read when the store was opened)
 /// and starts putting them right; `reconciler` makes the first pass over their builds.
 pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened) {
+    // The run times first: the submissions restored below are charged the queue's estimate.
+    for r in &reopened.runs {
+        app.dispatch.restore_run(&r.queue, r.took);
+    }
     for a in &reopened.accepted {
         let who = crate::dispatch::Who::new(&a.queue, a.user.as_deref(), a.class);
         app.dispatch.restore_accepted(&who, a.created_at_ms);

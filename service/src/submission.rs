@@ -203,6 +203,13 @@ pub enum Outcome {
 }
 
 impl Submission {
+    /// How long it ran: from `running` to its end (`None` before it ended, or when it never
+    /// ran: a cache answer, one canceled in the queue). What the queue's estimates learn from.
+    pub fn ran(&self) -> Option<std::time::Duration> {
+        let start = self.history.iter().find(|t| t.state == State::Running)?.at;
+        (self.finished_at? - start).to_std().ok()
+    }
+
     /// A new submission, `queued`.
     pub fn new(
         id: String,

@@ -161,6 +161,15 @@ pub struct Accepted {
     pub created_at_ms: i64,
 }
 
+/// A run's measured time, as a restart reads it back for its queue's estimate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ran {
+    /// Its queue.
+    pub queue: String,
+    /// From `running` to its end.
+    pub took: Duration,
+}
+
 /// What inserting a submission did.
 #[derive(Debug, Clone)]
 pub enum Inserted {
@@ -189,14 +198,17 @@ pub struct Pending {
     pub fair_tag: Option<u64>,
 }
 
-/// What a store opened with: the submissions that had not ended, and those queued in the last
-/// hour (the hourly quotas' count).
+/// What a store opened with: the submissions that had not ended, those queued in the last
+/// hour (the hourly quotas' count), and each queue's last runs (its estimated run time).
 #[derive(Debug, Clone, Default)]
 pub struct Reopened {
     /// Every submission that had not ended.
     pub pending: Vec<Pending>,
     /// The submissions queued in the last hour.
     pub accepted: Vec<Accepted>,
+    /// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs accepted in the
+    /// last week, oldest first.
+    pub runs: Vec<Ran>,
 }
 
 /// Now, unix milliseconds.

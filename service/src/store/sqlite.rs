@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     now_ms, Accepted, CallbackState, DueCallback, Durable, Inserted, NewCallback, NewSubmission,
-    Pending, Reopened, StoreError,
+    Pending, Ran, Reopened, StoreError,
 };
 use crate::executor::Job;
 use crate::fairshare::Class;
@@ -81,6 +81,7 @@ enum Op {
     NextCallbackAt,
     Job(String),
     Accepted(i64),
+    Runs(i64),
     Keyed {
         key: String,
         hash: String,
@@ -120,6 +121,7 @@ enum Reply {
     Job(Option<Box<Job>>),
     Keyed(Option<Inserted>),
     Accepted(Vec<Accepted>),
+    Runs(Vec<Ran>),
 }
 
 struct Request {
@@ -600,6 +602,9 @@ fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// How far back a start reads runs for the queues' estimates.
+const RUNS_WINDOW_MS: i64 = 7 * 24 * 3_600_000;
+
 /// Opens the connections (the writer's first: it checks the file and migrates), and reads
 /// the submissions that had not ended, on a helper thread: connecting needs no runtime, so
 /// this works in or out of one, and blocks only the caller.
@@ -634,7 +639,18 @@ fn open_connections(
                     Ok(_) => Vec::new(),
                     Err(e) => return Err(StoreError::Read(report(&e))),
                 };
-                let pending = Reopened { pending, accepted };
+                // Each queue's last runs, so its estimates survive a restart.
+                let since = now_ms().saturating_sub(RUNS_WINDOW_MS);
+                let runs = match read(&mut w, Op::Runs(since)).await {
+                    Ok(Reply::Runs(r)) => r,
+                    Ok(_) => Vec::new(),
+                    Err(e) => return Err(StoreError::Read(report(&e))),
+                };
+                let pending = Reopened {
+                    pending,
+                    accepted,
+                    runs,
+                };
                 let r = if reader {
                     Some(connect(&opts, &thread_path, false).await?)
                 } else {
@@ -1024,7 +1040,8 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
         }
         Op::Finish(s, callback) => {
             let done = sqlx::query(
-                "UPDATE submissions SET state = $2, terminal = 1, doc = $3, build_id = $4, build_number = $5, job = NULL
+                "UPDATE submissions SET state = $2, terminal = 1, doc = $3, build_id = $4, build_number = $5, job = NULL,
+                     ran_ms = $6
                  WHERE id = $1 AND terminal = 0",
             )
             .bind(&s.id)
@@ -1032,6 +1049,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             .bind(encode(&**s)?)
             .bind(s.build.as_ref().map(|b| b.id.clone()))
             .bind(s.build.as_ref().map(|b| b.number as i64))
+            .bind(s.ran().map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)))
             .execute(&mut *conn)
             .await?;
             let ended = done.rows_affected() == 1;
@@ -1084,6 +1102,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
         | Op::NextCallbackAt
         | Op::Job(_)
         | Op::Accepted(_)
+        | Op::Runs(_)
         | Op::Keyed { .. }
         | Op::Cached { .. } => Ok(Reply::Done(false)),
     }
@@ -1208,6 +1227,33 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 });
             }
             Ok(Reply::Accepted(out))
+        }
+        Op::Runs(since_ms) => {
+            // A window function keeps every queue's own last runs however busy the others
+            // are; the week bounds what a start reads (ran_ms is written as runs end).
+            let rows = sqlx::query(
+                "SELECT queue, ran_ms FROM (
+                     SELECT queue, ran_ms, created_at_ms, id,
+                            ROW_NUMBER() OVER (PARTITION BY queue ORDER BY created_at_ms DESC, id DESC) AS n
+                     FROM submissions
+                     WHERE created_at_ms >= $1 AND ran_ms IS NOT NULL AND queue IS NOT NULL
+                 ) AS recent
+                 WHERE n <= $2
+                 ORDER BY created_at_ms, id",
+            )
+            .bind(since_ms)
+            .bind(crate::dispatch::RECENT_RUNS as i64)
+            .fetch_all(&mut *conn)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                let ms: i64 = r.try_get(1)?;
+                out.push(Ran {
+                    queue: r.try_get(0)?,
+                    took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+                });
+            }
+            Ok(Reply::Runs(out))
         }
         Op::Cached { key, since_ms } => {
             let row = sqlx::query(
@@ -1618,7 +1664,7 @@ mod tests {
                     .fetch_all(&mut c)
                     .await
                     .unwrap();
-            assert_eq!(applied, [(1, true), (2, true)]);
+            assert_eq!(applied, [(1, true), (2, true), (3, true)]);
         }
         let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
         db.insert(new_sub(None)).await.unwrap();
@@ -1628,6 +1674,62 @@ mod tests {
             "the old submission is kept"
         );
         assert_eq!(pending.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn each_queue_s_last_runs_are_read_back_on_opening() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = chrono::Utc::now() - chrono::Duration::hours(1);
+        let at = |s: i64| t0 + chrono::Duration::seconds(s);
+        {
+            let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+            // Queue q: 40 runs of 1..=40 s; queue r: one of 7 s; and three that never ran.
+            let ran = |queue: &str, i: i64, secs: Option<i64>| {
+                let mut n = new_sub(None);
+                n.sub.queue = queue.into();
+                n.sub.created_at = at(i);
+                let db = &db;
+                async move {
+                    db.insert(n.clone()).await.unwrap();
+                    let mut s = n.sub;
+                    let start = at(i + 1);
+                    if let Some(secs) = secs {
+                        s.advance(State::Running, start);
+                        s.finish(
+                            Outcome::Failed("done".into()),
+                            start + chrono::Duration::seconds(secs),
+                        );
+                    } else {
+                        s.finish(Outcome::Canceled("in the queue".into()), start);
+                    }
+                    assert!(db.finish(&s, None).await.unwrap());
+                }
+            };
+            for i in 1..=40 {
+                ran("q", i, Some(i)).await;
+            }
+            ran("r", 5, Some(7)).await;
+            ran("q", 50, None).await;
+            ran("r", 51, None).await;
+            // One still running: no run time yet.
+            let mut open = new_sub(None);
+            open.sub.created_at = at(60);
+            db.insert(open.clone()).await.unwrap();
+        }
+        let (_db, reopened) =
+            Sqlite::open_with_pending(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let of = |q: &str| -> Vec<u64> {
+            reopened
+                .runs
+                .iter()
+                .filter(|r| r.queue == q)
+                .map(|r| r.took.as_secs())
+                .collect()
+        };
+        let last: Vec<u64> = (9..=40).collect();
+        assert_eq!(of("q"), last, "q's last 32, oldest first");
+        assert_eq!(of("r"), [7], "r's own, however busy q is");
+        assert_eq!(reopened.runs.len(), 33);
     }
 
     #[test]
@@ -1640,7 +1742,8 @@ mod tests {
             checksums,
             [
                 "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
-                "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59"
+                "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59",
+                "6ebbd961c7b5f4a6cfab5f7114e0a1b79731d6d56d3b6a6940e1afe45ac894d01e6421def27a3a50663c33f3c59acb86"
             ]
         );
     }

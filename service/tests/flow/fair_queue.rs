@@ -513,6 +513,45 @@ async fn the_queue_keeps_its_order_and_counters_across_a_restart() {
     assert!(body["error"].as_str().unwrap().contains("hour"), "{body}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_s_measured_run_time_survives_a_restart() {
+    let data = tempfile::tempdir().unwrap();
+    let tweak = |c: &mut Config| {
+        c.fair.cache = false;
+        c.store.data_dir = Some(data.path().to_path_buf());
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=1").unwrap();
+    };
+    let s = service(tweak).await;
+    let first = s.submit("u", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    s.finish(1).await;
+    s.wait_ended(&first).await;
+    let measured = queue_status(&s.http, &s.base).await["estimated_run_s"]
+        .as_f64()
+        .unwrap();
+    assert!((0.4..5.0).contains(&measured), "{measured}");
+    drop(s);
+
+    // The default (60 s) would say every place waits a minute per run ahead of it.
+    let s = service(tweak).await;
+    let status = queue_status(&s.http, &s.base).await;
+    let restored = status["estimated_run_s"].as_f64().unwrap();
+    assert!(
+        (restored - measured).abs() < 0.002,
+        "the estimate after the restart: {restored}, before: {measured}"
+    );
+    let ids = [
+        s.submit("u", None, config(2)).await,
+        s.submit("v", None, config(3)).await,
+    ];
+    s.slots.wait_launched(1).await;
+    s.places(&ids).await;
+    let waiting = s.get(&ids[1]).await;
+    let wait = waiting["place"]["estimated_wait_s"].as_f64().unwrap();
+    assert!(wait <= restored + 0.1, "{waiting}");
+}
+
 /// Reads SSE events (name, data, whether it had an `id:`) from `stream` until `until` holds
 /// for the last one.
 async fn read_events(
