@@ -176,11 +176,16 @@ impl App {
     ) -> Result<Arc<App>, ConfigError> {
         cfg.check()?;
         let queues = Arc::new(Queues::for_executor(&cfg, executor.as_ref()));
+        let mut dispatch = Dispatcher::new(
+            cfg.fair.queue_limits.clone(),
+            Duration::from_secs(cfg.fair.queue_estimate_s),
+        );
+        // An executor with slots of its own runs every queue on them (local mode's slices).
+        if executor.slots().is_some() {
+            dispatch = dispatch.one_line();
+        }
         Ok(Arc::new(App {
-            dispatch: Dispatcher::new(
-                cfg.fair.queue_limits.clone(),
-                Duration::from_secs(cfg.fair.queue_estimate_s),
-            ),
+            dispatch,
             queues,
             places_due: Arc::new(Notify::new()),
             launchers: Mutex::new(std::collections::HashMap::new()),
@@ -499,13 +504,15 @@ impl App {
         Who::new(&sub.queue, sub.user.as_deref(), sub.priority)
     }
 
-    /// How many submissions of `queue` may be started at once (`None`: not limited):
+    /// How many submissions of `queue`'s line may be started at once (`None`: not limited):
     /// KERNELKITE_QUEUE_SLOTS (`none`: not limited), else the executor's own slots (the
-    /// local executor's slices), else the queue's connected Buildkite agents as last fetched
-    /// (`crate::queues`): none connected, or none fetched yet, is no slot (the queue holds its
-    /// submissions, in order, until agents connect); counts that cannot be had at all (the
-    /// token cannot list agents) do not limit, as before the queue.
+    /// local executor's slices, one line for every queue), else the queue's connected
+    /// Buildkite agents as last fetched (`crate::queues`): none connected, or none fetched
+    /// yet, is no slot (the queue holds its submissions, in order, until agents connect);
+    /// counts that cannot be had at all (the token cannot list agents) do not limit, as
+    /// before the queue.
     pub fn capacity(&self, queue: &str) -> Option<u64> {
+        let queue = self.dispatch.line(queue);
         if let Some(set) = self.cfg.fair.queue_slots.of(queue) {
             return set;
         }
@@ -530,6 +537,7 @@ impl App {
     /// created (from `ready`, the job in hand, when it is that one; else from the store's
     /// copy).
     fn start_ready(self: &Arc<Self>, queue: &str, slots: Option<u64>, mut ready: Option<Job>) {
+        let queue = self.dispatch.line(queue);
         for s in self.dispatch.take(queue, slots) {
             self.store.set_place(&s.id, None);
             self.metrics

@@ -493,7 +493,8 @@ pub struct FairConfig {
     /// Slots per queue: `QUEUE=N` pairs separated by commas, `*=N` for the rest; `N` may be
     /// `none`: not limited (builds wait in Buildkite; for autoscaled agents). A queue without
     /// one has the local executor's slices, else its connected Buildkite agents (none
-    /// connected: the queue waits for one).
+    /// connected: the queue waits for one). Local mode has one line, `local`, for every
+    /// queue name.
     #[arg(long, env = "KERNELKITE_QUEUE_SLOTS", default_value = "", value_parser = crate::dispatch::Slots::parse)]
     pub queue_slots: crate::dispatch::Slots,
 

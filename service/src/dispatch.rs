@@ -421,11 +421,17 @@ pub struct LineStatus {
     pub estimated_wait_s: f64,
 }
 
+/// The one line of a node that runs every queue on the same slices (local mode), as the
+/// queue status and metrics name it.
+pub const NODE_LINE: &str = "local";
+
 /// Every queue's line, under one lock.
 #[derive(Debug)]
 pub struct Dispatcher {
     limits: Limits,
     default_estimate: Duration,
+    /// Every queue waits in this one line ([`Dispatcher::one_line`]).
+    one_line: Option<&'static str>,
     lines: Mutex<HashMap<String, Line>>,
 }
 
@@ -436,8 +442,23 @@ impl Dispatcher {
         Dispatcher {
             limits,
             default_estimate,
+            one_line: None,
             lines: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Every queue name waits in one line, [`NODE_LINE`]: an executor whose slots are one
+    /// node's, whatever the queue (local mode), starts no more than the node has, in one
+    /// order, and each submission's place counts everything ahead of it on the node.
+    /// Quotas are still looked up by the queue's name; the counts are the line's.
+    pub fn one_line(mut self) -> Dispatcher {
+        self.one_line = Some(NODE_LINE);
+        self
+    }
+
+    /// The line `queue` waits in.
+    pub fn line<'a>(&self, queue: &'a str) -> &'a str {
+        self.one_line.unwrap_or(queue)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Line>> {
@@ -455,7 +476,7 @@ impl Dispatcher {
     ) -> Result<Admission, OverQuota> {
         let limit = self.limits.of(&who.queue, who.class);
         let mut lines = self.lock();
-        let line = lines.entry(who.queue.clone()).or_default();
+        let line = lines.entry(self.line(&who.queue).to_string()).or_default();
         let key = (who.class, who.user.clone());
         let estimate = line.estimate(self.default_estimate);
         if let Some(max) = limit.queued {
@@ -505,7 +526,7 @@ impl Dispatcher {
     /// idempotency key returned an earlier one).
     pub fn withdraw(&self, who: &Who, admission: Admission, now_ms: i64) {
         let mut lines = self.lock();
-        let Some(line) = lines.get_mut(&who.queue) else {
+        let Some(line) = lines.get_mut(self.line(&who.queue)) else {
             return;
         };
         line.close(who.class, &who.user);
@@ -522,7 +543,7 @@ impl Dispatcher {
     /// Puts an admitted submission in its queue.
     pub fn enqueue(&self, who: &Who, id: &str, arrival_us: i64, admission: Admission) {
         let mut lines = self.lock();
-        let line = lines.entry(who.queue.clone()).or_default();
+        let line = lines.entry(self.line(&who.queue).to_string()).or_default();
         line.fair.push(Ticket {
             class: who.class,
             tag: admission.tag,
@@ -542,7 +563,7 @@ impl Dispatcher {
     /// Takes a submission that was open before a restart back, with the tag it was given.
     pub fn restore(&self, who: &Who, id: &str, tag: u64, arrival_us: i64, how: Restored) {
         let mut lines = self.lock();
-        let line = lines.entry(who.queue.clone()).or_default();
+        let line = lines.entry(self.line(&who.queue).to_string()).or_default();
         let charged = line.estimate(self.default_estimate);
         let ticket = Ticket {
             class: who.class,
@@ -573,7 +594,7 @@ impl Dispatcher {
     /// not the default.
     pub fn restore_run(&self, queue: &str, took: Duration) {
         self.lock()
-            .entry(queue.to_string())
+            .entry(self.line(queue).to_string())
             .or_default()
             .measured(took);
     }
@@ -581,7 +602,7 @@ impl Dispatcher {
     /// Counts a submission accepted at `accepted_ms` (before a restart) for the hourly quota.
     pub fn restore_accepted(&self, who: &Who, accepted_ms: i64) {
         let mut lines = self.lock();
-        let line = lines.entry(who.queue.clone()).or_default();
+        let line = lines.entry(self.line(&who.queue).to_string()).or_default();
         let recent = line
             .recent
             .entry((who.class, who.user.clone()))
@@ -594,7 +615,7 @@ impl Dispatcher {
     /// every one).
     pub fn take(&self, queue: &str, slots: Option<u64>) -> Vec<Started> {
         let mut lines = self.lock();
-        let Some(line) = lines.get_mut(queue) else {
+        let Some(line) = lines.get_mut(self.line(queue)) else {
             return Vec::new();
         };
         let mut out = Vec::new();
@@ -633,7 +654,7 @@ impl Dispatcher {
     /// tag moves its class's clock, as a start does.
     pub fn adopted(&self, queue: &str, id: &str) {
         let mut lines = self.lock();
-        let Some(line) = lines.get_mut(queue) else {
+        let Some(line) = lines.get_mut(self.line(queue)) else {
             return;
         };
         if let Some(run) = line.running.get(id) {
@@ -646,7 +667,7 @@ impl Dispatcher {
     /// of it was found, so it waits for a slot again, in its old place.
     pub fn requeue(&self, queue: &str, id: &str) {
         let mut lines = self.lock();
-        let Some(line) = lines.get_mut(queue) else {
+        let Some(line) = lines.get_mut(self.line(queue)) else {
             return;
         };
         let Some(run) = line.running.remove(id) else {
@@ -668,7 +689,7 @@ impl Dispatcher {
     /// estimate.
     pub fn ended(&self, queue: &str, id: &str, ran: Option<Duration>) {
         let mut lines = self.lock();
-        let Some(line) = lines.get_mut(queue) else {
+        let Some(line) = lines.get_mut(self.line(queue)) else {
             return;
         };
         if let Some(t) = line.fair.remove(id) {
@@ -690,7 +711,7 @@ impl Dispatcher {
     /// Every waiting submission of `queue` with its place, in order.
     pub fn places(&self, queue: &str, slots: Option<u64>) -> Vec<(String, Place)> {
         let lines = self.lock();
-        let Some(line) = lines.get(queue) else {
+        let Some(line) = lines.get(self.line(queue)) else {
             return Vec::new();
         };
         let estimate = line.estimate(self.default_estimate);
@@ -715,7 +736,7 @@ impl Dispatcher {
     pub fn status(&self, queue: &str, slots: Option<u64>) -> LineStatus {
         let lines = self.lock();
         let empty = Line::default();
-        let line = lines.get(queue).unwrap_or(&empty);
+        let line = lines.get(self.line(queue)).unwrap_or(&empty);
         let estimate = line.estimate(self.default_estimate);
         // A new `test` submission of a new user waits behind every `admin` and `ranked`
         // one and the `test` ones tagged at or before the class's clock; behind all of them
@@ -862,6 +883,49 @@ mod tests {
         );
         d.ended("h100", &started[0].id, Some(Duration::from_secs(30)));
         d.admit(&heavy, 0, Some(1)).unwrap();
+    }
+
+    #[test]
+    fn one_line_starts_no_more_than_the_node_has_in_one_order_whatever_the_queue() {
+        let d = Dispatcher::new(Limits::default(), Duration::from_secs(60)).one_line();
+        let on = |queue: &str, user: &str| Who::new(queue, Some(user), Class::Test);
+        let users = [("h100", "a"), ("mi300", "b"), ("h100", "a"), ("mi300", "c")];
+        for (n, (queue, user)) in users.into_iter().enumerate() {
+            let w = on(queue, user);
+            let a = d.admit(&w, 0, Some(2)).unwrap();
+            d.enqueue(&w, &format!("{queue}-{user}-{n}"), n as i64, a);
+        }
+        assert_eq!(d.line("h100"), NODE_LINE);
+        assert_eq!(d.busy_queues(), [NODE_LINE]);
+        // Two slots for the node, not two per queue name: a and b first (fair share), then c
+        // (a's second is behind every other user's first).
+        let started: Vec<String> = d.take("h100", Some(2)).into_iter().map(|s| s.id).collect();
+        assert_eq!(started, ["h100-a-0", "mi300-b-1"]);
+        assert!(d.take("mi300", Some(2)).is_empty(), "the node is full");
+        let waiting: Vec<(String, u64)> = d
+            .places("mi300", Some(2))
+            .into_iter()
+            .map(|(id, p)| (id, p.position))
+            .collect();
+        assert_eq!(
+            waiting,
+            [("mi300-c-3".to_string(), 1), ("h100-a-2".to_string(), 2)]
+        );
+        assert_eq!(d.status("h100", Some(2)), d.status("mi300", Some(2)));
+        assert_eq!(d.status("h100", Some(2)).started, 2);
+        // An h100 run ends: the first in the node's line starts, an mi300 one.
+        d.ended("h100", "h100-a-0", Some(Duration::from_secs(30)));
+        let next: Vec<String> = d.take("h100", Some(2)).into_iter().map(|s| s.id).collect();
+        assert_eq!(next, ["mi300-c-3"]);
+        // Without one line, each queue name has its own slots.
+        let d = Dispatcher::new(Limits::default(), Duration::from_secs(60));
+        for (i, queue) in ["h100", "mi300"].into_iter().enumerate() {
+            let w = on(queue, "a");
+            let a = d.admit(&w, 0, Some(1)).unwrap();
+            d.enqueue(&w, queue, i as i64, a);
+        }
+        assert_eq!(d.take("h100", Some(1)).len(), 1);
+        assert_eq!(d.take("mi300", Some(1)).len(), 1);
     }
 
     #[test]

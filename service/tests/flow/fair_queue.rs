@@ -27,6 +27,8 @@ struct Slots {
     changed: tokio::sync::Notify,
     /// Its runner reports it could not evaluate (`success: false`, a machine's fault).
     runner_fails: std::sync::atomic::AtomicBool,
+    /// Slots of its own, one node's for every queue (as the local executor's slices are).
+    node_slots: Option<u64>,
 }
 
 impl Executor for Slots {
@@ -51,6 +53,10 @@ impl Executor for Slots {
                 running: true,
             })
         })
+    }
+
+    fn slots(&self) -> Option<u64> {
+        self.node_slots
     }
 
     fn cancel<'a>(&'a self, _: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>> {
@@ -108,10 +114,14 @@ impl Drop for Service {
 }
 
 async fn service(tweak: impl FnOnce(&mut Config)) -> Service {
+    service_on(Slots::default(), tweak).await
+}
+
+async fn service_on(slots: Slots, tweak: impl FnOnce(&mut Config)) -> Service {
     let mut cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
     cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=2").unwrap();
     tweak(&mut cfg);
-    let slots = Arc::new(Slots::default());
+    let slots = Arc::new(slots);
     let app = kernelkite_service::cli::serve::start(cfg, slots.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -511,6 +521,62 @@ async fn the_queue_keeps_its_order_and_counters_across_a_restart() {
     assert_eq!(r.status().as_u16(), 429, "u's fifth this hour");
     let body: Value = r.json().await.unwrap();
     assert!(body["error"].as_str().unwrap().contains("hour"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_on_one_node_share_its_slots_and_one_line() {
+    // An executor with slots of its own (local mode's slices) runs every queue on them.
+    let node = Slots {
+        node_slots: Some(2),
+        ..Slots::default()
+    };
+    let s = service_on(node, |c| {
+        c.fair.cache = false;
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("").unwrap();
+    })
+    .await;
+    let mut ids = Vec::new();
+    for (i, (queue, user)) in [("h100", "a"), ("mi300", "b"), ("h100", "a"), ("mi300", "c")]
+        .into_iter()
+        .enumerate()
+    {
+        let body = json!({"config": config(i), "queue": queue, "user": user});
+        let r = s.post(body).await;
+        assert_eq!(r.status().as_u16(), 202);
+        ids.push(
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    s.slots.wait_launched(2).await;
+    let waiting = s.places(&ids).await;
+    assert_eq!(
+        s.slots.ids(),
+        [ids[0].clone(), ids[1].clone()],
+        "two for the node"
+    );
+    assert_eq!(
+        waiting,
+        [ids[3].clone(), ids[2].clone()],
+        "one line: c before a's second"
+    );
+    for queue in ["h100", "mi300"] {
+        let r = s.http.get(format!("{}/v1/queues/{queue}", s.base)).send();
+        let status: Value = r.await.unwrap().json().await.unwrap();
+        assert_eq!(
+            (&status["waiting"], &status["started"]),
+            (&json!(2), &json!(2)),
+            "{status}"
+        );
+    }
+    // An h100 run ends: the first in the node's line starts, though it is an mi300 one.
+    s.finish(1).await;
+    s.slots.wait_launched(3).await;
+    assert_eq!(s.slots.ids()[2], ids[3]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(s.slots.ids().len(), 3, "still two at once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
