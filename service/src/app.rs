@@ -24,7 +24,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::config::{Config, ConfigError};
-use crate::dispatch::{Dispatcher, Who};
+use crate::dispatch::{Dispatcher, Who, NODE_LINE};
 use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
 use crate::fairshare::Class;
@@ -182,6 +182,10 @@ impl App {
         );
         // An executor with slots of its own runs every queue on them (local mode's slices).
         if executor.slots().is_some() {
+            let names = cfg.fair.queue_slots.names();
+            if let Some(q) = names.into_iter().find(|q| !["*", NODE_LINE].contains(q)) {
+                return Err(ConfigError::QueueSlotsOfOneLine(q.to_string()));
+            }
             dispatch = dispatch.one_line();
         }
         Ok(Arc::new(App {

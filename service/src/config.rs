@@ -97,6 +97,9 @@ pub enum ConfigError {
         /// The value.
         value: String,
     },
+    /// KERNELKITE_QUEUE_SLOTS names a queue where every queue waits in the node's one line.
+    #[error("KERNELKITE_QUEUE_SLOTS names queue {0:?}, but this executor runs every queue on the node's slices, in one line: set `local=N` (or `*=N`) for the node, or leave it unset to use every slice")]
+    QueueSlotsOfOneLine(String),
     /// BUILDKITE_API_TOKEN is empty.
     #[error("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts")]
     EmptyApiToken,

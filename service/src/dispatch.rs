@@ -159,6 +159,11 @@ fn count_or_none(text: &str) -> Option<Option<u64>> {
 pub struct Slots(BTreeMap<String, Option<u64>>);
 
 impl Slots {
+    /// The queue names it sets (`*` included).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+
     /// Parses the setting.
     pub fn parse(text: &str) -> Result<Slots, String> {
         let mut out = BTreeMap::new();
@@ -461,6 +466,14 @@ impl Dispatcher {
         self.one_line.unwrap_or(queue)
     }
 
+    /// What a quota refusal says the user's submissions were counted on.
+    fn counted_on(&self, queue: &str) -> String {
+        match self.one_line {
+            Some(_) => format!("this node (every queue on it, {queue} too)"),
+            None => queue.to_string(),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Line>> {
         // Plain values: a panic elsewhere while holding it leaves nothing half-done.
         self.lines.lock().unwrap_or_else(|p| p.into_inner())
@@ -483,7 +496,7 @@ impl Dispatcher {
             if line.open.get(&key).copied().unwrap_or(0) >= max {
                 return Err(OverQuota::Queued {
                     user: who.user.clone(),
-                    queue: who.queue.clone(),
+                    queue: self.counted_on(&who.queue),
                     class: who.class.as_str(),
                     limit: max,
                     retry_after_s: line.next_end_of(&who.user, who.class, estimate, slots),
@@ -506,7 +519,7 @@ impl Dispatcher {
                 let frees_in_ms = (oldest + HOUR_MS - now_ms).max(1000);
                 return Err(OverQuota::Hourly {
                     user: who.user.clone(),
-                    queue: who.queue.clone(),
+                    queue: self.counted_on(&who.queue),
                     class: who.class.as_str(),
                     limit: max,
                     retry_after_s: u64::try_from(frees_in_ms).unwrap_or(1000).div_ceil(1000),
@@ -917,6 +930,23 @@ mod tests {
         d.ended("h100", "h100-a-0", Some(Duration::from_secs(30)));
         let next: Vec<String> = d.take("h100", Some(2)).into_iter().map(|s| s.id).collect();
         assert_eq!(next, ["mi300-c-3"]);
+        // Quotas are looked up by the queue's name and counted on the node's line; a
+        // refusal says so.
+        let d1 = Dispatcher::new(
+            Limits::parse("h100:queued=1").unwrap(),
+            Duration::from_secs(60),
+        )
+        .one_line();
+        let w = on("mi300", "a");
+        let a = d1.admit(&w, 0, Some(2)).unwrap();
+        d1.enqueue(&w, "m", 0, a);
+        let e = d1.admit(&on("h100", "a"), 0, Some(2)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("on this node (every queue on it, h100 too)"),
+            "{e}"
+        );
+        d1.admit(&on("mi300", "a"), 0, Some(2)).unwrap();
         // Without one line, each queue name has its own slots.
         let d = Dispatcher::new(Limits::default(), Duration::from_secs(60));
         for (i, queue) in ["h100", "mi300"].into_iter().enumerate() {

@@ -205,9 +205,12 @@ pub enum Outcome {
 impl Submission {
     /// How long it ran: from `running` to its end (`None` before it ended, or when it never
     /// ran: a cache answer, one canceled in the queue). What the queue's estimates learn from.
+    /// At most its `timeout_s`: an end seen only after the service was down (recovery
+    /// collects it) would otherwise count the outage as run time.
     pub fn ran(&self) -> Option<std::time::Duration> {
         let start = self.history.iter().find(|t| t.state == State::Running)?.at;
-        (self.finished_at? - start).to_std().ok()
+        let took = (self.finished_at? - start).to_std().ok()?;
+        Some(took.min(std::time::Duration::from_secs(self.timeout_s)))
     }
 
     /// A new submission, `queued`.
@@ -343,6 +346,27 @@ mod tests {
 
     fn sub() -> Submission {
         Submission::new("s".into(), "h100".into(), None, None, 60, Utc::now())
+    }
+
+    #[test]
+    fn a_run_time_is_from_running_to_the_end_and_at_most_the_timeout() {
+        let t0 = Utc::now();
+        let mut s = sub();
+        assert_eq!(s.ran(), None, "not ended");
+        s.advance(State::Running, t0 + chrono::Duration::seconds(5));
+        s.finish(
+            Outcome::Failed("x".into()),
+            t0 + chrono::Duration::seconds(45),
+        );
+        assert_eq!(s.ran(), Some(std::time::Duration::from_secs(40)));
+        // An end seen two hours late (the service was down): the timeout, not the outage.
+        let mut late = sub();
+        late.advance(State::Running, t0);
+        late.finish(Outcome::Failed("x".into()), t0 + chrono::Duration::hours(2));
+        assert_eq!(late.ran(), Some(std::time::Duration::from_secs(60)));
+        let mut never = sub();
+        never.finish(Outcome::Canceled("in the queue".into()), t0);
+        assert_eq!(never.ran(), None, "never ran");
     }
 
     #[test]

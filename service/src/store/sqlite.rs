@@ -1041,7 +1041,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
         Op::Finish(s, callback) => {
             let done = sqlx::query(
                 "UPDATE submissions SET state = $2, terminal = 1, doc = $3, build_id = $4, build_number = $5, job = NULL,
-                     ran_ms = $6
+                     ran_ms = $6, ended_at_ms = $7
                  WHERE id = $1 AND terminal = 0",
             )
             .bind(&s.id)
@@ -1050,6 +1050,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             .bind(s.build.as_ref().map(|b| b.id.clone()))
             .bind(s.build.as_ref().map(|b| b.number as i64))
             .bind(s.ran().map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)))
+            .bind(s.finished_at.map(|t| t.timestamp_millis()))
             .execute(&mut *conn)
             .await?;
             let ended = done.rows_affected() == 1;
@@ -1229,17 +1230,19 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
             Ok(Reply::Accepted(out))
         }
         Op::Runs(since_ms) => {
-            // A window function keeps every queue's own last runs however busy the others
-            // are; the week bounds what a start reads (ran_ms is written as runs end).
+            // The last runs to end, as the queue learned them before the restart (under fair
+            // share they end in another order than they came). A window function keeps every
+            // queue's own however busy the others are; the week of submissions (by the
+            // index on created_at_ms) bounds what a start reads.
             let rows = sqlx::query(
                 "SELECT queue, ran_ms FROM (
-                     SELECT queue, ran_ms, created_at_ms, id,
-                            ROW_NUMBER() OVER (PARTITION BY queue ORDER BY created_at_ms DESC, id DESC) AS n
+                     SELECT queue, ran_ms, ended_at_ms, id,
+                            ROW_NUMBER() OVER (PARTITION BY queue ORDER BY ended_at_ms DESC, id DESC) AS n
                      FROM submissions
                      WHERE created_at_ms >= $1 AND ran_ms IS NOT NULL AND queue IS NOT NULL
                  ) AS recent
                  WHERE n <= $2
-                 ORDER BY created_at_ms, id",
+                 ORDER BY ended_at_ms, id",
             )
             .bind(since_ms)
             .bind(crate::dispatch::RECENT_RUNS as i64)
@@ -1683,22 +1686,22 @@ mod tests {
         let at = |s: i64| t0 + chrono::Duration::seconds(s);
         {
             let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
-            // Queue q: 40 runs of 1..=40 s; queue r: one of 7 s; and three that never ran.
-            let ran = |queue: &str, i: i64, secs: Option<i64>| {
+            // Queue q: 40 runs, each started a second after it came, the later ones ending
+            // first (fair share can do that) at 1000 - i s; queue r: one of 7 s; and three
+            // that never ran.
+            let ran = |queue: &str, i: i64, end: Option<i64>| {
                 let mut n = new_sub(None);
                 n.sub.queue = queue.into();
+                n.sub.timeout_s = 3600;
                 n.sub.created_at = at(i);
                 let db = &db;
                 async move {
                     db.insert(n.clone()).await.unwrap();
                     let mut s = n.sub;
                     let start = at(i + 1);
-                    if let Some(secs) = secs {
+                    if let Some(end) = end {
                         s.advance(State::Running, start);
-                        s.finish(
-                            Outcome::Failed("done".into()),
-                            start + chrono::Duration::seconds(secs),
-                        );
+                        s.finish(Outcome::Failed("done".into()), at(end));
                     } else {
                         s.finish(Outcome::Canceled("in the queue".into()), start);
                     }
@@ -1706,9 +1709,9 @@ mod tests {
                 }
             };
             for i in 1..=40 {
-                ran("q", i, Some(i)).await;
+                ran("q", i, Some(1000 - i)).await;
             }
-            ran("r", 5, Some(7)).await;
+            ran("r", 5, Some(13)).await;
             ran("q", 50, None).await;
             ran("r", 51, None).await;
             // One still running: no run time yet.
@@ -1726,10 +1729,50 @@ mod tests {
                 .map(|r| r.took.as_secs())
                 .collect()
         };
-        let last: Vec<u64> = (9..=40).collect();
-        assert_eq!(of("q"), last, "q's last 32, oldest first");
+        // The last 32 to end are runs 32 down to 1, of 999 - 2i s each.
+        let last: Vec<u64> = (1..=32).rev().map(|i| 999 - 2 * i).collect();
+        assert_eq!(of("q"), last, "q's last 32 to end, the earliest end first");
         assert_eq!(of("r"), [7], "r's own, however busy q is");
         assert_eq!(reopened.runs.len(), 33);
+    }
+
+    #[tokio::test]
+    async fn a_database_rolled_back_as_the_readme_says_upgrades_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = new_sub(None);
+        {
+            let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+            db.insert(n.clone()).await.unwrap();
+        }
+        let fresh = layout(&mut raw(dir.path()).await).await;
+        {
+            // service/README.md, "Durable": the rollback, then what to drop before upgrading.
+            let mut c = raw(dir.path()).await;
+            let mut steps = vec![
+                "DELETE FROM _sqlx_migrations WHERE version >= 2".to_string(),
+                "DROP INDEX submissions_created".into(),
+                "DROP INDEX submissions_cache".into(),
+            ];
+            for col in [
+                "queue",
+                "user_id",
+                "class",
+                "fair_tag",
+                "cache_key",
+                "ran_ms",
+                "ended_at_ms",
+            ] {
+                steps.push(format!("ALTER TABLE submissions DROP COLUMN {col}"));
+            }
+            for step in steps {
+                sqlx::raw_sql(&step).execute(&mut c).await.unwrap();
+            }
+        }
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
+        let pending = db.pending().await.unwrap();
+        assert_eq!(pending.len(), 1, "the submission is kept");
+        drop(db);
+        assert_eq!(layout(&mut raw(dir.path()).await).await, fresh);
     }
 
     #[test]
@@ -1743,7 +1786,7 @@ mod tests {
             [
                 "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
                 "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59",
-                "6ebbd961c7b5f4a6cfab5f7114e0a1b79731d6d56d3b6a6940e1afe45ac894d01e6421def27a3a50663c33f3c59acb86"
+                "45ed3f2ee71a4afebde020e2d4ceb6276f603a4dcbc05b844ff9859184795c1cc724d18acf89a46e09cecabb5a9540a6"
             ]
         );
     }
