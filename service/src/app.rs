@@ -182,8 +182,8 @@ impl App {
         );
         // An executor with slots of its own runs every queue on them (local mode's slices).
         if executor.slots().is_some() {
-            let names = cfg.fair.queue_slots.names();
-            if let Some(q) = names.into_iter().find(|q| !["*", NODE_LINE].contains(q)) {
+            let mut names = cfg.fair.queue_slots.names();
+            if let Some(q) = names.find(|q| !["*", NODE_LINE].contains(q)) {
                 return Err(ConfigError::QueueSlotsOfOneLine(q.to_string()));
             }
             dispatch = dispatch.one_line();

@@ -35,7 +35,7 @@ pub fn valid_name(name: &str) -> bool {
 pub const ANONYMOUS: &str = "anonymous";
 
 /// An hour, in ms: the window of the hourly quota.
-const HOUR_MS: i64 = 3_600_000;
+pub const HOUR_MS: i64 = 3_600_000;
 
 /// Run times kept per queue for the estimate (and read back from the store on start).
 pub const RECENT_RUNS: usize = 32;

@@ -206,8 +206,8 @@ pub struct Reopened {
     pub pending: Vec<Pending>,
     /// The submissions queued in the last hour.
     pub accepted: Vec<Accepted>,
-    /// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs accepted in the
-    /// last week, oldest first.
+    /// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs to end, of the
+    /// submissions of the last week, earliest end first.
     pub runs: Vec<Ran>,
 }
 

@@ -81,7 +81,6 @@ enum Op {
     NextCallbackAt,
     Job(String),
     Accepted(i64),
-    Runs(i64),
     Keyed {
         key: String,
         hash: String,
@@ -121,7 +120,6 @@ enum Reply {
     Job(Option<Box<Job>>),
     Keyed(Option<Inserted>),
     Accepted(Vec<Accepted>),
-    Runs(Vec<Ran>),
 }
 
 struct Request {
@@ -602,8 +600,8 @@ fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// How far back a start reads runs for the queues' estimates.
-const RUNS_WINDOW_MS: i64 = 7 * 24 * 3_600_000;
+/// How far back a start reads runs for the queues' estimates: a week.
+const RUNS_WINDOW_MS: i64 = 7 * 24 * crate::dispatch::HOUR_MS;
 
 /// Opens the connections (the writer's first: it checks the file and migrates), and reads
 /// the submissions that had not ended, on a helper thread: connecting needs no runtime, so
@@ -627,30 +625,9 @@ fn open_connections(
                 .map_err(|e| open_err(&thread_path, e.to_string()))?;
             rt.block_on(async move {
                 let mut w = connect(&opts, &thread_path, true).await?;
-                let pending = match read(&mut w, Op::Pending).await {
-                    Ok(Reply::Pending(p)) => p,
-                    Ok(_) => Vec::new(),
-                    Err(e) => return Err(StoreError::Read(report(&e))),
-                };
-                // The quotas' last hour, so a restart cannot reset a user's hourly count.
-                let since = now_ms().saturating_sub(3_600_000);
-                let accepted = match read(&mut w, Op::Accepted(since)).await {
-                    Ok(Reply::Accepted(a)) => a,
-                    Ok(_) => Vec::new(),
-                    Err(e) => return Err(StoreError::Read(report(&e))),
-                };
-                // Each queue's last runs, so its estimates survive a restart.
-                let since = now_ms().saturating_sub(RUNS_WINDOW_MS);
-                let runs = match read(&mut w, Op::Runs(since)).await {
-                    Ok(Reply::Runs(r)) => r,
-                    Ok(_) => Vec::new(),
-                    Err(e) => return Err(StoreError::Read(report(&e))),
-                };
-                let pending = Reopened {
-                    pending,
-                    accepted,
-                    runs,
-                };
+                let pending = reopened(&mut w)
+                    .await
+                    .map_err(|e| StoreError::Read(report(&e)))?;
                 let r = if reader {
                     Some(connect(&opts, &thread_path, false).await?)
                 } else {
@@ -663,6 +640,18 @@ fn open_connections(
     handle
         .join()
         .map_err(|_| open_err(&path, "the opening thread panicked".into()))?
+}
+
+/// What a start reads before anything can write: the submissions that had not ended, those
+/// queued in the quotas' last hour (so a restart cannot reset a user's hourly count), and each
+/// queue's last runs (so its estimates survive a restart).
+async fn reopened(conn: &mut SqliteConnection) -> Result<Reopened, sqlx::Error> {
+    let now = now_ms();
+    Ok(Reopened {
+        pending: pending(conn).await?,
+        accepted: accepted(conn, now.saturating_sub(crate::dispatch::HOUR_MS)).await?,
+        runs: runs(conn, now.saturating_sub(RUNS_WINDOW_MS)).await?,
+    })
 }
 
 /// Connects; the writer also checks the file and migrates the schema.
@@ -1103,10 +1092,88 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
         | Op::NextCallbackAt
         | Op::Job(_)
         | Op::Accepted(_)
-        | Op::Runs(_)
         | Op::Keyed { .. }
         | Op::Cached { .. } => Ok(Reply::Done(false)),
     }
+}
+
+/// Every submission that had not ended, oldest first.
+async fn pending(conn: &mut SqliteConnection) -> Result<Vec<Pending>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT doc, job, deadline_ms, fair_tag FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let job: Option<String> = r.try_get(1)?;
+        out.push(Pending {
+            sub: decode(&r.try_get::<String, _>(0)?)?,
+            job: job.map(|j| decode(&j)).transpose()?,
+            deadline_ms: r.try_get(2)?,
+            fair_tag: r
+                .try_get::<Option<i64>, _>(3)?
+                .and_then(|t| u64::try_from(t).ok()),
+        });
+    }
+    Ok(out)
+}
+
+/// The submissions queued since `since_ms` (cache answers left out), for the quotas.
+async fn accepted(
+    conn: &mut SqliteConnection,
+    since_ms: i64,
+) -> Result<Vec<Accepted>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT queue, user_id, class, created_at_ms FROM submissions
+         WHERE created_at_ms >= $1 AND fair_tag IS NOT NULL",
+    )
+    .bind(since_ms)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let class: Option<String> = r.try_get(2)?;
+        out.push(Accepted {
+            queue: r.try_get(0)?,
+            user: r.try_get(1)?,
+            class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
+            created_at_ms: r.try_get(3)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs to end, of the
+/// submissions accepted since `since_ms`, earliest end first.
+async fn runs(conn: &mut SqliteConnection, since_ms: i64) -> Result<Vec<Ran>, sqlx::Error> {
+    // The last runs to end, as the queue learned them before the restart (under fair
+    // share they end in another order than they came). A window function keeps every
+    // queue's own however busy the others are; the week of submissions (by the
+    // index on created_at_ms) bounds what a start reads.
+    let rows = sqlx::query(
+        "SELECT queue, ran_ms FROM (
+             SELECT queue, ran_ms, ended_at_ms, id,
+                    ROW_NUMBER() OVER (PARTITION BY queue ORDER BY ended_at_ms DESC, id DESC) AS n
+             FROM submissions
+             WHERE created_at_ms >= $1 AND ran_ms IS NOT NULL AND queue IS NOT NULL
+         ) AS recent
+         WHERE n <= $2
+         ORDER BY ended_at_ms, id",
+    )
+    .bind(since_ms)
+    .bind(crate::dispatch::RECENT_RUNS as i64)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let ms: i64 = r.try_get(1)?;
+        out.push(Ran {
+            queue: r.try_get(0)?,
+            took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+        });
+    }
+    Ok(out)
 }
 
 /// A submission read as its `doc` (the row's first column), if there was a row.
@@ -1148,26 +1215,7 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 .await?;
             loaded(row)
         }
-        Op::Pending => {
-            let rows = sqlx::query(
-                "SELECT doc, job, deadline_ms, fair_tag FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
-            )
-            .fetch_all(&mut *conn)
-            .await?;
-            let mut out = Vec::with_capacity(rows.len());
-            for r in rows {
-                let job: Option<String> = r.try_get(1)?;
-                out.push(Pending {
-                    sub: decode(&r.try_get::<String, _>(0)?)?,
-                    job: job.map(|j| decode(&j)).transpose()?,
-                    deadline_ms: r.try_get(2)?,
-                    fair_tag: r
-                        .try_get::<Option<i64>, _>(3)?
-                        .and_then(|t| u64::try_from(t).ok()),
-                });
-            }
-            Ok(Reply::Pending(out))
-        }
+        Op::Pending => Ok(Reply::Pending(pending(conn).await?)),
         Op::DueCallbacks { now_ms, limit } => {
             let rows = sqlx::query(
                 "SELECT submission_id, url, body, attempts, give_up_at_ms FROM callbacks
@@ -1209,55 +1257,7 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
             Ok(Reply::Job(job.map(Box::new)))
         }
         Op::Keyed { key, hash } => Ok(Reply::Keyed(keyed(conn, &key, &hash).await?)),
-        Op::Accepted(since_ms) => {
-            let rows = sqlx::query(
-                "SELECT queue, user_id, class, created_at_ms FROM submissions
-                 WHERE created_at_ms >= $1 AND fair_tag IS NOT NULL",
-            )
-            .bind(since_ms)
-            .fetch_all(&mut *conn)
-            .await?;
-            let mut out = Vec::with_capacity(rows.len());
-            for r in rows {
-                let class: Option<String> = r.try_get(2)?;
-                out.push(Accepted {
-                    queue: r.try_get(0)?,
-                    user: r.try_get(1)?,
-                    class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
-                    created_at_ms: r.try_get(3)?,
-                });
-            }
-            Ok(Reply::Accepted(out))
-        }
-        Op::Runs(since_ms) => {
-            // The last runs to end, as the queue learned them before the restart (under fair
-            // share they end in another order than they came). A window function keeps every
-            // queue's own however busy the others are; the week of submissions (by the
-            // index on created_at_ms) bounds what a start reads.
-            let rows = sqlx::query(
-                "SELECT queue, ran_ms FROM (
-                     SELECT queue, ran_ms, ended_at_ms, id,
-                            ROW_NUMBER() OVER (PARTITION BY queue ORDER BY ended_at_ms DESC, id DESC) AS n
-                     FROM submissions
-                     WHERE created_at_ms >= $1 AND ran_ms IS NOT NULL AND queue IS NOT NULL
-                 ) AS recent
-                 WHERE n <= $2
-                 ORDER BY ended_at_ms, id",
-            )
-            .bind(since_ms)
-            .bind(crate::dispatch::RECENT_RUNS as i64)
-            .fetch_all(&mut *conn)
-            .await?;
-            let mut out = Vec::with_capacity(rows.len());
-            for r in rows {
-                let ms: i64 = r.try_get(1)?;
-                out.push(Ran {
-                    queue: r.try_get(0)?,
-                    took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
-                });
-            }
-            Ok(Reply::Runs(out))
-        }
+        Op::Accepted(since_ms) => Ok(Reply::Accepted(accepted(conn, since_ms).await?)),
         Op::Cached { key, since_ms } => {
             let row = sqlx::query(
                 "SELECT doc FROM submissions WHERE cache_key = $1 AND created_at_ms >= $2 AND state = $3
