@@ -85,6 +85,35 @@ pub fn assert_warns(p: &kernelkite_topology::plan::Plan, parts: &[&str]) {
     );
 }
 
+/// Issue 25's claims on the order a queue of two slots started its submissions in, as the
+/// service's and local mode's simulations both check them (`order`: every submission, first
+/// started first): after the two that held the slots, the `admin` run sent while everything
+/// waited; then the rest exactly in the order their reported places said (`predicted`); and
+/// every `light` user's run before the `heavy` user's tenth.
+pub fn assert_fair_start_order(
+    order: &[String],
+    admin: &str,
+    predicted: &[String],
+    heavy: &[String],
+    light: &[String],
+) {
+    assert_eq!(
+        order[2], admin,
+        "the admin run starts when the first slot frees"
+    );
+    let rest: Vec<&String> = order[2..].iter().filter(|id| *id != admin).collect();
+    let predicted: Vec<&String> = predicted.iter().collect();
+    assert_eq!(
+        rest, predicted,
+        "the places reported are the order they started in"
+    );
+    let at = |id: &String| order.iter().position(|o| o == id);
+    let tenth_heavy = at(&heavy[9]).expect("the heavy user's tenth started");
+    for id in light {
+        assert!(at(id).is_some_and(|p| p < tenth_heavy), "{order:?}");
+    }
+}
+
 /// A valid kernelbot run config (Python, test mode).
 pub fn sample_config() -> serde_json::Value {
     serde_json::json!({

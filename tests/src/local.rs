@@ -292,6 +292,29 @@ impl LocalStack {
         v["id"].as_str().expect("id").to_string()
     }
 
+    /// `GET /v1/submissions/{id}`: the submission as it is now.
+    pub async fn get(&self, id: &str) -> Value {
+        self.http
+            .get(format!("{}/v1/submissions/{id}", self.base))
+            .send()
+            .await
+            .expect("GET")
+            .json()
+            .await
+            .expect("JSON")
+    }
+
+    /// `DELETE /v1/submissions/{id}`: the status of the answer.
+    pub async fn cancel(&self, id: &str) -> u16 {
+        self.http
+            .delete(format!("{}/v1/submissions/{id}", self.base))
+            .send()
+            .await
+            .expect("DELETE")
+            .status()
+            .as_u16()
+    }
+
     /// Long-polls the submission until it ends; its JSON.
     pub async fn wait(&self, id: &str) -> Value {
         let deadline = tokio::time::Instant::now() + LOCAL_WAIT;

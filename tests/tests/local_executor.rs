@@ -19,7 +19,7 @@ use kernelkite_testkit::local::{
     crashable, examples_dir, fixture_node, local_args, local_stack, probe_config, probes,
     real_cgroups, wait_until, Confinement, LocalStack,
 };
-use kernelkite_testkit::{local_bins, need_python, skip};
+use kernelkite_testkit::{assert_fair_start_order, local_bins, need_python, skip};
 use serde_json::{json, Value};
 
 fn prefixsum(mode: Mode, submission: &str) -> Value {
@@ -244,15 +244,7 @@ async fn twenty_submissions_share_the_slices_in_order_and_never_two_on_one_slice
     // Two run; the others wait in `queued`.
     let mut queued = 0;
     for id in &ids {
-        let v: Value = stack
-            .http
-            .get(format!("{}/v1/submissions/{id}", stack.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = stack.get(id).await;
         queued += usize::from(v["state"] == "queued");
     }
     if queued < 14 {
@@ -396,13 +388,8 @@ async fn cancel_stops_a_running_job_and_drops_a_queued_one() {
         ))
         .await;
     stack.wait_for_state(&running, "running").await;
-    let del = |id: String| {
-        let http = stack.http.clone();
-        let url = format!("{}/v1/submissions/{id}", stack.base);
-        async move { http.delete(url).send().await.unwrap().status().as_u16() }
-    };
-    assert_eq!(del(queued.clone()).await, 200);
-    assert_eq!(del(running.clone()).await, 200);
+    assert_eq!(stack.cancel(&queued).await, 200);
+    assert_eq!(stack.cancel(&running).await, 200);
     assert_eq!(stack.wait(&running).await["state"], "canceled");
     assert_eq!(stack.wait(&queued).await["state"], "canceled");
     for _ in 0..100 {
@@ -616,15 +603,7 @@ async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
     let placed = loop {
         let mut placed = Vec::new();
         for id in &waiting {
-            let v: Value = stack
-                .http
-                .get(format!("{}/v1/submissions/{id}", stack.base))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v = stack.get(id).await;
             if let Some(p) = v["place"]["position"].as_u64() {
                 placed.push((p, id.to_string()));
             }
@@ -644,13 +623,7 @@ async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
     // Let the slices go: the organiser's run is next, then the order reported.
     for id in &heavy[..2] {
         stack.wait_for_state(id, "running").await;
-        let r = stack
-            .http
-            .delete(format!("{}/v1/submissions/{id}", stack.base))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(stack.cancel(id).await, 200);
     }
     // When each left the queue: its `scheduled` time (builds are created one at a time, in
     // the queue's order).
@@ -674,25 +647,6 @@ async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
     }
     started.sort();
     let order: Vec<String> = started.into_iter().map(|s| s.1).collect();
-    assert_eq!(
-        order[2], admin,
-        "the organiser's run takes the first slice that frees"
-    );
-    let rest: Vec<String> = order[2..]
-        .iter()
-        .filter(|id| **id != admin)
-        .cloned()
-        .collect();
-    assert_eq!(
-        rest, predicted,
-        "the places reported are the order they started in"
-    );
-    let tenth_heavy = order.iter().position(|id| *id == heavy[9]).unwrap();
-    for id in &light {
-        assert!(
-            order.iter().position(|o| o == id).unwrap() < tenth_heavy,
-            "{order:?}"
-        );
-    }
+    assert_fair_start_order(&order, &admin, &predicted, &heavy, &light);
     job_dirs_removed(&stack).await;
 }

@@ -302,19 +302,7 @@ async fn fifty_from_one_user_do_not_hold_up_five_light_users_and_places_match_st
     }
     let started = s.slots.ids();
     assert_eq!(started.len(), 61);
-    assert_eq!(
-        started[2], admin,
-        "the admin run starts when the first slot frees"
-    );
-    let rest: Vec<String> = started[2..]
-        .iter()
-        .filter(|id| **id != admin)
-        .cloned()
-        .collect();
-    assert_eq!(
-        rest, predicted,
-        "the positions reported are the order they started in"
-    );
+    kernelkite_testkit::assert_fair_start_order(&started, &admin, &predicted, &heavy, &light);
     for id in started {
         s.wait_ended(&id).await;
     }
