@@ -308,18 +308,15 @@ class KernelkiteClient:
         with `QuotaExceeded` (429), saying which limit and when it frees.
         """
         body: dict[str, Any] = {"config": dict(config), "queue": queue}
-        if run_id is not None:
-            body["run_id"] = run_id
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        if callback_url is not None:
-            body["callback_url"] = callback_url
-        if user is not None:
-            body["user"] = user
-        if priority is not None:
-            body["priority"] = priority
-        if cache is not None:
-            body["cache"] = cache
+        optional = {
+            "run_id": run_id,
+            "timeout_s": timeout_s,
+            "callback_url": callback_url,
+            "user": user,
+            "priority": priority,
+            "cache": cache,
+        }
+        body.update((k, v) for k, v in optional.items() if v is not None)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         resp = await self._request("POST", "/v1/submissions", json_body=body, headers=headers)
         return _json(resp)
