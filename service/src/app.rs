@@ -349,13 +349,27 @@ impl App {
                     self.dispatch.ended(&who.queue, &id, None);
                 }
                 self.pump(&who.queue, Some(job));
-                Ok(s)
+                Ok(self.placed(&who.queue, s))
             }
             other => {
                 self.dispatch.withdraw(&who, admission, now_ms);
                 other
             }
         }
+    }
+
+    /// A submission just accepted, with its place in the queue when it waits there: the
+    /// answer to the request and every read after it say where it stands (the publisher's
+    /// pass, a moment later, tells the others theirs).
+    fn placed(&self, queue: &str, mut s: Submitted) -> Submitted {
+        let id = s.submission.id.clone();
+        if let Some(place) = self.dispatch.place_of(queue, &id, self.capacity(queue)) {
+            self.store.set_place(&id, Some(place));
+        }
+        if let Some(now) = self.store.get(&id) {
+            s.submission = now;
+        }
+        s
     }
 
     /// A quota refused `p`, unless its idempotency key was used before: a replay is answered
@@ -474,22 +488,35 @@ impl App {
     }
 
     /// Answers `p` with `result`, that of submission `from` (which ran): written `queued`,
-    /// then ended `succeeded` with the result and `cached_from`, as any other end is:
-    /// committed, then woken, then its callback is due. Never queued, so no quota counts it.
+    /// then ended `succeeded` with `cached_from`, as any other end is: committed, then woken,
+    /// then its callback is due. The store keeps the result once, with `from`; the answer
+    /// refers to it. Never queued, so the `queued` quota does not count it; the `hourly` one
+    /// and the cache's own limit (KERNELKITE_CACHE_HOURLY) do.
     async fn accept_cached(
         self: &Arc<Self>,
         mut p: Prepared,
         from: String,
         result: crate::result::ResultJson,
     ) -> Result<Submitted, Error> {
+        let now_ms = p.sub.created_at.timestamp_millis();
+        if let Err(q) = self
+            .dispatch
+            .admit_cached(&p.who, now_ms, self.cfg.fair.cache_hourly.0)
+        {
+            return self.refused(&p, q).await;
+        }
         p.sub.cached_from = Some(from.clone());
         let queue = p.sub.queue.clone();
+        let who = p.who.clone();
         // Without a cache key: only a submission that ran answers later ones, so an answer
         // from the cache never renews the age of the result it repeats.
-        let submitted = self.write(p, None, None).await?;
-        if !submitted.created {
-            return Ok(submitted);
-        }
+        let submitted = match self.write(p, None, None).await {
+            Ok(s) if s.created => s,
+            other => {
+                self.dispatch.withdraw_cached(&who, now_ms);
+                return other;
+            }
+        };
         let id = submitted.submission.id.clone();
         let ended = self.finish_durably(&id, Outcome::Succeeded(result)).await;
         self.metrics

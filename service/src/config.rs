@@ -522,6 +522,12 @@ pub struct FairConfig {
     #[arg(long, env = "KERNELKITE_CACHE_MAX_AGE_S", default_value_t = 86_400)]
     pub cache_max_age_s: u64,
 
+    /// Most answers from the result cache per user, queue and class in any hour (`none`: no
+    /// limit of its own). Past it: 429 with Retry-After. Cache answers also count toward
+    /// KERNELKITE_QUEUE_LIMITS' `hourly` (never toward `queued`: they do not wait).
+    #[arg(long, env = "KERNELKITE_CACHE_HOURLY", default_value = "120", value_parser = crate::dispatch::Most::parse)]
+    pub cache_hourly: crate::dispatch::Most,
+
     /// The runner version cache keys name (default: this release's; set it when the agents
     /// run another runner, and change it when they are upgraded).
     #[arg(long, env = "KERNELKITE_RUNNER_VERSION", default_value = env!("CARGO_PKG_VERSION"))]

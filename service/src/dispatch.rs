@@ -144,6 +144,49 @@ impl Limits {
     }
 }
 
+/// A user's times of the last hour in `map` (older ones dropped), kept under `key`. Users with
+/// nothing in the last hour weigh nothing: their entries go now and then, so the map does not
+/// grow with every user ever seen.
+fn last_hour<'a>(
+    map: &'a mut HashMap<(Class, String), VecDeque<i64>>,
+    key: &(Class, String),
+    now_ms: i64,
+) -> &'a mut VecDeque<i64> {
+    if map.len() >= 1024 && map.len().is_power_of_two() {
+        map.retain(|_, r| r.back().is_some_and(|t| *t > now_ms - HOUR_MS));
+    }
+    let times = map.entry(key.clone()).or_default();
+    while times.front().is_some_and(|t| *t <= now_ms - HOUR_MS) {
+        times.pop_front();
+    }
+    times
+}
+
+/// Whether the hour's `times` have reached `max`: then the seconds until the oldest leaves
+/// the hour (at least 1).
+fn full(times: &VecDeque<i64>, max: Option<u64>, now_ms: i64) -> Option<u64> {
+    let max = max?;
+    if (times.len() as u64) < max {
+        return None;
+    }
+    let oldest = times.front().copied().unwrap_or(now_ms);
+    let frees_in_ms = (oldest + HOUR_MS - now_ms).max(1000);
+    Some(u64::try_from(frees_in_ms).unwrap_or(1000).div_ceil(1000))
+}
+
+/// A count setting: a whole number of at least 1, or `none` (`Most(None)`: no limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Most(pub Option<u64>);
+
+impl Most {
+    /// Parses the setting; the error says what to write.
+    pub fn parse(text: &str) -> Result<Most, String> {
+        count_or_none(text)
+            .map(Most)
+            .ok_or_else(|| format!("{text:?}: write a whole number of at least 1, or none"))
+    }
+}
+
 /// A setting's number: a whole number of at least 1 (`Some(Some(n))`) or `none`
 /// (`Some(None)`: no limit); anything else is `None`.
 fn count_or_none(text: &str) -> Option<Option<u64>> {
@@ -221,15 +264,29 @@ pub enum OverQuota {
         /// When the oldest of them leaves the hour, seconds.
         retry_after_s: u64,
     },
+    /// The user had the most answers from the result cache in the last hour.
+    #[error("user {user:?} was answered {limit} {class} submissions to {queue} from the result cache in the last hour (KERNELKITE_CACHE_HOURLY); the next is accepted in {retry_after_s} s, or send it with \"cache\": false to run it")]
+    Cached {
+        /// The user.
+        user: String,
+        /// The queue.
+        queue: String,
+        /// The class.
+        class: &'static str,
+        /// The limit.
+        limit: u64,
+        /// When the oldest of them leaves the hour, seconds.
+        retry_after_s: u64,
+    },
 }
 
 impl OverQuota {
     /// Seconds until it is worth trying again (`Retry-After`).
     pub fn retry_after_s(&self) -> u64 {
         match self {
-            OverQuota::Queued { retry_after_s, .. } | OverQuota::Hourly { retry_after_s, .. } => {
-                *retry_after_s
-            }
+            OverQuota::Queued { retry_after_s, .. }
+            | OverQuota::Hourly { retry_after_s, .. }
+            | OverQuota::Cached { retry_after_s, .. } => *retry_after_s,
         }
     }
 
@@ -238,6 +295,7 @@ impl OverQuota {
         match self {
             OverQuota::Queued { .. } => "queued",
             OverQuota::Hourly { .. } => "hourly",
+            OverQuota::Cached { .. } => "cached",
         }
     }
 }
@@ -323,8 +381,11 @@ struct Line {
     running: HashMap<String, Run>,
     /// Per class and user: submissions waiting or running.
     open: HashMap<(Class, String), u64>,
-    /// Per class and user: when their submissions of the last hour were accepted (unix ms).
+    /// Per class and user: when their submissions of the last hour were accepted (unix ms),
+    /// answers from the result cache among them.
     recent: HashMap<(Class, String), VecDeque<i64>>,
+    /// Per class and user: when they were answered from the result cache in the last hour.
+    cached: HashMap<(Class, String), VecDeque<i64>>,
     /// The last runs' measured times, newest last.
     runs: VecDeque<Duration>,
 }
@@ -380,6 +441,17 @@ impl Line {
     /// (a running submission's slot after the estimate less its time so far; a started one
     /// after the estimate). Without a slot count, everything starts now.
     fn places(&self, estimate: Duration, slots: Option<u64>, now: DateTime<Utc>) -> Vec<Place> {
+        self.places_upto(estimate, slots, now, self.fair.len())
+    }
+
+    /// [`Line::places`] of the first `count` waiting submissions only.
+    fn places_upto(
+        &self,
+        estimate: Duration,
+        slots: Option<u64>,
+        now: DateTime<Utc>,
+        count: usize,
+    ) -> Vec<Place> {
         use std::cmp::Reverse;
         let mut free: BinaryHeap<Reverse<Duration>> = BinaryHeap::new();
         // No slot now (a queue without connected agents): the estimate is as if it had one.
@@ -395,8 +467,9 @@ impl Line {
         for _ in 0..idle {
             free.push(Reverse(Duration::ZERO));
         }
-        let mut out = Vec::with_capacity(self.fair.len());
-        for position in 1..=self.fair.len() as u64 {
+        let count = count.min(self.fair.len());
+        let mut out = Vec::with_capacity(count);
+        for position in 1..=count as u64 {
             let Reverse(at) = free.pop().unwrap_or(Reverse(Duration::ZERO));
             free.push(Reverse(at + estimate));
             let wait = (at.as_secs_f64() * 10.0).round() / 10.0;
@@ -503,28 +576,15 @@ impl Dispatcher {
                 });
             }
         }
-        // Users with nothing in the last hour weigh nothing: their entries go now and then,
-        // so the map does not grow with every user ever seen.
-        if line.recent.len() >= 1024 && line.recent.len().is_power_of_two() {
-            line.recent
-                .retain(|_, r| r.back().is_some_and(|t| *t > now_ms - HOUR_MS));
-        }
-        let recent = line.recent.entry(key.clone()).or_default();
-        while recent.front().is_some_and(|t| *t <= now_ms - HOUR_MS) {
-            recent.pop_front();
-        }
-        if let Some(max) = limit.hourly {
-            if recent.len() as u64 >= max {
-                let oldest = recent.front().copied().unwrap_or(now_ms);
-                let frees_in_ms = (oldest + HOUR_MS - now_ms).max(1000);
-                return Err(OverQuota::Hourly {
-                    user: who.user.clone(),
-                    queue: self.counted_on(&who.queue),
-                    class: who.class.as_str(),
-                    limit: max,
-                    retry_after_s: u64::try_from(frees_in_ms).unwrap_or(1000).div_ceil(1000),
-                });
-            }
+        let recent = last_hour(&mut line.recent, &key, now_ms);
+        if let Some(retry_after_s) = full(recent, limit.hourly, now_ms) {
+            return Err(OverQuota::Hourly {
+                user: who.user.clone(),
+                queue: self.counted_on(&who.queue),
+                class: who.class.as_str(),
+                limit: limit.hourly.unwrap_or_default(),
+                retry_after_s,
+            });
         }
         recent.push_back(now_ms);
         *line.open.entry(key).or_insert(0) += 1;
@@ -533,6 +593,61 @@ impl Dispatcher {
             tag,
             charged: estimate,
         })
+    }
+
+    /// Checks `who`'s hourly quota and the result cache's own hourly limit (`cache_hourly`)
+    /// for an answer from the cache at `now_ms` and, within them, counts it in both. It never
+    /// waits or runs, so the `queued` quota does not count it.
+    /// [`Dispatcher::withdraw_cached`] takes it back when it is not kept.
+    pub fn admit_cached(
+        &self,
+        who: &Who,
+        now_ms: i64,
+        cache_hourly: Option<u64>,
+    ) -> Result<(), OverQuota> {
+        let limit = self.limits.of(&who.queue, who.class);
+        let mut lines = self.lock();
+        let line = lines.entry(self.line(&who.queue).to_string()).or_default();
+        let key = (who.class, who.user.clone());
+        let cached = last_hour(&mut line.cached, &key, now_ms);
+        if let Some(retry_after_s) = full(cached, cache_hourly, now_ms) {
+            return Err(OverQuota::Cached {
+                user: who.user.clone(),
+                queue: self.counted_on(&who.queue),
+                class: who.class.as_str(),
+                limit: cache_hourly.unwrap_or_default(),
+                retry_after_s,
+            });
+        }
+        let recent = last_hour(&mut line.recent, &key, now_ms);
+        if let Some(retry_after_s) = full(recent, limit.hourly, now_ms) {
+            return Err(OverQuota::Hourly {
+                user: who.user.clone(),
+                queue: self.counted_on(&who.queue),
+                class: who.class.as_str(),
+                limit: limit.hourly.unwrap_or_default(),
+                retry_after_s,
+            });
+        }
+        recent.push_back(now_ms);
+        last_hour(&mut line.cached, &key, now_ms).push_back(now_ms);
+        Ok(())
+    }
+
+    /// Takes back [`Dispatcher::admit_cached`]'s counts for an answer that was not kept.
+    pub fn withdraw_cached(&self, who: &Who, now_ms: i64) {
+        let mut lines = self.lock();
+        let Some(line) = lines.get_mut(self.line(&who.queue)) else {
+            return;
+        };
+        let key = (who.class, who.user.clone());
+        for times in [&mut line.recent, &mut line.cached] {
+            if let Some(t) = times.get_mut(&key) {
+                if let Some(i) = t.iter().rposition(|t| *t == now_ms) {
+                    t.remove(i);
+                }
+            }
+        }
     }
 
     /// Takes back an admission whose submission was not kept (the store failed, or its
@@ -612,16 +727,21 @@ impl Dispatcher {
             .measured(took);
     }
 
-    /// Counts a submission accepted at `accepted_ms` (before a restart) for the hourly quota.
-    pub fn restore_accepted(&self, who: &Who, accepted_ms: i64) {
+    /// Counts a submission accepted at `accepted_ms` (before a restart) for the hourly quota,
+    /// and an answer from the result cache (`cached`) for the cache's limit too.
+    pub fn restore_accepted(&self, who: &Who, accepted_ms: i64, cached: bool) {
         let mut lines = self.lock();
         let line = lines.entry(self.line(&who.queue).to_string()).or_default();
-        let recent = line
-            .recent
-            .entry((who.class, who.user.clone()))
-            .or_default();
-        let at = recent.partition_point(|t| *t <= accepted_ms);
-        recent.insert(at, accepted_ms);
+        let key = (who.class, who.user.clone());
+        let mut maps = vec![&mut line.recent];
+        if cached {
+            maps.push(&mut line.cached);
+        }
+        for map in maps {
+            let times = map.entry(key.clone()).or_default();
+            let at = times.partition_point(|t| *t <= accepted_ms);
+            times.insert(at, accepted_ms);
+        }
     }
 
     /// The submissions to start on `queue` now: while it has a free slot (`slots`; `None`:
@@ -734,6 +854,17 @@ impl Dispatcher {
             .map(|t| t.id.clone())
             .zip(places)
             .collect()
+    }
+
+    /// One waiting submission's place (`None`: it does not wait in `queue`'s line): what
+    /// [`Dispatcher::places`] would say of it, computed only as far as it.
+    pub fn place_of(&self, queue: &str, id: &str, slots: Option<u64>) -> Option<Place> {
+        let lines = self.lock();
+        let line = lines.get(self.line(queue))?;
+        let ahead = line.fair.order().position(|t| t.id == id)?;
+        let estimate = line.estimate(self.default_estimate);
+        line.places_upto(estimate, slots, Utc::now(), ahead + 1)
+            .pop()
     }
 
     /// The queues that have anything waiting.
@@ -956,6 +1087,42 @@ mod tests {
         }
         assert_eq!(d.take("h100", Some(1)).len(), 1);
         assert_eq!(d.take("mi300", Some(1)).len(), 1);
+    }
+
+    #[test]
+    fn cache_answers_count_toward_the_hourly_quota_and_their_own_limit_not_queued() {
+        let d = Dispatcher::new(
+            Limits::parse("*:queued=1,hourly=3").unwrap(),
+            Duration::from_secs(60),
+        );
+        let u = who("u", Class::Test);
+        let a = d.admit(&u, 0, Some(1)).unwrap();
+        d.enqueue(&u, "run", 0, a);
+        // At queued=1, answers from the cache still come (they never wait)...
+        d.admit_cached(&u, 1, None).unwrap();
+        d.admit_cached(&u, 2, None).unwrap();
+        // ...until the hour has three accepted.
+        let e = d.admit_cached(&u, 3, None).unwrap_err();
+        assert!(matches!(e, OverQuota::Hourly { limit: 3, .. }), "{e}");
+        // Their own limit, for another user.
+        let v = who("v", Class::Test);
+        d.admit_cached(&v, 0, Some(1)).unwrap();
+        let e = d.admit_cached(&v, 1, Some(1)).unwrap_err();
+        assert!(matches!(e, OverQuota::Cached { limit: 1, .. }), "{e}");
+        assert_eq!(e.retry_after_s(), 3600, "{e}");
+        assert_eq!(e.limit(), "cached");
+        // An answer not kept is taken back from both counts.
+        d.withdraw_cached(&v, 0);
+        d.admit_cached(&v, 2, Some(1)).unwrap();
+        // A restart restores both.
+        let r = Dispatcher::new(Limits::default(), Duration::from_secs(60));
+        r.restore_accepted(&v, 2, true);
+        assert!(matches!(
+            r.admit_cached(&v, 3, Some(1)),
+            Err(OverQuota::Cached { .. })
+        ));
+        r.restore_accepted(&u, 2, false);
+        r.admit_cached(&u, 3, Some(1)).unwrap();
     }
 
     #[test]

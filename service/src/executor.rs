@@ -162,7 +162,19 @@ pub trait AgentSource: Send + Sync + 'static {
     fn name(&self) -> &'static str;
 
     /// Every connected agent, counted by queue. A queue missing from the map has no agent.
-    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>>;
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>>;
+}
+
+/// Why agent counts could not be had ([`AgentSource::fetch`]).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentsUnavailable {
+    /// The source refused the credentials (HTTP 401 or 403: a token without the scope): an
+    /// answer, which asking again will not change until an operator changes the token.
+    #[error(transparent)]
+    Refused(BoxError),
+    /// Not this time (no answer, another error status, an answer that could not be read).
+    #[error(transparent)]
+    Failed(BoxError),
 }
 
 /// Runs builds for submissions.

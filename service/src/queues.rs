@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, Executor};
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, AgentsUnavailable, Executor};
 use crate::report::report;
 use crate::store::Store;
 
@@ -51,7 +51,8 @@ pub struct QueueStatus {
 }
 
 /// Fetches that must fail, with none ever succeeding, before a queue's slots are taken for
-/// unknowable (a token without `read_agents`) rather than not yet known.
+/// unknowable rather than not yet known. A refusal (a token without `read_agents`) needs no
+/// second try: it is unknowable at once.
 const FETCHES_BEFORE_UNKNOWN: u64 = 3;
 
 /// What the agents say of a queue's slots ([`Queues::agent_slots`]).
@@ -61,7 +62,8 @@ pub enum AgentSlots {
     NoSource,
     /// No fetch has succeeded yet, and fewer than three ended.
     NotFetched,
-    /// Every fetch so far failed, three or more (a token without `read_agents`).
+    /// The last fetch was refused for the credentials (a token without `read_agents`), or
+    /// every fetch so far failed, three or more.
     Unknown,
     /// This many agents of the queue were connected at the last fetch that succeeded (however
     /// old: a failed fetch keeps them).
@@ -91,6 +93,9 @@ struct Snapshot {
     /// The last counts a fetch brought, however old: the service's queue keeps using them
     /// through failed fetches (a Buildkite outage must not lift every queue's limit).
     last_good: Option<Arc<AgentsByQueue>>,
+    /// The last fetch was refused for the credentials: nothing can be counted until they
+    /// change (a later fetch that succeeds clears it).
+    refused: bool,
 }
 
 /// Queue status: the store's counts, and agent counts refreshed in the background.
@@ -170,6 +175,7 @@ impl Queues {
         self.refresh_if_due();
         let snap = self.snapshot.borrow();
         match &snap.last_good {
+            _ if snap.refused => AgentSlots::Unknown,
             Some(c) => AgentSlots::Connected(c.get(queue).map_or(0, |a| a.total)),
             None if snap.attempts < FETCHES_BEFORE_UNKNOWN => AgentSlots::NotFetched,
             None => AgentSlots::Unknown,
@@ -205,13 +211,29 @@ impl Queues {
                 s.attempts += 1;
                 match result {
                     Ok(counts) => {
+                        if s.refused {
+                            tracing::info!(source = source.name(), "agent counts can be read again: each queue starts no more than its connected agents");
+                        }
                         let counts = Arc::new(counts);
                         s.last_good = Some(counts.clone());
                         s.counts = Some(counts);
                         s.fetched_at = Some(Utc::now());
                         s.fetched = Some(Instant::now());
+                        s.refused = false;
                     }
-                    Err(e) => {
+                    // An answer, not an outage: the queues stop waiting for counts at once
+                    // (said once, until it changes), and later fetches look again.
+                    Err(AgentsUnavailable::Refused(e)) => {
+                        if !s.refused {
+                            tracing::warn!(source = source.name(), error = %report(&*e), "agent counts are refused for the token: queues are not limited by their agents (Buildkite orders what waits) until the token can read them; this service asks again every KERNELKITE_AGENTS_REFRESH_S");
+                        }
+                        *s = Snapshot {
+                            attempts: s.attempts,
+                            refused: true,
+                            ..Snapshot::default()
+                        };
+                    }
+                    Err(AgentsUnavailable::Failed(e)) => {
                         tracing::warn!(source = source.name(), error = %report(&*e), "could not fetch agent counts for queue status");
                         if s.fetched.is_none_or(|t| t.elapsed() > stale_after) {
                             *s = Snapshot {
@@ -238,17 +260,21 @@ mod tests {
     struct Counting {
         calls: AtomicU64,
         fail: std::sync::atomic::AtomicBool,
+        refuse: std::sync::atomic::AtomicBool,
     }
 
     impl AgentSource for Counting {
         fn name(&self) -> &'static str {
             "test"
         }
-        fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>> {
+        fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>> {
             Box::pin(async move {
                 let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+                if self.refuse.load(Ordering::SeqCst) {
+                    return Err(AgentsUnavailable::Refused("403 Forbidden".into()));
+                }
                 if self.fail.load(Ordering::SeqCst) {
-                    return Err("boom".into());
+                    return Err(AgentsUnavailable::Failed(BoxError::from("boom")));
                 }
                 Ok(HashMap::from([(
                     "h100".to_string(),
@@ -266,6 +292,7 @@ mod tests {
         Arc::new(Counting {
             calls: AtomicU64::new(0),
             fail: std::sync::atomic::AtomicBool::new(false),
+            refuse: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -372,6 +399,48 @@ mod tests {
         }
         assert_eq!(q.agents("h100").await, None, "queue status drops them");
         assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(n + 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_is_an_answer_at_once_and_counts_come_back_when_the_token_can_read_them() {
+        let source = counting();
+        let minute = Duration::from_secs(60);
+        let q = Arc::new(Queues::new(Some(source.clone()), minute));
+        // Counts first, then the token loses the scope: the last counts are not kept, as
+        // they would be through an outage.
+        q.agent_slots("h100");
+        settled(&q, 1).await;
+        assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(2));
+        source.refuse.store(true, Ordering::SeqCst);
+        tokio::time::sleep(minute).await;
+        q.agent_slots("h100");
+        settled(&q, 2).await;
+        assert_eq!(
+            q.agent_slots("h100"),
+            AgentSlots::Unknown,
+            "one refusal: unlimited, no three-fetch wait"
+        );
+        assert_eq!(q.agents("h100").await, None);
+        source.refuse.store(false, Ordering::SeqCst);
+        tokio::time::sleep(minute).await;
+        q.agent_slots("h100");
+        settled(&q, 3).await;
+        assert_eq!(
+            q.agent_slots("h100"),
+            AgentSlots::Connected(4),
+            "the scope came back"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_refused_from_the_start_is_unknown_after_the_first_fetch() {
+        let source = counting();
+        source.refuse.store(true, Ordering::SeqCst);
+        let q = Arc::new(Queues::new(Some(source.clone()), Duration::from_secs(60)));
+        assert_eq!(q.agent_slots("h100"), AgentSlots::NotFetched);
+        settled(&q, 1).await;
+        assert_eq!(q.agent_slots("h100"), AgentSlots::Unknown);
+        assert_eq!(source.calls.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

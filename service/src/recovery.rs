@@ -40,7 +40,8 @@ pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened)
     }
     for a in &reopened.accepted {
         let who = crate::dispatch::Who::new(&a.queue, a.user.as_deref(), a.class);
-        app.dispatch.restore_accepted(&who, a.created_at_ms);
+        app.dispatch
+            .restore_accepted(&who, a.created_at_ms, a.cached);
     }
     let pending = reopened.pending;
     if pending.is_empty() {

@@ -114,7 +114,101 @@ pub fn assert_fair_start_order(
     }
 }
 
-/// A valid kernelbot run config (Python, test mode).
+/// When one submission waited and held a slot, seconds on one clock, read from its history:
+/// accepted (`created_at`), left the queue (its first state after `queued`: its build was
+/// created, or a local slice took it), ended (`finished_at`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Span {
+    /// Accepted.
+    pub accepted: f64,
+    /// Left the queue.
+    pub started: f64,
+    /// Ended.
+    pub ended: f64,
+}
+
+impl Span {
+    /// The span of an ended submission as GET shows it; `None` when it never left the queue.
+    pub fn of(sub: &serde_json::Value) -> Option<Span> {
+        let at = |v: &serde_json::Value| {
+            chrono::DateTime::parse_from_rfc3339(v.as_str()?)
+                .ok()
+                .map(|t| t.timestamp_micros() as f64 / 1e6)
+        };
+        let started = sub["history"]
+            .as_array()?
+            .iter()
+            .find(|t| t["state"] != "queued")?;
+        Some(Span {
+            accepted: at(&sub["created_at"])?,
+            started: at(&started["at"])?,
+            ended: at(&sub["finished_at"])?,
+        })
+    }
+}
+
+/// The stretches of time (start, length, seconds) during which a submission waited while
+/// fewer than `slots` submissions held a slot: a free slot left idle while work waited.
+pub fn idle_while_waiting(spans: &[Span], slots: usize) -> Vec<(f64, f64)> {
+    // (time, change of waiting, change of running); everything at one instant is applied
+    // before the state is read, so a hand-over at one instant is no gap.
+    let mut events: Vec<(f64, i64, i64)> = Vec::new();
+    for s in spans {
+        events.push((s.accepted, 1, 0));
+        events.push((s.started, -1, 1));
+        events.push((s.ended, 0, -1));
+    }
+    events.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut waiting, mut running) = (0i64, 0i64);
+    let mut gaps = Vec::new();
+    let mut open: Option<f64> = None;
+    let mut i = 0;
+    while i < events.len() {
+        let t = events[i].0;
+        while i < events.len() && events[i].0 == t {
+            waiting += events[i].1;
+            running += events[i].2;
+            i += 1;
+        }
+        let idle = waiting > 0 && running < slots as i64;
+        match (idle, open) {
+            (true, None) => open = Some(t),
+            (false, Some(from)) => {
+                gaps.push((from, t - from));
+                open = None;
+            }
+            _ => {}
+        }
+    }
+    gaps
+}
+
+/// Fails unless every slot was busy while work waited, but for hand-overs shorter than
+/// `handover` seconds (a slot freed and the next submission taking it). The check the fair-queue
+/// simulations make on the outcome, not on the start order: a 2-slot queue that ran one job at
+/// a time while others waited passed every order check (issue 34).
+pub fn assert_no_slot_idles_while_work_waits(
+    subs: &[serde_json::Value],
+    slots: usize,
+    handover: f64,
+) {
+    let spans: Vec<Span> = subs.iter().filter_map(Span::of).collect();
+    assert_eq!(
+        spans.len(),
+        subs.len(),
+        "every submission left the queue and ended"
+    );
+    let gaps = idle_while_waiting(&spans, slots);
+    let worst = gaps.iter().map(|g| g.1).fold(0.0, f64::max);
+    assert!(
+        worst < handover,
+        "a slot sat idle for {worst:.3} s while work waited ({} such stretches, {:.3} s in all; hand-overs may take up to {handover} s)",
+        gaps.len(),
+        gaps.iter().map(|g| g.1).sum::<f64>()
+    );
+}
+
+/// A valid kernelbot run config (Python, test mode)./// A valid kernelbot run config (Python, test mode).
 pub fn sample_config() -> serde_json::Value {
     serde_json::json!({
         "lang": "py",
@@ -146,4 +240,40 @@ pub fn sample_result_json() -> String {
         }}
     })
     .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(accepted: f64, started: f64, ended: f64) -> Span {
+        Span {
+            accepted,
+            started,
+            ended,
+        }
+    }
+
+    #[test]
+    fn a_free_slot_left_idle_while_work_waits_is_found_and_hand_overs_are_not() {
+        // Two slots, four jobs of 1 s sent at 0: 0-1 and 0-1, then 1-2 and 1-2.
+        let busy = [
+            span(0.0, 0.0, 1.0),
+            span(0.0, 0.0, 1.0),
+            span(0.0, 1.0, 2.0),
+            span(0.0, 1.0, 2.0),
+        ];
+        assert!(idle_while_waiting(&busy, 2).is_empty());
+        // The fourth waits for the third to end although the second slot freed at 1.
+        let one_at_a_time = [
+            span(0.0, 0.0, 1.0),
+            span(0.0, 0.0, 1.0),
+            span(0.0, 1.0, 2.0),
+            span(0.0, 2.0, 3.0),
+        ];
+        assert_eq!(idle_while_waiting(&one_at_a_time, 2), [(1.0, 1.0)]);
+        // Nothing waits: a free slot is no gap.
+        let idle = [span(0.0, 0.0, 1.0), span(5.0, 5.0, 6.0)];
+        assert!(idle_while_waiting(&idle, 2).is_empty());
+    }
 }

@@ -19,7 +19,9 @@ use kernelkite_testkit::local::{
     crashable, examples_dir, fixture_node, local_args, local_stack, probe_config, probes,
     real_cgroups, wait_until, Confinement, LocalStack,
 };
-use kernelkite_testkit::{assert_fair_start_order, local_bins, need_python, skip};
+use kernelkite_testkit::{
+    assert_fair_start_order, assert_no_slot_idles_while_work_waits, local_bins, need_python, skip,
+};
 use serde_json::{json, Value};
 
 fn prefixsum(mode: Mode, submission: &str) -> Value {
@@ -45,6 +47,22 @@ fn run_keys(sub: &Value) -> Vec<String> {
         .as_object()
         .map(|r| r.keys().cloned().collect())
         .unwrap_or_default()
+}
+
+/// Waits until at most `left` job directories are left (a job's goes once its result is
+/// stored and its slice cleaned up).
+async fn job_dirs_gone_but(stack: &LocalStack, left: usize) {
+    let jobs = stack.local.settings().local_dir.join("jobs");
+    for _ in 0..200 {
+        if std::fs::read_dir(&jobs).map_or(0, |d| d.count()) <= left {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!(
+        "more than {left} job directories left in {}",
+        jobs.display()
+    );
 }
 
 /// Waits until no job directory is left (they go once the result is stored).
@@ -648,5 +666,47 @@ async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
     started.sort();
     let order: Vec<String> = started.into_iter().map(|s| s.1).collect();
     assert_fair_start_order(&order, &admin, &predicted, &heavy, &light);
+    let mut ended = Vec::new();
+    for id in heavy.iter().chain(&light).chain([&admin]) {
+        ended.push(stack.get(id).await);
+    }
+    // Hand-overs here are a hook's run (the ended job's pre-exit, then the next one's start).
+    assert_no_slot_idles_while_work_waits(&ended, 2, 1.5);
+    job_dirs_removed(&stack).await;
+}
+
+/// Issue 34: on a 2-slice node only one job ran for 50-94% of the time submissions waited: a
+/// worker that found the queue empty went to sleep, and the wake-up for the next job went to
+/// the other worker, still registered from before the long job it was running. Here one
+/// slice runs a job of 6 s; the other ran a short one and is idle when three jobs of 1 s
+/// arrive: they follow each other on the idle slice (hand-overs far shorter than a job), not
+/// after the long one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_slice_is_busy_while_work_waits() {
+    if need_python().is_none() {
+        return;
+    }
+    let bins = local_bins!();
+    let node = fixture_node(&bins, 2);
+    let stack = local_stack(&bins, Some(&node), Confinement::Unenforced).await;
+    let submit = |n: usize, ms: u64| {
+        let config = probe_config("test", json!([{"sleep_ms": ms, "n": n}]));
+        stack.submit_body(json!({"config": config, "queue": "local", "user": format!("u{n}")}))
+    };
+    let mut ids = vec![submit(0, 6000).await, submit(1, 100).await];
+    let short = stack.wait(&ids[1]).await;
+    assert_eq!(short["state"], "succeeded", "{short}");
+    // Its slice has cleaned up and sleeps until work comes.
+    job_dirs_gone_but(&stack, 1).await;
+    for n in 2..5 {
+        ids.push(submit(n, 1000).await);
+    }
+    let mut ended = Vec::new();
+    for id in &ids {
+        let done = stack.wait(id).await;
+        assert_eq!(done["state"], "succeeded", "{done}");
+        ended.push(done);
+    }
+    assert_no_slot_idles_while_work_waits(&ended, 2, 1.0);
     job_dirs_removed(&stack).await;
 }

@@ -207,7 +207,12 @@ class FakeService(LoopbackServer):
             sub.move("queued")
             if self.on_submit is not None:
                 self.on_submit(sub)
-            accepted = {"id": sub.id, "state": "queued", "status_url": f"/v1/submissions/{sub.id}"}
+            accepted = {
+                "id": sub.id,
+                "state": "queued",
+                "status_url": f"/v1/submissions/{sub.id}",
+                "place": sub.place,
+            }
             return await _answer(writer, 202, accepted)
         if len(parts) < 3 or parts[:2] != ["v1", "submissions"] or parts[2] not in self.submissions:
             return await _answer(writer, 404, {"error": "no such submission"})

@@ -21,8 +21,7 @@ use super::Priority;
 use crate::config::Secret;
 use futures_util::future::BoxFuture;
 
-use crate::executor::{AgentCounts, AgentSource, AgentsByQueue};
-use crate::report::BoxError;
+use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, AgentsUnavailable};
 
 /// Most pages of the agents list read per fetch (100 agents each).
 pub const MAX_PAGES: usize = 10;
@@ -69,6 +68,17 @@ pub enum AgentsError {
     /// A `Link` to a page outside the API base URL.
     #[error("the agents list links to {0:?}, outside BUILDKITE_API_URL; not following it with the token")]
     ForeignLink(String),
+}
+
+impl AgentsError {
+    /// A refusal for the token is an answer ([`AgentsUnavailable::Refused`]); the rest may
+    /// pass.
+    fn unavailable(self) -> AgentsUnavailable {
+        match self {
+            e @ AgentsError::Refused { .. } => AgentsUnavailable::Refused(e.into()),
+            e => AgentsUnavailable::Failed(e.into()),
+        }
+    }
 }
 
 /// An agent as the REST list shows it: the fields counted.
@@ -189,8 +199,8 @@ impl AgentSource for AgentsList {
         "Buildkite agents list"
     }
 
-    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>> {
-        Box::pin(async move { self.fetch_all().await.map_err(Into::into) })
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>> {
+        Box::pin(async move { self.fetch_all().await.map_err(AgentsError::unavailable) })
     }
 }
 
@@ -275,8 +285,8 @@ impl AgentSource for AgentMetrics {
         "Buildkite agent metrics"
     }
 
-    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, BoxError>> {
-        Box::pin(async move { self.fetch_all().await.map_err(Into::into) })
+    fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>> {
+        Box::pin(async move { self.fetch_all().await.map_err(AgentsError::unavailable) })
     }
 }
 

@@ -87,7 +87,7 @@ pub(super) async fn create(
     };
     let mut r = (
         status,
-        Json(json!({ "id": sub.id, "state": sub.state, "status_url": url })),
+        Json(json!({ "id": sub.id, "state": sub.state, "status_url": url, "place": sub.place })),
     )
         .into_response();
     if let Ok(v) = HeaderValue::from_str(&url) {

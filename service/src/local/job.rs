@@ -480,13 +480,30 @@ struct AttemptOutcome {
 /// only while it runs a job, so dropping the service ends it.
 pub(super) async fn worker(me: Weak<LocalExecutor>, wake: Arc<Notify>, slice: PlannedSlice) {
     loop {
+        let Some((this, (q, at))) = next_job(&me, &wake).await else {
+            return;
+        };
+        this.run(&slice, q, at).await;
+    }
+}
+
+/// Waits for the next job, registered for a wake-up only while idle. `notify_one` wakes the
+/// oldest registered waiter: a worker still registered while it ran a job took the wake-up
+/// meant for an idle one, and a free slice sat idle while a job waited (issue 34). The
+/// registration is dropped before the job runs; a wake-up it had already taken passes on
+/// to the next waiter when it is dropped (tokio's `Notified`).
+async fn next_job(
+    me: &Weak<LocalExecutor>,
+    wake: &Notify,
+) -> Option<(Arc<LocalExecutor>, (Queued, DateTime<Utc>))> {
+    loop {
         let notified = wake.notified();
         tokio::pin!(notified);
+        // Registered before the queue is read, so a job queued in between is not missed.
         notified.as_mut().enable();
-        let Some(this) = me.upgrade() else { return };
-        if let Some((q, at)) = this.pop() {
-            this.run(&slice, q, at).await;
-            continue;
+        let this = me.upgrade()?;
+        if let Some(job) = this.pop() {
+            return Some((this, job));
         }
         drop(this);
         notified.await;

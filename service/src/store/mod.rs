@@ -84,8 +84,10 @@ pub enum StoreError {
 pub struct NewCallback {
     /// Where it is POSTed.
     pub url: String,
-    /// The exact bytes POSTed on every attempt (the final submission's JSON).
-    pub body: String,
+    /// The exact bytes POSTed on every attempt (the final submission's JSON); `None`: the
+    /// submission as stored, read when it is due (an answer from the result cache, which
+    /// keeps no copy of the result it refers to).
+    pub body: Option<String>,
     /// After this (unix ms) no further attempt is made.
     pub give_up_at_ms: i64,
 }
@@ -159,6 +161,8 @@ pub struct Accepted {
     pub class: crate::fairshare::Class,
     /// When it was accepted, unix ms.
     pub created_at_ms: i64,
+    /// An answer from the result cache (counted by the cache's own limit too).
+    pub cached: bool,
 }
 
 /// A run's measured time, as a restart reads it back for its queue's estimate.
@@ -454,8 +458,13 @@ impl Store {
             let callback = match &next.callback_url {
                 Some(url) => Some(NewCallback {
                     url: url.clone(),
-                    body: serde_json::to_string(&next)
-                        .map_err(|e| StoreError::Write(e.to_string()))?,
+                    body: match next.cached_from {
+                        Some(_) => None,
+                        None => Some(
+                            serde_json::to_string(&next)
+                                .map_err(|e| StoreError::Write(e.to_string()))?,
+                        ),
+                    },
                     give_up_at_ms: now_ms().saturating_add(self.callback_retry.as_millis() as i64),
                 }),
                 None => None,

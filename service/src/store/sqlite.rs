@@ -975,6 +975,55 @@ fn encode_kept(s: &Submission) -> Result<String, sqlx::Error> {
     encode(&kept)
 }
 
+/// An ended submission as kept: an answer from the result cache without the result, which
+/// the run it names keeps (one copy, however many answers repeat it; [`with_result`] reads
+/// it back).
+fn encode_ended(s: &Submission) -> Result<String, sqlx::Error> {
+    if s.cached_from.is_none() || s.result.is_none() {
+        return encode(s);
+    }
+    let mut kept = s.clone();
+    kept.result = None;
+    encode(&kept)
+}
+
+/// A callback row's body when it is the submission as stored ([`NewCallback::body`] `None`).
+const BODY_FROM_SUBMISSION: &str = "";
+
+/// A submission as a reader sees it: an answer from the result cache gets the result of the
+/// run it names (kept once, there).
+async fn with_result(
+    conn: &mut SqliteConnection,
+    mut sub: Submission,
+) -> Result<Submission, sqlx::Error> {
+    let Some(from) = sub.cached_from.as_deref() else {
+        return Ok(sub);
+    };
+    if sub.result.is_some() || !sub.state.is_terminal() {
+        return Ok(sub);
+    }
+    let doc: Option<String> = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = $1")
+        .bind(from)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if let Some(doc) = doc {
+        let origin: Submission = decode(&doc)?;
+        sub.result = origin.result;
+    }
+    Ok(sub)
+}
+
+/// The body of a callback kept as [`BODY_FROM_SUBMISSION`]: the ended submission's JSON, with
+/// the result it refers to; the same bytes on every attempt (an ended submission does not
+/// change).
+async fn callback_body(conn: &mut SqliteConnection, id: &str) -> Result<String, sqlx::Error> {
+    let doc: String = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = $1")
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await?;
+    encode(&with_result(conn, decode(&doc)?).await?)
+}
+
 fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, sqlx::Error> {
     serde_json::from_str(text).map_err(|e| sqlx::Error::Decode(e.into()))
 }
@@ -990,8 +1039,8 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             }
             let s = &new.sub;
             sqlx::query(
-                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc, queue, user_id, class, fair_tag, cache_key)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
+                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc, queue, user_id, class, fair_tag, cache_key, cached_from)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
             )
             .bind(&s.id)
             .bind(s.state.as_str())
@@ -1009,6 +1058,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             .bind(s.priority.as_str())
             .bind(new.fair_tag.map(|t| i64::try_from(t).unwrap_or(i64::MAX)))
             .bind(&new.cache_key)
+            .bind(&s.cached_from)
             .execute(&mut *conn)
             .await?;
             Ok(Reply::Inserted(Inserted::Created))
@@ -1035,7 +1085,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             )
             .bind(&s.id)
             .bind(s.state.as_str())
-            .bind(encode(&**s)?)
+            .bind(encode_ended(s)?)
             .bind(s.build.as_ref().map(|b| b.id.clone()))
             .bind(s.build.as_ref().map(|b| b.number as i64))
             .bind(s.ran().map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)))
@@ -1050,7 +1100,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 )
                 .bind(&s.id)
                 .bind(&cb.url)
-                .bind(&cb.body)
+                .bind(cb.body.as_deref().unwrap_or(BODY_FROM_SUBMISSION))
                 .bind(CallbackState::Pending.as_str())
                 .bind(now_ms())
                 .bind(cb.give_up_at_ms)
@@ -1119,14 +1169,15 @@ async fn pending(conn: &mut SqliteConnection) -> Result<Vec<Pending>, sqlx::Erro
     Ok(out)
 }
 
-/// The submissions queued since `since_ms` (cache answers left out), for the quotas.
+/// The submissions accepted since `since_ms`, queued or answered from the result cache, for
+/// the quotas.
 async fn accepted(
     conn: &mut SqliteConnection,
     since_ms: i64,
 ) -> Result<Vec<Accepted>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT queue, user_id, class, created_at_ms FROM submissions
-         WHERE created_at_ms >= $1 AND fair_tag IS NOT NULL",
+        "SELECT queue, user_id, class, created_at_ms, cached_from FROM submissions
+         WHERE created_at_ms >= $1 AND (fair_tag IS NOT NULL OR cached_from IS NOT NULL)",
     )
     .bind(since_ms)
     .fetch_all(&mut *conn)
@@ -1139,6 +1190,7 @@ async fn accepted(
             user: r.try_get(1)?,
             class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
             created_at_ms: r.try_get(3)?,
+            cached: r.try_get::<Option<String>, _>(4)?.is_some(),
         });
     }
     Ok(out)
@@ -1177,11 +1229,15 @@ async fn runs(conn: &mut SqliteConnection, since_ms: i64) -> Result<Vec<Ran>, sq
 }
 
 /// A submission read as its `doc` (the row's first column), if there was a row.
-fn loaded(row: Option<sqlx::sqlite::SqliteRow>) -> Result<Reply, sqlx::Error> {
-    let sub = row
-        .map(|r| decode(&r.try_get::<String, _>(0)?))
-        .transpose()?;
-    Ok(Reply::Loaded(sub.map(Box::new)))
+async fn loaded(
+    conn: &mut SqliteConnection,
+    row: Option<sqlx::sqlite::SqliteRow>,
+) -> Result<Reply, sqlx::Error> {
+    let Some(row) = row else {
+        return Ok(Reply::Loaded(None));
+    };
+    let sub = with_result(conn, decode(&row.try_get::<String, _>(0)?)?).await?;
+    Ok(Reply::Loaded(Some(Box::new(sub))))
 }
 
 /// What idempotency key `key` made, if it was used: the submission, and whether it came with
@@ -1201,7 +1257,7 @@ async fn keyed(
     let earlier: Option<String> = row.try_get(0)?;
     let doc: String = row.try_get(1)?;
     Ok(Some(Inserted::Existing {
-        sub: Box::new(decode(&doc)?),
+        sub: Box::new(with_result(conn, decode(&doc)?).await?),
         same_request: earlier.as_deref() == Some(hash),
     }))
 }
@@ -1213,7 +1269,7 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 .bind(&id)
                 .fetch_optional(&mut *conn)
                 .await?;
-            loaded(row)
+            loaded(conn, row).await
         }
         Op::Pending => Ok(Reply::Pending(pending(conn).await?)),
         Op::DueCallbacks { now_ms, limit } => {
@@ -1228,10 +1284,15 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
             .await?;
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
+                let submission_id: String = r.try_get(0)?;
+                let mut body: String = r.try_get(2)?;
+                if body == BODY_FROM_SUBMISSION {
+                    body = callback_body(conn, &submission_id).await?;
+                }
                 out.push(DueCallback {
-                    submission_id: r.try_get(0)?,
+                    submission_id,
                     url: r.try_get(1)?,
-                    body: r.try_get(2)?,
+                    body,
                     attempts: r.try_get(3)?,
                     give_up_at_ms: r.try_get(4)?,
                 });
@@ -1268,7 +1329,7 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
             .bind(crate::submission::State::Succeeded.as_str())
             .fetch_optional(&mut *conn)
             .await?;
-            loaded(row)
+            loaded(conn, row).await
         }
         other => write(conn, &other).await,
     }
@@ -1398,7 +1459,7 @@ mod tests {
         s.finish(Outcome::Failed("x".into()), chrono::Utc::now());
         let cb = NewCallback {
             url: "http://127.0.0.1:1/cb".into(),
-            body: "{}".into(),
+            body: Some("{}".into()),
             give_up_at_ms: now_ms() + 1000,
         };
         assert!(db.finish(&s, Some(cb.clone())).await.unwrap());
@@ -1667,7 +1728,7 @@ mod tests {
                     .fetch_all(&mut c)
                     .await
                     .unwrap();
-            assert_eq!(applied, [(1, true), (2, true), (3, true)]);
+            assert_eq!(applied, [(1, true), (2, true), (3, true), (4, true)]);
         }
         let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
         db.insert(new_sub(None)).await.unwrap();
@@ -1761,6 +1822,7 @@ mod tests {
                 "cache_key",
                 "ran_ms",
                 "ended_at_ms",
+                "cached_from",
             ] {
                 steps.push(format!("ALTER TABLE submissions DROP COLUMN {col}"));
             }
@@ -1786,7 +1848,8 @@ mod tests {
             [
                 "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
                 "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59",
-                "45ed3f2ee71a4afebde020e2d4ceb6276f603a4dcbc05b844ff9859184795c1cc724d18acf89a46e09cecabb5a9540a6"
+                "45ed3f2ee71a4afebde020e2d4ceb6276f603a4dcbc05b844ff9859184795c1cc724d18acf89a46e09cecabb5a9540a6",
+                "a01626c40f6a22236ddc53a59f94498d3031c5a30b8dde43a8c5fa471be0df60502d8d33dccedd27c53625fb2ce9dae0"
             ]
         );
     }

@@ -27,6 +27,8 @@ struct Slots {
     changed: tokio::sync::Notify,
     /// Its runner reports it could not evaluate (`success: false`, a machine's fault).
     runner_fails: std::sync::atomic::AtomicBool,
+    /// Bytes of output the test run's `stdout` carries (a large result).
+    stdout_bytes: std::sync::atomic::AtomicUsize,
     /// Slots of its own, one node's for every queue (as the local executor's slices are).
     node_slots: Option<u64>,
 }
@@ -69,6 +71,10 @@ impl Executor for Slots {
             if self.runner_fails.load(std::sync::atomic::Ordering::SeqCst) {
                 result["success"] = json!(false);
                 result["error"] = json!("the GPU fell off the bus");
+            }
+            let pad = self.stdout_bytes.load(std::sync::atomic::Ordering::SeqCst);
+            if pad > 0 {
+                result["runs"]["test"]["run"]["stdout"] = json!(noise(pad));
             }
             ResultJson::parse(result.to_string().as_bytes())
                 .map(Outcome::Succeeded)
@@ -136,6 +142,31 @@ async fn service_on(slots: Slots, tweak: impl FnOnce(&mut Config)) -> Service {
         http: reqwest::Client::new(),
         server,
     }
+}
+
+/// `n` characters of hex noise (SQLite stores text as it is; noise keeps any layer from
+/// making a copy look small).
+fn noise(n: usize) -> String {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            char::from(b"0123456789abcdef"[(x >> 60) as usize])
+        })
+        .collect()
+}
+
+/// The bytes a SQLite store holds in `dir`: the database and its write-ahead log.
+fn store_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("kernelkite.db"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// A config that differs from every other by `n` (the cache must not answer it).
@@ -303,9 +334,12 @@ async fn fifty_from_one_user_do_not_hold_up_five_light_users_and_places_match_st
     let started = s.slots.ids();
     assert_eq!(started.len(), 61);
     kernelkite_testkit::assert_fair_start_order(&started, &admin, &predicted, &heavy, &light);
+    let mut ended = Vec::new();
     for id in started {
-        s.wait_ended(&id).await;
+        ended.push(s.wait_ended(&id).await);
     }
+    // The outcome, not only the order: while anything waited, both slots held a build.
+    kernelkite_testkit::assert_no_slot_idles_while_work_waits(&ended, 2, 0.5);
     let metrics = s.metrics().await;
     assert!(
         metrics.contains(
@@ -446,6 +480,127 @@ async fn an_identical_test_run_is_answered_from_the_cache_and_a_ranked_run_is_no
         metrics.contains(r#"kernelkite_cache_hits_total{queue="h100"} 1"#),
         "{metrics}"
     );
+}
+
+/// Issue 34: a user already at their `queued` quota sent 30 identical requests for a run with
+/// an 8 MiB result; each was answered from the cache and stored a copy of the result (the
+/// database grew 240 MiB). Now each answer refers to the run's result, and answers are
+/// bounded per user (KERNELKITE_CACHE_HOURLY, here 20), across a restart too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
+    const MIB: usize = 1 << 20;
+    let data = tempfile::tempdir().unwrap();
+    let tweak = |c: &mut Config| {
+        c.store.data_dir = Some(data.path().to_path_buf());
+        c.fair.cache_hourly = kernelkite_service::dispatch::Most(Some(20));
+        c.fair.queue_limits = kernelkite_service::dispatch::Limits::parse("*:queued=1").unwrap();
+    };
+    let s = service(tweak).await;
+    s.slots
+        .stdout_bytes
+        .store(8 * MIB, std::sync::atomic::Ordering::SeqCst);
+    let ran = s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    s.finish(1).await;
+    let original = s.wait_ended(&ran).await;
+    assert_eq!(
+        original["result"]["runs"]["test"]["run"]["stdout"]
+            .as_str()
+            .map(str::len),
+        Some(8 * MIB)
+    );
+    // The user "u" is at the queued quota (one run of theirs waits for a slot's end).
+    s.submit("u", None, config(2)).await;
+    let r = s
+        .post(json!({"config": config(3), "queue": "h100", "user": "u"}))
+        .await;
+    assert_eq!(r.status().as_u16(), 429, "u is at queued=1");
+    let before = store_bytes(data.path());
+    let mut answered = Vec::new();
+    let mut refused = Vec::new();
+    for _ in 0..30 {
+        let r = s
+            .post(json!({"config": config(1), "queue": "h100", "user": "u"}))
+            .await;
+        let status = r.status().as_u16();
+        let retry_after = r.headers().get("retry-after").cloned();
+        let v: Value = r.json().await.unwrap();
+        match status {
+            202 => answered.push(v["id"].as_str().unwrap().to_string()),
+            429 => {
+                assert!(retry_after.is_some(), "{v}");
+                assert!(
+                    v["error"]
+                        .as_str()
+                        .unwrap()
+                        .contains("KERNELKITE_CACHE_HOURLY"),
+                    "{v}"
+                );
+                refused.push(v);
+            }
+            other => panic!("{other}: {v}"),
+        }
+    }
+    assert_eq!((answered.len(), refused.len()), (20, 10));
+    let grown = store_bytes(data.path()).saturating_sub(before);
+    assert!(
+        grown < 8 * MIB as u64,
+        "20 answers grew the store by {grown} bytes: more than one copy of the result"
+    );
+    // Each answer reads as the run's result, byte for byte.
+    for id in [&answered[0], &answered[19]] {
+        let v = s.get(id).await;
+        assert_eq!(v["state"], "succeeded");
+        assert_eq!(v["cached_from"], ran.as_str());
+        assert_eq!(v["result"], original["result"], "{id}");
+    }
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains(r#"kernelkite_quota_refusals_total{queue="h100",limit="cached"} 10"#),
+        "{metrics}"
+    );
+    drop(s);
+    // After a restart the hour's answers still count, and each still reads whole.
+    let s = service(tweak).await;
+    let r = s
+        .post(json!({"config": config(1), "queue": "h100", "user": "u"}))
+        .await;
+    assert_eq!(r.status().as_u16(), 429, "the limit survived the restart");
+    assert_eq!(s.get(&answered[5]).await["result"], original["result"]);
+    // Another user is answered (the limit is per user).
+    let other = s.submit("w", None, config(1)).await;
+    assert_eq!(s.get(&other).await["cached_from"], ran.as_str());
+}
+
+/// Issue 34: a GET right after the 202 said `place: null` for 60-100 ms (until the place
+/// publisher's pass). The 202 and every read after it carry the place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_202_and_the_first_read_carry_the_place() {
+    let s = service(|c| {
+        c.fair.cache = false;
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=1").unwrap();
+    })
+    .await;
+    // The first takes the slot: no place (it left the queue at once).
+    let r = s
+        .post(json!({"config": config(0), "queue": "h100", "user": "a"}))
+        .await;
+    let v: Value = r.json().await.unwrap();
+    assert!(v["place"].is_null(), "{v}");
+    for n in 1..=3u64 {
+        let body = json!({"config": config(n as usize), "queue": "h100", "user": "a"});
+        let r = s.post(body).await;
+        assert_eq!(r.status().as_u16(), 202);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["place"]["position"].as_u64(), Some(n), "the 202: {v}");
+        assert!(v["place"]["estimated_wait_s"].as_f64().is_some(), "{v}");
+        let read = s.get(v["id"].as_str().unwrap()).await;
+        assert_eq!(
+            read["place"]["position"].as_u64(),
+            Some(n),
+            "the first GET: {read}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -777,6 +932,47 @@ async fn a_queue_s_connected_buildkite_agents_are_its_slots() {
         .next_created(WAIT)
         .await
         .expect("the second, once the first ended");
+}
+
+/// Issue 34: a token without `read_agents` is answered 403 on the agents list. That is an
+/// answer, not an outage: the queue stops waiting for counts at once (it waited for three
+/// failed fetches, one a minute: 123 s measured), and counts again when the scope comes.
+#[tokio::test]
+async fn a_token_refused_the_agents_list_does_not_hold_the_queue() {
+    use kernelkite_testkit::fake_buildkite::{FakeAgent, Route};
+    let h = kernelkite_testkit::harness::harness_with(|c| {
+        c.fair.queue_slots = kernelkite_service::dispatch::Slots::default();
+        c.queues.agents_refresh_s = 1;
+    })
+    .await;
+    let forever = std::time::Instant::now() + Duration::from_secs(3600);
+    h.fake.fail_route_until(Route::ListAgents, 403, forever);
+    let body = |n: usize| json!({"config": config(n), "queue": "h100", "user": "u"});
+    let sent = std::time::Instant::now();
+    let (status, _) = h.post(body(1)).await;
+    assert_eq!(status, 202);
+    h.fake
+        .next_created(Duration::from_secs(5))
+        .await
+        .expect("a build within seconds of a refused agents list, not minutes");
+    let took = sent.elapsed();
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let status = queue_status(&h.http, &h.base).await;
+    assert!(status["slots"].is_null(), "not limited: {status}");
+    // The scope is added: the next fetch counts, and the queue is limited by its agents.
+    h.fake
+        .fail_route_until(Route::ListAgents, 403, std::time::Instant::now());
+    h.fake
+        .set_agents(vec![FakeAgent::new("gpu-0", "h100", true)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = queue_status(&h.http, &h.base).await;
+        if status["slots"].as_u64() == Some(1) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

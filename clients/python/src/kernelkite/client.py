@@ -295,7 +295,7 @@ class KernelkiteClient:
         priority: str | None = None,
         cache: bool | None = None,
     ) -> dict[str, Any]:
-        """`POST /v1/submissions`: `{"id", "state", "status_url"}`.
+        """`POST /v1/submissions`: `{"id", "state", "status_url", "place"}`.
 
         With `idempotency_key`, sending the same request again (after a timeout, say) returns
         the submission the first one made instead of a second one.
