@@ -203,10 +203,13 @@ fn evaluate_into(
     };
     let job = match cfg.lang {
         Lang::Cuda => {
+            // kernelbot's compile_cuda_script checks the include directories before it looks
+            // for nvcc: a node missing both fails as the node's fault (no result stored as
+            // the contestant's run), not as kernelbot's recorded "NVCC not found".
+            cuda::check_include_dirs(&cfg.include_dirs).map_err(Failure::infrastructure)?;
             let Some(nvcc) = cuda::find_nvcc(opts.nvcc.as_deref(), &opts.cuda_fallbacks) else {
                 return Err(record_missing_nvcc(cfg, runs));
             };
-            cuda::check_include_dirs(&cfg.include_dirs).map_err(Failure::infrastructure)?;
             Job {
                 nvcc: Some(nvcc),
                 ..job

@@ -227,6 +227,33 @@ fn library_reports_missing_nvcc_as_infrastructure_recorded_like_kernelbot() {
     assert!(!comp.nvcc_found && comp.command == "which nvcc");
 }
 
+/// Issue 34: kernelbot checks `include_dirs` before it looks for nvcc, so a node missing both
+/// fails on the directory, as the node's fault, with no run recorded as the contestant's
+/// (the runner looked for nvcc first, and stored "NVCC not found" as the submission's run).
+#[test]
+fn a_node_missing_nvcc_and_an_include_directory_fails_on_the_directory_first() {
+    let work = tempfile::tempdir().unwrap();
+    let mut cfg = cu_config("test", "");
+    cfg["include_dirs"] = json!(["/ThunderKittens/include"]);
+    let cfg = RunConfig::from_json(cfg).unwrap();
+    let opts = Options {
+        nvcc: Some("/nonexistent/nvcc".into()),
+        system: Some(SystemInfo::default()),
+        ..Options::new(work.path())
+    };
+    let ev = eval::evaluate(&cfg, &opts);
+    let failure = ev.failure.expect("a failure of the node");
+    assert_eq!(failure.kind, FailureKind::Infrastructure);
+    assert!(!failure.recorded, "{failure:?}");
+    assert!(ev.result.runs.is_empty(), "{:?}", ev.result.runs);
+    assert!(!ev.result.success);
+    assert!(
+        ev.result.error.contains("/ThunderKittens/include"),
+        "{}",
+        ev.result.error
+    );
+}
+
 /// A real CUDA POPCORN program: adds two vectors on the GPU and reports through the pipe.
 const REAL_CUDA: &str = r#"
 #include <cstdio>

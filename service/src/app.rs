@@ -472,8 +472,12 @@ impl App {
     async fn cached(&self, p: &Prepared) -> Option<(String, crate::result::ResultJson)> {
         let max_age =
             i64::try_from(self.cfg.fair.cache_max_age_s.saturating_mul(1000)).unwrap_or(i64::MAX);
-        let since = p.sub.created_at.timestamp_millis().saturating_sub(max_age);
-        match self.store.durable().cached(&p.cache_key, since).await {
+        let query = crate::store::CacheQuery {
+            key: p.cache_key.clone(),
+            since_ms: p.sub.created_at.timestamp_millis().saturating_sub(max_age),
+            max_timeout_ms: p.deadline_ms - p.sub.created_at.timestamp_millis(),
+        };
+        match self.store.durable().cached(&query).await {
             // A runner that could not evaluate (`success: false`: a machine's fault, say) is
             // no answer to repeat: the submission runs.
             Ok(hit) => {

@@ -79,6 +79,19 @@ pub enum StoreError {
     Closed,
 }
 
+/// What the result cache looks for ([`Durable::cached`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheQuery {
+    /// The cache key (runner version, queue, run config).
+    pub key: String,
+    /// Accepted at or after this, unix ms (KERNELKITE_CACHE_MAX_AGE_S).
+    pub since_ms: i64,
+    /// Its own timeout at most this, ms: a run that succeeded within a timeout also succeeds
+    /// within a longer one, but might have been cut short by a shorter one, so a request
+    /// is only answered by a run that had no more time than the request gives.
+    pub max_timeout_ms: i64,
+}
+
 /// A finished submission's callback, written with its terminal state in one transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewCallback {
@@ -248,13 +261,14 @@ pub trait Durable: Send + Sync + 'static {
         key: &'a str,
         hash: &'a str,
     ) -> BoxFuture<'a, Result<Option<Inserted>, StoreError>>;
-    /// The submissions queued since `since_ms` (cache answers left out), for the quotas.
+    /// The submissions accepted since `since_ms` (queued, or answered from the result cache),
+    /// for the quotas.
     fn accepted_since(&self, since_ms: i64) -> BoxFuture<'_, Result<Vec<Accepted>, StoreError>>;
-    /// The newest submission that succeeded under cache key `key`, accepted since `since_ms`.
+    /// The newest submission that succeeded under the query's cache key, as
+    /// [`CacheQuery`] bounds it.
     fn cached<'a>(
         &'a self,
-        key: &'a str,
-        since_ms: i64,
+        q: &'a CacheQuery,
     ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>>;
     /// Callbacks due at `now_ms`.
     fn due_callbacks(

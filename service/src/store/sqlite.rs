@@ -32,8 +32,8 @@ use sqlx::{ConnectOptions, Row, SqliteConnection};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    now_ms, Accepted, CallbackState, DueCallback, Durable, Inserted, NewCallback, NewSubmission,
-    Pending, Ran, Reopened, StoreError,
+    now_ms, Accepted, CacheQuery, CallbackState, DueCallback, Durable, Inserted, NewCallback,
+    NewSubmission, Pending, Ran, Reopened, StoreError,
 };
 use crate::executor::Job;
 use crate::fairshare::Class;
@@ -85,10 +85,7 @@ enum Op {
         key: String,
         hash: String,
     },
-    Cached {
-        key: String,
-        since_ms: i64,
-    },
+    Cached(CacheQuery),
 }
 
 impl Op {
@@ -418,14 +415,8 @@ impl Sqlite {
     }
 
     /// The newest submission that succeeded under `key`, accepted since `since_ms`.
-    pub async fn cached(&self, key: &str, since_ms: i64) -> Result<Option<Submission>, StoreError> {
-        match self
-            .call(Op::Cached {
-                key: key.to_string(),
-                since_ms,
-            })
-            .await?
-        {
+    pub async fn cached(&self, q: &CacheQuery) -> Result<Option<Submission>, StoreError> {
+        match self.call(Op::Cached(q.clone())).await? {
             Reply::Loaded(s) => Ok(s.map(|b| *b)),
             _ => Err(StoreError::Closed),
         }
@@ -1143,7 +1134,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
         | Op::Job(_)
         | Op::Accepted(_)
         | Op::Keyed { .. }
-        | Op::Cached { .. } => Ok(Reply::Done(false)),
+        | Op::Cached(_) => Ok(Reply::Done(false)),
     }
 }
 
@@ -1319,14 +1310,17 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
         }
         Op::Keyed { key, hash } => Ok(Reply::Keyed(keyed(conn, &key, &hash).await?)),
         Op::Accepted(since_ms) => Ok(Reply::Accepted(accepted(conn, since_ms).await?)),
-        Op::Cached { key, since_ms } => {
+        Op::Cached(q) => {
+            // A submission's timeout is its deadline less its acceptance.
             let row = sqlx::query(
                 "SELECT doc FROM submissions WHERE cache_key = $1 AND created_at_ms >= $2 AND state = $3
+                     AND deadline_ms - created_at_ms <= $4
                  ORDER BY created_at_ms DESC LIMIT 1",
             )
-            .bind(&key)
-            .bind(since_ms)
+            .bind(&q.key)
+            .bind(q.since_ms)
             .bind(crate::submission::State::Succeeded.as_str())
+            .bind(q.max_timeout_ms)
             .fetch_optional(&mut *conn)
             .await?;
             loaded(conn, row).await
@@ -1368,10 +1362,9 @@ impl Durable for Sqlite {
     }
     fn cached<'a>(
         &'a self,
-        key: &'a str,
-        since_ms: i64,
+        q: &'a CacheQuery,
     ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
-        Box::pin(Sqlite::cached(self, key, since_ms))
+        Box::pin(Sqlite::cached(self, q))
     }
     fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
         Box::pin(Sqlite::pending(self))

@@ -572,6 +572,29 @@ async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
     assert_eq!(s.get(&other).await["cached_from"], ran.as_str());
 }
 
+/// Issue 34, item 10: the cache key leaves `timeout_s` out on purpose (a run's result does not
+/// depend on it), but a run that succeeded within 600 s proves nothing for a request that
+/// gives 60 s: it is answered only by a run that had no more time than it gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_timeout_is_not_answered_by_a_run_that_had_longer() {
+    let s = service(|_| {}).await;
+    let body = |timeout: u64| json!({"config": config(1), "queue": "h100", "timeout_s": timeout});
+    let r = s.post(body(600)).await;
+    let ran: Value = r.json().await.unwrap();
+    s.slots.wait_launched(1).await;
+    s.finish(1).await;
+    s.wait_ended(ran["id"].as_str().unwrap()).await;
+    let shorter: Value = s.post(body(60)).await.json().await.unwrap();
+    s.slots.wait_launched(2).await;
+    let shorter = s.get(shorter["id"].as_str().unwrap()).await;
+    assert!(shorter["cached_from"].is_null(), "it runs: {shorter}");
+    for timeout in [600, 1200] {
+        let v: Value = s.post(body(timeout)).await.json().await.unwrap();
+        let v = s.get(v["id"].as_str().unwrap()).await;
+        assert_eq!(v["cached_from"], ran["id"], "timeout_s {timeout}: {v}");
+    }
+}
+
 /// Issue 34: a GET right after the 202 said `place: null` for 60-100 ms (until the place
 /// publisher's pass). The 202 and every read after it carry the place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
