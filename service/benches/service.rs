@@ -77,6 +77,8 @@ struct Sizes {
     finished_n: usize,
     reconcile_pending: usize,
     reconcile_minutes: u32,
+    /// Store sizes the page check is timed on, MiB.
+    check_mib: &'static [u64],
 }
 
 fn main() {
@@ -92,6 +94,7 @@ fn main() {
             finished_n: 20_000,
             reconcile_pending: 1_000,
             reconcile_minutes: 5,
+            check_mib: &[16],
         }
     } else {
         Sizes {
@@ -104,6 +107,7 @@ fn main() {
             finished_n: 100_000,
             reconcile_pending: 1_000,
             reconcile_minutes: 10,
+            check_mib: &[16, 128],
         }
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -119,6 +123,7 @@ fn main() {
     rt.block_on(latency(&sizes));
     rt.block_on(call_counts(&sizes));
     rt.block_on(store_throughput(&sizes));
+    rt.block_on(store_page_check(&sizes));
     rt.block_on(finished_memory(&sizes));
     rt.block_on(reconciler_calls(&sizes));
     // Last: the pending submissions of the ingest runs stay parked (their fetches are never
@@ -845,6 +850,81 @@ async fn store_throughput(sizes: &Sizes) {
             ms(pct(&lat, 0.5)),
             ms(pct(&lat, 0.99)),
             lat.len()
+        );
+    }
+}
+
+/// What the store's damage check (issue 34: `Sqlite::check_pages`, SQLite's quick_check on a
+/// fresh connection, every KERNELKITE_STORE_CHECK_S) costs on stores of a few sizes, beside
+/// the floor for reading every page: the file read whole (both from the page cache).
+async fn store_page_check(sizes: &Sizes) {
+    use futures_util::StreamExt;
+    use kernelkite_service::store::{Sqlite, SyncMode};
+    println!("\n## Store page check (quick_check of every page, a fresh connection; baseline: the file read whole)");
+    println!("| store | check p50 | check per MiB | read whole p50 | check / read |");
+    println!("|---|---|---|---|---|");
+    for &mib in sizes.check_mib {
+        let dir = tempfile::tempdir().expect("dir");
+        let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).expect("store");
+        // Rows of about 16 KiB (a job's payload of incompressible text), to the size asked.
+        let pad: String = (0..16_000u32)
+            .map(|i| char::from(b"0123456789abcdef"[(i.wrapping_mul(2654435761) >> 28) as usize]))
+            .collect();
+        let rows = mib * 1024 * 1024 / 16_500;
+        futures_util::stream::iter(0..rows)
+            .map(|_| {
+                let (db, pad) = (db.clone(), pad.clone());
+                async move {
+                    let id = uuid::Uuid::new_v4().to_string();
+                    let sub = Submission::new(
+                        id.clone(),
+                        "h100".into(),
+                        None,
+                        None,
+                        1800,
+                        chrono::Utc::now(),
+                    );
+                    let mut job = job_for(&id);
+                    job.payload = pad;
+                    db.insert(NewSubmission {
+                        sub,
+                        job,
+                        deadline_ms: i64::MAX,
+                        idempotency: None,
+                        fair_tag: Some(0),
+                        cache_key: None,
+                    })
+                    .await
+                    .expect("insert");
+                }
+            })
+            .buffer_unordered(64)
+            .collect::<Vec<()>>()
+            .await;
+        let path = db.path().expect("on disk").to_path_buf();
+        // Let the reader's checkpoints copy the WAL into the file.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let size = std::fs::metadata(&path).map_or(0, |m| m.len());
+        let (mut check, mut read) = (Vec::new(), Vec::new());
+        for _ in 0..7 {
+            let t = Instant::now();
+            db.check_pages().await.expect("a sound store");
+            check.push(t.elapsed());
+            let t = Instant::now();
+            let bytes = std::fs::read(&path).expect("read");
+            std::hint::black_box(bytes);
+            read.push(t.elapsed());
+        }
+        check.sort();
+        read.sort();
+        let (c, r) = (pct(&check, 0.5), pct(&read, 0.5));
+        let actual_mib = size as f64 / (1024.0 * 1024.0);
+        println!(
+            "| {actual_mib:.0} MiB ({rows} rows) | {} | {:.3} ms | {} | {:.1}x |",
+            ms(c),
+            c.as_secs_f64() * 1000.0 / actual_mib.max(1.0),
+            ms(r),
+            c.as_secs_f64() / r.as_secs_f64().max(1e-9)
         );
     }
 }

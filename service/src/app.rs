@@ -68,8 +68,9 @@ pub struct SubmitRequest {
     /// Where the finished submission is POSTed.
     #[serde(default)]
     pub callback_url: Option<String>,
-    /// Seconds until the submission times out (default: KERNELKITE_DEFAULT_TIMEOUT_S).
-    #[serde(default)]
+    /// Seconds until the submission times out (default: KERNELKITE_DEFAULT_TIMEOUT_S); `3.0`
+    /// is `3`, as JSON Schema counts integers.
+    #[serde(default, deserialize_with = "kernelkite_kernelbot::integral::opt_u64")]
     pub timeout_s: Option<u64>,
     /// The backend's id of the user who submitted it: fair share and quotas count per user
     /// (none: one shared anonymous user). Left out of the request's hash when absent, so an

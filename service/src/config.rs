@@ -304,6 +304,12 @@ pub struct StoreConfig {
     #[arg(long, env = "KERNELKITE_STORE_SYNC", value_enum, default_value_t = crate::store::SyncMode::Normal)]
     pub store_sync: crate::store::SyncMode,
 
+    /// How often the store's file is checked for damage, seconds (SQLite's quick_check of
+    /// every page on disk, about 0.45 ms per MiB of store): a file damaged under the service
+    /// turns `/healthz` and every write to 503 within this long.
+    #[arg(long, env = "KERNELKITE_STORE_CHECK_S", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub store_check_s: u64,
+
     /// Webhooks for builds not yet known (their create call has not returned) are kept this
     /// long, seconds.
     #[arg(long, env = "KERNELKITE_EARLY_EVENT_TTL_S", default_value_t = 120)]

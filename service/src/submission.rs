@@ -27,7 +27,7 @@ pub enum State {
     Succeeded,
     /// Ended without a usable result; `error` says why.
     Failed,
-    /// Canceled through `DELETE /v1/submissions/{id}`.
+    /// Canceled through `POST /v1/submissions/{id}/cancel`.
     Canceled,
     /// No result within the submission's `timeout_s`; its build was canceled.
     TimedOut,

@@ -802,6 +802,86 @@ async fn a_store_deleted_or_overwritten_while_serving_turns_health_and_writes_to
     }
 }
 
+/// Issue 34: garbage written into the store's file past its header (its first page intact)
+/// went unnoticed while serving: `/healthz` stayed 200 and submissions were acknowledged into a
+/// file the next start refused as malformed, so they were lost until a restore. The service
+/// now checks the file's pages on disk (KERNELKITE_STORE_CHECK_S; SQLite's quick_check) and
+/// every statement's error: within the interval `/healthz` and every write turn 503 for good,
+/// saying what SQLite found and what to do, and nothing is acknowledged after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_damaged_past_its_header_while_serving_turns_health_and_writes_to_503() {
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.set_env("KERNELKITE_STORE_CHECK_S", "1");
+    svc.start().await.unwrap();
+    let http = reqwest::Client::new();
+    // Enough rows that the file has pages past the first, copied from the WAL into it.
+    for i in 0..40 {
+        let key = format!("dmg-{i}");
+        let body = json!({"config": sample_config(), "queue": "h100", "run_id": key});
+        submit_until_accepted(&http, &svc.base, &key, &body).await;
+    }
+    let db = data.path().join("kernelkite.db");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&db).unwrap().len() < 5 * 4096 {
+        assert!(Instant::now() < deadline, "the rows never reached the file");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let health = http
+        .get(format!("{}/healthz", svc.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    {
+        use std::io::{Seek, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+        f.seek(std::io::SeekFrom::Start(4096)).unwrap();
+        f.write_all(&vec![0x5a; 4 * 4096]).unwrap();
+    }
+    let damaged_at = Instant::now();
+    let text = loop {
+        let health = http
+            .get(format!("{}/healthz", svc.base))
+            .send()
+            .await
+            .unwrap();
+        let status = health.status().as_u16();
+        let text = health.text().await.unwrap();
+        if status == 503 {
+            break text;
+        }
+        assert!(
+            damaged_at.elapsed() < Duration::from_secs(5),
+            "healthz still {status} {:?} after the damage: {text}",
+            damaged_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(text.contains("was damaged"), "{text}");
+    assert!(text.contains("restore it from a backup"), "{text}");
+    for i in 0..3 {
+        let r = http
+            .post(format!("{}/v1/submissions", svc.base))
+            .json(&json!({"config": sample_config(), "queue": "h100", "run_id": format!("after-{i}")}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        assert_eq!(status, 503, "acknowledged into a damaged store: {text}");
+        assert!(text.contains("was damaged"), "{text}");
+    }
+    assert!(
+        svc.log_text().contains("the store is damaged"),
+        "{}",
+        svc.log_text()
+    );
+    svc.kill9().await;
+}
+
 /// Issue 21, item 10: `kernelkite-service backup` copies the live store while submissions
 /// keep arriving and finishing, and the documented restore (the copy as `kernelkite.db` of an
 /// empty data directory) brings back every submission acknowledged before the backup began.

@@ -304,12 +304,12 @@ impl Deployment {
         }
     }
 
-    /// `DELETE /v1/submissions/{id}`.
+    /// `POST /v1/submissions/{id}/cancel`.
     pub async fn cancel(&self, id: &str) {
         let r = self
             .stack
             .http
-            .delete(format!("{}/v1/submissions/{id}", self.stack.base))
+            .post(format!("{}/v1/submissions/{id}/cancel", self.stack.base))
             .send()
             .await
             .unwrap();

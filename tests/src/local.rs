@@ -304,13 +304,13 @@ impl LocalStack {
             .expect("JSON")
     }
 
-    /// `DELETE /v1/submissions/{id}`: the status of the answer.
+    /// `POST /v1/submissions/{id}/cancel`: the status of the answer.
     pub async fn cancel(&self, id: &str) -> u16 {
         self.http
-            .delete(format!("{}/v1/submissions/{id}", self.base))
+            .post(format!("{}/v1/submissions/{id}/cancel", self.base))
             .send()
             .await
-            .expect("DELETE")
+            .expect("POST cancel")
             .status()
             .as_u16()
     }

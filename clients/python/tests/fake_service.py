@@ -225,7 +225,7 @@ class FakeService(LoopbackServer):
                         while sub.state not in TERMINAL:
                             await sub.changed.wait()
             return await _answer(writer, 200, sub.json())
-        if method == "DELETE" and len(parts) == 3:
+        if method == "POST" and parts[3:] == ["cancel"]:
             if sub.state not in TERMINAL:
                 sub.move("canceled", error="canceled")
             return await _answer(writer, 200, sub.json())

@@ -1,53 +1,61 @@
 """Schemathesis hooks for `test_openapi.py` (loaded with `SCHEMATHESIS_HOOKS`).
 
-One check replaces Schemathesis's `positive_data_acceptance`, stricter where it can be:
-`service/openapi.json` gives the run config (`config`) as an object that kernelbot's rules
-validate (its file names, `main` among `sources`, the last benchmark line of a ranked run...),
-which no JSON Schema can say, so a schema-valid submission may be refused `422` for its
-config alone. The check proves that is the only reason: it sends the same request again with
-a valid config, which must then be accepted. Any other schema-valid request refused with a
-4xx other than 401, 403, 404, 409 or 429 fails, as in Schemathesis's own check.
+`service/openapi.json` states every rule of the run config (`config`) that JSON Schema can say,
+and Schemathesis runs every check against it, `positive_data_acceptance` included. Two rules
+remain that no JSON Schema can say, and the document names them in `RunConfig`'s description:
+a `py` config's `main` is one of the keys of `sources`, and no file is given twice (two spellings
+of one path, or in `cu` both in `sources` and `headers`). This hook makes every generated
+*positive* case keep them too, so that a positive case the service refuses is a defect of the
+document or the service, never of the generator: `main` becomes a key of `sources`, and a file
+given a second time is dropped. Negative cases are sent as generated.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import requests
 import schemathesis
-from samples import sample_config
-
-# Schemathesis's default for positive data, less nothing: 2xx, 3xx, these, and 5xx.
-ALSO_ACCEPTED = {401, 403, 404, 409, 429}
 
 
-def _accepted(status: int) -> bool:
-    return status < 400 or status >= 500 or status in ALSO_ACCEPTED
+def _work_path(name: str) -> str:
+    """The file a name stands for, as the runner normalizes it (`./a.py` and `a.py` are one)."""
+    return "/".join(p for p in name.split("/") if p not in ("", "."))
 
 
-@schemathesis.check
-def accepted_unless_only_the_run_config_breaks_a_rule(ctx: Any, response: Any, case: Any) -> None:
+def _keep_once(files: Any, seen: set[str]) -> Any:
+    if not isinstance(files, dict):
+        return files
+    kept = {}
+    for name, text in files.items():
+        path = _work_path(name) if isinstance(name, str) else name
+        if path in seen:
+            continue
+        seen.add(path)
+        kept[name] = text
+    return kept
+
+
+def _cross_field_rules(config: dict[str, Any]) -> None:
+    seen: set[str] = set()
+    config["sources"] = _keep_once(config.get("sources"), seen)
+    if "headers" in config:
+        # Python writes no headers, so only CUDA's may clash with a source.
+        config["headers"] = _keep_once(
+            config["headers"], seen if config.get("lang") == "cu" else set()
+        )
+    sources = config.get("sources")
+    if config.get("lang") == "py" and isinstance(sources, dict) and sources:
+        config["main"] = next(iter(sources))
+
+
+@schemathesis.hook
+def map_case(ctx: Any, case: Any) -> Any:
     meta = case.meta
     if meta is None or not meta.generation.mode.is_positive:
-        return
-    if _accepted(response.status_code):
-        return
+        return case
     op = case.operation
-    submission = op.method.upper() == "POST" and op.path == "/v1/submissions"
-    if not (submission and response.status_code == 422 and isinstance(case.body, dict)):
-        raise AssertionError(
-            f"Valid data should have been accepted: {response.status_code} {response.text[:300]}"
-        )
-    body = {**case.body, "config": sample_config()}
-    auth = response.request.headers.get("Authorization")
-    again = requests.post(
-        response.request.url,
-        json=body,
-        headers={"Authorization": auth} if auth else {},
-        timeout=10,
-    )
-    if not _accepted(again.status_code):
-        raise AssertionError(
-            f"Valid data was refused ({response.status_code}), and still with a valid config: "
-            f"{again.status_code} {again.text[:300]}"
-        )
+    if op.method.upper() != "POST" or op.path != "/v1/submissions":
+        return case
+    if isinstance(case.body, dict) and isinstance(case.body.get("config"), dict):
+        _cross_field_rules(case.body["config"])
+    return case

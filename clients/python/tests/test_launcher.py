@@ -252,7 +252,7 @@ async def test_task_cancellation_cancels_the_submission(stack: Stack, how: str):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    # The DELETE went out before the cancellation finished.
+    # The cancel went out before the cancellation finished.
     sub_id = build["meta_data"]["kernelkite_submission_id"]
     async with KernelkiteClient(stack.url, stack.token) as c:
         sub = await c.get(sub_id)

@@ -123,27 +123,57 @@ pub struct RunConfig {
     #[serde(default)]
     pub benchmarks: Vec<IndexMap<String, Value>>,
     /// Seed passed to the harness; never logged.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::integral::opt_i64"
+    )]
     pub seed: Option<i64>,
     /// How the leaderboard score is made from the benchmarks.
     #[serde(default = "default_ranking")]
     pub ranking_by: RankingBy,
     /// Seconds the test run may take.
-    #[serde(default = "default_timeout")]
+    #[serde(default = "default_timeout", deserialize_with = "crate::integral::u64")]
     pub test_timeout: u64,
     /// Seconds the benchmark run may take.
-    #[serde(default = "default_timeout")]
+    #[serde(default = "default_timeout", deserialize_with = "crate::integral::u64")]
     pub benchmark_timeout: u64,
     /// Seconds the ranked (leaderboard) run may take.
-    #[serde(default = "default_timeout")]
+    #[serde(default = "default_timeout", deserialize_with = "crate::integral::u64")]
     pub ranked_timeout: u64,
     /// Whether the task uses every GPU of the machine.
     #[serde(default)]
     pub multi_gpu: bool,
-    /// Keys kernelbot does not read; kept so the config round-trips.
-    #[serde(flatten)]
+    /// Keys kernelbot does not read; kept so the config round-trips. Written flattened, read
+    /// by [`RunConfig::from_json`] beside the fields: a flattened field would make serde buffer
+    /// the whole config in a form that cannot hold an integer beyond 64 bits (which kernelbot,
+    /// in Python, takes anywhere: in a case, in a key it ignores).
+    #[serde(flatten, skip_deserializing)]
     pub extra: IndexMap<String, Value>,
 }
+
+/// Every key [`RunConfig`] reads; the rest of a config is [`RunConfig::extra`]. (A unit test
+/// holds it to the struct's fields.)
+const FIELDS: [&str; 18] = [
+    "lang",
+    "mode",
+    "sources",
+    "main",
+    "headers",
+    "arch",
+    "defines",
+    "include_dirs",
+    "libraries",
+    "flags",
+    "tests",
+    "benchmarks",
+    "seed",
+    "ranking_by",
+    "test_timeout",
+    "benchmark_timeout",
+    "ranked_timeout",
+    "multi_gpu",
+];
 
 fn default_ranking() -> RankingBy {
     RankingBy::Last
@@ -152,12 +182,13 @@ fn default_timeout() -> u64 {
     DEFAULT_TIMEOUT_S
 }
 
-/// A CUDA architecture, accepted as a number (`90`) or a string (`"90a"`).
+/// A CUDA architecture, accepted as a number (`90`, or `90.0`: one integer to JSON Schema) or
+/// a string (`"90a"`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Arch {
     /// A number (`90`).
-    Number(u32),
+    Number(#[serde(deserialize_with = "crate::integral::u32")] u32),
     /// A string (`"90a"`).
     Text(String),
 }
@@ -265,8 +296,16 @@ impl RunConfig {
                 return Err(ConfigError::BadRanking(r.to_string()));
             }
         }
+        let extra: IndexMap<String, Value> = match &value {
+            Value::Object(map) => map
+                .iter()
+                .filter(|(k, _)| !FIELDS.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            _ => IndexMap::new(),
+        };
         // The path names the offending field (`test_timeout: invalid type ...`).
-        let cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+        let mut cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if path == "." {
@@ -275,6 +314,7 @@ impl RunConfig {
                 ConfigError::Shape(format!("{path}: {inner}"))
             }
         })?;
+        cfg.extra = extra;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -419,11 +459,16 @@ pub fn work_path(field: &'static str, name: &str) -> Result<String, ConfigError>
     if name.is_empty() {
         return Err(bad("it is empty"));
     }
-    if name.contains('\0') {
-        return Err(bad("it contains a NUL byte"));
+    // Printable ASCII (what service/openapi.json's FileName says): no control character (a
+    // NUL, a line break, a terminal escape) reaches a file name, and characters are bytes, so
+    // the 255 below is both what JSON Schema's maxLength counts and what a file system takes.
+    if !name.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+        return Err(bad(
+            "it has a character outside printable ASCII (space to ~: no control characters, no non-ASCII letters)",
+        ));
     }
     if name.len() > 255 {
-        return Err(bad("it is longer than 255 bytes"));
+        return Err(bad("it is longer than 255 characters"));
     }
     let path = Path::new(name);
     if path.is_absolute() {
@@ -597,6 +642,38 @@ mod tests {
     }
 
     #[test]
+    fn the_fields_read_are_the_structs_and_the_rest_is_kept() {
+        let full = json!({"lang": "cu", "mode": "test", "sources": {"k.cu": ""}, "main": "k.cu",
+            "headers": {"h.h": ""}, "arch": 90, "defines": {"A": 1}, "include_dirs": ["/i"],
+            "libraries": ["m"], "flags": ["-O3"], "tests": [{"a": 1}], "benchmarks": [{"b": 2}],
+            "seed": 1, "ranking_by": "mean", "test_timeout": 1, "benchmark_timeout": 2,
+            "ranked_timeout": 3, "multi_gpu": true});
+        let cfg = RunConfig::from_json(full).unwrap();
+        let written = serde_json::to_value(&cfg).unwrap();
+        let mut keys: Vec<&str> = written
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut fields = FIELDS.to_vec();
+        keys.sort_unstable();
+        fields.sort_unstable();
+        assert_eq!(keys, fields);
+        // Integers beyond 64 bits anywhere: kept digit for digit, as kernelbot (Python) keeps them.
+        let big = json!({"lang": "py", "mode": "test", "main": "a.py", "sources": {"a.py": ""},
+            "tests": [{"n": -145546438093087251609946161152_i128}],
+            "note": [99999999999999999999999999999_u128, {"x": 1}]});
+        let cfg = RunConfig::from_json(big.clone()).unwrap();
+        assert_eq!(cfg.extra["note"], big["note"]);
+        assert_eq!(
+            cases_text(&cfg.tests),
+            "n: -145546438093087251609946161152\n"
+        );
+        assert_eq!(serde_json::to_value(&cfg).unwrap()["note"], big["note"]);
+    }
+
+    #[test]
     fn file_names_are_normalized_like_pathlib() {
         for (name, want) in [
             ("a.py", "a.py"),
@@ -610,6 +687,16 @@ mod tests {
         }
         for name in ["", ".", "./", "..", "a/../b", "/abs.py", "x\0y"] {
             assert!(work_path("sources", name).is_err(), "{name:?}");
+        }
+        // Printable ASCII only, at most 255 characters (bytes, then).
+        for name in ["a\nb.py", "\u{1b}[31m.py", "caf\u{e9}.py", "tab\t.py"] {
+            let e = work_path("sources", name).unwrap_err().to_string();
+            assert!(e.contains("printable ASCII"), "{name:?}: {e}");
+        }
+        assert!(work_path("sources", &"a".repeat(255)).is_ok());
+        assert!(work_path("sources", &"a".repeat(256)).is_err());
+        for name in ["...", " ", "a b/c~d.py", ".x", "x.", "a/."] {
+            assert!(work_path("sources", name).is_ok(), "{name:?}");
         }
         // `./main.py` runs as given when it is the key.
         let c = with(json!({"sources": {"./eval.py": ""}, "main": "./eval.py"})).unwrap();

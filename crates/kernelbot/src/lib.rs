@@ -10,6 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod integral;
 pub mod payload;
 pub mod pyrepr;
 pub mod result;

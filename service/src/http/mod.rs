@@ -78,8 +78,11 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/v1/submissions", post(submissions::create))
         .route(
             "/v1/submissions/{id}",
-            get(submissions::get).delete(submissions::cancel),
+            get(submissions::get).fallback(submissions::other_method),
         )
+        // Canceling keeps the submission (it ends `canceled`, readable as any other end), so
+        // it is a POST: a DELETE removes what it names (RFC 9110).
+        .route("/v1/submissions/{id}/cancel", post(submissions::cancel))
         .route("/v1/submissions/{id}/events", get(events::stream))
         .route("/v1/queues/{queue}", queues::route(&app))
         .route_layer(axum::middleware::from_fn_with_state(

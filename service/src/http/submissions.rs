@@ -1,5 +1,5 @@
 //! `POST /v1/submissions`, `GET /v1/submissions/{id}[?wait=SECONDS]`,
-//! `DELETE /v1/submissions/{id}`.
+//! `POST /v1/submissions/{id}/cancel`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,10 +129,31 @@ pub(super) async fn get(
     }
 }
 
-/// `DELETE /v1/submissions/{id}`
+/// `POST /v1/submissions/{id}/cancel`
 pub(super) async fn cancel(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<Submission>, Error> {
     app.cancel(&id).await.map(Json)
+}
+
+/// A method `/v1/submissions/{id}` does not have: `405` with the methods it has, and for a
+/// DELETE (this API's cancel before `POST …/cancel`) where to send it instead. A DELETE would
+/// remove the submission (RFC 9110), and this API keeps a canceled one readable.
+pub(super) async fn other_method(method: axum::http::Method) -> axum::response::Response {
+    let error = if method == axum::http::Method::DELETE {
+        "cancel a submission with POST /v1/submissions/{id}/cancel (it stays readable, canceled); DELETE is not a method of this resource".to_string()
+    } else {
+        format!("{method} is not a method of /v1/submissions/{{id}} (GET reads it; POST /v1/submissions/{{id}}/cancel cancels it)")
+    };
+    let mut r = (
+        axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        Json(serde_json::json!({ "error": error })),
+    )
+        .into_response();
+    r.headers_mut().insert(
+        axum::http::header::ALLOW,
+        axum::http::HeaderValue::from_static("GET,HEAD"),
+    );
+    r
 }

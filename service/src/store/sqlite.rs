@@ -124,9 +124,15 @@ struct Request {
     reply: oneshot::Sender<Result<Reply, StoreError>>,
 }
 
-/// What every database thread shares: the last write's outcome and the latency metric.
+/// What every database thread shares: the last write's outcome, whether the file is known
+/// gone or damaged, and the latency metric.
 struct Shared {
+    /// The database file (`None`: in memory).
+    path: Option<PathBuf>,
     last_write_failed: Mutex<Option<WriteFailure>>,
+    /// Set for good once the file was found gone or damaged: every later write and health
+    /// check fails, saying what happened (a restart on a good file is the operator's act).
+    gone: Mutex<Option<String>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     /// The reader's checkpoints cannot keep the WAL small (writes never pause): the writer
     /// truncates it at its next turn.
@@ -156,8 +162,6 @@ pub struct Sqlite {
     /// The database file's device and inode when opened: a file found otherwise later was
     /// deleted or replaced ([`Sqlite::check_file`]).
     identity: Option<(u64, u64)>,
-    /// Set for good once the file was found gone: every later write and health check fails.
-    gone: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for Sqlite {
@@ -186,7 +190,9 @@ impl Sqlite {
         metrics: Option<Arc<crate::metrics::Metrics>>,
     ) -> Result<(Sqlite, Reopened), StoreError> {
         let shared = Arc::new(Shared {
+            path: dir.map(|d| d.join(DB_FILE)),
             last_write_failed: Mutex::new(None),
+            gone: Mutex::new(None),
             metrics,
             wal_too_big: AtomicBool::new(false),
         });
@@ -246,7 +252,6 @@ impl Sqlite {
                 path,
                 closed: Arc::new(AtomicBool::new(false)),
                 _lock: lock,
-                gone: Arc::new(Mutex::new(None)),
             },
             reopened,
         ))
@@ -268,7 +273,7 @@ impl Sqlite {
             path: path.clone(),
             what,
         };
-        let mut held = self.gone.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.shared.gone.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(what) = held.as_ref() {
             return Err(gone(what.clone()));
         }
@@ -475,6 +480,102 @@ impl Sqlite {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+
+    /// Checks the file's pages as they are on disk (SQLite's `PRAGMA quick_check`, on a
+    /// connection of its own, whose empty page cache reads every page the file has): a file
+    /// damaged under the service (its header intact, garbage past it) is found here, where the
+    /// service's own connections, reading their cached pages, would go on acknowledging writes
+    /// into it. Once damaged, the store takes no more writes and its health check fails for
+    /// good, saying what SQLite found. An in-memory store has nothing to check.
+    pub async fn check_pages(&self) -> Result<(), StoreError> {
+        check_pages(&self.shared).await;
+        self.check_file(false)
+    }
+
+    /// Runs [`Sqlite::check_pages`] every `every`, until the store is closed or found damaged.
+    /// Its cost is a read of the whole file (about 0.45 ms per MiB here; docs/BENCHMARKS.md).
+    pub fn watch_pages(&self, every: Duration) {
+        if self.path.is_none() {
+            return;
+        }
+        let shared = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                if shared
+                    .gone
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .is_some()
+                {
+                    return;
+                }
+                check_pages(&shared).await;
+            }
+        });
+    }
+}
+
+/// [`Sqlite::check_pages`]: a fresh read-only connection's `quick_check`; a verdict other than
+/// `ok` (or SQLite refusing the file as damaged) marks the store damaged.
+async fn check_pages(shared: &Shared) {
+    let Some(path) = shared.path.clone() else {
+        return;
+    };
+    let t = Instant::now();
+    let verdict = async {
+        let mut conn = SqliteConnectOptions::new()
+            .filename(&path)
+            .read_only(true)
+            .busy_timeout(Duration::from_secs(10))
+            .disable_statement_logging()
+            .connect()
+            .await?;
+        let rows = sqlx::query("PRAGMA quick_check")
+            .fetch_all(&mut conn)
+            .await?;
+        let _ = sqlx::Connection::close(conn).await;
+        Ok::<Vec<String>, sqlx::Error>(
+            rows.iter()
+                .filter_map(|r| r.try_get::<String, _>(0).ok())
+                .collect(),
+        )
+    }
+    .await;
+    shared.observe("quick_check", t);
+    match verdict {
+        Ok(v) if v == ["ok"] => {}
+        Ok(v) => mark_damaged(shared, &v.join("; ")),
+        Err(e) if is_corrupt(&e) => mark_damaged(shared, &report(&e)),
+        Err(e) => tracing::warn!(error = %report(&e), "could not check the store's pages"),
+    }
+}
+
+/// Whether SQLite says the bytes are not a sound database: SQLITE_CORRUPT (11) or
+/// SQLITE_NOTADB (26), extended codes included.
+fn is_corrupt(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i64>().ok())
+            .is_some_and(|c| matches!(c & 0xff, 11 | 26)),
+        _ => false,
+    }
+}
+
+/// Records for good that the file is damaged (`detail`: what SQLite said), once.
+fn mark_damaged(shared: &Shared, detail: &str) {
+    let mut gone = shared.gone.lock().unwrap_or_else(|p| p.into_inner());
+    if gone.is_some() {
+        return;
+    }
+    let detail: String = detail.chars().take(500).collect();
+    let path = shared.path.as_deref().unwrap_or(Path::new(":memory:"));
+    tracing::error!(path = %path.display(), %detail, "the store is damaged; refusing every write until the service is restarted on a good file (restore the last backup: service/README.md, \"The store\")");
+    *gone = Some(format!("was damaged (SQLite: {detail})"));
 }
 
 /// The file's device and inode, when it exists.
@@ -813,9 +914,12 @@ async fn serve(
         }
         for r in reads {
             let t = Instant::now();
-            let out = read(&mut conn, r.op)
-                .await
-                .map_err(|e| StoreError::Read(report(&e)));
+            let out = read(&mut conn, r.op).await.map_err(|e| {
+                if is_corrupt(&e) {
+                    mark_damaged(&shared, &report(&e));
+                }
+                StoreError::Read(report(&e))
+            });
             shared.observe("read", t);
             let _ = r.reply.send(out);
         }
@@ -937,6 +1041,9 @@ fn is_disk_full(e: &sqlx::Error) -> bool {
 
 /// Logs a failed write and keeps it for [`Sqlite::health`]; returns why, for the callers.
 fn record_failure(shared: &Shared, e: &sqlx::Error) -> String {
+    if is_corrupt(e) {
+        mark_damaged(shared, &report(e));
+    }
     let failure = WriteFailure::of(e);
     tracing::error!(error = %failure.why, "the store could not commit");
     let why = failure.why.clone();

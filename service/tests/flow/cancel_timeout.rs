@@ -1,4 +1,5 @@
-//! Ending a submission early: DELETE cancels it and its build (even one not created yet,
+//! Ending a submission early: `POST …/cancel` (or the DELETE kept for older clients) cancels it
+//! and its build (even one not created yet,
 //! or created after the submission left memory), and the timeout does the same.
 
 use std::time::Duration;
@@ -16,7 +17,7 @@ async fn cancel_cancels_the_build_and_sticks() {
     h.fake.start_build(number).await;
     let r = h
         .http
-        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .post(format!("{}/v1/submissions/{id}/cancel", h.base))
         .send()
         .await
         .unwrap();
@@ -26,21 +27,33 @@ async fn cancel_cancels_the_build_and_sticks() {
         h.fake.wait_state(number, "canceled", WAIT).await,
         "the build was not canceled on Buildkite"
     );
-    // The fake's own build.finished(canceled) follows; the submission stays canceled.
+    // The fake's own build.finished(canceled) follows; the submission stays canceled, and
+    // readable.
+    let r = h
+        .http
+        .post(format!("{}/v1/submissions/{id}/cancel", h.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "cancel is idempotent");
+    // The DELETE older clients sent says where the cancel is now, with the methods there are.
     let r = h
         .http
         .delete(format!("{}/v1/submissions/{id}", h.base))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status().as_u16(), 200, "cancel is idempotent");
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers()["allow"], "GET,HEAD");
+    let e: Value = r.json().await.unwrap();
+    assert!(e["error"].as_str().unwrap().contains("/cancel"), "{e}");
     let v = h.wait_terminal(&id).await;
     assert_eq!(v["state"], "canceled");
     assert_eq!(v["error"], "canceled by request");
 
     let r = h
         .http
-        .delete(format!("{}/v1/submissions/{}", h.base, uuid_like()))
+        .post(format!("{}/v1/submissions/{}/cancel", h.base, uuid_like()))
         .send()
         .await
         .unwrap();
@@ -54,7 +67,7 @@ async fn cancel_cancels_the_build_and_sticks() {
     h.wait_terminal(&id).await;
     let r = h
         .http
-        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .post(format!("{}/v1/submissions/{id}/cancel", h.base))
         .send()
         .await
         .unwrap();
@@ -72,7 +85,7 @@ async fn cancel_before_the_build_exists_cancels_it_once_created() {
     let id = v["id"].as_str().unwrap();
     let r = h
         .http
-        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .post(format!("{}/v1/submissions/{id}/cancel", h.base))
         .send()
         .await
         .unwrap();
@@ -99,7 +112,7 @@ async fn a_build_created_after_its_canceled_submission_left_memory_is_canceled()
     let id = v["id"].as_str().unwrap();
     let r = h
         .http
-        .delete(format!("{}/v1/submissions/{id}", h.base))
+        .post(format!("{}/v1/submissions/{id}/cancel", h.base))
         .send()
         .await
         .unwrap();

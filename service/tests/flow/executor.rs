@@ -141,7 +141,7 @@ async fn another_executor_drives_the_same_state_machine() {
 
     let id = submit().await;
     let r = http
-        .delete(format!("{base}/v1/submissions/{id}"))
+        .post(format!("{base}/v1/submissions/{id}/cancel"))
         .send()
         .await
         .unwrap();

@@ -676,7 +676,7 @@ async fn the_queue_keeps_its_order_and_counters_across_a_restart() {
     // u cancels one: 2 queued, but 4 accepted this hour (3 of them before the restart).
     let r = s
         .http
-        .delete(format!("{}/v1/submissions/{}", s.base, ids[1]))
+        .post(format!("{}/v1/submissions/{}/cancel", s.base, ids[1]))
         .send()
         .await
         .unwrap();

@@ -204,6 +204,7 @@ async fn openapi_document_describes_the_routes() {
     for path in [
         "/v1/submissions",
         "/v1/submissions/{id}",
+        "/v1/submissions/{id}/cancel",
         "/v1/submissions/{id}/events",
         "/webhooks/buildkite",
         "/healthz",

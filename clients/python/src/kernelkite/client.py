@@ -335,9 +335,9 @@ class KernelkiteClient:
         return _json(resp)
 
     async def cancel(self, submission_id: str) -> dict[str, Any]:
-        """`DELETE /v1/submissions/{id}`: the submission, now `canceled`. `Conflict` when it
+        """`POST /v1/submissions/{id}/cancel`: the submission, now `canceled`. `Conflict` when it
         already ended otherwise."""
-        return _json(await self._request("DELETE", f"/v1/submissions/{submission_id}"))
+        return _json(await self._request("POST", f"/v1/submissions/{submission_id}/cancel"))
 
     async def queue_status(self, queue: str) -> dict[str, Any]:
         """`GET /v1/queues/{queue}`: `{"queue", "queued", "running", "agents", "updated_at"}`,
