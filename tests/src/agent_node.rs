@@ -228,6 +228,8 @@ pub struct NodeSpec<'a> {
     pub endpoint: String,
     /// The local repository git fetches in place of GitHub ([`repository`]).
     pub repository: &'a Path,
+    /// `--verification-jwks`: the public key the agents verify signed steps with.
+    pub verification_jwks: Option<&'a Path>,
 }
 
 impl Node {
@@ -239,8 +241,12 @@ impl Node {
         let token = dir.path().join("agent-token");
         std::fs::write(&token, AGENT_TOKEN).unwrap();
         let isolate = spec.binaries.join("kernelkite-isolate");
-        let out = run(Command::new(&isolate)
-            .arg("setup")
+        let mut setup = Command::new(&isolate);
+        setup.arg("setup");
+        if let Some(jwks) = spec.verification_jwks {
+            setup.arg("--verification-jwks").arg(jwks);
+        }
+        let out = run(setup
             .arg("--root")
             .arg(&root)
             .args(["--queue", spec.queue, "--node", spec.node])

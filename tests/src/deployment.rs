@@ -94,7 +94,37 @@ fn compose_pipeline_agent_env() -> Vec<(String, String)> {
         .collect()
 }
 
-fn pipeline_agent(at: &Path, agent: &Path, endpoint: &str, repository: &Path) -> PipelineAgent {
+/// The signing key pair of the pipeline agent, made by the real agent's `tool keygen` with the
+/// key id `deployment/service/compose.yaml` names: (private JWKS, public JWKS).
+fn signing_keys(at: &Path, agent: &Path) -> (PathBuf, PathBuf) {
+    let key_id = compose_pipeline_agent_env()
+        .into_iter()
+        .find(|(k, _)| k == "BUILDKITE_AGENT_SIGNING_JWKS_KEY_ID")
+        .map(|(_, v)| v)
+        .expect("compose.yaml's pipeline agent names its signing key");
+    let (private, public) = (
+        at.join("signing-private.jwks"),
+        at.join("signing-public.jwks"),
+    );
+    let out = std::process::Command::new(agent)
+        .args(["tool", "keygen", "--alg", "EdDSA", "--key-id", &key_id])
+        .arg("--private-jwks-file")
+        .arg(&private)
+        .arg("--public-jwks-file")
+        .arg(&public)
+        .output()
+        .expect("buildkite-agent tool keygen");
+    assert!(out.status.success(), "{out:?}");
+    (private, public)
+}
+
+fn pipeline_agent(
+    at: &Path,
+    agent: &Path,
+    endpoint: &str,
+    repository: &Path,
+    signing_jwks: &Path,
+) -> PipelineAgent {
     let home = at.join("pipeline-agent");
     for d in ["builds", "plugins", "hooks"] {
         std::fs::create_dir_all(home.join(d)).unwrap();
@@ -119,6 +149,8 @@ fn pipeline_agent(at: &Path, agent: &Path, endpoint: &str, repository: &Path) ->
         .env("BUILDKITE_BUILD_PATH", home.join("builds"))
         .env("BUILDKITE_PLUGINS_PATH", home.join("plugins"))
         .env("BUILDKITE_HOOKS_PATH", home.join("hooks"))
+        // Where compose mounts its secret, here.
+        .env("BUILDKITE_AGENT_SIGNING_JWKS_FILE", signing_jwks)
         .env("HOME", &home)
         .env(
             "PATH",
@@ -148,6 +180,8 @@ pub struct Deployment {
     pub node: Node,
     pipeline: PipelineAgent,
     scratch: tempfile::TempDir,
+    /// The private JWKS the pipeline agent signs its uploads with (the node verifies them).
+    pub signing_jwks: PathBuf,
 }
 
 impl Deployment {
@@ -231,6 +265,7 @@ pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
         .set_agent_clock(LOST_AFTER, Duration::from_secs(60));
     let endpoint = stack.fake.agent_api_url();
     let from = binaries(scratch.path(), isolate, runner);
+    let (signing, verification) = signing_keys(scratch.path(), &agent);
     let mut node = Node::new(&NodeSpec {
         queue: "h100",
         node: "kk-e2e",
@@ -239,15 +274,17 @@ pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
         agent: &agent,
         endpoint: endpoint.clone(),
         repository: &repository,
+        verification_jwks: Some(&verification),
     });
     node.start_agent("slice0", &[]);
     node.start_agent("slice1", &[]);
-    let pipeline = pipeline_agent(scratch.path(), &agent, &endpoint, &repository);
+    let pipeline = pipeline_agent(scratch.path(), &agent, &endpoint, &repository, &signing);
     Some(Deployment {
         stack,
         node,
         pipeline,
         scratch,
+        signing_jwks: signing,
     })
 }
 
@@ -302,6 +339,23 @@ impl Deployment {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// `pipeline` (YAML) signed as the pipeline agent signs its uploads, by the real agent's
+    /// `tool sign` (offline: with the key and the repository's URL), for steps given to the node
+    /// straight from the pipeline's settings.
+    pub fn signed(&self, pipeline: &str) -> String {
+        let file = self.scratch().join("to-sign.yml");
+        std::fs::write(&file, pipeline).unwrap();
+        let out = std::process::Command::new(agent().unwrap())
+            .args(["tool", "sign", "--jwks-file"])
+            .arg(&self.signing_jwks)
+            .args(["--repo", &format!("{REPOSITORY}.git"), "--no-confirm"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
     }
 
     /// `POST /v1/submissions/{id}/cancel`.

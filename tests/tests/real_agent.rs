@@ -196,6 +196,7 @@ async fn the_real_agent_registers_a_multi_gpu_agent_s_whole_group() {
             queue: "h100-x4".into(),
             groups: vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]],
         }),
+        verification_jwks: None,
     };
     let agents = render::agents(&plan, &opts);
     let group = agents.iter().find(|a| a.instance == "x4-1").unwrap();

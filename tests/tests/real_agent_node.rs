@@ -16,8 +16,13 @@ use std::time::Duration;
 
 use kernelkite_kernelbot::config::Mode;
 use kernelkite_testkit::agent_node::{self, REPOSITORY};
-use kernelkite_testkit::deployment::{deployment, settings, LOST_AFTER};
+use kernelkite_testkit::deployment::{deployment, settings, Deployment, LOST_AFTER};
+use kernelkite_testkit::fake_buildkite::agent_api::{AgentCall, AgentCallRecord, AgentFault};
 use serde_json::{json, Value};
+
+/// One deployment at a time: each is a node on this machine's real cgroups, whose hooks take
+/// another node's jobs for lost ones, and each test compares the machine before and after.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The cgroup directories of this machine (every hierarchy, three levels down): what a job
 /// leaves behind shows up here.
@@ -28,7 +33,8 @@ fn cgroup_dirs() -> Vec<String> {
         .unwrap();
     let mut dirs: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| l.contains("kernelkite"))
+        // Below the node's own kernelkite/ group (which setup makes, and stays): jobs' groups.
+        .filter(|l| l.contains("kernelkite/"))
         .map(str::to_string)
         .collect();
     dirs.sort();
@@ -85,6 +91,7 @@ def custom_kernel(data):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn submissions_run_through_real_agents_on_a_node_setup_made() {
+    let _turn = ONE_NODE.lock().await;
     let before = (cgroup_dirs(), job_processes(None));
     let Some(mut w) = deployment(
         Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-isolate")),
@@ -117,8 +124,13 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         );
     }
     // The result the service holds is the file the node's agent uploaded for the evaluation
-    // job, which is the runner's.
+    // job, which is the runner's; the node ran the step because the pipeline agent signed it.
     let (na, ja) = w.eval_jobs(&ids[0]).await;
+    assert!(
+        ja[0].log().contains("Job signature verified"),
+        "{}",
+        ja[0].log()
+    );
     let va = w.wait(&ids[0], long).await;
     let uploaded = w.stack.fake.artifacts_of(na);
     assert_eq!(uploaded.len(), 1, "{uploaded:?}");
@@ -401,15 +413,46 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         .map(|l| {
             if l.trim_start().starts_with("queue:") {
                 "      queue: h100"
+            } else if l.trim_start().starts_with("- label:") {
+                // `tool sign` refuses a pipeline that still has interpolation in it.
+                "  - label: kernelbot direct"
             } else {
                 l
             }
         })
         .collect::<Vec<_>>()
         .join("\n");
+    // Unsigned, the node refuses it before anything of it runs (issue 34, item 9: signed
+    // pipelines): a step that did not come through the service's pipeline agent.
     w.stack
         .fake
         .run_builds_on_agents(&direct, &format!("{REPOSITORY}.git"));
+    let u = w
+        .submit(kernelkite_runner::example::config(Mode::Test), "h100")
+        .await;
+    let vu = w.wait(&u, long).await;
+    assert_eq!(vu["state"], "failed", "{vu}\n{}", w.logs());
+    let (_, ju) = w.eval_jobs(&u).await;
+    assert_eq!(
+        (ju[0].exit_status, ju[0].signal_reason.as_deref()),
+        (Some(-1), Some("signature_rejected")),
+        "{}",
+        ju[0].log()
+    );
+    assert!(
+        ju[0].log().contains("Job signature verification failed"),
+        "{}",
+        ju[0].log()
+    );
+    assert!(
+        !ju[0].log().contains("Running agent environment hook"),
+        "a hook ran for an unsigned step: {}",
+        ju[0].log()
+    );
+    // Signed as the pipeline agent signs, it runs (and meets the node's next refusal).
+    w.stack
+        .fake
+        .run_builds_on_agents(&w.signed(&direct), &format!("{REPOSITORY}.git"));
     let marker = w.scratch().join("repository-hook-ran");
     agent_node::commit(
         w.scratch(),
@@ -467,3 +510,322 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
     let after = (cgroup_dirs(), job_processes(Some(job_user)));
     assert_eq!(before, after, "the jobs left something behind");
 }
+
+/// A submission that passes quickly.
+fn quick() -> Value {
+    kernelkite_testkit::local::probe_config("test", json!([{"sleep_ms": 200}]))
+}
+
+/// What the agent API received for `job`, of `call`.
+fn calls_of(w: &Deployment, call: AgentCall, job: &str) -> Vec<AgentCallRecord> {
+    w.stack
+        .fake
+        .agent_calls(Some(call))
+        .into_iter()
+        .filter(|c| c.job.as_deref() == Some(job))
+        .collect()
+}
+
+fn fail(call: AgentCall, status: u16) -> AgentFault {
+    AgentFault {
+        call,
+        status,
+        times: 1,
+        queue: Some("h100".into()),
+    }
+}
+
+/// Issue 34, item 8: the agent's failure paths, through the real agent (v3.137.0) on a node setup
+/// made, the fake's agent API failing calls as Buildkite can. Each ends the submission as it
+/// should, the result is never taken from a job that did not upload it, and the node is left as
+/// it was:
+/// - finish answered 502, then 429: the agent sends the same finish again (about 2-3 s later),
+///   and the submission succeeds;
+/// - a log chunk answered 500: sent again, the log whole; answered 429: given up, counted in
+///   finish's `chunks_failed_count`, the result unaffected;
+/// - the job-state poll answered 401: the agent cancels the job (as on a cancel from Buildkite),
+///   pre-exit still releases the slice, and the submission fails saying the build failed;
+/// - the artifact batch refused (422) after a passed command: the job's exit status turns 1, no
+///   `result.json` exists, and the submission fails saying so;
+/// - the cancel budget: a job that makes its clean-up as slow as it can (processes ignoring
+///   SIGTERM, each mapping 256 MiB it touched, forked until it can fork no more; its tmpfs full
+///   of files) is canceled, and the bootstrap finishes (post-command, the artifact upload,
+///   pre-exit) inside half the agent's signal grace (setup's `cancel-grace-period`, less one
+///   second): the agent never has to SIGKILL it, and the slice is clean. With the agent's
+///   default grace (9 s) this job's pre-exit alone took 7.2 s, most of it the kernel tearing
+///   down what its processes mapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_agents_failure_paths_end_each_submission_as_they_should() {
+    let _turn = ONE_NODE.lock().await;
+    let before = (cgroup_dirs(), job_processes(None));
+    let Some(w) = deployment(
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-isolate")),
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-runner")),
+    )
+    .await
+    else {
+        return;
+    };
+    let long = Duration::from_secs(120);
+
+    // Finish answered 502, then 429: the same finish again, each a retry later.
+    for status in [502, 429] {
+        w.stack
+            .fake
+            .fail_agent_calls(fail(AgentCall::Finish, status));
+        let id = w.submit(quick(), "h100").await;
+        let v = w.wait(&id, long).await;
+        assert_eq!(v["state"], "succeeded", "{status}: {v}\n{}", w.logs());
+        let (_, jobs) = w.eval_jobs(&id).await;
+        let finishes = calls_of(&w, AgentCall::Finish, &jobs[0].id);
+        assert_eq!(finishes.len(), 2, "{status}: {finishes:?}");
+        assert_eq!(
+            (finishes[0].failed, finishes[1].failed),
+            (Some(status), None)
+        );
+        assert_eq!(finishes[0].body, finishes[1].body, "the same finish again");
+        let gap = finishes[1].at - finishes[0].at;
+        assert!(
+            gap >= Duration::from_millis(1500),
+            "{status}: retried after {gap:?}"
+        );
+    }
+
+    // A chunk answered 500 is sent again; one answered 429 is given up and counted.
+    w.stack.fake.fail_agent_calls(fail(AgentCall::Chunks, 500));
+    let id = w.submit(quick(), "h100").await;
+    assert_eq!(
+        w.wait(&id, long).await["state"],
+        "succeeded",
+        "{}",
+        w.logs()
+    );
+    let (_, jobs) = w.eval_jobs(&id).await;
+    let chunks = calls_of(&w, AgentCall::Chunks, &jobs[0].id);
+    assert!(chunks.iter().any(|c| c.failed == Some(500)), "{chunks:?}");
+    assert_eq!(jobs[0].chunks_failed, Some(0), "{}", jobs[0].log());
+    assert!(
+        jobs[0].log().contains("released GPU lease"),
+        "{}",
+        jobs[0].log()
+    );
+    w.stack.fake.fail_agent_calls(fail(AgentCall::Chunks, 429));
+    let id = w.submit(quick(), "h100").await;
+    assert_eq!(
+        w.wait(&id, long).await["state"],
+        "succeeded",
+        "{}",
+        w.logs()
+    );
+    let (_, jobs) = w.eval_jobs(&id).await;
+    assert_eq!(jobs[0].chunks_failed, Some(1), "{}", jobs[0].log());
+
+    // The job-state poll answered 401: the agent cancels the job.
+    w.stack
+        .fake
+        .fail_agent_calls(fail(AgentCall::JobState, 401));
+    let id = w
+        .submit(
+            kernelkite_testkit::local::probe_config("test", json!([{"hang": 1}])),
+            "h100",
+        )
+        .await;
+    let v = w.wait(&id, long).await;
+    assert_eq!(v["state"], "failed", "{v}\n{}", w.logs());
+    assert!(v["result"].is_null(), "{v}");
+    let (_, jobs) = w.eval_jobs(&id).await;
+    let j = &jobs[0];
+    assert_eq!(
+        (j.exit_status, j.signal_reason.as_deref()),
+        (Some(-1), Some("cancel")),
+        "{}",
+        j.log()
+    );
+    let agent = w.stack.fake.agent_of(j).unwrap();
+    assert!(
+        w.node.agent_log(&agent).contains("Invalid access token"),
+        "{}",
+        w.node.agent_log(&agent)
+    );
+    assert!(j.log().contains("released GPU lease"), "{}", j.log());
+
+    // The artifact batch refused after the command passed: exit status 1, no result.
+    w.stack
+        .fake
+        .fail_agent_calls(fail(AgentCall::CreateArtifacts, 422));
+    let id = w.submit(quick(), "h100").await;
+    let v = w.wait(&id, long).await;
+    assert_eq!(v["state"], "failed", "{v}\n{}", w.logs());
+    let error = v["error"].as_str().unwrap_or_default();
+    assert!(error.contains("result.json"), "{v}");
+    let (number, jobs) = w.eval_jobs(&id).await;
+    assert_eq!(jobs[0].exit_status, Some(1), "{}", jobs[0].log());
+    assert!(
+        jobs[0].log().contains("breaking the retry loop"),
+        "{}",
+        jobs[0].log()
+    );
+    assert!(
+        jobs[0].log().contains("released GPU lease"),
+        "{}",
+        jobs[0].log()
+    );
+    assert!(
+        w.stack
+            .fake
+            .artifacts_of(number)
+            .iter()
+            .all(|a| a.state != "finished"),
+        "{:?}",
+        w.stack.fake.artifacts_of(number)
+    );
+
+    // Signed pipelines (item 9): a job whose command is not the signed step's (a backend or a
+    // token running something else than the service's pipeline agent uploaded) is refused
+    // before anything of it runs.
+    w.stack.fake.forge_command(Some((
+        "h100",
+        "kernelkite-runner --output result.json; touch /tmp/forged",
+    )));
+    let id = w.submit(quick(), "h100").await;
+    let v = w.wait(&id, long).await;
+    w.stack.fake.forge_command(None);
+    assert_eq!(v["state"], "failed", "{v}\n{}", w.logs());
+    let (_, jobs) = w.eval_jobs(&id).await;
+    assert_eq!(
+        (jobs[0].exit_status, jobs[0].signal_reason.as_deref()),
+        (Some(-1), Some("signature_rejected")),
+        "{}",
+        jobs[0].log()
+    );
+    assert!(
+        jobs[0].log().contains("does not match signed step"),
+        "{}",
+        jobs[0].log()
+    );
+    assert!(
+        !jobs[0].log().contains("Running agent environment hook"),
+        "{}",
+        jobs[0].log()
+    );
+
+    // The cancel budget.
+    let mut hostile = kernelkite_testkit::local::probe_config("test", json!([{"n": 1}]));
+    hostile["sources"]["eval.py"] = json!(SLOW_TO_CLEAN);
+    hostile["main"] = json!("eval.py");
+    let id = w.submit(hostile, "h100").await;
+    let runs_on = w.wait_running(&id).await;
+    // It litters for a few seconds (files, memory, then its processes), then hangs: the cancel
+    // comes once all of its processes are there, as its cgroup counts them.
+    let (_, jobs) = w.eval_jobs(&id).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while job_tasks(&jobs[0].id) < HOSTILE_CHILDREN {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never had its {HOSTILE_CHILDREN} processes: {}\n{}",
+            job_tasks(&jobs[0].id),
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let canceled = std::time::Instant::now();
+    w.cancel(&id).await;
+    let v = w.wait(&id, long).await;
+    assert_eq!(v["state"], "canceled", "{v}\n{}", w.logs());
+    let (number, _) = w.eval_jobs(&id).await;
+    assert!(
+        w.stack
+            .fake
+            .wait_state(number, "canceled", Duration::from_secs(60))
+            .await,
+        "{}",
+        w.logs()
+    );
+    let (_, jobs) = w.eval_jobs(&id).await;
+    let j = &jobs[0];
+    let took = j.times.finished.unwrap() - canceled;
+    let grace = Duration::from_secs(kernelkite_admin::setup::render::CANCEL_GRACE_S - 1);
+    println!("cancel budget: the hostile job's bootstrap ended {took:?} after the cancel (the agent's signal grace: {grace:?})");
+    assert_eq!(
+        (
+            j.exit_status,
+            j.signal.as_deref(),
+            j.signal_reason.as_deref()
+        ),
+        (Some(-1), Some("SIGTERM"), Some("cancel")),
+        "the agent had to SIGKILL the bootstrap: its clean-up did not fit the grace\n{}",
+        j.log()
+    );
+    assert!(j.log().contains("released GPU lease"), "{}", j.log());
+    // The job-state poll sees the cancel within 2 s (a 1 s interval and its jitter); the rest
+    // is the clean-up's, which must leave room: half of the grace at most.
+    assert!(
+        took < grace / 2,
+        "the clean-up took {took:?} of the {grace:?} grace\n{}",
+        j.log()
+    );
+    // The grace is setup's (the agent says which it used), and it never ran out.
+    let agent_log = w.node.agent_log(&runs_on);
+    assert!(
+        agent_log.contains(&format!(
+            "with a signal grace period of {}s",
+            grace.as_secs()
+        )),
+        "{agent_log}"
+    );
+    assert!(!agent_log.contains("hasn't stopped within"), "{agent_log}");
+    let job_user = w.node.job_user();
+    drop(w);
+    let after = (cgroup_dirs(), job_processes(Some(job_user)));
+    assert_eq!(before, after, "the jobs left something behind");
+}
+
+/// How many children [`SLOW_TO_CLEAN`] forks.
+const HOSTILE_CHILDREN: u64 = 1000;
+
+/// The tasks in the job's cgroup (`pids.current` of its pids group, v1 or v2).
+fn job_tasks(job: &str) -> u64 {
+    for dir in [
+        "/sys/fs/cgroup/pids/kernelkite",
+        "/sys/fs/cgroup/kernelkite",
+    ] {
+        let text = std::fs::read_to_string(Path::new(dir).join(job).join("pids.current"));
+        if let Ok(n) = text.unwrap_or_default().trim().parse() {
+            return n;
+        }
+    }
+    0
+}
+
+/// A harness whose clean-up is as slow as a job can make it: it ignores SIGTERM, fills its
+/// tmpfs with small files, touches 256 MiB, and forks 1,000 children (each mapping that memory,
+/// each ignoring SIGTERM); then it waits to be killed. Its kernel teardown is most of the cost:
+/// 1,400 such processes took 4 s to reap here, 1,400 without the memory 0.2 s.
+const SLOW_TO_CLEAN: &str = r#"
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+litter = "/tmp/litter"
+os.makedirs(litter, exist_ok=True)
+for i in range(50000):
+    try:
+        with open(f"{litter}/{i}", "w") as f:
+            f.write("x" * 512)
+    except OSError:
+        break
+hog = bytearray(256 << 20)
+for i in range(0, len(hog), 4096):
+    hog[i] = 1
+children = 0
+for i in range(1000):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        while True:
+            time.sleep(3600)
+    children += 1
+print(f"littered: {children} children", file=sys.stderr, flush=True)
+while True:
+    time.sleep(3600)
+"#;

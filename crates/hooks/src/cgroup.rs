@@ -153,6 +153,11 @@ pub(crate) fn is_cgroupfs(path: &Path) -> bool {
     })
 }
 
+/// How long clean-up waits for a killed job's processes to leave its cgroup before it says
+/// they cannot be killed. Their teardown is the kernel's and grows with what they mapped; the
+/// agent's signal grace (setup's `cancel-grace-period`) leaves room for this wait.
+pub const KILL_WAIT: Duration = Duration::from_secs(20);
+
 /// How deep clean-up follows sub-cgroups a job made under its cgroup.
 pub const MAX_TREE_DEPTH: usize = 32;
 /// How many sub-cgroups clean-up accepts under one job cgroup.

@@ -24,6 +24,17 @@
 //! An agent that stops talking while it holds a job (no heartbeat, ping, log or job call for
 //! [`World::lost_after`]) is lost: its job finishes with exit status `-1` and no signal reason,
 //! as Buildkite marks a lost agent's job, and the step's automatic retry rules apply.
+//!
+//! Real Buildkite does not answer every call with success. A test makes calls fail
+//! ([`super::FakeBuildkite::fail_agent_calls`]: a status, so many times, for the jobs of one
+//! queue) and reads every call the agent made ([`super::FakeBuildkite::agent_calls`]); what the
+//! agent does then is its own code's (v3.137.0, with `roko` retries): a `401` on the job-state
+//! poll cancels the job (`agent/job_runner.go` `jobCancellationChecker`); finish retries 5xx
+//! and 429 (`core/client.go` `FinishJob`, about 2-3 s later) and gives up at once on another
+//! 4xx; a chunk retries 5xx only, and any 4xx (429 too) is given up and counted in finish's
+//! `chunks_failed_count` (`UploadChunk`); an artifact batch refused with a 4xx other than 429
+//! fails the upload, which turns a passed command's exit status into 1
+//! (`internal/artifact/batch_creator.go`, `internal/job/executor.go`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read as _;
@@ -49,6 +60,61 @@ const JOB_STATUS_INTERVAL_S: u64 = 1;
 pub(super) const PIPELINE_ID: &str = "0183c3ba-0000-0000-0000-0000000000aa";
 /// The log chunk size the fake accepts (the agent sends chunks up to this).
 const CHUNK_MAX: u64 = 100 * 1024;
+
+/// A call of the agent API, as faults and the record name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AgentCall {
+    /// `GET /v3/ping`
+    Ping,
+    /// `POST /v3/heartbeat`
+    Heartbeat,
+    /// `PUT /v3/jobs/{id}/accept`
+    Accept,
+    /// `PUT /v3/jobs/{id}/start`
+    Start,
+    /// `GET /v3/jobs/{id}` (the job-state poll)
+    JobState,
+    /// `POST /v3/jobs/{id}/chunks`
+    Chunks,
+    /// `PUT /v3/jobs/{id}/finish`
+    Finish,
+    /// `POST /v3/jobs/{id}/artifacts` (the batch create)
+    CreateArtifacts,
+    /// `POST /uploads/{artifact}` (the file, to the blob store)
+    UploadFile,
+    /// `PUT /v3/jobs/{id}/artifacts` (the states)
+    UpdateArtifacts,
+}
+
+/// Calls that fail ([`super::FakeBuildkite::fail_agent_calls`]): the next `times` calls of
+/// `call` answer `status` (with Buildkite's `{"message"}`), for the jobs of steps on `queue`
+/// only when it is given (the calls of agents, not jobs, when `call` is one of theirs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentFault {
+    /// The call.
+    pub call: AgentCall,
+    /// The status it answers.
+    pub status: u16,
+    /// How many calls it answers so (then they are answered as usual).
+    pub times: u32,
+    /// Only for jobs of steps that run on this queue.
+    pub queue: Option<String>,
+}
+
+/// One call the agent API received.
+#[derive(Debug, Clone)]
+pub struct AgentCallRecord {
+    /// The call.
+    pub call: AgentCall,
+    /// The job it was about, if any.
+    pub job: Option<String>,
+    /// The status a fault answered it with (`None`: answered as usual).
+    pub failed: Option<u16>,
+    /// When it arrived.
+    pub at: Instant,
+    /// Its JSON body (finish's: exit status, signal, `chunks_failed_count`).
+    pub body: Option<Value>,
+}
 
 /// A registered agent.
 #[derive(Debug, Clone)]
@@ -87,6 +153,8 @@ pub struct AgentJob {
     pub signal: Option<String>,
     /// `cancel`, `agent_stop`, ... (`None`: none).
     pub signal_reason: Option<String>,
+    /// Log chunks the agent gave up on (finish's `chunks_failed_count`).
+    pub chunks_failed: Option<u64>,
     /// Retries used so far by each of its step's automatic rules.
     rule_counts: Vec<u32>,
     /// Which try of its step this is (0 first).
@@ -153,6 +221,13 @@ pub struct World {
     canceled_builds: Vec<u64>,
     /// The uuids of the pipeline uploads taken.
     uploads: std::collections::HashSet<String>,
+    /// Calls made to fail.
+    faults: Vec<AgentFault>,
+    /// Jobs of steps on this queue are given this command instead of their step's (a
+    /// backend, or a token, that runs something else than what was signed).
+    forged_command: Option<(String, String)>,
+    /// Every call received, in order.
+    calls: Vec<AgentCallRecord>,
 }
 
 impl Default for World {
@@ -168,8 +243,51 @@ impl Default for World {
             minute: Duration::from_secs(60),
             canceled_builds: Vec::new(),
             uploads: std::collections::HashSet::new(),
+            faults: Vec::new(),
+            forged_command: None,
+            calls: Vec::new(),
         }
     }
+}
+
+/// Records a call, and answers it with a fault's status when one applies (its count goes down).
+fn gate(
+    world: &mut World,
+    call: AgentCall,
+    job: Option<&str>,
+    body: Option<Value>,
+) -> Option<Response> {
+    let queue = job
+        .and_then(|id| world.jobs.iter().find(|j| j.id == id))
+        .and_then(|j| j.step.agents.get("queue").cloned());
+    let fault = world.faults.iter_mut().find(|f| {
+        f.call == call && f.times > 0 && f.queue.as_ref().is_none_or(|q| Some(q) == queue.as_ref())
+    });
+    let failed = fault.map(|f| {
+        f.times -= 1;
+        f.status
+    });
+    world.calls.push(AgentCallRecord {
+        call,
+        job: job.map(str::to_string),
+        failed,
+        at: Instant::now(),
+        body,
+    });
+    let status = StatusCode::from_u16(failed?).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    Some(error(status, "Injected failure"))
+}
+
+/// The calls of `call` gate [`gate`]s in a handler, returning its answer when a fault applies.
+macro_rules! gate_or_answer {
+    ($world:expr, $call:expr, $job:expr) => {
+        gate_or_answer!($world, $call, $job, None)
+    };
+    ($world:expr, $call:expr, $job:expr, $body:expr) => {
+        if let Some(r) = gate(&mut $world, $call, $job, $body) {
+            return r;
+        }
+    };
 }
 
 fn token() -> String {
@@ -279,6 +397,7 @@ fn new_job(build: u64, step: Step, retry_count: u32) -> AgentJob {
         exit_status: None,
         signal: None,
         signal_reason: None,
+        chunks_failed: None,
         rule_counts: Vec::new(),
         retry_count,
         retried: false,
@@ -568,6 +687,7 @@ pub(super) async fn heartbeat(
     body: Bytes,
 ) -> Response {
     let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::Heartbeat, None);
     if caller(&mut world, &headers).is_none() {
         return error(StatusCode::UNAUTHORIZED, "Unauthorized");
     }
@@ -581,6 +701,7 @@ pub(super) async fn heartbeat(
 /// oldest first, when the agent holds none.
 pub(super) async fn ping(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response {
     let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::Ping, None);
     let Some((a, None)) = caller(&mut world, &headers) else {
         return error(StatusCode::UNAUTHORIZED, "Unauthorized");
     };
@@ -698,6 +819,7 @@ pub(super) async fn accept(
     headers: HeaderMap,
 ) -> Response {
     let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::Accept, Some(&id));
     let j = job_or_refuse!(world, headers, id);
     if world.jobs[j].state != "assigned" {
         return error(
@@ -717,15 +839,24 @@ pub(super) async fn accept(
     };
     let job = world.jobs[j].clone();
     let repository = world.repository.clone();
+    let forged = world
+        .forged_command
+        .clone()
+        .filter(|(q, _)| job.step.agents.get("queue") == Some(q))
+        .map(|(_, c)| c);
     // Lock order: the builds are never locked while the world is (the REST handlers hold the
     // builds when they list a build's jobs).
     drop(world);
-    let env = job_env(&inner, &repository, &job, &agent);
+    let mut env = job_env(&inner, &repository, &job, &agent);
+    if let Some(c) = forged {
+        env.insert("BUILDKITE_COMMAND".into(), c);
+    }
     Json(json!({
         "id": job.id,
         "endpoint": "",
         "state": "accepted",
         "env": env,
+        "step": job.step.raw,
         "chunks_max_size_bytes": CHUNK_MAX,
         "log_max_size_bytes": 0,
         "token": job.token,
@@ -743,6 +874,7 @@ pub(super) async fn start(
 ) -> Response {
     let number = {
         let mut world = lock(&inner.world);
+        gate_or_answer!(world, AgentCall::Start, Some(&id));
         let j = job_or_refuse!(world, headers, id);
         if world.jobs[j].state == "accepted" {
             world.jobs[j].state = "running".into();
@@ -768,6 +900,7 @@ pub(super) async fn job_state(
     headers: HeaderMap,
 ) -> Response {
     let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::JobState, Some(&id));
     match job_of(&mut world, &headers, &id) {
         Ok(j) => Json(json!({"state": world.jobs[j].state})).into_response(),
         // A finished job's state is still its own to read.
@@ -793,6 +926,7 @@ pub(super) async fn chunk(
     body: Bytes,
 ) -> Response {
     let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::Chunks, Some(&id));
     let j = job_or_refuse!(world, headers, id);
     let Some(offset) = q.get("offset").and_then(|o| o.parse::<u64>().ok()) else {
         return error(StatusCode::UNPROCESSABLE_ENTITY, "offset is required");
@@ -828,8 +962,9 @@ pub(super) async fn finish_job(
 ) -> Response {
     let number = {
         let mut world = lock(&inner.world);
-        let j = job_or_refuse!(world, headers, id);
         let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        gate_or_answer!(world, AgentCall::Finish, Some(&id), Some(req.clone()));
+        let j = job_or_refuse!(world, headers, id);
         let Some(exit) = req["exit_status"]
             .as_str()
             .and_then(|s| s.parse::<i64>().ok())
@@ -838,6 +973,7 @@ pub(super) async fn finish_job(
         };
         let signal = req["signal"].as_str().map(str::to_string);
         let reason = req["signal_reason"].as_str().map(str::to_string);
+        world.jobs[j].chunks_failed = req["chunks_failed_count"].as_u64();
         finish(&mut world, j, exit, signal, reason);
         world.jobs[j].build
     };
@@ -942,6 +1078,7 @@ pub(super) async fn create_artifacts(
 ) -> Response {
     let (build, job_id) = {
         let mut world = lock(&inner.world);
+        gate_or_answer!(world, AgentCall::CreateArtifacts, Some(&id));
         let j = job_or_refuse!(world, headers, id);
         (world.jobs[j].build, world.jobs[j].id.clone())
     };
@@ -1032,7 +1169,16 @@ pub(super) async fn upload_file(
             "the upload must not carry Authorization",
         );
     }
-    let Some(build) = lock(&inner.world).pending_uploads.get(&aid).copied() else {
+    let job = lock(&inner.builds)
+        .iter()
+        .flat_map(|b| b.artifacts.iter())
+        .find(|a| a.id == aid)
+        .map(|a| a.job_id.clone());
+    let Some(build) = ({
+        let mut world = lock(&inner.world);
+        gate_or_answer!(world, AgentCall::UploadFile, job.as_deref());
+        world.pending_uploads.get(&aid).copied()
+    }) else {
         return error(StatusCode::NOT_FOUND, "no such upload");
     };
     let ct = headers
@@ -1070,12 +1216,18 @@ pub(super) async fn update_artifacts(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let build = {
         let mut world = lock(&inner.world);
+        gate_or_answer!(
+            world,
+            AgentCall::UpdateArtifacts,
+            Some(&id),
+            Some(req.clone())
+        );
         let j = job_or_refuse!(world, headers, id);
         world.jobs[j].build
     };
-    let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let blobs = lock(&inner.blobs)
         .keys()
         .cloned()
@@ -1118,6 +1270,29 @@ impl super::FakeBuildkite {
         let mut world = lock(&self.inner.world);
         world.lost_after = lost_after;
         world.minute = minute;
+    }
+
+    /// From now on, jobs of steps on `queue` run `command` (their `BUILDKITE_COMMAND`) instead of
+    /// their step's, as a backend or a token running something other than what was uploaded
+    /// would have them do; `None` stops it.
+    pub fn forge_command(&self, forged: Option<(&str, &str)>) {
+        lock(&self.inner.world).forged_command =
+            forged.map(|(q, c)| (q.to_string(), c.to_string()));
+    }
+
+    /// Makes agent API calls fail as `fault` says (faults are matched in the order given).
+    pub fn fail_agent_calls(&self, fault: AgentFault) {
+        lock(&self.inner.world).faults.push(fault);
+    }
+
+    /// Every agent API call received so far, in order (`call`: only those).
+    pub fn agent_calls(&self, call: Option<AgentCall>) -> Vec<AgentCallRecord> {
+        lock(&self.inner.world)
+            .calls
+            .iter()
+            .filter(|c| call.is_none_or(|k| c.call == k))
+            .cloned()
+            .collect()
     }
 
     /// The agents that registered.

@@ -104,6 +104,10 @@ pub struct Step {
     pub timeout_in_minutes: Option<u64>,
     /// `retry.automatic`.
     pub retry: Vec<RetryRule>,
+    /// The step as it came (uploaded, or interpolated from the settings), its `signature`
+    /// included: what Buildkite gives the agent as the job's `step` (`api/jobs.go`), which an
+    /// agent with a verification key checks (`agent/verify_job.go`).
+    pub raw: Value,
 }
 
 impl Step {
@@ -405,6 +409,9 @@ const STEP_KEYS: &[&str] = &[
     "artifact_paths",
     "timeout_in_minutes",
     "retry",
+    // `pipeline upload` with a signing key (go-pipeline `signature.SignSteps`): kept in the
+    // step given to the agent, never read here.
+    "signature",
 ];
 
 /// The command steps of a parsed pipeline (`{"steps": [...]}`, or a bare list), with the
@@ -471,6 +478,7 @@ pub fn steps(pipeline: &Value) -> Result<Vec<Step>, String> {
             artifact_paths,
             timeout_in_minutes: s.get("timeout_in_minutes").and_then(Value::as_u64),
             retry: retry_of(s.get("retry"), &what)?,
+            raw: Value::Object(s.clone()),
         });
     }
     Ok(out)

@@ -112,6 +112,12 @@ pub struct SetupArgs {
     /// any other is refused, since its variables reach the root checkout and hooks.
     #[arg(long = "allow-job-env", value_name = "NAME")]
     pub allow_job_env: Vec<String>,
+    /// The public JWKS of the key the service's pipeline agent signs its uploads with
+    /// (Buildkite's signed pipelines; `buildkite-agent tool keygen` makes the pair): the agents
+    /// then refuse any job whose step it did not sign. Without it, every step uploaded for the
+    /// queue with a token of the agents' cluster runs here.
+    #[arg(long, env = "KERNELKITE_VERIFICATION_JWKS", value_name = "FILE")]
+    pub verification_jwks: Option<PathBuf>,
     /// Write everything under DIR instead of / and only record the commands (for trying setup
     /// out, and for tests).
     #[arg(long, value_name = "DIR")]
@@ -444,24 +450,31 @@ pub fn run_setup(args: SetupArgs) -> anyhow::Result<ExitCode> {
     let from = binaries_dir(&args)?;
     let buildkite_agent = buildkite_agent(&args, &root);
     let queue = args.queue.clone().unwrap_or_default();
-    let opts = Options {
-        prefix: args.prefix.clone(),
-        optional_binaries: OPTIONAL_BINARIES
-            .iter()
-            .filter(|b| from.join(b).is_file())
-            .map(|b| b.to_string())
-            .collect(),
-        binaries_from: from,
-        queue: queue.clone(),
-        node: args.node.clone().unwrap_or_else(|| hostname(&root)),
-        agents: args.agents,
-        job_config: args.job_config.clone(),
-        buildkite_agent,
-        token,
-        plugin_location: args.plugin_location.clone(),
-        job_env: args.allow_job_env.clone(),
-        multi_gpu,
-    };
+    let opts =
+        Options {
+            prefix: args.prefix.clone(),
+            optional_binaries: OPTIONAL_BINARIES
+                .iter()
+                .filter(|b| from.join(b).is_file())
+                .map(|b| b.to_string())
+                .collect(),
+            binaries_from: from,
+            queue: queue.clone(),
+            node: args.node.clone().unwrap_or_else(|| hostname(&root)),
+            agents: args.agents,
+            job_config: args.job_config.clone(),
+            buildkite_agent,
+            token,
+            plugin_location: args.plugin_location.clone(),
+            job_env: args.allow_job_env.clone(),
+            multi_gpu,
+            verification_jwks: match &args.verification_jwks {
+                Some(path) => Some(std::fs::read_to_string(path).with_context(|| {
+                    format!("cannot read --verification-jwks {}", path.display())
+                })?),
+                None => None,
+            },
+        };
     let mut desired = render::render(&plan, &facts, &opts)?;
     if live {
         if let Some(problem) = systemd_problem() {

@@ -11,6 +11,8 @@ pub const HOOKS_DIR: &str = "/etc/kernelkite/hooks";
 pub const AGENTS_DIR: &str = "/etc/kernelkite/agents";
 /// The environment of every agent, its hooks and jobs (systemd `EnvironmentFile=`).
 pub const AGENT_ENV: &str = "/etc/kernelkite/agent.env";
+/// The public JWKS the agents verify every job's signed step with (`--verification-jwks`).
+pub const VERIFICATION_JWKS: &str = "/etc/kernelkite/pipeline-verification.jwks";
 /// State: the agents' checkouts and plugins, setup's manifest; the agents' `HOME`.
 pub const STATE_DIR: &str = "/var/lib/kernelkite";
 /// The agents' `build-path`.

@@ -53,6 +53,9 @@ pub struct Options {
     pub job_env: Vec<String>,
     /// A queue for jobs of several GPUs served beside `queue` on the same slices, if any.
     pub multi_gpu: Option<MultiGpu>,
+    /// The public JWKS of the key the service's pipeline agent signs its uploads with: the
+    /// agents refuse any job whose step it did not sign. `None`: jobs are not verified.
+    pub verification_jwks: Option<String>,
 }
 
 /// A queue for jobs of several GPUs (kernelbot's multi-GPU tasks), served by one agent per
@@ -375,8 +378,21 @@ pub fn agent_lockdown(opts: &Options) -> String {
     // plugin.yml by tests/hooks/hooks_config.rs), so it adds no boundary. A clone is kept per plugin version under plugins-path, which is
     // root's; cloning afresh would fetch the repository for every job.
     s.push_str("# The agent's defaults, said here: the plugin checks its configuration in its hooks, and its clone,\n# kept per version, is root's.\nno-plugin-validation=true\nplugins-always-clone-fresh=false\n");
+    // clicommand/cancel_signal.go: the signal grace (how long a canceled or timed-out job's
+    // bootstrap has for post-command, the artifact upload and pre-exit before the agent
+    // SIGKILLs it, agent/run_job.go Cancel) is cancel-grace-period less one second by default.
+    // The agent's default of 10 left 9 s, and a job can make its clean-up take seconds: the
+    // kernel's teardown of what its processes mapped (plugin/README.md, "Canceled jobs";
+    // tests/tests/real_agent_node.rs pins it).
+    let _ = writeln!(
+        s,
+        "# A canceled or timed-out job's clean-up (killing what it left, removing its cgroup, releasing the\n# slice) runs inside the agent's grace: {CANCEL_GRACE_S} s, less one for the job's own hooks.\ncancel-grace-period={CANCEL_GRACE_S}"
+    );
     s
 }
+
+/// The agent's `cancel-grace-period` on a node (seconds); the signal grace is one less.
+pub const CANCEL_GRACE_S: u64 = 30;
 
 /// The agents of the node: the one-GPU queue's, then the multi-GPU queue's.
 pub fn agents(plan: &Plan, opts: &Options) -> Vec<Agent> {
@@ -557,6 +573,17 @@ pub fn agent_config(plan: &Plan, opts: &Options, agent: &Agent) -> (String, Stri
     let _ = writeln!(body, "build-path=\"{BUILD_DIR}\"");
     let _ = writeln!(body, "plugins-path=\"{PLUGINS_DIR}\"");
     body.push_str(&agent_lockdown(opts));
+    if opts.verification_jwks.is_some() {
+        // agent/verify_job.go: after the job starts and before any hook, the agent checks the
+        // accepted job's step against its signature (made by `pipeline upload` with the
+        // signing key) and the job's command, env and plugins against the step; with `block`
+        // a job that fails (or has no signature) ends at once, exit -1, signal reason
+        // signature_rejected, nothing of it run.
+        let _ = writeln!(
+            body,
+            "# Only steps the service's pipeline agent signed run here (Buildkite's signed pipelines): a job\n# whose step has no valid signature, or does not match it, is refused before any hook runs.\nverification-jwks-file=\"{VERIFICATION_JWKS}\"\nverification-failure-behavior=block"
+        );
+    }
     let token = opts.token.as_deref().unwrap_or(TOKEN_MISSING);
     let text = format!("{head}token=\"{token}\"\n{body}");
     let shown_token = if opts.token.is_some() {
@@ -675,6 +702,13 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
             content: Content::Secret { text, shown },
         });
     }
+    if let Some(jwks) = &opts.verification_jwks {
+        files.push(File {
+            path: VERIFICATION_JWKS.into(),
+            mode: 0o644,
+            content: Content::Text(jwks.clone()),
+        });
+    }
     files.push(File {
         path: unit_path(SLICE_UNIT),
         mode: 0o644,
@@ -690,6 +724,9 @@ pub fn render(plan: &Plan, facts: &Facts, opts: &Options) -> Result<Desired, Set
     let mut notes = Vec::new();
     if facts.cgroup_version == 1 {
         cgroup_v1_migrations(facts, opts, &mut files, &mut units, &mut notes);
+    }
+    if opts.verification_jwks.is_none() {
+        notes.push("the agents verify no pipeline signature: any step uploaded with a token of the agents' cluster for this queue runs here; pass --verification-jwks with the public key the service's pipeline agent signs with (deployment/README.md, \"Signed pipelines\")".into());
     }
     if plan.reserved_cpus.is_empty() {
         notes.push("the plan reserves no housekeeping CPU (--housekeeping-cores 0): the agents share the jobs' CPUs".into());
@@ -742,10 +779,57 @@ fn checked_options(plan: &Plan, opts: &Options) -> Result<Options, SetupError> {
         check_job_env(name)?;
     }
     let job_config = check_job_config(&opts.job_config)?;
+    if let Some(jwks) = &opts.verification_jwks {
+        check_verification_jwks(jwks)?;
+    }
     Ok(Options {
         job_config,
         ..opts.clone()
     })
+}
+
+/// The algorithms the agent signs and verifies pipelines with (go-pipeline's
+/// `jwkutil.ValidSigningAlgorithms`).
+pub const SIGNING_ALGORITHMS: &[&str] = &["EdDSA", "ES512", "PS512"];
+
+/// Checks `--verification-jwks` as the agent will read it (agent v3.137.0,
+/// `clicommand/agent_start.go` `parseAndValidateJWKS`: every key has an `alg` it accepts and a
+/// `kid`): a public key set, never the private one (which would let anyone who reads it sign).
+pub fn check_verification_jwks(text: &str) -> Result<(), SetupError> {
+    let bad = |why: String| {
+        SetupError::Invalid(format!(
+            "--verification-jwks: {why}; give the public JWKS of the pipeline agent's signing key (buildkite-agent tool keygen writes it; deployment/README.md, \"Signed pipelines\")"
+        ))
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("not JSON ({e})")))?;
+    let keys = v["keys"]
+        .as_array()
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| bad("no `keys` list, or an empty one".into()))?;
+    for (i, k) in keys.iter().enumerate() {
+        let alg = k["alg"].as_str().unwrap_or_default();
+        if !SIGNING_ALGORITHMS.contains(&alg) {
+            return Err(bad(format!(
+                "key {i} has alg {alg:?}; the agent takes {}",
+                SIGNING_ALGORITHMS.join(", ")
+            )));
+        }
+        if k["kid"].as_str().is_none_or(str::is_empty) {
+            return Err(bad(format!("key {i} has no `kid`")));
+        }
+        // A private key's parts (OKP/EC `d`, RSA `d`, `p`, `q`...).
+        if ["d", "p", "q", "dp", "dq", "qi"]
+            .iter()
+            .any(|f| k.get(f).is_some())
+        {
+            return Err(bad(format!(
+                "key {i} ({:?}) is a private key, which signs; the nodes need only the public one",
+                k["kid"].as_str().unwrap_or_default()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The node's directories, parents first.
@@ -939,6 +1023,7 @@ mod tests {
             token: None,
             plugin_location: plugin_location.into(),
             job_env: job_env.iter().map(|s| s.to_string()).collect(),
+            verification_jwks: None,
             multi_gpu: None,
         }
     }
@@ -982,6 +1067,82 @@ mod tests {
         );
     }
 
+    /// The public half of `buildkite-agent tool keygen --alg EdDSA --key-id kk` (its shape).
+    const PUBLIC_JWKS: &str = r#"{"keys":[{"alg":"EdDSA","crv":"Ed25519","kid":"kk","kty":"OKP","use":"sig","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#;
+
+    /// Issue 34, item 9: given the pipeline agent's public key, every agent verifies signed
+    /// steps and refuses the rest (`block`); the key is installed readable, and only a public
+    /// key set the agent accepts is taken.
+    #[test]
+    fn agents_verify_signed_steps_with_the_public_key_given() {
+        let plan = Plan {
+            slices: vec![Slice {
+                index: 0,
+                gpu: None,
+                extra_gpus: vec![],
+                cpus: vec![1],
+                mems: vec![0],
+                memory_bytes: 1 << 30,
+            }],
+            reserved_cpus: vec![0],
+            warnings: vec![],
+        };
+        let facts = Facts {
+            cgroup_version: 2,
+            kernel_release: Some("6.8.0".into()),
+            total_memory_bytes: 4 << 30,
+            job_user_exists: true,
+            job_user_groups: vec![],
+            device_owners: vec![],
+        };
+        let mut opts = options(DEFAULT_PLUGIN_LOCATION, &[]);
+        let without = render(&plan, &facts, &opts).unwrap();
+        assert!(without
+            .notes
+            .iter()
+            .any(|n| n.contains("verify no pipeline signature")));
+        opts.verification_jwks = Some(PUBLIC_JWKS.into());
+        let with = render(&plan, &facts, &opts).unwrap();
+        let key = with
+            .files
+            .iter()
+            .find(|f| f.path == Path::new(VERIFICATION_JWKS))
+            .expect("the key is installed");
+        assert_eq!(key.mode, 0o644);
+        assert_eq!(key.content, Content::Text(PUBLIC_JWKS.into()));
+        let agent = &with.agents[0];
+        let (cfg, _) = agent_config(&plan, &opts, agent);
+        assert!(
+            cfg.contains(&format!(
+                "\nverification-jwks-file=\"{VERIFICATION_JWKS}\"\n"
+            )),
+            "{cfg}"
+        );
+        assert!(
+            cfg.contains("\nverification-failure-behavior=block\n"),
+            "{cfg}"
+        );
+        assert!(!with
+            .notes
+            .iter()
+            .any(|n| n.contains("verify no pipeline signature")));
+        // What the agent would refuse at start, or a private key, is refused here.
+        let private = PUBLIC_JWKS.replace(r#""use":"sig""#, r#""use":"sig","d":"secret""#);
+        for (bad, says) in [
+            ("not json", "not JSON"),
+            (r#"{"keys":[]}"#, "empty"),
+            (&PUBLIC_JWKS.replace("EdDSA", "HS256"), "HS256"),
+            (&PUBLIC_JWKS.replace(r#""kid":"kk","#, ""), "no `kid`"),
+            (&private, "private key"),
+        ] {
+            let e = check_verification_jwks(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(says) && e.contains("--verification-jwks"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
     /// The agent reads its configuration file (cliconfig/file.go) `key=value` a line, a value
     /// in double quotes taken as it is (a `#` in it included), a list split at commas: so no
     /// pattern may hold a comma, a double quote, or `\n` (which it turns into a newline).
@@ -1015,6 +1176,7 @@ mod tests {
                 ),
                 ("no-plugin-validation", "true"),
                 ("plugins-always-clone-fresh", "false"),
+                ("cancel-grace-period", "30"),
             ]
         );
         for pattern in [

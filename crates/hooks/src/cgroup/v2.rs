@@ -141,7 +141,9 @@ impl V2 {
                 wait_until(Duration::from_millis(100), empty);
             }
         }
-        if !wait_until(Duration::from_secs(5), empty) {
+        // The processes' teardown is the kernel's, and takes seconds for a job that mapped
+        // much (see v1's `clean_up`).
+        if !wait_until(super::KILL_WAIT, empty) {
             return Err(CgroupError::Unkillable {
                 path: dir.clone(),
                 pids: left(),
