@@ -11,8 +11,8 @@
 # cgroups, no Docker daemon) is listed with its reason and never counted as passed.
 #
 # Environment:
-#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3/shellcheck/
-#                              systemd yourself) and don't fetch hadolint
+#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3/nftables/
+#                              shellcheck/systemd yourself) and don't fetch hadolint
 #   KERNELKITE_SKIP_BENCH=1    skip the short benchmark runs
 #   KERNELKITE_SKIP_CLONE=1    skip the fresh-clone run (it tests the last commit, not your
 #                              uncommitted changes)
@@ -30,7 +30,7 @@ section() { printf '\n--- %s (%s free)\n' "$*" "$(df -h --output=avail . 2>/dev/
 
 install_deps() {
   # Linters: the shell scripts are checked with shellcheck, the units with systemd-analyze.
-  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 util-linux procps shellcheck systemd)
+  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 nftables util-linux procps shellcheck systemd)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

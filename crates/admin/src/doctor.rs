@@ -199,6 +199,7 @@ pub fn run_checks(opts: &DoctorOptions, host: &dyn Host) -> Vec<Check> {
     }
     checks.extend(check_runner_image(&gpus));
     checks.push(check_agent(host));
+    checks.push(check_job_network(host));
     checks.push(check_plugin_binary(&opts.root));
     checks.push(check_sandbox(&opts.root));
     checks
@@ -751,6 +752,32 @@ pub fn check_agent(host: &dyn Host) -> Check {
     }
 }
 
+/// What a step with `network: true` needs (`kernelkite_hooks::uplink`): `ip`, `unshare`,
+/// `nsenter` and `nft` to make its own network namespace and its link out. Missing, such steps
+/// fail (saying what to install) and the rest run: a warning.
+pub fn check_job_network(host: &dyn Host) -> Check {
+    const NAME: &str = "job network";
+    let missing: Vec<&str> = ["ip", "unshare", "nsenter", "nft"]
+        .into_iter()
+        .filter(|p| host.which(p).is_none())
+        .collect();
+    if missing.is_empty() {
+        Check::ok(
+            NAME,
+            "steps with `network: true` get a network namespace of their own, routed out through the node (ip, unshare, nsenter, nft)",
+        )
+    } else {
+        Check::warn(
+            NAME,
+            format!(
+                "{} not on PATH: steps with `network: true` would fail",
+                missing.join(", ")
+            ),
+            "install iproute2, util-linux and nftables (only steps with `network: true` need them)",
+        )
+    }
+}
+
 /// Exit status for a report: 1 when any check failed, 0 otherwise (warnings do not fail).
 pub fn exit_code(checks: &[Check]) -> u8 {
     u8::from(checks.iter().any(|c| c.status == Status::Fail))
@@ -824,6 +851,24 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_job_network_check_names_the_missing_tools() {
+        let all = FakeHost::default()
+            .with("ip", Some(""))
+            .with("unshare", Some(""))
+            .with("nsenter", Some(""))
+            .with("nft", Some(""));
+        assert_eq!(check_job_network(&all).status, Status::Ok);
+        let no_nft = FakeHost::default()
+            .with("ip", Some(""))
+            .with("unshare", Some(""))
+            .with("nsenter", Some(""));
+        let c = check_job_network(&no_nft);
+        assert_eq!(c.status, Status::Warn, "{c}");
+        assert!(c.to_string().contains("nft not on PATH"), "{c}");
+        assert!(c.to_string().contains("nftables"), "{c}");
+    }
+
     fn healthy() -> FakeHost {
         FakeHost {
             nvml: Some(
@@ -846,6 +891,10 @@ mod tests {
         )
         .with("docker", Some("27.3.1"))
         .with("nvidia-ctk", Some(""))
+        .with("ip", Some(""))
+        .with("unshare", Some(""))
+        .with("nsenter", Some(""))
+        .with("nft", Some(""))
     }
 
     const V1: &str = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
@@ -1074,7 +1123,7 @@ mod tests {
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 10);
+        assert_eq!(checks.len(), 11);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);

@@ -24,3 +24,4 @@ pub mod lease;
 pub mod mountinfo;
 pub mod process;
 pub mod sandbox;
+pub mod uplink;

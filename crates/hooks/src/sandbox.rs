@@ -225,6 +225,8 @@ pub fn describe(
         "network: {}",
         if spec.isolate_network {
             "loopback only"
+        } else if spec.uplink.is_some() {
+            "its own, routed out through the node (NAT); the node itself (its loopback, its addresses, its abstract sockets) and other jobs unreachable"
         } else {
             "the host's (`network: false` cuts it to loopback)"
         }
@@ -248,6 +250,16 @@ pub fn describe(
 pub fn enter(spec: &SandboxSpec) -> Result<(), SandboxError> {
     use kernelkite_sys::raw::{self, Forked};
     raw::unshare_namespaces(true, true, spec.isolate_network).map_err(SandboxError::Namespaces)?;
+    // `network: true`: the job's own namespace, which the hook made with its link out; joined
+    // here, as root, before /run (where it is bound) is hidden.
+    if let Some(netns) = &spec.uplink {
+        let ns = std::fs::File::open(netns).map_err(SandboxError::Namespaces)?;
+        rustix::thread::move_into_link_name_space(
+            std::os::fd::AsFd::as_fd(&ns),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .map_err(|e| SandboxError::Namespaces(e.into()))?;
+    }
     let fork = |what| move |source| SandboxError::Privileges { what, source };
     // This process is the init: pid 1 of the job's PID namespace (the hook made it before the
     // spawn), dying with the hook.
@@ -307,6 +319,7 @@ mod tests {
             groups: vec![],
             cwd: "/builds/a/checkout".into(),
             isolate_network: true,
+            uplink: None,
             tmp_size: 64 << 20,
             shm_size: 32 << 20,
             devices: vec![spec::DeviceNode {

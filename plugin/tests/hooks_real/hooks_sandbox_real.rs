@@ -37,7 +37,8 @@ fn prefix() -> String {
 
 /// A process holding fresh mount and IPC namespaces with their own `/tmp`, `/var/tmp` and
 /// `/dev/shm`: the node as the hooks see it.
-struct Holder(Child);
+/// The holder process, and whether it has a network namespace of its own.
+struct Holder(Child, bool);
 
 /// The directories the tests need inside the holder (the workspace, its build directory)
 /// that the holder's fresh `/tmp`, `/var/tmp` or `/dev/shm` would cover: a checkout under
@@ -73,7 +74,9 @@ fn quoted(path: &Path) -> String {
 }
 
 impl Holder {
-    fn start() -> Option<Holder> {
+    /// With `net`, the holder's node has a network namespace of its own too (only `lo`, up),
+    /// where the network tests build a node and an outside world (`own_network_world`).
+    fn start_with(net: bool) -> Option<Holder> {
         // Each kept directory is opened before the covering mounts and bound back from its
         // descriptor afterwards (`/proc/self/fd/N` names the covered directory itself).
         let keep = kept_under_covered_dirs();
@@ -92,17 +95,17 @@ impl Holder {
                 fd = i + 3
             ));
         }
+        if net {
+            script.push_str("ip link set lo up || exit 1; ");
+        }
         script.push_str("echo ready; exec sleep 600");
-        let mut child = Command::new("unshare")
-            .args([
-                "--mount",
-                "--ipc",
-                "--propagation",
-                "private",
-                "--",
-                "sh",
-                "-c",
-            ])
+        let mut unshare = Command::new("unshare");
+        unshare.args(["--mount", "--ipc"]);
+        if net {
+            unshare.arg("--net");
+        }
+        let mut child = unshare
+            .args(["--propagation", "private", "--", "sh", "-c"])
             .arg(script)
             .stdout(Stdio::piped())
             .spawn()
@@ -111,20 +114,23 @@ impl Holder {
         std::io::BufReader::new(child.stdout.take()?)
             .read_line(&mut line)
             .ok()?;
-        (line.trim() == "ready").then_some(Holder(child))
+        (line.trim() == "ready").then_some(Holder(child, net))
     }
 
     /// Runs a program inside, in `cwd` (entering a mount namespace starts at its root).
     fn wrapper(&self, cwd: &Path) -> Vec<String> {
-        vec![
+        let mut w = vec![
             "nsenter".into(),
             "--target".into(),
             self.0.id().to_string(),
             "--mount".into(),
             "--ipc".into(),
-            format!("--wd={}", cwd.display()),
-            "--".into(),
-        ]
+        ];
+        if self.1 {
+            w.push("--net".into());
+        }
+        w.extend([format!("--wd={}", cwd.display()), "--".into()]);
+        w
     }
 
     /// `/tmp`, `/var/tmp`, `/dev/shm` and SysV IPC as the hooks see them.
@@ -234,6 +240,15 @@ struct SandboxNode {
 
 impl SandboxNode {
     fn new(tag: &str, memory: u64, user_option: Option<&str>) -> Option<SandboxNode> {
+        SandboxNode::build(tag, memory, user_option, false)
+    }
+
+    /// A node whose holder has a network namespace of its own (the network tests).
+    fn with_own_network(tag: &str, memory: u64) -> Option<SandboxNode> {
+        SandboxNode::build(tag, memory, None, true)
+    }
+
+    fn build(tag: &str, memory: u64, user_option: Option<&str>, net: bool) -> Option<SandboxNode> {
         let dir = tempfile::Builder::new()
             .prefix("kk-sandbox")
             .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
@@ -320,7 +335,7 @@ impl SandboxNode {
         );
         // The agent's own directory holds the builds: jobs' checkouts are under it.
         let agent = Agent::new(&builds, &format!("sbx-{tag}"), &env);
-        let holder = Holder::start()?;
+        let holder = Holder::start_with(net)?;
         Some(SandboxNode {
             dir,
             agent,
@@ -1276,4 +1291,270 @@ echo "open-other-cap-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia-caps/nvidia-cap
         );
     }
     assert_eq!(before, node.snapshot());
+}
+
+/// The node of a holder with its own network ([`SandboxNode::with_own_network`]) given a way
+/// out, and an outside world: a network namespace holding a server at 203.0.113.1:80 that
+/// answers `OUTSIDE from <peer>`, the node's default route through it (the node 10.99.0.2, the
+/// world 10.99.0.1); on the node, a service on its loopback, one on all its addresses and one
+/// on an abstract unix socket, each answering `NODE <name>`. Everything lives in namespaces of
+/// the test's: this machine's own network is not touched.
+struct OwnNetworkWorld {
+    _outside: Killed,
+    _node_services: Killed,
+    loopback_port: u16,
+    any_port: u16,
+    abstract_name: String,
+}
+
+/// A process killed when the test lets go of it, however the test ends.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sh(args: &[&str]) -> String {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", output_text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A Python server on `binds` (`("tcp", "host", port)` or `("unix", "\0name")`) answering each
+/// connection with `reply` (`{peer}` filled in), started in the network namespace of `target`
+/// (`None`: a new one).
+fn serve(target: Option<u32>, binds: &str, reply: &str) -> Killed {
+    let script = format!(
+        r#"
+import socket, threading
+def serve(s, name):
+    s.listen(16)
+    while True:
+        c, a = s.accept()
+        peer = a[0] if isinstance(a, tuple) else "unix"
+        c.sendall(("{reply}\n").replace("{{peer}}", peer).replace("{{name}}", name).encode())
+        c.close()
+for b in {binds}:
+    if b[0] == "tcp":
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((b[1], b[2]))
+    else:
+        s = socket.socket(socket.AF_UNIX); s.bind(b[1])
+    threading.Thread(target=serve, args=(s, str(b[-1]))).start()
+print("ready", flush=True)
+threading.Event().wait()
+"#
+    );
+    let mut cmd = match target {
+        Some(pid) => {
+            let mut c = Command::new("nsenter");
+            c.args([
+                "--target",
+                &pid.to_string(),
+                "--net",
+                "--",
+                "python3",
+                "-c",
+                &script,
+            ]);
+            c
+        }
+        None => {
+            let mut c = Command::new("unshare");
+            c.args(["--net", "--", "python3", "-c", &script]);
+            c
+        }
+    };
+    let mut child = Killed(
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready", "{binds}");
+    child
+}
+
+fn own_network_world(node: &SandboxNode, tag: &str) -> OwnNetworkWorld {
+    let holder = node.holder.0.id().to_string();
+    let (loopback_port, any_port) = (7101, 7102);
+    let abstract_name = format!("kk-node-{tag}-{}", std::process::id());
+    let outside = serve(None, r#"[("tcp", "0.0.0.0", 80)]"#, "OUTSIDE from {peer}");
+    let world = outside.0.id().to_string();
+    sh(&[
+        "ip", "link", "add", "eth0", "netns", &holder, "type", "veth", "peer", "name", "up0",
+        "netns", &world,
+    ]);
+    let inside = |pid: &str, args: &[&str]| {
+        let mut v = vec!["nsenter", "--target", pid, "--net", "--", "ip"];
+        v.extend(args);
+        sh(&v);
+    };
+    inside(&world, &["addr", "add", "10.99.0.1/24", "dev", "up0"]);
+    inside(&world, &["addr", "add", "203.0.113.1/32", "dev", "lo"]);
+    inside(&world, &["link", "set", "up0", "up"]);
+    inside(&world, &["link", "set", "lo", "up"]);
+    inside(&holder, &["addr", "add", "10.99.0.2/24", "dev", "eth0"]);
+    inside(&holder, &["link", "set", "eth0", "up"]);
+    inside(&holder, &["route", "add", "default", "via", "10.99.0.1"]);
+    let node_services = serve(
+        Some(node.holder.0.id()),
+        &format!(
+            r#"[("tcp", "127.0.0.1", {loopback_port}), ("tcp", "0.0.0.0", {any_port}), ("unix", "\0{abstract_name}")]"#
+        ),
+        "NODE",
+    );
+    OwnNetworkWorld {
+        _outside: outside,
+        _node_services: node_services,
+        loopback_port,
+        any_port,
+        abstract_name,
+    }
+}
+
+/// What a job (or the node itself) reaches: `reached NAME: <answer>` or `blocked NAME: <why>`
+/// per probe, one a line.
+fn probes(world: &OwnNetworkWorld) -> String {
+    format!(
+        r#"
+import socket, sys
+def probe(name, family, addr):
+    s = socket.socket(family)
+    s.settimeout(2)
+    try:
+        s.connect(addr)
+        print(f"reached {{name}}: {{s.recv(100).decode().strip()}}")
+    except OSError as e:
+        print(f"blocked {{name}}: {{e}}")
+probe("outside", socket.AF_INET, ("203.0.113.1", 80))
+probe("node-loopback", socket.AF_INET, ("127.0.0.1", {lo}))
+probe("node-address", socket.AF_INET, ("10.99.0.2", {any}))
+probe("node-gateway", socket.AF_INET, ("10.231.0.1", {any}))
+probe("node-abstract", socket.AF_UNIX, "\0{name}")
+"#,
+        lo = world.loopback_port,
+        any = world.any_port,
+        name = world.abstract_name
+    )
+}
+
+/// The network of the holder's node as `ip` lists it, and its forwarding switches.
+fn node_network(node: &SandboxNode) -> String {
+    let holder = node.holder.0.id().to_string();
+    let list = |args: &[&str]| {
+        let mut v = vec!["nsenter", "--target", &holder, "--net", "--", "ip", "-o"];
+        v.extend(args);
+        sh(&v)
+    };
+    // Counters and link indices of a veth's peer change with every job: names and addresses.
+    let links: Vec<String> = list(&["link"])
+        .lines()
+        .map(|l| l.split_whitespace().nth(1).unwrap_or_default().to_string())
+        .collect();
+    format!("{links:?}\n{}{}", list(&["addr"]), list(&["route"]))
+}
+
+/// Issue 34, item 7: `network: true` put the job on the node's network namespace, where it
+/// reached a host service listening on an abstract unix socket (and every service on the
+/// node's loopback). Now the job has a namespace of its own with a link out through the node:
+/// it reaches the outside world, and nothing of the node's (its loopback, its addresses, the
+/// host end of its own link, its abstract sockets), each of which the node itself reaches. The
+/// node's network is as it was after the job (no link, namespace or route of the job left),
+/// and this machine's own network (its links, its nftables ruleset) was never touched.
+#[test]
+fn network_true_reaches_the_outside_and_nothing_of_the_node() {
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    for tool in ["ip", "nft", "python3"] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            kernelkite_testkit::skip(format!("{tool} is not installed (network: true needs it)"));
+            return;
+        }
+    }
+    let host_network = || (sh(&["ip", "-o", "link"]), sh(&["nft", "list", "ruleset"]));
+    let host_before = host_network();
+    let Some(node) = SandboxNode::with_own_network("net", 256 << 20) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc --net)");
+        return;
+    };
+    let world = own_network_world(&node, "net");
+    // The node itself reaches each of its services and the outside.
+    let holder = node.holder.0.id().to_string();
+    let from_node = sh(&[
+        "nsenter",
+        "--target",
+        &holder,
+        "--net",
+        "--",
+        "python3",
+        "-c",
+        &probes(&world),
+    ]);
+    for name in ["outside", "node-loopback", "node-address", "node-abstract"] {
+        assert!(
+            from_node.contains(&format!("reached {name}")),
+            "{from_node}"
+        );
+    }
+    node.warm_up();
+    let config = |network: bool| {
+        json!({"user": node.user.name, "environment": TEST_VARIABLES, "network": network})
+            .to_string()
+    };
+    let run = |id: &str| {
+        let _guard = real_cgroups::CgroupGuard(vec![id.to_string()]);
+        let mut job = node.job(id, "python3 probes.py; ip -o -4 addr show dev eth0 || true");
+        let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
+        std::fs::write(checkout.join("probes.py"), probes(&world)).unwrap();
+        job.set_env("KERNELKITE_CONFIG", &config(true));
+        let mut out = String::new();
+        for (hook, o) in job.run_all() {
+            assert!(o.status.success(), "{hook}: {}", output_text(&o));
+            out.push_str(&output_text(&o));
+        }
+        out
+    };
+    // A first job with the network loads the node's rules (they stay, as the node's); then
+    // the node is as every later job finds it.
+    run(&format!("{}-net-warm", prefix()));
+    let before = (node.snapshot(), node_network(&node));
+    let out = run(&format!("{}-net", prefix()));
+    assert!(
+        out.contains("reached outside: OUTSIDE from 10.99.0.2"),
+        "{out}"
+    );
+    for name in [
+        "node-loopback",
+        "node-address",
+        "node-gateway",
+        "node-abstract",
+    ] {
+        assert!(out.contains(&format!("blocked {name}")), "{name}: {out}");
+    }
+    assert!(out.contains("inet 10.231.0.2/30"), "{out}");
+    assert!(
+        out.contains("network: its own, routed out through the node"),
+        "{out}"
+    );
+    let after = (node.snapshot(), node_network(&node));
+    assert_eq!(before, after, "the job left something on the node");
+    drop(world);
+    drop(node);
+    assert_eq!(
+        host_before,
+        host_network(),
+        "this machine's network was touched"
+    );
 }

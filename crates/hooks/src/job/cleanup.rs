@@ -131,6 +131,12 @@ pub fn clean_job(
             Err(e) => report.problem(&e),
         }
     }
+    // A `network: true` job's network (its command hook takes it down, unless it was killed).
+    crate::uplink::close(
+        &settings.run_dir,
+        job_id,
+        state.as_ref().map(|s| s.slice.index),
+    );
     // After the kill: nothing of the job is left to race the walk.
     // Only a checkout the command was handed (its top is no longer its owner's) is walked: a
     // job that never got to its command leaves nothing to give back.

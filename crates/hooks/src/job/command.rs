@@ -247,6 +247,10 @@ fn on_host(
         start_in_cgroup(job_id, &argv, &env, cgroups.as_ref(), isolate_network, None)?
     };
     let status = child.wait().map_err(JobError::Wait)?;
+    if settings.sandbox && state.config.network_allowed() {
+        // What the command left running (pre-exit kills it) has no network from now on.
+        crate::uplink::close(&settings.run_dir, job_id, Some(state.slice.index));
+    }
     if let Some(cg) = &cgroups {
         let ooms = cg.oom_kills(job_id).saturating_sub(oom_before);
         if ooms > 0 {
@@ -383,6 +387,7 @@ pub fn sandbox_spec(
             .or_else(|| checkout.map(Path::to_path_buf))
             .unwrap_or_else(|| PathBuf::from("/")),
         isolate_network: !state.config.network_allowed(),
+        uplink: None,
         tmp_size: spec::tmpfs_size(state.config.tmp_size, state.slice.memory_bytes),
         shm_size: spec::tmpfs_size(state.config.shm_size, state.slice.memory_bytes),
         devices,
@@ -439,7 +444,7 @@ fn start_sandboxed(
         give_checkout(settings, state, c, &user)?;
     }
     let submission = submission_identity(&user, state.slice.index)?;
-    let spec = sandbox_spec(
+    let mut spec = sandbox_spec(
         settings,
         state,
         env,
@@ -447,6 +452,13 @@ fn start_sandboxed(
         submission.as_ref(),
         checkout.as_deref(),
     );
+    // `network: true`: the job's own network, made now, while this hook may still start
+    // commands (below, its next child is the job's init).
+    if state.config.network_allowed() {
+        let uplink = crate::uplink::open(&settings.run_dir, &state.job_id, state.slice.index)
+            .map_err(|e| JobError::Sandbox(e.to_string()))?;
+        spec.uplink = Some(uplink.netns);
+    }
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| JobError::Sandbox(format!("cannot make the report pipe: {e}")))?;
     let env = sandbox::job_env(

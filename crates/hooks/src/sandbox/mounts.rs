@@ -61,6 +61,35 @@ pub fn kept_resolver(resolved: Option<PathBuf>, network: bool) -> Option<PathBuf
     resolved.filter(|p| network && p.starts_with(HOST_RUN) && p != Path::new(HOST_RUN))
 }
 
+/// systemd-resolved's list of its upstream servers.
+pub const RESOLVED_UPSTREAM: &str = "/run/systemd/resolve/resolv.conf";
+
+/// Whether every `nameserver` of resolver file `text` is on loopback (systemd-resolved's stub
+/// at 127.0.0.53, a local dnsmasq at 127.0.0.1): unreachable from a namespace of its own.
+pub fn only_loopback_resolvers(text: &str) -> bool {
+    let servers: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .map(str::trim)
+        .collect();
+    !servers.is_empty()
+        && servers.iter().all(|s| {
+            s.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+        })
+}
+
+/// For a job with its own network (`network: true`), what to show at the node's resolver file
+/// `at` (where `/etc/resolv.conf` leads): `at` itself, unless it names only loopback resolvers,
+/// which the job's namespace does not have; then systemd-resolved's upstream list where it is
+/// (`upstream`), else `at` anyway (the job then resolves nothing; plugin/README.md says so).
+pub fn resolver_for_own_network(at: &Path, text: &str, upstream: Option<&Path>) -> PathBuf {
+    match upstream {
+        Some(u) if only_loopback_resolvers(text) => u.to_path_buf(),
+        _ => at.to_path_buf(),
+    }
+}
+
 /// One mount of step 3.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layer {
@@ -378,12 +407,26 @@ fn clone_sources(spec: &SandboxSpec) -> Result<Sources, SandboxError> {
             Some((p, is_dir))
         })
         .collect();
-    let kept: Vec<(PathBuf, OwnedFd)> =
-        kept_resolver(real(Path::new("/etc/resolv.conf")), !spec.isolate_network)
-            .map(|p| clone_tree(&p).map(|fd| (p, fd)))
-            .transpose()?
-            .into_iter()
-            .collect();
+    let resolver = real(Path::new("/etc/resolv.conf"));
+    // With the job's own network, loopback resolvers are not there: another list is shown at
+    // the resolver's path, wherever it is.
+    let source = |at: &Path| match &spec.uplink {
+        Some(_) => resolver_for_own_network(
+            at,
+            &std::fs::read_to_string(at).unwrap_or_default(),
+            Some(Path::new(RESOLVED_UPSTREAM)).filter(|u| u.is_file()),
+        ),
+        None => at.to_path_buf(),
+    };
+    let at = resolver.filter(|p| {
+        kept_resolver(Some(p.clone()), !spec.isolate_network).is_some()
+            || (!spec.isolate_network && source(p) != *p)
+    });
+    let kept: Vec<(PathBuf, OwnedFd)> = at
+        .map(|p| clone_tree(&source(&p)).map(|fd| (p, fd)))
+        .transpose()?
+        .into_iter()
+        .collect();
     let mut hide = hide;
     if std::fs::symlink_metadata(HOST_RUN).is_ok_and(|m| m.is_dir()) {
         hide.push((PathBuf::from(HOST_RUN), true));
@@ -703,6 +746,25 @@ fn overlay(path: &Path, spec: &SandboxSpec, n: usize) -> Result<Overlaid, Sandbo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_with_its_own_network_gets_resolvers_it_can_reach() {
+        let stub = "# systemd-resolved\nnameserver 127.0.0.53\noptions edns0 trust-ad\nsearch .\n";
+        let at = Path::new("/run/systemd/resolve/stub-resolv.conf");
+        let upstream = Path::new(RESOLVED_UPSTREAM);
+        assert!(only_loopback_resolvers(stub));
+        assert_eq!(resolver_for_own_network(at, stub, Some(upstream)), upstream);
+        assert_eq!(
+            resolver_for_own_network(at, stub, None),
+            at,
+            "nothing better"
+        );
+        let lan = "nameserver 10.255.255.53\nnameserver 127.0.0.1\n";
+        assert!(!only_loopback_resolvers(lan));
+        assert_eq!(resolver_for_own_network(at, lan, Some(upstream)), at);
+        assert!(!only_loopback_resolvers("# no servers\n"));
+        assert!(only_loopback_resolvers("nameserver ::1\n"));
+    }
 
     #[test]
     fn the_resolver_file_is_kept_only_under_run_and_with_the_network() {

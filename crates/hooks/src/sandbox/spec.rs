@@ -48,6 +48,9 @@ pub struct SandboxSpec {
     pub cwd: PathBuf,
     /// A network namespace with only loopback.
     pub isolate_network: bool,
+    /// The job's own network namespace to join, bound at this path (`network: true`:
+    /// [`crate::uplink`]); `None` with `isolate_network` is a fresh one with only loopback.
+    pub uplink: Option<PathBuf>,
     /// Size of the private `/tmp` (and `/var/tmp`), bytes.
     pub tmp_size: u64,
     /// Size of the private `/dev/shm`, bytes.
