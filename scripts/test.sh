@@ -11,8 +11,8 @@
 # cgroups, no Docker daemon) is listed with its reason and never counted as passed.
 #
 # Environment:
-#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats/hwloc/python3/nftables/
-#                              shellcheck/systemd yourself) and don't fetch hadolint
+#   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats, hwloc, python3, nftables,
+#                              the linter and systemd yourself) and don't fetch hadolint
 #   KERNELKITE_SKIP_BENCH=1    skip the short benchmark runs
 #   KERNELKITE_SKIP_CLONE=1    skip the fresh-clone run (it tests the last commit, not your
 #                              uncommitted changes)

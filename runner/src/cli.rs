@@ -298,20 +298,38 @@ fn load_config(args: &Args) -> Result<(RunConfig, Vec<String>), (Failure, Vec<St
     };
     let secrets = secrets_of(&json);
     match RunConfig::from_json(json) {
-        Ok(cfg) => Ok((cfg, secrets)),
+        Ok(cfg) => {
+            let secrets = with_parsed_seed(secrets, &cfg);
+            Ok((cfg, secrets))
+        }
         Err(e) => Err((Failure::bad_config(e.to_string()), secrets)),
     }
 }
 
+/// The seed as the harness gets it, besides the config's spelling (`4242.0` is `4242` there).
+fn with_parsed_seed(mut secrets: Vec<String>, cfg: &RunConfig) -> Vec<String> {
+    if let Some(s) = cfg.seed.and_then(|s| redactable(s.to_string())) {
+        if !secrets.contains(&s) {
+            secrets.push(s);
+        }
+    }
+    secrets
+}
+
 fn secrets_of(json: &serde_json::Value) -> Vec<String> {
     match json.get("seed") {
-        Some(serde_json::Value::Null) | None => Vec::new(),
-        Some(serde_json::Value::String(s)) if !s.is_empty() => vec![s.clone()],
-        Some(v) => vec![v.to_string()],
+        Some(serde_json::Value::Null) | None => None,
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(v) => Some(v.to_string()),
     }
+    .and_then(redactable)
     .into_iter()
-    .filter(|s| s.len() >= 3)
     .collect()
+}
+
+/// A seed spelling worth redacting: under three characters it would redact ordinary numbers.
+fn redactable(s: String) -> Option<String> {
+    (s.len() >= 3).then_some(s)
 }
 
 // Long because a linear set-up (work directory, handlers, subreaper, guard), each failure a result.
@@ -546,5 +564,17 @@ mod tests {
         assert_eq!(secrets_of(&serde_json::json!({"seed": 123})), ["123"]);
         assert_eq!(secrets_of(&serde_json::json!({"seed": "7777"})), ["7777"]);
         assert!(secrets_of(&serde_json::json!({"seed": null})).is_empty());
+        // A whole float is the integer the harness gets: both spellings are redacted.
+        let json = serde_json::json!({"lang": "py", "mode": "test", "main": "a.py",
+            "sources": {"a.py": ""}, "seed": 918273645.0});
+        let cfg = RunConfig::from_json(json.clone()).unwrap();
+        assert_eq!(
+            with_parsed_seed(secrets_of(&json), &cfg),
+            ["918273645.0", "918273645"]
+        );
+        let json = serde_json::json!({"lang": "py", "mode": "test", "main": "a.py",
+            "sources": {"a.py": ""}, "seed": 918273645});
+        let cfg = RunConfig::from_json(json.clone()).unwrap();
+        assert_eq!(with_parsed_seed(secrets_of(&json), &cfg), ["918273645"]);
     }
 }

@@ -62,7 +62,7 @@ pub enum AgentSlots {
     NoSource,
     /// No fetch has succeeded yet, and fewer than three ended.
     NotFetched,
-    /// The last fetch was refused for the credentials (a token without `read_agents`), or
+    /// The token was refused (a token without `read_agents`) before any fetch succeeded, or
     /// every fetch so far failed, three or more.
     Unknown,
     /// This many agents of the queue were connected at the last fetch that succeeded (however
@@ -93,8 +93,8 @@ struct Snapshot {
     /// The last counts a fetch brought, however old: the service's queue keeps using them
     /// through failed fetches (a Buildkite outage must not lift every queue's limit).
     last_good: Option<Arc<AgentsByQueue>>,
-    /// The last fetch was refused for the credentials: nothing can be counted until they
-    /// change (a later fetch that succeeds clears it).
+    /// The token was refused before any fetch succeeded: nothing can be counted until it
+    /// changes (a later fetch that succeeds clears it).
     refused: bool,
 }
 
@@ -221,9 +221,12 @@ impl Queues {
                         s.fetched = Some(Instant::now());
                         s.refused = false;
                     }
-                    // An answer, not an outage: the queues stop waiting for counts at once
-                    // (said once, until it changes), and later fetches look again.
-                    Err(AgentsUnavailable::Refused(e)) => {
+                    // A token that never could count: an answer, not an outage, so the queues
+                    // stop waiting for counts at once (said once, until it changes), and later
+                    // fetches look again. Once counts came, a refusal (a proxy's 403, a token
+                    // being rotated) is taken as any failure: the last counts hold, or a
+                    // stray 403 would flush every waiting submission into Buildkite at once.
+                    Err(AgentsUnavailable::Refused(e)) if s.last_good.is_none() => {
                         if !s.refused {
                             tracing::warn!(source = source.name(), error = %report(&*e), "agent counts are refused for the token: queues are not limited by their agents (Buildkite orders what waits) until the token can read them; this service asks again every KERNELKITE_AGENTS_REFRESH_S");
                         }
@@ -233,7 +236,7 @@ impl Queues {
                             ..Snapshot::default()
                         };
                     }
-                    Err(AgentsUnavailable::Failed(e)) => {
+                    Err(AgentsUnavailable::Failed(e) | AgentsUnavailable::Refused(e)) => {
                         tracing::warn!(source = source.name(), error = %report(&*e), "could not fetch agent counts for queue status");
                         if s.fetched.is_none_or(|t| t.elapsed() > stale_after) {
                             *s = Snapshot {
@@ -402,19 +405,41 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_refusal_is_an_answer_at_once_and_counts_come_back_when_the_token_can_read_them() {
+    async fn once_counts_came_a_refusal_keeps_them_as_any_failure_does() {
         let source = counting();
         let minute = Duration::from_secs(60);
         let q = Arc::new(Queues::new(Some(source.clone()), minute));
-        // Counts first, then the token loses the scope: the last counts are not kept, as
-        // they would be through an outage.
         q.agent_slots("h100");
         settled(&q, 1).await;
         assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(2));
+        // A proxy's stray 403, a token being rotated: the last counts hold (unlimited here
+        // would flush every waiting submission into Buildkite at once).
         source.refuse.store(true, Ordering::SeqCst);
+        for n in 2..=6 {
+            tokio::time::sleep(minute + Duration::from_secs(1)).await;
+            q.agent_slots("h100");
+            settled(&q, n).await;
+            assert_eq!(q.agent_slots("h100"), AgentSlots::Connected(2), "fetch {n}");
+        }
+        source.refuse.store(false, Ordering::SeqCst);
         tokio::time::sleep(minute).await;
         q.agent_slots("h100");
-        settled(&q, 2).await;
+        settled(&q, 7).await;
+        assert_eq!(
+            q.agent_slots("h100"),
+            AgentSlots::Connected(8),
+            "counting again"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_that_never_could_count_is_unknown_at_once_and_counts_when_it_can() {
+        let source = counting();
+        source.refuse.store(true, Ordering::SeqCst);
+        let minute = Duration::from_secs(60);
+        let q = Arc::new(Queues::new(Some(source.clone()), minute));
+        assert_eq!(q.agent_slots("h100"), AgentSlots::NotFetched);
+        settled(&q, 1).await;
         assert_eq!(
             q.agent_slots("h100"),
             AgentSlots::Unknown,
@@ -424,23 +449,12 @@ mod tests {
         source.refuse.store(false, Ordering::SeqCst);
         tokio::time::sleep(minute).await;
         q.agent_slots("h100");
-        settled(&q, 3).await;
+        settled(&q, 2).await;
         assert_eq!(
             q.agent_slots("h100"),
-            AgentSlots::Connected(4),
-            "the scope came back"
+            AgentSlots::Connected(3),
+            "the scope came"
         );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_token_refused_from_the_start_is_unknown_after_the_first_fetch() {
-        let source = counting();
-        source.refuse.store(true, Ordering::SeqCst);
-        let q = Arc::new(Queues::new(Some(source.clone()), Duration::from_secs(60)));
-        assert_eq!(q.agent_slots("h100"), AgentSlots::NotFetched);
-        settled(&q, 1).await;
-        assert_eq!(q.agent_slots("h100"), AgentSlots::Unknown);
-        assert_eq!(source.calls.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

@@ -43,7 +43,39 @@ pub fn recover(app: &Arc<App>, reconciler: &Arc<Reconciler>, reopened: Reopened)
         app.dispatch
             .restore_accepted(&who, a.created_at_ms, a.cached);
     }
-    let pending = reopened.pending;
+    // An answer from the result cache interrupted between its two writes (accepted, then
+    // ended): it never waits for a slot or runs, so it is ended as it would have been, from
+    // the run it repeats.
+    let (answers, pending): (Vec<Pending>, Vec<Pending>) = reopened
+        .pending
+        .into_iter()
+        .partition(|p| p.sub.cached_from.is_some());
+    for p in answers {
+        let id = p.sub.id.clone();
+        let from = p.sub.cached_from.clone().unwrap_or_default();
+        app.store.reload(p.sub, p.deadline_ms);
+        let app = app.clone();
+        tokio::spawn(async move {
+            let run = app.store.lookup(&from).await;
+            let outcome = match run {
+                Ok(Some(Submission {
+                    state: State::Succeeded,
+                    result: Some(result),
+                    ..
+                })) => Outcome::Succeeded(result),
+                Ok(_) => Outcome::Failed(format!(
+                    "answered from the result cache by {from}, whose result is no longer in the store; submit it again"
+                )),
+                Err(e) => Outcome::Failed(format!(
+                    "answered from the result cache by {from}, whose result could not be read ({}); submit it again",
+                    report(&e)
+                )),
+            };
+            if let Err(e) = app.finish(&id, outcome).await {
+                tracing::warn!(%id, error = %report(&e), "could not end an interrupted answer from the result cache; it times out instead");
+            }
+        });
+    }
     if pending.is_empty() {
         return;
     }

@@ -860,8 +860,9 @@ async fn a_store_damaged_past_its_header_while_serving_turns_health_and_writes_t
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(text.contains("was damaged"), "{text}");
-    assert!(text.contains("restore it from a backup"), "{text}");
+    assert!(text.contains("was found damaged"), "{text}");
+    assert!(text.contains("Restart the service"), "{text}");
+    assert!(text.contains("restore the last backup"), "{text}");
     for i in 0..3 {
         let r = http
             .post(format!("{}/v1/submissions", svc.base))
@@ -872,7 +873,7 @@ async fn a_store_damaged_past_its_header_while_serving_turns_health_and_writes_t
         let status = r.status().as_u16();
         let text = r.text().await.unwrap();
         assert_eq!(status, 503, "acknowledged into a damaged store: {text}");
-        assert!(text.contains("was damaged"), "{text}");
+        assert!(text.contains("was found damaged"), "{text}");
     }
     assert!(
         svc.log_text().contains("the store is damaged"),

@@ -123,7 +123,9 @@ class FakeSubmission:
 class FakeService(LoopbackServer):
     """The stand-in service. `quota = (message, retry_after)` answers the next POSTs `429`;
     `refuse_events` answers `/events` with `503` (so `follow` falls back to long-polling);
-    `on_submit(sub)` runs for each new submission (a cached answer moves it on at once)."""
+    `on_submit(sub)` runs for each new submission (a cached answer moves it on at once);
+    `delete_cancels` plays a service from before `POST /v1/submissions/{id}/cancel`, whose
+    cancel was `DELETE /v1/submissions/{id}`."""
 
     def __init__(self, token: str = "kk-test-token") -> None:
         self.token = token
@@ -132,6 +134,7 @@ class FakeService(LoopbackServer):
         self.requests: list[str] = []
         self.quota: tuple[str, str | None] | None = None
         self.refuse_events = False
+        self.delete_cancels = False
         self.on_submit: Any = None
 
     async def aclose(self) -> None:
@@ -225,7 +228,12 @@ class FakeService(LoopbackServer):
                         while sub.state not in TERMINAL:
                             await sub.changed.wait()
             return await _answer(writer, 200, sub.json())
-        if method == "POST" and parts[3:] == ["cancel"]:
+        cancel_route = (
+            (method == "DELETE" and len(parts) == 3)
+            if self.delete_cancels
+            else (method == "POST" and parts[3:] == ["cancel"])
+        )
+        if cancel_route:
             if sub.state not in TERMINAL:
                 sub.move("canceled", error="canceled")
             return await _answer(writer, 200, sub.json())

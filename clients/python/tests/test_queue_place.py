@@ -30,7 +30,7 @@ from kernelkite import (
     ServerError,
     StateEvent,
 )
-from kernelkite.client import parse_retry_after
+from kernelkite.client import NotFound, parse_retry_after
 from kernelkite.kernelbot_launcher import RunFailed, _View, about, ordinal, wait_wording
 
 H100 = gpu(KiteGPU.H100_KK)
@@ -417,3 +417,17 @@ async def test_the_readmes_user_recipe_gives_each_run_its_submitters_id(fake: Fa
         ("8", "private", "ranked"),
     ]
     assert submitter.get() is None, "reset after each submission"
+
+
+@pytest.mark.parametrize("old_service", [False, True], ids=["post", "delete"])
+async def test_cancel_reaches_a_service_of_either_release(
+    fake: FakeService, kite: KernelkiteClient, old_service: bool
+):
+    """Issue 34 moved the cancel to `POST .../cancel` (a DELETE removes, and this API keeps the
+    submission); a client upgraded before its service still cancels, the old way."""
+    fake.delete_cancels = old_service
+    sid = (await kite.submit(sample_config(), "h100"))["id"]
+    sub = await kite.cancel(sid)
+    assert sub["state"] == "canceled"
+    with pytest.raises(NotFound):
+        await kite.cancel("no-such-submission")

@@ -86,7 +86,8 @@ impl RankingBy {
     }
 }
 
-/// The run config as kernelbot sends it.
+/// The run config as kernelbot sends it. Read it with [`RunConfig::from_json`], which validates
+/// it and keeps the keys it does not read ([`RunConfig::extra`]); serde alone does neither.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
     /// The submission's language.

@@ -70,7 +70,9 @@ fn assemble(
         cfg.store.store_sync,
         Some(metrics.clone()),
     )?;
-    db.watch_pages(std::time::Duration::from_secs(cfg.store.store_check_s));
+    if cfg.store.store_check_s > 0 {
+        db.watch_pages(std::time::Duration::from_secs(cfg.store.store_check_s));
+    }
     let app = App::new(cfg, executor, Arc::new(db), metrics)?;
     let outbox = Outbox::new(&app)?;
     app.spawn_housekeeping();

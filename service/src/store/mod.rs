@@ -60,6 +60,14 @@ pub enum StoreError {
         /// What happened to it.
         what: String,
     },
+    /// The database file was found damaged while the service ran: nothing more is written.
+    #[error("the store {} was found damaged while the service ran (SQLite: {detail}); nothing more is written. Restart the service: it checks the file at start, and if it refuses the file, restore the last backup (service/README.md, \"Backups\")", .path.display())]
+    Damaged {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite said.
+        detail: String,
+    },
     /// The database file is damaged.
     #[error("the store {} is corrupted ({detail}); restore it from a backup, or move it and its -wal and -shm files away to start with an empty store", .path.display())]
     Corrupt {

@@ -124,6 +124,15 @@ struct Request {
     reply: oneshot::Sender<Result<Reply, StoreError>>,
 }
 
+/// What happened to a store's file while the service ran ([`Shared::gone`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Broken {
+    /// Deleted, replaced or overwritten: what happened.
+    Gone(String),
+    /// Damaged, as SQLite found it: what it said.
+    Damaged(String),
+}
+
 /// What every database thread shares: the last write's outcome, whether the file is known
 /// gone or damaged, and the latency metric.
 struct Shared {
@@ -132,11 +141,15 @@ struct Shared {
     last_write_failed: Mutex<Option<WriteFailure>>,
     /// Set for good once the file was found gone or damaged: every later write and health
     /// check fails, saying what happened (a restart on a good file is the operator's act).
-    gone: Mutex<Option<String>>,
+    gone: Mutex<Option<Broken>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     /// The reader's checkpoints cannot keep the WAL small (writes never pause): the writer
     /// truncates it at its next turn.
     wal_too_big: AtomicBool,
+    /// A page check ([`Sqlite::check_pages`]) holds a read snapshot: a truncating checkpoint
+    /// would wait for it (up to the busy timeout, every commit behind it), so it waits for
+    /// the check's end instead.
+    checking: AtomicBool,
 }
 
 impl Shared {
@@ -195,6 +208,7 @@ impl Sqlite {
             gone: Mutex::new(None),
             metrics,
             wal_too_big: AtomicBool::new(false),
+            checking: AtomicBool::new(false),
         });
         let mut lock = None;
         let (opts, path) = match dir {
@@ -274,8 +288,15 @@ impl Sqlite {
             what,
         };
         let mut held = self.shared.gone.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(what) = held.as_ref() {
-            return Err(gone(what.clone()));
+        match held.as_ref() {
+            Some(Broken::Gone(what)) => return Err(gone(what.clone())),
+            Some(Broken::Damaged(detail)) => {
+                return Err(StoreError::Damaged {
+                    path: path.clone(),
+                    detail: detail.clone(),
+                })
+            }
+            None => {}
         }
         let what = match (file_identity(path), self.identity) {
             (None, _) => Some("was deleted or moved".to_string()),
@@ -288,7 +309,7 @@ impl Sqlite {
         match what {
             Some(what) => {
                 tracing::error!(path = %path.display(), "the store {what}; refusing every write until the service is restarted on a good file");
-                *held = Some(what.clone());
+                *held = Some(Broken::Gone(what.clone()));
                 Err(gone(what))
             }
             None => Ok(()),
@@ -485,15 +506,17 @@ impl Sqlite {
     /// connection of its own, whose empty page cache reads every page the file has): a file
     /// damaged under the service (its header intact, garbage past it) is found here, where the
     /// service's own connections, reading their cached pages, would go on acknowledging writes
-    /// into it. Once damaged, the store takes no more writes and its health check fails for
-    /// good, saying what SQLite found. An in-memory store has nothing to check.
+    /// into it. It checks the file's structure (pages, b-trees, the free list), not the bytes
+    /// of a record whose structure stays sound (SQLite keeps no checksums of those). Once
+    /// damaged, the store takes no more writes and its health check fails for good, saying what
+    /// SQLite found. An in-memory store has nothing to check.
     pub async fn check_pages(&self) -> Result<(), StoreError> {
         check_pages(&self.shared).await;
         self.check_file(false)
     }
 
     /// Runs [`Sqlite::check_pages`] every `every`, until the store is closed or found damaged.
-    /// Its cost is a read of the whole file (about 0.45 ms per MiB here; docs/BENCHMARKS.md).
+    /// Its cost is a read of the whole file (about 0.4 ms per MiB here; docs/BENCHMARKS.md).
     pub fn watch_pages(&self, every: Duration) {
         if self.path.is_none() {
             return;
@@ -526,6 +549,7 @@ async fn check_pages(shared: &Shared) {
         return;
     };
     let t = Instant::now();
+    shared.checking.store(true, Ordering::Release);
     let verdict = async {
         let mut conn = SqliteConnectOptions::new()
             .filename(&path)
@@ -545,6 +569,7 @@ async fn check_pages(shared: &Shared) {
         )
     }
     .await;
+    shared.checking.store(false, Ordering::Release);
     shared.observe("quick_check", t);
     match verdict {
         Ok(v) if v == ["ok"] => {}
@@ -574,8 +599,8 @@ fn mark_damaged(shared: &Shared, detail: &str) {
     }
     let detail: String = detail.chars().take(500).collect();
     let path = shared.path.as_deref().unwrap_or(Path::new(":memory:"));
-    tracing::error!(path = %path.display(), %detail, "the store is damaged; refusing every write until the service is restarted on a good file (restore the last backup: service/README.md, \"The store\")");
-    *gone = Some(format!("was damaged (SQLite: {detail})"));
+    tracing::error!(path = %path.display(), %detail, "the store is damaged; refusing every write until the service is restarted: a restart checks the file again, and a damaged one is refused with what to do (restore the last backup: service/README.md, \"The store\")");
+    *gone = Some(Broken::Damaged(detail));
 }
 
 /// The file's device and inode, when it exists.
@@ -890,7 +915,10 @@ async fn serve(
                 continue;
             }
         };
-        if writer && shared.wal_too_big.swap(false, Ordering::AcqRel) {
+        if writer
+            && !shared.checking.load(Ordering::Acquire)
+            && shared.wal_too_big.swap(false, Ordering::AcqRel)
+        {
             let t = Instant::now();
             if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
                 .execute(&mut conn)
@@ -1097,7 +1125,9 @@ async fn with_result(
     let Some(from) = sub.cached_from.as_deref() else {
         return Ok(sub);
     };
-    if sub.result.is_some() || !sub.state.is_terminal() {
+    // Only an answer that ended `succeeded` carries the run's result (one that was canceled
+    // before its end was written has none of its own).
+    if sub.result.is_some() || sub.state != crate::submission::State::Succeeded {
         return Ok(sub);
     }
     let doc: Option<String> = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = $1")
@@ -1385,7 +1415,14 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 let submission_id: String = r.try_get(0)?;
                 let mut body: String = r.try_get(2)?;
                 if body == BODY_FROM_SUBMISSION {
-                    body = callback_body(conn, &submission_id).await?;
+                    // One row that cannot be read must not hold up every other callback.
+                    match callback_body(conn, &submission_id).await {
+                        Ok(b) => body = b,
+                        Err(e) => {
+                            tracing::error!(id = %submission_id, error = %report(&e), "cannot build a callback's body from its submission; it is left out");
+                            continue;
+                        }
+                    }
                 }
                 out.push(DueCallback {
                     submission_id,

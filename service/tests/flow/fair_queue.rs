@@ -572,6 +572,63 @@ async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
     assert_eq!(s.get(&other).await["cached_from"], ran.as_str());
 }
 
+/// A cache answer is written `queued`, then ended: a service killed between the two found it
+/// pending at its restart, queued it first in line and ran it on a GPU. It is ended as it
+/// would have been, from the run it repeats, and nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_answer_interrupted_before_its_end_ends_from_its_run_after_a_restart() {
+    use kernelkite_service::store::{NewSubmission, Sqlite, SyncMode};
+    let data = tempfile::tempdir().unwrap();
+    let tweak = |c: &mut Config| c.store.data_dir = Some(data.path().to_path_buf());
+    let s = service(tweak).await;
+    let ran = s.submit("a", None, config(1)).await;
+    s.slots.wait_launched(1).await;
+    s.finish(1).await;
+    let original = s.wait_ended(&ran).await;
+    drop(s);
+    // What the killed service had written of the answer: its acceptance, nothing more.
+    {
+        let db = Sqlite::open(Some(data.path()), SyncMode::Normal, None).unwrap();
+        let mut sub = kernelkite_service::submission::Submission::new(
+            "00000000-0000-4000-8000-00000000cac4".into(),
+            "h100".into(),
+            None,
+            None,
+            600,
+            chrono::Utc::now(),
+        );
+        sub.cached_from = Some(ran.clone());
+        let job = s_job(&sub.id);
+        db.insert(NewSubmission {
+            sub,
+            job,
+            deadline_ms: chrono::Utc::now().timestamp_millis() + 600_000,
+            idempotency: None,
+            fair_tag: None,
+            cache_key: None,
+        })
+        .await
+        .unwrap();
+    }
+    let s = service(tweak).await;
+    let answer = s.wait_ended("00000000-0000-4000-8000-00000000cac4").await;
+    assert_eq!(answer["cached_from"], ran.as_str());
+    assert_eq!(answer["result"], original["result"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(s.slots.ids().is_empty(), "it ran: {:?}", s.slots.ids());
+}
+
+/// A job for a submission written straight to the store.
+fn s_job(id: &str) -> kernelkite_service::executor::Job {
+    kernelkite_service::executor::Job {
+        submission_id: id.to_string(),
+        run_id: id.to_string(),
+        queue: "h100".into(),
+        mode: "test".into(),
+        payload: kernelkite_kernelbot::payload::encode(&config(1)).unwrap(),
+    }
+}
+
 /// Issue 34, item 10: the cache key leaves `timeout_s` out on purpose (a run's result does not
 /// depend on it), but a run that succeeded within 600 s proves nothing for a request that
 /// gives 60 s: it is answered only by a run that had no more time than it gives.

@@ -336,8 +336,23 @@ class KernelkiteClient:
 
     async def cancel(self, submission_id: str) -> dict[str, Any]:
         """`POST /v1/submissions/{id}/cancel`: the submission, now `canceled`. `Conflict` when it
-        already ended otherwise."""
-        return _json(await self._request("POST", f"/v1/submissions/{submission_id}/cancel"))
+        already ended otherwise.
+
+        A service from before that route (where the cancel was `DELETE /v1/submissions/{id}`)
+        answers it `404` or `405`; the cancel is then sent the old way, so a client upgraded
+        before its service still cancels. `NotFound` when neither knows the submission."""
+        try:
+            return _json(await self._request("POST", f"/v1/submissions/{submission_id}/cancel"))
+        except ServiceError as first:
+            if first.status not in (404, 405):
+                raise
+            try:
+                return _json(await self._request("DELETE", f"/v1/submissions/{submission_id}"))
+            except ServiceError as old_way:
+                if old_way.status == 405:
+                    # This service has the route: the submission is what it does not know.
+                    raise first from None
+                raise
 
     async def queue_status(self, queue: str) -> dict[str, Any]:
         """`GET /v1/queues/{queue}`: `{"queue", "queued", "running", "agents", "updated_at"}`,
