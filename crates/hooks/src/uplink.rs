@@ -1,30 +1,36 @@
 //! A job's own network, for a step with `network: true` (host mode): a network namespace of the
 //! job's, joined to the node by a veth pair and routed out through the node with NAT, so the job
-//! reaches the outside world and nothing of the node's.
+//! reaches the outside world and nothing of the node's, nor of the networks the node is on.
 //!
 //! Sharing the node's network namespace (what `network: true` did before) let a job reach every
 //! service on the node's loopback and every abstract unix socket (the kernel keeps those per
 //! network namespace), as an outside review showed with a host service listening on `@name`.
 //! Here the job has its own namespace, so the node's loopback and abstract sockets are simply
-//! not there, and one nftables table (`inet kernelkite_jobs`, the same for every job, loaded
-//! again atomically by each) keeps the rest out:
-//! - `input`: nothing the job sends reaches the node itself, at any of its addresses (the
-//!   host end of the veth, its own LAN address, a service bound to `0.0.0.0`), but replies to
-//!   what the node opened;
-//! - `forward`: a job reaches no other job, nor link-local addresses (a cloud's metadata
-//!   service, 169.254.169.254); nothing unsolicited reaches a job;
-//! - `postrouting`: what leaves is masqueraded behind the node's address.
+//! not there, and two nftables tables keep the rest out, each enough alone:
+//! - in the job's namespace (`inet kernelkite_job`, which the job, without `CAP_NET_ADMIN`,
+//!   cannot change, and which no firewall tool of the node's flushes): nothing leaves for the
+//!   node's own networks (its addresses and its neighbours), private and special ranges (RFC 1918, CGNAT, loopback, link-local
+//!   and the clouds' metadata services, multicast, reserved, the jobs' own range) or IPv6, but
+//!   the job's resolvers on port 53 and what the node's operator allows
+//!   (`KERNELKITE_JOB_NETWORK_ALLOW`);
+//! - on the node (`inet kernelkite_jobs`, the same for every job, loaded again atomically by
+//!   each): what a job sends to any address of the node's is dropped before any DNAT (a
+//!   container's published port included) and in `input`; a job reaches no other job, nor a
+//!   DNAT'd destination, nor link-local addresses; nothing unsolicited reaches a job, and the
+//!   node opens no connection into one; what leaves is masqueraded behind the node's address.
 //!
-//! The kernel does the forwarding (IPv4 only: a job has no IPv6 route), turned on for the two
-//! interfaces involved only (`conf.<if>.forwarding`: the job's host end and the node's uplink,
-//! the default route's device), never globally. Addresses: `10.231.<slice>.0/30` per slice (a
-//! slice runs one job at a time). Nothing is left per job: closing unmounts the namespace
-//! (bound at `<run dir>/net/<job>`) and deletes the host end, which takes the pair with it.
+//! The kernel does the forwarding (IPv4 only), turned on for the two interfaces involved only
+//! (`conf.<if>.forwarding`: the job's host end and the node's uplink, the default route's
+//! device), never globally. Addresses: `198.18.<slice>.0/30` per slice (the benchmarking range,
+//! RFC 2544, on no LAN; a node that routes it is refused, saying so). Nothing is left per job:
+//! closing unmounts the namespace (bound at `<run dir>/net/<job>`) and deletes the host end,
+//! which takes the pair with it.
 //!
 //! The commands are iproute2's `ip`, util-linux's `unshare` and `nsenter`, and nftables' `nft`,
-//! run by the `command` hook (root, one thread) before it makes the job's PID namespace; the
-//! sandbox's child then joins the namespace ([`crate::sandbox`]). Planning is pure and tested;
-//! running the plan is this module's only contact with the machine.
+//! from the system's directories only (never a `PATH` entry), run by the `command` hook (root,
+//! one thread) before it makes the job's PID namespace; the sandbox's child then joins the
+//! namespace ([`crate::sandbox`]). Planning is pure and tested; running the plan is this
+//! module's only contact with the machine.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -35,17 +41,141 @@ pub const TABLE: &str = "kernelkite_jobs";
 /// The prefix of the jobs' host-side interfaces (`kkj<slice>`), which the rules name.
 pub const HOST_IF_PREFIX: &str = "kkj";
 
-/// The rules, loaded atomically (the `add` then `delete` make loading idempotent: the table is
-/// replaced whole, never doubled). No chain drops by policy: the node's other traffic (and its
-/// own firewall) is not this table's business.
+/// The node's rules, loaded atomically (the `add` then `delete` make loading idempotent: the
+/// table is replaced whole, never doubled). No chain drops by policy: the node's other traffic
+/// (and its own firewall) is not this table's business.
 pub fn ruleset() -> String {
     let jobs = format!("\"{HOST_IF_PREFIX}*\"");
+    let chains = [
+        format!("  chain prerouting {{\n    type filter hook prerouting priority raw; policy accept;\n    iifname {jobs} fib daddr type {{ local, broadcast, multicast }} counter drop\n  }}\n"),
+        format!("  chain input {{\n    type filter hook input priority filter; policy accept;\n    iifname {jobs} ct state established,related accept\n    iifname {jobs} counter drop\n  }}\n"),
+        format!("  chain forward {{\n    type filter hook forward priority filter; policy accept;\n    iifname {jobs} oifname {jobs} counter drop\n    iifname {jobs} ct status dnat counter drop\n    iifname {jobs} ip daddr 169.254.0.0/16 counter drop\n    iifname {jobs} accept\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n  }}\n"),
+        format!("  chain output {{\n    type filter hook output priority filter; policy accept;\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n  }}\n"),
+        format!("  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    iifname {jobs} oifname != {jobs} masquerade\n  }}\n"),
+    ];
     format!(
-        "add table inet {TABLE}\ndelete table inet {TABLE}\ntable inet {TABLE} {{\n\
-  chain input {{\n    type filter hook input priority filter; policy accept;\n    iifname {jobs} ct state established,related accept\n    iifname {jobs} counter drop\n  }}\n\
-  chain forward {{\n    type filter hook forward priority filter; policy accept;\n    iifname {jobs} oifname {jobs} counter drop\n    iifname {jobs} ip daddr 169.254.0.0/16 counter drop\n    iifname {jobs} accept\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n  }}\n\
-  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    iifname {jobs} oifname != {jobs} masquerade\n  }}\n}}\n"
+        "add table inet {TABLE}\ndelete table inet {TABLE}\ntable inet {TABLE} {{\n{}}}\n",
+        chains.concat()
     )
+}
+
+/// The table inside a job's own namespace.
+pub const JOB_TABLE: &str = "kernelkite_job";
+
+/// Destinations no job reaches unless allowed: this network (`0/8`), private (RFC 1918), CGNAT
+/// (and Alibaba's metadata service in it), loopback, link-local (the metadata services of most
+/// clouds), IETF protocol assignments, the benchmarking range (the jobs' own links), multicast,
+/// reserved, and Azure's WireServer.
+pub const CLOSED_RANGES: &[&str] = &[
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+    "168.63.129.16/32",
+];
+
+/// The rules inside the job's namespace: `resolvers` (port 53) and `allowed` (the operator's
+/// ranges) are let through, then the node's own `networks` (its addresses and its links'
+/// neighbours), [`CLOSED_RANGES`] and all of IPv6 are dropped.
+pub fn job_ruleset(networks: &[String], resolvers: &[String], allowed: &[String]) -> String {
+    let set = |items: &[String]| items.join(", ");
+    let mut rules = String::from("    oifname \"lo\" accept\n");
+    if !resolvers.is_empty() {
+        for proto in ["udp", "tcp"] {
+            rules.push_str(&format!(
+                "    ip daddr {{ {} }} {proto} dport 53 accept\n",
+                set(resolvers)
+            ));
+        }
+    }
+    if !allowed.is_empty() {
+        rules.push_str(&format!("    ip daddr {{ {} }} accept\n", set(allowed)));
+    }
+    // One rule each: two of the node's networks may overlap, which one set would refuse.
+    for net in networks {
+        rules.push_str(&format!("    ip daddr {net} counter drop\n"));
+    }
+    rules.push_str(&format!(
+        "    ip daddr {{ {} }} counter drop\n    meta nfproto ipv6 counter drop\n",
+        CLOSED_RANGES.join(", ")
+    ));
+    format!(
+        "table inet {JOB_TABLE} {{\n  chain output {{\n    type filter hook output priority filter; policy accept;\n{rules}  }}\n}}\n"
+    )
+}
+
+/// Checks an operator's allowed range (`KERNELKITE_JOB_NETWORK_ALLOW`): an IPv4 address or
+/// `address/prefix`.
+pub fn check_allowed(range: &str) -> Result<(), UplinkError> {
+    let bad = || UplinkError::Allowed(range.to_string());
+    let (addr, len) = match range.split_once('/') {
+        Some((a, l)) => (a, Some(l)),
+        None => (range, None),
+    };
+    addr.parse::<std::net::Ipv4Addr>().map_err(|_| bad())?;
+    match len.map(str::parse::<u8>) {
+        None | Some(Ok(0..=32)) => Ok(()),
+        Some(_) => Err(bad()),
+    }
+}
+
+/// The node's IPv4 networks in `ip -4 -o addr show`'s output: each address's network
+/// (`192.0.2.0/24` for `inet 192.0.2.2/24`), which holds the address itself and the node's
+/// neighbours on that link, whatever range it is in.
+pub fn node_networks(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let net = words
+            .iter()
+            .position(|w| *w == "inet")
+            .and_then(|i| words.get(i + 1))
+            .and_then(|a| network_of(a));
+        if let Some(n) = net {
+            if !out.contains(&n) {
+                out.push(n);
+            }
+        }
+    }
+    out
+}
+
+/// `a.b.c.d/len` (or a bare address, `/32`) as its network, host bits cleared.
+fn network_of(cidr: &str) -> Option<String> {
+    let (addr, len) = match cidr.split_once('/') {
+        Some((a, l)) => (a, l.parse::<u32>().ok()?),
+        None => (cidr, 32),
+    };
+    let ip = u32::from(addr.parse::<std::net::Ipv4Addr>().ok()?);
+    let mask = u32::MAX.checked_shl(32 - len.min(32)).unwrap_or(0);
+    Some(format!("{}/{len}", std::net::Ipv4Addr::from(ip & mask)))
+}
+
+/// The IPv4 resolvers of a resolver file, but loopback ones (not in the job's namespace).
+pub fn resolvers(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|s| s.trim().parse::<std::net::Ipv4Addr>().ok())
+        .filter(|ip| !ip.is_loopback())
+        .map(|ip| ip.to_string())
+        .collect()
+}
+
+/// Routes other than the default in `ip -4 route show match <address>`'s output: a node that
+/// routes the jobs' range would send its own traffic for such addresses into a job.
+pub fn clashing_routes(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("default"))
+        .map(str::to_string)
+        .collect()
 }
 
 /// Why a job's network could not be made.
@@ -63,8 +193,20 @@ pub enum UplinkError {
     #[error("`network: true`: this node has no IPv4 default route (`ip -4 route show default` is empty), so a job's network would lead nowhere; give the node a route out, or set `network: false`")]
     NoRoute,
     /// The slice's index does not fit the address plan.
-    #[error("`network: true`: slice {0} is past the 256 slices the job address plan (10.231.<slice>.0/30) has")]
+    #[error("`network: true`: slice {0} is past the 256 slices the job address plan (198.18.<slice>.0/30) has")]
     SliceTooHigh(u32),
+    /// The node routes addresses of the jobs' range.
+    #[error("`network: true`: this node routes {range} ({routes}), where a job's link goes: its own traffic for those addresses would go into the job; give the node no route into 198.18.0.0/16, or set `network: false`")]
+    Clash {
+        /// The job's link.
+        range: String,
+        /// The node's routes there.
+        routes: String,
+    },
+    /// `KERNELKITE_JOB_NETWORK_ALLOW` holds something that is not an IPv4 range.
+    #[error("KERNELKITE_JOB_NETWORK_ALLOW: {0:?} is not an IPv4 address or ADDRESS/PREFIX; fix the agents' environment")]
+    Allowed(String),
+
     /// A file of the plan could not be written.
     #[error("`network: true`: cannot {what} {}: {source}", .path.display())]
     File {
@@ -100,8 +242,8 @@ impl Uplink {
         Ok(Uplink {
             netns: netns_dir(run_dir).join(job),
             host_if: format!("{HOST_IF_PREFIX}{slice}"),
-            gateway: format!("10.231.{slice}.1"),
-            address: format!("10.231.{slice}.2"),
+            gateway: format!("198.18.{slice}.1"),
+            address: format!("198.18.{slice}.2"),
         })
     }
 
@@ -171,6 +313,18 @@ pub fn default_route_devices(text: &str) -> Vec<String> {
     out
 }
 
+/// Where the tools are looked for: the system's directories, never a `PATH` entry (the agents'
+/// `PATH` starts with a Python environment's directory).
+const SYSTEM_DIRS: &[&str] = &["/usr/sbin", "/sbin", "/usr/bin", "/bin"];
+
+fn tool(name: &str) -> PathBuf {
+    SYSTEM_DIRS
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| Path::new(SYSTEM_DIRS[0]).join(name))
+}
+
 fn run(argv: &[String], stdin: Option<&str>) -> Result<String, UplinkError> {
     use std::io::Write as _;
     let failed = |why: String| UplinkError::Command {
@@ -180,7 +334,7 @@ fn run(argv: &[String], stdin: Option<&str>) -> Result<String, UplinkError> {
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| failed("an empty command".into()))?;
-    let mut cmd = Command::new(program);
+    let mut cmd = Command::new(tool(program));
     cmd.args(args)
         .stdin(if stdin.is_some() {
             std::process::Stdio::piped()
@@ -219,15 +373,47 @@ fn forwarding(dev: &str) -> Result<(), UplinkError> {
     })
 }
 
-/// Makes the job's network: the rules (again), its namespace, the veth pair, the addresses and
-/// routes, forwarding on its two interfaces. On failure, what was made is taken down.
-pub fn open(run_dir: &Path, job: &str, slice: u32) -> Result<Uplink, UplinkError> {
+/// What a job's network lets through besides the outside world: its resolvers (port 53) and
+/// the operator's ranges.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Openings {
+    /// The resolvers the job's resolver file names.
+    pub resolvers: Vec<String>,
+    /// `KERNELKITE_JOB_NETWORK_ALLOW`.
+    pub allowed: Vec<String>,
+}
+
+/// Makes the job's network: the node's rules (again), its namespace with its own rules, the
+/// veth pair, the addresses and routes, forwarding on its two interfaces. On failure, what was
+/// made is taken down.
+pub fn open(
+    run_dir: &Path,
+    job: &str,
+    slice: u32,
+    openings: &Openings,
+) -> Result<Uplink, UplinkError> {
     let uplink = Uplink::of(run_dir, job, slice)?;
+    for range in &openings.allowed {
+        check_allowed(range)?;
+    }
     let route = run(&words("ip -4 route show default"), None)?;
     let devices = default_route_devices(&route);
     if devices.is_empty() {
         return Err(UplinkError::NoRoute);
     }
+    // A stale host end (a job killed before its clean-up) goes before the look at the routes.
+    let _ = run(&words(&format!("ip link del {}", uplink.host_if)), None);
+    let clash = clashing_routes(&run(
+        &words(&format!("ip -4 route show match {}", uplink.gateway)),
+        None,
+    )?);
+    if !clash.is_empty() {
+        return Err(UplinkError::Clash {
+            range: format!("{}/30", uplink.gateway),
+            routes: clash.join("; "),
+        });
+    }
+    let networks = node_networks(&run(&words("ip -4 -o addr show"), None)?);
     run(&words("nft -f -"), Some(&ruleset()))?;
     let made = (|| {
         let dir = netns_dir(run_dir);
@@ -241,10 +427,26 @@ pub fn open(run_dir: &Path, job: &str, slice: u32) -> Result<Uplink, UplinkError
             path: uplink.netns.clone(),
             source,
         })?;
-        // A host end left by a job killed before its clean-up.
-        let _ = run(&words(&format!("ip link del {}", uplink.host_if)), None);
-        for c in uplink.commands() {
-            run(&c, None)?;
+        let mut commands = uplink.commands();
+        let links = commands.split_off(1);
+        for c in &commands {
+            run(c, None)?;
+        }
+        // The job's own rules before its link: its namespace has no way out until they hold.
+        let job_rules = job_ruleset(&networks, &openings.resolvers, &openings.allowed);
+        let inside = format!("--net={}", uplink.netns.display());
+        run(
+            &[
+                "nsenter".into(),
+                inside,
+                "nft".into(),
+                "-f".into(),
+                "-".into(),
+            ],
+            Some(&job_rules),
+        )?;
+        for c in &links {
+            run(c, None)?;
         }
         forwarding(&uplink.host_if)?;
         for d in &devices {
@@ -288,7 +490,7 @@ mod tests {
         assert_eq!(u.host_if, "kkj7");
         assert_eq!(
             (u.gateway.as_str(), u.address.as_str()),
-            ("10.231.7.1", "10.231.7.2")
+            ("198.18.7.1", "198.18.7.2")
         );
         assert!(
             u.host_if.len() <= 15,
@@ -306,7 +508,7 @@ mod tests {
         );
         assert_eq!(
             cmds.last().unwrap(),
-            "nsenter --net=/run/kernelkite/net/job-1 ip route add default via 10.231.7.1"
+            "nsenter --net=/run/kernelkite/net/job-1 ip route add default via 198.18.7.1"
         );
     }
 
@@ -325,13 +527,66 @@ mod tests {
         );
         assert!(!r.contains("policy drop"));
         for rule in [
+            "iifname \"kkj*\" fib daddr type { local, broadcast, multicast } counter drop",
             "iifname \"kkj*\" counter drop",
             "iifname \"kkj*\" oifname \"kkj*\" counter drop",
+            "iifname \"kkj*\" ct status dnat counter drop",
             "iifname \"kkj*\" ip daddr 169.254.0.0/16 counter drop",
             "oifname \"kkj*\" counter drop",
             "iifname \"kkj*\" oifname != \"kkj*\" masquerade",
         ] {
             assert!(r.contains(rule), "{rule}");
+        }
+    }
+
+    #[test]
+    fn the_job_s_rules_open_its_resolvers_and_the_allowed_and_close_the_rest() {
+        let r = job_ruleset(
+            &["192.0.2.0/24".into(), "10.0.0.5/32".into()],
+            &["10.255.255.53".into()],
+            &["10.20.0.0/16".into()],
+        );
+        let at = |needle: &str| r.find(needle).unwrap_or_else(|| panic!("{needle}: {r}"));
+        let resolver = at("ip daddr { 10.255.255.53 } udp dport 53 accept");
+        let allowed = at("ip daddr { 10.20.0.0/16 } accept");
+        let node = at("ip daddr 192.0.2.0/24 counter drop\n    ip daddr 10.0.0.5/32 counter drop");
+        let closed = at("10.0.0.0/8, 100.64.0.0/10");
+        let v6 = at("meta nfproto ipv6 counter drop");
+        assert!(
+            resolver < allowed && allowed < node && node < closed && closed < v6,
+            "{r}"
+        );
+        let bare = job_ruleset(&[], &[], &[]);
+        assert!(
+            !bare.contains("dport 53") && bare.contains("168.63.129.16/32"),
+            "{bare}"
+        );
+    }
+
+    #[test]
+    fn addresses_resolvers_routes_and_allowed_ranges_are_read() {
+        let addr = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever\n4: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0\\       valid_lft forever\n5: wg0    inet 10.9.0.5 peer 10.9.0.6/32 scope global wg0\n6: eth1    inet 203.0.113.77/0 scope global eth1\n";
+        assert_eq!(
+            node_networks(addr),
+            ["127.0.0.0/8", "192.0.2.0/24", "10.9.0.5/32", "0.0.0.0/0"]
+        );
+        assert_eq!(
+            resolvers("nameserver 127.0.0.53\nnameserver 10.255.255.53\nnameserver ::1\n"),
+            ["10.255.255.53"]
+        );
+        assert!(clashing_routes("default via 192.0.2.1 dev eth0 \n").is_empty());
+        assert_eq!(
+            clashing_routes("default via 192.0.2.1 dev eth0\n198.18.0.0/15 dev vpn0\n"),
+            ["198.18.0.0/15 dev vpn0"]
+        );
+        for ok in ["10.20.0.0/16", "203.0.113.7", "0.0.0.0/0"] {
+            assert!(check_allowed(ok).is_ok(), "{ok}");
+        }
+        for bad in ["10.20.0.0/33", "example.com", "10.0.0.0/x", "::1", ""] {
+            assert!(
+                matches!(check_allowed(bad), Err(UplinkError::Allowed(_))),
+                "{bad}"
+            );
         }
     }
 }

@@ -1436,7 +1436,8 @@ def probe(name, family, addr):
 probe("outside", socket.AF_INET, ("203.0.113.1", 80))
 probe("node-loopback", socket.AF_INET, ("127.0.0.1", {lo}))
 probe("node-address", socket.AF_INET, ("10.99.0.2", {any}))
-probe("node-gateway", socket.AF_INET, ("10.231.0.1", {any}))
+probe("node-gateway", socket.AF_INET, ("198.18.0.1", {any}))
+probe("node-lan", socket.AF_INET, ("10.99.0.1", 80))
 probe("node-abstract", socket.AF_UNIX, "\0{name}")
 "#,
         lo = world.loopback_port,
@@ -1502,7 +1503,13 @@ fn network_true_reaches_the_outside_and_nothing_of_the_node() {
         "-c",
         &probes(&world),
     ]);
-    for name in ["outside", "node-loopback", "node-address", "node-abstract"] {
+    for name in [
+        "outside",
+        "node-loopback",
+        "node-address",
+        "node-abstract",
+        "node-lan",
+    ] {
         assert!(
             from_node.contains(&format!("reached {name}")),
             "{from_node}"
@@ -1513,12 +1520,13 @@ fn network_true_reaches_the_outside_and_nothing_of_the_node() {
         json!({"user": node.user.name, "environment": TEST_VARIABLES, "network": network})
             .to_string()
     };
-    let run = |id: &str| {
+    let run = |id: &str, allow: &str| {
         let _guard = real_cgroups::CgroupGuard(vec![id.to_string()]);
         let mut job = node.job(id, "python3 probes.py; ip -o -4 addr show dev eth0 || true");
         let checkout = PathBuf::from(&job.env["BUILDKITE_BUILD_CHECKOUT_PATH"]);
         std::fs::write(checkout.join("probes.py"), probes(&world)).unwrap();
         job.set_env("KERNELKITE_CONFIG", &config(true));
+        job.set_env("KERNELKITE_JOB_NETWORK_ALLOW", allow);
         let mut out = String::new();
         for (hook, o) in job.run_all() {
             assert!(o.status.success(), "{hook}: {}", output_text(&o));
@@ -1528,9 +1536,9 @@ fn network_true_reaches_the_outside_and_nothing_of_the_node() {
     };
     // A first job with the network loads the node's rules (they stay, as the node's); then
     // the node is as every later job finds it.
-    run(&format!("{}-net-warm", prefix()));
+    run(&format!("{}-net-warm", prefix()), "");
     let before = (node.snapshot(), node_network(&node));
-    let out = run(&format!("{}-net", prefix()));
+    let out = run(&format!("{}-net", prefix()), "");
     assert!(
         out.contains("reached outside: OUTSIDE from 10.99.0.2"),
         "{out}"
@@ -1540,16 +1548,29 @@ fn network_true_reaches_the_outside_and_nothing_of_the_node() {
         "node-address",
         "node-gateway",
         "node-abstract",
+        "node-lan",
     ] {
         assert!(out.contains(&format!("blocked {name}")), "{name}: {out}");
     }
-    assert!(out.contains("inet 10.231.0.2/30"), "{out}");
+    assert!(out.contains("inet 198.18.0.2/30"), "{out}");
     assert!(
         out.contains("network: its own, routed out through the node"),
         "{out}"
     );
     let after = (node.snapshot(), node_network(&node));
     assert_eq!(before, after, "the job left something on the node");
+    // What the operator opens (a mirror on the LAN) is reached; the node itself still is not.
+    let opened = run(&format!("{}-net-allow", prefix()), "10.99.0.1/32");
+    assert!(
+        opened.contains("reached node-lan: OUTSIDE from 10.99.0.2"),
+        "{opened}"
+    );
+    for name in ["node-loopback", "node-address", "node-gateway"] {
+        assert!(
+            opened.contains(&format!("blocked {name}")),
+            "{name}: {opened}"
+        );
+    }
     drop(world);
     drop(node);
     assert_eq!(

@@ -95,9 +95,9 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
         .unwrap();
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap(), before);
     // Cancelling it there is "already ended", not "no such submission".
-    let mut del = req(format!("/v1/submissions/{id}"));
-    *del.method_mut() = axum::http::Method::DELETE;
-    let r = router.clone().oneshot(del).await.unwrap();
+    let mut cancel = req(format!("/v1/submissions/{id}/cancel"));
+    *cancel.method_mut() = axum::http::Method::POST;
+    let r = router.clone().oneshot(cancel).await.unwrap();
     assert_eq!(r.status().as_u16(), 409);
     let r = router
         .oneshot(req(format!("/v1/submissions/{id}/events")))

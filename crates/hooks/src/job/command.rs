@@ -455,8 +455,19 @@ fn start_sandboxed(
     // `network: true`: the job's own network, made now, while this hook may still start
     // commands (below, its next child is the job's init).
     if state.config.network_allowed() {
-        let uplink = crate::uplink::open(&settings.run_dir, &state.job_id, state.slice.index)
-            .map_err(|e| JobError::Sandbox(e.to_string()))?;
+        let openings = crate::uplink::Openings {
+            resolvers: crate::uplink::resolvers(
+                &crate::sandbox::mounts::own_network_resolver_text(),
+            ),
+            allowed: settings.job_network_allow.clone(),
+        };
+        let uplink = crate::uplink::open(
+            &settings.run_dir,
+            &state.job_id,
+            state.slice.index,
+            &openings,
+        )
+        .map_err(|e| JobError::Sandbox(e.to_string()))?;
         spec.uplink = Some(uplink.netns);
     }
     let (report_r, report_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)

@@ -44,6 +44,11 @@ pub struct Settings {
     /// read-only tmpfs, files `/dev/null`).
     #[arg(long, env = "KERNELKITE_HIDE", value_delimiter = ':')]
     pub hide: Vec<PathBuf>,
+    /// IPv4 ranges (`ADDRESS[/PREFIX]`, `,`-separated) a job with `network: true` may reach
+    /// though private or the node's own network (a package mirror on the LAN); everything
+    /// else of the kind stays closed (plugin/README.md, "What `network: true` reaches").
+    #[arg(long, env = "KERNELKITE_JOB_NETWORK_ALLOW", value_delimiter = ',')]
+    pub job_network_allow: Vec<String>,
 }
 
 /// `on` / `off`, as the hooks' switches are written in the agent's environment.
@@ -70,6 +75,7 @@ impl Default for Settings {
             sandbox: true,
             dev_root: "/dev".into(),
             hide: Vec::new(),
+            job_network_allow: Vec::new(),
         }
     }
 }
@@ -80,6 +86,7 @@ impl Settings {
     pub fn without_empty(mut self) -> Self {
         self.plan_file = self.plan_file.filter(|p| !p.as_os_str().is_empty());
         self.hide.retain(|p| !p.as_os_str().is_empty());
+        self.job_network_allow.retain(|r| !r.trim().is_empty());
         self
     }
 
@@ -106,9 +113,17 @@ mod tests {
 
     #[test]
     fn the_hooks_arguments_parse_into_settings_and_empty_values_mean_none() {
-        let mut s = Args::try_parse_from(["hook", "--sandbox", "off", "--hide", "/a:/b"])
-            .unwrap()
-            .settings;
+        let mut s = Args::try_parse_from([
+            "hook",
+            "--sandbox",
+            "off",
+            "--hide",
+            "/a:/b",
+            "--job-network-allow",
+            "10.20.0.0/16,,192.0.2.7",
+        ])
+        .unwrap()
+        .settings;
         // What an environment file's `KERNELKITE_PLAN_FILE=` may leave.
         s.plan_file = Some(PathBuf::new());
         s.hide.insert(1, PathBuf::new());
@@ -116,6 +131,7 @@ mod tests {
         assert!(!s.sandbox);
         assert_eq!(s.plan_file, None);
         assert_eq!(s.hide, [PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(s.job_network_allow, ["10.20.0.0/16", "192.0.2.7"]);
         let on = Args::try_parse_from(["hook", "--sandbox", "on"]).unwrap();
         assert!(on.settings.sandbox);
         let bad = Args::try_parse_from(["hook", "--sandbox", "maybe"])

@@ -90,6 +90,22 @@ pub fn resolver_for_own_network(at: &Path, text: &str, upstream: Option<&Path>) 
     }
 }
 
+/// The text of the resolver file a job with its own network is shown (read as
+/// [`resolver_for_own_network`] picks it), for the job's rules to open its servers.
+pub fn own_network_resolver_text() -> String {
+    let Some(at) = real(Path::new("/etc/resolv.conf")) else {
+        return String::new();
+    };
+    let text = std::fs::read_to_string(&at).unwrap_or_default();
+    let upstream = Path::new(RESOLVED_UPSTREAM);
+    let shown = resolver_for_own_network(&at, &text, Some(upstream).filter(|u| u.is_file()));
+    if shown == at {
+        text
+    } else {
+        std::fs::read_to_string(shown).unwrap_or_default()
+    }
+}
+
 /// One mount of step 3.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layer {
