@@ -65,8 +65,7 @@ fn binaries(at: &Path, isolate: &Path, runner: &Path) -> PathBuf {
 }
 
 /// The agent beside the service that runs the settings step (`pipeline upload`), configured as
-/// `deployment/service/compose.yaml` runs it (its `pipeline-agent` environment), its git
-/// fetching the repository locally.
+/// `deployment/service/compose.yaml` runs it.
 struct PipelineAgent {
     child: std::process::Child,
     log: PathBuf,
@@ -118,25 +117,25 @@ fn signing_keys(at: &Path, agent: &Path) -> (PathBuf, PathBuf) {
     (private, public)
 }
 
+/// The pipeline agent's hooks (`deployment/service/compose.yaml` mounts them as its hooks-path).
+fn pipeline_agent_hooks() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/service/pipeline-agent/hooks")
+}
+
+/// The agent beside the service, as compose runs it: its environment, its hooks, the pipeline
+/// it uploads mounted (here `pipeline`, a copy the test may change). No git configuration:
+/// it checks nothing out (a clone of the pipeline's GitHub repository would fail here).
 fn pipeline_agent(
     at: &Path,
     agent: &Path,
     endpoint: &str,
-    repository: &Path,
+    pipeline: &Path,
     signing_jwks: &Path,
 ) -> PipelineAgent {
     let home = at.join("pipeline-agent");
-    for d in ["builds", "plugins", "hooks"] {
+    for d in ["builds", "plugins"] {
         std::fs::create_dir_all(home.join(d)).unwrap();
     }
-    std::fs::write(
-        home.join(".gitconfig"),
-        format!(
-            "[url \"{}\"]\n\tinsteadOf = {REPOSITORY}\n",
-            repository.display()
-        ),
-    )
-    .unwrap();
     let log = at.join("pipeline-agent.log");
     let file = std::fs::File::create(&log).unwrap();
     let child = std::process::Command::new(agent)
@@ -148,8 +147,9 @@ fn pipeline_agent(
         .env("BUILDKITE_AGENT_ENDPOINT", endpoint)
         .env("BUILDKITE_BUILD_PATH", home.join("builds"))
         .env("BUILDKITE_PLUGINS_PATH", home.join("plugins"))
-        .env("BUILDKITE_HOOKS_PATH", home.join("hooks"))
-        // Where compose mounts its secret, here.
+        // Where compose mounts its hooks, its pipeline and its secret, here.
+        .env("BUILDKITE_HOOKS_PATH", pipeline_agent_hooks())
+        .env("KERNELKITE_PIPELINE_FILE", pipeline)
         .env("BUILDKITE_AGENT_SIGNING_JWKS_FILE", signing_jwks)
         .env("HOME", &home)
         .env(
@@ -179,6 +179,8 @@ pub struct Deployment {
     /// The node and its agents.
     pub node: Node,
     pipeline: PipelineAgent,
+    /// The pipeline the pipeline agent uploads (compose mounts the deployment's host.yml).
+    pipeline_file: PathBuf,
     scratch: tempfile::TempDir,
     /// The private JWKS the pipeline agent signs its uploads with (the node verifies them).
     pub signing_jwks: PathBuf,
@@ -278,11 +280,19 @@ pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
     });
     node.start_agent("slice0", &[]);
     node.start_agent("slice1", &[]);
-    let pipeline = pipeline_agent(scratch.path(), &agent, &endpoint, &repository, &signing);
+    // What compose mounts into the pipeline agent: the deployment's host.yml.
+    let pipeline_file = scratch.path().join("pipeline.yml");
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines/host.yml"),
+        &pipeline_file,
+    )
+    .unwrap();
+    let pipeline = pipeline_agent(scratch.path(), &agent, &endpoint, &pipeline_file, &signing);
     Some(Deployment {
         stack,
         node,
         pipeline,
+        pipeline_file,
         scratch,
         signing_jwks: signing,
     })
@@ -292,6 +302,12 @@ impl Deployment {
     /// Scratch space that lives as long as the deployment (the repository's work tree is in it).
     pub fn scratch(&self) -> &Path {
         self.scratch.path()
+    }
+
+    /// Replaces the pipeline the pipeline agent uploads (as an operator would edit the file
+    /// compose mounts); the next submission's build gets it.
+    pub fn set_pipeline(&self, text: &str) {
+        std::fs::write(&self.pipeline_file, text).unwrap();
     }
 
     /// The jobs of the submission's build that ran the step of the deployment pipeline.
@@ -356,6 +372,49 @@ impl Deployment {
             .unwrap();
         assert!(out.status.success(), "{out:?}");
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Creates a build straight through Buildkite's REST API with `env` as its variables, as
+    /// whoever holds an API token of the organization can (the service's, or an attacker's):
+    /// its number, once the build has ended (at most `within`).
+    pub async fn build_with_env(&self, env: Value, within: Duration) -> u64 {
+        let url = format!(
+            "{}/organizations/{}/pipelines/{}/builds",
+            self.stack.fake.api_url(),
+            crate::fake_buildkite::FAKE_ORG,
+            crate::fake_buildkite::FAKE_PIPELINE
+        );
+        let b: Value = self
+            .stack
+            .http
+            .post(url)
+            .bearer_auth(crate::fake_buildkite::FAKE_API_TOKEN)
+            .json(&json!({"commit": "HEAD", "branch": "main", "env": env}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let number = b["number"].as_u64().expect("a build number");
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let state = self.stack.fake.build_state(number).unwrap_or_default();
+            if matches!(state.as_str(), "passed" | "failed" | "canceled") {
+                return number;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "build {number} still {state} after {within:?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The pipeline agent's log.
+    pub fn pipeline_agent_log(&self) -> String {
+        std::fs::read_to_string(&self.pipeline.log).unwrap_or_default()
     }
 
     /// `POST /v1/submissions/{id}/cancel`.

@@ -408,13 +408,18 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines/host.yml"),
     )
     .unwrap();
+    // `tool sign` refuses a pipeline that still has interpolation in it: the queue and label
+    // written out, and no binding to a build (which only an upload can interpolate).
     let direct = host
         .lines()
+        .filter(|l| {
+            let t = l.trim_start();
+            t != "env:" && !t.starts_with("KERNELBOT_SIGNED_")
+        })
         .map(|l| {
             if l.trim_start().starts_with("queue:") {
                 "      queue: h100"
             } else if l.trim_start().starts_with("- label:") {
-                // `tool sign` refuses a pipeline that still has interpolation in it.
                 "  - label: kernelbot direct"
             } else {
                 l
@@ -449,17 +454,63 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         "a hook ran for an unsigned step: {}",
         ju[0].log()
     );
-    // Signed as the pipeline agent signs, it runs (and meets the node's next refusal).
+    // Signed as the pipeline agent signs, but for no build: the node's pre-bootstrap hook
+    // refuses it (setup gave the node KERNELKITE_SIGNED_STEPS=on), before any hook runs.
     w.stack
         .fake
         .run_builds_on_agents(&w.signed(&direct), &format!("{REPOSITORY}.git"));
+    let n = w
+        .submit(kernelkite_runner::example::config(Mode::Test), "h100")
+        .await;
+    let vn = w.wait(&n, long).await;
+    assert_eq!(vn["state"], "failed", "{vn}\n{}", w.logs());
+    let (_, jn) = w.eval_jobs(&n).await;
+    assert_eq!(
+        (jn[0].exit_status, jn[0].signal_reason.as_deref()),
+        (Some(-1), Some("agent_refused")),
+        "{}\n{}",
+        jn[0].log(),
+        w.logs()
+    );
+    assert!(
+        jn[0].log().contains("Job signature verified")
+            && jn[0].log().contains("pre-bootstrap hook rejected this job"),
+        "{}",
+        jn[0].log()
+    );
+    assert!(
+        w.node.logs().contains("carries no KERNELBOT_SIGNED_BUILD"),
+        "{}",
+        w.node.logs()
+    );
+    w.stack
+        .fake
+        .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
+
+    // The build's commit is whoever creates the build's choice: a commit whose host.yml runs
+    // something else (here as root, with the network) is never what the pipeline agent uploads
+    // (it uploads the file mounted into it), and a repository hook of that commit is refused
+    // by the node (no-local-hooks) before it runs as root.
     let marker = w.scratch().join("repository-hook-ran");
+    let evil = host
+        .replace(
+            "kernelkite-runner --output result.json",
+            &format!("touch {}", marker.display()),
+        )
+        .replace(
+            "network: false",
+            "network: true\n          user: root\n          allow-root: true",
+        );
+    assert_ne!(evil, host);
     agent_node::commit(
         w.scratch(),
-        &[(
-            ".buildkite/hooks/pre-command",
-            &format!("#!/bin/sh\ntouch {}\n", marker.display()),
-        )],
+        &[
+            (
+                ".buildkite/hooks/pre-command",
+                &format!("#!/bin/sh\ntouch {}\n", marker.display()),
+            ),
+            ("deployment/pipelines/host.yml", &evil),
+        ],
     );
     let h = w
         .submit(kernelkite_runner::example::config(Mode::Test), "h100")
@@ -468,9 +519,13 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
     assert_eq!(vh["state"], "failed", "{vh}\n{}", w.logs());
     assert!(
         !marker.exists(),
-        "the repository's hook ran as root on the node"
+        "the commit's hook or pipeline ran on the node"
     );
     let (_, jh) = w.eval_jobs(&h).await;
+    assert_eq!(
+        jh[0].step.command, "kernelkite-runner --output result.json",
+        "the pipeline agent uploaded the commit's pipeline"
+    );
     assert!(
         jh[0].log().contains("local hooks are disabled"),
         "{}",
@@ -478,24 +533,24 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
     );
     assert_ne!(jh[0].exit_status, Some(0));
     agent_node::remove(w.scratch(), &[".buildkite/hooks/pre-command"]);
-    w.stack
-        .fake
-        .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
+    agent_node::commit(w.scratch(), &[("deployment/pipelines/host.yml", &host)]);
 
+    // What the operator's own pipeline names is still held to the node's allow-lists: a step
+    // naming another plugin is refused by the agent before the job starts (its
+    // allowed-plugins), not a failed clone.
     let other = host.replacen(
         "    plugins:\n",
         "    plugins:\n      - github.com/buildkite-plugins/docker-buildkite-plugin#v5.12.0:\n          image: alpine\n",
         1,
     );
     assert_ne!(other, host);
-    agent_node::commit(w.scratch(), &[("deployment/pipelines/host.yml", &other)]);
+    w.set_pipeline(&other);
     let o = w
         .submit(kernelkite_runner::example::config(Mode::Test), "h100")
         .await;
     let vo = w.wait(&o, long).await;
     assert_eq!(vo["state"], "failed", "{vo}\n{}", w.logs());
     let (_, jo) = w.eval_jobs(&o).await;
-    // Refused by the agent before the job starts (its allowed-plugins), not a failed clone.
     assert_eq!(
         (jo[0].exit_status, jo[0].signal_reason.as_deref()),
         (Some(-1), Some("agent_refused")),
@@ -503,11 +558,170 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         jo[0].log(),
         w.logs()
     );
+    w.set_pipeline(&host);
 
     let job_user = w.node.job_user();
     drop(w);
     // The node is as it was: no job cgroup, no job process left.
     let after = (cgroup_dirs(), job_processes(Some(job_user)));
+    assert_eq!(before, after, "the jobs left something behind");
+}
+
+/// The jobs of build `number`.
+fn jobs(
+    w: &Deployment,
+    number: u64,
+) -> Vec<kernelkite_testkit::fake_buildkite::agent_api::AgentJob> {
+    w.stack.fake.jobs_of(number)
+}
+
+/// Issue 34, the review of signed pipelines: whoever creates a build chooses its variables, and
+/// the signature on the deployment's step is the same bytes in every build. Neither steers
+/// anything: the pipeline agent (which holds the signing key) refuses a build's git settings
+/// (its allow-list) and a checkout path (its pre-bootstrap hook) before anything runs; a node
+/// refuses a variable that redirects the result's upload, and the deployment's signed step
+/// copied into another build (its signature valid, its build binding not), each in its
+/// pre-bootstrap hook, before any hook of the job. The directory a build named as its checkout
+/// is untouched, git never ran the build's command, and the node is as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
+    let _turn = ONE_NODE.lock().await;
+    let before = (cgroup_dirs(), job_processes(None));
+    let Some(w) = deployment(
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-isolate")),
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-runner")),
+    )
+    .await
+    else {
+        return;
+    };
+    let long = Duration::from_secs(120);
+    let victim = w.scratch().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("keep"), "the node's file").unwrap();
+    let git_ran = w.scratch().join("git-config-ran");
+    let refused = |j: &kernelkite_testkit::fake_buildkite::agent_api::AgentJob| {
+        (j.exit_status, j.signal_reason.clone()) == (Some(-1), Some("agent_refused".to_string()))
+    };
+
+    // Git settings for the pipeline agent's checkout (which would run a command as root beside
+    // the signing key): refused by its allow-list; no step is uploaded.
+    let b = w
+        .build_with_env(
+            json!({
+                "KERNELBOT_QUEUE": "h100",
+                "GIT_CONFIG_COUNT": "1",
+                "GIT_CONFIG_KEY_0": "core.fsmonitor",
+                "GIT_CONFIG_VALUE_0": format!("touch {}", git_ran.display()),
+            }),
+            long,
+        )
+        .await;
+    let j = jobs(&w, b);
+    assert_eq!(j.len(), 1, "a step was uploaded: {}", w.logs());
+    assert!(refused(&j[0]), "{}\n{}", j[0].log(), w.logs());
+    assert!(j[0].log().contains("GIT_CONFIG"), "{}", j[0].log());
+
+    // A checkout path (the bootstrap would empty it for a clean checkout, as root): refused by
+    // the pipeline agent's pre-bootstrap hook.
+    let b = w
+        .build_with_env(
+            json!({
+                "KERNELBOT_QUEUE": "h100",
+                "BUILDKITE_BUILD_CHECKOUT_PATH": victim.display().to_string(),
+                "BUILDKITE_CLEAN_CHECKOUT": "true",
+            }),
+            long,
+        )
+        .await;
+    let j = jobs(&w, b);
+    assert_eq!(j.len(), 1, "a step was uploaded: {}", w.logs());
+    assert!(refused(&j[0]), "{}\n{}", j[0].log(), w.logs());
+    assert!(
+        j[0].log().contains("pre-bootstrap hook rejected this job")
+            && w.pipeline_agent_log()
+                .contains("BUILDKITE_BUILD_CHECKOUT_PATH is set by the job"),
+        "{}\n{}",
+        j[0].log(),
+        w.pipeline_agent_log()
+    );
+
+    // The result's upload sent elsewhere: the pipeline agent uploads the step (Buildkite's
+    // variables pass its allow-list), and the node refuses the job.
+    let b = w
+        .build_with_env(
+            json!({
+                "KERNELBOT_QUEUE": "h100",
+                "KERNELBOT_RUN_ID": "redirected",
+                "BUILDKITE_ARTIFACT_UPLOAD_DESTINATION": "s3://somewhere-else/x",
+            }),
+            long,
+        )
+        .await;
+    let j = jobs(&w, b);
+    let eval: Vec<_> = j
+        .iter()
+        .filter(|j| j.step.label.contains("kernelbot"))
+        .collect();
+    assert_eq!(eval.len(), 1, "{}", w.logs());
+    assert!(refused(eval[0]), "{}\n{}", eval[0].log(), w.logs());
+    assert!(
+        eval[0].log().contains("Job signature verified")
+            && eval[0]
+                .log()
+                .contains("pre-bootstrap hook rejected this job")
+            && !eval[0].log().contains("Running agent environment hook"),
+        "{}",
+        eval[0].log()
+    );
+    assert!(
+        w.node
+            .logs()
+            .contains("BUILDKITE_ARTIFACT_UPLOAD_DESTINATION is set by the job"),
+        "{}",
+        w.node.logs()
+    );
+
+    // That build's signed step, copied whole (signature and all) into another build's steps:
+    // the agent verifies the signature, and the node refuses the copy for its build binding.
+    let copied = serde_json::to_string(&json!({"steps": [eval[0].step.raw.clone()]})).unwrap();
+    let signed_for = eval[0].step.env["KERNELBOT_SIGNED_BUILD"].clone();
+    w.stack
+        .fake
+        .run_builds_on_agents(&copied, &format!("{REPOSITORY}.git"));
+    let c = w.submit(quick(), "h100").await;
+    let vc = w.wait(&c, long).await;
+    assert_eq!(vc["state"], "failed", "{vc}\n{}", w.logs());
+    let (_, jc) = w.eval_jobs(&c).await;
+    assert!(refused(&jc[0]), "{}\n{}", jc[0].log(), w.logs());
+    assert!(
+        jc[0].log().contains("Job signature verified"),
+        "{}",
+        jc[0].log()
+    );
+    assert!(
+        w.node
+            .logs()
+            .contains(&format!("the step was signed for build {signed_for:?}")),
+        "{}",
+        w.node.logs()
+    );
+    // The deployment's own path still works after all of it.
+    w.stack
+        .fake
+        .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
+    let ok = w.submit(quick(), "h100").await;
+    let vok = w.wait(&ok, long).await;
+    assert_eq!(vok["state"], "succeeded", "{vok}\n{}", w.logs());
+
+    assert_eq!(
+        std::fs::read_to_string(victim.join("keep")).ok().as_deref(),
+        Some("the node's file"),
+        "the build's checkout path was touched"
+    );
+    assert!(!git_ran.exists(), "git ran the build's command");
+    drop(w);
+    let after = (cgroup_dirs(), job_processes(None));
     assert_eq!(before, after, "the jobs left something behind");
 }
 

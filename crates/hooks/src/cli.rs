@@ -36,6 +36,25 @@ pub enum HookCommand {
     /// `pre-exit`), exporting through the Job API. The plugin's `hooks/*` files name this on
     /// their first line, so the agent executes them and the kernel runs this.
     PluginHook(PluginHookArgs),
+    /// The agent's `pre-bootstrap` hook: refuse a job whose variables steer the root
+    /// bootstrap or the hooks (a checkout path, the artifact upload's destination, patterns
+    /// outside the checkout), or whose signed step was signed for another build or queue
+    /// ([`crate::admission`]). Setup installs it as a file whose first line names this.
+    PreBootstrap(PreBootstrapArgs),
+}
+
+/// Arguments of `pre-bootstrap`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PreBootstrapArgs {
+    /// The hook file the kernel ran this for (its first line names this subcommand).
+    pub path: Option<PathBuf>,
+    /// The job's variables as the agent wrote them for this hook (a JSON object).
+    #[arg(long, env = "BUILDKITE_ENV_JSON_FILE")]
+    pub env_json_file: PathBuf,
+    /// `on` (setup writes it where the agents verify signatures): refuse a job whose step
+    /// carries no binding to its build and queue.
+    #[arg(long, env = crate::admission::SIGNED_STEPS_SETTING, default_value = "off", value_parser = ["on", "off"])]
+    pub signed_steps: String,
 }
 
 /// Arguments of `plugin-hook`.
@@ -102,6 +121,32 @@ pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
         }
     }
     args
+}
+
+/// Runs `pre-bootstrap`: silent when the job may start; else one line per reason on stdout
+/// (the agent's log; the job's log says the hook refused it) and a failure. A file that cannot
+/// be read refuses the job: this hook is the only look at its variables before the bootstrap.
+fn pre_bootstrap(args: &PreBootstrapArgs) -> ExitCode {
+    let read = std::fs::read_to_string(&args.env_json_file)
+        .map_err(|e| e.to_string())
+        .and_then(|t| {
+            serde_json::from_str::<BTreeMap<String, String>>(&t).map_err(|e| e.to_string())
+        });
+    let reasons = match read {
+        Ok(env) => crate::admission::refusals(&env, args.signed_steps == "on"),
+        Err(e) => vec![format!(
+            "cannot read the job's variables from {} ({e}); BUILDKITE_ENV_JSON_FILE is the agent's (3.27 and later)",
+            args.env_json_file.display()
+        )],
+    };
+    for r in &reasons {
+        println!("kernelkite: job refused: {r}");
+    }
+    if reasons.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 fn open_nvml() -> Result<Box<dyn GpuControl>, GpuCheckError> {
@@ -180,6 +225,7 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             args.path.display(),
             HOOK_NAMES.join(", ")
         ),
+        HookCommand::PreBootstrap(args) => Ok(pre_bootstrap(&args)),
         HookCommand::PreExit(args) => {
             if let Some(why) = job::env::left_to_the_plugin(&env) {
                 println!("kernelkite: {why}");

@@ -9,6 +9,7 @@
 //! The layers that touch the machine take injected roots so they can be tested on fake trees.
 #![deny(missing_docs)]
 
+pub mod admission;
 pub mod cgroup;
 pub mod cli;
 pub mod config;

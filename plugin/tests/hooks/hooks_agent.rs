@@ -160,6 +160,47 @@ fn wrong_or_missing_job_api_token_fails_the_job_and_frees_the_gpu() {
     assert!(out.status.success(), "{}", output_text(&out));
 }
 
+/// A checkout path the agent did not compute (a build's variables set it, and the agent keeps
+/// it) is refused at `environment`, before anything is held: the hooks would hand that
+/// directory to the job's user. The GPU stays free for the next job.
+#[test]
+fn a_checkout_outside_the_agent_s_build_path_is_refused_before_anything_is_held() {
+    let node = Node::new(1);
+    let agent = node.agent("gpu-host-gpu0");
+    let mut job = agent.start_job(&job_id(9), "true", None, Install::AgentBinary);
+    let checkout = job.env["BUILDKITE_BUILD_CHECKOUT_PATH"].clone();
+    // The agent's build path here: the directory above each job's own.
+    let builds = Path::new(&checkout)
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .display()
+        .to_string();
+    job.env
+        .insert("BUILDKITE_BUILD_PATH".into(), builds.clone());
+    job.env
+        .insert("BUILDKITE_BUILD_CHECKOUT_PATH".into(), "/usr".into());
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("\"/usr\" (BUILDKITE_BUILD_CHECKOUT_PATH) is not a directory under the agent's build path")
+            && err.contains("refused"),
+        "{err}"
+    );
+    assert!(!job.env.contains_key("KERNELBOT_GPU_INDEX"));
+    // The agent's own path under its build path is the normal case, and the GPU is free.
+    let mut next = agent.start_job(
+        &job_id(10),
+        "true",
+        Some(r#"{"lease-wait":0}"#),
+        Install::AgentBinary,
+    );
+    next.env.insert("BUILDKITE_BUILD_PATH".into(), builds);
+    let out = next.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+}
+
 #[test]
 fn binary_environment_hook_without_job_api_fails_clearly() {
     let node = Node::new(1);
@@ -880,4 +921,72 @@ fn a_two_gpu_agent_s_job_gets_both_gpus_without_naming_a_count() {
     );
     let out = job.run_hook("pre-exit");
     assert!(out.status.success(), "{}", output_text(&out));
+}
+
+/// The `pre-bootstrap` hook as the agent runs it (the file setup installs, executed: its first
+/// line names the binary), with the job's variables in `BUILDKITE_ENV_JSON_FILE`: silent and
+/// 0 for a job of Buildkite's own variables, 1 with one line per reason otherwise, and 1 when
+/// the file cannot be read.
+#[test]
+fn the_pre_bootstrap_hook_refuses_what_steers_the_bootstrap_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = dir.path().join("pre-bootstrap");
+    std::fs::write(
+        &hook,
+        format!(
+            "#!{} pre-bootstrap\n# test\n",
+            env!("CARGO_BIN_EXE_kernelkite-isolate")
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let run = |vars: serde_json::Value, signed: &str| {
+        let file = dir.path().join("env.json");
+        std::fs::write(&file, vars.to_string()).unwrap();
+        std::process::Command::new(&hook)
+            .env("BUILDKITE_ENV_JSON_FILE", &file)
+            .env("KERNELKITE_SIGNED_STEPS", signed)
+            .output()
+            .unwrap()
+    };
+    let good = json!({
+        "BUILDKITE_BUILD_ID": "b-1",
+        "BUILDKITE_AGENT_META_DATA_QUEUE": "h100",
+        "KERNELBOT_SIGNED_BUILD": "b-1",
+        "KERNELBOT_SIGNED_QUEUE": "h100",
+        "BUILDKITE_ARTIFACT_PATHS": "result.json",
+    });
+    let out = run(good.clone(), "on");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(out.stdout.is_empty(), "{}", output_text(&out));
+    let mut bad = good.clone();
+    bad["BUILDKITE_BUILD_CHECKOUT_PATH"] = json!("/usr");
+    bad["BUILDKITE_ARTIFACT_PATHS"] = json!("result.json;/etc/shadow");
+    bad["KERNELBOT_SIGNED_BUILD"] = json!("b-0");
+    let out = run(bad, "off");
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(said.lines().count(), 3, "{said}");
+    assert!(
+        said.lines()
+            .all(|l| l.starts_with("kernelkite: job refused: ")),
+        "{said}"
+    );
+    let mut unbound = good;
+    unbound
+        .as_object_mut()
+        .unwrap()
+        .remove("KERNELBOT_SIGNED_QUEUE");
+    assert!(run(unbound.clone(), "off").status.success());
+    assert_eq!(run(unbound, "on").status.code(), Some(1));
+    let missing = std::process::Command::new(&hook)
+        .env("BUILDKITE_ENV_JSON_FILE", dir.path().join("nope.json"))
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&missing.stdout).contains("cannot read the job's variables"),
+        "{}",
+        output_text(&missing)
+    );
 }

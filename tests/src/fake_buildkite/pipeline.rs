@@ -578,7 +578,7 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].agents["queue"], "kernelkite-pipeline");
         assert!(
-            s[0].command.starts_with("buildkite-agent pipeline upload "),
+            s[0].command.starts_with("buildkite-agent pipeline upload"),
             "{}",
             s[0].command
         );

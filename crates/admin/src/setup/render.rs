@@ -509,6 +509,16 @@ pub fn agent_env(plan: &Plan, opts: &Options) -> String {
     );
     s.push_str("BUILDKITE_ARTIFACT_UPLOAD_SKIP_SYMLINKS=true\n");
     s.push_str("BUILDKITE_AGENT_ARTIFACT_GLOB_RESOLVE_FOLLOW_SYMLINKS=false\n");
+    if opts.verification_jwks.is_some() {
+        // kernelkite_hooks::admission: the agents verify signatures, and a signed step must
+        // also be bound to its build and queue (deployment/pipelines/host.yml signs both).
+        s.push_str("# The agents verify pipeline signatures: the pre-bootstrap hook also refuses a step not signed for\n# the job's build and queue.\n");
+        let _ = writeln!(
+            s,
+            "{}=on",
+            kernelkite_hooks::admission::SIGNED_STEPS_SETTING
+        );
+    }
     if has_gpus(plan) {
         s.push_str("# A GPU node: the runner fails as an infrastructure error (exit 3, retried elsewhere) when it sees no GPU.\n");
         s.push_str("KERNELKITE_REQUIRE_GPU=1\n");
@@ -899,7 +909,27 @@ fn installed_files(plan: &Plan, opts: &Options, bin: &Path) -> Vec<File> {
             content: Content::Link(bin.join("kernelkite-isolate")),
         });
     }
+    files.push(File {
+        path: Path::new(HOOKS_DIR).join(PRE_BOOTSTRAP_HOOK),
+        mode: 0o755,
+        content: Content::Text(pre_bootstrap_hook(bin)),
+    });
     files
+}
+
+/// The agent's `pre-bootstrap` hook: checks a job's variables before its bootstrap starts
+/// (`kernelkite_hooks::admission`).
+pub const PRE_BOOTSTRAP_HOOK: &str = "pre-bootstrap";
+
+/// The `pre-bootstrap` hook's file. Not a link to the binary, as the other hooks are: the agent
+/// runs this one itself (agent/job_runner.go, executePreBootstrapHook), and a file without a
+/// `#!` line goes to bash there (internal/shell/shell.go, Script); with one, the kernel runs
+/// the binary it names with the file's path.
+pub fn pre_bootstrap_hook(bin: &Path) -> String {
+    format!(
+        "#!{} pre-bootstrap\n# kernelkite's pre-bootstrap hook (installed by `kernelkite-isolate setup`): refuses a job whose\n# variables steer the root bootstrap or the hooks, or whose signed step was signed for another\n# build or queue (plugin/README.md, \"Node set-up\"). Nothing below the first line is read.\n",
+        bin.join("kernelkite-isolate").display()
+    )
 }
 
 /// The plugin's hook files name the binary at the default prefix on their first line (a
@@ -1126,6 +1156,21 @@ mod tests {
             .notes
             .iter()
             .any(|n| n.contains("verify no pipeline signature")));
+        assert!(agent_env(&plan, &opts).contains("\nKERNELKITE_SIGNED_STEPS=on\n"));
+        assert!(!agent_env(&plan, &options(DEFAULT_PLUGIN_LOCATION, &[])).contains("SIGNED_STEPS"));
+        let hook = with
+            .files
+            .iter()
+            .find(|f| f.path == Path::new(HOOKS_DIR).join(PRE_BOOTSTRAP_HOOK))
+            .expect("the pre-bootstrap hook is installed");
+        assert_eq!(hook.mode, 0o755);
+        match &hook.content {
+            Content::Text(t) => assert!(
+                t.starts_with("#!/opt/kernelkite/bin/kernelkite-isolate pre-bootstrap\n"),
+                "{t}"
+            ),
+            other => panic!("{other:?}"),
+        }
         // What the agent would refuse at start, or a private key, is refused here.
         let private = PUBLIC_JWKS.replace(r#""use":"sig""#, r#""use":"sig","d":"secret""#);
         for (bad, says) in [

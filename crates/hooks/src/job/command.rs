@@ -65,8 +65,7 @@ pub fn docker_run_for(
         .and_then(|image| images::step_image(image, &state.slice))?;
     let checkout = if c.mount_checkout {
         Some(
-            env.get("BUILDKITE_BUILD_CHECKOUT_PATH")
-                .map(PathBuf::from)
+            super::env::checkout_path(env)?
                 .or_else(|| std::env::current_dir().ok())
                 .unwrap_or_else(|| PathBuf::from(".")),
         )
@@ -359,10 +358,13 @@ fn give_checkout(
 
 /// The job's checkout: `BUILDKITE_BUILD_CHECKOUT_PATH` when it is a directory. Nothing else is
 /// ever handed to the job user (not the working directory, which could be anything).
+/// The checkout, where it is one the hooks may hand over ([`super::env::checkout_path`];
+/// `environment` refused the job otherwise) and exists.
 fn checkout_dir(env: &BTreeMap<String, String>) -> Option<PathBuf> {
-    env.get("BUILDKITE_BUILD_CHECKOUT_PATH")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute() && p.is_dir())
+    super::env::checkout_path(env)
+        .ok()
+        .flatten()
+        .filter(|p| p.is_dir())
 }
 
 /// What the sandbox is to build for this job.

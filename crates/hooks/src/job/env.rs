@@ -2,6 +2,7 @@
 //! the agent is bound to, the Job API.
 
 use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
 
 use super::JobError;
 use crate::config::{self, ConfigError, PluginConfig};
@@ -12,6 +13,39 @@ pub fn var<'e>(env: &'e BTreeMap<String, String>, name: &'static str) -> Result<
         .map(String::as_str)
         .filter(|v| !v.is_empty())
         .ok_or(JobError::MissingEnv { name })
+}
+
+/// The job's checkout (`BUILDKITE_BUILD_CHECKOUT_PATH`), `None` when unset. The agent
+/// computes it under its build path (`BUILDKITE_BUILD_PATH`, which a job cannot set:
+/// `env/protected.go`) but keeps a value the job's variables give (`internal/job/executor.go`),
+/// and these hooks hand the checkout to the job's user: anything else (not absolute, `..`,
+/// outside the build path) is refused. The `pre-bootstrap` hook refuses the variable first
+/// ([`crate::admission`]); this holds where that hook is not installed.
+pub fn checkout_path(env: &BTreeMap<String, String>) -> Result<Option<PathBuf>, JobError> {
+    let Some(path) = env
+        .get("BUILDKITE_BUILD_CHECKOUT_PATH")
+        .filter(|p| !p.is_empty())
+    else {
+        return Ok(None);
+    };
+    let build_path = env
+        .get("BUILDKITE_BUILD_PATH")
+        .map(String::as_str)
+        .unwrap_or("");
+    let p = Path::new(path);
+    let lexical = p.is_absolute()
+        && !p
+            .components()
+            .any(|c| matches!(c, Component::ParentDir | Component::CurDir));
+    let inside = build_path.is_empty() || (p.starts_with(build_path) && p != Path::new(build_path));
+    if lexical && inside {
+        Ok(Some(p.to_path_buf()))
+    } else {
+        Err(JobError::CheckoutOutside {
+            path: path.clone(),
+            build_path: build_path.to_string(),
+        })
+    }
 }
 
 /// The agent's Job API socket (`BUILDKITE_AGENT_JOB_API_SOCKET`), when it has one.
@@ -137,6 +171,42 @@ pub fn agent_gpus(env: &BTreeMap<String, String>) -> Result<Option<Vec<u32>>, Jo
 mod tests {
     use super::*;
     use crate::job::test_support::env;
+
+    #[test]
+    fn the_checkout_must_lie_under_the_agent_s_build_path() {
+        let at = |checkout: &str, builds: &str| {
+            let mut e = BTreeMap::new();
+            e.insert(
+                "BUILDKITE_BUILD_CHECKOUT_PATH".to_string(),
+                checkout.to_string(),
+            );
+            if !builds.is_empty() {
+                e.insert("BUILDKITE_BUILD_PATH".to_string(), builds.to_string());
+            }
+            checkout_path(&e)
+        };
+        let b = "/var/lib/kernelkite/builds";
+        assert_eq!(
+            at("/var/lib/kernelkite/builds/kk-0/org/p", b).unwrap(),
+            Some(PathBuf::from("/var/lib/kernelkite/builds/kk-0/org/p"))
+        );
+        for bad in [
+            "/usr",
+            "/",
+            "/var/lib/kernelkite/builds",
+            "/var/lib/kernelkite/builds/../../../etc",
+            "/var/lib/kernelkite/builds-other/x",
+            "relative/path",
+        ] {
+            let e = at(bad, b).unwrap_err();
+            assert!(matches!(e, JobError::CheckoutOutside { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains("refused"), "{e}");
+        }
+        // Without a build path (a hook run by hand), only the form is checked.
+        assert!(at("/tmp/x", "").unwrap().is_some());
+        assert!(at("/tmp/../etc", "").is_err());
+        assert_eq!(checkout_path(&BTreeMap::new()).unwrap(), None);
+    }
 
     #[test]
     fn this_plugin_is_recognised_by_its_location_in_the_step() {

@@ -43,6 +43,8 @@ pub fn run(
 ) -> Result<Prepared, JobError> {
     let config = job_config(env)?;
     let job_id = var(env, "BUILDKITE_JOB_ID")?.to_string();
+    // Before anything is held: a checkout the job's variables chose is never handed over.
+    let checkout = super::env::checkout_path(env)?;
     crate::cgroup::job_cgroup_name(&job_id)?;
     let agent = env.get("BUILDKITE_AGENT_NAME").cloned().unwrap_or_default();
     let mut notices = Vec::new();
@@ -123,7 +125,7 @@ pub fn run(
                 cgroup_version: None,
                 clocks_locked,
                 job_user: job_user.clone(),
-                checkout_owner: checkout_owner(env, &config, job_user.as_ref()),
+                checkout_owner: checkout_owner(checkout.as_deref(), &config, job_user.as_ref()),
             };
             // The state goes first: a job cgroup without state is an orphan to other jobs.
             write_state(settings, &state)?;
@@ -276,7 +278,7 @@ pub(super) fn job_user(
 /// the state again and a lost job's clean-up still knows what to give back. `None` when the
 /// command runs as the agent's user or the checkout is not mounted into the container.
 fn checkout_owner(
-    env: &BTreeMap<String, String>,
+    checkout: Option<&Path>,
     config: &PluginConfig,
     job_user: Option<&JobUser>,
 ) -> Option<crate::job::state::CheckoutOwner> {
@@ -284,9 +286,7 @@ fn checkout_owner(
     if config.mode == Mode::Docker && !config.mount_checkout {
         return None;
     }
-    let path = env
-        .get("BUILDKITE_BUILD_CHECKOUT_PATH")
-        .filter(|p| p.starts_with('/'))?;
+    let path = checkout?;
     Some(crate::job::state::CheckoutOwner {
         path: path.into(),
         uid: rustix::process::geteuid().as_raw(),

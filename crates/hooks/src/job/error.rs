@@ -198,6 +198,15 @@ pub enum JobError {
         /// This instance's run dir.
         run_dir: PathBuf,
     },
+    /// The checkout path is not under the agent's build path: the agent computes it there,
+    /// so a job (its build's env) chose it.
+    #[error("the checkout path {path:?} (BUILDKITE_BUILD_CHECKOUT_PATH) is not a directory under the agent's build path {build_path:?}: the job's variables chose it, and the hooks would hand it to the job's user; refused")]
+    CheckoutOutside {
+        /// The checkout path the job has.
+        path: String,
+        /// The agent's build path.
+        build_path: String,
+    },
     /// The checkout could not change hands.
     #[error("cannot give the checkout {path} to uid {uid}")]
     Checkout {
