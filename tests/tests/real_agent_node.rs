@@ -575,14 +575,15 @@ fn jobs(
     w.stack.fake.jobs_of(number)
 }
 
-/// Issue 34, the review of signed pipelines: whoever creates a build chooses its variables, and
-/// the signature on the deployment's step is the same bytes in every build. Neither steers
-/// anything: the pipeline agent (which holds the signing key) refuses a build's git settings
-/// (its allow-list) and a checkout path (its pre-bootstrap hook) before anything runs; a node
-/// refuses a variable that redirects the result's upload, and the deployment's signed step
-/// copied into another build (its signature valid, its build binding not), each in its
-/// pre-bootstrap hook, before any hook of the job. The directory a build named as its checkout
-/// is untouched, git never ran the build's command, and the node is as it was.
+/// Issue 34, the reviews of signed pipelines: whoever creates a build chooses its variables,
+/// whoever holds a job token may upload steps, and the signature on the deployment's step is
+/// the same bytes in every build. None of it steers anything: the pipeline agent (which holds
+/// the signing key) refuses a build's git settings (its allow-list), a checkout path and the
+/// key asked for as an artifact (its pre-bootstrap hook) before anything runs; a node refuses
+/// the deployment's signed step copied into another build (its signature valid, its build
+/// binding not) with a variable redirecting the result's upload, in its pre-bootstrap hook,
+/// before any hook of the job. The directory a build named as its checkout is untouched, git
+/// never ran the build's command, no artifact left, and the node is as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
     let _turn = ONE_NODE.lock().await;
@@ -639,72 +640,94 @@ async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
     assert!(refused(&j[0]), "{}\n{}", j[0].log(), w.logs());
     assert!(
         j[0].log().contains("pre-bootstrap hook rejected this job")
+            && w.pipeline_agent_log().contains("not by Buildkite:")
             && w.pipeline_agent_log()
-                .contains("BUILDKITE_BUILD_CHECKOUT_PATH is set by the job"),
+                .contains(" BUILDKITE_BUILD_CHECKOUT_PATH"),
         "{}\n{}",
         j[0].log(),
         w.pipeline_agent_log()
     );
 
-    // The result's upload sent elsewhere: the pipeline agent uploads the step (Buildkite's
-    // variables pass its allow-list), and the node refuses the job.
+    // The signing key as an artifact, asked by the build's variables, and by a step of the
+    // settings (as anyone able to upload a step to the routing queue could): refused by the
+    // pipeline agent's pre-bootstrap hook (Buildkite never sets the upload's variables for
+    // that step), nothing uploaded.
+    let key = w.signing_jwks.display().to_string();
     let b = w
         .build_with_env(
             json!({
                 "KERNELBOT_QUEUE": "h100",
-                "KERNELBOT_RUN_ID": "redirected",
+                "BUILDKITE_ARTIFACT_PATHS": key,
                 "BUILDKITE_ARTIFACT_UPLOAD_DESTINATION": "s3://somewhere-else/x",
             }),
             long,
         )
         .await;
     let j = jobs(&w, b);
-    let eval: Vec<_> = j
-        .iter()
-        .filter(|j| j.step.label.contains("kernelbot"))
-        .collect();
-    assert_eq!(eval.len(), 1, "{}", w.logs());
-    assert!(refused(eval[0]), "{}\n{}", eval[0].log(), w.logs());
-    assert!(
-        eval[0].log().contains("Job signature verified")
-            && eval[0]
-                .log()
-                .contains("pre-bootstrap hook rejected this job")
-            && !eval[0].log().contains("Running agent environment hook"),
-        "{}",
-        eval[0].log()
+    assert_eq!(j.len(), 1, "a step was uploaded: {}", w.logs());
+    assert!(refused(&j[0]), "{}\n{}", j[0].log(), w.logs());
+    assert!(w.stack.fake.artifacts_of(b).is_empty());
+    w.stack.fake.run_builds_on_agents(
+        &format!(
+            "steps:\n  - command: buildkite-agent pipeline upload\n    agents:\n      queue: kernelkite-pipeline\n    artifact_paths: \"{key}\"\n"
+        ),
+        &format!("{REPOSITORY}.git"),
     );
+    let b = w
+        .build_with_env(json!({"KERNELBOT_QUEUE": "h100"}), long)
+        .await;
+    let j = jobs(&w, b);
+    assert_eq!(j.len(), 1, "a step was uploaded: {}", w.logs());
+    assert!(refused(&j[0]), "{}\n{}", j[0].log(), w.logs());
+    assert!(w.stack.fake.artifacts_of(b).is_empty());
     assert!(
-        w.node
-            .logs()
-            .contains("BUILDKITE_ARTIFACT_UPLOAD_DESTINATION is set by the job"),
+        w.pipeline_agent_log()
+            .contains("not by Buildkite: BUILDKITE_ARTIFACT_PATHS"),
         "{}",
-        w.node.logs()
+        w.pipeline_agent_log()
     );
+    w.stack
+        .fake
+        .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
 
-    // That build's signed step, copied whole (signature and all) into another build's steps:
-    // the agent verifies the signature, and the node refuses the copy for its build binding.
-    let copied = serde_json::to_string(&json!({"steps": [eval[0].step.raw.clone()]})).unwrap();
-    let signed_for = eval[0].step.env["KERNELBOT_SIGNED_BUILD"].clone();
+    // A signed step as the pipeline agent uploads it for a submission, then copied whole
+    // (signature and all) into another build's steps, that build's variables redirecting the
+    // result's upload: the agent verifies the signature, and the node's pre-bootstrap hook
+    // refuses the job for both, before any hook of the job runs.
+    let first = w.submit(quick(), "h100").await;
+    let vf = w.wait(&first, long).await;
+    assert_eq!(vf["state"], "succeeded", "{vf}\n{}", w.logs());
+    let (_, signed) = w.eval_jobs(&first).await;
+    let copied = serde_json::to_string(&json!({"steps": [signed[0].step.raw.clone()]})).unwrap();
+    let signed_for = signed[0].step.env["KERNELBOT_SIGNED_BUILD"].clone();
     w.stack
         .fake
         .run_builds_on_agents(&copied, &format!("{REPOSITORY}.git"));
-    let c = w.submit(quick(), "h100").await;
-    let vc = w.wait(&c, long).await;
-    assert_eq!(vc["state"], "failed", "{vc}\n{}", w.logs());
-    let (_, jc) = w.eval_jobs(&c).await;
+    let c = w
+        .build_with_env(
+            json!({
+                "KERNELBOT_QUEUE": "h100",
+                "KERNELBOT_RUN_ID": "copied",
+                "BUILDKITE_ARTIFACT_UPLOAD_DESTINATION": "s3://somewhere-else/x",
+            }),
+            long,
+        )
+        .await;
+    let jc = jobs(&w, c);
+    assert_eq!(jc.len(), 1, "{}", w.logs());
     assert!(refused(&jc[0]), "{}\n{}", jc[0].log(), w.logs());
     assert!(
-        jc[0].log().contains("Job signature verified"),
+        jc[0].log().contains("Job signature verified")
+            && jc[0].log().contains("pre-bootstrap hook rejected this job")
+            && !jc[0].log().contains("Running agent environment hook"),
         "{}",
         jc[0].log()
     );
+    let node_log = w.node.logs();
     assert!(
-        w.node
-            .logs()
-            .contains(&format!("the step was signed for build {signed_for:?}")),
-        "{}",
-        w.node.logs()
+        node_log.contains(&format!("the step was signed for build {signed_for:?}"))
+            && node_log.contains("BUILDKITE_ARTIFACT_UPLOAD_DESTINATION is set by the job"),
+        "{node_log}"
     );
     // The deployment's own path still works after all of it.
     w.stack

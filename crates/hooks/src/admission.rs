@@ -4,12 +4,10 @@
 //!
 //! Why: a signed step proves its command, plugins and env, but not the rest of the job. The
 //! agents accept every `BUILDKITE_*` variable (the allow-list always admits them), and the
-//! build's env (whoever creates a build chooses it) is part of the job's. Some of those
-//! variables steer what the root bootstrap and these hooks do with paths:
-//! `BUILDKITE_BUILD_CHECKOUT_PATH` (the agent keeps a value it is given, removes that directory
-//! for a clean checkout and the hooks hand it to the job's user), the artifact upload's
-//! destination and settings, and `BUILDKITE_PLUGIN_CONFIGURATION` (which these hooks read).
-//! And what a signed step says binds it to no build or queue: the same signature is valid
+//! build's env (whoever creates a build chooses it) is part of the job's. Many of those
+//! variables steer what the root bootstrap and these hooks do: so a job may carry only the
+//! ones Buildkite's backend sets ([`BACKEND_VARIABLES`]), and its artifact patterns must stay
+//! in the checkout ([`artifact_pattern_problem`]). And what a signed step says binds it to no build or queue: the same signature is valid
 //! for every build, so a step could be uploaded again, elsewhere, with other unsigned fields
 //! (`artifact_paths`, the queue). The deployment's pipeline signs a binding into its env
 //! ([`SIGNED_BUILD`], [`SIGNED_QUEUE`]); this checks it.
@@ -29,40 +27,105 @@ pub const SIGNED_QUEUE: &str = "KERNELBOT_SIGNED_QUEUE";
 /// signatures): `on` refuses a job whose step carries no binding.
 pub const SIGNED_STEPS_SETTING: &str = "KERNELKITE_SIGNED_STEPS";
 
-/// Job variables refused outright: Buildkite's backend never sets them, and each steers the
-/// root bootstrap or these hooks (see the module's docs).
-pub const REFUSED: &[&str] = &[
-    "BUILDKITE_BUILD_CHECKOUT_PATH",
-    "BUILDKITE_PLUGIN_CONFIGURATION",
+/// The `BUILDKITE_*` variables a job may carry (less the prefix; a trailing `*` is a prefix):
+/// those Buildkite's backend sets, describing the build, its source, the step and the agent
+/// (<https://buildkite.com/docs/pipelines/configure/environment-variables>). Any other one
+/// came from the build's or the step's env, which the agents' allow-lists always admit
+/// (`^BUILDKITE_.*$`), and may steer the root bootstrap or the hooks: the checkout path
+/// (which the agent keeps, empties for a clean checkout, and the hooks hand to the job's
+/// user), the artifact upload's destination, delimiter and globbing, git and its
+/// credentials, secrets into variables, the plugin configuration these hooks read, and for
+/// `pipeline upload` its dry run, interpolation and signing key. Such a job is refused,
+/// naming the variable: should Buildkite start to set another harmless one, it goes here
+/// (and in the pipeline agent's hook, `deployment/service/pipeline-agent/hooks/pre-bootstrap`,
+/// which a test keeps equal).
+pub const BACKEND_VARIABLES: &[&str] = &[
+    "AGENT_ID",
+    "AGENT_META_DATA_*",
+    "AGENT_NAME",
+    "BRANCH",
+    "BUILD_AUTHOR",
+    "BUILD_AUTHOR_EMAIL",
+    "BUILD_CREATOR",
+    "BUILD_CREATOR_EMAIL",
+    "BUILD_CREATOR_TEAMS",
+    "BUILD_ID",
+    "BUILD_NUMBER",
+    "BUILD_URL",
+    "CLUSTER_*",
+    "COMMAND",
+    "COMMIT",
+    "COMPUTE_TYPE",
+    // Buildkite's mirror of the repository, which the agent checks against its
+    // allowed-repositories (and writes, empty, when there is none: agent/job_runner.go).
+    "GIT_REMOTE_MIRROR_URL",
+    "GROUP_*",
+    "JOB_ID",
+    "LABEL",
+    "MESSAGE",
+    "ORGANIZATION_ID",
+    "ORGANIZATION_SLUG",
+    "PARALLEL_JOB",
+    "PARALLEL_JOB_COUNT",
+    "PIPELINE_DEFAULT_BRANCH",
+    "PIPELINE_ID",
+    "PIPELINE_NAME",
+    "PIPELINE_PROVIDER",
+    "PIPELINE_SLUG",
+    "PIPELINE_TEAMS",
+    "PLUGINS",
+    "PROJECT_PROVIDER",
+    "PROJECT_SLUG",
+    "PULL_REQUEST*",
+    "REBUILT_FROM_*",
+    "REFSPEC",
+    "REPO",
+    "RETRY_COUNT",
+    "RETRY_TYPE",
+    "SCRIPT_PATH",
+    "SOURCE",
+    "STEP_ID",
+    "STEP_KEY",
+    "TAG",
+    "TIMEOUT",
+    "TRIGGERED_FROM_*",
+    "UNBLOCKER*",
 ];
 
-/// Prefixes of refused job variables: the artifact upload's destination and settings
-/// (`clicommand/artifact_upload.go`: the destination, delimiter, symlink handling; the
-/// S3, GCS, Artifactory and Azure uploaders' settings). `BUILDKITE_ARTIFACT_PATHS`, which
-/// the backend sets from the step, is checked instead ([`artifact_pattern_problem`]).
-pub const REFUSED_PREFIXES: &[&str] = &[
-    "BUILDKITE_ARTIFACT_",
-    "BUILDKITE_AGENT_ARTIFACT_",
-    "BUILDKITE_S3_",
-    "BUILDKITE_GS_",
-    "BUILDKITE_ARTIFACTORY_",
-    "BUILDKITE_AZURE_",
-];
+/// Whether `name` (a `BUILDKITE_*` variable's name) is one of [`BACKEND_VARIABLES`].
+pub fn is_backend_variable(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("BUILDKITE_") else {
+        return false;
+    };
+    BACKEND_VARIABLES.iter().any(|v| match v.strip_suffix('*') {
+        Some(prefix) => rest.starts_with(prefix),
+        None => rest == *v,
+    })
+}
 
 /// The step's artifact patterns (`;`-separated, as the agent splits them with its default
-/// delimiter, which a job cannot change: [`REFUSED_PREFIXES`]).
+/// delimiter, which a job cannot change: it is not one of [`BACKEND_VARIABLES`]). The one
+/// `BUILDKITE_*` variable outside that list a node accepts, each pattern checked.
 pub const ARTIFACT_PATHS: &str = "BUILDKITE_ARTIFACT_PATHS";
 
 /// Why an artifact pattern is refused, if it is: the agent (root) uploads what it matches,
-/// relative to the checkout, so a pattern must stay inside it.
+/// relative to the checkout, so a pattern must stay inside it. Its glob library (zzglob, as
+/// `internal/artifact/uploader.go` calls it) takes `\` as an escape and `{a,b}` and `[ab]` as
+/// alternatives, so `\/etc/shadow` or `.\./` would pass a look at the text alone: a
+/// pattern holding any of `\ { } [ ]` is refused; `*` and `?` never match a `/`.
 pub fn artifact_pattern_problem(pattern: &str) -> Option<String> {
     let p = pattern.trim();
+    if p.contains(['\\', '{', '}', '[', ']']) {
+        return Some(format!(
+            "artifact pattern {p:?} holds a glob escape or alternative (\\ {{ }} [ ])"
+        ));
+    }
     if p.starts_with('/') || p.starts_with('~') {
         return Some(format!(
             "artifact pattern {p:?} is not relative to the checkout"
         ));
     }
-    if p.split(['/', '\\']).any(|part| part == "..") {
+    if p.split('/').any(|part| part == "..") {
         return Some(format!("artifact pattern {p:?} leaves the checkout (`..`)"));
     }
     None
@@ -73,11 +136,11 @@ pub fn artifact_pattern_problem(pattern: &str) -> Option<String> {
 pub fn refusals(env: &BTreeMap<String, String>, signed_steps: bool) -> Vec<String> {
     let mut out = Vec::new();
     for name in env.keys() {
-        let refused = REFUSED.contains(&name.as_str())
-            || (name != ARTIFACT_PATHS && REFUSED_PREFIXES.iter().any(|p| name.starts_with(p)));
+        let refused =
+            name.starts_with("BUILDKITE_") && name != ARTIFACT_PATHS && !is_backend_variable(name);
         if refused {
             out.push(format!(
-                "{name} is set by the job (its build's or step's env): it steers the root bootstrap or the hooks, and Buildkite never sets it"
+                "{name} is set by the job (its build's or step's env): Buildkite's backend does not set it, and such variables steer the root bootstrap or the hooks (crates/hooks/src/admission.rs lists those a job may carry)"
             ));
         }
     }
@@ -153,6 +216,17 @@ mod tests {
             "BUILDKITE_GS_APPLICATION_CREDENTIALS",
             "BUILDKITE_ARTIFACTORY_URL",
             "BUILDKITE_AZURE_BLOB_CONTAINER_URL",
+            "BUILDKITE_SECRETS_CONFIG",
+            "BUILDKITE_GIT_LFS_ENABLED",
+            "BUILDKITE_USE_REPOSITORY_PROVIDER_GIT_CREDENTIALS",
+            "BUILDKITE_BOOTSTRAP_PHASES",
+            "BUILDKITE_AGENT_NO_JOB_API",
+            "BUILDKITE_TRACING_BACKEND",
+            "BUILDKITE_CLEAN_CHECKOUT",
+            "BUILDKITE_PIPELINE_UPLOAD_DRY_RUN",
+            "BUILDKITE_AGENT_AWS_KMS_KEY",
+            "BUILDKITE_BUILD_PATH",
+            "BUILDKITE_PULLREQUEST",
         ] {
             let mut e = env(BOUND);
             e.insert(name.into(), "/usr".into());
@@ -160,6 +234,47 @@ mod tests {
             assert_eq!(r.len(), 1, "{name}: {r:?}");
             assert!(r[0].starts_with(name), "{r:?}");
         }
+        // What the backend sets, prefixes included; other variables are the agent's
+        // allow-list's to judge.
+        for name in [
+            "BUILDKITE_AGENT_META_DATA_GPU_INDEX",
+            "BUILDKITE_PULL_REQUEST_BASE_BRANCH",
+            "BUILDKITE_TRIGGERED_FROM_BUILD_ID",
+            "BUILDKITE_REPO",
+            "BUILDKITE",
+            "KERNELBOT_PAYLOAD",
+        ] {
+            let mut e = env(BOUND);
+            e.insert(name.into(), "x".into());
+            assert!(refusals(&e, true).is_empty(), "{name}");
+        }
+        assert!(!is_backend_variable("BUILDKITE_AGENT_NAME_X"));
+    }
+
+    /// The pipeline agent's pre-bootstrap hook (a shell script in the stock agent image)
+    /// admits the same `BUILDKITE_*` variables, less `BUILDKITE_ARTIFACT_PATHS` (its step
+    /// uploads nothing): the two lists are one.
+    #[test]
+    fn the_pipeline_agent_admits_the_same_variables() {
+        let hook = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../deployment/service/pipeline-agent/hooks/pre-bootstrap"),
+        )
+        .unwrap();
+        let list = hook
+            .split("# BEGIN backend variables")
+            .nth(1)
+            .and_then(|rest| rest.split("# END backend variables").next())
+            .expect("the hook marks its list");
+        let mut theirs: Vec<&str> = list
+            .split(|c: char| c == '|' || c.is_whitespace())
+            .map(|w| w.trim_end_matches(')'))
+            .filter(|w| !matches!(*w, "" | "\\" | ";;"))
+            .collect();
+        theirs.sort_unstable();
+        let mut ours = BACKEND_VARIABLES.to_vec();
+        ours.sort_unstable();
+        assert_eq!(theirs, ours);
     }
 
     #[test]
@@ -170,6 +285,11 @@ mod tests {
             "../x",
             "a/../../etc/*",
             "a\\..\\b",
+            "\\/etc/shadow",
+            ".\\./.\\./x",
+            "{/abs,x}",
+            "[/]abs",
+            " /etc/shadow",
         ] {
             assert!(artifact_pattern_problem(bad).is_some(), "{bad}");
         }

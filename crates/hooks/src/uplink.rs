@@ -6,25 +6,29 @@
 //! service on the node's loopback and every abstract unix socket (the kernel keeps those per
 //! network namespace), as an outside review showed with a host service listening on `@name`.
 //! Here the job has its own namespace, so the node's loopback and abstract sockets are simply
-//! not there, and two nftables tables keep the rest out, each enough alone:
-//! - in the job's namespace (`inet kernelkite_job`, which the job, without `CAP_NET_ADMIN`,
-//!   cannot change, and which no firewall tool of the node's flushes): nothing leaves for the
-//!   node's own networks (its addresses and its neighbours), private and special ranges (RFC 1918, CGNAT, loopback, link-local
-//!   and the clouds' metadata services, multicast, reserved, the jobs' own range) or IPv6, but
-//!   the job's resolvers on port 53 and what the node's operator allows
-//!   (`KERNELKITE_JOB_NETWORK_ALLOW`);
+//! not there, and two nftables tables keep the rest out, each enough alone for what a job may
+//! reach (the same destinations closed in both, [`closing_rules`]):
+//! - in the job's namespace (`inet kernelkite_job`, loaded before its link is up, which the
+//!   job, without `CAP_NET_ADMIN`, cannot change, and which no firewall tool of the node's
+//!   flushes): nothing leaves for the node's own networks (its addresses and its neighbours),
+//!   private and special ranges (RFC 1918, CGNAT, loopback, link-local and the clouds'
+//!   metadata services, multicast, reserved, the jobs' own range) or IPv6, but the job's
+//!   resolvers on port 53 and what the node's operator allows (`KERNELKITE_JOB_NETWORK_ALLOW`);
 //! - on the node (`inet kernelkite_jobs`, the same for every job, loaded again atomically by
 //!   each): what a job sends to any address of the node's is dropped before any DNAT (a
-//!   container's published port included) and in `input`; a job reaches no other job, nor a
-//!   DNAT'd destination, nor link-local addresses; nothing unsolicited reaches a job, and the
-//!   node opens no connection into one; what leaves is masqueraded behind the node's address.
+//!   container's published port included) and in `input`; what it sends on is held to the
+//!   same destinations as in its namespace, and reaches no other job nor a DNAT'd
+//!   destination; nothing unsolicited reaches a job, and the node opens no connection into
+//!   one; what leaves is masqueraded behind the node's address.
 //!
 //! The kernel does the forwarding (IPv4 only), turned on for the two interfaces involved only
 //! (`conf.<if>.forwarding`: the job's host end and the node's uplink, the default route's
-//! device), never globally. Addresses: `198.18.<slice>.0/30` per slice (the benchmarking range,
-//! RFC 2544, on no LAN; a node that routes it is refused, saying so). Nothing is left per job:
-//! closing unmounts the namespace (bound at `<run dir>/net/<job>`) and deletes the host end,
-//! which takes the pair with it.
+//! device), never globally. An uplink whose forwarding was off stays on after the job (another
+//! may be using it), and is guarded instead: the node's table forwards nothing that arrives
+//! there but to a job, so the node never starts routing for its neighbours. Addresses:
+//! `198.18.<slice>.0/30` per slice (the benchmarking range, RFC 2544, on no LAN; a node that
+//! routes it is refused, saying so). Nothing is left per job: closing unmounts the namespace
+//! (bound at `<run dir>/net/<job>`) and deletes the host end, which takes the pair with it.
 //!
 //! The commands are iproute2's `ip`, util-linux's `unshare` and `nsenter`, and nftables' `nft`,
 //! from the system's directories only (never a `PATH` entry), run by the `command` hook (root,
@@ -41,15 +45,68 @@ pub const TABLE: &str = "kernelkite_jobs";
 /// The prefix of the jobs' host-side interfaces (`kkj<slice>`), which the rules name.
 pub const HOST_IF_PREFIX: &str = "kkj";
 
+/// What the rules let a job reach besides the outside world, and what they close, for both
+/// tables: the job's resolvers (port 53), the operator's ranges, the node's own networks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Destinations {
+    /// The resolvers the job's resolver file names.
+    pub resolvers: Vec<String>,
+    /// `KERNELKITE_JOB_NETWORK_ALLOW`.
+    pub allowed: Vec<String>,
+    /// The node's networks ([`node_networks`]): its addresses and its neighbours.
+    pub networks: Vec<String>,
+}
+
+/// The rules both tables share, each line starting with `matching` (the node's table names
+/// the jobs' interfaces; the job's namespace holds only the job): its resolvers and the
+/// operator's ranges let through, then the node's networks, [`CLOSED_RANGES`] and IPv6
+/// dropped.
+fn closing_rules(matching: &str, d: &Destinations) -> String {
+    let set = |items: &[String]| items.join(", ");
+    let mut rules = String::new();
+    if !d.resolvers.is_empty() {
+        for proto in ["udp", "tcp"] {
+            rules.push_str(&format!(
+                "    {matching}ip daddr {{ {} }} {proto} dport 53 accept\n",
+                set(&d.resolvers)
+            ));
+        }
+    }
+    if !d.allowed.is_empty() {
+        rules.push_str(&format!(
+            "    {matching}ip daddr {{ {} }} accept\n",
+            set(&d.allowed)
+        ));
+    }
+    // One rule each: two of the node's networks may overlap, which one set would refuse.
+    for net in &d.networks {
+        rules.push_str(&format!("    {matching}ip daddr {net} counter drop\n"));
+    }
+    rules.push_str(&format!(
+        "    {matching}ip daddr {{ {} }} counter drop\n    {matching}meta nfproto ipv6 counter drop\n",
+        CLOSED_RANGES.join(", ")
+    ));
+    rules
+}
+
 /// The node's rules, loaded atomically (the `add` then `delete` make loading idempotent: the
 /// table is replaced whole, never doubled). No chain drops by policy: the node's other traffic
-/// (and its own firewall) is not this table's business.
-pub fn ruleset() -> String {
+/// (and its own firewall) is not this table's business, but for `guarded`, the uplinks whose
+/// forwarding the jobs turned on ([`open`]): what arrives there is forwarded only to a job.
+pub fn ruleset(d: &Destinations, guarded: &[String]) -> String {
     let jobs = format!("\"{HOST_IF_PREFIX}*\"");
+    let from_jobs = format!("iifname {jobs} ");
+    let guards: String = guarded
+        .iter()
+        .map(|dev| format!("    iifname \"{dev}\" oifname != {jobs} counter drop\n"))
+        .collect();
     let chains = [
         format!("  chain prerouting {{\n    type filter hook prerouting priority raw; policy accept;\n    iifname {jobs} fib daddr type {{ local, broadcast, multicast }} counter drop\n  }}\n"),
         format!("  chain input {{\n    type filter hook input priority filter; policy accept;\n    iifname {jobs} ct state established,related accept\n    iifname {jobs} counter drop\n  }}\n"),
-        format!("  chain forward {{\n    type filter hook forward priority filter; policy accept;\n    iifname {jobs} oifname {jobs} counter drop\n    iifname {jobs} ct status dnat counter drop\n    iifname {jobs} ip daddr 169.254.0.0/16 counter drop\n    iifname {jobs} accept\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n  }}\n"),
+        format!(
+            "  chain forward {{\n    type filter hook forward priority filter; policy accept;\n    iifname {jobs} oifname {jobs} counter drop\n    iifname {jobs} ct status dnat counter drop\n{}    iifname {jobs} accept\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n{guards}  }}\n",
+            closing_rules(&from_jobs, d)
+        ),
         format!("  chain output {{\n    type filter hook output priority filter; policy accept;\n    oifname {jobs} ct state established,related accept\n    oifname {jobs} counter drop\n  }}\n"),
         format!("  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    iifname {jobs} oifname != {jobs} masquerade\n  }}\n"),
     ];
@@ -81,33 +138,11 @@ pub const CLOSED_RANGES: &[&str] = &[
     "168.63.129.16/32",
 ];
 
-/// The rules inside the job's namespace: `resolvers` (port 53) and `allowed` (the operator's
-/// ranges) are let through, then the node's own `networks` (its addresses and its links'
-/// neighbours), [`CLOSED_RANGES`] and all of IPv6 are dropped.
-pub fn job_ruleset(networks: &[String], resolvers: &[String], allowed: &[String]) -> String {
-    let set = |items: &[String]| items.join(", ");
-    let mut rules = String::from("    oifname \"lo\" accept\n");
-    if !resolvers.is_empty() {
-        for proto in ["udp", "tcp"] {
-            rules.push_str(&format!(
-                "    ip daddr {{ {} }} {proto} dport 53 accept\n",
-                set(resolvers)
-            ));
-        }
-    }
-    if !allowed.is_empty() {
-        rules.push_str(&format!("    ip daddr {{ {} }} accept\n", set(allowed)));
-    }
-    // One rule each: two of the node's networks may overlap, which one set would refuse.
-    for net in networks {
-        rules.push_str(&format!("    ip daddr {net} counter drop\n"));
-    }
-    rules.push_str(&format!(
-        "    ip daddr {{ {} }} counter drop\n    meta nfproto ipv6 counter drop\n",
-        CLOSED_RANGES.join(", ")
-    ));
+/// The rules inside the job's namespace: loopback, then [`closing_rules`].
+pub fn job_ruleset(d: &Destinations) -> String {
     format!(
-        "table inet {JOB_TABLE} {{\n  chain output {{\n    type filter hook output priority filter; policy accept;\n{rules}  }}\n}}\n"
+        "table inet {JOB_TABLE} {{\n  chain output {{\n    type filter hook output priority filter; policy accept;\n    oifname \"lo\" accept\n{}  }}\n}}\n",
+        closing_rules("", d)
     )
 }
 
@@ -373,6 +408,40 @@ fn forwarding(dev: &str) -> Result<(), UplinkError> {
     })
 }
 
+/// Where the uplinks are recorded whose forwarding was off before a job turned it on: the
+/// node's table then forwards nothing that arrives there but to a job ([`ruleset`]). Under the
+/// run dir, on tmpfs like the switches themselves (a reboot clears both).
+fn guarded_dir(run_dir: &Path) -> PathBuf {
+    netns_dir(run_dir).join("guarded")
+}
+
+/// Records each of `devices` whose forwarding is off now, before a job turns it on, and
+/// returns every uplink so recorded (forwarding stays on after the job: another job may be
+/// using it, and with the guard it forwards nothing of the node's neighbours).
+fn guarded_uplinks(run_dir: &Path, devices: &[String]) -> Result<Vec<String>, UplinkError> {
+    let dir = guarded_dir(run_dir);
+    let file_error =
+        |what: &'static str, path: PathBuf| move |source| UplinkError::File { what, path, source };
+    std::fs::create_dir_all(&dir).map_err(file_error("create", dir.clone()))?;
+    for d in devices {
+        let switch = Path::new("/proc/sys/net/ipv4/conf")
+            .join(d)
+            .join("forwarding");
+        let was = std::fs::read_to_string(&switch).map_err(file_error("read", switch))?;
+        if was.trim() == "0" {
+            let mark = dir.join(d);
+            std::fs::write(&mark, "").map_err(file_error("write", mark))?;
+        }
+    }
+    let mut out: Vec<String> = std::fs::read_dir(&dir)
+        .map_err(file_error("read", dir.clone()))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
 /// What a job's network lets through besides the outside world: its resolvers (port 53) and
 /// the operator's ranges.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -413,8 +482,14 @@ pub fn open(
             routes: clash.join("; "),
         });
     }
-    let networks = node_networks(&run(&words("ip -4 -o addr show"), None)?);
-    run(&words("nft -f -"), Some(&ruleset()))?;
+    let destinations = Destinations {
+        resolvers: openings.resolvers.clone(),
+        allowed: openings.allowed.clone(),
+        networks: node_networks(&run(&words("ip -4 -o addr show"), None)?),
+    };
+    // The guards are in the node's table before any forwarding is turned on.
+    let guarded = guarded_uplinks(run_dir, &devices)?;
+    run(&words("nft -f -"), Some(&ruleset(&destinations, &guarded)))?;
     let made = (|| {
         let dir = netns_dir(run_dir);
         std::fs::create_dir_all(&dir).map_err(|source| UplinkError::File {
@@ -433,7 +508,7 @@ pub fn open(
             run(c, None)?;
         }
         // The job's own rules before its link: its namespace has no way out until they hold.
-        let job_rules = job_ruleset(&networks, &openings.resolvers, &openings.allowed);
+        let job_rules = job_ruleset(&destinations);
         let inside = format!("--net={}", uplink.netns.display());
         run(
             &[
@@ -521,7 +596,8 @@ mod tests {
 
     #[test]
     fn the_rules_replace_the_table_whole_and_drop_nothing_by_policy() {
-        let r = ruleset();
+        let d = destinations();
+        let r = ruleset(&d, &["eth0".into()]);
         assert!(
             r.starts_with("add table inet kernelkite_jobs\ndelete table inet kernelkite_jobs\n")
         );
@@ -531,21 +607,32 @@ mod tests {
             "iifname \"kkj*\" counter drop",
             "iifname \"kkj*\" oifname \"kkj*\" counter drop",
             "iifname \"kkj*\" ct status dnat counter drop",
-            "iifname \"kkj*\" ip daddr 169.254.0.0/16 counter drop",
+            "iifname \"kkj*\" ip daddr { 10.255.255.53 } udp dport 53 accept",
+            "iifname \"kkj*\" ip daddr 192.0.2.0/24 counter drop",
             "oifname \"kkj*\" counter drop",
+            "iifname \"eth0\" oifname != \"kkj*\" counter drop",
             "iifname \"kkj*\" oifname != \"kkj*\" masquerade",
         ] {
-            assert!(r.contains(rule), "{rule}");
+            assert!(r.contains(rule), "{rule}\n{r}");
+        }
+        // The node holds a job to the same destinations as the job's own table, before it
+        // lets the rest through.
+        let closed = r.find("169.254.0.0/16").unwrap();
+        assert!(closed < r.find("iifname \"kkj*\" accept").unwrap(), "{r}");
+        assert!(!ruleset(&d, &[]).contains("iifname \"eth0\""));
+    }
+
+    fn destinations() -> Destinations {
+        Destinations {
+            resolvers: vec!["10.255.255.53".into()],
+            allowed: vec!["10.20.0.0/16".into()],
+            networks: vec!["192.0.2.0/24".into(), "10.0.0.5/32".into()],
         }
     }
 
     #[test]
     fn the_job_s_rules_open_its_resolvers_and_the_allowed_and_close_the_rest() {
-        let r = job_ruleset(
-            &["192.0.2.0/24".into(), "10.0.0.5/32".into()],
-            &["10.255.255.53".into()],
-            &["10.20.0.0/16".into()],
-        );
+        let r = job_ruleset(&destinations());
         let at = |needle: &str| r.find(needle).unwrap_or_else(|| panic!("{needle}: {r}"));
         let resolver = at("ip daddr { 10.255.255.53 } udp dport 53 accept");
         let allowed = at("ip daddr { 10.20.0.0/16 } accept");
@@ -553,10 +640,14 @@ mod tests {
         let closed = at("10.0.0.0/8, 100.64.0.0/10");
         let v6 = at("meta nfproto ipv6 counter drop");
         assert!(
-            resolver < allowed && allowed < node && node < closed && closed < v6,
+            at("oifname \"lo\" accept") < resolver
+                && resolver < allowed
+                && allowed < node
+                && node < closed
+                && closed < v6,
             "{r}"
         );
-        let bare = job_ruleset(&[], &[], &[]);
+        let bare = job_ruleset(&Destinations::default());
         assert!(
             !bare.contains("dport 53") && bare.contains("168.63.129.16/32"),
             "{bare}"

@@ -926,17 +926,17 @@ fn a_two_gpu_agent_s_job_gets_both_gpus_without_naming_a_count() {
 /// The `pre-bootstrap` hook as the agent runs it (the file setup installs, executed: its first
 /// line names the binary), with the job's variables in `BUILDKITE_ENV_JSON_FILE`: silent and
 /// 0 for a job of Buildkite's own variables, 1 with one line per reason otherwise, and 1 when
-/// the file cannot be read.
+/// the file cannot be read; given to a shell (an agent with a `hooks-shell`), the same.
 #[test]
 fn the_pre_bootstrap_hook_refuses_what_steers_the_bootstrap_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let hook = dir.path().join("pre-bootstrap");
+    let bin = Path::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+        .parent()
+        .unwrap();
     std::fs::write(
         &hook,
-        format!(
-            "#!{} pre-bootstrap\n# test\n",
-            env!("CARGO_BIN_EXE_kernelkite-isolate")
-        ),
+        kernelkite_admin::setup::render::pre_bootstrap_hook(bin),
     )
     .unwrap();
     std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();

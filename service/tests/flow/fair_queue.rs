@@ -158,15 +158,23 @@ fn noise(n: usize) -> String {
         .collect()
 }
 
-/// The bytes a SQLite store holds in `dir`: the database and its write-ahead log.
-fn store_bytes(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with("kernelkite.db"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
+/// The bytes of the SQLite store in `dir`.
+async fn store_bytes(dir: &std::path::Path) -> u64 {
+    // The logical size (its pages as a reader sees them, the WAL's included), not the files':
+    // those move with checkpoints, and a checkpoint of the run's own result during the answers
+    // grew the file by a copy while the WAL kept its size.
+    use sqlx::Connection as _;
+    let url = format!("sqlite://{}?mode=ro", dir.join("kernelkite.db").display());
+    let mut c = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    let pages: (i64,) = sqlx::query_as("PRAGMA page_count")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    let size: (i64,) = sqlx::query_as("PRAGMA page_size")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    (pages.0 * size.0) as u64
 }
 
 /// A config that differs from every other by `n` (the cache must not answer it).
@@ -515,7 +523,7 @@ async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
         .post(json!({"config": config(3), "queue": "h100", "user": "u"}))
         .await;
     assert_eq!(r.status().as_u16(), 429, "u is at queued=1");
-    let before = store_bytes(data.path());
+    let before = store_bytes(data.path()).await;
     let mut answered = Vec::new();
     let mut refused = Vec::new();
     for _ in 0..30 {
@@ -542,7 +550,7 @@ async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
         }
     }
     assert_eq!((answered.len(), refused.len()), (20, 10));
-    let grown = store_bytes(data.path()).saturating_sub(before);
+    let grown = store_bytes(data.path()).await.saturating_sub(before);
     assert!(
         grown < 8 * MIB as u64,
         "20 answers grew the store by {grown} bytes: more than one copy of the result"

@@ -926,9 +926,13 @@ pub const PRE_BOOTSTRAP_HOOK: &str = "pre-bootstrap";
 /// `#!` line goes to bash there (internal/shell/shell.go, Script); with one, the kernel runs
 /// the binary it names with the file's path.
 pub fn pre_bootstrap_hook(bin: &Path) -> String {
+    // The second line is for an agent given a `hooks-shell`, which hands the file to that shell
+    // instead (internal/shell/shell.go): the shell skips the first line as a comment, and
+    // without the second it would run nothing and accept every job.
+    let binary = bin.join("kernelkite-isolate");
     format!(
-        "#!{} pre-bootstrap\n# kernelkite's pre-bootstrap hook (installed by `kernelkite-isolate setup`): refuses a job whose\n# variables steer the root bootstrap or the hooks, or whose signed step was signed for another\n# build or queue (plugin/README.md, \"Node set-up\"). Nothing below the first line is read.\n",
-        bin.join("kernelkite-isolate").display()
+        "#!{binary} pre-bootstrap\nexec '{binary}' pre-bootstrap \"$0\"\n# kernelkite's pre-bootstrap hook (installed by `kernelkite-isolate setup`): refuses a job whose\n# variables steer the root bootstrap or the hooks, or whose signed step was signed for another\n# build or queue (plugin/README.md, \"Node set-up\"). Executed, the kernel runs the first line;\n# given to a shell, the second.\n",
+        binary = binary.display()
     )
 }
 
