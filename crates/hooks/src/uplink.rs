@@ -61,7 +61,7 @@ pub struct Destinations {
 /// the jobs' interfaces; the job's namespace holds only the job): its resolvers and the
 /// operator's ranges let through, then the node's networks, [`CLOSED_RANGES`] and IPv6
 /// dropped.
-fn closing_rules(matching: &str, d: &Destinations) -> String {
+pub fn closing_rules(matching: &str, d: &Destinations) -> String {
     let set = |items: &[String]| items.join(", ");
     let mut rules = String::new();
     if !d.resolvers.is_empty() {
