@@ -200,11 +200,20 @@ pub fn assert_no_slot_idles_while_work_waits(
     );
     let gaps = idle_while_waiting(&spans, slots);
     let worst = gaps.iter().map(|g| g.1).fold(0.0, f64::max);
+    let first = spans.iter().map(|s| s.accepted).fold(f64::MAX, f64::min);
+    let mut longest = gaps.clone();
+    longest.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let longest: Vec<String> = longest
+        .iter()
+        .take(3)
+        .map(|(from, len)| format!("{len:.3} s from {:.3} s", from - first))
+        .collect();
     assert!(
         worst < handover,
-        "a slot sat idle for {worst:.3} s while work waited ({} such stretches, {:.3} s in all; hand-overs may take up to {handover} s)",
+        "a slot sat idle for {worst:.3} s while work waited ({} such stretches, {:.3} s in all; hand-overs may take up to {handover} s); the longest, counted from the first submission: {}",
         gaps.len(),
-        gaps.iter().map(|g| g.1).sum::<f64>()
+        gaps.iter().map(|g| g.1).sum::<f64>(),
+        longest.join(", ")
     );
 }
 

@@ -670,8 +670,11 @@ async fn a_heavy_user_does_not_hold_up_light_users_on_two_slices() {
     for id in heavy.iter().chain(&light).chain([&admin]) {
         ended.push(stack.get(id).await);
     }
-    // Hand-overs here are a hook's run (the ended job's pre-exit, then the next one's start).
-    assert_no_slot_idles_while_work_waits(&ended, 2, 1.5);
+    // Hand-overs here are a hook's run (the ended job's pre-exit, then the next one's start),
+    // tens of milliseconds. The canceled jobs' slices were held 1.1-1.8 s after their runners
+    // ended while this machine's init got round to reaping them (issue 34's CI): a stopped job
+    // is one whose processes have all exited, reaped or not.
+    assert_no_slot_idles_while_work_waits(&ended, 2, 0.5);
     job_dirs_removed(&stack).await;
 }
 

@@ -71,6 +71,18 @@ pub fn is_running(proc_root: &Path, pid: u32) -> bool {
     read_stat(proc_root, pid).is_some_and(|s| !s.is_exited())
 }
 
+/// Whether any process of group `pgid` still runs: a member that has exited but is not yet
+/// reaped (a zombie whose parent died, waiting for init) has done all it will do.
+pub fn group_runs(proc_root: &Path, pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir(proc_root) else {
+        return false;
+    };
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| read_stat(proc_root, pid))
+        .any(|s| s.pgrp == Some(pgid) && !s.is_exited())
+}
+
 /// Whether `<proc_root>/<pid>` exists (the process has not been reaped).
 pub fn exists(proc_root: &Path, pid: u32) -> bool {
     proc_root.join(pid.to_string()).exists()
@@ -113,6 +125,19 @@ mod tests {
         assert!(children_of(&root.path().join("absent"), 10).is_empty());
         assert!(exists(root.path(), 13) && !exists(root.path(), 14));
         assert_eq!(read_stat(root.path(), 13).map(|s| s.ppid), Some(11));
+    }
+
+    #[test]
+    fn a_group_of_zombies_runs_no_more() {
+        let root = tempfile::tempdir().unwrap();
+        for (pid, state, pgrp) in [(20, 'Z', 20), (21, 'Z', 20), (22, 'S', 30), (23, 'R', 40)] {
+            let d = root.path().join(pid.to_string());
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("stat"), format!("{pid} (x) {state} 1 {pgrp} 1 0")).unwrap();
+        }
+        assert!(!group_runs(root.path(), 20), "only zombies are left of it");
+        assert!(group_runs(root.path(), 30) && group_runs(root.path(), 40));
+        assert!(!group_runs(root.path(), 50) && !group_runs(&root.path().join("absent"), 30));
     }
 
     #[test]

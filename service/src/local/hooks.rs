@@ -242,10 +242,14 @@ pub fn signal_group(pgid: u32, signal: rustix::process::Signal) {
     }
 }
 
-/// Whether any process is left in group `pgid` (the runner outlives a hook killed by a
-/// signal, for as long as it takes to stop its harness and write its result).
-pub fn group_exists(pgid: u32) -> bool {
+/// Whether any process of group `pgid` still runs (the runner outlives a hook killed by a
+/// signal, for as long as it takes to stop its harness and write its result). Members that
+/// have exited do not count: the runner, orphaned when the hook ends, is reaped by whoever
+/// inherits it, and an init that reaps late (this machine's took 1.1-1.8 s) held a freed
+/// slice idle while work waited (issue 34's CI).
+pub fn group_running(pgid: u32) -> bool {
     group_target(pgid).is_some_and(|pid| rustix::process::test_kill_process_group(pid).is_ok())
+        && kernelkite_sys::procfs::group_runs(Path::new("/proc"), pgid)
 }
 
 #[cfg(test)]
@@ -308,7 +312,7 @@ mod tests {
     fn no_signal_ever_goes_to_every_process_or_the_services_group() {
         for pgid in [0, 1, u32::MAX, i32::MAX as u32 + 1] {
             assert_eq!(group_target(pgid), None, "{pgid}");
-            assert!(!group_exists(pgid), "{pgid}");
+            assert!(!group_running(pgid), "{pgid}");
         }
         assert!(group_target(2).is_some());
         let boot = super::boot_id();
@@ -320,6 +324,34 @@ mod tests {
         assert_eq!(
             verify_hook(me, start_time(me).unwrap(), &boot),
             Err(NotTheHook::Service(me))
+        );
+    }
+
+    #[test]
+    fn a_group_its_leader_left_runs_until_its_last_member_exits() {
+        use std::os::unix::process::CommandExt;
+        // The leader ends at once; its child, orphaned, sleeps, then exits and waits to be
+        // reaped by whoever inherited it.
+        let mut leader = std::process::Command::new("sh")
+            .args(["-c", "sleep 0.3 & exit 0"])
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = leader.id();
+        leader.wait().unwrap();
+        assert!(group_running(pgid), "the orphaned sleep still runs");
+        let start = std::time::Instant::now();
+        while group_running(pgid) {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "the sleep ended"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_millis(1500),
+            "{:?}",
+            start.elapsed()
         );
     }
 

@@ -428,7 +428,7 @@ async fn stop_group(pgid: u32, mut leader_alive: impl FnMut() -> bool) {
     let mut killed = false;
     loop {
         let alive = leader_alive();
-        if !alive && !hooks::group_exists(pgid) {
+        if !alive && !hooks::group_running(pgid) {
             return;
         }
         let waited = start.elapsed();
