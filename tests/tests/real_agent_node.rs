@@ -582,7 +582,8 @@ fn jobs(
 /// key asked for as an artifact (its pre-bootstrap hook) before anything runs; a node refuses
 /// the deployment's signed step copied into another build (its signature valid, its build
 /// binding not) with a variable redirecting the result's upload, in its pre-bootstrap hook,
-/// before any hook of the job. The directory a build named as its checkout is untouched, git
+/// before any hook of the job; and refuses a signed step that sets the hooks' own settings
+/// (`KERNELKITE_SANDBOX=off`). The directory a build named as its checkout is untouched, git
 /// never ran the build's command, no artifact left, and the node is as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
@@ -729,10 +730,50 @@ async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
             && node_log.contains("BUILDKITE_ARTIFACT_UPLOAD_DESTINATION is set by the job"),
         "{node_log}"
     );
-    // The deployment's own path still works after all of it.
+    // The node's own settings in a step's env, signed and bound as the pipeline agent signs
+    // the operator's pipeline: the hooks read their settings from their environment, the
+    // agent's and the job's together, so `KERNELKITE_SANDBOX=off` would run the command as
+    // the agent's user (root). The agents' allow-list (setup's) refuses the job, naming the
+    // variable, before its pre-bootstrap hook, which refuses it too where an operator widened
+    // that list (`admission`'s unit tests).
     w.stack
         .fake
         .run_builds_on_agents(&settings(), &format!("{REPOSITORY}.git"));
+    let host = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines/host.yml"),
+    )
+    .unwrap();
+    let steered = host.replacen(
+        "    env:\n",
+        "    env:\n      KERNELKITE_SANDBOX: \"off\"\n      KERNELKITE_ISOLATE_NVML_BIN: /bin/sh\n",
+        1,
+    );
+    assert_ne!(steered, host);
+    w.set_pipeline(&steered);
+    let s = w.submit(quick(), "h100").await;
+    let vs = w.wait(&s, long).await;
+    assert_eq!(vs["state"], "failed", "{vs}\n{}", w.logs());
+    let (_, js) = w.eval_jobs(&s).await;
+    assert_eq!(
+        js[0].step.env["KERNELKITE_SANDBOX"], "off",
+        "{:?}",
+        js[0].step.env
+    );
+    assert!(refused(&js[0]), "{}\n{}", js[0].log(), w.logs());
+    assert!(
+        js[0].log().contains("Job signature verified")
+            && !js[0].log().contains("Running agent environment hook"),
+        "{}",
+        js[0].log()
+    );
+    let node_log = w.node.logs();
+    assert!(
+        node_log.contains("failed to validate environment variables: KERNELKITE_"),
+        "{node_log}"
+    );
+    w.set_pipeline(&host);
+
+    // The deployment's own path still works after all of it.
     let ok = w.submit(quick(), "h100").await;
     let vok = w.wait(&ok, long).await;
     assert_eq!(vok["state"], "succeeded", "{vok}\n{}", w.logs());

@@ -16,6 +16,8 @@
 
 use std::collections::BTreeMap;
 
+use kernelkite_sys::node::SUBMISSION_ID_ENV;
+
 /// The build a signed step was uploaded for (`deployment/pipelines/host.yml` signs
 /// `${BUILDKITE_BUILD_ID}` into its env at upload): must be the job's build.
 pub const SIGNED_BUILD: &str = "KERNELBOT_SIGNED_BUILD";
@@ -143,6 +145,16 @@ pub fn refusals(env: &BTreeMap<String, String>, signed_steps: bool) -> Vec<Strin
                 "{name} is set by the job (its build's or step's env): Buildkite's backend does not set it, and such variables steer the root bootstrap or the hooks (crates/hooks/src/admission.rs lists those a job may carry)"
             ));
         }
+        // The hooks read their settings (`job::Settings`: the sandbox switch, the run dir,
+        // the roots, what is hidden, what the network opens; the NVML build they hand over
+        // to; the agent-level plugin configuration) from their environment, the agent's and
+        // the job's together: a job's `KERNELKITE_SANDBOX=off` would run its command as root.
+        // The agents' allow-list (setup) refuses them first; this holds where it is wider.
+        if name.starts_with("KERNELKITE_") && name != SUBMISSION_ID_ENV {
+            out.push(format!(
+                "{name} is set by the job (its build's or step's env): it is a setting of the node's hooks, which only the agent's environment gives; of KERNELKITE_* a job carries only {SUBMISSION_ID_ENV}"
+            ));
+        }
     }
     if let Some(paths) = env.get(ARTIFACT_PATHS) {
         out.extend(paths.split(';').filter_map(artifact_pattern_problem));
@@ -249,6 +261,44 @@ mod tests {
             assert!(refusals(&e, true).is_empty(), "{name}");
         }
         assert!(!is_backend_variable("BUILDKITE_AGENT_NAME_X"));
+    }
+
+    #[test]
+    fn a_job_may_not_set_the_hooks_settings() {
+        use clap::Args;
+        // Every variable a hook reads its settings from, as clap declares them.
+        let declared = crate::job::Settings::augment_args(clap::Command::new("hook"));
+        let mut names: Vec<String> = declared
+            .get_arguments()
+            .filter_map(|a| a.get_env())
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect();
+        assert!(names.len() >= 10, "{names:?}");
+        names.extend(
+            [
+                "KERNELKITE_SANDBOX",
+                SIGNED_STEPS_SETTING,
+                crate::delegate::NVML_BUILD_ENV,
+                "KERNELKITE_CONFIG",
+                "KERNELKITE_SLICE",
+                // The runner's settings: the node's too (the agent's environment), even
+                // though they reach only the job's sandbox.
+                "KERNELKITE_PYTHON",
+                "KERNELKITE_REQUIRE_GPU",
+                "KERNELKITE_SOMETHING_NEW",
+            ]
+            .map(String::from),
+        );
+        for name in names {
+            let mut e = env(BOUND);
+            e.insert(name.clone(), "off".into());
+            let r = refusals(&e, true);
+            assert_eq!(r.len(), 1, "{name}: {r:?}");
+            assert!(r[0].starts_with(&name), "{r:?}");
+        }
+        let mut e = env(BOUND);
+        e.insert(SUBMISSION_ID_ENV.into(), "s-1".into());
+        assert!(refusals(&e, true).is_empty());
     }
 
     /// The pipeline agent's pre-bootstrap hook (a shell script in the stock agent image)

@@ -22,6 +22,12 @@ pub const ISOLATE_BINARY: &str = "kernelkite-isolate";
 /// kernelbot's run config in, its `result.json` out: the command a job runs.
 pub const RUNNER_BINARY: &str = "kernelkite-runner";
 
+/// The one `KERNELKITE_*` variable a job carries: the submission's id, which the service puts
+/// in each build's env. Every other `KERNELKITE_*` name is a setting of the node's hooks,
+/// which only the agent's environment gives (setup's allow-list and the pre-bootstrap hook
+/// refuse it from a job).
+pub const SUBMISSION_ID_ENV: &str = "KERNELKITE_SUBMISSION_ID";
+
 /// The dynamically linked build of [`ISOLATE_BINARY`], installed beside the static one, that
 /// a static hook hands the work to when it needs NVML (which a static binary cannot load).
 pub const NVML_BUILD_BINARY: &str = "kernelkite-isolate-nvml";

@@ -184,7 +184,10 @@ impl BuildkiteExecutor {
             .collect();
         env.insert("KERNELBOT_RUN_ID".into(), job.run_id.clone());
         env.insert("KERNELBOT_QUEUE".into(), job.queue.clone());
-        env.insert("KERNELKITE_SUBMISSION_ID".into(), job.submission_id.clone());
+        env.insert(
+            kernelkite_sys::node::SUBMISSION_ID_ENV.into(),
+            job.submission_id.clone(),
+        );
         let meta_data = BTreeMap::from([
             ("run_id".to_string(), job.run_id.clone()),
             (

@@ -246,7 +246,7 @@ impl LocalExecutor {
         env.push(("KERNELBOT_RUN_ID".into(), file.run_id.clone()));
         env.push(("KERNELBOT_QUEUE".into(), file.queue.clone()));
         env.push((
-            "KERNELKITE_SUBMISSION_ID".into(),
+            kernelkite_sys::node::SUBMISSION_ID_ENV.into(),
             file.submission_id.clone(),
         ));
         (command, env)

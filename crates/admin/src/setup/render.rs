@@ -166,7 +166,7 @@ pub const DEFAULT_PLUGIN_LOCATION: &str = "github.com/kernelkite/kernelkite/plug
 /// The job environment variables the agents accept besides Buildkite's own (`BUILDKITE`,
 /// `BUILDKITE_*`, `CI`, which the agent always accepts): what kernelkite-service puts in each
 /// build's env (the payload, in one or in chunks, and the run's ids).
-pub const JOB_ENV: &[&str] = &["KERNELBOT_*", "KERNELKITE_SUBMISSION_ID"];
+pub const JOB_ENV: &[&str] = &["KERNELBOT_*", kernelkite_sys::node::SUBMISSION_ID_ENV];
 
 /// Job variables `--allow-job-env` may not name: the hooks' own settings (they come from
 /// `agent.env`), and what makes a root process load or run something else (the dynamic
