@@ -2,8 +2,35 @@
 
 use std::process::Command;
 
-/// Whether the job user can reach a path (local mode decides its sandbox with it).
-pub use kernelkite_service::local::settings::out_of_the_job_users_reach;
+use std::path::{Path, PathBuf};
+
+/// Where the job user's way to `path` ends inside the sandbox: a directory the sandbox
+/// replaces (its fresh `/tmp`, `/var/tmp` and `/run/lock`, the covered `/run`, its own
+/// `/dev`), or the first directory on the way that others may not search, or the file itself
+/// when others may not read it; `None` when the job user reaches it. The node's tools
+/// (`--job-tool`, the runner in local mode) are bound over all of these; anything else a job
+/// runs (Python) must be reachable on its own.
+pub fn out_of_the_job_users_reach(path: &Path) -> Option<PathBuf> {
+    use kernelkite_hooks::sandbox::mounts::{FRESH_DIRS, HOST_RUN};
+    use std::os::unix::fs::PermissionsExt;
+    let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let replaced = FRESH_DIRS.iter().chain([&HOST_RUN, &"/dev"]).map(Path::new);
+    for r in replaced {
+        if real.starts_with(r) {
+            return Some(r.to_path_buf());
+        }
+    }
+    let mut ancestors: Vec<&Path> = real.ancestors().skip(1).collect();
+    ancestors.reverse();
+    let closed_dir = ancestors
+        .into_iter()
+        .find(|d| std::fs::metadata(d).map_or(true, |m| m.permissions().mode() & 0o001 == 0));
+    if let Some(d) = closed_dir {
+        return Some(d.to_path_buf());
+    }
+    let readable = std::fs::metadata(&real).is_ok_and(|m| m.permissions().mode() & 0o004 != 0);
+    (!readable).then_some(real)
+}
 
 /// A system user made for the test and removed when dropped; `nobody` where `useradd` is
 /// missing or fails.

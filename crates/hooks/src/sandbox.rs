@@ -329,6 +329,7 @@ mod tests {
             hide: vec![],
             writable: vec![],
             read_only: vec![],
+            tools: vec![],
             allow_syscalls: vec![],
             artifacts: vec![],
             limits: spec::LimitsNote {

@@ -88,6 +88,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     for s in slices {
         println!("            {}", s.describe());
     }
+    let sandbox = &service.local.settings().sandbox;
+    match (sandbox.on, &sandbox.why_off) {
+        (true, _) => println!(
+            "sandbox     on: each job as its slice's own user, private /tmp and /dev, no network, read-only system"
+        ),
+        (false, Some(why)) => println!("sandbox     OFF: {why}"),
+        (false, None) => println!(
+            "sandbox     OFF (--sandbox off): commands run as this service's user with its view of the machine"
+        ),
+    }
     println!(
         "service     {} (the production HTTP API, local executor)",
         service.base
@@ -210,7 +220,7 @@ async fn run_step(
                         }
                     })
                     .unwrap_or_default(),
-                "fetching" => "result.json written; checking it".into(),
+                "fetching" => "the job ended; reading its result.json".into(),
                 _ => String::new(),
             };
             println!("  +{ms:8.1} ms  {:<10} {note}", ev.state);

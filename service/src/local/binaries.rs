@@ -49,13 +49,15 @@ pub fn find_one(
     if let Some(dir) = beside {
         let p = dir.join(name);
         if is_executable(&p) {
-            return Ok(p);
+            return Ok(absolute(&p));
         }
     }
-    which::which(name).map_err(|_| LocalError::MissingBinary {
-        name,
-        searched: beside.map(Path::to_path_buf),
-    })
+    which::which(name)
+        .map(|p| absolute(&p))
+        .map_err(|_| LocalError::MissingBinary {
+            name,
+            searched: beside.map(Path::to_path_buf),
+        })
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -63,8 +65,12 @@ fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
+/// The real path (no link on the way: the sandbox binds the runner at the path it runs);
+/// else the absolute one.
 fn absolute(p: &Path) -> PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+    std::fs::canonicalize(p)
+        .or_else(|_| std::path::absolute(p))
+        .unwrap_or_else(|_| p.to_path_buf())
 }
 
 #[cfg(test)]

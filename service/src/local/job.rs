@@ -134,6 +134,14 @@ impl LocalExecutor {
             "off"
         };
         env.insert("KERNELKITE_SANDBOX".into(), sandbox.into());
+        if self.settings.sandbox.on {
+            // Wherever the clone is (under /var/tmp, which the sandbox replaces, or /root,
+            // which the job user may not enter), the job reaches the runner it runs.
+            env.insert(
+                "KERNELKITE_JOB_TOOLS".into(),
+                self.settings.bins.runner.display().to_string(),
+            );
+        }
 
         // environment: lease, cgroup, exports.
         let environment = self

@@ -647,13 +647,15 @@ impl Executor for LocalExecutor {
                 let bytes = match read {
                     Ok(Ok(b)) => b,
                     Ok(Err(ReadError::Missing { .. })) => {
-                        let why = failure.unwrap_or_else(|| {
-                            format!(
-                                "the job's command ended (exit {}) without writing result.json",
-                                exit_code.map_or("?".into(), |c| c.to_string())
-                            )
-                        });
                         let tail = dir.log_tail(attempt, 2000);
+                        let why = failure
+                            .or_else(|| not_started(exit_code, &tail))
+                            .unwrap_or_else(|| {
+                                format!(
+                                    "the job's command ended (exit {}) without writing result.json",
+                                    exit_code.map_or("?".into(), |c| c.to_string())
+                                )
+                            });
                         return Outcome::Failed(if tail.is_empty() || why.contains(&tail) {
                             format!("local job #{}: {why}", build.number)
                         } else {
@@ -792,5 +794,46 @@ impl Executor for LocalExecutor {
             self.enqueue(build.id.clone(), accepted_at);
             Ok(Recovered::Running)
         })
+    }
+}
+
+/// Why a job's command never ran, in one line, when its shell says so: exit 126 (found, not
+/// executable) or 127 (not found), with the shell's own line from the log's end. The job's
+/// log also holds the sandbox's description, which would otherwise come first.
+fn not_started(exit_code: Option<i32>, log_tail: &str) -> Option<String> {
+    let code = exit_code.filter(|c| *c == 126 || *c == 127)?;
+    let said = log_tail.lines().rev().map(str::trim).find(|l| {
+        [
+            "No such file",
+            "not found",
+            "Permission denied",
+            "cannot execute",
+        ]
+        .iter()
+        .any(|m| l.contains(m))
+    });
+    Some(match said {
+        Some(line) => format!("the runner could not be started (exit {code}): {line}"),
+        None => {
+            format!("the runner could not be started (exit {code}: the shell could not run it)")
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::not_started;
+
+    #[test]
+    fn a_runner_that_never_started_is_named_in_one_line() {
+        let tail = "--- environment\njob holds GPU(s) [0]\n--- command\nthe command will run in the sandbox\nbash: line 1: /var/tmp/kk/target/release/kernelkite-runner: No such file or directory\n";
+        assert_eq!(
+            not_started(Some(127), tail).as_deref(),
+            Some("the runner could not be started (exit 127): bash: line 1: /var/tmp/kk/target/release/kernelkite-runner: No such file or directory")
+        );
+        assert!(not_started(Some(126), "").unwrap().contains("exit 126"));
+        // Any other end is the runner's own.
+        assert_eq!(not_started(Some(1), tail), None);
+        assert_eq!(not_started(None, tail), None);
     }
 }

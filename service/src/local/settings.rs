@@ -130,22 +130,19 @@ fn job_user(config: &serde_json::Map<String, serde_json::Value>) -> String {
     }
 }
 
-/// The first of `path` and its directories that users other than the owner may not search
-/// (a directory) or execute (`path`): the job user cannot run `path` because of it. `/tmp` too:
-/// the sandbox gives the job a fresh one.
-pub fn out_of_the_job_users_reach(path: &Path) -> Option<PathBuf> {
+/// `path` when users other than its owner may not read and execute it: the job user cannot
+/// run it then. Where it lies does not matter: the sandbox binds the runner into every job
+/// at its own path (the hooks' `--job-tool`), over a fresh `/tmp` or `/var/tmp` and over a
+/// directory on the way the job user may not search (a clone in `/root`).
+pub fn closed_to_others(path: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    if path.starts_with("/tmp") {
-        return Some(PathBuf::from("/tmp"));
-    }
-    path.ancestors()
-        .find(|p| std::fs::metadata(p).map_or(true, |m| m.permissions().mode() & 0o001 == 0))
-        .map(Path::to_path_buf)
+    let open = std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o005 == 0o005);
+    (!open).then(|| path.to_path_buf())
 }
 
 /// Decides `--sandbox` for a service running as `euid` on a node whose `/etc/passwd` reads
-/// `passwd`; `runner_blocked_at` is where the job user's way to the runner binary ends, if it
-/// does ([`out_of_the_job_users_reach`]). A numeric user (`"1500"`, `"1500:1500"`) needs no
+/// `passwd`; `runner_blocked_at` is the runner binary when the job user may not run it
+/// ([`closed_to_others`]). A numeric user (`"1500"`, `"1500:1500"`) needs no
 /// account.
 pub fn decide_sandbox(
     choice: SandboxChoice,
@@ -184,7 +181,7 @@ pub fn decide_sandbox(
                 )))
             } else if let Some(at) = runner_blocked_at {
                 off(Some(format!(
-                    "the job user {user:?} cannot run the runner binary (the way to it ends at {}): commands run as root, unsandboxed; install the binaries where every user can run them (`kernelkite-isolate setup` puts them in /opt/kernelkite/bin) and pass --runner-bin, or --sandbox on to fail such jobs instead",
+                    "the job user {user:?} cannot run the runner binary {}, which only its owner may read and run: commands run as root, unsandboxed; `chmod a+rx` it (or install the binaries with `kernelkite-isolate setup`, which puts them in /opt/kernelkite/bin, and pass --runner-bin), or pass --sandbox on to fail such jobs instead",
                     at.display()
                 )))
             } else {
@@ -260,7 +257,7 @@ impl LocalArgs {
             rustix::process::geteuid().as_raw(),
             &std::fs::read_to_string("/etc/passwd").unwrap_or_default(),
             &plugin_config,
-            out_of_the_job_users_reach(&bins.runner).as_deref(),
+            closed_to_others(&bins.runner).as_deref(),
         );
         Ok(LocalSettings {
             sandbox,
@@ -345,43 +342,26 @@ mod tests {
     }
 
     #[test]
-    fn the_way_to_a_binary_ends_where_others_may_not_pass() {
+    fn a_binary_only_its_owner_may_run_is_closed_to_the_job_user() {
         use std::os::unix::fs::PermissionsExt;
-        // Beside this test binary: not under /tmp, which counts as out of reach on its own.
-        let here = std::env::current_exe().unwrap();
-        let d = tempfile::tempdir_in(here.parent().unwrap()).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        // A closed directory on the way does not count: the sandbox covers it.
         let dir = d.path().join("closed");
         std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         let exe = dir.join("kernelkite-runner");
         std::fs::write(&exe, "").unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let open_all_the_way = out_of_the_job_users_reach(d.path()).is_none();
-        // A workspace under /tmp (or another directory the sandbox replaces): that directory
-        // is where the way ends, before the closed one.
-        let covered = ["/tmp", "/var/tmp", "/dev/shm"]
-            .iter()
-            .map(Path::new)
-            .find(|c| std::fs::canonicalize(&exe).is_ok_and(|p| p.starts_with(c)));
-        assert_eq!(
-            out_of_the_job_users_reach(&exe).as_deref(),
-            Some(covered.unwrap_or(dir.as_path()))
-        );
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        if open_all_the_way {
-            assert_eq!(out_of_the_job_users_reach(&exe), None);
+        assert_eq!(closed_to_others(&exe), None);
+        for mode in [0o700, 0o751, 0o754] {
+            std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(
+                closed_to_others(&exe).as_deref(),
+                Some(exe.as_path()),
+                "{mode:o}"
+            );
         }
-        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o700)).unwrap();
-        assert_eq!(
-            out_of_the_job_users_reach(&exe).as_deref(),
-            Some(covered.unwrap_or(exe.as_path()))
-        );
-        // The job's /tmp is a fresh one.
-        assert_eq!(
-            out_of_the_job_users_reach(Path::new("/tmp/x/kernelkite-runner")).as_deref(),
-            Some(Path::new("/tmp"))
-        );
+        assert!(closed_to_others(&dir.join("absent")).is_some());
     }
 
     #[test]
@@ -414,18 +394,18 @@ mod tests {
         assert!(auto(0, "", &cfg(serde_json::json!({"user": "1500:1500"}))).on);
         assert!(!auto(0, "", &cfg(serde_json::json!({"user": "15a"}))).on);
         // Chosen: no second guessing, and no warning for off.
-        // A runner the job user cannot reach: off, saying where the way ends.
+        // A runner the job user may not run: off, naming it.
         let d = decide_sandbox(
             SandboxChoice::Auto,
             0,
             passwd,
             &default,
-            Some(Path::new("/root")),
+            Some(Path::new("/opt/x/kernelkite-runner")),
         );
         assert!(!d.on);
         let why = d.why_off.unwrap();
         assert!(why.contains("cannot run the runner binary"), "{why}");
-        assert!(why.contains("/root"), "{why}");
+        assert!(why.contains("/opt/x/kernelkite-runner"), "{why}");
         let on = decide_sandbox(
             SandboxChoice::On,
             1000,

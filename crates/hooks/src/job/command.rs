@@ -380,10 +380,25 @@ pub fn sandbox_spec(
     let git = checkout
         .map(|c| c.join(".git"))
         .filter(|g| std::fs::symlink_metadata(g).is_ok());
+    let groups = spec::device_groups(&devices);
+    let mut hide = spec::hidden_paths(env, &settings.run_dir, checkout, &settings.hide);
+    let tools = spec::tool_paths(&settings.job_tools);
+    let covered: Vec<PathBuf> = crate::sandbox::mounts::FRESH_DIRS
+        .iter()
+        .chain([&crate::sandbox::mounts::HOST_RUN])
+        .map(PathBuf::from)
+        .chain(hide.iter().cloned())
+        .collect();
+    hide.extend(spec::tool_covers(
+        &tools,
+        &covered,
+        (user.uid, user.gid, &groups),
+        spec::Access::of,
+    ));
     SandboxSpec {
         user: user.clone(),
         submission: submission.cloned(),
-        groups: spec::device_groups(&devices),
+        groups,
         cwd: std::env::current_dir()
             .ok()
             .or_else(|| checkout.map(Path::to_path_buf))
@@ -393,9 +408,10 @@ pub fn sandbox_spec(
         tmp_size: spec::tmpfs_size(state.config.tmp_size, state.slice.memory_bytes),
         shm_size: spec::tmpfs_size(state.config.shm_size, state.slice.memory_bytes),
         devices,
-        hide: spec::hidden_paths(env, &settings.run_dir, checkout, &settings.hide),
+        hide,
         writable: checkout.map(Path::to_path_buf).into_iter().collect(),
         read_only: git.into_iter().collect(),
+        tools,
         allow_syscalls: state.config.allow_syscalls.clone(),
         artifacts: env
             .get("BUILDKITE_ARTIFACT_PATHS")

@@ -49,6 +49,12 @@ pub struct Settings {
     /// else of the kind stays closed (plugin/README.md, "What `network: true` reaches").
     #[arg(long, env = "KERNELKITE_JOB_NETWORK_ALLOW", value_delimiter = ',')]
     pub job_network_allow: Vec<String>,
+    /// Files the sandbox binds read-only into every job at their own path (`:`-separated):
+    /// a runner binary that lies where the job user cannot reach it (under `/tmp`, `/var/tmp`
+    /// or a home directory; local mode names its runner here). A directory on the way the job
+    /// user may not search is covered by an empty one holding only the file.
+    #[arg(long = "job-tool", env = "KERNELKITE_JOB_TOOLS", value_delimiter = ':')]
+    pub job_tools: Vec<PathBuf>,
 }
 
 /// `on` / `off`, as the hooks' switches are written in the agent's environment.
@@ -76,6 +82,7 @@ impl Default for Settings {
             dev_root: "/dev".into(),
             hide: Vec::new(),
             job_network_allow: Vec::new(),
+            job_tools: Vec::new(),
         }
     }
 }
@@ -87,6 +94,7 @@ impl Settings {
         self.plan_file = self.plan_file.filter(|p| !p.as_os_str().is_empty());
         self.hide.retain(|p| !p.as_os_str().is_empty());
         self.job_network_allow.retain(|r| !r.trim().is_empty());
+        self.job_tools.retain(|p| !p.as_os_str().is_empty());
         self
     }
 

@@ -14,7 +14,8 @@
 //!    gone with the namespace), an empty read-only tmpfs over each
 //!    hidden directory (`/dev/null` over a hidden file), and the checkout bound back over
 //!    whatever hid it (its path is made inside the covering tmpfs first), under an overlay
-//!    whose writable layer is a tmpfs of the job's own (`disk`);
+//!    whose writable layer is a tmpfs of the job's own (`disk`), and the node's tools (the
+//!    runner, where it lies out of the job's reach) bound back read-only the same way;
 //! 4. the checkout's `.git` read-only (and, being a mount point, impossible to rename away);
 //! 5. a private `/dev`: a read-only tmpfs holding `null`, `zero`, `full`, `random`, `urandom`,
 //!    `tty`, a new `devpts` instance with `ptmx`, a fresh `/dev/shm`, `mqueue` (in the new IPC
@@ -392,7 +393,7 @@ struct Sources {
     writable: Vec<(PathBuf, OwnedFd)>,
     /// The hidden paths (real locations), each with whether it is a directory; `/run` last.
     hide: Vec<(PathBuf, bool)>,
-    /// The resolver file kept under the covered `/run`, and its tree.
+    /// The resolver file kept under the covered `/run` and the node's tools, with their trees.
     kept: Vec<(PathBuf, OwnedFd)>,
     /// A clone of `/dev/null` for each hidden file.
     null_copies: Vec<OwnedFd>,
@@ -438,11 +439,14 @@ fn clone_sources(spec: &SandboxSpec) -> Result<Sources, SandboxError> {
         kept_resolver(Some(p.clone()), !spec.isolate_network).is_some()
             || (!spec.isolate_network && source(p) != *p)
     });
-    let kept: Vec<(PathBuf, OwnedFd)> = at
+    let mut kept: Vec<(PathBuf, OwnedFd)> = at
         .map(|p| clone_tree(&source(&p)).map(|fd| (p, fd)))
         .transpose()?
         .into_iter()
         .collect();
+    for tool in &spec.tools {
+        kept.push((tool.clone(), clone_tree(tool)?));
+    }
     let mut hide = hide;
     if std::fs::symlink_metadata(HOST_RUN).is_ok_and(|m| m.is_dir()) {
         hide.push((PathBuf::from(HOST_RUN), true));
@@ -505,6 +509,11 @@ fn mount_layers(
     );
     layers.extend(sources.kept.iter().map(|(p, _)| Layer::Kept(p.clone())));
     let writable_paths: Vec<PathBuf> = sources.writable.iter().map(|(p, _)| p.clone()).collect();
+    let kept_dirs: Vec<PathBuf> = sources
+        .kept
+        .iter()
+        .filter_map(|(p, _)| p.parent().map(Path::to_path_buf))
+        .collect();
     // What a covering tmpfs must hold mount points for: the writable paths, the fresh
     // directories (`/run/lock` under `/run`) and the kept files' directories.
     let mut deeper: Vec<PathBuf> = writable_paths.clone();
@@ -514,12 +523,7 @@ fn mount_layers(
             .filter(|l| matches!(l, Layer::Fresh(..)))
             .map(|l| l.path().to_path_buf()),
     );
-    deeper.extend(
-        sources
-            .kept
-            .iter()
-            .filter_map(|(p, _)| p.parent().map(Path::to_path_buf)),
-    );
+    deeper.extend(kept_dirs.iter().cloned());
     for layer in order_layers(layers) {
         match &layer {
             Layer::Fresh(p, size) => {
@@ -528,7 +532,14 @@ fn mount_layers(
                     MountFlags::NOSUID | MountFlags::NODEV,
                     &format!("size={size},mode=1777"),
                 )?;
-                mkdir_p(p, &dirs_to_make(p, &writable_paths))?;
+                let mut inner = writable_paths.clone();
+                inner.extend(kept_dirs.iter().cloned());
+                mkdir_p(p, &dirs_to_make(p, &inner))?;
+                // A tool under a fresh directory (a runner in a clone under /var/tmp) gets its
+                // mount point there, as under a hidden one.
+                for (k, _) in sources.kept.iter().filter(|(k, _)| k.starts_with(p)) {
+                    touch(k)?;
+                }
                 if Path::new(JOB_HOME).parent() == Some(p.as_path()) {
                     private_home(Path::new(JOB_HOME), &spec.user)?;
                 }

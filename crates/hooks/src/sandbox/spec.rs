@@ -64,6 +64,11 @@ pub struct SandboxSpec {
     pub writable: Vec<PathBuf>,
     /// Paths made read-only inside the view: the checkout's `.git`.
     pub read_only: Vec<PathBuf>,
+    /// Host files bound back, read-only, at their own path over whatever hides them (the
+    /// node's `--job-tool`s: the runner where it lies out of the job's reach, as in a clone
+    /// under `/var/tmp` or `/root`). A directory on the way the job user may not search is
+    /// covered too ([`tool_covers`]).
+    pub tools: Vec<PathBuf>,
     /// The step's artifact patterns (`BUILDKITE_ARTIFACT_PATHS`): what of the job's writes to
     /// its checkout is carried back to the host's disk (`sandbox::disk`).
     pub artifacts: Vec<String>,
@@ -99,6 +104,87 @@ pub fn hideable(path: &Path) -> bool {
         [top] => !NEVER_HIDDEN.iter().any(|n| top.to_str() == Some(n)),
         _ => true,
     }
+}
+
+/// The node's `--job-tool`s as the sandbox binds them: real paths (no link on the way, so the
+/// path the job runs is the path bound), regular files only, each once. A tool that cannot be
+/// resolved is left out: the job then fails to run it, saying where it looked.
+pub fn tool_paths(given: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for p in given.iter().filter(|p| p.is_absolute()) {
+        let Ok(real) = std::fs::canonicalize(p) else {
+            continue;
+        };
+        if std::fs::metadata(&real).is_ok_and(|m| m.is_file()) && !out.contains(&real) {
+            out.push(real);
+        }
+    }
+    out
+}
+
+/// Who may search a directory, as `stat` says: its owner, group and mode bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Access {
+    /// Owner uid.
+    pub uid: u32,
+    /// Group gid.
+    pub gid: u32,
+    /// Mode bits (`st_mode`).
+    pub mode: u32,
+}
+
+impl Access {
+    /// Of `path` on this machine, `None` when it cannot be read.
+    pub fn of(path: &Path) -> Option<Access> {
+        std::fs::metadata(path).ok().map(|m| Access {
+            uid: m.uid(),
+            gid: m.gid(),
+            mode: m.mode(),
+        })
+    }
+
+    /// Whether `uid` (primary group `gid`, further `groups`) may search (enter) it; root's
+    /// bypass is not counted, since the job user never has it.
+    pub fn searchable_by(&self, uid: u32, gid: u32, groups: &[u32]) -> bool {
+        let bit = if self.uid == uid {
+            0o100
+        } else if self.gid == gid || groups.contains(&self.gid) {
+            0o010
+        } else {
+            0o001
+        };
+        self.mode & bit != 0
+    }
+}
+
+/// The directories to cover so that the job user reaches `tool` through the sandbox's own
+/// empty, searchable tmpfs: for each of `tools` not already under a path the sandbox covers
+/// (`covered`: the fresh directories, `/run`, the hidden paths), the shallowest directory on
+/// its way the user may not search, when it may be hidden ([`hideable`]). What such a
+/// directory held was out of the user's reach anyway; only the tool (and the checkout, bound
+/// back over any cover) appears inside. `access` reads a directory's owner and mode.
+pub fn tool_covers(
+    tools: &[PathBuf],
+    covered: &[PathBuf],
+    user: (u32, u32, &[u32]),
+    access: impl Fn(&Path) -> Option<Access>,
+) -> Vec<PathBuf> {
+    let (uid, gid, groups) = user;
+    let mut out: Vec<PathBuf> = Vec::new();
+    for tool in tools {
+        if covered.iter().chain(&out).any(|c| tool.starts_with(c)) {
+            continue;
+        }
+        let mut ancestors: Vec<&Path> = tool.ancestors().skip(1).collect();
+        ancestors.reverse();
+        let blocked = ancestors
+            .into_iter()
+            .find(|d| !access(d).is_some_and(|a| a.searchable_by(uid, gid, groups)));
+        if let Some(d) = blocked.filter(|d| hideable(d)) {
+            out.push(d.to_path_buf());
+        }
+    }
+    out
 }
 
 /// What the job must not reach, from the agent's variables and the node settings: the run dir
@@ -275,6 +361,75 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn a_tool_behind_a_closed_directory_gets_a_cover_there() {
+        // /root is 0700 (a clone in $HOME), /srv/open is open, /var/tmp is covered anyway.
+        let access = |p: &Path| -> Option<Access> {
+            let (uid, gid, mode) = match p.to_str()? {
+                "/" | "/srv" | "/srv/open" | "/srv/open/bin" | "/var" | "/var/tmp" => {
+                    (0, 0, 0o40755)
+                }
+                "/root" => (0, 0, 0o40700),
+                "/root/kk" | "/root/kk/target" => (0, 0, 0o40755),
+                "/home" => (0, 0, 0o40755),
+                // The job user's group may enter, others not.
+                "/home/team" => (0, 1500, 0o40750),
+                _ => return None,
+            };
+            Some(Access { uid, gid, mode })
+        };
+        let tools = [
+            PathBuf::from("/root/kk/target/kernelkite-runner"),
+            PathBuf::from("/root/kk/target/other"),
+            PathBuf::from("/srv/open/bin/kernelkite-runner"),
+            PathBuf::from("/var/tmp/kk/kernelkite-runner"),
+            PathBuf::from("/home/team/kernelkite-runner"),
+        ];
+        let covered = [PathBuf::from("/var/tmp")];
+        assert_eq!(
+            tool_covers(&tools, &covered, (1000, 1000, &[]), access),
+            [PathBuf::from("/root"), PathBuf::from("/home/team")]
+        );
+        // In the directory's group: nothing to cover there.
+        assert_eq!(
+            tool_covers(&tools, &covered, (1000, 1000, &[1500]), access),
+            [PathBuf::from("/root")]
+        );
+        // A closed system directory is never covered (the job would lose the system).
+        let closed_var = |p: &Path| {
+            Some(Access {
+                uid: 0,
+                gid: 0,
+                mode: if p == Path::new("/var") {
+                    0o40700
+                } else {
+                    0o40755
+                },
+            })
+        };
+        assert!(tool_covers(&tools[3..4], &[], (1000, 1000, &[]), closed_var).is_empty());
+    }
+
+    #[test]
+    fn tools_are_real_files() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("tool");
+        std::fs::write(&file, "").unwrap();
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let real = std::fs::canonicalize(&file).unwrap();
+        assert_eq!(
+            tool_paths(&[
+                link,
+                file.clone(),
+                d.path().to_path_buf(),
+                d.path().join("absent"),
+                PathBuf::from("relative/tool"),
+            ]),
+            [real]
+        );
     }
 
     #[test]
