@@ -6,9 +6,12 @@
 # on the Dockerfiles and systemd-analyze on the units among them), the plugin's bats tests,
 # the Python client's ruff and pytest suite (in a venv at target/py-venv, against the real
 # service binary), the Docker images' builds, the unit and integration tests again in a fresh
-# clone with nothing beside it, and each benchmark in its short mode. The closing line counts
-# passed, failed and skipped tests; a test that could not run here (no root, no GPU, no
-# cgroups, no Docker daemon) is listed with its reason and never counted as passed.
+# clone with nothing beside it (under /var/tmp, where the README's main job, ./scripts/demo.sh,
+# runs too), and each benchmark in its short mode. A failure does not stop it: every suite
+# runs (cargo's --no-fail-fast), the failing tests and steps are listed at the end, the closing
+# line counts passed, failed and skipped tests, and the exit status is 1 when anything failed.
+# A test that could not run here (no root, no GPU, no cgroups, no Docker daemon) is listed with
+# its reason and never counted as passed.
 #
 # Environment:
 #   KERNELKITE_SKIP_INSTALL=1  don't touch apt (you installed bats, hwloc, python3, nftables,
@@ -89,14 +92,25 @@ if [ "${KERNELKITE_SKIP_INSTALL:-}" != 1 ]; then
   fetch_hadolint
 fi
 
+# What failed, in the order it ran: "<step>\t<failed tests it counted>" (a step that failed
+# without a failing test, such as clippy or a build, counts as one failed check).
+failures=$(mktemp)
+failed_step() { printf '%s\t%s\n' "$1" "${2:-0}" >>"$failures"; echo "FAILED: $1" >&2; }
+# Runs a step; on failure records it and goes on.
+step() {
+  local name=$1
+  shift
+  "$@" || failed_step "$name"
+}
+
 section "cargo fmt --check"
-cargo fmt --all --check
+step "cargo fmt --check" cargo fmt --all --check
 
 section "cargo clippy (warnings are errors)"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
 
 section "cargo doc (warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+step "cargo doc" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 
 log=$(mktemp)
 # Checks of this script itself (the Docker builds): "<name>\t<pass|skip>\t<reason>" lines.
@@ -106,7 +120,7 @@ export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""
 py_junit=""
-trap 'rm -rf "$log" "$checks" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
+trap 'rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
 section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
 # The hooks' static build, which its own tests (plugin/tests/node/static_build.rs) and the job
@@ -118,42 +132,66 @@ if [ "$node_rc" = 0 ]; then
 elif [ "$node_rc" = 3 ]; then
   echo "note: no static build here (the musl target cannot be added); its tests skip"
 else
-  exit "$node_rc"
+  failed_step "scripts/node-binaries.sh (exit $node_rc)"
 fi
 
 section "the real Buildkite agent (scripts/buildkite-agent.sh: tests/buildkite-agent/go.mod)"
 # Built once into target/; the real-agent tests (tests/tests/real_agent.rs) run it and fail,
 # never skip, when this script says it is there.
-KERNELKITE_BUILDKITE_AGENT=$(./scripts/buildkite-agent.sh)
-export KERNELKITE_BUILDKITE_AGENT
+if KERNELKITE_BUILDKITE_AGENT=$(./scripts/buildkite-agent.sh); then
+  export KERNELKITE_BUILDKITE_AGENT
+else
+  failed_step "scripts/buildkite-agent.sh"
+fi
+
+# cargo's failing tests in a log: their count (from the per-binary result lines).
+cargo_failed() { grep -hoE '[0-9]+ failed;' "$1" | awk '{s+=$1} END {print s+0}'; }
 
 section "cargo test"
-cargo test --workspace --locked 2>&1 | tee "$log"
+# --no-fail-fast: one failing test binary no longer hides the others' results.
+if ! cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"; then
+  failed_step "cargo test" "$(cargo_failed "$log")"
+fi
 
 section "bats (the plugin's hook files)"
-bats plugin/tests/bats 2>&1 | tee -a "$log"
+bats_log=$(mktemp)
+if ! bats plugin/tests/bats 2>&1 | tee "$bats_log"; then
+  failed_step "bats" "$(grep -cE '^not ok [0-9]+' "$bats_log" || true)"
+fi
+cat "$bats_log" >>"$log" && rm -f "$bats_log"
 
 section "python client (clients/python): ruff, pytest against the real service"
 # Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
 # as processes (built here; cargo test above built most of it already).
 py_venv=target/py-venv
-[ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv"
-"$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -r clients/python/requirements-test.txt
-cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
+py_passed=0 py_failed=0 py_skipped=0 py_counts=""
+py_ready=true
+[ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
+$py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  -r clients/python/requirements-test.txt || py_ready=false
+$py_ready || failed_step "the Python test venv (target/py-venv)"
+step "cargo build (the Python suite's binaries)" \
+  cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
 # The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
 # kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
 if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
   KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
   export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
 fi
-(cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .)
-py_junit=$(mktemp)
-# -rs prints each skip with its reason; the counts come from the JUnit XML below.
-(cd clients/python && ../../$py_venv/bin/python -m pytest -rs -p no:cacheprovider \
-  --junitxml="$py_junit")
-py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit")
-read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+if $py_ready; then
+  (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .) ||
+    failed_step "ruff (clients/python)"
+  py_junit=$(mktemp)
+  # -rs prints each skip with its reason, -rf each failure; the counts come from the JUnit XML.
+  (cd clients/python && ../../$py_venv/bin/python -m pytest -rfs -p no:cacheprovider \
+    --junitxml="$py_junit") || true
+  if py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit"); then
+    read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+    ((py_failed == 0)) || failed_step "pytest (clients/python)" "$py_failed"
+  else
+    failed_step "pytest (clients/python): no JUnit report"
+  fi
+fi
 
 section "docker images (deployment/*/Dockerfile*)"
 if [ "${KERNELKITE_SKIP_DOCKER:-}" = 1 ]; then
@@ -165,35 +203,48 @@ elif ! docker info >/dev/null 2>&1; then
 else
   # The runner's CUDA and ROCm images (deployment/runner/Dockerfile, Dockerfile.rocm) and the
   # service's.
+  docker_ok=true
   for image in runner/Dockerfile:runner runner/Dockerfile.rocm:runner-rocm service/Dockerfile:service; do
-    docker build --quiet -f "deployment/${image%%:*}" -t "kernelkite-${image#*:}:test" .
+    docker build --quiet -f "deployment/${image%%:*}" -t "kernelkite-${image#*:}:test" . ||
+      { docker_ok=false; failed_step "docker build deployment/${image%%:*}"; }
   done
-  printf 'docker images\tpass\t\n' >>"$checks"
+  ! $docker_ok || printf 'docker images\tpass\t\n' >>"$checks"
 fi
 cut -f1,3 "$checks" | awk -F'\t' '{print ($2 == "" ? "built: " $1 : "skipped: " $1 ": " $2)}'
 
 if [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2>&1; then
-  # The repository must stand alone: clone it into an empty directory, with nothing beside it,
-  # and run the tests there.
-  clone_dir=$(mktemp -d)
+  # The repository must stand alone: clone it into an empty directory under /var/tmp (a
+  # common place for a scratch checkout, which the job sandbox replaces with a private one),
+  # with nothing beside it, and run the tests and the README's main job there.
+  clone_dir=$(mktemp -d -p /var/tmp kernelkite-clone.XXXXXX)
   section "cargo test in a fresh clone ($(git rev-parse --short HEAD), in $clone_dir/kernelkite)"
   [ -z "$(git status --porcelain)" ] ||
     echo "note: the working tree has uncommitted changes; the clone tests the last commit"
   git clone --quiet --no-hardlinks "$PWD" "$clone_dir/kernelkite"
   # Its own target directory: sharing ours would swap the binaries our tests run. Its counts
-  # are not added to the closing line (the same tests ran above); a failure fails the script.
+  # are not added to the closing line (the same tests ran above); its failures are.
   root=$PWD
-  if ! (cd "$clone_dir/kernelkite" &&
+  if (cd "$clone_dir/kernelkite" &&
     KERNELKITE_SKIP_LOG=/dev/null CARGO_TARGET_DIR="$root/target/fresh-clone" \
-      cargo test --workspace --locked >"$clone_dir/log" 2>&1); then
-    cat "$clone_dir/log"
+      cargo test --workspace --locked --no-fail-fast >"$clone_dir/log" 2>&1); then
+    grep -hoE '^test result: .* ([0-9]+) passed' "$clone_dir/log" | grep -oE '[0-9]+ passed' |
+      awk '{s+=$1} END {print "fresh clone: " s+0 " passed, 0 failed"}'
+  else
+    grep -E '^test .* \.\.\. FAILED$|^error' "$clone_dir/log" || tail -n 40 "$clone_dir/log"
     echo "error: the tests fail in a fresh clone but not here: something they need lives outside the repository (or is not committed)" >&2
-    exit 1
+    failed_step "cargo test in a fresh clone" "$(cargo_failed "$clone_dir/log")"
+    grep -E '^test .* \.\.\. FAILED$' "$clone_dir/log" | sed 's/^/fresh clone: /' >>"$log" || true
   fi
-  grep -hoE '^test result: .* ([0-9]+) passed' "$clone_dir/log" | grep -oE '[0-9]+ passed' |
-    awk '{s+=$1} END {print "fresh clone: " s+0 " passed, 0 failed"}'
-  # CI never runs the clone again: its build directory goes before the benchmarks' build.
+  # CI never runs the clone again: its build directory goes before the next build.
   [ "${CI:-}" != true ] || rm -rf "$root/target/fresh-clone"
+  section "./scripts/demo.sh in the fresh clone (its own target directory, under /var/tmp)"
+  if (cd "$clone_dir/kernelkite" && env -u CARGO_TARGET_DIR ./scripts/demo.sh >"$clone_dir/demo.log" 2>&1); then
+    grep -E '^sandbox|^demo passed' "$clone_dir/demo.log"
+  else
+    cat "$clone_dir/demo.log"
+    failed_step "./scripts/demo.sh in a fresh clone under /var/tmp"
+  fi
+  rm -rf "$clone_dir/kernelkite/target"
 elif [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ]; then
   echo "note: not a git checkout; the fresh-clone run is skipped"
 fi
@@ -202,27 +253,42 @@ if [ "${KERNELKITE_SKIP_BENCH:-}" != 1 ]; then
   section "benchmarks (short mode)"
   # Only the bench targets (each prints its figures beside the baseline it names); the
   # unit tests already ran above.
-  KERNELKITE_BENCH_SHORT=1 cargo bench --workspace --locked --bench '*'
+  KERNELKITE_BENCH_SHORT=1 step "benchmarks" cargo bench --workspace --locked --bench '*'
 fi
 
 # One closing line over every runner above (cargo's per-binary lines, then bats' ok/not ok,
-# `# skip` lines being bats' skips, then pytest's JUnit counts). A Rust test that skipped itself
-# reported `ok` to cargo, so it is moved from passed to skipped.
+# `# skip` lines being bats' skips, then pytest's JUnit counts), plus each failed step that
+# counted no failing test. A Rust test that skipped itself reported `ok` to cargo, so it is
+# moved from passed to skipped.
 passed=$(grep -hoE '^test result: .* ([0-9]+) passed' "$log" | grep -oE '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -hoE '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(cargo_failed "$log")
 bats_ok=$(grep -E '^ok [0-9]+' "$log" | grep -cv ' # skip' || true)
 bats_skip=$(grep -E '^ok [0-9]+' "$log" | grep -c ' # skip' || true)
 bats_bad=$(grep -cE '^not ok [0-9]+' "$log" || true)
 rust_skip=$(cut -f1 "$KERNELKITE_SKIP_LOG" | sort -u | wc -l)
 script_ok=$(awk -F'\t' '$2 == "pass"' "$checks" | wc -l)
 script_skip=$(awk -F'\t' '$2 == "skip"' "$checks" | wc -l)
+steps_failed=$(awk -F'\t' '$2 == 0' "$failures" | wc -l)
+clone_failed=$(awk -F'\t' '$1 ~ /fresh clone/ {s+=$2} END {print s+0}' "$failures")
 skipped=$((rust_skip + bats_skip + py_skipped + script_skip))
-section "all checks passed"
+if [ -s "$failures" ]; then
+  section "FAILED"
+  echo "failed steps:"
+  cut -f1 "$failures" | sed 's/^/  /'
+  echo "failing tests:"
+  { grep -E '^(fresh clone: )?test .* \.\.\. FAILED$' "$log" || true; } |
+    sed -E 's/^(fresh clone: )?test (.*) \.\.\. FAILED$/  cargo: \1\2/'
+  { grep -E '^not ok [0-9]+' "$log" || true; } | sed -E 's/^not ok [0-9]+ /  bats: /'
+  { tail -n +2 <<<"$py_counts" || true; } | awk -F'\t' '$1 == "fail" {printf "  pytest: %s\n", $2}'
+else
+  section "all checks passed"
+fi
 if ((skipped)); then
   echo "skipped (not counted as passed):"
   sort -u -t$'\t' -k1,1 "$KERNELKITE_SKIP_LOG" | awk -F'\t' '{printf "  %s: %s\n", $1, $2}'
   { grep -E '^ok [0-9]+.* # skip' "$log" || true; } | sed -E 's/^ok [0-9]+ /  bats: /'
-  tail -n +2 <<<"$py_counts" | awk -F'\t' 'NF {printf "  pytest: %s: %s\n", $1, $2}'
+  { tail -n +2 <<<"$py_counts" || true; } | awk -F'\t' '$1 == "skip" {printf "  pytest: %s: %s\n", $2, $3}'
   awk -F'\t' '$2 == "skip" {printf "  scripts/test.sh: %s: %s\n", $1, $3}' "$checks"
 fi
-echo "tests: $((passed - rust_skip + bats_ok + py_passed + script_ok)) passed, $((failed + bats_bad + py_failed)) failed, $skipped skipped"
+echo "tests: $((passed - rust_skip + bats_ok + py_passed + script_ok)) passed, $((failed + bats_bad + py_failed + clone_failed + steps_failed)) failed, $skipped skipped"
+[ ! -s "$failures" ]

@@ -210,6 +210,10 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
             Err(e) => Err(anyhow::anyhow!("cannot print the payload: {e}")),
         };
     }
+    if let Some(why) = nothing_to_evaluate(args, |k| std::env::var_os(k).is_some()) {
+        eprintln!("kernelkite-runner: {why}");
+        return Ok(EXIT_BAD_PAYLOAD);
+    }
     let probe = Probe {
         python: args.python.clone(),
         torch: args.torch_probe,
@@ -278,6 +282,21 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
 /// The config, and the strings that must never be printed (the seed, in every spelling the
 /// config gives it; seeds under three characters would redact ordinary numbers and are no
 /// secret anyway).
+/// Why nothing is evaluated and nothing written, outside a job: no payload from anywhere (run
+/// by hand with no arguments, the runner would otherwise write a failed result.json into
+/// the current directory). In a job (`BUILDKITE` set, by the agent or local mode) a missing
+/// payload is the build's fault, and kernelbot is told so in result.json as before.
+fn nothing_to_evaluate(args: &Args, is_set: impl Fn(&str) -> bool) -> Option<String> {
+    let any_payload = args.example
+        || args.payload_file.is_some()
+        || ["KERNELBOT_PAYLOAD", "KERNELBOT_PAYLOAD_CHUNKS"]
+            .iter()
+            .any(|k| is_set(k));
+    (!any_payload && !is_set("BUILDKITE")).then(|| {
+        "no run config to evaluate: pass --payload-file FILE or set KERNELBOT_PAYLOAD (a build's env carries it), or try --example; nothing was written (--help says more)".to_string()
+    })
+}
+
 fn load_config(args: &Args) -> Result<(RunConfig, Vec<String>), (Failure, Vec<String>)> {
     let json = if args.example {
         example::config(args.example_mode)

@@ -411,13 +411,16 @@ fn bad_payloads_write_a_result_with_the_reason_and_exit_2() {
     assert_rebuilds(&paths);
 }
 
+/// In a job (`BUILDKITE` set) a missing payload is the build's fault: result.json says so,
+/// naming the carriers.
 #[test]
 fn a_missing_payload_names_the_carriers() {
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(BIN);
     cmd.current_dir(dir.path())
         .env_clear()
-        .env("PATH", path_with(None));
+        .env("PATH", path_with(None))
+        .env("BUILDKITE", "true");
     let r = finish(cmd, dir);
     assert_eq!(r.code, 2, "{}", r.log());
     let err = r.result["error"].as_str().unwrap();
@@ -425,6 +428,26 @@ fn a_missing_payload_names_the_carriers() {
         err.contains("KERNELBOT_PAYLOAD") && err.contains("--payload-file"),
         "{err}"
     );
+}
+
+/// Run by hand with nothing to evaluate (issue 35): it says what to pass, and leaves no
+/// result.json in the current directory.
+#[test]
+fn run_by_hand_without_a_payload_it_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", path_with(None))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no run config to evaluate") && err.contains("--example"),
+        "{err}"
+    );
+    assert!(!dir.path().join("result.json").exists());
 }
 
 #[test]

@@ -233,16 +233,20 @@ impl Slots {
     }
 }
 
-/// Why a submission was refused by a quota.
+/// Why a submission was refused by a quota. The message is read by whoever sent the run, and a
+/// backend passes it on to the person it runs for (kernelbot's contestant): it says which limit
+/// was hit and when to try again, in words; `Retry-After` carries the same wait in seconds.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OverQuota {
     /// The user has the most submissions waiting or running at once.
-    #[error("user {user:?} already has {limit} {class} submissions queued or running on {queue} (the most at once); one is expected to end in about {retry_after_s} s")]
+    #[error("user {user:?} already has {} waiting or running on {}, the most at once; one is expected to end in {}", runs(.limit, .class), counted_on(.queue, .every_queue), in_words(.retry_after_s))]
     Queued {
         /// The user.
         user: String,
         /// The queue.
         queue: String,
+        /// Counted over every queue: they share one node's slots (local mode).
+        every_queue: bool,
         /// The class.
         class: &'static str,
         /// The limit.
@@ -251,12 +255,14 @@ pub enum OverQuota {
         retry_after_s: u64,
     },
     /// The user had the most submissions accepted in the last hour.
-    #[error("user {user:?} submitted {limit} {class} submissions to {queue} in the last hour (the most per hour); the next is accepted in {retry_after_s} s")]
+    #[error("user {user:?} already sent {} to {} in the last hour, the most per hour; the next is accepted in {}", runs(.limit, .class), counted_on(.queue, .every_queue), in_words(.retry_after_s))]
     Hourly {
         /// The user.
         user: String,
         /// The queue.
         queue: String,
+        /// Counted over every queue: they share one node's slots (local mode).
+        every_queue: bool,
         /// The class.
         class: &'static str,
         /// The limit.
@@ -265,12 +271,14 @@ pub enum OverQuota {
         retry_after_s: u64,
     },
     /// The user had the most answers from the result cache in the last hour.
-    #[error("user {user:?} was answered {limit} {class} submissions to {queue} from the result cache in the last hour (KERNELKITE_CACHE_HOURLY); the next is accepted in {retry_after_s} s, or send it with \"cache\": false to run it")]
+    #[error("user {user:?} was answered {} for {} from the result cache in the last hour, the most per hour (KERNELKITE_CACHE_HOURLY); the next is accepted in {}, or at once when sent with \"cache\": false, which runs it", runs(.limit, .class), counted_on(.queue, .every_queue), in_words(.retry_after_s))]
     Cached {
         /// The user.
         user: String,
         /// The queue.
         queue: String,
+        /// Counted over every queue: they share one node's slots (local mode).
+        every_queue: bool,
         /// The class.
         class: &'static str,
         /// The limit.
@@ -278,6 +286,35 @@ pub enum OverQuota {
         /// When the oldest of them leaves the hour, seconds.
         retry_after_s: u64,
     },
+}
+
+/// `1 test submission`, `10 test submissions`.
+fn runs(n: &u64, class: &str) -> String {
+    let s = if *n == 1 { "" } else { "s" };
+    format!("{n} {class} submission{s}")
+}
+
+/// What a quota refusal says the user's submissions were counted on: the queue, or, where
+/// every queue shares one node's slots (local mode), all of them, said without the node.
+fn counted_on(queue: &str, every_queue: &bool) -> String {
+    if *every_queue {
+        "any GPU of this service".to_string()
+    } else {
+        queue.to_string()
+    }
+}
+
+/// A wait as a person reads it: `about 40 s` under 90 s, `about 3 min` under 90 minutes,
+/// else `about 2 h`.
+fn in_words(seconds: &u64) -> String {
+    let s = *seconds;
+    if s < 90 {
+        format!("about {} s", s.max(1))
+    } else if s < 90 * 60 {
+        format!("about {} min", (s + 30) / 60)
+    } else {
+        format!("about {} h", (s + 1800) / 3600)
+    }
 }
 
 impl OverQuota {
@@ -539,12 +576,9 @@ impl Dispatcher {
         self.one_line.unwrap_or(queue)
     }
 
-    /// What a quota refusal says the user's submissions were counted on.
-    fn counted_on(&self, queue: &str) -> String {
-        match self.one_line {
-            Some(_) => format!("this node (every queue on it, {queue} too)"),
-            None => queue.to_string(),
-        }
+    /// Whether a quota counts a user's submissions over every queue (they share one line).
+    fn every_queue(&self) -> bool {
+        self.one_line.is_some()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Line>> {
@@ -569,7 +603,8 @@ impl Dispatcher {
             if line.open.get(&key).copied().unwrap_or(0) >= max {
                 return Err(OverQuota::Queued {
                     user: who.user.clone(),
-                    queue: self.counted_on(&who.queue),
+                    queue: who.queue.clone(),
+                    every_queue: self.every_queue(),
                     class: who.class.as_str(),
                     limit: max,
                     retry_after_s: line.next_end_of(&who.user, who.class, estimate, slots),
@@ -580,7 +615,8 @@ impl Dispatcher {
         if let Some(retry_after_s) = full(recent, limit.hourly, now_ms) {
             return Err(OverQuota::Hourly {
                 user: who.user.clone(),
-                queue: self.counted_on(&who.queue),
+                queue: who.queue.clone(),
+                every_queue: self.every_queue(),
                 class: who.class.as_str(),
                 limit: limit.hourly.unwrap_or_default(),
                 retry_after_s,
@@ -613,7 +649,8 @@ impl Dispatcher {
         if let Some(retry_after_s) = full(cached, cache_hourly, now_ms) {
             return Err(OverQuota::Cached {
                 user: who.user.clone(),
-                queue: self.counted_on(&who.queue),
+                queue: who.queue.clone(),
+                every_queue: self.every_queue(),
                 class: who.class.as_str(),
                 limit: cache_hourly.unwrap_or_default(),
                 retry_after_s,
@@ -623,7 +660,8 @@ impl Dispatcher {
         if let Some(retry_after_s) = full(recent, limit.hourly, now_ms) {
             return Err(OverQuota::Hourly {
                 user: who.user.clone(),
-                queue: self.counted_on(&who.queue),
+                queue: who.queue.clone(),
+                every_queue: self.every_queue(),
                 class: who.class.as_str(),
                 limit: limit.hourly.unwrap_or_default(),
                 retry_after_s,
@@ -1030,6 +1068,55 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_says_the_limit_and_when_to_retry_in_words() {
+        let words: Vec<String> = [0, 7, 89, 90, 185, 89 * 60, 90 * 60, 5 * 3600 + 100]
+            .iter()
+            .map(in_words)
+            .collect();
+        assert_eq!(
+            words,
+            [
+                "about 1 s",
+                "about 7 s",
+                "about 89 s",
+                "about 2 min",
+                "about 3 min",
+                "about 89 min",
+                "about 2 h",
+                "about 5 h"
+            ]
+        );
+        let hourly = OverQuota::Hourly {
+            user: "42".into(),
+            queue: "h100".into(),
+            every_queue: false,
+            class: "test",
+            limit: 20,
+            retry_after_s: 185,
+        };
+        assert_eq!(
+            hourly.to_string(),
+            "user \"42\" already sent 20 test submissions to h100 in the last hour, the most \
+             per hour; the next is accepted in about 3 min"
+        );
+        let cached = OverQuota::Cached {
+            user: "42".into(),
+            queue: "h100".into(),
+            every_queue: true,
+            class: "test",
+            limit: 1,
+            retry_after_s: 3600,
+        };
+        assert_eq!(
+            cached.to_string(),
+            "user \"42\" was answered 1 test submission for any GPU of this service from the \
+             result cache in the last hour, the most per hour (KERNELKITE_CACHE_HOURLY); the \
+             next is accepted in about 60 min, or at once when sent with \"cache\": false, \
+             which runs it"
+        );
+    }
+
+    #[test]
     fn one_line_starts_no_more_than_the_node_has_in_one_order_whatever_the_queue() {
         let d = Dispatcher::new(Limits::default(), Duration::from_secs(60)).one_line();
         let on = |queue: &str, user: &str| Who::new(queue, Some(user), Class::Test);
@@ -1062,7 +1149,7 @@ mod tests {
         let next: Vec<String> = d.take("h100", Some(2)).into_iter().map(|s| s.id).collect();
         assert_eq!(next, ["mi300-c-3"]);
         // Quotas are looked up by the queue's name and counted on the node's line; a
-        // refusal says so.
+        // refusal says so in words a contestant reads (no node, no queue names).
         let d1 = Dispatcher::new(
             Limits::parse("h100:queued=1").unwrap(),
             Duration::from_secs(60),
@@ -1072,10 +1159,13 @@ mod tests {
         let a = d1.admit(&w, 0, Some(2)).unwrap();
         d1.enqueue(&w, "m", 0, a);
         let e = d1.admit(&on("h100", "a"), 0, Some(2)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "user \"a\" already has 1 test submission waiting or running on any GPU of this \
+             service, the most at once; one is expected to end in about 60 s"
+        );
         assert!(
-            e.to_string()
-                .contains("on this node (every queue on it, h100 too)"),
-            "{e}"
+            matches!(&e, OverQuota::Queued { queue, every_queue: true, .. } if queue == "h100")
         );
         d1.admit(&on("mi300", "a"), 0, Some(2)).unwrap();
         // Without one line, each queue name has its own slots.

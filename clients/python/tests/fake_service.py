@@ -1,8 +1,9 @@
-"""An in-process stand-in for kernelkite-service's submission API as issue 25 changes it (the
-fair queue: `user`/`priority`/`cache` in the POST, a quota's 429 with `Retry-After`, `place` and
-`cached_from` in the submission, the `queue` event without an `id:` line), for the client's
-side of that contract until the real service has it; the rest of the suite runs against the
-real service.
+"""An in-process stand-in for kernelkite-service's submission API with its fair queue
+(`user`/`priority`/`cache` in the POST, a quota's 429 with `Retry-After`, `place`,
+`cached_from` and `finished_at` in the submission, the `queue` event without an `id:` line),
+for the client's side of that contract where the test must decide each place, cut stream and
+answer, which the real service's queue gives only by timing; the rest of the suite runs
+against the real service.
 
 A plain HTTP/1.1 server on loopback (one request per connection), driven by the test: `move`
 a submission to a state, `set_place` while it waits, `raw` to send any SSE frame, `cut` open
@@ -59,6 +60,7 @@ class FakeSubmission:
             "priority": self.body.get("priority")
             or ("ranked" if self.body.get("config", {}).get("mode") == "leaderboard" else "test"),
             "cached_from": self.cached_from,
+            "finished_at": self.history[-1]["at"] if self.state in TERMINAL else None,
             "place": self.place if self.state == "queued" else None,
             "build": None,
             "result": self.result,

@@ -6,7 +6,8 @@ ended as; the test asserts on it.
 
 Nothing of kernelbot is changed: the launcher is registered by running the Python block of
 `clients/python/README.md` marked `kernelbot-registration`, the lines a maintainer adds to
-kernelbot's `main.py`, as they are written there.
+kernelbot's `main.py` (its per-user wiring of `submit_full` included), as they are written
+there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,19 +34,11 @@ from libkernelbot.consts import SubmissionMode  # noqa: E402
 from libkernelbot.report import generate_report, make_short_report  # noqa: E402
 from libkernelbot.submission import SubmissionRequest, prepare_submission  # noqa: E402
 from libkernelbot.task import make_task_definition  # noqa: E402
+from readme import readme_block  # noqa: E402  (tests/, on PYTHONPATH)
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "prefixsum_py"
 CUDA_EXAMPLE = REPO / "examples" / "vectoradd_cuda"
-
-
-def registration_block() -> str:
-    """The README's registration lines (the fenced block after the marker)."""
-    readme = (REPO / "clients" / "python" / "README.md").read_text()
-    m = re.search(r"<!-- kernelbot-registration -->\s*```python\n(.*?)```", readme, re.S)
-    if m is None:
-        raise SystemExit("clients/python/README.md has no kernelbot-registration block")
-    return m.group(1)
 
 
 def make_backend(service_url: str) -> KernelBackend:
@@ -55,8 +47,21 @@ def make_backend(service_url: str) -> KernelBackend:
     backend = KernelBackend(env, False)
     os.environ["KERNELKITE_URL"] = service_url
     os.environ["KERNELKITE_TOKEN"] = SETTINGS["token"]
-    exec(registration_block(), {"backend": backend, "os": os})
+    exec(readme_block("kernelbot-registration"), {"backend": backend, "os": os})
+    # Which user each run was sent for (the block's user_of, watched, not changed).
+    launcher = backend.launcher_map["H100_KK"]
+    user_of = launcher.user_of
+
+    def watched(config: dict) -> str | None:
+        user = user_of(config)
+        USERS.append((config.get("mode"), user))
+        return user
+
+    launcher.user_of = watched
     return backend
+
+
+USERS: list[tuple[str | None, str | None]] = []
 
 
 def add_leaderboard(backend: KernelBackend, name: str, example: Path, **task_changes) -> None:
@@ -233,6 +238,7 @@ async def main() -> None:
     dead = make_backend(SETTINGS["dead_url"])
     step("unreachable")
     out["unreachable"] = await run_background(dead, "prefixsum", good, SubmissionMode.TEST)
+    out["users"] = sorted({f"{mode}:{user}" for mode, user in USERS})
     print(json.dumps(out, default=str))
 
 

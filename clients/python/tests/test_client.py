@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 from samples import result_json, sample_config
-from stack import Stack, TcpProxy, wait_until
+from stack import Stack, TcpProxy, free_port, wait_until
 
 from kernelkite import (
     TERMINAL_STATES,
@@ -17,6 +17,7 @@ from kernelkite import (
     KernelkiteClient,
     NotFound,
     Unauthorized,
+    Unreachable,
 )
 
 
@@ -187,3 +188,17 @@ async def test_queue_status_counts_and_agents(stack: Stack, client: KernelkiteCl
 
 async def _state_is(client: KernelkiteClient, sid: str, state: str) -> bool:
     return (await client.get(sid))["state"] == state
+
+
+async def test_unreachable_names_the_url_it_tried():
+    base = f"http://127.0.0.1:{free_port()}"
+    async with KernelkiteClient(base + "/", "t", request_timeout_s=0.5) as kite:
+        with pytest.raises(Unreachable) as e:
+            await kite.submit(sample_config(), "h100")
+        assert e.value.url == f"{base}/v1/submissions"
+        assert str(e.value).startswith(f"POST {base}/v1/submissions: ConnectError"), e.value
+        assert e.value.reason.startswith("ConnectError") and base not in e.value.reason
+        with pytest.raises(Unreachable) as e:
+            async for _ in kite.events("abc"):
+                pass
+        assert str(e.value).startswith(f"GET {base}/v1/submissions/abc/events: "), e.value

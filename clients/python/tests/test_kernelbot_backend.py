@@ -184,6 +184,12 @@ async def test_kernelbots_backend_runs_on_kernelkite(
     assert proc.returncode == 0, stderr.decode()[-6000:]
     got = json.loads(stdout.decode().strip().splitlines()[-1])
 
+    # Every run through kernelbot's submit_full (its API, background manager) was sent with
+    # the submitting user's id (7): the README block's per-user wiring. The CUDA scenario calls
+    # handle_submission itself, as kernelbot's verification runs do: no user.
+    direct = ["test:None"] if "cuda_without_nvcc" in got else []
+    users = got["users"]
+    assert users == ["benchmark:7", "leaderboard:7", "private:7", "test:7", *direct], users
     # Registered with the README's lines only.
     assert got["registered"] == {
         "gpu": ["H100_KK", "H100_KK", "Kernelkite"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from conftest import make_launcher
@@ -20,7 +21,7 @@ from kernelbot_standins import (
 from samples import result_json, sample_config
 from stack import Stack, TcpProxy, wait_until
 
-from kernelkite import KernelkiteClient, NotFound
+from kernelkite import KernelkiteClient, NotFound, Unreachable
 from kernelkite.kernelbot_launcher import RunFailed
 
 H100 = gpu(KiteGPU.H100_KK)
@@ -375,7 +376,9 @@ async def test_an_unreachable_service_raises(tmp_path):
     )
     reporter = RecordingReporter()
     e = await raised(launcher.run_submission(sample_config(), H100, reporter))
-    assert "service could not be reached" in str(e) and e.http_code == 503
+    assert "service could not be reached (ConnectError" in str(e) and e.http_code == 503
+    assert "127.0.0.1" not in str(e), "the bot's address of the service is not the competitor's"
+    assert isinstance(e.__cause__, Unreachable) and "127.0.0.1" in str(e.__cause__)
     assert_not_finished(reporter)
     status = await launcher.get_queue_status(H100)
     assert status.status == "unavailable" and status.queued_jobs is None
@@ -425,11 +428,55 @@ async def test_the_status_line_shows_the_place_in_the_real_service_s_queue(tmp_p
                 "✅ Finished",
             ],
         )
-        # The same run again: answered from the cache, no third build.
+        # The same run again: answered from the cache, no third build; the line names the
+        # original by its mode and start (result_json's), and the runs are stored as answered.
         third_reporter = RecordingReporter()
+        before = datetime.now(UTC)
         third = await run_in_background(launcher, third_reporter)
-        assert (await asyncio.wait_for(third, 20)).success
-        assert "(cached result of " in third_reporter.texts()[-1], third_reporter.texts()
+        cached = await asyncio.wait_for(third, 20)
+        assert cached.success and cached.runs["test"].run.duration == 3.53
+        assert before - timedelta(seconds=1) <= cached.runs["test"].start
+        assert cached.runs["test"].start == cached.runs["test"].end
+        assert third_reporter.texts()[-1].endswith(
+            "(cached result of an identical test run from 2026-11-22 10:40 UTC)"
+        ), third_reporter.texts()
         assert len(await stack.fake.builds()) == 2
+        # cache=False: the same run runs again.
+        uncached = make_launcher(stack.url, stack.token, user_of=lambda config: "bob", cache=False)
+        fourth_reporter = RecordingReporter()
+        fourth = await run_in_background(uncached, fourth_reporter)
+        build = await the_build(stack, 3)
+        await stack.fake.finish(build["number"], "passed", result_json())
+        assert (await asyncio.wait_for(fourth, 20)).success
+        assert "cached" not in fourth_reporter.texts()[-1], fourth_reporter.texts()
+    finally:
+        await stack.aclose()
+
+
+async def test_a_quota_refusal_of_the_real_service_reads_as_a_competitor_reads_it(tmp_path):
+    """`KERNELKITE_QUEUE_LIMITS` of one at once: alice's second run is refused with the
+    service's words (which limit, when it frees), not retried, and bob's runs."""
+    stack = Stack(tmp_path, {"KERNELKITE_QUEUE_LIMITS": "*:queued=1"})
+    try:
+        launcher = make_launcher(stack.url, stack.token, user_of=lambda config: "alice")
+        first = await run_in_background(launcher, RecordingReporter())
+        await the_build(stack)
+        reporter = RecordingReporter()
+        e = await raised(launcher.run_submission(sample_config(seed=2), H100, reporter))
+        assert e.http_code == 429
+        text = str(e)
+        assert text.startswith(
+            'Kernelkite did not start your run on H100_KK: user "alice" already has 1 test '
+            "submission waiting or running on h100, the most at once; one is expected to end in "
+            "about "
+        ), text
+        assert ". Please try again in about " in text and "node" not in text, text
+        assert reporter.texts()[-1].startswith('❌ Not started on H100_KK: user "alice" already')
+        bob = make_launcher(stack.url, stack.token, user_of=lambda config: "bob")
+        second = await run_in_background(bob, RecordingReporter(), sample_config(seed=3))
+        await the_build(stack, 2)
+        first.cancel()
+        second.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
     finally:
         await stack.aclose()

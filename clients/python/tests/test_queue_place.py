@@ -1,18 +1,17 @@
 """The client's side of the service's fair queue (issue 25): the place in the queue (`queue`
 events, the long-poll's `place`) reaching `follow` and kernelbot's status line, a quota's
 `429`, cached answers, and `user`/`priority`/`cache` in the POST. Against the in-process
-stand-in in fake_service.py (the real service does not have the queue yet)."""
+stand-in in fake_service.py, where the test decides each place, cut stream and answer (the
+real service's queue, quotas and cache: test_launcher.py, test_quickstart.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from email.utils import format_datetime
 
 import pytest
@@ -31,7 +30,14 @@ from kernelkite import (
     StateEvent,
 )
 from kernelkite.client import NotFound, parse_retry_after
-from kernelkite.kernelbot_launcher import RunFailed, _View, about, ordinal, wait_wording
+from kernelkite.kernelbot_launcher import (
+    RunFailed,
+    _View,
+    about,
+    cached_run_wording,
+    ordinal,
+    wait_wording,
+)
 
 H100 = gpu(KiteGPU.H100_KK)
 RESULT = json.loads(result_json())
@@ -293,18 +299,69 @@ async def test_the_status_line_shows_places_over_long_poll(fake: FakeService):
     ]
 
 
-async def test_a_cached_answer_says_so(fake: FakeService):
+async def test_a_cached_answer_names_its_original_by_mode_and_time_and_is_stored_as_now(
+    fake: FakeService,
+):
+    """The result is the original's (its start 2026-11-22 10:40, UTC): the line says so, not
+    the service's id of it; kernelbot stores the runs' start and end, so they are when the
+    service answered, not the original's (kernelbot's stats would take the difference to the
+    submission's time as a negative wait, and its duration as GPU time used again)."""
+
     def answer_from_cache(sub: FakeSubmission) -> None:
         sub.move("succeeded", result=RESULT, cached_from="0190-earlier")
 
     fake.on_submit = answer_from_cache
     launcher = make_launcher(fake.url, fake.token)
     reporter = RecordingReporter()
+    before = datetime.now(UTC)
     result = await launcher.run_submission(sample_config(), H100, reporter)
     assert result.success and result.runs["test"].run.passed
+    assert result.runs["test"].run.duration == 3.53, "the measurements are the original's"
+    run = result.runs["test"]
+    assert run.start == run.end and before - timedelta(seconds=1) <= run.start, run
+    assert run.start <= datetime.now(UTC) and run.start.tzinfo is not None
     last = reporter.texts()[-1]
     assert last.startswith("✅ Finished on H100_KK in ")
-    assert last.endswith("s (cached result of 0190-earlier)"), last
+    assert last.endswith("s (cached result of an identical test run from 2026-11-22 10:40 UTC)"), (
+        last
+    )
+    assert "0190" not in last
+
+
+def test_a_cached_answer_s_wording():
+    at = datetime(2026, 11, 22, 11, 40, 59, tzinfo=UTC) + timedelta(hours=1)
+    assert cached_run_wording("benchmark", at) == (
+        "an identical benchmark run from 2026-11-22 12:40 UTC"
+    )
+    other_zone = at.astimezone(timezone(timedelta(hours=5, minutes=30)))
+    assert cached_run_wording("private", other_zone) == (
+        "an identical secret leaderboard run from 2026-11-22 12:40 UTC"
+    )
+    assert cached_run_wording(None, None) == "an identical run from earlier"
+
+
+@pytest.mark.parametrize(
+    ("cache", "sent"),
+    [
+        (None, [None, None]),
+        (False, [False, False]),
+        (True, [True, True]),
+        (lambda config: config["mode"] == "test" or None, [True, None]),
+    ],
+    ids=["default", "never", "always", "chosen"],
+)
+async def test_the_cache_option_is_sent_as_chosen(fake: FakeService, cache, sent):
+    fake.on_submit = lambda sub: sub.move("succeeded", result=RESULT)
+    launcher = make_launcher(fake.url, fake.token, cache=cache)
+    for mode in ("test", "leaderboard"):
+        await launcher.run_submission(sample_config(mode=mode), H100, RecordingReporter())
+    assert [p.get("cache") for p in fake.posts] == sent
+    assert all(("cache" in p) == (p.get("cache") is not None) for p in fake.posts)
+
+
+def test_a_cache_option_of_another_type_is_refused():
+    with pytest.raises(TypeError, match="cache is True, False, None or a callable"):
+        make_launcher("http://127.0.0.1:1", None, cache="yes")
 
 
 async def test_a_quota_refusal_fails_the_run_with_the_services_message(fake: FakeService):
@@ -361,6 +418,8 @@ async def test_user_of_and_priority_of_choose_what_is_sent(fake: FakeService):
         ({"user_of": lambda config: "bad\nname"}, "without control characters"),
         ({"user_of": lambda config: 1 / 0}, "user_of raised ZeroDivisionError"),
         ({"priority_of": lambda config: "urgent"}, "priority_of gave 'urgent'"),
+        ({"cache": lambda config: "yes"}, "cache gave 'yes'"),
+        ({"cache": lambda config: 1 / 0}, "cache raised ZeroDivisionError"),
     ],
 )
 async def test_a_bad_user_or_priority_fails_the_run_before_submitting(
@@ -374,49 +433,6 @@ async def test_a_bad_user_or_priority_fails_the_run_before_submitting(
     assert "not your code" in str(e.value)
     assert reporter.texts() == ["❌ Failed on H100_KK (not your code)"]
     assert fake.posts == []
-
-
-async def test_the_readmes_user_recipe_gives_each_run_its_submitters_id(fake: FakeService):
-    """The README's recipe: kernelbot's `submit_full` wrapped to set a context variable with
-    `req.user_id`, read by `user_of` in every run it gathers (asyncio copies the context into
-    them), concurrent submissions each with their own user."""
-    fake.on_submit = lambda sub: sub.move("succeeded", result=RESULT)
-
-    class Backend:  # kernelbot's KernelBackend as far as this goes: submit_full gathers runs
-        async def submit_full(self, req, mode, reporter):
-            runs = [
-                launcher.run_submission(sample_config(mode=m), H100, RecordingReporter())
-                for m in ("leaderboard", "private")
-            ]
-            return req.user_id, await asyncio.gather(*runs)
-
-    @dataclass
-    class Request:
-        user_id: int
-
-    backend = Backend()
-    # -- the recipe, as in the README --
-    submitter = contextvars.ContextVar("kernelkite_submitter", default=None)
-    submit_full = backend.submit_full
-
-    async def submit_full_as_user(req, *args, **kwargs):
-        token = submitter.set(str(req.user_id))
-        try:
-            return await submit_full(req, *args, **kwargs)
-        finally:
-            submitter.reset(token)
-
-    backend.submit_full = submit_full_as_user
-    launcher = make_launcher(fake.url, fake.token, user_of=lambda config: submitter.get())
-    # --
-    await asyncio.gather(*(backend.submit_full(Request(u), "leaderboard", None) for u in (7, 8)))
-    assert sorted((p["user"], p["config"]["mode"], p["priority"]) for p in fake.posts) == [
-        ("7", "leaderboard", "ranked"),
-        ("7", "private", "ranked"),
-        ("8", "leaderboard", "ranked"),
-        ("8", "private", "ranked"),
-    ]
-    assert submitter.get() is None, "reset after each submission"
 
 
 @pytest.mark.parametrize("old_service", [False, True], ids=["post", "delete"])

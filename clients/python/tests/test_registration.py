@@ -1,6 +1,7 @@
-"""Switching kernelbot to kernelkite without editing kernelbot: `register` and `gpu_types`
-against stand-ins of kernelbot's `consts` and `KernelBackend` (the checkout mode,
-`test_kernelbot_source.py`, runs them against kernelbot's own); CUDA include directories as
+"""Switching kernelbot to kernelkite without editing kernelbot: the README's registration
+block, `register`, `gpu_types` and `submitting_user` against stand-ins of kernelbot's
+`consts` and `KernelBackend` (the checkout mode, `test_kernelbot_source.py` and
+`test_kernelbot_backend.py`, runs them against kernelbot's own); CUDA include directories as
 kernelbot's Modal launcher adds them; the launcher refusing to be a stand-in where kernelbot is
 installed without its launchers' requirements."""
 
@@ -18,13 +19,22 @@ import zlib
 from enum import Enum
 from pathlib import Path
 
+import kernelbot_results
+import kernelbot_standins
 import pytest
 from conftest import make_launcher
+from fake_service import FakeService
 from kernelbot_standins import TYPES, KiteGPU, RecordingReporter, gpu
+from readme import readme_block
 from samples import result_json, sample_config
 from stack import Stack
 
-from kernelkite.kernelbot_launcher import KernelkiteLauncher, gpu_types, register
+from kernelkite.kernelbot_launcher import (
+    KernelkiteLauncher,
+    gpu_types,
+    register,
+    submitting_user,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -110,6 +120,129 @@ def test_register_refuses_a_value_another_launcher_routes_and_names_twice():
         register(FakeBackend(), kk_launcher(gpu_types("G", ["X1", "x1"])), consts=consts)
     assert backend.launcher_map == {"B200_KK": other}
     assert "h100_kk" not in consts._GPU_LOOKUP and "b200_kk" not in consts._GPU_LOOKUP
+
+
+@dataclasses.dataclass
+class Request:
+    """kernelbot's `ProcessedSubmissionRequest`, as far as the launcher's wiring reads it."""
+
+    user_id: int
+    gpus: list[str]
+
+
+class KernelBackend(FakeBackend):
+    """kernelbot's `KernelBackend` as far as a submission goes: `submit_full` gathers one run
+    per GPU (and for a leaderboard submission its secret run too), each given the run config
+    `build_task_config` makes, which names no user."""
+
+    def __init__(self, consts: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.consts = consts
+
+    async def submit_full(self, req, mode, reporter, pre_sub_id=None, skip_precheck=False):
+        runs = []
+        for name in req.gpus:
+            found = self.consts._GPU_LOOKUP[name.lower()]
+            launcher = self.launcher_map[found.value]
+            modes = [mode, "private"] if mode == "leaderboard" else [mode]
+            runs += [
+                launcher.run_submission(sample_config(mode=m), found, RecordingReporter())
+                for m in modes
+            ]
+        return pre_sub_id, await asyncio.gather(*runs)
+
+
+def kernelbot_modules(consts: types.SimpleNamespace) -> dict[str, types.ModuleType]:
+    """Stand-ins of the kernelbot modules the launcher imports inside kernelbot (its consts,
+    result dataclasses and `RunnerQueueStatus`), by module name."""
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "libkernelbot",
+            "libkernelbot.consts",
+            "libkernelbot.launchers",
+            "libkernelbot.launchers.launcher",
+            "libkernelbot.run_eval",
+        )
+    }
+    modules["libkernelbot.consts"].__dict__.update(vars(consts))
+    modules["libkernelbot"].consts = modules["libkernelbot.consts"]
+    launcher_module = modules["libkernelbot.launchers.launcher"]
+    launcher_module.RunnerQueueStatus = kernelbot_standins.RunnerQueueStatus
+    results = ("FullResult", "SystemInfo", "EvalResult", "CompileResult", "RunResult")
+    for cls in (*results, "ProfileResult"):
+        setattr(modules["libkernelbot.run_eval"], cls, getattr(kernelbot_results, cls))
+    return modules
+
+
+async def test_the_readmes_registration_block_registers_and_sends_each_submissions_user(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The block as it is in the README, in the namespace kernelbot's `create_backend` gives
+    it (`backend`, `os`): the GPU type is kernelbot's, runs go to the service, and each run of
+    concurrent submissions (a leaderboard submission: its public and secret run) is sent with
+    its submission's user, while runs outside `submit_full` are sent with none."""
+    fake = await FakeService().start()
+    try:
+        fake.on_submit = lambda sub: sub.move("succeeded", result=json.loads(result_json()))
+        consts = fake_consts()
+        for name, module in kernelbot_modules(consts).items():
+            monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setenv("KERNELKITE_URL", fake.url)
+        monkeypatch.setenv("KERNELKITE_TOKEN", fake.token)
+        backend = KernelBackend(consts)
+        exec(readme_block("kernelbot-registration"), {"backend": backend, "os": os})
+
+        assert consts._GPU_LOOKUP["h100_kk"] == GPU("H100_KK", "H100_KK", "Kernelkite")
+        assert consts.GPU_TO_SM["H100_KK"] == "90a"
+        launcher = backend.launcher_map["H100_KK"]
+        assert isinstance(launcher, KernelkiteLauncher)
+        submissions = [Request(user_id=u, gpus=["H100_KK"]) for u in (7, 8)]
+        done = await asyncio.wait_for(
+            asyncio.gather(*(backend.submit_full(r, "leaderboard", None, 1) for r in submissions)),
+            30,
+        )
+        assert all(result.success for _, results in done for result in results)
+        sent = sorted((p["user"], p["config"]["mode"], p["priority"]) for p in fake.posts)
+        assert sent == [
+            ("7", "leaderboard", "ranked"),
+            ("7", "private", "ranked"),
+            ("8", "leaderboard", "ranked"),
+            ("8", "private", "ranked"),
+        ]
+        # kernelbot's admin verification runs do not go through submit_full: no user.
+        fake.posts.clear()
+        await launcher.run_submission(sample_config(), gpu(KiteGPU.H100_KK), RecordingReporter())
+        assert "user" not in fake.posts[0]
+    finally:
+        await fake.aclose()
+
+
+async def test_submitting_user_wraps_submit_full_once_and_keeps_what_it_returns_and_raises():
+    calls = []
+
+    class Backend:
+        async def submit_full(self, req, mode, reporter, pre_sub_id=None):
+            """kernelbot's docstring."""
+            calls.append((req.user_id, mode, pre_sub_id, user_of({})))
+            if mode == "boom":
+                raise RuntimeError("kernelbot failed")
+            return "sub", ["results"]
+
+    backend = Backend()
+    user_of = submitting_user(backend)
+    assert submitting_user(backend) is user_of, "a second call wraps nothing twice"
+    assert backend.submit_full.__doc__ == "kernelbot's docstring."
+    assert await backend.submit_full(Request(42, []), "test", None, pre_sub_id=5) == (
+        "sub",
+        ["results"],
+    )
+    with pytest.raises(RuntimeError, match="kernelbot failed"):
+        await backend.submit_full(Request(43, []), "boom", None)
+    assert calls == [(42, "test", 5, "42"), (43, "boom", None, "43")]
+    assert user_of({}) is None, "reset after each submission"
+    await backend.submit_full(types.SimpleNamespace(user_id=None), "test", None)
+    assert calls[-1][-1] is None, "a request without a user sends none"
 
 
 def payload(build: dict) -> dict:

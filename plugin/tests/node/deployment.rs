@@ -464,3 +464,60 @@ fn the_service_unit_passes_systemd_analyze_verify() {
     )
     .is_err());
 }
+
+/// One version a user can pin (issue 35): every plugin reference (`…/plugin#vX.Y.Z`) and every
+/// kernelkite image tag (`ghcr.io/kernelkite/<image>:X.Y.Z`) in the documents, pipelines and
+/// compose files is this workspace's version, as is the Python client's; and where this
+/// checkout has tags, `v<version>` is one of them.
+#[test]
+fn one_version_everywhere_and_its_tag() {
+    let version = env!("CARGO_PKG_VERSION");
+    let files = std::process::Command::new("git")
+        .args(["ls-files", "*.md", "*.yml", "*.yaml", "*.toml"])
+        .current_dir(repo())
+        .output();
+    let Some(files) = files.ok().filter(|o| o.status.success()) else {
+        kernelkite_testkit::skip("not a git checkout: the files to check cannot be listed");
+        return;
+    };
+    let plugin_ref =
+        regex::Regex::new(r"kernelkite/kernelkite/plugin#v([0-9][0-9A-Za-z.\-]*)").unwrap();
+    let image = regex::Regex::new(r"ghcr\.io/kernelkite/[a-z\-]+:([0-9][0-9A-Za-z.\-]*)").unwrap();
+    let mut wrong = Vec::new();
+    let mut seen = 0;
+    for f in String::from_utf8_lossy(&files.stdout).lines() {
+        let text = read(f);
+        for re in [&plugin_ref, &image] {
+            for c in re.captures_iter(&text) {
+                seen += 1;
+                let v = c[1].trim_end_matches('.');
+                if v != version {
+                    wrong.push(format!("{f}: {}", &c[0]));
+                }
+            }
+        }
+    }
+    assert!(seen >= 5, "the references were found: {seen}");
+    assert!(wrong.is_empty(), "not version {version}: {wrong:#?}");
+    let pyproject = read("clients/python/pyproject.toml");
+    assert!(
+        pyproject.contains(&format!("version = \"{version}\"")),
+        "clients/python/pyproject.toml"
+    );
+    let tags = std::process::Command::new("git")
+        .args(["tag", "--list"])
+        .current_dir(repo())
+        .output()
+        .expect("git tag");
+    let tags = String::from_utf8_lossy(&tags.stdout).into_owned();
+    if tags.trim().is_empty() {
+        kernelkite_testkit::skip(
+            "this clone has no tags (fetched without them): the release tag cannot be checked",
+        );
+        return;
+    }
+    assert!(
+        tags.lines().any(|t| t == format!("v{version}")),
+        "no tag v{version} among {tags:?}: `git tag -a v{version}` on the release commit"
+    );
+}

@@ -37,7 +37,7 @@ pub struct SubmitArgs {
     pub queue: String,
     /// A running kernelkite service to submit to (`https://kite.example.org`). Default: local
     /// mode, started in this process for this submission.
-    #[arg(long, env = "KERNELKITE_SERVER", value_name = "URL")]
+    #[arg(long, env = "KERNELKITE_SERVER", value_name = "URL", value_parser = server_url)]
     pub server: Option<String>,
     /// The service's bearer token (its KERNELKITE_API_TOKEN).
     #[arg(long, env = "KERNELKITE_TOKEN", hide_env_values = true)]
@@ -178,4 +178,42 @@ pub async fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
 fn input_error(e: &(dyn std::error::Error + 'static)) -> ExitCode {
     eprintln!("kernelkite-service: {}", crate::report::report(e));
     ExitCode::from(INPUT_ERROR)
+}
+
+/// `--server`: an `http` or `https` URL; a bare host is refused, saying what to write.
+fn server_url(s: &str) -> Result<String, String> {
+    match reqwest::Url::parse(s) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => Ok(s.to_string()),
+        Ok(u) if u.has_host() || u.cannot_be_a_base() => Err(format!(
+            "{s:?} is not an http(s) URL: write http://{s} (or https://, where the service has TLS)"
+        )),
+        Ok(u) => Err(format!("{s:?} names no host ({} URL)", u.scheme())),
+        Err(_) => Err(format!(
+            "{s:?} is not a URL: write it with its scheme, http://{s} (or https://, where the service has TLS)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod server_url_tests {
+    use super::server_url;
+
+    #[test]
+    fn a_server_needs_its_scheme() {
+        assert!(server_url("http://127.0.0.1:8080").is_ok());
+        assert!(server_url("https://kite.example.org/").is_ok());
+        for bad in [
+            "127.0.0.1:8080",
+            "kite.example.org",
+            "localhost:8080",
+            "ftp://x",
+            "",
+        ] {
+            let e = server_url(bad).unwrap_err();
+            assert!(e.contains("http"), "{bad}: {e}");
+        }
+        assert!(server_url("kite.example.org")
+            .unwrap_err()
+            .contains("http://kite.example.org"));
+    }
 }

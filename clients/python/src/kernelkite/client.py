@@ -54,7 +54,15 @@ class KernelkiteError(Exception):
 
 
 class Unreachable(KernelkiteError):
-    """No answer: the connection failed, broke, or timed out."""
+    """No answer: the connection failed, broke, or timed out (or what came back was no answer
+    this client can read). The message names the request (`POST http://…/v1/submissions`);
+    `url` is the URL it went to (None when no request is to blame), `reason` what went wrong."""
+
+    def __init__(self, reason: str, *, method: str | None = None, url: str | None = None) -> None:
+        request = " ".join(part for part in (method, url) if part)
+        super().__init__(f"{request}: {reason}" if request else reason)
+        self.reason = reason
+        self.url = url
 
 
 class ServiceError(KernelkiteError):
@@ -232,10 +240,11 @@ class KernelkiteClient:
         headers = {"Accept": "application/json", "User-Agent": "kernelkite-python/0.1"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        self.base_url = base_url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.sse_read_timeout_s = sse_read_timeout_s
         self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
+            base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(request_timeout_s),
             transport=transport,
@@ -250,6 +259,10 @@ class KernelkiteClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def _unreachable(self, method: str, path: str, reason: str) -> Unreachable:
+        """`Unreachable` for a request to `path`, naming the URL it went to."""
+        return Unreachable(reason, method=method, url=f"{self.base_url}{path}")
 
     async def _request(
         self,
@@ -271,7 +284,7 @@ class KernelkiteClient:
                 timeout=read_timeout if read_timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.TransportError as e:
-            raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
+            raise self._unreachable(method, path, _transport_reason(e)) from e
         if resp.status_code >= 400:
             raise _error_for(resp.status_code, method, path)(
                 resp.status_code,
@@ -415,14 +428,14 @@ class KernelkiteClient:
                             submission=data.get("submission"),
                         )
                     except (ValueError, KeyError, TypeError, AttributeError) as e:
-                        raise Unreachable(
-                            f"GET {path}: an event that is not a state change: {e}"
+                        raise self._unreachable(
+                            "GET", path, f"an event that is not a state change: {e}"
                         ) from e
                     yield state_event
                     if state_event.terminal:
                         return
         except httpx.TransportError as e:
-            raise Unreachable(f"GET {path}: {type(e).__name__}: {e}") from e
+            raise self._unreachable("GET", path, _transport_reason(e)) from e
 
     async def follow(
         self,
@@ -520,13 +533,19 @@ class KernelkiteClient:
                     yield ev
 
 
+def _transport_reason(e: httpx.TransportError) -> str:
+    """What went wrong with a connection, in a few words (`ConnectError: ... refused`)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def _json(resp: httpx.Response) -> dict[str, Any]:
+    method, url = resp.request.method, str(resp.request.url)
     try:
         value = resp.json()
     except ValueError as e:
-        raise Unreachable(f"the service's answer is not JSON: {e}") from e
+        raise Unreachable(f"the answer is not JSON: {e}", method=method, url=url) from e
     if not isinstance(value, dict):
-        raise Unreachable("the service's answer is not a JSON object")
+        raise Unreachable("the answer is not a JSON object", method=method, url=url)
     return value
 
 

@@ -22,15 +22,18 @@ marked `succeeded`, or in ranked mode `failed` with a generic reason, its text d
 way), its Discord cog shows the text, and its API answers with it.
 `asyncio.CancelledError` propagates after the submission is canceled.
 
-`register` makes the launcher's GPU types known to kernelbot and registers it, so switching is
-one call in kernelbot's `main.py` (see the README).
+`register` makes the launcher's GPU types known to kernelbot and registers it, and
+`submitting_user` gives each run its submission's user for the service's fair share and
+quotas, so switching is one block in kernelbot's `main.py` (see the README).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import importlib.util
 import logging
 import math
@@ -39,6 +42,7 @@ import unicodedata
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
@@ -150,6 +154,21 @@ def ranked_priority(config: Mapping[str, Any]) -> str | None:
     return "ranked" if config.get("mode") in ("leaderboard", "private") else None
 
 
+MODE_WORDS = {"private": "secret leaderboard"}
+"""How a status line names a run config's `mode` where its own name would not do."""
+
+
+def cached_run_wording(mode: Any, ran_at: datetime | None) -> str:
+    """What the status line says of the run whose result answered a submission from the
+    service's result cache: `an identical test run from 2026-11-22 10:40 UTC` (the cache answers
+    only a byte-for-byte identical run config, so its mode is this run's)."""
+    kind = MODE_WORDS.get(mode, mode) if isinstance(mode, str) and mode else None
+    what = f"an identical {kind} run" if kind else "an identical run"
+    if ran_at is None:
+        return f"{what} from earlier"
+    return f"{what} from {ran_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
+
+
 def _valid_user(user: str) -> bool:
     """The service's rule for `user`: 1-128 characters, none of them a control character."""
     return 0 < len(user) <= 128 and not any(unicodedata.category(c) == "Cc" for c in user)
@@ -254,6 +273,32 @@ def full_result_from_json(data: Any, types: KernelbotTypes) -> Any:
     return types.FullResult(success=data["success"], error=data["error"], system=system, runs=runs)
 
 
+def answered_from_cache(result: Any, submission: Mapping[str, Any]) -> datetime | None:
+    """For a submission the service's result cache answered (`cached_from` set): sets every
+    run's `start` and `end` in `result` (kernelbot's `FullResult`, changed in place) to when
+    the service answered, and returns when the original run started (the earliest `start` the
+    result had; None without runs).
+
+    The result is the original run's, byte for byte, times included, and kernelbot stores each
+    run's `start` and `end` with the submission: its statistics take `start` less the
+    submission's time as the wait for a GPU (negative for a result older than the submission)
+    and `end - start` as GPU time used (none was, this time). The measurements themselves (each
+    run's `duration`, the benchmarks' timings) are the original's, as they should be."""
+    runs = getattr(result, "runs", None) or {}
+    ran_at = min((run.start for run in runs.values()), default=None)
+    answered_at = _time_or_none(submission.get("finished_at")) or datetime.now(UTC)
+    for key, run in list(runs.items()):
+        runs[key] = dataclasses.replace(run, start=answered_at, end=answered_at)
+    return ran_at
+
+
+def _time_or_none(text: Any) -> datetime | None:
+    try:
+        return parse_time(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 def default_deadline_s(config: Mapping[str, Any], queue_wait_s: float) -> float:
     """How long a run may take in all: the time limits the runner applies to its mode (plus
     the compile step of each run), `queue_wait_s` for a GPU to become free, and a minute for
@@ -323,6 +368,8 @@ class _View:
     """What the run knows of its submission, for the messages."""
 
     gpu: str
+    # The run config's mode (test, benchmark, leaderboard, ...).
+    mode: str | None = None
     state: str = "queued"
     # Why a failed run failed, in a few words (`NOT_YOUR_CODE`); shown after the state. For a
     # `refused` one, the service's reason.
@@ -332,8 +379,9 @@ class _View:
     place: QueueEvent | None = None
     # When the place arrived (monotonic): the wait shown counts down from it.
     place_at: float | None = None
-    # The earlier submission whose result answered this one (the service's result cache).
-    cached_from: str | None = None
+    # For an answer from the service's result cache: the run whose result it is, in words
+    # (`cached_run_wording`).
+    cached: str | None = None
     running_since: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -363,7 +411,7 @@ class _View:
         because = f" ({self.why})" if self.why else ""
         if self.state == "succeeded":
             total = time.monotonic() - self.started
-            cached = f" (cached result of {self.cached_from})" if self.cached_from else ""
+            cached = f" (cached result of {self.cached})" if self.cached else ""
             return f"✅ Finished on {self.gpu} in {total:.1f}s{on}{cached}"
         if self.state == "refused":
             return f"❌ Not started on {self.gpu}: {_cut(self.why or 'refused', 300)}"
@@ -424,6 +472,13 @@ class KernelkiteLauncher(_LauncherBase):
     and `priority` (`PRIORITIES`; the default, `ranked_priority`, asks `ranked` for both runs of
     a leaderboard submission and leaves the rest to the service). A value the service would
     refuse, or a callable that raises, fails the run as a configuration problem.
+
+    `cache` is each run's `cache`: None (the default) leaves it to the service (its result
+    cache may answer `test` and `benchmark` runs, never ranked ones), False never takes a
+    result from the cache, True lets the cache answer a run of any mode; or a callable given the
+    run config and returning one of those. A run the cache answered is reported as such, named
+    by the original run's mode and time, and its runs' `start`/`end` are when it was answered
+    (`answered_from_cache`).
     """
 
     def __init__(
@@ -447,6 +502,7 @@ class KernelkiteLauncher(_LauncherBase):
         cuda_include_dirs: Sequence[str] = (),
         user_of: Callable[[dict], str | None] | None = None,
         priority_of: Callable[[dict], str | None] | None = ranked_priority,
+        cache: bool | Callable[[dict], bool | None] | None = None,
         types: KernelbotTypes | None = None,
     ) -> None:
         super().__init__(name, gpus)
@@ -469,6 +525,9 @@ class KernelkiteLauncher(_LauncherBase):
         self.cuda_include_dirs = list(cuda_include_dirs)
         self.user_of = user_of
         self.priority_of = priority_of
+        if not (cache is None or isinstance(cache, bool) or callable(cache)):
+            raise TypeError(f"cache is True, False, None or a callable, not {cache!r}")
+        self.cache = cache
         self._queue_cache: dict[str, tuple[float, dict[str, Any] | None, str | None]] = {}
         self._queue_locks: dict[str, asyncio.Lock] = {}
         self._cleanups: set[asyncio.Task] = set()
@@ -494,9 +553,9 @@ class KernelkiteLauncher(_LauncherBase):
         extra = [d for d in self.cuda_include_dirs if d not in given]
         return {**config, "include_dirs": [*given, *extra]}
 
-    def _who(self, config: dict) -> tuple[str | None, str | None]:
-        """The run's `user` and `priority` from `user_of` and `priority_of`; `ValueError`
-        saying what is wrong with either."""
+    def _who(self, config: dict) -> tuple[str | None, str | None, bool | None]:
+        """The run's `user`, `priority` and `cache` from `user_of`, `priority_of` and `cache`;
+        `ValueError` saying what is wrong with any of them."""
         user = priority = None
         if self.user_of is not None:
             try:
@@ -519,7 +578,15 @@ class KernelkiteLauncher(_LauncherBase):
                 raise ValueError(
                     f"priority_of gave {priority!r}, not one of {', '.join(PRIORITIES)}"
                 )
-        return user, priority
+        cache = self.cache
+        if callable(cache):
+            try:
+                cache = cache(config)
+            except Exception as e:
+                raise ValueError(f"cache raised {type(e).__name__}: {e}") from e
+            if cache is not None and not isinstance(cache, bool):
+                raise ValueError(f"cache gave {cache!r}, not True, False or None")
+        return user, priority, cache
 
     async def run_submission(self, config: dict, gpu_type: Any, status: Any) -> Any:
         """Runs `config` on `gpu_type`'s queue, reporting progress on `status` (kernelbot's
@@ -537,12 +604,12 @@ class KernelkiteLauncher(_LauncherBase):
             )
         config = self._with_include_dirs(config)
         try:
-            user, priority = self._who(config)
+            who = self._who(config)
         except ValueError as e:
             log.error("kernelkite run on %s: %s", gpu, e)
             await progress.show(_View(gpu=gpu, state="failed", why=NOT_YOUR_CODE))
             raise RunFailed(
-                f"{self.name} could not tell who the run on {gpu} is for ({e}); this is a "
+                f"{self.name} could not set up the run on {gpu} ({e}); this is a "
                 "configuration problem on our side, not your code: please report it to the "
                 "organizers.",
                 500,
@@ -551,7 +618,8 @@ class KernelkiteLauncher(_LauncherBase):
         timeout_s = max(1, math.ceil(deadline))
         key = str(uuid.uuid4())
         run_id = f"{gpu.lower()}-{key[:12]}"
-        view = _View(gpu=gpu)
+        mode = config.get("mode")
+        view = _View(gpu=gpu, mode=mode if isinstance(mode, str) else None)
         state: dict[str, Any] = {"id": None, "post": None}
         try:
             async with self._client() as client, asyncio.timeout(deadline + self.deadline_grace_s):
@@ -565,7 +633,7 @@ class KernelkiteLauncher(_LauncherBase):
                     view,
                     progress,
                     state,
-                    who=(user, priority),
+                    who=who,
                 )
         except TimeoutError:
             # The service did not end the submission itself within its timeout: it is not
@@ -616,7 +684,7 @@ class KernelkiteLauncher(_LauncherBase):
         view: _View,
         progress: _Progress,
         state: dict[str, Any],
-        who: tuple[str | None, str | None] = (None, None),
+        who: tuple[str | None, str | None, bool | None] = (None, None, None),
     ) -> Any:
         post = asyncio.ensure_future(self._submit(config, queue, run_id, timeout_s, key, who))
         state["post"] = post
@@ -642,12 +710,12 @@ class KernelkiteLauncher(_LauncherBase):
         run_id: str,
         timeout_s: int,
         key: str,
-        who: tuple[str | None, str | None] = (None, None),
+        who: tuple[str | None, str | None, bool | None] = (None, None, None),
     ) -> dict[str, Any]:
         """POSTs the submission, retrying transient failures with the same idempotency key
         (the service then answers with the submission the first try made). A quota refusal
         (`QuotaExceeded`) is no transient failure: it is raised at once."""
-        user, priority = who
+        user, priority, cache = who
         # A client of its own: this call may outlive the run's (a canceled run waits for it to
         # learn the id to cancel).
         async with self._client() as client:
@@ -663,6 +731,7 @@ class KernelkiteLauncher(_LauncherBase):
                         idempotency_key=key,
                         user=user,
                         priority=priority,
+                        cache=cache,
                     )
                 except (Unreachable, ServerError):
                     if attempt >= self.submit_attempts:
@@ -683,7 +752,11 @@ class KernelkiteLauncher(_LauncherBase):
                 if ev.terminal:
                     # The terminal event carries the submission; one read where it did not.
                     return ev.submission or await client.get(ev.submission_id)
-        raise Unreachable("the event stream ended before the submission did")
+        raise Unreachable(
+            "the event stream ended before the submission did",
+            method="GET",
+            url=f"{client.base_url}/v1/submissions/{sub_id}/events",
+        )
 
     async def _on_event(
         self,
@@ -753,8 +826,9 @@ class KernelkiteLauncher(_LauncherBase):
                     "the organizers if it happens again."
                 ) from e
             view.state, view.why = "succeeded", None
-            cached_from = sub.get("cached_from")
-            view.cached_from = cached_from if isinstance(cached_from, str) else None
+            if sub.get("cached_from"):
+                ran_at = answered_from_cache(parsed, sub)
+                view.cached = cached_run_wording(view.mode, ran_at)
             return parsed
         why = sub.get("error") or "no reason given"
         if state == "timed_out":
@@ -817,8 +891,11 @@ class KernelkiteLauncher(_LauncherBase):
                 503,
             )
         if isinstance(e, Unreachable | ServerError):
+            # Not the service's URL: the bot's own address for it is no business of a
+            # competitor's (the log has it).
+            why = e.reason if isinstance(e, Unreachable) else str(e)
             return (
-                f"The {self.name} service could not be reached ({e}); not your code. Please "
+                f"The {self.name} service could not be reached ({why}); not your code. Please "
                 "try again later.",
                 503,
             )
@@ -876,7 +953,11 @@ class KernelkiteLauncher(_LauncherBase):
                     async with self._client() as client:
                         data = await client.queue_status(queue)
                     if not isinstance(data.get("agents"), dict | None):
-                        raise Unreachable(f"agents is not an object: {data.get('agents')!r}")
+                        raise Unreachable(
+                            f"agents is not an object: {data.get('agents')!r}",
+                            method="GET",
+                            url=f"{client.base_url}/v1/queues/{queue}",
+                        )
                     cached = (time.monotonic(), data, None)
                 except KernelkiteError as e:
                     cached = (time.monotonic(), None, f"{self.name} queue status: {e}")
@@ -899,6 +980,43 @@ class KernelkiteLauncher(_LauncherBase):
             status=status,
             error=error,
         )
+
+
+def submitting_user(backend: Any) -> Callable[[dict], str | None]:
+    """Wires kernelbot's users into the service's fair share and quotas: wraps
+    `backend.submit_full` (kernelbot's `KernelBackend`, the one entry of its API, Discord cog
+    and background manager) so that the runs it gathers know the `user_id` of the submission
+    they belong to, and returns the `user_of` for `KernelkiteLauncher` that reads it.
+
+    kernelbot hands a launcher only the run config, which names no user; the user is in the
+    request `submit_full` gets. The wrapper keeps it in a context variable for the duration of
+    the call, and asyncio copies the context into every run `submit_full` starts, so concurrent
+    submissions each see their own. Runs started otherwise (kernelbot's admin verification
+    runs call `submit_leaderboard`) send no user. Calling this again on the same backend wraps
+    nothing twice and returns the same reader."""
+    current = backend.submit_full
+    reader = getattr(current, "_kernelkite_user_of", None)
+    if reader is not None:
+        return reader
+    user_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+        "kernelkite_submitting_user", default=None
+    )
+
+    @functools.wraps(current)
+    async def submit_full(req: Any, *args: Any, **kwargs: Any) -> Any:
+        given = getattr(req, "user_id", None)
+        token = user_id.set(None if given is None else str(given))
+        try:
+            return await current(req, *args, **kwargs)
+        finally:
+            user_id.reset(token)
+
+    def user_of(config: dict) -> str | None:
+        return user_id.get()
+
+    submit_full._kernelkite_user_of = user_of  # type: ignore[attr-defined]
+    backend.submit_full = submit_full
+    return user_of
 
 
 def gpu_types(name: str, gpus: Sequence[str]) -> type[Enum]:
