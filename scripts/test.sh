@@ -253,7 +253,7 @@ if [ "${KERNELKITE_SKIP_BENCH:-}" != 1 ]; then
   section "benchmarks (short mode)"
   # Only the bench targets (each prints its figures beside the baseline it names); the
   # unit tests already ran above.
-  KERNELKITE_BENCH_SHORT=1 step "benchmarks" cargo bench --workspace --locked --bench '*'
+  KERNELKITE_BENCH_SHORT=1 step "benchmarks" cargo bench --workspace --locked --no-fail-fast --bench '*'
 fi
 
 # One closing line over every runner above (cargo's per-binary lines, then bats' ok/not ok,
