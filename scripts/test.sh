@@ -230,6 +230,8 @@ if [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2
     grep -hoE '^test result: .* ([0-9]+) passed' "$clone_dir/log" | grep -oE '[0-9]+ passed' |
       awk '{s+=$1} END {print "fresh clone: " s+0 " passed, 0 failed"}'
   else
+    # Each failing test's own output (its panic), then cargo's errors.
+    sed -n '/^failures:$/,/^test result:/p' "$clone_dir/log" | grep -v '^ *[0-9]*: \|^ *at ' || true
     grep -E '^test .* \.\.\. FAILED$|^error' "$clone_dir/log" || tail -n 40 "$clone_dir/log"
     echo "error: the tests fail in a fresh clone but not here: something they need lives outside the repository (or is not committed)" >&2
     failed_step "cargo test in a fresh clone" "$(cargo_failed "$clone_dir/log")"

@@ -103,7 +103,7 @@ fn cgroup_root(fake: &Path) -> (PathBuf, Option<Cgroups>) {
                 mems: vec![0],
                 memory_bytes: 64 << 20,
                 pids: 64,
-                deny_devices: vec![],
+                allow_devices: None,
             };
             let ok = cg.create(&probe, &limits).is_ok();
             let _ = cg.clean_up(&probe);

@@ -1,10 +1,13 @@
 //! `SystemInfo`: what the job ran on.
 //!
 //! kernelbot asks torch; the runner must not pay a torch import (seconds) on every job, so:
-//! GPUs come from NVML when `libnvidia-ml.so.1` loads, else `nvidia-smi`, else `rocm-smi`,
-//! each external tool bounded in time; the CPU from `/proc/cpuinfo` (kernelbot's rule); the
-//! platform string as Python's `platform.platform()` writes it; and the torch version from
-//! torch's own `version.py` next to the interpreter (or, on request, by importing it).
+//! GPUs come from NVML when `libnvidia-ml.so.1` loads and counts any (its answer stands: the
+//! GPUs it lets this process use, that the variable names and whose node opens), `nvidia-smi`
+//! only where it does not, else `rocm-smi`, each external tool bounded in time; never from
+//! `/proc/driver/nvidia/gpus`, which lists the node's GPUs, not the job's; the CPU from
+//! `/proc/cpuinfo` (kernelbot's rule); the platform string as Python's `platform.platform()`
+//! writes it; and the torch version from torch's own `version.py` next to the interpreter (or,
+//! on request, by importing it).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -85,7 +88,8 @@ pub fn collect(probe: &Probe) -> SystemInfo {
 }
 
 /// The GPUs, from NVML, else `nvidia-smi`, else AMD's (the KFD topology, `rocm-smi`'s name);
-/// none found is no GPU.
+/// none found is no GPU. Where NVML loads and counts a GPU its answer stands, zero included:
+/// `nvidia-smi` is an NVML client itself, and in a job it would list GPUs NVML refuses.
 pub fn detect_gpus(probe: &Probe) -> Gpus {
     if probe.use_nvml {
         if let Some(g) = nvml_gpus(&probe.dev_root) {
@@ -375,14 +379,36 @@ pub fn nvml_available() -> bool {
     kernelkite_sys::nvml::Nvml::load().is_ok()
 }
 
-/// The GPUs NVML sees, honouring `CUDA_VISIBLE_DEVICES` as torch would: the name is the
-/// first visible GPU's. `None` when NVML is absent or sees no GPU.
+/// The GPUs NVML lets this process use, honouring `CUDA_VISIBLE_DEVICES` as torch would: the
+/// name is the first visible GPU's. `None` only when NVML does not load or counts no GPU at
+/// all (a node without NVIDIA GPUs, where AMD's are looked for); once it counts one, its answer
+/// is the answer, an error or a job allowed none of them being no usable GPU.
 fn nvml_gpus(dev_root: &Path) -> Option<Gpus> {
     let nvml = kernelkite_sys::nvml::Nvml::load().ok()?;
-    let devices = nvml.devices().ok().filter(|d| !d.is_empty())?;
+    let none = Gpus {
+        runtime: "CUDA".into(),
+        ..Gpus::default()
+    };
+    match nvml.device_count() {
+        Ok(0) => return None,
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!("cannot count the GPUs through NVML ({e}): reporting none");
+            return Some(none);
+        }
+    }
+    let devices = match nvml.devices() {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!("cannot list the GPUs through NVML ({e}): reporting none");
+            return Some(none);
+        }
+    };
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let usable = usable_nvidia(&devices, visible.as_deref(), dev_root);
-    let first = usable.first().copied().or_else(|| devices.first())?;
+    let Some(first) = usable.first().copied().or_else(|| devices.first()) else {
+        return Some(none);
+    };
     Some(Gpus {
         name: first.name.clone().unwrap_or_default(),
         count: usable.len() as u32,
@@ -553,6 +579,7 @@ mod tests {
             minor: Some(minor),
             name: Some("NVIDIA H100".into()),
             mig: vec![],
+            mig_enabled: false,
             nvlink_peers: vec![],
         };
         let devices: Vec<DeviceInfo> = (0..4).map(gpu).collect();

@@ -747,6 +747,65 @@ fn gpu_info_comes_from_nvidia_smi_or_rocm_smi_without_nvml() {
     assert!(sys["platform"].as_str().unwrap().starts_with("Linux-"));
 }
 
+/// In a job NVML counts every GPU of the node but lets the job open only its own (the others
+/// answer NO_PERMISSION, as the stand-in does for a GPU whose node is not in
+/// `KERNELKITE_FAKE_NVML_DEV`): its answer is the count, and `nvidia-smi`, which would list the
+/// node's GPUs, is never asked, not even when NVML lets the job use none.
+#[test]
+fn the_gpu_count_is_nvml_s_and_never_nvidia_smi_s_when_nvml_loads() {
+    let Some(_) = need_python() else { return };
+    if kernelkite_runner::sysinfo::nvml_available() {
+        kernelkite_testkit::skip("a real NVML loads here and would answer instead of the stand-in");
+        return;
+    }
+    use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    fake.configure(&format!(
+        "{}{}",
+        h100("0000:18:00.0", 0, 0),
+        h100("0000:19:00.0", 1, 0)
+    ));
+    let tools = tempfile::tempdir().unwrap();
+    let marker = tools.path().join("nvidia-smi-ran");
+    script(
+        tools.path(),
+        "nvidia-smi",
+        &format!(
+            "#!/bin/sh\ntouch '{}'\nprintf 'NVIDIA H100 80GB HBM3\\nNVIDIA H100 80GB HBM3\\n'\n",
+            marker.display()
+        ),
+    );
+    let dev = tempfile::tempdir().unwrap();
+    let path = path_with(Some(tools.path()));
+    let dev_dir = dev.path().display().to_string();
+    let mut env: Vec<(String, String)> = fake.env();
+    env.push(("PATH".into(), path));
+    env.push(("KERNELKITE_FAKE_NVML_DEV".into(), dev_dir));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let cfg = harness_config("test", "pass", json!({}));
+    // The job may open GPU 0 only (NVML lists it; its /dev/nvidia0 does not open on this
+    // machine, so it is not usable either), then none of them.
+    std::fs::write(dev.path().join("nvidia0"), "").unwrap();
+    let r = run_config(&cfg, &[], &env);
+    let sys = &r.result["system"];
+    assert_eq!(sys["gpu"], "NVIDIA H100 80GB HBM3", "{sys}\n{}", r.log());
+    assert_eq!(sys["device_count"], 0, "{sys}");
+    assert_eq!(sys["runtime"], "CUDA", "{sys}");
+    std::fs::remove_file(dev.path().join("nvidia0")).unwrap();
+    let r = run_config(&cfg, &[], &env);
+    let sys = &r.result["system"];
+    assert_eq!(
+        (sys["device_count"].as_u64(), sys["runtime"].as_str()),
+        (Some(0), Some("CUDA")),
+        "{sys}\n{}",
+        r.log()
+    );
+    assert!(!marker.exists(), "nvidia-smi was asked");
+}
+
 #[test]
 fn profile_uses_rocprofv3_when_that_is_the_profiler_present() {
     let Some(_) = need_python() else { return };

@@ -15,19 +15,29 @@
  *   mig <parent bus id> <gpu instance id> <compute instance id> <uuid> <memory bytes> <name ...>
  *       (a MIG device; a GPU with any is in MIG mode, and its MIG devices are numbered
  *       0.. in the order given, as nvmlDeviceGetMigDeviceHandleByIndex numbers them)
+ *   migmode <bus id> <current 0|1> <pending 0|1>
+ *       (the GPU's MIG mode as nvmlDeviceGetMigMode reports it, whatever MIG devices it has:
+ *       MIG on with none yet, or a change pending until the GPU's next reset; without it,
+ *       a GPU is in MIG mode when it has MIG devices)
  *   nvlink <bus id> <bus id>   (the two GPUs are NVLink peers, both ways)
  *   fail <function name> <nvmlReturn_t code>
  * KERNELKITE_FAKE_NVML_LOG, if set, names a file each call that changes something is
  * appended to ("lock <bus id> <min> <max>", "reset <bus id>").
+ * KERNELKITE_FAKE_NVML_DEV, if set, names the directory standing for /dev: a GPU whose
+ * nvidia<minor> is not there is one this process may not open, and as NVML does for such a
+ * GPU (nvml.h, nvmlDeviceGetCount_v2 and nvmlDeviceGetHandleByIndex_v2), the count still
+ * includes it while its handle, by index or by bus id, is NO_PERMISSION.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NO_PERMISSION 4
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
@@ -88,12 +98,18 @@ struct fake_link {
     char a[32], b[32];
 };
 
+struct fake_mode {
+    char bus[32];
+    unsigned int current, pending;
+};
+
 static struct fake_gpu gpus[MAX_GPUS];
 static struct fake_gpu migs[MAX_MIGS];
 static struct fake_proc procs[MAX_PROCS];
 static struct fake_fail fails[MAX_FAILS];
 static struct fake_link links[MAX_LINKS];
-static unsigned int n_gpus, n_migs, n_procs, n_fails, n_links;
+static struct fake_mode modes[MAX_GPUS];
+static unsigned int n_gpus, n_migs, n_procs, n_fails, n_links, n_modes;
 static int initialised;
 
 static void log_line(const char *fmt, const char *a, unsigned int b, unsigned int c)
@@ -128,7 +144,7 @@ static nvmlReturn_t failure(const char *function)
 
 static void read_config(void)
 {
-    n_gpus = n_migs = n_procs = n_fails = n_links = 0;
+    n_gpus = n_migs = n_procs = n_fails = n_links = n_modes = 0;
     char parents[MAX_MIGS][32];
     const char *path = getenv("KERNELKITE_FAKE_NVML");
     if (!path)
@@ -160,6 +176,10 @@ static void read_config(void)
                 snprintf(m->name, sizeof m->name, "%s", line + 4 + used);
                 n_migs++;
             }
+        } else if (strncmp(line, "migmode ", 8) == 0 && n_modes < MAX_GPUS) {
+            struct fake_mode *m = &modes[n_modes];
+            if (sscanf(line + 8, "%31s %u %u", m->bus, &m->current, &m->pending) == 3)
+                n_modes++;
         } else if (strncmp(line, "nvlink ", 7) == 0 && n_links < MAX_LINKS) {
             struct fake_link *l = &links[n_links];
             if (sscanf(line + 7, "%31s %31s", l->a, l->b) == 2)
@@ -187,6 +207,15 @@ static void read_config(void)
         kept++;
     }
     n_migs = kept;
+}
+
+/* The MIG mode a `migmode` line gave `gpu`, or NULL. */
+static const struct fake_mode *mode_of(const struct fake_gpu *gpu)
+{
+    for (unsigned int i = 0; i < n_modes; i++)
+        if (strcasecmp(modes[i].bus, gpu->bus) == 0)
+            return &modes[i];
+    return NULL;
 }
 
 /* The MIG devices of `gpu`, in the order the configuration gave them. */
@@ -217,7 +246,10 @@ nvmlReturn_t nvmlShutdown(void)
 
 const char *nvmlErrorString(nvmlReturn_t result)
 {
-    return result == NVML_SUCCESS ? "Success" : "fake NVML error";
+    if (result == NVML_SUCCESS)
+        return "Success";
+    /* nvml.h's text for it, which nvidia-smi prints for a GPU it may not open. */
+    return result == NVML_ERROR_NO_PERMISSION ? "Insufficient Permissions" : "fake NVML error";
 }
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
@@ -229,11 +261,25 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
     return NVML_SUCCESS;
 }
 
+/* Whether this process may open `g` (KERNELKITE_FAKE_NVML_DEV): its node exists. Checked by
+ * name, not opened: a test's fake nodes carry numbers no driver of the machine answers. */
+static int may_open(const struct fake_gpu *g)
+{
+    const char *dev = getenv("KERNELKITE_FAKE_NVML_DEV");
+    if (!dev)
+        return 1;
+    char path[512];
+    snprintf(path, sizeof path, "%s/nvidia%u", dev, g->minor);
+    return access(path, F_OK) == 0;
+}
+
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
     ENTER("nvmlDeviceGetHandleByIndex_v2");
     if (!device || index >= n_gpus)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (!may_open(&gpus[index]))
+        return NVML_ERROR_NO_PERMISSION;
     *device = &gpus[index];
     return NVML_SUCCESS;
 }
@@ -249,6 +295,8 @@ nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *bus_id, nvmlDevice_t *
         want += 4;
     for (unsigned int i = 0; i < n_gpus; i++) {
         if (strcasecmp(gpus[i].bus, want) == 0) {
+            if (!may_open(&gpus[i]))
+                return NVML_ERROR_NO_PERMISSION;
             *device = &gpus[i];
             return NVML_SUCCESS;
         }
@@ -408,7 +456,9 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
     if (!device || !current || !pending || device->parent)
         return NVML_ERROR_INVALID_ARGUMENT;
     /* NVML_DEVICE_MIG_ENABLE is 1. */
-    *current = *pending = mig_count(device) > 0 ? 1 : 0;
+    const struct fake_mode *m = mode_of(device);
+    *current = m ? m->current : (mig_count(device) > 0 ? 1 : 0);
+    *pending = m ? m->pending : *current;
     return NVML_SUCCESS;
 }
 
@@ -417,7 +467,10 @@ nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *c
     ENTER("nvmlDeviceGetMaxMigDeviceCount");
     if (!device || !count || device->parent)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *count = mig_count(device) > 0 ? MAX_MIG_PER_GPU : 0;
+    /* The most MIG devices the GPU can hold while in MIG mode, whether it holds any yet. */
+    const struct fake_mode *m = mode_of(device);
+    unsigned int on = m ? m->current : (mig_count(device) > 0 ? 1 : 0);
+    *count = on ? MAX_MIG_PER_GPU : 0;
     return NVML_SUCCESS;
 }
 

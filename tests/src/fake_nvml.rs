@@ -117,9 +117,15 @@ pub fn h100_uuid(bus: &str) -> String {
 /// A `mig` line: a MIG device of the GPU at `parent` (GPU instance `gi`, compute instance
 /// `ci`) with `gib` GiB of memory and the UUID [`mig_uuid`] gives it.
 pub fn mig(parent: &str, gi: u32, ci: u32, gib: u64) -> String {
+    mig_at(parent, gi, ci, gib, 0)
+}
+
+/// [`mig`] as the node's `boot`-th boot makes it: MIG devices do not survive a reboot, and
+/// the driver gives the same instances new UUIDs ([`mig_uuid_at`]).
+pub fn mig_at(parent: &str, gi: u32, ci: u32, gib: u64, boot: u32) -> String {
     format!(
         "mig {parent} {gi} {ci} {} {} NVIDIA H100 80GB HBM3 MIG {}g.{}gb\n",
-        mig_uuid(parent, gi, ci),
+        mig_uuid_at(parent, gi, ci, boot),
         gib << 30,
         gib.div_ceil(10).max(1),
         gib
@@ -128,9 +134,25 @@ pub fn mig(parent: &str, gi: u32, ci: u32, gib: u64) -> String {
 
 /// The UUID [`mig`] gives a MIG device: `MIG-`, the parent's bus digits and the instance ids.
 pub fn mig_uuid(parent: &str, gi: u32, ci: u32) -> String {
+    mig_uuid_at(parent, gi, ci, 0)
+}
+
+/// The UUID [`mig_at`] gives a MIG device in boot `boot` (its last group).
+pub fn mig_uuid_at(parent: &str, gi: u32, ci: u32, boot: u32) -> String {
     let digits: String = parent.chars().filter(char::is_ascii_hexdigit).collect();
     let n = u64::from_str_radix(&digits, 16).unwrap_or(0) & 0xffff_ffff;
-    format!("MIG-{n:08x}-{gi:04x}-4{ci:03x}-8000-000000000000")
+    format!("MIG-{n:08x}-{gi:04x}-4{ci:03x}-8000-{boot:012x}")
+}
+
+/// A `migmode` line: the GPU at `bus` reports MIG mode `current` now and `pending` after its
+/// next reset, whatever MIG devices it has (MIG on with none created yet, as after enabling
+/// MIG or a reboot before the instances are made again).
+pub fn mig_mode(bus: &str, current: bool, pending: bool) -> String {
+    format!(
+        "migmode {bus} {} {}\n",
+        u8::from(current),
+        u8::from(pending)
+    )
 }
 
 /// An `nvlink` line: the GPUs at `a` and `b` are NVLink peers.
@@ -138,24 +160,123 @@ pub fn nvlink(a: &str, b: &str) -> String {
     format!("nvlink {a} {b}\n")
 }
 
-/// Writes the NVIDIA driver's MIG files under `root` (what `kernelkite_sys::nvidia` reads): `mig-minors` with `config` 1,
-/// `monitor` 2 and the given `(gpu minor, gi, ci, gi cap, ci cap)` entries, and `nvidia-caps`
-/// as major `major` in `proc/devices`.
-pub fn write_mig_minors(
-    root: &Path,
-    major: u32,
-    entries: &[(u32, u32, u32, u32, u32)],
-) -> std::io::Result<()> {
+/// Lines in the driver's `mig-minors`: `config`, `monitor`, then 32 GPUs × 15 GPU instances ×
+/// (the instance's `access` and 8 compute instances'), whatever the node has.
+pub const MIG_MINORS_LINES: usize = 2 + 32 * 15 * 9;
+
+/// The minor the driver gives `gpu<gpu>/gi<gi>/access` (`ci` `None`) or
+/// `gpu<gpu>/gi<gi>/ci<ci>/access`. The facts are NVIDIA's open kernel modules'
+/// (`kernel-open/nvidia/nv-caps.c`: one counter numbers the nvlink table (fabric-mgmt 0), the
+/// MIG table (config 1, monitor 2), then the per-GPU table, 15 GIs × (access + 8 CIs) per GPU,
+/// in order).
+pub fn mig_cap_minor(gpu: u32, gi: u32, ci: Option<u32>) -> u32 {
+    3 + 135 * gpu + 9 * gi + ci.map_or(0, |c| 1 + c)
+}
+
+/// The driver's whole `/proc/driver/nvidia-caps/mig-minors`: its table is static (nv-caps.c
+/// prints every entry of it, `"%s %d\n"` with the `…/capabilities/` prefix cut), so a node
+/// without MIG, or with two MIG devices, lists the same 4,322 lines.
+pub fn mig_minors_table() -> String {
+    let mut text = String::from("config 1\nmonitor 2\n");
+    for gpu in 0..32 {
+        for gi in 0..15 {
+            let minor = mig_cap_minor(gpu, gi, None);
+            text.push_str(&format!("gpu{gpu}/gi{gi}/access {minor}\n"));
+            for ci in 0..8 {
+                let minor = mig_cap_minor(gpu, gi, Some(ci));
+                text.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {minor}\n"));
+            }
+        }
+    }
+    text
+}
+
+/// Writes the NVIDIA driver's capability files under `root` (what `kernelkite_sys::nvidia`
+/// reads): the real `mig-minors` table ([`mig_minors_table`]), and `proc/devices` naming
+/// `nvidia` (195), `nvidia-caps` as `major` and `nvidia-uvm` as 511.
+pub fn write_mig_minors(root: &Path, major: u32) -> std::io::Result<()> {
     let dir = root.join("proc/driver/nvidia-caps");
     std::fs::create_dir_all(&dir)?;
-    let mut text = String::from("config 1\nmonitor 2\n");
-    for (gpu, gi, ci, gi_cap, ci_cap) in entries {
-        text.push_str(&format!("gpu{gpu}/gi{gi}/access {gi_cap}\n"));
-        text.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {ci_cap}\n"));
-    }
-    std::fs::write(dir.join("mig-minors"), text)?;
+    std::fs::write(dir.join("mig-minors"), mig_minors_table())?;
     std::fs::write(
         root.join("proc/devices"),
-        format!("Character devices:\n  1 mem\n195 nvidia\n{major} nvidia-caps\n"),
+        format!("Character devices:\n  1 mem\n195 nvidia\n{major} nvidia-caps\n511 nvidia-uvm\n"),
     )
+}
+
+/// Writes the NVIDIA driver's `/proc` directories under `root` as a node shows them
+/// (kernel-open/nvidia/nv-procfs.c, nv-caps.c and nvidia-uvm/uvm_procfs.c of NVIDIA's
+/// open-gpu-kernel-modules): under `proc/driver/nvidia`, `version`, `params` (with
+/// `ModifyDeviceFiles: 1`), `registry`, `suspend`, `suspend_depth`, `warnings/README`,
+/// `patches/README`, `gpus/<bus>/{information,registry,power}` for each `(bus, minor)` of
+/// `gpus` (`information` naming the GPU's model, the UUID [`h100_uuid`] gives it, its bus id and
+/// minor), MIG's `capabilities/mig/{config,monitor}` and, for each `(gpu minor, gi, ci)` of
+/// `mig`, its GPU instance's and compute instance's `access` files (their minors
+/// [`mig_cap_minor`]'s); and under `proc/driver/nvidia-uvm`, `gpus/GPU-<uuid>/0/info` for each
+/// GPU (every GPU in use by some process on the node).
+pub fn write_driver_proc(
+    root: &Path,
+    gpus: &[(&str, u32)],
+    mig: &[(u32, u32, u32)],
+) -> std::io::Result<()> {
+    let dir = root.join("proc/driver/nvidia");
+    let write = |rel: &str, text: &str| -> std::io::Result<()> {
+        let p = dir.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(p, text)
+    };
+    write(
+        "version",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build\nGCC version:  gcc version 12.3.0\n",
+    )?;
+    write(
+        "params",
+        "ResmanDebugLevel: 4294967295\nRmLogonRC: 1\nModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 0\nDeviceFileMode: 438\nRegistryDwords: \"\"\nRegistryDwordsPerDevice: \"\"\nRmMsg: \"\"\nGpuBlacklist: \"\"\nExcludedGpus: \"\"\n",
+    )?;
+    write("registry", "Binary: \"\"\n")?;
+    write("suspend", "")?;
+    write("suspend_depth", "default\n")?;
+    write(
+        "warnings/README",
+        "The NVIDIA graphics driver tries to detect potential problems\n",
+    )?;
+    write("patches/README", "Apply the patches in this directory\n")?;
+    for (bus, minor) in gpus {
+        let info = format!(
+            "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 0\nGPU UUID: \t {}\nVideo BIOS: \t 96.00.00.00.00\nBus Type: \t PCIe\n\
+             DMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\nBus Location: \t {bus}\nDevice Minor: \t {minor}\nGPU Excluded:\t No\n",
+            h100_uuid(bus)
+        );
+        write(&format!("gpus/{bus}/information"), &info)?;
+        write(&format!("gpus/{bus}/registry"), "Binary: \"\"\n")?;
+        write(
+            &format!("gpus/{bus}/power"),
+            "Runtime D3 status:          Not supported\nVideo Memory:               Active\n",
+        )?;
+        let uvm = root.join(format!("proc/driver/nvidia-uvm/gpus/{}/0", h100_uuid(bus)));
+        std::fs::create_dir_all(&uvm)?;
+        std::fs::write(
+            uvm.join("info"),
+            format!("GPU {}\nname NVIDIA H100 80GB HBM3\n", h100_uuid(bus)),
+        )?;
+    }
+    // nv-caps.c's access files: the node's minor, mode and whether the driver may fix it.
+    let access = |minor: u32| {
+        format!("DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    };
+    write("capabilities/mig/config", &access(1))?;
+    write("capabilities/mig/monitor", &access(2))?;
+    for &(gpu, gi, ci) in mig {
+        write(
+            &format!("capabilities/gpu{gpu}/mig/gi{gi}/access"),
+            &access(mig_cap_minor(gpu, gi, None)),
+        )?;
+        write(
+            &format!("capabilities/gpu{gpu}/mig/gi{gi}/ci{ci}/access"),
+            &access(mig_cap_minor(gpu, gi, Some(ci))),
+        )?;
+    }
+    Ok(())
 }

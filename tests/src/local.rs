@@ -137,7 +137,7 @@ pub fn real_cgroups() -> Result<(), String> {
         mems: vec![0],
         memory_bytes: 64 << 20,
         pids: 64,
-        deny_devices: vec![],
+        allow_devices: None,
     };
     let made = cg.create(&probe, &limits);
     let _ = cg.clean_up(&probe);

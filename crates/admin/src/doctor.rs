@@ -522,6 +522,9 @@ pub fn check_gpu_drivers(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<C
                 "install the NVIDIA driver (e.g. `apt install nvidia-driver-550-server`) and reboot",
             )),
         }
+        if root.join("proc/driver/nvidia/version").exists() {
+            out.push(check_nvidia_uvm(root));
+        }
     }
     if amd > 0 {
         let kfd = root.join("dev/kfd").exists();
@@ -547,12 +550,68 @@ pub fn check_gpu_drivers(root: &Path, gpus: &[Vendor], host: &dyn Host) -> Vec<C
     out
 }
 
+/// `/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools`: CUDA needs the first (the profilers the
+/// second), the sandbox binds only nodes that exist, and a job cannot make them. The kernel
+/// module makes no node (it only registers its major); CUDA makes them by running the setuid
+/// `nvidia-modprobe`, which a sandboxed job runs without privileges (`no_new_privs`) in a
+/// read-only `/dev`. So they must exist on the host before a job starts.
+pub fn check_nvidia_uvm(root: &Path) -> Check {
+    const NAME: &str = "nvidia-uvm";
+    const FIX: &str = "run `sudo nvidia-modprobe -u -c=0` (loads nvidia-uvm and makes /dev/nvidia-uvm and /dev/nvidia-uvm-tools), and make it run at every boot (a oneshot unit before kernelkite-agent@.service, or your distribution's udev rule)";
+    let Some(major) = nvidia::char_major(root, nvidia::UVM_DEVICES_NAME) else {
+        return Check::fail(
+            NAME,
+            "the nvidia-uvm module is not loaded (no nvidia-uvm in /proc/devices): CUDA cannot start without it, and a job cannot load it (its sandbox sets no_new_privs, so CUDA's setuid nvidia-modprobe runs without privileges)",
+            FIX,
+        );
+    };
+    let exists = |n: &str| std::fs::symlink_metadata(root.join("dev").join(n)).is_ok();
+    if !exists("nvidia-uvm") {
+        return Check::fail(
+            NAME,
+            format!("/dev/nvidia-uvm is missing (nvidia-uvm is loaded, major {major}): the sandbox binds only nodes that exist, and CUDA cannot make it inside a job (no_new_privs stops the setuid nvidia-modprobe)"),
+            FIX,
+        );
+    }
+    if !exists("nvidia-uvm-tools") {
+        return Check::warn(
+            NAME,
+            format!("/dev/nvidia-uvm exists (major {major}) but /dev/nvidia-uvm-tools is missing: CUDA runs, profilers (Nsight, CUPTI) cannot"),
+            FIX,
+        );
+    }
+    Check::ok(
+        NAME,
+        format!("/dev/nvidia-uvm and /dev/nvidia-uvm-tools exist (major {major})"),
+    )
+}
+
 /// The MIG layout, when a GPU is in MIG mode: its MIG devices (one slice each), and whether
 /// the driver lists the capability nodes each needs in a job's private `/dev`.
 pub fn check_mig(root: &Path, devices: &[DeviceInfo]) -> Option<Check> {
-    let mig: Vec<&DeviceInfo> = devices.iter().filter(|d| !d.mig.is_empty()).collect();
+    let mig: Vec<&DeviceInfo> = devices
+        .iter()
+        .filter(|d| d.mig_enabled || !d.mig.is_empty())
+        .collect();
     if mig.is_empty() {
         return None;
+    }
+    // MIG on, nothing made yet (just enabled, or after a reboot): CUDA cannot use the GPU,
+    // and the plan leaves it out.
+    let empty: Vec<String> = mig
+        .iter()
+        .filter(|d| d.mig.is_empty())
+        .map(|d| kernelkite_topology::topology::canonical_bus_id(&d.pci_bus_id))
+        .collect();
+    if !empty.is_empty() {
+        return Some(Check::fail(
+            "mig",
+            format!(
+                "GPU(s) {} in MIG mode with no MIG device: CUDA cannot use them, and the plan leaves them out",
+                empty.join(", ")
+            ),
+            "create MIG devices (`sudo nvidia-smi mig -i <bus id> -lgip` lists the profiles, `sudo nvidia-smi mig -i <bus id> -cgi <profiles> -C` makes them) or turn MIG off (`sudo nvidia-smi -i <bus id> -mig 0`, then reset the GPU or reboot), then run `sudo kernelkite-isolate setup` again",
+        ));
     }
     if nvidia::caps_in_procfs(root) {
         return Some(Check::fail(
@@ -567,6 +626,9 @@ pub fn check_mig(root: &Path, devices: &[DeviceInfo]) -> Option<Check> {
     let mut layout = Vec::new();
     let mut unlisted = Vec::new();
     let mut no_node = Vec::new();
+    // nvidia-modprobe's arguments for the missing nodes, and the nodes it may not make.
+    let mut make_nodes: Vec<String> = Vec::new();
+    let mut by_hand: Vec<u32> = Vec::new();
     for d in &mig {
         let bus = kernelkite_topology::topology::canonical_bus_id(&d.pci_bus_id);
         let minor = d.minor.or_else(|| nvidia::device_minor(root, &bus));
@@ -577,14 +639,30 @@ pub fn check_mig(root: &Path, devices: &[DeviceInfo]) -> Option<Check> {
                 let caps = minor.and_then(|g| {
                     nvidia::mig_cap_minors(root, g, m.gpu_instance_id, m.compute_instance_id)
                 });
-                match caps {
-                    None => unlisted.push(m.uuid.clone()),
-                    Some(caps) => no_node.extend(
-                        caps.into_iter()
-                            .map(nvidia::cap_node)
-                            .filter(|n| !root.join("dev").join(n).exists())
-                            .map(|n| format!("/dev/{}", n.display())),
-                    ),
+                match (caps, minor) {
+                    (Some(caps), Some(g)) => {
+                        let missing: Vec<(u32, PathBuf)> = caps
+                            .into_iter()
+                            .zip(nvidia::mig_cap_proc_files(
+                                g,
+                                m.gpu_instance_id,
+                                m.compute_instance_id,
+                            ))
+                            .filter(|(c, _)| !root.join("dev").join(nvidia::cap_node(*c)).exists())
+                            .collect();
+                        no_node.extend(
+                            missing
+                                .iter()
+                                .map(|(c, _)| format!("/dev/{}", nvidia::cap_node(*c).display())),
+                        );
+                        for (cap, proc_file) in missing {
+                            make_nodes.push(format!("-f {}", proc_file.display()));
+                            if nvidia::cap_file_modify(root, &proc_file) == Some(false) {
+                                by_hand.push(cap);
+                            }
+                        }
+                    }
+                    _ => unlisted.push(m.uuid.clone()),
                 }
                 format!(
                     "{} ({}GPU instance {}, compute instance {}, {})",
@@ -622,11 +700,37 @@ pub fn check_mig(root: &Path, devices: &[DeviceInfo]) -> Option<Check> {
                 "{text}; but {} do not exist, so a job's /dev could not hold them",
                 no_node.join(", ")
             ),
-            "create them with `nvidia-modprobe -f /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/access` (and `.../ci<id>/access`), or let the driver make them (NVreg_ModifyDeviceFiles=1, its default)",
+            mig_node_hint(&make_nodes, &by_hand, nvidia::caps_major(root)),
         )
     } else {
         Check::ok("mig", text)
     })
+}
+
+/// What makes missing MIG capability nodes: `nvidia-modprobe -f` with each capability's proc
+/// file (it reads the minor there and makes `/dev/nvidia-caps/nvidia-cap<N>`); the kernel
+/// module never makes them, and a job cannot run it. Where the module was loaded with
+/// `NVreg_ModifyDeviceFiles=0` (`DeviceFileModify: 0` in those files) nvidia-modprobe makes
+/// nothing, so those are made by hand.
+fn mig_node_hint(make_nodes: &[String], by_hand: &[u32], caps_major: Option<u32>) -> String {
+    let mut hint = format!(
+        "create them with `sudo nvidia-modprobe {}` (nvidia-modprobe makes /dev/nvidia-caps nodes from the driver's /proc files; the kernel module never does, and a job cannot run it); run it again whenever the MIG devices are made (at boot, after `nvidia-smi mig`)",
+        make_nodes.join(" ")
+    );
+    if !by_hand.is_empty() {
+        let major = caps_major.map_or("<nvidia-caps major>".to_string(), |m| m.to_string());
+        let mknod: Vec<String> =
+            std::iter::once("sudo mkdir -p /dev/nvidia-caps".to_string())
+                .chain(by_hand.iter().map(|n| {
+                    format!("sudo mknod -m 444 /dev/nvidia-caps/nvidia-cap{n} c {major} {n}")
+                }))
+                .collect();
+        hint.push_str(&format!(
+            "; the nvidia module was loaded with NVreg_ModifyDeviceFiles=0, which forbids nvidia-modprobe to make them: `{}`, or load it with NVreg_ModifyDeviceFiles=1",
+            mknod.join("; ")
+        ));
+    }
+    hint
 }
 
 /// Docker daemon reachable, and for NVIDIA GPUs the NVIDIA container toolkit.
@@ -869,6 +973,37 @@ mod tests {
         assert!(c.to_string().contains("nftables"), "{c}");
     }
 
+    #[test]
+    fn a_gpu_in_mig_mode_without_mig_devices_fails_the_mig_check() {
+        let root = tempfile::tempdir().unwrap();
+        let gpu = |bus: &str, on: bool| DeviceInfo {
+            pci_bus_id: bus.into(),
+            uuid: None,
+            minor: Some(0),
+            name: None,
+            mig: vec![],
+            mig_enabled: on,
+            nvlink_peers: vec![],
+        };
+        assert!(check_mig(root.path(), &[gpu("00000000:18:00.0", false)]).is_none());
+        let c = check_mig(
+            root.path(),
+            &[
+                gpu("00000000:18:00.0", false),
+                gpu("00000000:2A:00.0", true),
+            ],
+        )
+        .expect("a check");
+        let text = format!("{c:?}");
+        assert_eq!(c.status, Status::Fail, "{text}");
+        assert!(
+            text.contains("0000:2a:00.0")
+                && text.contains("no MIG device")
+                && text.contains("nvidia-smi mig"),
+            "{text}"
+        );
+    }
+
     fn healthy() -> FakeHost {
         FakeHost {
             nvml: Some(
@@ -879,6 +1014,7 @@ mod tests {
                         minor: Some(i),
                         name: None,
                         mig: vec![],
+                        mig_enabled: false,
                         nvlink_peers: vec![],
                     })
                     .collect(),
@@ -1077,6 +1213,110 @@ mod tests {
     }
 
     #[test]
+    fn doctor_checks_that_nvidia_uvm_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let nv = [Vendor::Nvidia];
+        // No driver: the driver's line says so, and there is no uvm line yet.
+        let c = check_gpu_drivers(root, &nv, &healthy());
+        assert!(!c.iter().any(|c| c.name == "nvidia-uvm"), "{c:?}");
+        std::fs::create_dir_all(root.join("proc/driver/nvidia")).unwrap();
+        std::fs::write(
+            root.join("proc/driver/nvidia/version"),
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  595.45.04\n",
+        )
+        .unwrap();
+        let uvm = || {
+            let c = check_gpu_drivers(root, &nv, &healthy());
+            let line = c.iter().find(|c| c.name == "nvidia-uvm").cloned();
+            line.unwrap_or_else(|| panic!("no nvidia-uvm line: {c:?}"))
+        };
+        std::fs::write(
+            root.join("proc/devices"),
+            "Character devices:\n  1 mem\n195 nvidia\n",
+        )
+        .unwrap();
+        let c = uvm();
+        assert_eq!(c.status, Status::Fail, "{c}");
+        assert!(c.detail.contains("not loaded"), "{c}");
+        assert!(c.to_string().contains("nvidia-modprobe -u -c=0"), "{c}");
+        std::fs::write(
+            root.join("proc/devices"),
+            "Character devices:\n  1 mem\n195 nvidia\n511 nvidia-uvm\n",
+        )
+        .unwrap();
+        let c = uvm();
+        assert_eq!(c.status, Status::Fail, "{c}");
+        assert!(
+            c.detail.contains("/dev/nvidia-uvm is missing") && c.detail.contains("511"),
+            "{c}"
+        );
+        assert!(c.to_string().contains("nvidia-modprobe -u -c=0"), "{c}");
+        std::fs::create_dir_all(root.join("dev")).unwrap();
+        std::fs::write(root.join("dev/nvidia-uvm"), "").unwrap();
+        let c = uvm();
+        assert_eq!(c.status, Status::Warn, "{c}");
+        assert!(c.detail.contains("nvidia-uvm-tools is missing"), "{c}");
+        std::fs::write(root.join("dev/nvidia-uvm-tools"), "").unwrap();
+        let c = uvm();
+        assert_eq!(c.status, Status::Ok, "{c}");
+    }
+
+    /// The fix for missing MIG capability nodes names nvidia-modprobe with the device's own
+    /// proc files, not a module option (the module never makes nodes); where the module
+    /// forbids nvidia-modprobe to make them (`DeviceFileModify: 0`), the `mknod` lines.
+    #[test]
+    fn missing_mig_nodes_are_made_by_nvidia_modprobe_or_by_hand() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        kernelkite_testkit::fake_nvml::write_mig_minors(root, 508).unwrap();
+        let mut devices = healthy().nvml.unwrap();
+        devices[1].mig = vec![kernelkite_sys::nvml::MigDeviceInfo {
+            uuid: "MIG-1".into(),
+            gpu_instance_id: 3,
+            compute_instance_id: 0,
+            memory_bytes: 40 << 30,
+            name: None,
+        }];
+        let c = check_mig(root, &devices).unwrap();
+        assert_eq!(c.status, Status::Fail, "{c}");
+        let text = c.to_string();
+        assert!(
+            text.contains("/dev/nvidia-caps/nvidia-cap165, /dev/nvidia-caps/nvidia-cap166"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sudo nvidia-modprobe -f /proc/driver/nvidia/capabilities/gpu1/mig/gi3/access -f /proc/driver/nvidia/capabilities/gpu1/mig/gi3/ci0/access"),
+            "{text}"
+        );
+        assert!(!text.contains("NVreg_ModifyDeviceFiles"), "{text}");
+        // The module loaded with NVreg_ModifyDeviceFiles=0: nvidia-modprobe would make nothing.
+        let gi = root.join("proc/driver/nvidia/capabilities/gpu1/mig/gi3");
+        std::fs::create_dir_all(gi.join("ci0")).unwrap();
+        for (file, minor) in [(gi.join("access"), 165), (gi.join("ci0/access"), 166)] {
+            std::fs::write(
+                file,
+                format!("DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 0\n"),
+            )
+            .unwrap();
+        }
+        let text = check_mig(root, &devices).unwrap().to_string();
+        assert!(
+            text.contains("sudo mknod -m 444 /dev/nvidia-caps/nvidia-cap166 c 508 166"),
+            "{text}"
+        );
+        assert!(text.contains("NVreg_ModifyDeviceFiles=0"), "{text}");
+        // One node there, one missing: only the missing one is named.
+        std::fs::create_dir_all(root.join("dev/nvidia-caps")).unwrap();
+        std::fs::write(root.join("dev/nvidia-caps/nvidia-cap165"), "").unwrap();
+        let text = check_mig(root, &devices).unwrap().to_string();
+        assert!(!text.contains("nvidia-cap165 c 508"), "{text}");
+        assert!(!text.contains("gi3/access -f"), "{text}");
+        std::fs::write(root.join("dev/nvidia-caps/nvidia-cap166"), "").unwrap();
+        assert_eq!(check_mig(root, &devices).unwrap().status, Status::Ok);
+    }
+
+    #[test]
     fn docker_and_the_nvidia_toolkit() {
         let dir = tempfile::tempdir().unwrap();
         let nv = [Vendor::Nvidia];
@@ -1117,13 +1357,23 @@ mod tests {
         fakesys::dgx_h100().write_to(dir.path()).unwrap();
         plugin_binary(dir.path(), 0o755);
         sandbox_kernel(dir.path());
+        // nvidia-uvm loaded and its nodes made at boot (`nvidia-modprobe -u -c=0`).
+        std::fs::write(
+            dir.path().join("proc/devices"),
+            "Character devices:\n195 nvidia\n511 nvidia-uvm\n",
+        )
+        .unwrap();
+        std::fs::create_dir_all(dir.path().join("dev")).unwrap();
+        for n in ["nvidia-uvm", "nvidia-uvm-tools"] {
+            std::fs::write(dir.path().join("dev").join(n), "").unwrap();
+        }
         let opts = DoctorOptions {
             root: dir.path().to_path_buf(),
             docker: true,
         };
         let checks = run_checks(&opts, &healthy());
         assert!(checks.iter().all(|c| c.status == Status::Ok), "{checks:#?}");
-        assert_eq!(checks.len(), 11);
+        assert_eq!(checks.len(), 12);
         assert_eq!(exit_code(&checks), 0);
         let checks = run_checks(&opts, &FakeHost::default());
         assert_eq!(exit_code(&checks), 1);

@@ -26,9 +26,28 @@ pub struct Limits {
     pub memory_bytes: u64,
     /// Most processes and threads at once (`pids.max`).
     pub pids: u32,
-    /// Character devices the job may not open (other jobs' GPUs).
-    pub deny_devices: Vec<CharDevice>,
+    /// Character devices the job may open besides [`BASE_DEVICE_RULES`]: its GPUs' nodes
+    /// (`crate::job::devices::job_devices`). Where the devices controller is there (cgroup
+    /// v1), every other device is denied. `None`: no device rules (docker mode, nodes with no
+    /// other GPU to keep out, tests).
+    pub allow_devices: Option<Vec<CharDevice>>,
 }
+
+/// What every job may open whatever its GPUs: runc's default set
+/// (`libcontainer/specconv`'s `AllowedDevices`) less mknod-anything, `/dev/console` and
+/// `/dev/net/tun`, which is the sandbox's private `/dev`: `null`, `zero`, `full`, `random`,
+/// `urandom`, `tty` (`sandbox::mounts::STANDARD_NODES`), `ptmx` and its devpts instance's
+/// terminals (major 136). `rwm`, as runc gives them.
+pub const BASE_DEVICE_RULES: &[&str] = &[
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",
+];
 
 /// A character device by number, as the devices controller names it (`c 195:3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -78,6 +97,29 @@ pub enum CgroupError {
         path: PathBuf,
         /// The survivors.
         pids: Vec<u32>,
+    },
+    /// The devices controller refused to reset a job cgroup's rules (`a` to `devices.deny`):
+    /// the kernel does that only on a cgroup without sub-cgroups.
+    #[error("{dir} has sub-cgroups, so its device rules cannot be reset ({error}); remove {dir} (a job's leftovers) and retry")]
+    DevicesInUse {
+        /// The job's devices cgroup.
+        dir: PathBuf,
+        /// What the kernel said.
+        #[source]
+        error: std::io::Error,
+    },
+    /// The devices controller refused an allow rule: the parent cgroup denies that device.
+    #[error("{dir}/devices.allow refused `{rule}` ({error}): its parent {parent} denies it, and a cgroup never gains a device its parent lacks (cgroup-v1 devices.rst); allow it in {parent}/devices.allow, or remove {parent} so that it is made anew from the hierarchy's root")]
+    DeviceDenied {
+        /// The job's devices cgroup.
+        dir: PathBuf,
+        /// Its parent.
+        parent: PathBuf,
+        /// The rule refused.
+        rule: String,
+        /// What the kernel said.
+        #[source]
+        error: std::io::Error,
     },
     /// The job made more (or deeper) sub-cgroups than clean-up walks.
     #[error("the cgroup tree under {path} is {what}; clean-up gives up rather than walk it (remove it by hand)")]

@@ -55,13 +55,29 @@ impl std::fmt::Display for Holder {
 pub enum Want {
     /// These GPUs exactly (the agent is bound to them by tag or name).
     Exactly(Vec<u32>),
-    /// Any `count` free GPUs among `candidates`, lowest first.
+    /// Any `count` free GPUs all from one tier, trying the tiers in order (best first: GPUs of
+    /// one NUMA node before GPUs of one vendor anywhere), lowest first within a tier.
     Pool {
         /// How many.
         count: u32,
-        /// The GPU indices to choose from.
-        candidates: Vec<u32>,
+        /// The sets of GPU indices a job's GPUs may come from, best first; they may overlap.
+        tiers: Vec<Vec<u32>>,
     },
+}
+
+impl Want {
+    /// Every GPU the job could take, ascending (as wanted, for [`Want::Exactly`]).
+    fn gpus(&self) -> Vec<u32> {
+        match self {
+            Want::Exactly(g) => g.clone(),
+            Want::Pool { tiers, .. } => {
+                let mut all: Vec<u32> = tiers.iter().flatten().copied().collect();
+                all.sort_unstable();
+                all.dedup();
+                all
+            }
+        }
+    }
 }
 
 /// Why GPUs could not be leased or released.
@@ -245,17 +261,19 @@ impl Leases {
     }
 
     /// One attempt: take every wanted GPU or none, leaving alone GPUs `promised` to jobs
-    /// earlier in the queue.
+    /// earlier in the queue. A pool takes its GPUs from the first tier that has enough free,
+    /// giving back what it took from a tier that fell short.
     fn attempt(
         &self,
         want: &Want,
         me: &Holder,
         promised: &[(u32, Holder)],
     ) -> Result<Attempt, LeaseError> {
-        let (needed, candidates) = match want {
-            Want::Exactly(gpus) => (gpus.len(), gpus.clone()),
-            Want::Pool { count, candidates } => (*count as usize, candidates.clone()),
+        let (needed, tiers) = match want {
+            Want::Exactly(gpus) => (gpus.len(), vec![gpus.clone()]),
+            Want::Pool { count, tiers } => (*count as usize, tiers.clone()),
         };
+        let candidates = want.gpus();
         let ahead: InTheWay = promised
             .iter()
             .filter(|(gpu, _)| candidates.contains(gpu))
@@ -264,30 +282,33 @@ impl Leases {
         if matches!(want, Want::Exactly(_)) && !ahead.is_empty() {
             return Ok(Err((Vec::new(), ahead)));
         }
-        let mut taken = Vec::new();
-        let mut held = Vec::new();
-        for gpu in candidates {
-            if taken.len() == needed {
-                break;
-            }
-            if ahead.iter().any(|(g, _)| *g == gpu) {
-                continue;
-            }
-            match self.try_take(gpu, me)? {
-                TryTake::Taken => taken.push(gpu),
-                TryTake::HeldBy(h) => {
-                    held.push((gpu, h));
-                    if matches!(want, Want::Exactly(_)) {
-                        break;
+        let mut held: InTheWay = Vec::new();
+        for tier in tiers.iter().filter(|t| t.len() >= needed) {
+            let mut taken = Vec::new();
+            for &gpu in tier {
+                if taken.len() == needed {
+                    break;
+                }
+                let in_the_way = |w: &InTheWay| w.iter().any(|(g, _)| *g == gpu);
+                if in_the_way(&ahead) || in_the_way(&held) {
+                    continue;
+                }
+                match self.try_take(gpu, me)? {
+                    TryTake::Taken => taken.push(gpu),
+                    TryTake::HeldBy(h) => {
+                        held.push((gpu, h));
+                        if matches!(want, Want::Exactly(_)) {
+                            break;
+                        }
                     }
                 }
             }
-        }
-        if taken.len() == needed {
-            return Ok(Ok(taken));
-        }
-        for gpu in taken {
-            self.release_one(gpu, &me.job_id)?;
+            if taken.len() == needed {
+                return Ok(Ok(taken));
+            }
+            for gpu in taken {
+                self.release_one(gpu, &me.job_id)?;
+            }
         }
         Ok(Err((held, ahead)))
     }
@@ -366,15 +387,25 @@ impl Leases {
         me: &Holder,
         wait: Duration,
     ) -> Result<Vec<u32>, LeaseError> {
-        let (wanted, pool) = match want {
-            Want::Exactly(g) => (g.len() as u32, g.clone()),
-            Want::Pool { count, candidates } => (*count, candidates.clone()),
+        let wanted = match want {
+            Want::Exactly(g) => g.len() as u32,
+            Want::Pool { count, .. } => *count,
         };
-        if (pool.len() as u32) < wanted || wanted == 0 {
+        let pool = want.gpus();
+        // The largest set the GPUs may come from: a pool's tiers are each a whole choice.
+        let largest = match want {
+            Want::Exactly(g) => g.clone(),
+            Want::Pool { tiers, .. } => tiers
+                .iter()
+                .max_by_key(|t| (t.len(), std::cmp::Reverse(t.first().copied())))
+                .cloned()
+                .unwrap_or_default(),
+        };
+        if (largest.len() as u32) < wanted || wanted == 0 {
             return Err(LeaseError::NotEnough {
                 wanted,
-                available: pool.len(),
-                candidates: pool,
+                available: largest.len(),
+                candidates: largest,
             });
         }
         let start = Instant::now();
@@ -495,7 +526,7 @@ mod tests {
         let l = Leases::new(dir.path(), Path::new("/proc"));
         let pool = Want::Pool {
             count: 1,
-            candidates: vec![0, 1],
+            tiers: vec![vec![0, 1]],
         };
         assert_eq!(l.acquire(&pool, &me("a"), Duration::ZERO).unwrap(), vec![0]);
         assert_eq!(l.acquire(&pool, &me("b"), Duration::ZERO).unwrap(), vec![1]);
@@ -536,7 +567,7 @@ mod tests {
             .unwrap();
         let pool2 = Want::Pool {
             count: 2,
-            candidates: vec![0, 1, 2],
+            tiers: vec![vec![0, 1, 2]],
         };
         assert_eq!(
             l.acquire(&pool2, &me("b"), Duration::ZERO).unwrap(),
@@ -554,7 +585,7 @@ mod tests {
             .acquire(
                 &Want::Pool {
                     count: 4,
-                    candidates: vec![0, 1, 2],
+                    tiers: vec![vec![0, 1, 2]],
                 },
                 &me("d"),
                 Duration::ZERO,
@@ -562,6 +593,63 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, LeaseError::NotEnough { .. }));
         assert_eq!(l.release_all("b").unwrap().len(), 2);
+    }
+
+    /// A pool takes its GPUs from the best tier that has enough free (here: one NUMA node's,
+    /// then the vendor's), and gives back what it took from a tier that fell short.
+    #[test]
+    fn a_pool_takes_its_gpus_from_the_best_tier_that_fits() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Leases::new(dir.path(), Path::new("/proc"));
+        let pool = |tiers: Vec<Vec<u32>>| Want::Pool { count: 2, tiers };
+        // All free: the first tier's, not the lowest two.
+        assert_eq!(
+            l.acquire(
+                &pool(vec![vec![2, 3], vec![0, 1, 2, 3]]),
+                &me("a"),
+                Duration::ZERO
+            )
+            .unwrap(),
+            [2, 3]
+        );
+        l.release_all("a").unwrap();
+        // 1 held: its tier falls short, and 3, taken from it on the way, is given back.
+        l.acquire(&Want::Exactly(vec![1]), &me("b"), Duration::ZERO)
+            .unwrap();
+        assert_eq!(
+            l.acquire(
+                &pool(vec![vec![1, 3], vec![0, 1, 2, 3]]),
+                &me("c"),
+                Duration::ZERO
+            )
+            .unwrap(),
+            [0, 2]
+        );
+        assert!(
+            l.holder(3).unwrap().is_none(),
+            "3 was kept from a short tier"
+        );
+        // No tier has two free: nothing is kept, and the holder is named.
+        let err = l
+            .acquire(&pool(vec![vec![1, 3]]), &me("d"), Duration::ZERO)
+            .unwrap_err();
+        assert!(err.to_string().contains("GPU 1 is held by job b"), "{err}");
+        assert!(l.holder(3).unwrap().is_none());
+        // More than any one tier holds: not enough, naming the largest tier.
+        let err = l
+            .acquire(
+                &Want::Pool {
+                    count: 3,
+                    tiers: vec![vec![0, 2], vec![1, 3]],
+                },
+                &me("e"),
+                Duration::ZERO,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&err, LeaseError::NotEnough { available: 2, candidates, .. } if candidates == &[0, 2]),
+            "{err}"
+        );
     }
 
     #[test]
@@ -578,7 +666,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let pool = Want::Pool {
                         count: 1,
-                        candidates: vec![0, 1],
+                        tiers: vec![vec![0, 1]],
                     };
                     for i in 0..150 {
                         let job = format!("t{t}-{i}");

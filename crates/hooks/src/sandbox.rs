@@ -3,7 +3,8 @@
 //! allows the network, a network namespace with only loopback) whose view of the machine is
 //! private: read-only cgroup file systems, fresh size-limited `/tmp`, `/var/tmp`, `/run/lock`
 //! and `/dev/shm`, a `/dev` holding only the job's GPU nodes, a `/proc` showing only the job's
-//! processes, and the agent's secrets, the node's leases and other jobs' checkouts hidden.
+//! processes and, of the NVIDIA driver's, only its GPUs (read-only, as are `/proc/sys` and the
+//! like), and the agent's secrets, the node's leases and other jobs' checkouts hidden.
 //!
 //! How: the `command` hook plans a [`SandboxSpec`] and starts the step's shell in the job's
 //! cgroup (born there by `clone3` on cgroup v2, written into `cgroup.procs` on v1) with
@@ -139,6 +140,27 @@ fn read_only_parts(built: &mounts::Built) -> Vec<String> {
     ro
 }
 
+/// What the job sees of the NVIDIA driver's `/proc` directory.
+fn driver_proc_line(d: &mounts::DriverShown) -> String {
+    let mut what = if d.gpus.is_empty() {
+        "no GPU".to_string()
+    } else {
+        format!("only GPU {}", d.gpus.join(", "))
+    };
+    if !d.caps.is_empty() {
+        let caps: Vec<String> = d.caps.iter().map(|c| c.display().to_string()).collect();
+        what.push_str(&format!(" and its MIG device's {}", caps.join(", ")));
+    }
+    if !d.files.is_empty() {
+        what.push_str(&format!(" (and the driver's {})", d.files.join(", ")));
+    }
+    let mut line = format!("{}: {what}, read-only", d.dir.display());
+    if let Some(uvm) = &d.uvm {
+        line.push_str(&format!("; {}: empty", uvm.display()));
+    }
+    line
+}
+
 /// The lines the job log gets: what the job can see.
 // Long because one line per fact of the job's view, in the order the job log shows them.
 pub fn describe(
@@ -191,6 +213,9 @@ pub fn describe(
             list(&gpu)
         )
     });
+    if let Some(d) = &built.driver_proc {
+        lines.push(driver_proc_line(d));
+    }
     let fresh: Vec<String> = built
         .fresh
         .iter()
@@ -330,6 +355,7 @@ mod tests {
             writable: vec![],
             read_only: vec![],
             tools: vec![],
+            driver_proc: spec::DriverProc::default(),
             allow_syscalls: vec![],
             artifacts: vec![],
             limits: spec::LimitsNote {
@@ -346,6 +372,13 @@ mod tests {
             writable: vec!["/builds/a/checkout".into()],
             devices: vec![],
             private_proc: true,
+            driver_proc: Some(mounts::DriverShown {
+                dir: "/proc/driver/nvidia".into(),
+                files: vec!["version".into(), "params".into(), "registry".into()],
+                gpus: vec!["0000:18:00.0".into()],
+                caps: vec![],
+                uvm: Some("/proc/driver/nvidia-uvm".into()),
+            }),
             host_read_only: true,
         };
         let creds = privileges::parse_status("Uid:\t998\t998\t998\t998\nGroups:\t\n");
@@ -367,5 +400,41 @@ mod tests {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
         assert!(!text.contains("runs as root"));
+        // The driver's `/proc`, right after the GPU nodes.
+        let gpu_line = lines.iter().position(|l| l.starts_with("GPU device nodes"));
+        assert_eq!(
+            gpu_line.and_then(|i| lines.get(i + 1)).map(String::as_str),
+            Some("/proc/driver/nvidia: only GPU 0000:18:00.0 (and the driver's version, params, registry), read-only; /proc/driver/nvidia-uvm: empty")
+        );
+        let mig = mounts::DriverShown {
+            dir: "/proc/driver/nvidia".into(),
+            files: vec!["params".into()],
+            gpus: vec!["0000:18:00.0".into()],
+            caps: vec![
+                "capabilities/gpu0/mig/gi3/access".into(),
+                "capabilities/gpu0/mig/gi3/ci0/access".into(),
+            ],
+            uvm: None,
+        };
+        assert_eq!(
+            driver_proc_line(&mig),
+            "/proc/driver/nvidia: only GPU 0000:18:00.0 and its MIG device's capabilities/gpu0/mig/gi3/access, capabilities/gpu0/mig/gi3/ci0/access (and the driver's params), read-only"
+        );
+        let none = mounts::DriverShown {
+            gpus: vec![],
+            caps: vec![],
+            ..mig
+        };
+        assert_eq!(
+            driver_proc_line(&none),
+            "/proc/driver/nvidia: no GPU (and the driver's params), read-only"
+        );
+        // No driver: no line.
+        let bare = mounts::Built {
+            driver_proc: None,
+            ..built
+        };
+        let text = describe(&spec, &bare, &creds, status, true).join("\n");
+        assert!(!text.contains("/proc/driver"), "{text}");
     }
 }

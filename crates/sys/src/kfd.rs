@@ -20,8 +20,12 @@
 //!   UUID `GPU-XX`, which selects nothing.
 //! * HIP numbers the GPUs ROCr surfaced; `HIP_VISIBLE_DEVICES` indexes those (so setting both
 //!   to host indices, as the hooks once did, hides every GPU but the first).
+//!
+//! A GPU cut into compute partitions (an MI300X in DPX, QPX or CPX mode) is one KFD node per
+//! partition, each its own GPU to ROCr with its own render node; [`gpus`] names each by its
+//! PCI device and [`KfdGpu::partition`] (see there for how `location_id` carries it).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Where the KFD topology lives under a sysfs root.
@@ -38,8 +42,15 @@ pub struct KfdGpu {
     pub unique_id: u64,
     /// `drm_render_minor`: the GPU's render node is `/dev/dri/renderD<minor>`.
     pub render_minor: u32,
-    /// `dddd:bb:dd.f` from `domain` and `location_id`.
+    /// `dddd:bb:dd.f` from `domain` and `location_id`: the PCI device's, function 0, for a
+    /// partition (whose `location_id` holds the partition number where a function would be).
     pub pci_bus_id: String,
+    /// The compute partition this node is, when its GPU is partitioned (several KFD nodes per
+    /// PCI device); `None` for a whole GPU.
+    pub partition: Option<u32>,
+    /// `num_xcc`: the node's XCDs (8 for a whole MI300X, 1 for a CPX partition; 0 when the
+    /// property is absent).
+    pub num_xcc: u64,
     /// `simd_count`: a node without SIMDs is no GPU to ROCr.
     pub simds: u64,
     /// Nodes this one reaches over xGMI: its `io_links` of type 11 (`HSA_IOLINK_TYPE_XGMI`
@@ -96,8 +107,25 @@ pub fn parse_properties(text: &str) -> HashMap<String, u64> {
         .collect()
 }
 
+/// A GPU node as read, before its PCI address is settled.
+struct RawNode {
+    gpu: KfdGpu,
+    domain: u64,
+    location: u64,
+}
+
 /// The GPU nodes of the KFD topology under `sys_root` (`/` on a live machine), in node order;
 /// empty when there is no KFD.
+///
+/// `location_id` is the PCI device's id (`bus << 8 | device << 3 | function`), and amdkfd ors
+/// the partition number into it when a GPU has several nodes (`kfd_topology_add_device` in
+/// ROCm/amdgpu's `amdkfd/kfd_topology.c`): into bits 2:0 on current kernels, into bits 31:28
+/// on some earlier ones (ROCm/amdsmi's `rsmi_dev_partition_id_get` reads both places). So
+/// nodes are grouped by domain, bus and device: a group of several nodes, or any node with bits
+/// 31:28 set, is one partitioned GPU, each node getting the device's function-0 address and
+/// its partition number. The exception is a group whose nodes' own addresses are distinct PCI
+/// functions present under `sys/bus/pci/devices` (several functions of one slot passed to a
+/// VM): those are whole GPUs, and keep their functions.
 pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
     let dir = sys_root.join(KFD_NODES);
     let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -108,7 +136,7 @@ pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
     nodes.sort_unstable();
-    nodes
+    let raw: Vec<RawNode> = nodes
         .into_iter()
         .filter_map(|node| {
             let path = dir.join(node.to_string());
@@ -122,24 +150,80 @@ pub fn gpus(sys_root: &Path) -> Vec<KfdGpu> {
             }
             let props = parse_properties(&std::fs::read_to_string(path.join("properties")).ok()?);
             let get = |k: &str| props.get(k).copied().unwrap_or(0);
-            let loc = get("location_id");
-            Some(KfdGpu {
-                node,
-                gpu_id,
-                unique_id: get("unique_id"),
-                render_minor: u32::try_from(get("drm_render_minor")).ok()?,
-                pci_bus_id: format!(
-                    "{:04x}:{:02x}:{:02x}.{:x}",
-                    get("domain"),
-                    (loc >> 8) & 0xff,
-                    (loc >> 3) & 0x1f,
-                    loc & 0x7
-                ),
-                simds: get("simd_count"),
-                xgmi_to: xgmi_links(&path),
+            let (domain, location) = (get("domain"), get("location_id"));
+            Some(RawNode {
+                gpu: KfdGpu {
+                    node,
+                    gpu_id,
+                    unique_id: get("unique_id"),
+                    render_minor: u32::try_from(get("drm_render_minor")).ok()?,
+                    pci_bus_id: bus_id(domain, location, location & 0x7),
+                    partition: None,
+                    num_xcc: get("num_xcc"),
+                    simds: get("simd_count"),
+                    xgmi_to: xgmi_links(&path),
+                },
+                domain,
+                location,
             })
         })
-        .collect()
+        .collect();
+    settle_partitions(sys_root, raw)
+}
+
+/// `dddd:bb:dd.f` of a `location_id`, with the function given.
+fn bus_id(domain: u64, location: u64, function: u64) -> String {
+    format!(
+        "{domain:04x}:{:02x}:{:02x}.{function:x}",
+        (location >> 8) & 0xff,
+        (location >> 3) & 0x1f
+    )
+}
+
+/// Groups the nodes by PCI slot and marks the partitions (see [`gpus`]); node order is kept.
+fn settle_partitions(sys_root: &Path, mut raw: Vec<RawNode>) -> Vec<KfdGpu> {
+    let slot = |r: &RawNode| (r.domain, (r.location >> 8) & 0xff, (r.location >> 3) & 0x1f);
+    let mut by_slot: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
+    for (k, r) in raw.iter().enumerate() {
+        by_slot.entry(slot(r)).or_default().push(k);
+    }
+    let pci = sys_root.join("sys/bus/pci/devices");
+    for members in by_slot.values() {
+        let high = |k: usize| (raw[k].location >> 28) & 0xf;
+        let in_high_bits = members.iter().any(|&k| high(k) != 0);
+        let mut own: Vec<&str> = members
+            .iter()
+            .map(|&k| raw[k].gpu.pci_bus_id.as_str())
+            .collect();
+        let every_one_a_function = own.iter().all(|b| pci.join(b).exists());
+        own.sort_unstable();
+        own.dedup();
+        let functions = own.len() == members.len() && every_one_a_function;
+        if !in_high_bits && (members.len() == 1 || functions) {
+            continue;
+        }
+        for &k in members {
+            let r = &mut raw[k];
+            let number = if in_high_bits {
+                (r.location >> 28) & 0xf
+            } else {
+                r.location & 0x7
+            };
+            r.gpu.pci_bus_id = bus_id(r.domain, r.location, 0);
+            // At most 15: it came from a 4-bit or 3-bit field.
+            r.gpu.partition = Some(number as u32);
+        }
+    }
+    raw.into_iter().map(|r| r.gpu).collect()
+}
+
+/// The partitioned GPUs among `gpus`: each PCI device's partitions, in node order.
+pub fn partitioned(gpus: &[KfdGpu]) -> BTreeMap<String, Vec<&KfdGpu>> {
+    let mut out: BTreeMap<String, Vec<&KfdGpu>> = BTreeMap::new();
+    for g in gpus.iter().filter(|g| g.partition.is_some()) {
+        out.entry(g.pci_bus_id.clone()).or_default().push(g);
+    }
+    out
 }
 
 /// What libhsakmt keeps: GPUs whose render node under `dev_root` opens read-write, and that
@@ -346,6 +430,137 @@ mod tests {
             "",
             "strtol takes no sign after the base prefix"
         );
+    }
+
+    /// An 8× MI300X in the given partitioning, with the render nodes `present` by (GPU,
+    /// partition).
+    fn partitioned_node(
+        how: &kernelkite_testkit::kfd::Partitioning,
+        present: &[(usize, usize)],
+    ) -> tempfile::TempDir {
+        // tmpfs: a CPX tree is some 8,000 files, which a busy disk takes seconds to write.
+        let root = kernelkite_testkit::scratch();
+        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), how, present).unwrap();
+        root
+    }
+
+    /// (bus id, partition, render minor) of each GPU, in node order.
+    fn layout(gpus: &[KfdGpu]) -> Vec<(String, Option<u32>, u32)> {
+        gpus.iter()
+            .map(|g| (g.pci_bus_id.clone(), g.partition, g.render_minor))
+            .collect()
+    }
+
+    /// What `write_mi300x_partitioned` lays out for `per_gpu` partitions per GPU.
+    fn expected(per_gpu: usize) -> Vec<(String, Option<u32>, u32)> {
+        use kernelkite_testkit::kfd::{mi300x_bus_id, mi300x_render_minor};
+        (0..8)
+            .flat_map(|i| {
+                (0..per_gpu).map(move |p| {
+                    (
+                        mi300x_bus_id(i),
+                        (per_gpu > 1).then_some(p as u32),
+                        mi300x_render_minor(i, p),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn partitions_are_read_from_location_id_in_either_encoding() {
+        use kernelkite_testkit::kfd::{Partitioning, Uuids};
+        let cpx = Partitioning::cpx();
+        let r = partitioned_node(&cpx, &[]);
+        let g = gpus(r.path());
+        assert_eq!(g.len(), 64);
+        assert_eq!(layout(&g), expected(8));
+        assert!(g.iter().all(|g| g.num_xcc == 1 && g.simds == 152));
+        assert_eq!(partitioned(&g).len(), 8);
+        assert_eq!(partitioned(&g)["0000:e5:00.0"].len(), 8);
+        // The earlier kernels' encoding, the partition in bits 31:28: the same GPUs.
+        let high = partitioned_node(
+            &Partitioning {
+                high_bits: true,
+                ..Partitioning::cpx()
+            },
+            &[],
+        );
+        assert_eq!(layout(&gpus(high.path())), expected(8));
+        let dpx = partitioned_node(&Partitioning::dpx(), &[]);
+        assert_eq!(layout(&gpus(dpx.path())), expected(2));
+        // SPX: whole GPUs, although the amdgpu_xcp_* render nodes exist beside them.
+        let spx = partitioned_node(&Partitioning::spx(), &[]);
+        assert!(spx
+            .path()
+            .join("sys/devices/platform/amdgpu_xcp_0/drm/renderD129")
+            .exists());
+        let whole = gpus(spx.path());
+        assert_eq!(layout(&whole), expected(1));
+        assert!(partitioned(&whole).is_empty());
+
+        // A job's /dev holding GPU 0's partition 3 alone: libhsakmt keeps exactly that one.
+        let job = partitioned_node(&cpx, &[(0, 3)]);
+        let seen = supported(gpus(job.path()), &job.path().join("dev"));
+        assert_eq!(layout(&seen), [("0000:05:00.0".to_string(), Some(3), 131)]);
+        // With the host's /dev, GPU 0's shared id matches its 8 partitions: ROCr's filter
+        // ends the list at such a token, so the job would see no GPU.
+        let every: Vec<(usize, usize)> = (0..8).flat_map(|i| (0..8).map(move |p| (i, p))).collect();
+        let host = partitioned_node(&cpx, &every);
+        let all = supported(gpus(host.path()), &host.path().join("dev"));
+        assert_eq!(all.len(), 64);
+        assert!(rocr_visible(all, Some("GPU-1d3a000000000000")).is_empty());
+        // Per-partition ids (newer kernels) select the partition in any /dev.
+        let own = partitioned_node(
+            &Partitioning {
+                uuids: Uuids::PerPartition,
+                ..Partitioning::cpx()
+            },
+            &every,
+        );
+        let all = supported(gpus(own.path()), &own.path().join("dev"));
+        assert_eq!(
+            layout(&rocr_visible(all, Some("GPU-1d3a000000000003"))),
+            [("0000:05:00.0".to_string(), Some(3), 131)]
+        );
+    }
+
+    /// Two KFD nodes on one PCI slot whose addresses are two PCI functions on the bus (two
+    /// GPUs passed to a VM as functions of one slot) are two whole GPUs, not partitions; the
+    /// same nodes without those functions on the bus are partitions.
+    #[test]
+    fn functions_present_on_the_bus_are_whole_gpus() {
+        let r = mi300x(&[]);
+        let props = r.path().join(KFD_NODES).join("3/properties");
+        let text = std::fs::read_to_string(&props).unwrap();
+        // GPU node 3 moves to function 1 of node 2's slot.
+        std::fs::write(
+            &props,
+            text.replace("location_id 5376", &format!("location_id {}", 0x501)),
+        )
+        .unwrap();
+        let g = gpus(r.path());
+        assert_eq!(
+            (g[0].pci_bus_id.as_str(), g[0].partition),
+            ("0000:05:00.0", Some(0))
+        );
+        assert_eq!(
+            (g[1].pci_bus_id.as_str(), g[1].partition),
+            ("0000:05:00.0", Some(1))
+        );
+        for f in ["0000:05:00.0", "0000:05:00.1"] {
+            std::fs::create_dir_all(r.path().join("sys/bus/pci/devices").join(f)).unwrap();
+        }
+        let g = gpus(r.path());
+        assert_eq!(
+            (g[0].pci_bus_id.as_str(), g[0].partition),
+            ("0000:05:00.0", None)
+        );
+        assert_eq!(
+            (g[1].pci_bus_id.as_str(), g[1].partition),
+            ("0000:05:00.1", None)
+        );
+        assert!(partitioned(&g).is_empty());
     }
 
     #[test]

@@ -75,6 +75,9 @@ pub struct DeviceInfo {
     pub name: Option<String>,
     /// Its MIG devices when MIG mode is on (empty when off or unsupported), in NVML's order.
     pub mig: Vec<MigDeviceInfo>,
+    /// MIG mode is on now (`nvmlDeviceGetMigMode`'s current mode): CUDA can use the GPU only
+    /// through its MIG devices, which may be none yet (`mig` empty), so it is never a whole GPU.
+    pub mig_enabled: bool,
     /// Bus ids (as NVML writes them) of the other GPUs it reaches over NVLink, directly or
     /// through NVSwitch (`nvmlDeviceGetP2PStatus` with the NVLink capability).
     pub nvlink_peers: Vec<String>,
@@ -167,17 +170,22 @@ impl Nvml {
         device.name().map_err(NvmlError::call("nvmlDeviceGetName"))
     }
 
-    /// Every GPU NVML sees, with its MIG devices and NVLink peers. The bus id is required; the
-    /// rest is filled when NVML has it.
+    /// Every GPU NVML lets this process use (those it may not, NO_PERMISSION, are left out),
+    /// with its MIG devices and NVLink peers. The bus id is required; the rest is filled when
+    /// NVML has it.
     pub fn devices(&self) -> Result<Vec<DeviceInfo>, NvmlError> {
         let count = self.device_count()?;
         let mut handles = Vec::with_capacity(count as usize);
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
-            let device = self
-                .inner
-                .device_by_index(index)
-                .map_err(NvmlError::call("nvmlDeviceGetHandleByIndex_v2"))?;
+            let device = match self.inner.device_by_index(index) {
+                Ok(d) => d,
+                // nvmlDeviceGetCount_v2 counts the GPUs this process may not use too, and NVML
+                // answers NO_PERMISSION for each (nvml.h): not this process's (a job's
+                // sandbox), so left out; the enumeration goes on past them.
+                Err(DriverError::NoPermission) => continue,
+                Err(e) => return Err(NvmlError::call("nvmlDeviceGetHandleByIndex_v2")(e)),
+            };
             let pci = device
                 .pci_info()
                 .map_err(NvmlError::call("nvmlDeviceGetPciInfo_v3"))?;
@@ -187,6 +195,7 @@ impl Nvml {
                 minor: device.minor_number().ok(),
                 name: device.name().ok(),
                 mig: self.mig_devices(&device)?,
+                mig_enabled: mig_enabled(&device),
                 nvlink_peers: Vec::new(),
             });
             handles.push(device);
@@ -211,10 +220,8 @@ impl Nvml {
     /// The MIG devices of `device` when MIG mode is on now (a pending change needs a GPU
     /// reset first, so it does not count). GPUs without MIG say NotSupported: none.
     fn mig_devices(&self, device: &Device<'_>) -> Result<Vec<MigDeviceInfo>, NvmlError> {
-        match device.mig_mode() {
-            // NVML_DEVICE_MIG_ENABLE is 1 (nvml.h).
-            Ok(mode) if mode.current == 1 => {}
-            _ => return Ok(Vec::new()),
+        if !mig_enabled(device) {
+            return Ok(Vec::new());
         }
         let max = device
             .mig_device_count()
@@ -330,6 +337,12 @@ impl Nvml {
             .reset_gpu_locked_clocks()
             .map_err(NvmlError::call("nvmlDeviceResetGpuLockedClocks"))
     }
+}
+
+/// Whether MIG mode is on now (`NVML_DEVICE_MIG_ENABLE`, 1 in nvml.h, as the current mode; a
+/// pending change waits for a GPU reset). A GPU without MIG answers NotSupported: off.
+fn mig_enabled(device: &Device<'_>) -> bool {
+    device.mig_mode().is_ok_and(|mode| mode.current == 1)
 }
 
 #[cfg(test)]

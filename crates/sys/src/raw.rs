@@ -948,7 +948,9 @@ mod tests {
             (wb.as_raw_fd(), wa.as_raw_fd())
         };
         let report = if low == wa.as_raw_fd() { ra } else { rb };
-        let mut cmd = Command::new("sh");
+        // bash, not sh: dash redirects descriptors 0-9 only, and files other tests of this
+        // binary hold open meanwhile can push these two past 9.
+        let mut cmd = Command::new("bash");
         cmd.args([
             "-c",
             &format!(

@@ -161,6 +161,51 @@ fn every_nvml_path_against_the_stand_in_library() {
         "{err:?}"
     );
     drop(nvml);
+    // A GPU this process may not open (a job's sandbox: its node is not in the job's /dev):
+    // NVML counts it and answers NO_PERMISSION for its handle; the enumeration goes on past
+    // it. Any other error still fails it.
+    fake.configure(&format!("{}{}", h100(a, 0, 0), h100(b, 1, 0)));
+    let dev = tempfile::tempdir().unwrap();
+    std::fs::write(dev.path().join("nvidia1"), "").unwrap();
+    std::env::set_var("KERNELKITE_FAKE_NVML_DEV", dev.path());
+    let nvml = load(&fake).unwrap();
+    assert_eq!(nvml.device_count().unwrap(), 2, "_v2 counts every GPU");
+    let devices = nvml.devices().unwrap();
+    let seen: Vec<(&str, Option<u32>)> = devices
+        .iter()
+        .map(|d| (d.pci_bus_id.as_str(), d.minor))
+        .collect();
+    assert_eq!(seen, [("00000000:2A:00.0", Some(1))]);
+    let denied = nvml.compute_processes(a).unwrap_err();
+    assert!(
+        matches!(
+            denied,
+            NvmlError::Call {
+                call: "nvmlDeviceGetHandleByPciBusId_v2",
+                source: DriverError::NoPermission
+            }
+        ),
+        "{denied:?}"
+    );
+    assert!(nvml.compute_processes(b).is_ok());
+    drop(nvml);
+    std::env::remove_var("KERNELKITE_FAKE_NVML_DEV");
+    fake.configure(&format!(
+        "{}fail nvmlDeviceGetHandleByIndex_v2 999\n",
+        h100(a, 0, 0)
+    ));
+    let nvml = load(&fake).unwrap();
+    assert!(
+        matches!(
+            nvml.devices(),
+            Err(NvmlError::Call {
+                call: "nvmlDeviceGetHandleByIndex_v2",
+                source: DriverError::Unknown
+            })
+        ),
+        "another error stops the enumeration"
+    );
+    drop(nvml);
     fake.configure("fail nvmlInit_v2 999\n");
     let err = load(&fake).unwrap_err();
     assert!(

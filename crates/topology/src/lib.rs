@@ -12,6 +12,7 @@ pub mod cpulist;
 pub mod fakesys;
 pub mod plan;
 pub mod planner;
+pub mod refresh;
 pub mod topology;
 
 pub use plan::{Plan, Slice, SliceGpu, Vendor};

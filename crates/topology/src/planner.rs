@@ -17,6 +17,9 @@
 //!    split equally between the node's slices (or a fixed amount, checked to fit).
 //!
 //! Same input, same output: every choice breaks ties by the lowest id.
+//!
+//! A node with an AMD GPU in a compute-partitioning mode (MI300X DPX, QPX, CPX) is refused,
+//! with the command that makes it whole: its slices would each get one partition.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -89,6 +92,9 @@ pub enum PlanError {
         /// Cores free after housekeeping.
         available: usize,
     },
+    /// Every GPU is in MIG mode without a MIG device: nothing CUDA can use.
+    #[error("GPU(s) {} in MIG mode with no MIG device, and no other GPU to plan: CUDA cannot use a GPU in MIG mode whole; create MIG devices (`sudo nvidia-smi mig -i <bus id> -lgip` lists the profiles, `sudo nvidia-smi mig -i <bus id> -cgi <profiles> -C` makes them) or turn MIG off (`sudo nvidia-smi -i <bus id> -mig 0`, then reset the GPU or reboot), then plan again", .0.join(", "))]
+    MigWithoutDevices(Vec<String>),
     /// A fixed memory per slice does not fit a NUMA node.
     #[error("--memory-per-slice {requested} bytes × {slices} slices on NUMA node {node} exceeds its {budget} bytes after the host reserve: lower it or --host-memory-reserve")]
     MemoryDoesNotFit {
@@ -101,6 +107,84 @@ pub enum PlanError {
         /// The node's bytes after the host reserve.
         budget: u64,
     },
+    /// An AMD GPU is cut into compute partitions (MI300X DPX, QPX, CPX), which ROCm shows as
+    /// GPUs of their own; the planner plans whole GPUs only.
+    #[error("{}", partitioned_message(.bus_id, .model, .compute, .memory.as_deref(), *.partitions, *.first_render, *.last_render, *.more))]
+    PartitionedGpu {
+        /// The first partitioned GPU, by bus id.
+        bus_id: String,
+        /// Its product (`MI300X`).
+        model: String,
+        /// Its compute mode (`CPX`).
+        compute: String,
+        /// Its memory mode (`NPS4`), when known.
+        memory: Option<String>,
+        /// How many partitions KFD lists for it.
+        partitions: usize,
+        /// Its partitions' lowest render minor.
+        first_render: u32,
+        /// Its partitions' highest render minor.
+        last_render: u32,
+        /// How many other GPUs are partitioned.
+        more: usize,
+    },
+}
+
+/// The text of [`PlanError::PartitionedGpu`]: what a slice would get today, and the commands
+/// that make the GPUs whole again (amd-smi's `set --compute-partition` and
+/// `--memory-partition`, ROCm/amdsmi's CLI).
+#[allow(clippy::too_many_arguments)] // the error's fields, one each
+fn partitioned_message(
+    bus_id: &str,
+    model: &str,
+    compute: &str,
+    memory: Option<&str>,
+    partitions: usize,
+    first_render: u32,
+    last_render: u32,
+    more: usize,
+) -> String {
+    let mut about: Vec<String> = memory.map(|m| format!("{m} memory")).into_iter().collect();
+    if more > 0 {
+        about.push(format!("{more} more GPU(s) likewise"));
+    }
+    let about = if about.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", about.join("; "))
+    };
+    // NPS2/NPS4 allow only some compute modes, so memory goes back to NPS1 first.
+    let memory_first = match memory {
+        Some(m) if m != "NPS1" => {
+            format!("`sudo amd-smi set --gpu all --memory-partition NPS1` (it is {m}), then ")
+        }
+        _ => String::new(),
+    };
+    format!(
+        "GPU {bus_id} (AMD Instinct {model}) is in {compute} compute partitioning{about}: ROCm shows it as {partitions} GPUs (renderD{first_render}-renderD{last_render}), and kernelkite plans whole AMD GPUs only, so a slice would run on one partition, 1/{partitions} of the GPU, under the {model} name. Make the GPUs whole with {memory_first}`sudo amd-smi set --gpu all --compute-partition SPX`, then plan again"
+    )
+}
+
+/// Refuses a node with a partitioned AMD GPU ([`PlanError::PartitionedGpu`]), naming the first.
+fn refuse_partitioned(topology: &Topology) -> Result<(), PlanError> {
+    let mut parted = topology
+        .gpus
+        .iter()
+        .filter_map(|g| Some((g, g.partitioning.as_ref()?)));
+    let Some((gpu, p)) = parted.next() else {
+        return Ok(());
+    };
+    let minors = p.partitions.iter().map(|q| q.render_minor);
+    Err(PlanError::PartitionedGpu {
+        bus_id: gpu.pci_bus_id.clone(),
+        model: p.model.clone(),
+        compute: p.compute.clone(),
+        memory: p.memory.clone(),
+        partitions: p.partitions.len(),
+        first_render: minors.clone().min().unwrap_or(0),
+        last_render: minors.max().unwrap_or(0),
+        more: parted.count(),
+    })
 }
 
 /// A plan and the reasons behind it, for the human output.
@@ -155,7 +239,7 @@ pub fn multi_gpu_groups(
         gpus: topology
             .gpus
             .iter()
-            .filter(|g| g.mig.is_empty())
+            .filter(|g| g.mig.is_empty() && !g.mig_enabled)
             .cloned()
             .collect(),
         ..topology.clone()
@@ -219,6 +303,7 @@ struct Unit<'a> {
 /// Plans the node's slices and explains each choice.
 pub fn plan_explained(topology: &Topology, policy: &Policy) -> Result<Explained, PlanError> {
     validate(policy)?;
+    refuse_partitioned(topology)?;
     let mut notes = Vec::new();
     let mut warnings = Vec::new();
 
@@ -756,9 +841,26 @@ fn make_units<'a>(
             )));
         }
     }
-    let whole: Vec<usize> = (0..topology.gpus.len())
-        .filter(|i| !mig.contains(i))
+    // In MIG mode with no MIG device yet: CUDA cannot use it whole (k8s-device-plugin never
+    // offers such a GPU; Slurm stops on it), so it is in no slice, and the warning says what
+    // to run; the node's other GPUs still serve.
+    let empty_mig: Vec<usize> = (0..topology.gpus.len())
+        .filter(|&i| topology.gpus[i].mig_enabled && topology.gpus[i].mig.is_empty())
         .collect();
+    for &i in &empty_mig {
+        warnings.push(empty_mig_warning(&topology.gpus[i].pci_bus_id));
+    }
+    let whole: Vec<usize> = (0..topology.gpus.len())
+        .filter(|i| !mig.contains(i) && !empty_mig.contains(i))
+        .collect();
+    if whole.is_empty() && mig.is_empty() && !empty_mig.is_empty() {
+        return Err(PlanError::MigWithoutDevices(
+            empty_mig
+                .iter()
+                .map(|&i| topology.gpus[i].pci_bus_id.clone())
+                .collect(),
+        ));
+    }
     let mut groups = group_gpus(topology, &whole, &home, g, notes, warnings);
     for &i in &mig {
         groups.extend(mig_groups(topology, i, notes, warnings));
@@ -778,6 +880,13 @@ fn make_units<'a>(
             }
         })
         .collect())
+}
+
+/// What to run for a GPU in MIG mode with no MIG device (the planner leaves it out).
+pub fn empty_mig_warning(bus: &str) -> String {
+    format!(
+        "GPU {bus} is in MIG mode but has no MIG device (no GPU or compute instance): CUDA cannot use it whole, so it is in no slice; create MIG devices (`sudo nvidia-smi mig -i {bus} -lgip` lists the profiles, `sudo nvidia-smi mig -i {bus} -cgi <profiles> -C` makes them) or turn MIG off (`sudo nvidia-smi -i {bus} -mig 0`, then `sudo nvidia-smi -i {bus} -r` or reboot), then run `sudo kernelkite-isolate setup` again"
+    )
 }
 
 /// The slices of a node without GPUs: the policy's count, spread evenly over the nodes with

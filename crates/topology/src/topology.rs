@@ -70,10 +70,62 @@ pub struct Gpu {
     /// Its MIG devices when it is in MIG mode (from NVML); empty for a whole GPU.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mig: Vec<MigInstance>,
+    /// In MIG mode now (from NVML), whether or not it has MIG devices yet: CUDA cannot use
+    /// such a GPU whole, so with no MIG device it is in no slice.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mig_enabled: bool,
     /// Bus ids of the GPUs it reaches over a fast link: NVLink (directly or through NVSwitch,
     /// from NVML) or xGMI (from the KFD topology). Empty when nothing says.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<String>,
+    /// How an AMD GPU is cut into compute partitions (an MI300X in DPX, QPX or CPX mode), from
+    /// the KFD topology; `None` for a whole GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitioning: Option<AmdPartitioning>,
+}
+
+/// An AMD GPU in a compute-partitioning mode: ROCm shows each partition as a GPU of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AmdPartitioning {
+    /// The compute mode, `current_compute_partition` of the PCI device (`DPX`, `TPX`, `QPX`,
+    /// `CPX`); derived from the partitions KFD lists when the file cannot be read (amdgpu
+    /// refuses it while the GPU resets).
+    pub compute: String,
+    /// The memory mode, `current_memory_partition` (`NPS1`, `NPS4`, ...), when readable.
+    pub memory: Option<String>,
+    /// The product, from the PCI device id (`MI300X`).
+    pub model: String,
+    /// The partitions KFD lists, in node order.
+    pub partitions: Vec<AmdPartition>,
+}
+
+/// One compute partition of an AMD GPU: one KFD node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AmdPartition {
+    /// Its number within the GPU.
+    pub index: u32,
+    /// Its render node is `/dev/dri/renderD<render_minor>`.
+    pub render_minor: u32,
+    /// `GPU-…` as ROCr names it, only when its `unique_id` is its own: kernels before Aug 2025
+    /// give every partition the GPU's id, which then selects no GPU where several are seen.
+    pub uuid: Option<String>,
+}
+
+/// The product name of an AMD Instinct PCI device id (from the ids the ROCm k8s device
+/// plugin's node labeller reads, `cmd/k8s-node-labeller/amdgpu.ids`); `AMD-<id>` otherwise.
+pub fn amd_model(device_id: Option<u16>) -> String {
+    match device_id {
+        Some(0x74a0) => "MI300A".into(),
+        Some(0x74a1) => "MI300X".into(),
+        Some(0x74a2) | Some(0x74b6) => "MI308X".into(),
+        Some(0x74a5) => "MI325X".into(),
+        Some(0x74a9) | Some(0x74bd) => "MI300X-HF".into(),
+        Some(0x74b5) => "MI300X-VF".into(),
+        Some(0x75a0) => "MI350X".into(),
+        Some(0x75a3) => "MI355X".into(),
+        Some(id) => format!("AMD-{id:04x}"),
+        None => "AMD GPU".into(),
+    }
 }
 
 /// A physical core: the unit the planner hands out, so SMT siblings are never split.
@@ -188,7 +240,8 @@ fn amd_links(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
 }
 
 /// AMD GPUs' UUIDs as ROCr names them (`GPU-` and KFD's `unique_id`), matched to the PCI
-/// devices by bus id; a GPU whose KFD node has no `unique_id` keeps none.
+/// devices by bus id; a GPU whose KFD node has no `unique_id` keeps none, and so does a
+/// partitioned GPU (each partition is a GPU to ROCr: see [`amd_partitions`]).
 fn amd_uuids(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
     for g in gpus
         .iter_mut()
@@ -196,9 +249,84 @@ fn amd_uuids(gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
     {
         if let Some(k) = kfd
             .iter()
-            .find(|k| k.pci_bus_id == g.pci_bus_id && k.unique_id != 0)
+            .find(|k| k.pci_bus_id == g.pci_bus_id && k.unique_id != 0 && k.partition.is_none())
         {
             g.uuid = Some(k.uuid());
+        }
+    }
+}
+
+/// The compute mode a partitioned GPU's partitions imply, for when amdgpu's
+/// `current_compute_partition` cannot be read: one XCD each is CPX, else by count.
+fn mode_of(partitions: &[&kernelkite_sys::kfd::KfdGpu]) -> String {
+    match (partitions.first().map(|k| k.num_xcc), partitions.len()) {
+        (Some(1), _) => "CPX",
+        (_, 2) => "DPX",
+        (_, 3) => "TPX",
+        (_, 4) => "QPX",
+        _ => "CPX",
+    }
+    .into()
+}
+
+/// AMD GPUs' compute partitions from the KFD topology (several nodes on one PCI device), with
+/// the modes amdgpu reports beside the device (`current_compute_partition`,
+/// `current_memory_partition`, as ROCm/amdsmi reads them). The `amdgpu_xcp_*` platform
+/// devices are not looked at: amdgpu makes them in every mode, SPX included.
+fn amd_partitions(root: &Path, gpus: &mut [Gpu], kfd: &[kernelkite_sys::kfd::KfdGpu]) {
+    let by_gpu = kernelkite_sys::kfd::partitioned(kfd);
+    let mut ids: BTreeMap<u64, usize> = BTreeMap::new();
+    for k in kfd.iter().filter(|k| k.unique_id != 0) {
+        *ids.entry(k.unique_id).or_default() += 1;
+    }
+    for g in gpus.iter_mut().filter(|g| g.vendor == Vendor::Amd) {
+        let Some(parts) = by_gpu.get(&g.pci_bus_id) else {
+            continue;
+        };
+        let dir = root.join("sys/bus/pci/devices").join(&g.pci_bus_id);
+        let mode = |file: &str| {
+            std::fs::read_to_string(dir.join(file))
+                .ok()
+                .map(|s| s.trim().to_ascii_uppercase())
+                .filter(|s| !s.is_empty())
+        };
+        g.partitioning = Some(AmdPartitioning {
+            compute: mode("current_compute_partition").unwrap_or_else(|| mode_of(parts)),
+            memory: mode("current_memory_partition"),
+            model: amd_model(g.device_id),
+            partitions: parts
+                .iter()
+                .map(|k| AmdPartition {
+                    index: k.partition.unwrap_or(0),
+                    render_minor: k.render_minor,
+                    uuid: (ids.get(&k.unique_id) == Some(&1)).then(|| k.uuid()),
+                })
+                .collect(),
+        });
+    }
+    warn_missing_partitions(gpus);
+}
+
+/// Warns about a GPU with fewer partitions than others in its mode: amdgpu skips a partition
+/// it finds no DRM minor for, and amdkfd adds no node without a render node, so the probable
+/// cause is a kernel whose DRM minors ran out (64 before Linux 6.12: 8 GPUs × 8 partitions
+/// leave none for a BMC's display).
+fn warn_missing_partitions(gpus: &[Gpu]) {
+    let mut most: BTreeMap<&str, usize> = BTreeMap::new();
+    for p in gpus.iter().filter_map(|g| g.partitioning.as_ref()) {
+        let n = most.entry(p.compute.as_str()).or_default();
+        *n = (*n).max(p.partitions.len());
+    }
+    for g in gpus {
+        let Some(p) = &g.partitioning else { continue };
+        let want = most.get(p.compute.as_str()).copied().unwrap_or(0);
+        if p.partitions.len() < want {
+            tracing::warn!(
+                "GPU {} lists {} of its {want} {} partitions in the KFD topology: the kernel probably ran out of DRM minors (dmesg: \"Skip xcp node #N when out of drm node resource\"); Linux 6.12, or a stable kernel with \"drm: Expand max DRM device number to full MINORBITS\", has enough",
+                g.pci_bus_id,
+                p.partitions.len(),
+                p.compute
+            );
         }
     }
 }
@@ -224,6 +352,7 @@ impl Topology {
         let mut topo = sysfs::read(root)?;
         let kfd = kernelkite_sys::kfd::gpus(root);
         amd_uuids(&mut topo.gpus, &kfd);
+        amd_partitions(root, &mut topo.gpus, &kfd);
         amd_links(&mut topo.gpus, &kfd);
         let wanted = topo.gpus.iter().any(|g| g.vendor == Vendor::Nvidia);
         if let Some(library) = library.filter(|_| wanted) {
@@ -413,6 +542,86 @@ mod tests {
                 assert_eq!(g.links, peers);
             }
         }
+    }
+
+    /// The 8× MI300X node, its KFD topology in the given partitioning.
+    fn partitioned(how: &kernelkite_testkit::kfd::Partitioning) -> Topology {
+        let root = kernelkite_testkit::scratch();
+        crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
+        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), how, &[]).unwrap();
+        Topology::discover(root.path()).unwrap()
+    }
+
+    #[test]
+    fn a_partitioned_mi300x_is_one_gpu_with_its_partitions() {
+        use kernelkite_testkit::kfd::{mi300x_bus_id, mi300x_render_minor, Partitioning, Uuids};
+        let topo = partitioned(&Partitioning::cpx());
+        assert_eq!(topo.gpus.len(), 8);
+        for (i, g) in topo.gpus.iter().enumerate() {
+            assert_eq!(g.pci_bus_id, mi300x_bus_id(i));
+            let p = g.partitioning.as_ref().expect("partitioned");
+            assert_eq!(
+                (p.compute.as_str(), p.memory.as_deref(), p.model.as_str()),
+                ("CPX", Some("NPS1"), "MI300X")
+            );
+            let seen: Vec<(u32, u32)> = p
+                .partitions
+                .iter()
+                .map(|q| (q.index, q.render_minor))
+                .collect();
+            let want: Vec<(u32, u32)> = (0..8)
+                .map(|q| (q as u32, mi300x_render_minor(i, q)))
+                .collect();
+            assert_eq!(seen, want);
+            // The shared id selects no partition: neither the GPU nor its partitions keep it.
+            assert_eq!(g.uuid, None);
+            assert!(p.partitions.iter().all(|q| q.uuid.is_none()));
+            // xGMI peers are the 7 other GPUs, not partitions posing as PCI functions.
+            let peers: Vec<String> = (0..8).filter(|j| *j != i).map(mi300x_bus_id).collect();
+            assert_eq!(g.links, peers);
+        }
+        // Ids of their own (newer kernels) are each partition's.
+        let own = partitioned(&Partitioning {
+            uuids: Uuids::PerPartition,
+            ..Partitioning::cpx()
+        });
+        let p = own.gpus[1].partitioning.as_ref().unwrap();
+        assert_eq!(
+            p.partitions[2].uuid.as_deref(),
+            Some("GPU-1d3a000000000102")
+        );
+        assert_eq!(own.gpus[1].uuid, None);
+        // A partition KFD lacks (no DRM minor was left for it): GPU 7 has 7.
+        let short = partitioned(&Partitioning {
+            missing: Some((7, 7)),
+            ..Partitioning::cpx()
+        });
+        let counts: Vec<usize> = short
+            .gpus
+            .iter()
+            .map(|g| g.partitioning.as_ref().map_or(0, |p| p.partitions.len()))
+            .collect();
+        assert_eq!(counts, [8, 8, 8, 8, 8, 8, 8, 7]);
+        // Unreadable mode files (amdgpu refuses them during a reset): the mode comes from KFD.
+        let root = kernelkite_testkit::scratch();
+        crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
+        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), &Partitioning::dpx(), &[])
+            .unwrap();
+        for i in 0..8 {
+            let dir = root
+                .path()
+                .join("sys/bus/pci/devices")
+                .join(mi300x_bus_id(i));
+            std::fs::remove_file(dir.join("current_compute_partition")).unwrap();
+            std::fs::remove_file(dir.join("current_memory_partition")).unwrap();
+        }
+        let topo = Topology::discover(root.path()).unwrap();
+        let p = topo.gpus[0].partitioning.as_ref().unwrap();
+        assert_eq!((p.compute.as_str(), p.memory.as_deref()), ("DPX", None));
+        // SPX beside the amdgpu_xcp_* devices: whole GPUs with their ids.
+        let spx = partitioned(&Partitioning::spx());
+        assert!(spx.gpus.iter().all(|g| g.partitioning.is_none()));
+        assert_eq!(spx.gpus[3].uuid.as_deref(), Some("GPU-1d3a000000000003"));
     }
 
     #[test]

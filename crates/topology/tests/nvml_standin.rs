@@ -3,7 +3,7 @@
 //! loader from the stand-in library (`kernelkite_testkit::fake_nvml`): the UUIDs and minors
 //! come from NVML, and the plan's slices carry them (what `CUDA_VISIBLE_DEVICES` names).
 
-use kernelkite_testkit::fake_nvml::{h100, h100_uuid, mig, mig_uuid, nvlink, FakeNvml};
+use kernelkite_testkit::fake_nvml::{h100, h100_uuid, mig, mig_mode, mig_uuid, nvlink, FakeNvml};
 use kernelkite_topology::fakesys;
 use kernelkite_topology::planner::{plan, Policy};
 use kernelkite_topology::Topology;
@@ -188,5 +188,84 @@ fn a_gpu_in_mig_mode_is_one_slice_per_mig_device_and_nvlink_groups_slices() {
             .any(|n| n.contains("in 4 of 4 slice(s)")),
         "{:?}",
         explained.notes
+    );
+}
+
+/// Issue 36: a GPU in MIG mode with no MIG device yet (MIG just enabled, or a reboot before
+/// the instances are made again) is not a whole GPU CUDA can use: it is in no slice, the
+/// warning says what to run, a multi-GPU queue never groups it, and a node with nothing else
+/// is refused, naming it. A change only pending (until the GPU's next reset) changes nothing.
+#[test]
+fn a_gpu_in_mig_mode_without_mig_devices_is_in_no_slice() {
+    let _one = NVML.lock().unwrap_or_else(|e| e.into_inner());
+    let fake = match FakeNvml::build_in_this_process() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let root = tempfile::tempdir().unwrap();
+    fakesys::dgx_h100().write_to(root.path()).unwrap();
+    let lib = fake.library().display().to_string();
+    let buses: Vec<String> = Topology::discover_with_nvml(root.path(), None)
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.pci_bus_id.clone())
+        .collect();
+    let gpus: String = buses
+        .iter()
+        .enumerate()
+        .map(|(i, b)| h100(b, i as u32, 0))
+        .collect();
+    // GPU 1 in MIG mode, empty; GPU 2 turning MIG on at its next reset.
+    fake.configure(&format!(
+        "{gpus}{}{}",
+        mig_mode(&buses[1], true, true),
+        mig_mode(&buses[2], false, true)
+    ));
+    let topo = Topology::discover_with_nvml(root.path(), Some(&lib)).unwrap();
+    assert!(topo.gpus[1].mig_enabled && topo.gpus[1].mig.is_empty());
+    assert!(!topo.gpus[2].mig_enabled);
+    let p = plan(&topo, &Policy::default()).unwrap();
+    assert_eq!(p.slices.len(), 7, "{:#?}", p.slices);
+    assert!(p
+        .slices
+        .iter()
+        .all(|s| s.gpus().iter().all(|g| g.pci_bus_id != buses[1])));
+    let warning = p
+        .warnings
+        .iter()
+        .find(|w| w.contains(&buses[1]))
+        .unwrap_or_else(|| panic!("{:?}", p.warnings));
+    assert!(
+        warning.contains("no MIG device")
+            && warning.contains(&format!("nvidia-smi mig -i {}", buses[1]))
+            && warning.contains("-mig 0"),
+        "{warning}"
+    );
+    let groups =
+        kernelkite_topology::planner::multi_gpu_groups(&topo, &Policy::default(), &p, 2).unwrap();
+    let index_of_gpu1 = p
+        .slices
+        .iter()
+        .position(|s| s.gpu.as_ref().is_some_and(|g| g.pci_bus_id == buses[1]));
+    assert_eq!(index_of_gpu1, None);
+    assert!(!groups.is_empty());
+
+    // One GPU, in MIG mode and empty: nothing to plan, and the error names it and the fix.
+    let one = tempfile::tempdir().unwrap();
+    fakesys::workstation_1gpu().write_to(one.path()).unwrap();
+    let bus = Topology::discover_with_nvml(one.path(), None).unwrap().gpus[0]
+        .pci_bus_id
+        .clone();
+    fake.configure(&format!(
+        "{}{}",
+        h100(&bus, 0, 0),
+        mig_mode(&bus, true, true)
+    ));
+    let topo = Topology::discover_with_nvml(one.path(), Some(&lib)).unwrap();
+    let err = plan(&topo, &Policy::default()).unwrap_err().to_string();
+    assert!(
+        err.contains(&bus) && err.contains("no MIG device") && err.contains("-mig 0"),
+        "{err}"
     );
 }

@@ -155,6 +155,62 @@ fn mi300x_node_plans_amd_accelerators() {
     assert_eq!(p.slices[7].gpu.as_ref().unwrap().vendor, Vendor::Amd);
 }
 
+/// The 8× MI300X node with its KFD topology in the given partitioning.
+fn mi300x_partitioned(how: &kernelkite_testkit::kfd::Partitioning) -> Topology {
+    let dir = scratch();
+    fakesys::mi300x_8().write_to(dir.path()).unwrap();
+    kernelkite_testkit::kfd::write_mi300x_partitioned(dir.path(), how, &[]).unwrap();
+    Topology::discover(dir.path()).unwrap()
+}
+
+#[test]
+fn a_partitioned_mi300x_is_refused_with_the_fix() {
+    use kernelkite_testkit::kfd::Partitioning;
+    for (how, mode, count, last) in [
+        (Partitioning::cpx(), "CPX", 8, 135),
+        (Partitioning::dpx(), "DPX", 2, 129),
+    ] {
+        let err = plan(&mi300x_partitioned(&how), &Policy::default()).unwrap_err();
+        assert!(
+            matches!(&err, PlanError::PartitionedGpu { more: 7, partitions, .. } if *partitions == count),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        for part in [
+            "GPU 0000:05:00.0 (AMD Instinct MI300X)",
+            &format!("is in {mode} compute partitioning (NPS1 memory; 7 more GPU(s) likewise)"),
+            &format!("as {count} GPUs (renderD128-renderD{last})"),
+            &format!("1/{count} of the GPU"),
+            "`sudo amd-smi set --gpu all --compute-partition SPX`",
+        ] {
+            assert!(msg.contains(part), "{part:?} not in {msg}");
+        }
+        assert!(!msg.contains("--memory-partition"), "{msg}");
+    }
+    // NPS4 memory allows CPX only: memory goes back to NPS1 first.
+    let nps4 = Partitioning {
+        memory: "NPS4",
+        ..Partitioning::cpx()
+    };
+    let msg = plan(&mi300x_partitioned(&nps4), &Policy::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("(NPS4 memory; 7 more GPU(s) likewise)")
+            && msg.contains("`sudo amd-smi set --gpu all --memory-partition NPS1` (it is NPS4), then `sudo amd-smi set --gpu all --compute-partition SPX`"),
+        "{msg}"
+    );
+    // SPX, its amdgpu_xcp_* devices present as always: planned as 8 whole GPUs.
+    let topo = mi300x_partitioned(&Partitioning::spx());
+    let p = plan(&topo, &Policy::default()).unwrap();
+    assert_sound(&topo, &p);
+    assert_eq!(p.slices.len(), 8);
+    assert_eq!(
+        p.slices[3].gpu.as_ref().unwrap().uuid.as_deref(),
+        Some("GPU-1d3a000000000003")
+    );
+}
+
 #[test]
 fn prototype_l40s_node_with_unknown_gpu_numa() {
     let topo = named("l40s-2x16cpu");

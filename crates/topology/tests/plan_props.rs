@@ -121,7 +121,9 @@ fn build(s: &Shape) -> Topology {
             device_id: None,
             name: None,
             mig: vec![],
+            mig_enabled: false,
             links: vec![],
+            partitioning: None,
         })
         .collect();
     Topology {

@@ -149,7 +149,7 @@ fn usable_cgroups() -> Option<Cgroups> {
         mems: vec![0],
         memory_bytes: 64 << 20,
         pids: 64,
-        deny_devices: vec![],
+        allow_devices: None,
     };
     let ok = cg.create(&probe, &limits);
     let _ = cg.clean_up(&probe);

@@ -792,6 +792,103 @@ fn a_slice_of_two_amd_gpus_is_numbered_as_the_job_sees_them_and_hip_is_left_alon
     assert!(out.status.success(), "{}", output_text(&out));
 }
 
+/// Issue 36: a MIG slice whose MIG device is gone (destroyed, or not made again after a
+/// reboot) is refused by `environment` before anything is held, saying what to run; so is one
+/// whose plan was written before this boot (every boot gives MIG devices new uuids). The
+/// driver's files say it (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<g>/ci<c>`), no
+/// NVML needed; the other MIG slice still runs, and no cgroup or lease is left.
+#[test]
+fn a_mig_job_whose_mig_device_is_gone_is_refused_before_anything_is_held() {
+    use kernelkite_testkit::fake_nvml::mig_uuid;
+    let node = Node::new(1);
+    let bus = "0000:2a:00.0";
+    let slice = |index: u32, gi: u32| {
+        let uuid = mig_uuid(bus, gi, 0);
+        json!({"index": index,
+               "gpu": {"vendor": "nvidia", "pci_bus_id": bus, "uuid": uuid, "numa_node": 0,
+                       "mig": {"uuid": uuid, "gpu_instance_id": gi, "compute_instance_id": 0,
+                               "memory_bytes": 20u64 << 30}},
+               "cpus": [0], "mems": [0], "memory_bytes": 256u64 << 20})
+    };
+    let plan = json!({"slices": [slice(1, 3), slice(2, 5)], "reserved_cpus": [], "warnings": []});
+    let plan_file = node.path().join("plan.json");
+    std::fs::write(&plan_file, plan.to_string()).unwrap();
+    // The driver's files: GPU 1 (minor 1) with both instances.
+    let sys = node.path().join("sys-root");
+    let info = sys.join("proc/driver/nvidia/gpus").join(bus);
+    std::fs::create_dir_all(&info).unwrap();
+    std::fs::write(
+        info.join("information"),
+        "Model: NVIDIA H100 80GB HBM3\nDevice Minor: 1\n",
+    )
+    .unwrap();
+    let mig_dir = sys.join("proc/driver/nvidia/capabilities/gpu1/mig");
+    for gi in [3, 5] {
+        std::fs::create_dir_all(mig_dir.join(format!("gi{gi}/ci0"))).unwrap();
+    }
+    let mut env = node.env.clone();
+    env.insert("KERNELKITE_SYSFS_ROOT".into(), sys.display().to_string());
+    // Agents named `…-gpu<N>` are bound to slice N; slice N runs GPU instance `gi`.
+    let run = |agent: &str, n: u32| {
+        let gi = if agent.ends_with("gpu1") { 3 } else { 5 };
+        let agent = agent::Agent::new(node.path(), agent, &env);
+        let mut job = agent.start_job(&job_id(n), "true", None, Install::AgentBinary);
+        let out = job.run_hook("environment");
+        let text = output_text(&out);
+        let ok = out.status.success();
+        if ok {
+            assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], mig_uuid(bus, gi, 0));
+            let done = job.run_hook("pre-exit");
+            assert!(done.status.success(), "{}", output_text(&done));
+        }
+        assert!(
+            !node.cgroup_dir(&job.id).exists(),
+            "a cgroup was left: {text}"
+        );
+        (ok, text)
+    };
+    let (ok, text) = run("mig-gpu2", 70);
+    assert!(ok, "{text}");
+
+    // GPU instance 5 destroyed: its slice is refused, the other still runs.
+    std::fs::remove_dir_all(mig_dir.join("gi5")).unwrap();
+    let (ok, text) = run("mig-gpu2", 71);
+    assert!(!ok);
+    assert!(
+        text.contains(&mig_uuid(bus, 5, 0))
+            && text.contains("plan --refresh")
+            && text.contains("was not started"),
+        "{text}"
+    );
+    let (ok, text) = run("mig-gpu1", 72);
+    assert!(ok, "{text}");
+    // The slice's lease was given back: with the instance made again, its job runs.
+    std::fs::create_dir_all(mig_dir.join("gi5/ci0")).unwrap();
+    let (ok, text) = run("mig-gpu2", 73);
+    assert!(ok, "{text}");
+
+    // A plan written before this boot: its MIG uuids are from another boot.
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let btime: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("btime");
+    let touched = std::process::Command::new("touch")
+        .arg("-d")
+        .arg(format!("@{}", btime - 3600))
+        .arg(&plan_file)
+        .status()
+        .unwrap();
+    assert!(touched.success());
+    let (ok, text) = run("mig-gpu1", 74);
+    assert!(!ok);
+    assert!(
+        text.contains("before this boot") && text.contains("plan --refresh"),
+        "{text}"
+    );
+}
+
 /// A GPU in MIG mode cut into two slices (plan from NVML's MIG enumeration: the topology
 /// crate's stand-in test). The slice's job sees its MIG device by uuid; `require-idle-gpu`
 /// asks NVML about that MIG device, not the GPU (another MIG device's process is not in the
@@ -989,4 +1086,119 @@ fn the_pre_bootstrap_hook_refuses_what_steers_the_bootstrap_and_says_why() {
         "{}",
         output_text(&missing)
     );
+}
+
+/// The pool on a node of two vendors, numbered as the planner numbers the `mixed-vendors`
+/// machine (slices 0 and 2 NVIDIA, 1 and 3 AMD; 0 and 1 on NUMA node 0): a pool job of two
+/// gets one vendor's pair, waits rather than take one GPU of each, and a step asking for more
+/// than any vendor has, or an agent bound to both vendors' slices, is refused with the reason.
+#[test]
+fn a_pool_job_of_two_never_mixes_vendors() {
+    let node = Node::new(1);
+    let slice = |index: u32, vendor: &str, bus: &str, uuid: Option<&str>, numa: u32| {
+        json!({"index": index,
+               "gpu": {"vendor": vendor, "pci_bus_id": bus, "uuid": uuid, "numa_node": numa},
+               "cpus": [index], "mems": [numa], "memory_bytes": 256u64 << 20})
+    };
+    let (nv0, nv2) = (
+        "GPU-00000000-0000-4000-8000-000000180000",
+        "GPU-00000001-0000-4000-8000-000000860000",
+    );
+    let plan = json!({"slices": [
+        slice(0, "nvidia", "0000:18:00.0", Some(nv0), 0),
+        slice(1, "amd", "0000:3b:00.0", None, 0),
+        slice(2, "nvidia", "0000:86:00.0", Some(nv2), 1),
+        slice(3, "amd", "0000:af:00.0", None, 1)],
+        "reserved_cpus": [], "warnings": []});
+    std::fs::write(node.path().join("plan.json"), plan.to_string()).unwrap();
+    let pool = node.agent("pool-1");
+    let two = Some(r#"{"gpus":2,"lease-wait":0}"#);
+    // The buses of the job's GPUs, from its slice (KERNELBOT_GPU_INDEX numbers them per vendor).
+    let buses = |env: &BTreeMap<String, String>| {
+        let slice: serde_json::Value = serde_json::from_str(&env["KERNELKITE_SLICE"]).unwrap();
+        std::iter::once(&slice["gpu"])
+            .chain(slice["extra_gpus"].as_array().into_iter().flatten())
+            .map(|g| g["pci_bus_id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+
+    // All free: the lowest vendor's pair, across the NUMA nodes (no node has two of one
+    // vendor), and the job log says so.
+    let mut job = pool.start_job(&job_id(70), "true", two, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(buses(&job.env), ["0000:18:00.0", "0000:86:00.0"]);
+    assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], format!("{nv0},{nv2}"));
+    // CUDA numbers NVIDIA GPUs only: these are its 0 and 1.
+    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0,1");
+    assert!(
+        output_text(&out).contains("slices 0 and 2 sit on NUMA nodes 0 and 1"),
+        "{}",
+        output_text(&out)
+    );
+    assert!(job.run_hook("pre-exit").status.success());
+
+    // Slices 0 (NVIDIA) and 3 (AMD) held: 1 and 2 are free, but of two vendors.
+    let mut held = Vec::new();
+    for (n, index) in [(71, "0"), (72, "3")] {
+        let mut env = node.env.clone();
+        env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), index.into());
+        let agent = agent::Agent::new(node.path(), &format!("bound-{index}"), &env);
+        let mut job = agent.start_job(&job_id(n), "true", None, Install::AgentBinary);
+        let out = job.run_hook("environment");
+        assert!(out.status.success(), "{}", output_text(&out));
+        held.push((agent, job));
+    }
+    let mut job = pool.start_job(&job_id(73), "true", two, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains(&format!("GPU 0 is held by job {}", job_id(71))),
+        "{}",
+        output_text(&out)
+    );
+    // Slice 3 freed: the AMD pair.
+    assert!(held[1].1.run_hook("pre-exit").status.success());
+    let mut job = pool.start_job(&job_id(74), "true", two, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(buses(&job.env), ["0000:3b:00.0", "0000:af:00.0"]);
+    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "0,1");
+    assert!(job.run_hook("pre-exit").status.success());
+    assert!(held[0].1.run_hook("pre-exit").status.success());
+
+    // Three: no vendor has them.
+    let mut job = pool.start_job(
+        &job_id(75),
+        "true",
+        Some(r#"{"gpus":3}"#),
+        Install::AgentBinary,
+    );
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("no vendor has 3 GPU slices on this node (nvidia 2, amd 2)"),
+        "{}",
+        output_text(&out)
+    );
+
+    // An agent bound to one slice of each vendor: refused, and nothing stays held.
+    let mut env = node.env.clone();
+    env.insert("BUILDKITE_AGENT_META_DATA_GPU_INDEX".into(), "0+1".into());
+    let agent = agent::Agent::new(node.path(), "mixed-pair", &env);
+    let mut job = agent.start_job(&job_id(76), "true", None, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(!out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains(
+            "slices 0 (nvidia 0000:18:00.0) and 1 (amd 0000:3b:00.0): a job's GPUs must all be one vendor's"
+        ),
+        "{}",
+        output_text(&out)
+    );
+    let mut job = pool.start_job(&job_id(77), "true", two, Install::AgentBinary);
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(buses(&job.env), ["0000:18:00.0", "0000:86:00.0"]);
+    assert!(job.run_hook("pre-exit").status.success());
 }

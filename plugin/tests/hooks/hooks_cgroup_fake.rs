@@ -16,7 +16,7 @@ fn limits() -> Limits {
         mems: vec![0],
         memory_bytes: 8 << 30,
         pids: 512,
-        deny_devices: vec![],
+        allow_devices: None,
     }
 }
 
@@ -172,10 +172,10 @@ fn v1_copies_the_parent_cpuset_and_limits_swap() {
     let c = Cgroups::detect(r).unwrap();
     assert_eq!(c.version(), 1);
     let mut l = limits();
-    l.deny_devices = vec![kernelkite_hooks::cgroup::CharDevice {
+    l.allow_devices = Some(vec![kernelkite_hooks::cgroup::CharDevice {
         major: 195,
         minor: 5,
-    }];
+    }]);
     c.create("job-4", &l).unwrap();
     let read = |p: &str| std::fs::read_to_string(r.join("sys/fs/cgroup").join(p)).unwrap();
     assert_eq!(read("cpuset/kernelkite/cpuset.cpus"), "0-223");
@@ -190,7 +190,24 @@ fn v1_copies_the_parent_cpuset_and_limits_swap() {
         (8u64 << 30).to_string()
     );
     assert_eq!(read("pids/kernelkite/job-4/pids.max"), "512");
-    assert_eq!(read("devices/kernelkite/job-4/devices.deny"), "c 195:5 rwm");
+    // Deny all, then allow the base set and the job's own GPU, one rule per line.
+    assert_eq!(read("devices/kernelkite/job-4/devices.deny"), "a");
+    let mut want: Vec<&str> = kernelkite_hooks::cgroup::BASE_DEVICE_RULES.to_vec();
+    want.push("c 195:5 rwm");
+    assert_eq!(
+        read("devices/kernelkite/job-4/devices.allow")
+            .lines()
+            .collect::<Vec<_>>(),
+        want
+    );
+    // Made again (a retried job): the rules are the same, not appended twice.
+    c.create("job-4", &l).unwrap();
+    assert_eq!(
+        read("devices/kernelkite/job-4/devices.allow")
+            .lines()
+            .count(),
+        want.len()
+    );
     let files = c.procs_files("job-4").unwrap();
     assert_eq!(
         files.len(),

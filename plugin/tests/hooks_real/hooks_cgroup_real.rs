@@ -263,7 +263,7 @@ fn an_existing_job_cgroup_can_be_given_a_larger_or_smaller_memory_limit() {
         mems: vec![0],
         memory_bytes,
         pids: 64,
-        deny_devices: vec![],
+        allow_devices: None,
     };
     // On v1 the memory limit may never exceed memory+swap: growing must raise memsw first,
     // shrinking must lower the memory limit first.

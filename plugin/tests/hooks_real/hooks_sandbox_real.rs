@@ -275,14 +275,14 @@ impl SandboxNode {
         let sys = root.join("sysfs");
         let dev = root.join("dev");
         std::fs::create_dir_all(&dev).unwrap();
-        for (i, minor) in [(0u32, 0u32), (1, 1)] {
-            let d = sys.join(format!(
-                "proc/driver/nvidia/gpus/0000:{:02x}:00.0",
-                0x18 + i
-            ));
-            std::fs::create_dir_all(&d).unwrap();
-            std::fs::write(d.join("information"), format!("Device Minor: \t {minor}\n")).unwrap();
-        }
+        // The driver's /proc directories as a node has them (both GPUs, their UUIDs, the
+        // writable registries, UVM's list of GPUs in use): what the job sees of them is masked.
+        kernelkite_testkit::fake_nvml::write_driver_proc(
+            &sys,
+            &[("0000:18:00.0", 0), ("0000:19:00.0", 1)],
+            &[],
+        )
+        .unwrap();
         for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
             let ok = Command::new("mknod")
                 .args(["-m", "666"])
@@ -315,6 +315,8 @@ impl SandboxNode {
         set("KK_AGENT_CFG", &cfg);
         set("KK_RUN_DIR", &run_dir);
         set("KK_FAKE_DEV", &dev);
+        // By its real path: the job compares it with its mount table.
+        set("KK_FAKE_SYSFS", &std::fs::canonicalize(&sys).unwrap());
         set("KK_OTHER_CHECKOUT", &other);
         // A directory of the host's that anyone may write to (as /var/crash or a forgotten
         // 1777 directory would be): the job's view of it is read-only.
@@ -457,6 +459,7 @@ const TEST_VARIABLES: &[&str] = &[
     "KK_AGENT_CFG",
     "KK_RUN_DIR",
     "KK_FAKE_DEV",
+    "KK_FAKE_SYSFS",
     "KK_OTHER_CHECKOUT",
     "KK_OTHER_CPU",
     "KK_OWN_CPUS",
@@ -493,6 +496,16 @@ try other-checkout cat "$KK_OTHER_CHECKOUT/secret.txt"
 try other-gpu-in-dev test -e /dev/nvidia1
 echo "open-own-gpu: $( (exec 3< /dev/nvidia0) 2>&1 | sed 's/.*: //')"
 echo "open-other-gpu-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia1") 2>&1 | sed 's/.*: //')"
+echo "driver-gpus $(ls "$KK_FAKE_SYSFS/proc/driver/nvidia/gpus" | tr '\n' ' ')"
+echo "driver-entries $(ls "$KK_FAKE_SYSFS/proc/driver/nvidia" | sort | tr '\n' ' ')"
+echo "driver-own-gpu $(grep -c 'Device Minor' "$KK_FAKE_SYSFS/proc/driver/nvidia/gpus/0000:18:00.0/information")"
+try other-gpu-in-proc test -e "$KK_FAKE_SYSFS/proc/driver/nvidia/gpus/0000:19:00.0"
+try other-uuid-in-proc sh -c 'grep -rq "GPU-00019000" "$KK_FAKE_SYSFS/proc/driver"'
+try uvm-gpus-in-proc sh -c 'ls -A "$KK_FAKE_SYSFS/proc/driver/nvidia-uvm" | grep -q .'
+try driver-warnings-in-proc test -e "$KK_FAKE_SYSFS/proc/driver/nvidia/warnings"
+echo "modify $(grep ModifyDeviceFiles "$KK_FAKE_SYSFS/proc/driver/nvidia/params")"
+echo "driver-mounts $(awk -v d="$KK_FAKE_SYSFS/proc/driver/" 'index($5, d) == 1 { split($6, o, ","); for (i = 7; $i != "-"; i++); print substr($5, length(d) + 1) ":" $(i + 1) ":" o[1] }' /proc/self/mountinfo | LC_ALL=C sort | tr '\n' ' ')"
+echo "proc-read-only $(awk '$5 ~ /^\/proc\/(bus|fs|irq|sys|sysrq-trigger)$/ && $6 ~ /^ro(,|$)/ { print $5 }' /proc/self/mountinfo | LC_ALL=C sort -u | tr '\n' ' ')"
 try mknod mknod /tmp/kk-node c 195 1
 try write-etc touch /etc/kk-escape
 try signal-agent kill -0 "$KK_BOOTSTRAP_PID"
@@ -688,6 +701,62 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
             "{stdout}"
         );
     }
+    // The driver's /proc directory (the fake tree standing for it, masked by the same code):
+    // its own GPU only, the driver's three files with ModifyDeviceFiles off, nothing of the
+    // other GPU (its directory, its UUID, UVM's list of GPUs in use), all of it read-only.
+    let sys = std::fs::canonicalize(node.dir.path().join("sysfs")).unwrap();
+    if fake_dev_visible {
+        for blocked in [
+            "other-gpu-in-proc",
+            "other-uuid-in-proc",
+            "uvm-gpus-in-proc",
+            "driver-warnings-in-proc",
+        ] {
+            assert!(
+                stdout.contains(&format!("blocked {blocked}\n")),
+                "{blocked}: {stdout}"
+            );
+        }
+        for seen in [
+            "driver-gpus 0000:18:00.0 \n",
+            "driver-entries gpus params registry version \n",
+            "driver-own-gpu 1\n",
+            "modify ModifyDeviceFiles: 0\n",
+        ] {
+            assert!(stdout.contains(seen), "{seen:?}: {stdout}");
+        }
+        let mounts: Vec<&str> = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("driver-mounts "))
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(mounts.len(), 3, "{mounts:?}");
+        assert_eq!(mounts[0], "nvidia-uvm:tmpfs:ro", "{mounts:?}");
+        assert!(
+            mounts[1].starts_with("nvidia/gpus/0000:18:00.0:") && mounts[1].ends_with(":ro"),
+            "{mounts:?}"
+        );
+        assert_eq!(mounts[2], "nvidia:tmpfs:ro", "{mounts:?}");
+        let said = format!(
+            "kernelkite: sandbox: {}/proc/driver/nvidia: only GPU 0000:18:00.0 (and the driver's version, params, registry), read-only; {}/proc/driver/nvidia-uvm: empty",
+            sys.display(),
+            sys.display()
+        );
+        assert!(stderr.contains(&said), "{said:?} not in\n{stderr}");
+    } else {
+        assert!(stdout.contains("driver-gpus \n"), "{stdout}");
+    }
+    // Root's writable files of the job's /proc are read-only (runc's read-only paths).
+    let proc_ro: String = kernelkite_hooks::sandbox::mounts::PROC_READ_ONLY
+        .iter()
+        .filter(|p| Path::new(p).exists())
+        .map(|p| format!("{p} "))
+        .collect();
+    assert!(
+        stdout.contains(&format!("proc-read-only {proc_ro}\n")),
+        "{proc_ro}: {stdout}"
+    );
     // It could write its private directories and SysV IPC...
     for left in [
         "left /dev/shm/kk-leak",
@@ -753,6 +822,19 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
     // The node is as it was: no file, segment, cgroup or lease of the job is left.
     let after = node.snapshot();
     assert_eq!(before, after);
+    // The mask was the job's alone: the host's tree is whole.
+    let host_gpus: Vec<String> = std::fs::read_dir(sys.join("proc/driver/nvidia/gpus"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(host_gpus, ["0000:18:00.0", "0000:19:00.0"]);
+    assert!(
+        std::fs::read_to_string(sys.join("proc/driver/nvidia/params"))
+            .unwrap()
+            .contains("ModifyDeviceFiles: 1\n")
+    );
     drop(node.dir);
 }
 
@@ -1114,9 +1196,14 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
 
     let id = format!("{}-root-allowed", prefix());
     let _guard2 = real_cgroups::CgroupGuard(vec![id.clone()]);
+    // Root without capabilities may write a sysctl by its mode alone: the job's /proc/sys is
+    // read-only. The value written is the one already there, so an escape changes nothing.
     let mut job = node.job(
         &id,
-        "grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs)' /proc/self/status",
+        "grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs)' /proc/self/status; \
+         v=$(cat /proc/sys/vm/overcommit_memory); \
+         (echo \"$v\" > /proc/sys/vm/overcommit_memory) 2>/dev/null \
+         && echo 'ESCAPED write-proc-sys' || echo 'blocked write-proc-sys'",
     );
     job.set_env(
         "BUILDKITE_PLUGIN_CONFIGURATION",
@@ -1136,6 +1223,7 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
     assert!(stdout.contains("CapEff:\t0000000000000000"), "{stdout}");
     assert!(stdout.contains("CapBnd:\t0000000000000000"), "{stdout}");
     assert!(stdout.contains("NoNewPrivs:\t1"), "{stdout}");
+    assert!(stdout.contains("blocked write-proc-sys\n"), "{stdout}");
     let log = String::from_utf8_lossy(&outs[1].1.stderr);
     assert!(log.contains("WARNING: the command runs as root"), "{log}");
 }
@@ -1230,16 +1318,20 @@ fn a_mig_slice_sees_only_its_own_mig_device() {
     };
     let plan = json!({"slices": [slice(0, 3), slice(1, 5)], "reserved_cpus": [], "warnings": []});
     std::fs::write(root.join("plan.json"), plan.to_string()).unwrap();
-    // A major no driver of this machine has: opening a node the job may use says ENXIO.
-    const CAPS_MAJOR: u32 = 508;
-    kernelkite_testkit::fake_nvml::write_mig_minors(
+    // The driver's /proc with both MIG instances' capability files (and MIG's config and
+    // monitor): the job is shown its own two only.
+    kernelkite_testkit::fake_nvml::write_driver_proc(
         &root.join("sysfs"),
-        CAPS_MAJOR,
-        &[(0, 3, 0, 30, 31), (0, 5, 0, 50, 51)],
+        &[("0000:18:00.0", 0), ("0000:19:00.0", 1)],
+        &[(0, 3, 0), (0, 5, 0)],
     )
     .unwrap();
+    // A major no driver of this machine has: opening a node the job may use says ENXIO.
+    const CAPS_MAJOR: u32 = 508;
+    // The driver's whole table: gpu0/gi3 is 30 and 31, gpu0/gi5 48 and 49.
+    kernelkite_testkit::fake_nvml::write_mig_minors(&root.join("sysfs"), CAPS_MAJOR).unwrap();
     std::fs::create_dir_all(root.join("dev/nvidia-caps")).unwrap();
-    for minor in [1, 2, 30, 31, 50, 51] {
+    for minor in [1, 2, 30, 31, 48, 49] {
         let ok = Command::new("mknod")
             .args(["-m", "444"])
             .arg(root.join(format!("dev/nvidia-caps/nvidia-cap{minor}")))
@@ -1257,7 +1349,8 @@ echo "cuda $CUDA_VISIBLE_DEVICES"
 echo "caps $(ls /dev/nvidia-caps | sort | tr '\n' ' ')"
 echo "gpu-nodes $(ls /dev | grep '^nvidia' | sort | tr '\n' ' ')"
 echo "open-own-cap: $( (exec 3< /dev/nvidia-caps/nvidia-cap31) 2>&1 | sed 's/.*: //')"
-echo "open-other-cap-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia-caps/nvidia-cap51") 2>&1 | sed 's/.*: //')"
+echo "open-other-cap-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia-caps/nvidia-cap49") 2>&1 | sed 's/.*: //')"
+echo "mig-caps $(cd "$KK_FAKE_SYSFS/proc/driver/nvidia/capabilities" 2>/dev/null && find . -type f | LC_ALL=C sort | tr '\n' ' ')"
 "#,
     );
     let outs = job.run_all();
@@ -1287,6 +1380,14 @@ echo "open-other-cap-host-node: $( (exec 3< "$KK_FAKE_DEV/nvidia-caps/nvidia-cap
     {
         assert!(
             stdout.contains("open-other-cap-host-node: Operation not permitted"),
+            "{stdout}"
+        );
+    }
+    // Of the driver's capability files, its own MIG device's two: no other instance's, not
+    // MIG's config or monitor.
+    if fake_dev_visible {
+        assert!(
+            stdout.contains("mig-caps ./gpu0/mig/gi3/access ./gpu0/mig/gi3/ci0/access \n"),
             "{stdout}"
         );
     }

@@ -252,6 +252,22 @@ fn doctor_reads_the_gpus_through_nvml() {
             .map(str::to_string)
             .unwrap_or_else(|| panic!("no {check} line: {out}"))
     };
+    // The fix line under the doctor line named `check`.
+    let doctor_fix = |config: &str, check: &str| {
+        fake.configure(config);
+        let o = Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+            .args(["doctor", "--sysfs-root", dir.path().to_str().unwrap()])
+            .env_remove("KERNELKITE_SYSFS_ROOT")
+            .envs(fake.env())
+            .output()
+            .unwrap();
+        let (out, _) = text(&o);
+        let mut lines = out
+            .lines()
+            .skip_while(|l| !l.contains(&format!(" {check} ")));
+        lines.next();
+        lines.next().unwrap_or_default().to_string()
+    };
     let doctor = |config: &str| doctor_line(config, "nvidia driver");
     let line = doctor(&config);
     assert!(
@@ -274,14 +290,21 @@ fn doctor_reads_the_gpus_through_nvml() {
         line.starts_with("fail") && line.contains("lists no capability"),
         "{line}"
     );
-    write_mig_minors(dir.path(), 508, &[(1, 3, 0, 30, 31), (1, 5, 0, 50, 51)]).unwrap();
+    write_mig_minors(dir.path(), 508).unwrap();
     let line = mig_line();
     assert!(
-        line.starts_with("fail") && line.contains("/dev/nvidia-caps/nvidia-cap30"),
+        line.starts_with("fail") && line.contains("/dev/nvidia-caps/nvidia-cap165"),
         "{line}"
     );
+    let fix = doctor_fix(&mig_config, "mig");
+    assert!(
+        fix.contains("nvidia-modprobe -f /proc/driver/nvidia/capabilities/gpu1/mig/gi3/access")
+            && !fix.contains("NVreg_ModifyDeviceFiles=1"),
+        "{fix}"
+    );
     std::fs::create_dir_all(dir.path().join("dev/nvidia-caps")).unwrap();
-    for cap in [30, 31, 50, 51] {
+    // The driver's numbers: gpu1/gi3 165 and 166, gpu1/gi5 183 and 184.
+    for cap in [165, 166, 183, 184] {
         std::fs::write(
             dir.path().join(format!("dev/nvidia-caps/nvidia-cap{cap}")),
             "",
@@ -338,5 +361,127 @@ fn output_into_a_closed_pipe_exits_quietly() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// Issue 36: MIG devices get new uuids at every boot. `plan --refresh FILE` (which the agents'
+/// unit runs as they start) takes them into the plan when the layout is the one planned, and
+/// leaves the file alone, naming `setup`, when it is not. NVML is the stand-in library, loaded
+/// by the binary as on a node.
+#[test]
+fn plan_refresh_takes_new_mig_uuids_after_a_reboot() {
+    use kernelkite_testkit::fake_nvml::{h100, mig_at, mig_uuid_at, FakeNvml};
+    use kernelkite_topology::plan::MigInstance;
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit::skip(&why),
+    };
+    let dir = scratch();
+    fakesys::dgx_h100().write_to(dir.path()).unwrap();
+    let topo = Topology::discover(dir.path()).unwrap();
+    let bus = topo.gpus[1].pci_bus_id.clone();
+    // The plan of boot 0: GPU 1 as two MIG devices (GPU instances 3 and 5).
+    let mut p = plan(&topo, &Policy::default()).unwrap();
+    let as_mig = |gi: u32| MigInstance {
+        uuid: mig_uuid_at(&bus, gi, 0, 0),
+        gpu_instance_id: gi,
+        compute_instance_id: 0,
+        memory_bytes: 20 << 30,
+    };
+    let mut second = p.slices[1].clone();
+    second.index = p.slices.len() as u32;
+    for (s, gi) in [(&mut p.slices[1], 3), (&mut second, 5)] {
+        let g = s.gpu.as_mut().unwrap();
+        g.mig = Some(as_mig(gi));
+        g.uuid = Some(mig_uuid_at(&bus, gi, 0, 0));
+    }
+    p.slices.push(second);
+    let file = dir.path().join("plan.json");
+    std::fs::write(&file, serde_json::to_string(&p).unwrap()).unwrap();
+    let gpus = |boot: u32, gis: &[u32]| -> String {
+        let mut c: String = topo
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| h100(&g.pci_bus_id, i as u32, 0))
+            .collect();
+        for gi in gis {
+            c.push_str(&mig_at(&bus, *gi, 0, 20, boot));
+        }
+        c
+    };
+    let refresh = |config: &str| {
+        fake.configure(config);
+        Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+            .args(["plan", "--sysfs-root", dir.path().to_str().unwrap()])
+            .arg("--refresh")
+            .arg(&file)
+            .env_remove("KERNELKITE_SYSFS_ROOT")
+            .envs(fake.env())
+            .output()
+            .unwrap()
+    };
+    // Boot 1, the same layout: the new uuids are taken.
+    let o = refresh(&gpus(1, &[3, 5]));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        out.contains("took the new MIG device uuid(s) of 2 slice(s)"),
+        "{out}"
+    );
+    let fresh: Plan = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let uuids: Vec<String> = fresh
+        .slices
+        .iter()
+        .filter_map(|s| s.gpu.as_ref()?.mig.as_ref().map(|m| m.uuid.clone()))
+        .collect();
+    assert_eq!(
+        uuids,
+        [mig_uuid_at(&bus, 3, 0, 1), mig_uuid_at(&bus, 5, 0, 1)]
+    );
+    // Again: nothing to take.
+    let o = refresh(&gpus(1, &[3, 5]));
+    assert!(text(&o).0.contains("matches the node"), "{:?}", text(&o));
+    // Boot 2 with another layout: refused, the file as it was.
+    let before = std::fs::read(&file).unwrap();
+    let o = refresh(&gpus(2, &[3, 7]));
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}{err}");
+    assert!(
+        err.contains("GPU instance 5") && err.contains("kernelkite-isolate setup"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+    // NVML that does not load: refused (every MIG device would read as gone), file alone.
+    let o = refresh("fail nvmlInit_v2 999\n");
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("needs NVML"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+}
+
+/// A node whose MI300X GPUs are in CPX mode is refused by `plan`, which names the command that
+/// makes them whole; in SPX, the same node plans (the `amdgpu_xcp_*` devices exist in both).
+#[test]
+fn plan_refuses_a_partitioned_mi300x_and_names_the_fix() {
+    use kernelkite_testkit::kfd::{write_mi300x_partitioned, Partitioning};
+    for (how, ok) in [(Partitioning::cpx(), false), (Partitioning::spx(), true)] {
+        let dir = scratch();
+        let root = dir.path().to_str().unwrap();
+        assert!(bin(&["fixture", "mi300x-8", "--out", root])
+            .status
+            .success());
+        write_mi300x_partitioned(dir.path(), &how, &[]).unwrap();
+        let o = bin(&["plan", "--sysfs-root", root]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.success(), ok, "{}: {out}{err}", how.compute);
+        if !ok {
+            assert_eq!(o.status.code(), Some(1));
+            assert!(
+                err.contains(
+                    "GPU 0000:05:00.0 (AMD Instinct MI300X) is in CPX compute partitioning"
+                ) && err.contains("sudo amd-smi set --gpu all --compute-partition SPX"),
+                "{err}"
+            );
+        }
     }
 }

@@ -1105,3 +1105,47 @@ fn the_deployments_pipelines_pass_a_set_up_nodes_allow_lists() {
         }
     }
 }
+
+/// `setup` on a node whose MI300X GPUs are in CPX mode stops at the plan, naming the command
+/// that makes the GPUs whole, and writes nothing.
+#[test]
+fn setup_refuses_a_partitioned_mi300x_before_touching_anything() {
+    use kernelkite_testkit::kfd::{write_mi300x_partitioned, Partitioning};
+    let mut node = prepare(&MI300X);
+    let cpx_dir = kernelkite_testkit::scratch();
+    let cpx = cpx_dir.path().join("cpx");
+    let out = Command::new(BIN)
+        .args(["fixture", "mi300x-8", "--out"])
+        .arg(&cpx)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every partition's render node in /dev, in the render group, as on the MI300X case's node.
+    let every: Vec<(usize, usize)> = (0..8).flat_map(|i| (0..8).map(move |p| (i, p))).collect();
+    write_mi300x_partitioned(&cpx, &Partitioning::cpx(), &every).unwrap();
+    write(
+        &cpx.join("proc/sys/kernel/osrelease"),
+        &format!("{}\n", MI300X.kernel),
+        0o644,
+    );
+    let gid = render_gid();
+    for e in std::fs::read_dir(cpx.join("dev/dri")).unwrap() {
+        std::os::unix::fs::chown(e.unwrap().path(), None, Some(gid)).unwrap();
+    }
+    std::os::unix::fs::chown(cpx.join("dev/kfd"), None, Some(gid)).unwrap();
+    node.machine = cpx;
+    let before = snapshot(&node);
+    let out = setup(&node, &MI300X, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("is in CPX compute partitioning")
+            && err.contains("sudo amd-smi set --gpu all --compute-partition SPX"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&node), before);
+}

@@ -31,6 +31,11 @@ pub struct PlanArgs {
     /// Print the plan as JSON (the stable shape documented in the README) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Check the plan in FILE against the node now and take its MIG devices' new UUIDs (they
+    /// change at every boot): rewrite FILE when the layout is the same, else fail saying what
+    /// changed (then run `setup` again). Reads NVML, whatever the sysfs root.
+    #[arg(long, value_name = "FILE", conflicts_with = "topology_xml")]
+    pub refresh: Option<PathBuf>,
     /// How to slice.
     #[command(flatten)]
     pub policy: PolicyArgs,
@@ -134,12 +139,66 @@ pub fn load_topology(
 
 /// Plans the node and prints the plan.
 pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    if let Some(file) = &args.refresh {
+        return refresh(file, &args.sysfs_root);
+    }
     let topo = load_topology(&args.sysfs_root, args.topology_xml.as_deref())?;
     let explained = plan_explained(&topo, &args.policy.to_policy())?;
     if args.json {
         sayln!("{}", serde_json::to_string(&explained.plan)?);
     } else {
         say!("{}", render_table(&explained.plan, &explained.notes));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `plan --refresh FILE`: the plan in FILE against the node now ([`kernelkite_topology::refresh`]).
+/// The file is rewritten (atomically, through a file beside it) whenever the layout is the
+/// same, changed or not, so its time says it was checked in this boot (the environment hook
+/// refuses a MIG job whose plan is older than the boot); on drift it is left as it was.
+fn refresh(file: &std::path::Path, sysfs_root: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read the plan {}", file.display()))?;
+    let plan: Plan = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a plan (kernelkite-isolate plan --json)",
+            file.display()
+        )
+    })?;
+    let names_mig = plan
+        .slices
+        .iter()
+        .flat_map(|s| s.gpus())
+        .any(|g| g.mig.is_some());
+    if names_mig {
+        // Without NVML every MIG device would read as gone.
+        kernelkite_sys::nvml::Nvml::load().with_context(|| {
+            format!(
+                "plan --refresh needs NVML for the MIG devices {} names: run kernelkite-isolate-nvml plan --refresh {0} (the dynamically linked build), on a node with the NVIDIA driver",
+                file.display()
+            )
+        })?;
+    }
+    let topo = Topology::discover_with_nvml(sysfs_root, Some(kernelkite_sys::nvml::LIBRARY))?;
+    let fresh = kernelkite_topology::refresh::refresh(&plan, &topo.gpus)?;
+    let taken = fresh
+        .slices
+        .iter()
+        .zip(&plan.slices)
+        .filter(|(a, b)| a != b)
+        .count();
+    let json = serde_json::to_string(&fresh)?;
+    let tmp = file.with_extension("json.refresh");
+    std::fs::write(&tmp, json.as_bytes() as &[u8])
+        .and_then(|()| std::fs::rename(&tmp, file))
+        .with_context(|| format!("cannot write {}", file.display()))?;
+    if taken == 0 {
+        sayln!("{} matches the node", file.display());
+    } else {
+        sayln!(
+            "took the new MIG device uuid(s) of {taken} slice(s) into {}",
+            file.display()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

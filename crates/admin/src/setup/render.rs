@@ -652,6 +652,18 @@ pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
         s,
         "[Unit]\nDescription=Buildkite agent %i of kernelkite (jobs held to their GPU slices by the hooks)\nDocumentation={DOCS_URL}\nWants=network-online.target\nAfter=network-online.target\n"
     );
+    if plan
+        .slices
+        .iter()
+        .flat_map(|sl| sl.gpus())
+        .any(|g| g.mig.is_some())
+    {
+        // After the units that make MIG devices at boot (absent units order nothing).
+        let _ = writeln!(
+            s,
+            "After=nvidia-persistenced.service nvidia-mig-manager.service"
+        );
+    }
     if facts.cgroup_version == 1 && favordynmods_supported(facts) {
         let _ = writeln!(s, "Wants={FAVORDYNMODS_UNIT}\nAfter={FAVORDYNMODS_UNIT}");
     }
@@ -661,6 +673,21 @@ pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
             s,
             "# cgroup v1: the housekeeping CPUs by affinity (a job's command gets its slice's CPUs when\n# the hooks move it into its cpuset cgroup).\nCPUAffinity={}",
             format_cpu_list(&plan.reserved_cpus)
+        );
+    }
+    if plan
+        .slices
+        .iter()
+        .flat_map(|sl| sl.gpus())
+        .any(|g| g.mig.is_some())
+    {
+        // MIG devices are made anew at every boot (nvidia-mig-manager, or by hand), with new
+        // uuids: the plan takes them before an agent takes a job; a changed layout stops the
+        // agents, the journal saying what changed and to run setup again.
+        let _ = write!(
+            s,
+            "# MIG devices get new uuids at every boot: the plan takes them (or the agent does not start,\n# saying what changed) before any job.\nExecStartPre={} plan --refresh {PLAN_FILE}\n",
+            opts.prefix.join("bin").join(kernelkite_sys::node::ISOLATE_BINARY).display()
         );
     }
     let _ = write!(
@@ -1103,6 +1130,61 @@ mod tests {
 
     /// The public half of `buildkite-agent tool keygen --alg EdDSA --key-id kk` (its shape).
     const PUBLIC_JWKS: &str = r#"{"keys":[{"alg":"EdDSA","crv":"Ed25519","kid":"kk","kty":"OKP","use":"sig","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#;
+
+    /// Issue 36: MIG devices get new uuids at every boot; on a node whose plan has MIG slices
+    /// the agents' unit refreshes the plan before the agent starts (after the units that make
+    /// MIG devices), and nowhere else.
+    #[test]
+    fn a_mig_node_s_agents_take_the_boot_s_mig_uuids_before_any_job() {
+        use kernelkite_topology::plan::{MigInstance, SliceGpu, Vendor};
+        let gpu = |mig: Option<MigInstance>| SliceGpu {
+            vendor: Vendor::Nvidia,
+            pci_bus_id: "0000:18:00.0".into(),
+            uuid: Some("GPU-0".into()),
+            numa_node: Some(0),
+            mig,
+        };
+        let mut plan = Plan {
+            slices: vec![Slice {
+                index: 0,
+                gpu: Some(gpu(None)),
+                extra_gpus: vec![],
+                cpus: vec![1],
+                mems: vec![0],
+                memory_bytes: 1 << 30,
+            }],
+            reserved_cpus: vec![0],
+            warnings: vec![],
+        };
+        let facts = Facts {
+            cgroup_version: 2,
+            kernel_release: Some("6.8.0".into()),
+            total_memory_bytes: 4 << 30,
+            job_user_exists: true,
+            job_user_groups: vec![],
+            device_owners: vec![],
+        };
+        let opts = options(DEFAULT_PLUGIN_LOCATION, &[]);
+        let whole = agent_unit(&plan, &facts, &opts);
+        assert!(
+            !whole.contains("ExecStartPre") && !whole.contains("mig-manager"),
+            "{whole}"
+        );
+        plan.slices[0].gpu = Some(gpu(Some(MigInstance {
+            uuid: "MIG-0".into(),
+            gpu_instance_id: 3,
+            compute_instance_id: 0,
+            memory_bytes: 20 << 30,
+        })));
+        let mig = agent_unit(&plan, &facts, &opts);
+        assert!(
+            mig.contains(&format!(
+                "\nExecStartPre={}/bin/kernelkite-isolate plan --refresh {PLAN_FILE}\n",
+                DEFAULT_PREFIX
+            )) && mig.contains("After=nvidia-persistenced.service nvidia-mig-manager.service"),
+            "{mig}"
+        );
+    }
 
     /// Issue 34, item 9: given the pipeline agent's public key, every agent verifies signed
     /// steps and refuses the rest (`block`); the key is installed readable, and only a public

@@ -80,7 +80,7 @@ impl V2 {
                 .push("memory.swap.max is missing (no swap accounting): the job may swap".into());
         }
         write(&dir.join("pids.max"), &limits.pids.to_string())?;
-        if !limits.deny_devices.is_empty() {
+        if limits.allow_devices.is_some() {
             warnings.push(
                 "cgroup v2 restricts devices only through BPF, which kernelkite does not load: other GPUs are hidden only by the exported variables (use mode: docker to keep them out)".into(),
             );

@@ -412,6 +412,7 @@ pub fn sandbox_spec(
         writable: checkout.map(Path::to_path_buf).into_iter().collect(),
         read_only: git.into_iter().collect(),
         tools,
+        driver_proc: spec::driver_proc(&settings.sysfs_root, &state.slice),
         allow_syscalls: state.config.allow_syscalls.clone(),
         artifacts: env
             .get("BUILDKITE_ARTIFACT_PATHS")

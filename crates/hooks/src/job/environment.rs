@@ -9,11 +9,11 @@ use std::time::Duration;
 use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
 
 use super::cleanup::{clean_job, clean_orphans};
-use super::devices::{device_indices, other_gpu_devices};
+use super::devices::{device_indices, job_devices, other_gpu_devices_exist};
 use super::env::{agent_gpus, job_api_socket, job_config, var};
 use super::error::Chain;
 use super::exports::exports_for;
-use super::slice::{job_slice, node_plan};
+use super::slice::{job_slice, node_plan, pool_tiers, spread_notice};
 use super::state::{read_state, write_state, JobState};
 use super::{GpuOpener, JobError, Settings};
 use crate::cgroup::{CgroupError, Cgroups, CharDevice, Limits};
@@ -89,12 +89,17 @@ pub fn run(
     };
     let leases = settings.leases();
     let gpus = leases.acquire(&want, &me, Duration::from_secs(config.lease_wait_secs))?;
+    if matches!(want, Want::Pool { .. }) {
+        notices.extend(spread_notice(&plan, &gpus));
+    }
 
     // Clocks locked before the state that records them is on disk must still be reset if
     // writing it fails.
     let mut locked_gpus: Vec<SliceGpu> = Vec::new();
     let prepared = job_slice(&plan, &gpus, &config, &settings.sysfs_root)
         .and_then(|slice| {
+            // Before anything is held: a MIG device the node no longer has is refused.
+            super::mig::check_current(settings, &slice)?;
             let locked = check_gpus(&config, &slice, gpu, &mut notices)?;
             Ok((slice, locked))
         })
@@ -133,12 +138,15 @@ pub fn run(
                 restrict_run_dir(&settings.run_dir);
             }
             if config.mode == Mode::Host {
-                let deny = other_gpu_devices(&settings.sysfs_root, &plan, &state.slice);
+                // Deny every device but the base set and the job's own GPU nodes (a few rules,
+                // whatever the node's size), where there is another GPU to keep out.
+                let allow = other_gpu_devices_exist(&settings.sysfs_root, &plan, &state.slice)
+                    .then(|| job_devices(&settings.sysfs_root, &state.slice));
                 state.cgroup_version = create_cgroup(
                     &job_id,
                     &config,
                     &state.slice,
-                    deny,
+                    allow,
                     cgroups.as_ref(),
                     &mut notices,
                 )?;
@@ -357,7 +365,8 @@ pub fn export_through_job_api(
 }
 
 /// Which GPU(s) to lease: the ones the agent is bound to (their number must match `gpus`, and
-/// the plan must have them), else `gpus` of the node's pool.
+/// the plan must have them), else `gpus` of the node's pool, one vendor's and neighbours where
+/// it can ([`pool_tiers`]).
 fn wanted_gpus(
     env: &BTreeMap<String, String>,
     config: &PluginConfig,
@@ -377,10 +386,13 @@ fn wanted_gpus(
             }
             Ok(Want::Exactly(bound))
         }
-        None => Ok(Want::Pool {
-            count: config.gpus.unwrap_or(1),
-            candidates,
-        }),
+        None => {
+            let count = config.gpus.unwrap_or(1);
+            Ok(Want::Pool {
+                count,
+                tiers: pool_tiers(plan, count)?,
+            })
+        }
     }
 }
 
@@ -429,7 +441,7 @@ fn create_cgroup(
     job_id: &str,
     config: &PluginConfig,
     slice: &Slice,
-    deny_devices: Vec<CharDevice>,
+    allow_devices: Option<Vec<CharDevice>>,
     cgroups: Option<&Cgroups>,
     notices: &mut Vec<String>,
 ) -> Result<Option<u8>, JobError> {
@@ -438,7 +450,7 @@ fn create_cgroup(
         mems: slice.mems.clone(),
         memory_bytes: slice.memory_bytes,
         pids: config.pids_limit,
-        deny_devices,
+        allow_devices,
     };
     let created = match cgroups {
         Some(cg) => cg.create(job_id, &limits).map(|w| (cg.version(), w)),

@@ -95,6 +95,48 @@ pub enum JobError {
         /// The MIG slice among them.
         mig: u32,
     },
+    /// The job would get GPUs of more than one vendor.
+    #[error("the job would get slices {slices}: a job's GPUs must all be one vendor's, since CUDA and ROCm each see only their own; tag the agent gpu-index with one vendor's slices (`kernelkite-isolate plan` lists them)")]
+    MixedVendors {
+        /// Each slice with its vendor and bus id.
+        slices: String,
+    },
+    /// The pool has no vendor with as many GPU slices as the step asks for.
+    #[error("the step asks for gpus: {wanted} but no vendor has {wanted} GPU slices on this node ({have}{}): a job's GPUs must all be one vendor's, since CUDA and ROCm each see only their own; lower gpus or run the step on a node with more", if *.mig > 0 { format!("; {} MIG device slice(s) are jobs of one GPU", .mig) } else { String::new() })]
+    NoVendorHasEnough {
+        /// `gpus` of the step.
+        wanted: u32,
+        /// The slices each vendor has (`nvidia 2, amd 2`).
+        have: String,
+        /// MIG slices left out.
+        mig: usize,
+    },
+    /// A MIG slice whose MIG device is not on the node now (its instance is gone).
+    #[error("slice {slice}'s MIG device {uuid} (GPU instance {gi}, compute instance {ci} of GPU {bus}) is not on this node now: MIG devices do not survive a reboot, and `nvidia-smi mig` may have removed it; the job was not started. Make the MIG layout the plan was made for again, then run `sudo kernelkite-isolate plan --refresh {plan}` (the agents' unit runs it when they start); if the layout changed, run `sudo kernelkite-isolate setup` again")]
+    MigGone {
+        /// The slice.
+        slice: u32,
+        /// The MIG device's uuid in the plan.
+        uuid: String,
+        /// Its GPU instance.
+        gi: u32,
+        /// Its compute instance.
+        ci: u32,
+        /// The parent GPU.
+        bus: String,
+        /// The plan file.
+        plan: String,
+    },
+    /// The plan names MIG devices and was written before this boot: their uuids are stale.
+    #[error("the plan {plan} was written before this boot, and MIG devices get new uuids at every boot, so slice {slice}'s CUDA_VISIBLE_DEVICES={uuid} would name a device that is gone; the job was not started. Run `sudo kernelkite-isolate plan --refresh {plan}` (the agents' unit runs it when they start: `sudo systemctl restart 'kernelkite-agent@*'`)")]
+    PlanPredatesBoot {
+        /// The slice.
+        slice: u32,
+        /// The MIG device's uuid in the plan.
+        uuid: String,
+        /// The plan file.
+        plan: String,
+    },
     /// No GPU could be leased.
     #[error(transparent)]
     Lease(#[from] LeaseError),

@@ -27,6 +27,7 @@ pub mod env;
 pub mod environment;
 pub mod error;
 pub mod exports;
+pub mod mig;
 pub mod pre_exit;
 pub mod settings;
 pub mod slice;

@@ -1,9 +1,10 @@
 //! The job's slice: the node's plan, the planned slices of its leased GPUs merged, then
 //! narrowed to what the step asks for (`memory`, `cpus-per-gpu`).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use kernelkite_topology::plan::{Plan, Slice, SliceGpu};
+use kernelkite_topology::plan::{Plan, Slice, SliceGpu, Vendor};
 use kernelkite_topology::planner::{self, Policy};
 use kernelkite_topology::topology::Topology;
 
@@ -54,6 +55,116 @@ pub fn merge_slices(slices: &[&Slice]) -> Option<Slice> {
     };
     slice.set_gpus(gpus);
     Some(slice)
+}
+
+/// The NUMA node a slice's CPUs and memory come from: its first GPU's, else its first memory
+/// node (the planner's home).
+fn home(slice: &Slice) -> u32 {
+    slice
+        .gpu
+        .as_ref()
+        .and_then(|g| g.numa_node)
+        .or_else(|| slice.mems.first().copied())
+        .unwrap_or(0)
+}
+
+/// The sets a pool job's `count` slices may come from, best first (the lease's
+/// [`Want::Pool`](crate::lease::Want::Pool) tiers), as the queue agents' groups are made
+/// (`planner::multi_gpu_groups`): one vendor's slices on one NUMA node first, then one
+/// vendor's anywhere; within each level, lowest index first. A tier never mixes vendors (CUDA
+/// and ROCm each see only their own GPUs) and never holds a MIG slice (a job of one GPU).
+/// Fast links are not in the plan: on the nodes that have them (NVSwitch, MI300X xGMI) every
+/// GPU reaches every other, so a NUMA node is the neighbourhood that matters.
+/// One slice: every slice, as before. A pool no vendor can fill is refused; on a one-vendor
+/// node it is one tier of every slice, so the lease says how many there are.
+pub fn pool_tiers(plan: &Plan, count: u32) -> Result<Vec<Vec<u32>>, JobError> {
+    let all: Vec<u32> = plan.slices.iter().map(|s| s.index).collect();
+    if count <= 1 {
+        return Ok(vec![all]);
+    }
+    let n = count as usize;
+    let mut mig = 0;
+    // Vendor (None: CPU-only slices) → home node → slice indices.
+    let mut by_vendor: BTreeMap<Option<Vendor>, BTreeMap<u32, Vec<u32>>> = BTreeMap::new();
+    for s in &plan.slices {
+        if s.gpus().iter().any(|g| g.mig.is_some()) {
+            mig += 1;
+            continue;
+        }
+        by_vendor
+            .entry(s.gpu.as_ref().map(|g| g.vendor))
+            .or_default()
+            .entry(home(s))
+            .or_default()
+            .push(s.index);
+    }
+    let mut near: Vec<Vec<u32>> = Vec::new();
+    let mut wide: Vec<Vec<u32>> = Vec::new();
+    for nodes in by_vendor.values() {
+        let mut every: Vec<u32> = nodes.values().flatten().copied().collect();
+        every.sort_unstable();
+        if nodes.len() > 1 {
+            near.extend(nodes.values().filter(|idx| idx.len() >= n).cloned());
+        }
+        if every.len() >= n {
+            wide.push(every);
+        }
+    }
+    for tier in near.iter_mut() {
+        tier.sort_unstable();
+    }
+    near.sort();
+    wide.sort();
+    near.extend(wide);
+    if !near.is_empty() {
+        return Ok(near);
+    }
+    if by_vendor.len() <= 1 && mig == 0 {
+        return Ok(vec![all]);
+    }
+    let have = by_vendor
+        .iter()
+        .map(|(v, nodes)| {
+            let name = v.map_or("CPU-only", Vendor::as_str);
+            format!("{name} {}", nodes.values().map(Vec::len).sum::<usize>())
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(JobError::NoVendorHasEnough {
+        wanted: count,
+        have,
+        mig,
+    })
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn and_list(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
+/// A line for the job log when a pool job's slices sit on several NUMA nodes (no one node
+/// had enough free): its CPUs and memory nodes are all of theirs, some remote to each GPU.
+pub fn spread_notice(plan: &Plan, gpus: &[u32]) -> Option<String> {
+    let slices: Vec<&Slice> = gpus
+        .iter()
+        .filter_map(|g| plan.slices.iter().find(|s| s.index == *g))
+        .collect();
+    let nodes: BTreeSet<u32> = slices.iter().map(|s| home(s)).collect();
+    if nodes.len() < 2 {
+        return None;
+    }
+    let indices: Vec<String> = slices.iter().map(|s| s.index.to_string()).collect();
+    let nodes: Vec<String> = nodes.iter().map(u32::to_string).collect();
+    Some(format!(
+        "slices {} sit on NUMA nodes {}: no one node had {} free, so the job's CPUs and memory span them",
+        and_list(&indices),
+        and_list(&nodes),
+        slices.len()
+    ))
 }
 
 /// Keeps `want` CPUs of `cpus`, whole cores first (SMT siblings grouped by the sysfs
@@ -108,6 +219,23 @@ pub fn job_slice(
                 mig: m.index,
             });
         }
+    }
+    let vendors: BTreeSet<Vendor> = parts
+        .iter()
+        .flat_map(|s| s.gpus())
+        .map(|g| g.vendor)
+        .collect();
+    if vendors.len() > 1 {
+        let named: Vec<String> = parts
+            .iter()
+            .map(|s| match &s.gpu {
+                Some(g) => format!("{} ({} {})", s.index, g.vendor, g.pci_bus_id),
+                None => format!("{} (no GPU)", s.index),
+            })
+            .collect();
+        return Err(JobError::MixedVendors {
+            slices: and_list(&named),
+        });
     }
     let mut slice = merge_slices(&parts).ok_or(JobError::EmptyPlan)?;
     if let Some(mem) = config.memory_bytes {
@@ -169,6 +297,83 @@ mod tests {
         assert_eq!(e["KERNELBOT_CPUSET"], "4-7");
         let back: Slice = serde_json::from_str(&e["KERNELKITE_SLICE"]).unwrap();
         assert_eq!(back, m);
+    }
+
+    /// The default plan of a named fake machine.
+    fn fixture_plan(name: &str) -> Plan {
+        let root = tempfile::tempdir().unwrap();
+        kernelkite_topology::fakesys::fixture(name)
+            .unwrap()
+            .write_to(root.path())
+            .unwrap();
+        let topo = Topology::discover(root.path()).unwrap();
+        planner::plan(&topo, &Policy::default()).unwrap()
+    }
+
+    #[test]
+    fn pool_tiers_prefer_one_numa_node_then_one_vendor() {
+        // DGX H100: GPUs 0-3 on node 0, 4-7 on node 1.
+        let dgx = fixture_plan("dgx-h100");
+        assert_eq!(pool_tiers(&dgx, 1).unwrap(), [(0..8).collect::<Vec<u32>>()]);
+        assert_eq!(
+            pool_tiers(&dgx, 2).unwrap(),
+            [vec![0u32, 1, 2, 3], vec![4, 5, 6, 7], (0..8).collect()]
+        );
+        // Five fit no one node: the whole node, one vendor.
+        assert_eq!(pool_tiers(&dgx, 5).unwrap(), [(0..8).collect::<Vec<u32>>()]);
+        // More than the node has: one tier of everything, for the lease to say so.
+        assert_eq!(pool_tiers(&dgx, 9).unwrap(), [(0..8).collect::<Vec<u32>>()]);
+        // Mixed vendors (0 NVIDIA and 1 AMD on node 0, 2 NVIDIA and 3 AMD on node 1): one
+        // node has one of each vendor, so each vendor's pair spans the nodes; no tier mixes.
+        let mixed = fixture_plan("mixed-vendors");
+        assert_eq!(pool_tiers(&mixed, 2).unwrap(), [vec![0u32, 2], vec![1, 3]]);
+        let e = pool_tiers(&mixed, 3).unwrap_err();
+        assert!(
+            matches!(e, JobError::NoVendorHasEnough { wanted: 3, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("no vendor has 3 GPU slices on this node (nvidia 2, amd 2)"),
+            "{e}"
+        );
+        // A MIG slice is never in a tier, and the refusal says why it is not counted.
+        let mut mig = dgx.clone();
+        for s in &mut mig.slices[..6] {
+            if let Some(g) = s.gpu.as_mut() {
+                g.mig = Some(kernelkite_topology::plan::MigInstance {
+                    uuid: format!("MIG-{}", s.index),
+                    gpu_instance_id: 1,
+                    compute_instance_id: 0,
+                    memory_bytes: 1 << 30,
+                });
+            }
+        }
+        assert_eq!(pool_tiers(&mig, 2).unwrap(), [vec![6u32, 7]]);
+        let e = pool_tiers(&mig, 3).unwrap_err().to_string();
+        assert!(e.contains("(nvidia 2; 6 MIG device slice(s)"), "{e}");
+    }
+
+    #[test]
+    fn a_job_of_two_vendors_slices_is_refused_and_a_spread_pool_job_is_told() {
+        let mixed = fixture_plan("mixed-vendors");
+        let none = Path::new("/nonexistent");
+        let e = job_slice(&mixed, &[0, 1], &PluginConfig::default(), none).unwrap_err();
+        assert!(matches!(e, JobError::MixedVendors { .. }), "{e}");
+        assert!(
+            e.to_string().contains(
+                "slices 0 (nvidia 0000:18:00.0) and 1 (amd 0000:3b:00.0): a job's GPUs must all be one vendor's"
+            ),
+            "{e}"
+        );
+        let both = job_slice(&mixed, &[0, 2], &PluginConfig::default(), none).unwrap();
+        assert_eq!(both.mems, [0, 1]);
+        assert_eq!(
+            spread_notice(&mixed, &[0, 2]).as_deref(),
+            Some("slices 0 and 2 sit on NUMA nodes 0 and 1: no one node had 2 free, so the job's CPUs and memory span them")
+        );
+        let dgx = fixture_plan("dgx-h100");
+        assert_eq!(spread_notice(&dgx, &[1, 2]), None);
     }
 
     #[test]

@@ -22,20 +22,30 @@
 //!    namespace) where the host has one, the `fd`/`stdin`/`stdout`/`stderr` links and the job's
 //!    GPU nodes, bound from the real ones (never `mknod`): other GPUs' nodes do not exist;
 //! 6. a new `/proc` that shows only the job user's processes (`hidepid`, Linux 5.8+, where it
-//!    is per mount);
+//!    is per mount), in which (on older kernels, in the host's):
+//!    * the NVIDIA driver's directory is covered by a read-only tmpfs holding copies of its
+//!      `version`, `params` (with `ModifyDeviceFiles: 0`) and `registry`, and the job's own
+//!      GPUs' `gpus/<bus>` and MIG capability files bound back read-only: other GPUs' models,
+//!      UUIDs and MIG instances are not there, and no driver file is writable (as
+//!      libnvidia-container does for a container); the UVM driver's directory, which names
+//!      every GPU in use on the node, is covered empty;
+//!    * `/proc/bus`, `/proc/fs`, `/proc/irq`, `/proc/sys` and `/proc/sysrq-trigger` are bound
+//!      read-only (runc's read-only paths): files root owns and writes by their mode alone,
+//!      which an `allow-root` job (uid 0, no capabilities) could otherwise write;
 //! 7. the working directory entered again, so that it resolves through the new mounts.
 //!
 //! Sources are cloned (`open_tree`) before anything covers them. Only `rustix` system calls;
 //! the namespaces themselves are `kernelkite_sys::raw::unshare_namespaces`.
 
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags, CWD};
 use rustix::mount::{MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags};
 
 use super::disk::{self, Overlaid};
-use super::spec::SandboxSpec;
+use super::spec::{DriverProc, SandboxSpec};
 use super::SandboxError;
 
 /// The device nodes every job gets, from the host's `/dev`.
@@ -55,6 +65,28 @@ pub const JOB_HOME: &str = "/tmp/.kernelkite-home";
 /// socket (D-Bus, a database, a container runtime, the journal, which may take the command's
 /// `CAP_SETUID`-forged credentials at their word) is reachable by its path.
 pub const HOST_RUN: &str = "/run";
+
+/// The NVIDIA driver's files a job is shown copies of (libnvidia-container's three): its
+/// version, its module parameters (edited, [`unmodifiable_params`]) and its registry keys.
+pub const DRIVER_FILES: &[&str] = &["version", "params", "registry"];
+
+/// Paths of `/proc` bound read-only in the job's view: runc's read-only paths for a container.
+/// Their files are root's and most check no capability (a sysctl, an IRQ's affinity, the SysRq
+/// trigger), so uid 0 without capabilities (`allow-root`) could write them.
+pub const PROC_READ_ONLY: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+/// The driver's `params` as a job is shown them: `ModifyDeviceFiles: 0`, so that the user-space
+/// driver (NVML, CUDA) does not try to make or fix `/dev/nvidia*` nodes for GPUs the job lacks
+/// (libnvidia-container's edit). Every other line is kept.
+pub fn unmodifiable_params(text: &str) -> String {
+    text.replace("ModifyDeviceFiles: 1", "ModifyDeviceFiles: 0")
+}
 
 /// The resolver file to keep under the covered `/run`: where `/etc/resolv.conf` leads
 /// (`resolved`, the real path), when that is under `/run` and the step has the network.
@@ -184,8 +216,26 @@ pub struct Built {
     pub devices: Vec<PathBuf>,
     /// `/proc` shows only the job user's processes.
     pub private_proc: bool,
+    /// What the job is shown of the NVIDIA driver's `/proc` directory; `None` where there is
+    /// none (no driver).
+    pub driver_proc: Option<DriverShown>,
     /// Every host mount is read-only in the view (`mount_setattr`, Linux 5.12+).
     pub host_read_only: bool,
+}
+
+/// What [`build`] left of the NVIDIA driver's `/proc` directory.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct DriverShown {
+    /// The directory covered (its real path: `/proc/driver/nvidia` on a node).
+    pub dir: PathBuf,
+    /// The driver's files copied in ([`DRIVER_FILES`] that exist).
+    pub files: Vec<String>,
+    /// The job's GPUs, whose `gpus/<bus>` directories were bound back.
+    pub gpus: Vec<String>,
+    /// The job's MIG capability files bound back, relative to `dir`.
+    pub caps: Vec<PathBuf>,
+    /// The UVM driver's directory, covered empty, where it exists.
+    pub uvm: Option<PathBuf>,
 }
 
 fn step(what: &'static str, path: &Path) -> impl FnOnce(rustix::io::Errno) -> SandboxError {
@@ -381,6 +431,10 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
         .map_err(step("mount a private /proc on", proc))?;
         built.private_proc = true;
     }
+    // In the new `/proc` (on older kernels, in the host's, of which this namespace has a copy
+    // of its own): the driver's directory masked, and root's writable files read-only.
+    built.driver_proc = mask_driver_proc(&spec.driver_proc)?;
+    proc_read_only(&mut built)?;
 
     // Step 7.
     rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
@@ -582,14 +636,13 @@ fn hide_path(
     };
     if meta.is_dir() {
         let inner = dirs_to_make(p, deeper);
-        let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
-        tmpfs(p, flags, "size=64k,mode=755")?;
-        mkdir_p(p, &inner)?;
-        for (k, _) in sources.kept.iter().filter(|(k, _)| k.starts_with(p)) {
-            touch(k)?;
-        }
-        rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
-            .map_err(step("make read-only", p))?;
+        empty_read_only(p, "mode=755", || {
+            mkdir_p(p, &inner)?;
+            for (k, _) in sources.kept.iter().filter(|(k, _)| k.starts_with(p)) {
+                touch(k)?;
+            }
+            Ok(())
+        })?;
     } else {
         let Some(null) = sources.null_copies.pop() else {
             return Ok(());
@@ -597,6 +650,134 @@ fn hide_path(
         attach(&null, p)?;
     }
     built.hidden.push(p.to_path_buf());
+    Ok(())
+}
+
+/// Covers directory `p` with a small tmpfs (`nosuid`, `nodev`, `noexec`; `mode` its root's
+/// mode), lets `fill` make what must be inside (mount points, copies), then makes it
+/// read-only.
+fn empty_read_only(
+    p: &Path,
+    mode: &str,
+    fill: impl FnOnce() -> Result<(), SandboxError>,
+) -> Result<(), SandboxError> {
+    let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+    tmpfs(p, flags, &format!("size=64k,{mode}"))?;
+    fill()?;
+    rustix::mount::mount_remount(p, flags | MountFlags::RDONLY, "")
+        .map_err(step("make read-only", p))
+}
+
+/// Whether `p` is a relative path of plain names only (never `..`): what the plan's bus ids
+/// and MIG instance ids make of a path under the driver's directory.
+fn plain_relative(p: &Path) -> bool {
+    p.components().next().is_some()
+        && p.components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
+/// Whether `name` is one plain path component (a bus id from the plan).
+fn one_component(name: &str) -> bool {
+    plain_relative(Path::new(name)) && Path::new(name).components().count() == 1
+}
+
+/// Masks the NVIDIA driver's `/proc` directory as [`DriverProc`] says (see the module's
+/// documentation): what is shown is read and cloned before the cover goes on. Nothing is done
+/// where the directory does not exist (no driver, or a step-3 layer hid it); a GPU or MIG
+/// file that vanished meanwhile is left out.
+fn mask_driver_proc(d: &DriverProc) -> Result<Option<DriverShown>, SandboxError> {
+    let Some(dir) = real(&d.dir).filter(|p| p.is_dir()) else {
+        return Ok(None);
+    };
+    let copies: Vec<(&str, String)> = DRIVER_FILES
+        .iter()
+        .filter_map(|name| {
+            let text = std::fs::read_to_string(dir.join(name)).ok()?;
+            Some(match *name {
+                "params" => (*name, unmodifiable_params(&text)),
+                _ => (*name, text),
+            })
+        })
+        .collect();
+    let mut gpus: Vec<(String, OwnedFd)> = Vec::new();
+    for bus in d.gpus.iter().filter(|b| one_component(b)) {
+        let source = dir.join("gpus").join(bus);
+        if source.is_dir() {
+            gpus.push((bus.clone(), clone_tree(&source)?));
+        }
+    }
+    let mut caps: Vec<(PathBuf, OwnedFd)> = Vec::new();
+    for cap in d.caps.iter().filter(|c| plain_relative(c)) {
+        let source = dir.join(cap);
+        if source.is_file() {
+            caps.push((cap.clone(), clone_tree(&source)?));
+        }
+    }
+    empty_read_only(&dir, "mode=555", || {
+        for (name, text) in &copies {
+            let p = dir.join(name);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o444)
+                .open(&p)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()))
+                .map_err(io_step("copy the driver's file to", &p))?;
+        }
+        for (bus, _) in &gpus {
+            mkdir_p(
+                &dir,
+                &[PathBuf::from("gpus"), PathBuf::from("gpus").join(bus)],
+            )?;
+        }
+        for (cap, _) in &caps {
+            let parents: Vec<PathBuf> = cap
+                .ancestors()
+                .skip(1)
+                .filter(|a| !a.as_os_str().is_empty())
+                .map(Path::to_path_buf)
+                .collect();
+            mkdir_p(&dir, &parents.into_iter().rev().collect::<Vec<_>>())?;
+            touch(&dir.join(cap))?;
+        }
+        Ok(())
+    })?;
+    // Bound back read-only: the files are the driver's own (a GPU's `registry`, writable by
+    // root without a capability, among them).
+    let shown = gpus
+        .iter()
+        .map(|(bus, tree)| (dir.join("gpus").join(bus), tree))
+        .chain(caps.iter().map(|(cap, tree)| (dir.join(cap), tree)));
+    for (at, tree) in shown {
+        attach(tree, &at)?;
+        bind_read_only(&at)?;
+    }
+    let uvm = match real(&d.uvm_dir).filter(|p| p.is_dir()) {
+        Some(u) => {
+            empty_read_only(&u, "mode=555", || Ok(()))?;
+            Some(u)
+        }
+        None => None,
+    };
+    Ok(Some(DriverShown {
+        dir,
+        files: copies.iter().map(|(n, _)| n.to_string()).collect(),
+        gpus: gpus.into_iter().map(|(b, _)| b).collect(),
+        caps: caps.into_iter().map(|(c, _)| c).collect(),
+        uvm,
+    }))
+}
+
+/// Binds [`PROC_READ_ONLY`]'s paths read-only onto themselves, where they exist.
+fn proc_read_only(built: &mut Built) -> Result<(), SandboxError> {
+    for p in PROC_READ_ONLY.iter().map(Path::new) {
+        if std::fs::symlink_metadata(p).is_err() {
+            continue;
+        }
+        rustix::mount::mount_bind(p, p).map_err(step("bind", p))?;
+        bind_read_only(p)?;
+        built.read_only.push(p.to_path_buf());
+    }
     Ok(())
 }
 
@@ -809,6 +990,36 @@ mod tests {
 
     fn p(s: &str) -> PathBuf {
         PathBuf::from(s)
+    }
+
+    #[test]
+    fn params_shown_to_a_job_let_nothing_make_device_nodes() {
+        let params = "ResmanDebugLevel: 4294967295\nModifyDeviceFiles: 1\nDeviceFileMode: 438\n";
+        assert_eq!(
+            unmodifiable_params(params),
+            "ResmanDebugLevel: 4294967295\nModifyDeviceFiles: 0\nDeviceFileMode: 438\n"
+        );
+        let already = "ModifyDeviceFiles: 0\nDeviceFileUID: 0\n";
+        assert_eq!(unmodifiable_params(already), already);
+        assert_eq!(unmodifiable_params(""), "");
+        assert_eq!(
+            unmodifiable_params("DeviceFileGID: 1\n"),
+            "DeviceFileGID: 1\n"
+        );
+    }
+
+    #[test]
+    fn only_plain_names_are_taken_for_gpu_directories() {
+        assert!(one_component("0000:18:00.0"));
+        for bad in ["", "..", "a/b", "/gpus", "."] {
+            assert!(!one_component(bad), "{bad:?}");
+        }
+        assert!(plain_relative(Path::new(
+            "capabilities/gpu0/mig/gi3/ci0/access"
+        )));
+        for bad in ["capabilities/../../etc", "/etc", "", "./x"] {
+            assert!(!plain_relative(Path::new(bad)), "{bad:?}");
+        }
     }
 
     #[test]

@@ -69,6 +69,8 @@ pub struct SandboxSpec {
     /// under `/var/tmp` or `/root`). A directory on the way the job user may not search is
     /// covered too ([`tool_covers`]).
     pub tools: Vec<PathBuf>,
+    /// The NVIDIA driver's `/proc` directory and what of it the job keeps ([`driver_proc`]).
+    pub driver_proc: DriverProc,
     /// The step's artifact patterns (`BUILDKITE_ARTIFACT_PATHS`): what of the job's writes to
     /// its checkout is carried back to the host's disk (`sandbox::disk`).
     pub artifacts: Vec<String>,
@@ -76,6 +78,82 @@ pub struct SandboxSpec {
     pub allow_syscalls: Vec<String>,
     /// What the job log says about the limits.
     pub limits: LimitsNote,
+}
+
+/// What the job is shown of the NVIDIA driver's `/proc` directory (`/proc/driver/nvidia` on a
+/// node, `<sysfs-root>/proc/driver/nvidia` in a test's tree): its own GPUs' directories and MIG
+/// capability files, bound read-only over an empty tmpfs holding copies of the driver's
+/// `version`, `params` and `registry` (what libnvidia-container shows a container). Every other
+/// GPU's `gpus/<bus>/information` (model, UUID, bus id, minor), the MIG instances of other
+/// jobs and the driver's writable files (`registry`, per-GPU `registry`, `numa_status`,
+/// `unbindLock`, which uid 0 may write without a capability) are not there.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DriverProc {
+    /// The directory covered; nothing is done where it does not exist (no driver).
+    pub dir: PathBuf,
+    /// The UVM driver's directory, covered whole by an empty read-only tmpfs: its `gpus/`
+    /// names every GPU some process on the node is using, as `GPU-<uuid>`.
+    pub uvm_dir: PathBuf,
+    /// The job's GPUs' directories under `gpus/`, as the driver names them (`0000:18:00.0`).
+    pub gpus: Vec<String>,
+    /// The job's MIG capability files, relative to `dir`
+    /// (`capabilities/gpu0/mig/gi3/access`, `capabilities/gpu0/mig/gi3/ci0/access`).
+    pub caps: Vec<PathBuf>,
+}
+
+/// A bus id as the driver names its `gpus/` directories: lower case, a 4-digit domain (NVML's
+/// 8-digit form, `00000000:18:00.0`, loses its 4 leading zeros, as libnvidia-container's
+/// fallback does).
+pub fn driver_bus_id(bus: &str) -> String {
+    let bus = bus.to_ascii_lowercase();
+    match bus.split_once(':') {
+        Some((domain, rest)) if domain.len() == 8 && domain.starts_with("0000") => {
+            format!("{}:{rest}", &domain[4..])
+        }
+        _ => bus,
+    }
+}
+
+/// What of the driver's `/proc` directory under `sysfs_root` the job keeps ([`DriverProc`]):
+/// the directories of the slice's NVIDIA GPUs that exist, and for a MIG device its GPU
+/// instance's and compute instance's `access` files (the GPU's minor from its `information`),
+/// where the driver has them. An AMD or CPU slice keeps nothing, and the directory is covered
+/// all the same.
+pub fn driver_proc(sysfs_root: &Path, slice: &Slice) -> DriverProc {
+    let dir = sysfs_root.join("proc/driver/nvidia");
+    let mut gpus: Vec<String> = Vec::new();
+    let mut caps: Vec<PathBuf> = Vec::new();
+    for g in slice.gpus().iter().filter(|g| g.vendor == Vendor::Nvidia) {
+        let bus = driver_bus_id(&g.pci_bus_id);
+        if !dir.join("gpus").join(&bus).is_dir() {
+            continue;
+        }
+        if let Some(mig) = &g.mig {
+            if let Some(minor) = nvidia::device_minor(sysfs_root, &bus) {
+                let gi = PathBuf::from(format!(
+                    "capabilities/gpu{minor}/mig/gi{}",
+                    mig.gpu_instance_id
+                ));
+                for cap in [
+                    gi.join("access"),
+                    gi.join(format!("ci{}/access", mig.compute_instance_id)),
+                ] {
+                    if dir.join(&cap).is_file() && !caps.contains(&cap) {
+                        caps.push(cap);
+                    }
+                }
+            }
+        }
+        if !gpus.contains(&bus) {
+            gpus.push(bus);
+        }
+    }
+    DriverProc {
+        uvm_dir: sysfs_root.join("proc/driver/nvidia-uvm"),
+        dir,
+        gpus,
+        caps,
+    }
 }
 
 /// Top-level directories the system needs: a setting that would hide one of them (say an
@@ -558,13 +636,9 @@ mod tests {
             ["nvidia-uvm", "nvidia1", "nvidiactl"]
         );
         // A MIG device of GPU 1: its GPU's node and its own two capabilities, no other.
-        kernelkite_testkit::fake_nvml::write_mig_minors(
-            r,
-            508,
-            &[(1, 3, 0, 30, 31), (1, 5, 0, 50, 51)],
-        )
-        .unwrap();
-        for cap in [1, 2, 30, 31, 50, 51] {
+        kernelkite_testkit::fake_nvml::write_mig_minors(r, 508).unwrap();
+        // The driver's numbers: gpu1/gi3 165 and 166, gpu1/gi5 183 and 184.
+        for cap in [1, 2, 165, 166, 183, 184] {
             std::fs::write(dev.join(format!("nvidia-caps/nvidia-cap{cap}")), "").unwrap();
         }
         let mig = |gi: u32| SliceGpu {
@@ -580,17 +654,18 @@ mod tests {
         assert_eq!(
             targets(&slice(vec![mig(3)])),
             [
-                "nvidia-caps/nvidia-cap30",
-                "nvidia-caps/nvidia-cap31",
+                "nvidia-caps/nvidia-cap165",
+                "nvidia-caps/nvidia-cap166",
                 "nvidia-uvm",
                 "nvidia1",
                 "nvidiactl"
             ]
         );
-        assert!(targets(&slice(vec![mig(5)])).contains(&"nvidia-caps/nvidia-cap51".to_string()));
-        // A MIG device the driver does not list gets no capability, not someone else's.
+        assert!(targets(&slice(vec![mig(5)])).contains(&"nvidia-caps/nvidia-cap184".to_string()));
+        // A MIG device the driver does not list (GPU instance 15, past its table) gets no
+        // capability, not someone else's.
         assert_eq!(
-            targets(&slice(vec![mig(9)])),
+            targets(&slice(vec![mig(15)])),
             ["nvidia-uvm", "nvidia1", "nvidiactl"]
         );
         let amd = SliceGpu {
@@ -605,6 +680,79 @@ mod tests {
         );
         let nodes = gpu_device_nodes(r, &dev, &slice(vec![]));
         assert!(nodes.is_empty());
+    }
+
+    #[test]
+    fn the_job_keeps_only_its_own_gpus_and_mig_capabilities_of_the_driver_s_proc() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        kernelkite_testkit::fake_nvml::write_driver_proc(
+            r,
+            &[("0000:18:00.0", 0), ("0000:19:00.0", 1)],
+            &[(0, 3, 0), (0, 5, 0)],
+        )
+        .unwrap();
+        let gpu = |bus: &str| SliceGpu {
+            vendor: Vendor::Nvidia,
+            pci_bus_id: bus.into(),
+            uuid: None,
+            numa_node: Some(0),
+            mig: None,
+        };
+        let d = driver_proc(r, &slice(vec![gpu("0000:18:00.0")]));
+        assert_eq!(d.dir, r.join("proc/driver/nvidia"));
+        assert_eq!(d.uvm_dir, r.join("proc/driver/nvidia-uvm"));
+        assert_eq!(d.gpus, ["0000:18:00.0"]);
+        assert!(d.caps.is_empty(), "{:?}", d.caps);
+        // NVML's form of the bus id names the same directory.
+        let d = driver_proc(r, &slice(vec![gpu("00000000:18:00.0")]));
+        assert_eq!(d.gpus, ["0000:18:00.0"]);
+        assert_eq!(driver_bus_id("00000000:2A:00.0"), "0000:2a:00.0");
+        assert_eq!(driver_bus_id("0001:2a:00.0"), "0001:2a:00.0");
+        // Two GPUs, both kept; a GPU the driver does not list is not.
+        let d = driver_proc(
+            r,
+            &slice(vec![
+                gpu("0000:19:00.0"),
+                gpu("0000:18:00.0"),
+                gpu("0000:99:00.0"),
+            ]),
+        );
+        assert_eq!(d.gpus, ["0000:19:00.0", "0000:18:00.0"]);
+        // A MIG device: its GPU's directory and its own two access files, no other instance's
+        // and not MIG's config or monitor.
+        let mig = |gi: u32| SliceGpu {
+            mig: Some(kernelkite_topology::plan::MigInstance {
+                uuid: format!("MIG-{gi}"),
+                gpu_instance_id: gi,
+                compute_instance_id: 0,
+                memory_bytes: 10 << 30,
+            }),
+            ..gpu("0000:18:00.0")
+        };
+        let d = driver_proc(r, &slice(vec![mig(3)]));
+        assert_eq!(d.gpus, ["0000:18:00.0"]);
+        assert_eq!(
+            d.caps,
+            [
+                PathBuf::from("capabilities/gpu0/mig/gi3/access"),
+                PathBuf::from("capabilities/gpu0/mig/gi3/ci0/access")
+            ]
+        );
+        // A MIG device the driver does not list gets no access file, not another's.
+        assert!(driver_proc(r, &slice(vec![mig(9)])).caps.is_empty());
+        // An AMD slice keeps nothing (the directory is covered all the same).
+        let amd = SliceGpu {
+            vendor: Vendor::Amd,
+            ..gpu("0000:18:00.0")
+        };
+        let d = driver_proc(r, &slice(vec![amd]));
+        assert!(d.gpus.is_empty() && d.caps.is_empty());
+        // No driver: nothing to keep, and no directory.
+        let bare = tempfile::tempdir().unwrap();
+        let d = driver_proc(bare.path(), &slice(vec![gpu("0000:18:00.0")]));
+        assert!(d.gpus.is_empty() && d.caps.is_empty());
+        assert!(!d.dir.exists());
     }
 
     #[test]

@@ -334,7 +334,9 @@ fn pci_gpu(node: Node) -> Result<Option<Gpu>, TopologyError> {
         device_id: Some(device_id),
         name,
         mig: Vec::new(),
+        mig_enabled: false,
         links: Vec::new(),
+        partitioning: None,
     }))
 }
 

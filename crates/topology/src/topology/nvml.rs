@@ -45,6 +45,7 @@ pub fn merge(gpus: &mut [Gpu], devices: &[NvmlDevice]) {
                     memory_bytes: m.memory_bytes,
                 })
                 .collect();
+            gpu.mig_enabled = dev.mig_enabled;
             gpu.links = dev.nvlink_peers.clone();
         }
     }
@@ -63,6 +64,7 @@ mod tests {
             minor: Some(3),
             name: None,
             mig: vec![],
+            mig_enabled: false,
             nvlink_peers: vec!["00000000:2B:00.0".into()],
         }]);
         assert_eq!(devs[0].nvlink_peers, ["0000:2b:00.0"]);
@@ -92,7 +94,9 @@ mod tests {
             device_id: None,
             name: None,
             mig: vec![],
+            mig_enabled: false,
             links: vec![],
+            partitioning: None,
         };
         let mut gpus = vec![
             gpu("0000:18:00.0", None),
@@ -107,6 +111,7 @@ mod tests {
                     minor: Some(1),
                     name: None,
                     mig: vec![],
+                    mig_enabled: false,
                     nvlink_peers: vec![],
                 },
                 NvmlDevice {
@@ -115,6 +120,7 @@ mod tests {
                     minor: Some(0),
                     name: Some("NVIDIA H100".into()),
                     mig: vec![],
+                    mig_enabled: false,
                     nvlink_peers: vec![],
                 },
             ],

@@ -330,7 +330,9 @@ fn read_pci_gpus(root: &Path) -> Result<Vec<Gpu>, TopologyError> {
             device_id,
             name: None,
             mig: Vec::new(),
+            mig_enabled: false,
             links: Vec::new(),
+            partitioning: None,
         });
     }
     Ok(gpus)
