@@ -293,7 +293,18 @@ impl Leases {
                 if in_the_way(&ahead) || in_the_way(&held) {
                     continue;
                 }
-                match self.try_take(gpu, me)? {
+                let took = match self.try_take(gpu, me) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // Give back what this tier took before failing: those leases would
+                        // otherwise stay the job's until it ends.
+                        for g in taken {
+                            let _ = self.release_one(g, &me.job_id);
+                        }
+                        return Err(e);
+                    }
+                };
+                match took {
                     TryTake::Taken => taken.push(gpu),
                     TryTake::HeldBy(h) => {
                         held.push((gpu, h));

@@ -72,15 +72,28 @@ pub fn is_running(proc_root: &Path, pid: u32) -> bool {
 }
 
 /// Whether any process of group `pgid` still runs: a member that has exited but is not yet
-/// reaped (a zombie whose parent died, waiting for init) has done all it will do.
+/// reaped (a zombie whose parent died, waiting for init) has done all it will do. A leader
+/// whose main thread exited while its other threads run also reads `Z`: it still runs.
 pub fn group_runs(proc_root: &Path, pgid: u32) -> bool {
     let Ok(dir) = std::fs::read_dir(proc_root) else {
         return false;
     };
     dir.flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| read_stat(proc_root, pid))
-        .any(|s| s.pgrp == Some(pgid) && !s.is_exited())
+        .filter_map(|pid| Some((pid, read_stat(proc_root, pid)?)))
+        .any(|(pid, s)| s.pgrp == Some(pgid) && (!s.is_exited() || threads(proc_root, pid) > 1))
+}
+
+/// The `Threads:` count of `<proc_root>/<pid>/status`; 0 when it cannot be read.
+fn threads(proc_root: &Path, pid: u32) -> u32 {
+    std::fs::read_to_string(proc_root.join(pid.to_string()).join("status"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 /// Whether `<proc_root>/<pid>` exists (the process has not been reaped).
@@ -136,6 +149,11 @@ mod tests {
             std::fs::write(d.join("stat"), format!("{pid} (x) {state} 1 {pgrp} 1 0")).unwrap();
         }
         assert!(!group_runs(root.path(), 20), "only zombies are left of it");
+        // A leader whose main thread is gone while two threads still run.
+        std::fs::write(root.path().join("21/status"), "Name:\tx\nThreads:\t3\n").unwrap();
+        assert!(group_runs(root.path(), 20), "its threads still run");
+        std::fs::write(root.path().join("21/status"), "Name:\tx\nThreads:\t1\n").unwrap();
+        assert!(!group_runs(root.path(), 20));
         assert!(group_runs(root.path(), 30) && group_runs(root.path(), 40));
         assert!(!group_runs(root.path(), 50) && !group_runs(&root.path().join("absent"), 30));
     }

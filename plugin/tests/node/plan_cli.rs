@@ -442,6 +442,31 @@ fn plan_refresh_takes_new_mig_uuids_after_a_reboot() {
     // Again: nothing to take.
     let o = refresh(&gpus(1, &[3, 5]));
     assert!(text(&o).0.contains("matches the node"), "{:?}", text(&o));
+    // Every agent of a node refreshes as it starts, all at once: each succeeds and the plan
+    // is whole afterwards (a shared temporary file let one truncate another's).
+    let children: Vec<_> = (0..8)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_kernelkite-isolate"))
+                .args(["plan", "--sysfs-root", dir.path().to_str().unwrap()])
+                .arg("--refresh")
+                .arg(&file)
+                .env_remove("KERNELKITE_SYSFS_ROOT")
+                .envs(fake.env())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in children {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{:?}", text(&o));
+    }
+    let whole: Plan = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(whole.slices.len(), p.slices.len());
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o644);
     // Boot 2 with another layout: refused, the file as it was.
     let before = std::fs::read(&file).unwrap();
     let o = refresh(&gpus(2, &[3, 7]));

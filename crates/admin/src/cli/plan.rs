@@ -187,10 +187,7 @@ fn refresh(file: &std::path::Path, sysfs_root: &std::path::Path) -> anyhow::Resu
         .zip(&plan.slices)
         .filter(|(a, b)| a != b)
         .count();
-    let json = serde_json::to_string(&fresh)?;
-    let tmp = file.with_extension("json.refresh");
-    std::fs::write(&tmp, json.as_bytes() as &[u8])
-        .and_then(|()| std::fs::rename(&tmp, file))
+    write_atomically(file, serde_json::to_string(&fresh)?.as_bytes())
         .with_context(|| format!("cannot write {}", file.display()))?;
     if taken == 0 {
         sayln!("{} matches the node", file.display());
@@ -201,6 +198,25 @@ fn refresh(file: &std::path::Path, sysfs_root: &std::path::Path) -> anyhow::Resu
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Replaces `file` with `bytes` (mode 0644): a temporary file of its own beside it, renamed
+/// over it. Every agent of a node runs `plan --refresh` as it starts, all at once: a shared
+/// temporary name would let one truncate what another is renaming, leaving the plan empty.
+fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = file
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.as_file()
+        .set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    tmp.persist(file).map_err(|e| e.error)?;
+    Ok(())
 }
 
 /// The human output: a table, then the reasons, then warnings.
