@@ -652,12 +652,13 @@ pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
         s,
         "[Unit]\nDescription=Buildkite agent %i of kernelkite (jobs held to their GPU slices by the hooks)\nDocumentation={DOCS_URL}\nWants=network-online.target\nAfter=network-online.target\n"
     );
-    if plan
+    // MIG devices are made anew at every boot: the plan is refreshed before the agent starts.
+    let mig = plan
         .slices
         .iter()
         .flat_map(|sl| sl.gpus())
-        .any(|g| g.mig.is_some())
-    {
+        .any(|g| g.mig.is_some());
+    if mig {
         // After the units that make MIG devices at boot (absent units order nothing).
         let _ = writeln!(
             s,
@@ -675,12 +676,7 @@ pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
             format_cpu_list(&plan.reserved_cpus)
         );
     }
-    if plan
-        .slices
-        .iter()
-        .flat_map(|sl| sl.gpus())
-        .any(|g| g.mig.is_some())
-    {
+    if mig {
         // MIG devices are made anew at every boot (nvidia-mig-manager, or by hand), with new
         // uuids: the plan takes them before an agent takes a job; a changed layout stops the
         // agents, the journal saying what changed and to run setup again.
