@@ -14,16 +14,39 @@
 //!   the checkout and the artifact upload, from the job log's section timestamps;
 //! - finished → client (webhook, artifact fetch, check, store, wake).
 //!
+//! Then what kernelkite's hooks add to a job under the real agent, against the floor the issue
+//! names (36, item 8): the same agents and step, interleaved, in three forms:
+//! - **bare**: no hooks at all, no plugin; the agent runs the command itself;
+//! - **floor**: an empty hook (`#!/bin/true`, executed as kernelkite's are) at every level
+//!   kernelkite has one that runs for the job (the agent's `pre-bootstrap`, `environment` and
+//!   `pre-exit`; the plugin's `environment` and `pre-exit`); the agent runs the command;
+//! - **kernelkite**: setup's hooks and the plugin (lease, cgroup, sandbox with its PID
+//!   namespace and seccomp, clean-up).
+//!
+//! Each job's command is a script of the repository, `echo kk-command-start && kernelkite-runner
+//! ... && echo kk-command-end`; the agent's timestamps of those lines split the job into before the
+//! command (accepted → start), the command, and after it (end → finished), and each section of
+//! the log is timed. kernelkite's cost is what it adds over bare beside what the floor adds,
+//! paired by round, two ways: the hooks' own sections (the hooks, the plugin's preparation, the
+//! command phase up to the command, what follows the command), and the whole job less its
+//! command (which also carries the checkout's and the agent's noise).
+//! `KERNELKITE_BENCH_VERBOSE=1` prints the last job of each form, line by line.
+//!
+//! The node gets what `setup` installs: the static `kernelkite-isolate` where there is one
+//! (`KERNELKITE_STATIC_ISOLATE`, else `target/node`), and, as its mount unit does at boot,
+//! the `favordynmods` cgroup hierarchy (cgroup v1).
+//!
 //! Local mode, same machine, same task: end to end, and its executor's overhead (all but the
 //! evaluation).
 //!
 //! `cargo bench -p kernelkite-testkit --bench real_agent` (`KERNELKITE_BENCH_SHORT=1`: three
-//! submissions each). Needs what `tests/tests/real_agent_node.rs` needs (root, writable
+//! submissions each, and three rounds of the three forms; else 20). Needs what `tests/tests/real_agent_node.rs` needs (root, writable
 //! cgroups, the agent built by `scripts/buildkite-agent.sh`); says so and exits otherwise.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use kernelkite_testkit::deployment::deployment;
+use kernelkite_testkit::agent_node::{self, PLUGIN_TAG};
+use kernelkite_testkit::deployment::{deployment, Deployment};
 use kernelkite_testkit::fake_buildkite::agent_api::AgentJob;
 use kernelkite_testkit::fake_buildkite::Route;
 use kernelkite_testkit::local::{local_stack, probe_config, Confinement};
@@ -112,7 +135,16 @@ async fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
     let n = if short { 3 } else { 20 };
     let bins = local_bins!();
-    let Some(d) = deployment(&bins.isolate, &bins.runner).await else {
+    // What setup installs on a node: the static build where there is one.
+    let (isolate, build) = match static_build() {
+        Some(p) => (p, "the static build"),
+        None => (
+            bins.isolate.clone(),
+            "the dynamic build (no static one: scripts/node-binaries.sh target/node)",
+        ),
+    };
+    println!("real_agent: the node's kernelkite-isolate is {build}");
+    let Some(d) = deployment(&isolate, &bins.runner).await else {
         println!("real_agent: skipped (see the line above)");
         return;
     };
@@ -196,6 +228,7 @@ async fn main() {
         "job finished -> client (webhook, fetch)",
         f.finished_to_client,
     );
+    hooks_against_their_floor(&d, n).await;
     drop(d);
 
     // The same task through local mode: the service's own agent emulation, same hooks.
@@ -219,5 +252,299 @@ async fn main() {
     row("END TO END (POST -> client holds result)", local);
     if !overhead.is_empty() {
         row("executor overhead (all but the evaluation)", overhead);
+    }
+}
+
+/// The static build of the hooks: `KERNELKITE_STATIC_ISOLATE` (the test command sets it),
+/// else what `scripts/node-binaries.sh target/node` wrote; `None` when there is neither.
+fn static_build() -> Option<std::path::PathBuf> {
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).parent()?;
+    kernelkite_testkit::built_binary(
+        "KERNELKITE_STATIC_ISOLATE",
+        Some(target.join("node/kernelkite-isolate")),
+    )
+}
+
+/// The three forms of the job the floor comparison runs (the module's doc).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Form {
+    Bare,
+    Floor,
+    Kernelkite,
+}
+
+const FORMS: [Form; 3] = [Form::Bare, Form::Floor, Form::Kernelkite];
+
+/// The plugin version whose hooks are empty (no `command`: the agent runs the command); a
+/// version setup's agents allow (`allowed-plugins`).
+const FLOOR_TAG: &str = "v0.0.0-floor";
+
+/// An empty hook the agent executes (not a shell: no wrapper), as it executes kernelkite's.
+const EMPTY_HOOK: &str = "#!/bin/true\n# an empty hook: the floor of the real-agent benchmark\n";
+
+/// The command every form runs: a script in the repository (setup's agents run with
+/// `no-command-eval`, so the agent itself runs only a script of the checkout), marked where it
+/// starts and ends.
+const MARKED_COMMAND: &str = "./kk-command.sh";
+const MARKED_SCRIPT: &str = "#!/bin/sh\necho kk-command-start && kernelkite-runner --output result.json && echo kk-command-end\n";
+
+/// The deployment's pipeline (`host.yml`) as `form` runs it. Panics when `host.yml` no longer
+/// has what this rewrites, so the benchmark never measures a pipeline it did not mean to.
+fn pipeline_for(host: &str, form: Form) -> String {
+    let command = "    command: kernelkite-runner --output result.json\n";
+    assert!(host.contains(command), "host.yml's command changed");
+    let text = host.replace(command, &format!("    command: {MARKED_COMMAND}\n"));
+    match form {
+        Form::Kernelkite => text,
+        Form::Floor => {
+            let plugin = format!("/plugin#{PLUGIN_TAG}:");
+            assert!(text.contains(&plugin), "host.yml's plugin changed");
+            text.replace(&plugin, &format!("/plugin#{FLOOR_TAG}:"))
+        }
+        Form::Bare => {
+            let start = text.find("    plugins:\n").expect("host.yml has plugins");
+            let end = start + text[start..].find("    env:\n").expect("env after plugins");
+            format!("{}{}", &text[..start], &text[end..])
+        }
+    }
+}
+
+/// The node's agent-level hooks set for `form`: setup's (moved aside for the others, into a
+/// directory the agent does not read), none, or empty ones at the levels that run.
+fn agent_hooks_for(d: &Deployment, form: Form) {
+    let dir = "/etc/kernelkite/hooks";
+    let aside = "/etc/kernelkite/hooks-set-aside";
+    let mut script = format!(
+        "mkdir -p {aside}\nfor h in pre-bootstrap environment command pre-exit; do\n  \
+         if [ -e {aside}/$h ] || [ -L {aside}/$h ]; then rm -f {dir}/$h; mv {aside}/$h {dir}/$h; fi\ndone\n"
+    );
+    if form != Form::Kernelkite {
+        script.push_str(&format!(
+            "for h in pre-bootstrap environment command pre-exit; do mv {dir}/$h {aside}/$h; done\n"
+        ));
+    }
+    if form == Form::Floor {
+        // No `command`: with the floor plugin's none, the agent runs the command itself.
+        for h in ["pre-bootstrap", "environment", "pre-exit"] {
+            script.push_str(&format!(
+                "printf '%s' '{EMPTY_HOOK}' > {dir}/{h}\nchmod 0755 {dir}/{h}\n"
+            ));
+        }
+    }
+    d.node.sh(&script);
+}
+
+/// Unix milliseconds of an `Instant`, through one reading of both clocks.
+struct Clock {
+    at: Instant,
+    unix_ms: f64,
+}
+
+impl Clock {
+    fn now() -> Clock {
+        let unix = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        Clock {
+            at: Instant::now(),
+            unix_ms: unix.as_secs_f64() * 1e3,
+        }
+    }
+
+    fn unix_ms(&self, t: Instant) -> f64 {
+        self.unix_ms + ms(t.saturating_duration_since(self.at))
+            - ms(self.at.saturating_duration_since(t))
+    }
+}
+
+/// The agent's timestamp (unix ms) of the first log line holding `text` as a whole line.
+fn line_time(log: &str, text: &str) -> Option<f64> {
+    log.lines().find_map(|line| {
+        let rest = line.split("_bk;t=").nth(1)?;
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        let body = rest[digits.len()..].trim_start_matches('\u{7}').trim_end();
+        (body == text).then(|| digits.parse::<f64>().ok())?
+    })
+}
+
+/// One of a [`Split`]'s per-job figures.
+type Pick = fn(&Split) -> &Vec<f64>;
+
+#[derive(Default)]
+struct Split {
+    before: Vec<f64>,
+    after: Vec<f64>,
+    job_less_command: Vec<f64>,
+    /// Each section of the job's log (its header; the command's own lines as `(the
+    /// command)`, what follows it in the same section as `(after the command)`): its times.
+    sections: Vec<(String, Vec<f64>)>,
+    /// The sections the hooks are in ([`is_hooks_section`]), summed per job.
+    hooks: Vec<f64>,
+}
+
+/// Whether a section of the job's log is the hooks' (a hook, the plugin's preparation, the
+/// command phase up to the command, what follows the command before the artifact upload), not
+/// the agent's own work that every form does alike (starting, checking out, uploading).
+fn is_hooks_section(header: &str) -> bool {
+    header.contains(" hook")
+        || header == "Running script"
+        || header.starts_with("Preparing plugins")
+        || header == "(after the command)"
+}
+
+impl Split {
+    /// Adds the sections of one job's log, the command split out by its markers.
+    fn add_sections(&mut self, log: &str, start: f64, end: f64, accepted: f64, finished: f64) {
+        // Within a millisecond, the command starts after its section's header and ends before
+        // the next one.
+        let (headers, _) = sections(log);
+        let mut s: Vec<(String, u64, u8)> = headers.into_iter().map(|(h, t)| (h, t, 1)).collect();
+        s.push(("(the command)".into(), start as u64, 2));
+        s.push(("(after the command)".into(), end as u64, 0));
+        s.sort_by_key(|(_, t, rank)| (*t, *rank));
+        let mut s: Vec<(String, u64)> = s.into_iter().map(|(h, t, _)| (h, t)).collect();
+        s.insert(
+            0,
+            (
+                "(accepted, before the first section)".into(),
+                accepted as u64,
+            ),
+        );
+        let mut hooks = 0.0;
+        for (i, (h, t)) in s.iter().enumerate() {
+            let next = s.get(i + 1).map_or(finished, |n| n.1 as f64);
+            let took = next - *t as f64;
+            if is_hooks_section(h) {
+                hooks += took;
+            }
+            match self.sections.iter_mut().find(|(name, _)| name == h) {
+                Some((_, v)) => v.push(took),
+                None => self.sections.push((h.clone(), vec![took])),
+            }
+        }
+        self.hooks.push(hooks);
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs `n` submissions in each [`Form`], interleaved, on the deployment's agents, and prints
+/// what kernelkite adds to a job beside what empty hooks at the same levels add.
+async fn hooks_against_their_floor(d: &Deployment, n: usize) {
+    let host = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/pipelines/host.yml"),
+    )
+    .unwrap();
+    agent_node::commit(d.scratch(), &[(MARKED_COMMAND, MARKED_SCRIPT)]);
+    agent_node::tag_with(
+        d.scratch(),
+        FLOOR_TAG,
+        &[
+            ("plugin/hooks/environment", EMPTY_HOOK),
+            ("plugin/hooks/pre-exit", EMPTY_HOOK),
+        ],
+        &["plugin/hooks/command"],
+    );
+    let clock = Clock::now();
+    let trivial = probe_config("test", json!([{}]));
+    let mut splits: Vec<Split> = FORMS.iter().map(|_| Split::default()).collect();
+    // One warm-up of each form (the floor's plugin is cloned on its first job), then n rounds.
+    for round in 0..=n {
+        for (i, form) in FORMS.into_iter().enumerate() {
+            agent_hooks_for(d, form);
+            d.set_pipeline(&pipeline_for(&host, form));
+            let id = d.submit(trivial.clone(), "h100").await;
+            let v = d.wait(&id, Duration::from_secs(120)).await;
+            assert_eq!(v["state"], "succeeded", "{form:?}: {v}\n{}", d.logs());
+            if round == 0 {
+                continue;
+            }
+            let (_, eval) = d.eval_jobs(&id).await;
+            let job = &eval[0];
+            let log = job.log();
+            let (Some(start), Some(end)) = (
+                line_time(&log, "kk-command-start"),
+                line_time(&log, "kk-command-end"),
+            ) else {
+                panic!("{form:?}: the command's markers are not in its log:\n{log}");
+            };
+            let (accepted, finished) = (
+                clock.unix_ms(job.times.accepted.expect("accepted")),
+                clock.unix_ms(job.times.finished.expect("finished")),
+            );
+            if round == n && std::env::var_os("KERNELKITE_BENCH_VERBOSE").is_some() {
+                println!("--- {form:?}: the last job's log, ms since accepted ---");
+                for line in log.lines() {
+                    let Some(rest) = line.split("_bk;t=").nth(1) else {
+                        continue;
+                    };
+                    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                    let t = digits.parse::<f64>().unwrap_or(f64::NAN) - accepted;
+                    let text: String = rest[digits.len()..].chars().skip(1).take(150).collect();
+                    println!("{t:>8.0} {text}");
+                }
+            }
+            let s = &mut splits[i];
+            s.add_sections(&log, start, end, accepted, finished);
+            s.before.push(start - accepted);
+            s.after.push(finished - end);
+            s.job_less_command
+                .push((finished - accepted) - (end - start));
+        }
+    }
+    agent_hooks_for(d, Form::Kernelkite);
+    d.set_pipeline(&host);
+    println!(
+        "the hooks under the real agent: {n} jobs in each form, interleaved (one warm-up each)"
+    );
+    for (form, s) in FORMS.iter().zip(&splits) {
+        println!("  {form:?}:");
+        row("accepted -> command starts", s.before.clone());
+        row("command ends -> job finished", s.after.clone());
+        row("the job less its command", s.job_less_command.clone());
+        println!("    by section of the job's log:");
+        for (h, v) in &s.sections {
+            let name: String = h.chars().take(44).collect();
+            row(&format!("  {name}"), v.clone());
+        }
+    }
+    // Paired by round (the three jobs of a round ran one after another), which leaves out
+    // what drifts between rounds; the median of the pairs.
+    let added = |i: usize, of: Pick| {
+        let pairs: Vec<f64> = of(&splits[i])
+            .iter()
+            .zip(of(&splits[0]))
+            .map(|(form, bare)| form - bare)
+            .collect();
+        median(&pairs)
+    };
+    let pick: [(&str, Pick); 2] = [
+        ("the hooks' sections", |s| &s.hooks),
+        ("the whole job less its command", |s| &s.job_less_command),
+    ];
+    for (what, of) in pick {
+        let (floor, kernelkite) = (added(1, of), added(2, of));
+        println!(
+            "  added over the bare agent, {what} (median of the rounds' differences): floor (empty hooks at the \
+             same levels) {floor:.1} ms, kernelkite {kernelkite:.1} ms: {:.2}x the floor (goal: at most 1.3x)",
+            kernelkite / floor
+        );
+    }
+    for (what, pick) in [
+        (
+            "before the command",
+            &(|s: &Split| median(&s.before)) as &dyn Fn(&Split) -> f64,
+        ),
+        ("after the command", &|s: &Split| median(&s.after)),
+    ] {
+        println!(
+            "    {what}: floor +{:.1} ms, kernelkite +{:.1} ms",
+            pick(&splits[1]) - pick(&splits[0]),
+            pick(&splits[2]) - pick(&splits[0])
+        );
     }
 }

@@ -318,14 +318,54 @@ impl Node {
             .read_exact(&mut first)
             .expect("the node's namespace is ready");
         assert_eq!(&first, b"ready\n");
-        Node {
+        let node = Node {
             dir,
             holder,
             job_user: id,
             agent_bin: spec.agent.to_path_buf(),
             endpoint: spec.endpoint.clone(),
             agents: Vec::new(),
+        };
+        node.mount_units();
+        node
+    }
+
+    /// Mounts what setup's mount units mount, as systemd does at boot (on cgroup v1 with Linux
+    /// 6.0+, the `favordynmods` hierarchy: without it every move into a job's cgroup waits for
+    /// an RCU grace period, about 10 ms here, which a node setup made never pays). In the
+    /// node's namespace, so it goes when the node does.
+    fn mount_units(&self) {
+        let units = self.root().join("etc/systemd/system");
+        let Ok(entries) = std::fs::read_dir(&units) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if e.path().extension().is_none_or(|x| x != "mount") {
+                continue;
+            }
+            let text = std::fs::read_to_string(e.path()).unwrap();
+            let key = |k: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                    .unwrap_or_else(|| panic!("{} has no {k}=", e.path().display()))
+                    .to_string()
+            };
+            let (what, at, kind, options) =
+                (key("What"), key("Where"), key("Type"), key("Options"));
+            self.sh(&format!(
+                "mkdir -p '{at}'\nmount -t '{kind}' -o '{options}' '{what}' '{at}'"
+            ));
         }
+    }
+
+    /// Runs `script` (`sh -e`) as root in the node's mount namespace, where its agents see
+    /// setup's tree (`/etc/kernelkite/hooks`...); its output. Panics when it fails.
+    pub fn sh(&self, script: &str) -> String {
+        run(Command::new("nsenter")
+            .arg("--mount")
+            .arg("--target")
+            .arg(self.holder.id().to_string())
+            .args(["--", "sh", "-ec", script]))
     }
 
     /// The uid (and gid) of the node's job user, `kernelkite-job`.
@@ -418,14 +458,37 @@ impl Node {
 /// Commits `files` (path, text) to the repository [`repository`] made under `at`, on `main`.
 pub fn commit(at: &Path, files: &[(&str, &str)]) {
     let work = at.join("work");
+    write_executables(&work, files);
+    git(&work, &["add", "-A"]);
+    publish(at, "change under test");
+}
+
+/// Writes `files` (path, text) under `work`, executable.
+fn write_executables(work: &Path, files: &[(&str, &str)]) {
     for (path, text) in files {
         let p = work.join(path);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(&p, text).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+}
+
+/// Tags as `tag`, in the repository [`repository`] made under `at`, `main` with `files`
+/// (path, text) written over it and `removed` taken out, without moving `main` (a plugin
+/// version a pipeline can name as `...#<tag>`).
+pub fn tag_with(at: &Path, tag: &str, files: &[(&str, &str)], removed: &[&str]) {
+    let work = at.join("work");
+    git(&work, &["checkout", "-q", "--detach"]);
+    write_executables(&work, files);
+    for p in removed {
+        git(&work, &["rm", "-q", p]);
+    }
     git(&work, &["add", "-A"]);
-    publish(at, "change under test");
+    git(&work, &["commit", "-q", "-m", &format!("{tag} under test")]);
+    git(&work, &["tag", tag]);
+    git(&work, &["checkout", "-q", "main"]);
+    let bare = at.join("kernelkite");
+    git(&work, &["push", "-q", bare.to_str().unwrap(), tag]);
 }
 
 /// Removes `paths` from the repository [`repository`] made under `at`, in a commit on `main`.

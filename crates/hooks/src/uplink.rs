@@ -541,13 +541,27 @@ pub fn open(
 /// next job on the slice deletes a stale host end).
 pub fn close(run_dir: &Path, job: &str, slice: Option<u32>) {
     if let Some(u) = slice.and_then(|s| Uplink::of(run_dir, job, s).ok()) {
-        let _ = run(&words(&format!("ip link del {}", u.host_if)), None);
+        // Most jobs have no network: asking the kernel is free, starting `ip` is not (a few
+        // ms of every job's pre-exit).
+        if link_exists(&u.host_if) {
+            let _ = run(&words(&format!("ip link del {}", u.host_if)), None);
+        }
     }
     let netns = netns_dir(run_dir).join(job);
     if netns.exists() {
         let _ = rustix::mount::unmount(&netns, rustix::mount::UnmountFlags::DETACH);
         let _ = std::fs::remove_file(&netns);
     }
+}
+
+/// Whether this network namespace has a link named `name` (unsure counts as yes).
+fn link_exists(name: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return true;
+    };
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    index != 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENODEV)
 }
 
 fn words(s: &str) -> Vec<String> {
@@ -585,6 +599,15 @@ mod tests {
             cmds.last().unwrap(),
             "nsenter --net=/run/kernelkite/net/job-1 ip route add default via 198.18.7.1"
         );
+    }
+
+    #[test]
+    fn a_link_is_deleted_only_where_the_namespace_has_it() {
+        // Every network namespace has its loopback; no job's host end is named like this.
+        assert!(link_exists("lo"));
+        assert!(!link_exists("kkj-absent0"));
+        // A name the kernel could not be asked about counts as present: `ip` decides.
+        assert!(link_exists("a\0b"));
     }
 
     #[test]
