@@ -432,16 +432,6 @@ fn chown_per_file() -> Option<Duration> {
     Some(t.elapsed() / files as u32)
 }
 
-/// The static build of the hooks: `KERNELKITE_STATIC_ISOLATE`, else what
-/// `scripts/node-binaries.sh target/node` wrote; `None` when there is neither.
-fn static_build() -> Option<PathBuf> {
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent()?;
-    kernelkite_testkit::built_binary(
-        "KERNELKITE_STATIC_ISOLATE",
-        Some(target.join("node/kernelkite-isolate")),
-    )
-}
-
 /// The plugin's previous hooks, reduced to what they did per job: shell shims the agent
 /// sourced, running the binary named by `KERNELKITE_ISOLATE_BIN` (`environment` printed
 /// `export` lines for the shim to evaluate).
@@ -467,7 +457,7 @@ fn main() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate"));
     // What nodes run the hooks from (scripts/node-binaries.sh); the ordinary build above is
     // measured beside it, in the same run, as the baseline.
-    let static_exe = static_build();
+    let static_exe = kernelkite_testkit::static_isolate();
     // The run dir is /run/kernelkite in production, a tmpfs; /dev/shm stands in for it (and for
     // sysfs). Checkouts live on disk, as the agent's do (and outside /dev, which the sandbox
     // replaces).

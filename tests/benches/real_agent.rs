@@ -45,6 +45,9 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use kernelkite_admin::setup::paths::{HOOKS, HOOKS_DIR};
+use kernelkite_admin::setup::render::PRE_BOOTSTRAP_HOOK;
+use kernelkite_sys::node::{ENVIRONMENT_HOOK, PRE_EXIT_HOOK};
 use kernelkite_testkit::agent_node::{self, PLUGIN_TAG};
 use kernelkite_testkit::deployment::{deployment, Deployment};
 use kernelkite_testkit::fake_buildkite::agent_api::AgentJob;
@@ -57,37 +60,45 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn row(name: &str, mut v: Vec<f64>) {
+/// The `p` quantile of `v` (nearest rank); NaN when `v` is empty.
+fn quantile(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n => v[((n - 1) as f64 * p).round() as usize],
+    }
+}
+
+fn row(name: &str, v: Vec<f64>) {
     if v.is_empty() {
         println!("  {name:<46} (no figures)");
         return;
     }
-    v.sort_by(f64::total_cmp);
-    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
     println!(
         "  {name:<46} median {:>8.1} ms   p95 {:>8.1} ms   mean {:>8.1} ms",
-        at(0.5),
-        at(0.95),
+        quantile(&v, 0.5),
+        quantile(&v, 0.95),
         v.iter().sum::<f64>() / v.len() as f64
     );
 }
 
-/// The log's sections: (header, start ms) in order, from the agent's ANSI timestamps
-/// (`ESC _bk;t=<unix ms> BEL` before each line) and the bootstrap's `~~~ ` headers; the last
-/// line's time closes the last section.
+/// A log line's time (unix ms) and text, from the agent's ANSI timestamp before it
+/// (`ESC _bk;t=<unix ms> BEL`); `None` for a line without one.
+fn stamped(line: &str) -> Option<(u64, &str)> {
+    let rest = line.split("_bk;t=").nth(1)?;
+    let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let t = rest[..digits].parse().ok()?;
+    Some((t, rest[digits..].trim_start_matches('\u{7}')))
+}
+
+/// The log's sections: (header, start ms) in order, from the bootstrap's `~~~ ` headers; the
+/// last line's time closes the last section.
 fn sections(log: &str) -> (Vec<(String, u64)>, u64) {
     let mut out = Vec::new();
     let mut last = 0;
-    for line in log.lines() {
-        let Some(rest) = line.split("_bk;t=").nth(1) else {
-            continue;
-        };
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        let Ok(t) = digits.parse::<u64>() else {
-            continue;
-        };
+    for (t, text) in log.lines().filter_map(stamped) {
         last = t;
-        let text = rest[digits.len()..].trim_start_matches('\u{7}');
         if let Some(h) = text.strip_prefix("~~~ ") {
             out.push((h.to_string(), t));
         }
@@ -136,7 +147,7 @@ async fn main() {
     let n = if short { 3 } else { 20 };
     let bins = local_bins!();
     // What setup installs on a node: the static build where there is one.
-    let (isolate, build) = match static_build() {
+    let (isolate, build) = match kernelkite_testkit::static_isolate() {
         Some(p) => (p, "the static build"),
         None => (
             bins.isolate.clone(),
@@ -148,6 +159,11 @@ async fn main() {
         println!("real_agent: skipped (see the line above)");
         return;
     };
+    // What the node's mount units mount at boot (favordynmods): the timings of a node setup
+    // made. Here only, not in every test's node: the kernel keeps the mode for good once a
+    // hierarchy carrying it has been mounted (seen on Linux 6.18), and a test must leave the
+    // machine as it found it.
+    d.node.mount_units();
     let trivial = probe_config("test", json!([{}]));
     println!("real_agent: {n} trivial submissions one after another (one test case, no work)");
 
@@ -255,16 +271,6 @@ async fn main() {
     }
 }
 
-/// The static build of the hooks: `KERNELKITE_STATIC_ISOLATE` (the test command sets it),
-/// else what `scripts/node-binaries.sh target/node` wrote; `None` when there is neither.
-fn static_build() -> Option<std::path::PathBuf> {
-    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).parent()?;
-    kernelkite_testkit::built_binary(
-        "KERNELKITE_STATIC_ISOLATE",
-        Some(target.join("node/kernelkite-isolate")),
-    )
-}
-
 /// The three forms of the job the floor comparison runs (the module's doc).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Form {
@@ -312,20 +318,21 @@ fn pipeline_for(host: &str, form: Form) -> String {
 /// The node's agent-level hooks set for `form`: setup's (moved aside for the others, into a
 /// directory the agent does not read), none, or empty ones at the levels that run.
 fn agent_hooks_for(d: &Deployment, form: Form) {
-    let dir = "/etc/kernelkite/hooks";
-    let aside = "/etc/kernelkite/hooks-set-aside";
+    let dir = HOOKS_DIR;
+    let aside = format!("{HOOKS_DIR}-set-aside");
+    let all = format!("{PRE_BOOTSTRAP_HOOK} {}", HOOKS.join(" "));
     let mut script = format!(
-        "mkdir -p {aside}\nfor h in pre-bootstrap environment command pre-exit; do\n  \
+        "mkdir -p {aside}\nfor h in {all}; do\n  \
          if [ -e {aside}/$h ] || [ -L {aside}/$h ]; then rm -f {dir}/$h; mv {aside}/$h {dir}/$h; fi\ndone\n"
     );
     if form != Form::Kernelkite {
         script.push_str(&format!(
-            "for h in pre-bootstrap environment command pre-exit; do mv {dir}/$h {aside}/$h; done\n"
+            "for h in {all}; do mv {dir}/$h {aside}/$h; done\n"
         ));
     }
     if form == Form::Floor {
         // No `command`: with the floor plugin's none, the agent runs the command itself.
-        for h in ["pre-bootstrap", "environment", "pre-exit"] {
+        for h in [PRE_BOOTSTRAP_HOOK, ENVIRONMENT_HOOK, PRE_EXIT_HOOK] {
             script.push_str(&format!(
                 "printf '%s' '{EMPTY_HOOK}' > {dir}/{h}\nchmod 0755 {dir}/{h}\n"
             ));
@@ -359,12 +366,10 @@ impl Clock {
 
 /// The agent's timestamp (unix ms) of the first log line holding `text` as a whole line.
 fn line_time(log: &str, text: &str) -> Option<f64> {
-    log.lines().find_map(|line| {
-        let rest = line.split("_bk;t=").nth(1)?;
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        let body = rest[digits.len()..].trim_start_matches('\u{7}').trim_end();
-        (body == text).then(|| digits.parse::<f64>().ok())?
-    })
+    log.lines()
+        .filter_map(stamped)
+        .find(|(_, body)| body.trim_end() == text)
+        .map(|(t, _)| t as f64)
 }
 
 /// One of a [`Split`]'s per-job figures.
@@ -426,12 +431,6 @@ impl Split {
     }
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Runs `n` submissions in each [`Form`], interleaved, on the deployment's agents, and prints
 /// what kernelkite adds to a job beside what empty hooks at the same levels add.
 async fn hooks_against_their_floor(d: &Deployment, n: usize) {
@@ -478,14 +477,9 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
             );
             if round == n && std::env::var_os("KERNELKITE_BENCH_VERBOSE").is_some() {
                 println!("--- {form:?}: the last job's log, ms since accepted ---");
-                for line in log.lines() {
-                    let Some(rest) = line.split("_bk;t=").nth(1) else {
-                        continue;
-                    };
-                    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-                    let t = digits.parse::<f64>().unwrap_or(f64::NAN) - accepted;
-                    let text: String = rest[digits.len()..].chars().skip(1).take(150).collect();
-                    println!("{t:>8.0} {text}");
+                for (t, text) in log.lines().filter_map(stamped) {
+                    let text: String = text.chars().take(150).collect();
+                    println!("{:>8.0} {text}", t as f64 - accepted);
                 }
             }
             let s = &mut splits[i];
@@ -520,7 +514,7 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
             .zip(of(&splits[0]))
             .map(|(form, bare)| form - bare)
             .collect();
-        median(&pairs)
+        quantile(&pairs, 0.5)
     };
     let pick: [(&str, Pick); 2] = [
         ("the hooks' sections", |s| &s.hooks),
@@ -534,17 +528,16 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
             kernelkite / floor
         );
     }
-    for (what, pick) in [
-        (
-            "before the command",
-            &(|s: &Split| median(&s.before)) as &dyn Fn(&Split) -> f64,
-        ),
-        ("after the command", &|s: &Split| median(&s.after)),
-    ] {
+    let pick: [(&str, Pick); 2] = [
+        ("before the command", |s| &s.before),
+        ("after the command", |s| &s.after),
+    ];
+    for (what, of) in pick {
+        let median = |i: usize| quantile(of(&splits[i]), 0.5);
         println!(
             "    {what}: floor +{:.1} ms, kernelkite +{:.1} ms",
-            pick(&splits[1]) - pick(&splits[0]),
-            pick(&splits[2]) - pick(&splits[0])
+            median(1) - median(0),
+            median(2) - median(0)
         );
     }
 }

@@ -318,24 +318,25 @@ impl Node {
             .read_exact(&mut first)
             .expect("the node's namespace is ready");
         assert_eq!(&first, b"ready\n");
-        let node = Node {
+        Node {
             dir,
             holder,
             job_user: id,
             agent_bin: spec.agent.to_path_buf(),
             endpoint: spec.endpoint.clone(),
             agents: Vec::new(),
-        };
-        node.mount_units();
-        node
+        }
     }
 
     /// Mounts what setup's mount units mount, as systemd does at boot (on cgroup v1 with Linux
     /// 6.0+, the `favordynmods` hierarchy: without it every move into a job's cgroup waits for
-    /// an RCU grace period, about 10 ms here, which a node setup made never pays). In the
-    /// node's namespace, so it goes when the node does.
-    fn mount_units(&self) {
-        let units = self.root().join("etc/systemd/system");
+    /// an RCU grace period, about 10 ms here, which a node setup made never pays), in the
+    /// node's namespace. For what measures a node's timings: the mount goes with the node, but
+    /// the kernel's cgroup lock stays in favordynmods mode after it (seen on Linux 6.18).
+    pub fn mount_units(&self) {
+        let units = self
+            .root()
+            .join(kernelkite_admin::setup::paths::UNIT_DIR.trim_start_matches('/'));
         let Ok(entries) = std::fs::read_dir(&units) else {
             return;
         };

@@ -40,6 +40,15 @@ pub fn built_binary(var: &str, fallback: Option<std::path::PathBuf>) -> Option<s
     fallback.filter(|p| p.is_file())
 }
 
+/// The static build of the hooks, what `setup` installs on a node: `KERNELKITE_STATIC_ISOLATE`
+/// (the test command sets it), else what `scripts/node-binaries.sh target/node` wrote; `None`
+/// when there is neither.
+pub fn static_isolate() -> Option<std::path::PathBuf> {
+    let built =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/node/kernelkite-isolate");
+    built_binary("KERNELKITE_STATIC_ISOLATE", Some(built))
+}
+
 /// The real interpreter behind `python3` (not a shim), or `None` when there is no Python.
 pub fn python() -> Option<&'static str> {
     static PY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

@@ -68,12 +68,6 @@ pub fn mig_cap_minors(root: &Path, gpu_minor: u32, gi: u32, ci: u32) -> Option<[
     Some([gi_cap, ci_cap])
 }
 
-/// [`mig_cap_minors`] for the MIG device `gi`/`ci` of the GPU at `pci_bus_id`, its device
-/// minor read from the driver's files ([`device_minor`]).
-pub fn mig_device_caps(root: &Path, pci_bus_id: &str, gi: u32, ci: u32) -> Option<[u32; 2]> {
-    mig_cap_minors(root, device_minor(root, pci_bus_id)?, gi, ci)
-}
-
 /// The major number of the character devices `/proc/devices` under `root` names `name`
 /// (`nvidia-caps`, `nvidia-uvm`, AMD's `kfd`): these drivers take a dynamic major at load.
 pub fn char_major(root: &Path, name: &str) -> Option<u32> {

@@ -30,10 +30,10 @@ pub fn job_devices(sysfs_root: &Path, slice: &Slice) -> Vec<CharDevice> {
             Vendor::Nvidia => {
                 let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id);
                 out.extend(minor.map(|m| dev(nvidia::GPU_MAJOR, m)));
-                let caps = g.mig.as_ref().and_then(|mig| {
-                    nvidia::mig_device_caps(
+                let caps = minor.zip(g.mig.as_ref()).and_then(|(m, mig)| {
+                    nvidia::mig_cap_minors(
                         sysfs_root,
-                        &g.pci_bus_id,
+                        m,
                         mig.gpu_instance_id,
                         mig.compute_instance_id,
                     )

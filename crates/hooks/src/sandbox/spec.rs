@@ -329,13 +329,14 @@ pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Ve
     for g in &gpus {
         match g.vendor {
             Vendor::Nvidia => {
-                if let Some(m) = nvidia::device_minor(sysfs_root, &g.pci_bus_id) {
+                let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id);
+                if let Some(m) = minor {
                     add(PathBuf::from(format!("nvidia{m}")));
                 }
-                let caps = g.mig.as_ref().and_then(|mig| {
-                    nvidia::mig_device_caps(
+                let caps = minor.zip(g.mig.as_ref()).and_then(|(m, mig)| {
+                    nvidia::mig_cap_minors(
                         sysfs_root,
-                        &g.pci_bus_id,
+                        m,
                         mig.gpu_instance_id,
                         mig.compute_instance_id,
                     )
