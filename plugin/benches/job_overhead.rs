@@ -5,7 +5,8 @@
 //!
 //! Measured the way the agent runs a job: every hook a separate process, as the plugin's hook
 //! files (`hooks/*`, executed by the agent: the kernel runs the binary their first line names,
-//! which exports through a Job API served here), as agent-level binary hooks, or both (a node
+//! which leaves the slice's variables in the job's state; a Job API is served here as the agent
+//! serves one), as agent-level binary hooks, or both (a node
 //! `setup` made, running a step that names the plugin), with idle gaps between hooks (the
 //! agent checks out, uploads, ...; 200 ms here). The gaps matter on cgroup v1: a task's first
 //! migration into a cgroup after a quiet spell waits for an RCU grace period unless the kernel
@@ -525,7 +526,7 @@ fn main() {
     // The hooks run what setup installs: the static build when there is one.
     let node_exe = static_exe.clone().unwrap_or_else(|| exe.clone());
     set("KERNELKITE_ISOLATE_BIN", node_exe.display().to_string());
-    // The agent's Job API, through which executed hooks export.
+    // The agent's Job API (the hooks export through it only with `export-to-agent`).
     let job_api = kernelkite_admin::setup::local_agent::JobApiServer::start(
         &shm.path().join("job-api.sock"),
         "bench-token",

@@ -4,9 +4,10 @@
 //! The same binary serves the plugin's hooks (files whose first line is
 //! [`kernelkite_sys::node::PLUGIN_HOOK_SHEBANG`]: the agent executes them, and the kernel runs this binary with
 //! `plugin-hook <the file>`), agent-level hooks (links named `environment`, `command`,
-//! `pre-exit` in the agent's hooks-path), both dispatched by [`subcommand_for_argv0`] and
-//! exporting through the Job API, and callers that evaluate `environment --export shell`
-//! (the local executor).
+//! `pre-exit` in the agent's hooks-path), both dispatched by [`subcommand_for_argv0`], whose
+//! `environment` leaves the job's variables in its state for kernelkite's `command` (and the
+//! Job API on request), and callers that evaluate `environment --export shell` (the local
+//! executor).
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -33,7 +34,7 @@ pub enum HookCommand {
     /// release its lease(s). Idempotent.
     PreExit(Settings),
     /// Run the plugin hook file PATH: the hook it is named after (`environment`, `command` or
-    /// `pre-exit`), exporting through the Job API. The plugin's `hooks/*` files name this on
+    /// `pre-exit`), as `--export state`. The plugin's `hooks/*` files name this on
     /// their first line, so the agent executes them and the kernel runs this.
     PluginHook(PluginHookArgs),
     /// The agent's `pre-bootstrap` hook: refuse a job whose variables steer the root
@@ -73,6 +74,11 @@ pub enum ExportVia {
     Shell,
     /// PATCH the job's environment through the agent's Job API.
     JobApi,
+    /// Keep them in the job's state only, where kernelkite's `command` reads them for the
+    /// command; through the Job API as well when the step sets `export-to-agent` (what the
+    /// executed hooks do: the agent's answer costs a job 4-5 ms, for hooks that are not
+    /// kernelkite's).
+    State,
 }
 
 /// Arguments of `environment`.
@@ -98,7 +104,8 @@ fn hook_named(path: &std::ffi::OsStr) -> Option<String> {
 /// When the binary is invoked as a hook, rewrite argv so clap sees the matching subcommand:
 /// through a link named after the hook (agent-level hooks), or by the kernel for one of the
 /// plugin's hook files (`plugin-hook .../hooks/<name>`, see [`kernelkite_sys::node::PLUGIN_HOOK_SHEBANG`]). Either
-/// way the hook is executed, not sourced, so `environment` exports through the Job API.
+/// way the hook is executed, not sourced, so `environment` cannot print `export` lines: it
+/// runs as `--export state`.
 pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
     if args.get(1).is_some_and(|a| a == PLUGIN_HOOK) {
         if let Some(name) = args.get(2).and_then(|p| hook_named(p)) {
@@ -110,11 +117,12 @@ pub fn subcommand_for_argv0(mut args: Vec<OsString>) -> Vec<OsString> {
     let name = args.first().and_then(|a| hook_named(a));
     if let Some(name) = name {
         args[0] = OsString::from("kernelkite-isolate");
-        // An executed hook cannot export: its variables must go through the Job API.
+        // An executed hook cannot print `export` lines; kernelkite's `command` reads the
+        // variables from the job's state.
         if name == "environment" {
             args.splice(
                 1..1,
-                ["environment", "--export", "job-api"].map(OsString::from),
+                ["environment", "--export", "state"].map(OsString::from),
             );
         } else {
             args.insert(1, OsString::from(name));
@@ -204,13 +212,17 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             let via = match args.export {
                 ExportVia::Auto if job::env::job_api_socket(&env).is_some() => ExportVia::JobApi,
                 ExportVia::Auto => ExportVia::Shell,
+                ExportVia::State if s.config.export_to_agent => ExportVia::JobApi,
                 other => other,
             };
             match via {
                 ExportVia::JobApi => {
                     job::environment::export_through_job_api(&settings, s, &env, &mut open_nvml)?
                 }
-                _ => print!("{}", job::exports::export_lines(&s.exports)),
+                ExportVia::State => {}
+                ExportVia::Shell | ExportVia::Auto => {
+                    print!("{}", job::exports::export_lines(&s.exports))
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -261,7 +273,7 @@ mod tests {
         let args: Vec<OsString> = vec!["environment".into()];
         assert_eq!(
             subcommand_for_argv0(args),
-            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+            ["kernelkite-isolate", "environment", "--export", "state"].map(OsString::from)
         );
         let args: Vec<OsString> = vec!["kernelkite-isolate".into(), "plan".into()];
         assert_eq!(subcommand_for_argv0(args.clone()), args);
@@ -279,7 +291,7 @@ mod tests {
         };
         assert_eq!(
             subcommand_for_argv0(argv("environment")),
-            ["kernelkite-isolate", "environment", "--export", "job-api"].map(OsString::from)
+            ["kernelkite-isolate", "environment", "--export", "state"].map(OsString::from)
         );
         assert_eq!(
             subcommand_for_argv0(argv("command")),

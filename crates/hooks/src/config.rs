@@ -54,6 +54,7 @@ pub const KEYS: &[&str] = &[
     "tmp-size",
     "shm-size",
     "allow-syscalls",
+    "export-to-agent",
 ];
 
 /// The account host mode runs the command as, unless the step names another
@@ -116,6 +117,10 @@ pub struct PluginConfig {
     /// System calls the sandbox's filter lets through for this step (only the names
     /// `sandbox::seccomp::opt_outs` lists: what a profiling or debugging task may need).
     pub allow_syscalls: Vec<String>,
+    /// Also hand the slice's variables to the agent through its Job API, for hooks after
+    /// `environment` that are not kernelkite's. kernelkite's `command` gives them to the
+    /// command from the job's state either way; the agent's answer costs a job 4-5 ms.
+    pub export_to_agent: bool,
 }
 
 impl Default for PluginConfig {
@@ -142,6 +147,7 @@ impl Default for PluginConfig {
             tmp_size: None,
             shm_size: None,
             allow_syscalls: Vec::new(),
+            export_to_agent: false,
         }
     }
 }
@@ -322,6 +328,7 @@ struct Block {
     tmp_size: Key<Size>,
     shm_size: Key<Size>,
     allow_syscalls: Key<List<Syscall>>,
+    export_to_agent: Key<Flag>,
 }
 
 /// A key that may be left out. Unlike `Option`, a `null` given for it is checked (and
@@ -779,6 +786,7 @@ impl Block {
                 .allow_syscalls
                 .0
                 .map_or(d.allow_syscalls, |l| strings(l.0, |n| n.0)),
+            export_to_agent: self.export_to_agent.0.map_or(d.export_to_agent, |f| f.0),
         }
     }
 }
@@ -806,9 +814,11 @@ mod tests {
                 "idle-memory-mib":512,"lock-clocks":1410,"lease-wait":30,
                 "environment":["HF_TOKEN"],"docker-args":["--tmpfs=/scratch"],"workdir":"/w",
                 "mount-checkout":false,"allow-unenforced":true,"user":"eval","allow-root":false,
-                "tmp-size":"1G","shm-size":"8G"}"#,
+                "tmp-size":"1G","shm-size":"8G","export-to-agent":true}"#,
         )
         .unwrap();
+        assert!(c.export_to_agent);
+        assert!(!PluginConfig::default().export_to_agent);
         assert_eq!(c.gpus, Some(2));
         assert_eq!(c.mode, Mode::Docker);
         assert_eq!(c.memory_bytes, Some(64 << 30));
@@ -852,9 +862,16 @@ mod tests {
 
     #[test]
     fn an_old_state_s_configuration_reads_back_with_the_new_defaults() {
-        // Written by a version without `user`, `allow-root`, `tmp-size` and `shm-size`.
+        // Written by a version without `user`, `allow-root`, `tmp-size`, `shm-size` and
+        // `export-to-agent`.
         let mut old = serde_json::to_value(PluginConfig::default()).unwrap();
-        for k in ["user", "allow_root", "tmp_size", "shm_size"] {
+        for k in [
+            "user",
+            "allow_root",
+            "tmp_size",
+            "shm_size",
+            "export_to_agent",
+        ] {
             old.as_object_mut().unwrap().remove(k);
         }
         let back: PluginConfig = serde_json::from_value(old).unwrap();

@@ -4,8 +4,10 @@
 //! (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise), runs hooks in the
 //! agent's order (`environment` → `command` → `pre-exit`), either as agent-level binary hooks
 //! (links named after the hook) or as the plugin's hook files (whose first line names the
-//! binary: the agent executes them, the kernel runs the binary), each exporting through the
-//! Job API, and keeps a "bootstrap" process alive for the job's lifetime as the job's anchor.
+//! binary: the agent executes them, the kernel runs the binary), whose `environment` leaves
+//! the slice's variables in the job's state for kernelkite's `command` (and exports them
+//! through the Job API with `export-to-agent`), and keeps a "bootstrap" process alive for the
+//! job's lifetime as the job's anchor.
 //!
 //! What of it the real agent (v3.137.0) is known to do the same way, by
 //! `tests/tests/real_agent.rs`: the plugin's variables for a plugin in a repository
@@ -274,6 +276,7 @@ pub struct Job {
     /// A program (and its arguments) each hook is run through, such as `nsenter` into a
     /// namespace standing for the node; empty runs hooks directly.
     pub wrapper: Vec<String>,
+    slice_env: BTreeMap<String, String>,
 }
 
 impl Drop for Job {
@@ -413,6 +416,7 @@ impl Agent {
             install,
             hooks_dir,
             wrapper: Vec::new(),
+            slice_env: BTreeMap::new(),
         }
     }
 }
@@ -470,8 +474,32 @@ impl Job {
         if out.status.success() {
             // An executed hook changes the job's environment through the Job API only.
             self.env = self.api.env();
+            if hook == "environment" {
+                self.slice_env = self.read_slice_env();
+            }
         }
         out
+    }
+
+    /// The variables the last successful `environment` left in the job's state for
+    /// kernelkite's `command`: what the command gets besides the agent's (empty before one).
+    pub fn slice_env(&self) -> BTreeMap<String, String> {
+        self.slice_env.clone()
+    }
+
+    fn read_slice_env(&self) -> BTreeMap<String, String> {
+        let name = kernelkite_hooks::cgroup::job_cgroup_name(&self.id).unwrap();
+        let path = Path::new(&self.env["KERNELKITE_RUN_DIR"])
+            .join(kernelkite_sys::node::JOB_STATE_DIR)
+            .join(format!("{name}.json"));
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let state: kernelkite_hooks::job::JobState = serde_json::from_str(&text).unwrap();
+                state.exports
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => panic!("{}: {e}", path.display()),
+        }
     }
 
     /// Runs the job to the end the way the agent does: `pre-exit` runs even when an earlier

@@ -1,6 +1,6 @@
 //! The hooks as the agent runs them (see `agent/`): agent-level links and the plugin's hook
-//! files, exports through the Job API, leases by tag and pool, bad configuration, faults, clean-up. Cgroups here are
-//! a fake v2 tree; `hooks_cgroup_real*.rs` run the same hooks against the real kernel.
+//! files, the slice's variables reaching the command (and the Job API with `export-to-agent`),
+//! leases by tag and pool, bad configuration, faults, clean-up. Cgroups here are a fake v2 tree; `hooks_cgroup_real*.rs` run the same hooks against the real kernel.
 
 use crate::agent;
 
@@ -15,7 +15,7 @@ fn job_id(n: u32) -> String {
 }
 
 #[test]
-fn binary_hooks_export_through_the_job_api() {
+fn binary_hooks_give_the_command_its_slice_without_waiting_on_the_job_api() {
     let node = Node::new(4);
     let agent = node.agent("dgx01-gpu2");
     let id = job_id(1);
@@ -27,20 +27,19 @@ fn binary_hooks_export_through_the_job_api() {
     );
     let env_out = job.run_hook("environment");
     assert!(env_out.status.success(), "{}", output_text(&env_out));
-    assert!(job
-        .api
-        .requests
-        .lock()
-        .unwrap()
-        .contains(&"PATCH".to_string()));
+    // The variables stay in the job's state for kernelkite's `command`: the agent is not
+    // asked (its answer costs a job milliseconds, for hooks that are not kernelkite's).
+    assert!(job.api.requests.lock().unwrap().is_empty());
+    assert!(!job.env.contains_key("CUDA_VISIBLE_DEVICES"));
     let uuid = "GPU-00000002-aaaa-bbbb-cccc-dddddddddddd";
-    assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], uuid);
-    assert_eq!(job.env["NVIDIA_VISIBLE_DEVICES"], uuid);
-    assert_eq!(job.env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "2");
-    assert_eq!(job.env["KERNELBOT_CPUSET"], "0");
-    assert_eq!(job.env["KERNELBOT_MEMORY"], "256m");
-    let slice: serde_json::Value = serde_json::from_str(&job.env["KERNELKITE_SLICE"]).unwrap();
+    assert_eq!(job.slice_env()["CUDA_VISIBLE_DEVICES"], uuid);
+    assert_eq!(job.slice_env()["NVIDIA_VISIBLE_DEVICES"], uuid);
+    assert_eq!(job.slice_env()["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "2");
+    assert_eq!(job.slice_env()["KERNELBOT_CPUSET"], "0");
+    assert_eq!(job.slice_env()["KERNELBOT_MEMORY"], "256m");
+    let slice: serde_json::Value =
+        serde_json::from_str(&job.slice_env()["KERNELKITE_SLICE"]).unwrap();
     assert_eq!(slice["index"], 2);
     assert_eq!(slice["gpu"]["pci_bus_id"], "0000:1a:00.0");
 
@@ -85,7 +84,7 @@ fn binary_hooks_export_through_the_job_api() {
 }
 
 #[test]
-fn plugin_hook_files_are_executed_and_export_through_the_job_api() {
+fn plugin_hook_files_are_executed_and_give_the_command_its_slice() {
     let node = Node::new(2);
     let agent = node.agent("pool-1");
     let mut job = agent.start_job(
@@ -97,24 +96,25 @@ fn plugin_hook_files_are_executed_and_export_through_the_job_api() {
     let outs = job.run_all();
     let (_, env_out) = &outs[0];
     assert!(env_out.status.success(), "{}", output_text(env_out));
-    // Executed, not sourced: nothing on stdout for a shell to evaluate, one PATCH instead.
+    // Executed, not sourced: nothing on stdout for a shell to evaluate, and no PATCH
+    // without `export-to-agent`.
     assert!(
         !String::from_utf8_lossy(&env_out.stdout).contains("export "),
         "{}",
         output_text(env_out)
     );
     assert!(
-        job.api
+        !job.api
             .requests
             .lock()
             .unwrap()
             .contains(&"PATCH".to_string()),
-        "the plugin's environment hook did not export through the Job API"
+        "the plugin's environment hook exported through the Job API unasked"
     );
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0");
-    assert_eq!(job.env["KERNELBOT_MEMORY"], "128m");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "0");
+    assert_eq!(job.slice_env()["KERNELBOT_MEMORY"], "128m");
     assert_eq!(
-        job.env["CUDA_VISIBLE_DEVICES"],
+        job.slice_env()["CUDA_VISIBLE_DEVICES"],
         "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
     );
     let (_, cmd) = &outs[1];
@@ -131,19 +131,45 @@ fn plugin_hook_files_are_executed_and_export_through_the_job_api() {
 }
 
 #[test]
+fn export_to_agent_hands_the_slice_to_the_agent_through_the_job_api() {
+    let node = Node::new(2);
+    let agent = node.agent("pool-1");
+    let mut job = agent.start_job(
+        &job_id(78),
+        "echo \"gpu=$KERNELBOT_GPU_INDEX\"",
+        Some(r#"{"export-to-agent":true}"#),
+        Install::Plugin,
+    );
+    let env_out = job.run_hook("environment");
+    assert!(env_out.status.success(), "{}", output_text(&env_out));
+    assert_eq!(*job.api.requests.lock().unwrap(), vec!["PATCH".to_string()]);
+    // What the agent now holds for later hooks is what the command gets.
+    let slice_env = job.slice_env();
+    assert!(!slice_env.is_empty());
+    for (k, v) in &slice_env {
+        assert_eq!(job.env.get(k), Some(v), "{k}");
+    }
+    let cmd = job.run_hook("command");
+    assert!(cmd.status.success(), "{}", output_text(&cmd));
+    assert!(String::from_utf8_lossy(&cmd.stdout).contains("gpu=0"));
+    assert!(job.run_hook("pre-exit").status.success());
+}
+/// With `export-to-agent` the Job API must take the variables: a job that cannot be told its
+/// slice fails, and frees its GPU.
+#[test]
 fn wrong_or_missing_job_api_token_fails_the_job_and_frees_the_gpu() {
     let node = Node::new(1);
     let agent = node.agent("gpu-host-gpu0");
-    let mut job = agent.start_job(&job_id(3), "true", None, Install::AgentBinary);
-    job.env
-        .insert("BUILDKITE_AGENT_JOB_API_TOKEN".into(), "wrong".into());
+    let export = Some(r#"{"export-to-agent":true}"#);
+    let mut job = agent.start_job(&job_id(3), "true", export, Install::Plugin);
+    job.set_env("BUILDKITE_AGENT_JOB_API_TOKEN", "wrong");
     let out = job.run_hook("environment");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("401"), "{err}");
     assert!(!job.env.contains_key("KERNELBOT_GPU_INDEX"));
 
-    let mut job2 = agent.start_job(&job_id(4), "true", None, Install::AgentBinary);
+    let mut job2 = agent.start_job(&job_id(4), "true", export, Install::Plugin);
     job2.env.remove("BUILDKITE_AGENT_JOB_API_TOKEN");
     let out = job2.run_hook("environment");
     assert!(!out.status.success());
@@ -154,7 +180,7 @@ fn wrong_or_missing_job_api_token_fails_the_job_and_frees_the_gpu() {
         &job_id(5),
         "true",
         Some(r#"{"lease-wait":0}"#),
-        Install::AgentBinary,
+        Install::Plugin,
     );
     let out = job3.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
@@ -202,10 +228,18 @@ fn a_checkout_outside_the_agent_s_build_path_is_refused_before_anything_is_held(
 }
 
 #[test]
-fn binary_environment_hook_without_job_api_fails_clearly() {
+fn without_the_job_api_only_export_to_agent_fails_and_says_so() {
     let node = Node::new(1);
     let agent = node.agent("a");
+    // The agent-level hooks never need it: the command gets its slice from the job's state.
     let mut job = agent.start_job(&job_id(6), "true", None, Install::AgentBinary);
+    job.env.remove("BUILDKITE_AGENT_JOB_API_SOCKET");
+    let out = job.run_hook("environment");
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(job.run_hook("pre-exit").status.success());
+    // A step that asks for the export cannot have it.
+    let export = Some(r#"{"export-to-agent":true}"#);
+    let mut job = agent.start_job(&job_id(79), "true", export, Install::Plugin);
     job.env.remove("BUILDKITE_AGENT_JOB_API_SOCKET");
     let out = job.run_hook("environment");
     assert!(!out.status.success());
@@ -257,7 +291,7 @@ fn misconfigured_agents_on_one_gpu_wait_then_name_the_holder() {
     let b = agent::Agent::new(node.path(), "host-b", &tagged);
     let mut first = a.start_job(&job_id(8), "true", None, Install::AgentBinary);
     assert!(first.run_hook("environment").status.success());
-    assert_eq!(first.env["KERNELBOT_GPU_INDEX"], "1");
+    assert_eq!(first.slice_env()["KERNELBOT_GPU_INDEX"], "1");
     let mut second = b.start_job(
         &job_id(9),
         "true",
@@ -321,7 +355,7 @@ fn lost_job_is_cleaned_up_by_the_next_environment_hook() {
         "{err}"
     );
     assert!(!node.cgroup_dir(&lost.id).exists());
-    assert_eq!(next.env["KERNELBOT_GPU_INDEX"], "0");
+    assert_eq!(next.slice_env()["KERNELBOT_GPU_INDEX"], "0");
 }
 
 #[test]
@@ -553,7 +587,8 @@ fn a_step_naming_the_plugin_on_a_node_with_agent_level_hooks_is_prepared_once() 
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
     assert_eq!(
-        job.env["KERNELBOT_MEMORY"], "128m",
+        job.slice_env()["KERNELBOT_MEMORY"],
+        "128m",
         "the step's configuration"
     );
     assert_eq!(states(), 1);
@@ -594,12 +629,15 @@ fn environment_twice_in_one_job_keeps_one_lease() {
     let agent = node.agent("pool");
     let mut job = agent.start_job(&job_id(19), "true", None, Install::AgentBinary);
     assert!(job.run_hook("environment").status.success());
-    let first: BTreeMap<_, _> = job.env.clone();
+    let first: BTreeMap<_, _> = job.slice_env();
     job.install = Install::Plugin;
     job.hooks_dir = agent::plugin_hooks(Path::new(agent::BIN), &node.path().join("plugin"));
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], first["KERNELBOT_GPU_INDEX"]);
+    assert_eq!(
+        job.slice_env()["KERNELBOT_GPU_INDEX"],
+        first["KERNELBOT_GPU_INDEX"]
+    );
     // A second job still gets the other GPU, not a third lease on the first.
     let mut other = agent.start_job(
         &job_id(20),
@@ -609,8 +647,8 @@ fn environment_twice_in_one_job_keeps_one_lease() {
     );
     assert!(other.run_hook("environment").status.success());
     assert_ne!(
-        other.env["KERNELBOT_GPU_INDEX"],
-        job.env["KERNELBOT_GPU_INDEX"]
+        other.slice_env()["KERNELBOT_GPU_INDEX"],
+        job.slice_env()["KERNELBOT_GPU_INDEX"]
     );
 }
 
@@ -781,13 +819,13 @@ fn a_slice_of_two_amd_gpus_is_numbered_as_the_job_sees_them_and_hip_is_left_alon
     // This node runs with the sandbox off: the job sees the host's /dev, where ROCr numbers
     // every GPU, so its GPUs are 2 and 3 (in the sandbox's private /dev they are 0 and 1:
     // job::devices' per-slice test). HIP is never told again (kernelkite_sys::kfd).
-    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "2,3");
+    assert_eq!(job.slice_env()["ROCR_VISIBLE_DEVICES"], "2,3");
     assert!(
         !job.env.contains_key("HIP_VISIBLE_DEVICES"),
         "{:?}",
         job.env
     );
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "2,3");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "2,3");
     let out = job.run_hook("pre-exit");
     assert!(out.status.success(), "{}", output_text(&out));
 }
@@ -837,7 +875,10 @@ fn a_mig_job_whose_mig_device_is_gone_is_refused_before_anything_is_held() {
         let text = output_text(&out);
         let ok = out.status.success();
         if ok {
-            assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], mig_uuid(bus, gi, 0));
+            assert_eq!(
+                job.slice_env()["CUDA_VISIBLE_DEVICES"],
+                mig_uuid(bus, gi, 0)
+            );
             let done = job.run_hook("pre-exit");
             assert!(done.status.success(), "{}", output_text(&done));
         }
@@ -933,7 +974,7 @@ fn a_mig_slice_sees_its_mig_device_and_is_checked_as_one() {
     let mut job = agent.start_job(&job_id(60), "true", config, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], m3);
+    assert_eq!(job.slice_env()["CUDA_VISIBLE_DEVICES"], m3);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("lock-clocks skipped") && err.contains("MIG mode"),
@@ -992,11 +1033,12 @@ fn a_two_gpu_agent_s_job_gets_both_gpus_without_naming_a_count() {
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
     assert_eq!(
-        job.env["CUDA_VISIBLE_DEVICES"],
+        job.slice_env()["CUDA_VISIBLE_DEVICES"],
         "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd,GPU-00000002-aaaa-bbbb-cccc-dddddddddddd"
     );
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "1,2");
-    let slice: serde_json::Value = serde_json::from_str(&job.env["KERNELKITE_SLICE"]).unwrap();
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "1,2");
+    let slice: serde_json::Value =
+        serde_json::from_str(&job.slice_env()["KERNELKITE_SLICE"]).unwrap();
     assert_eq!(
         slice["extra_gpus"].as_array().map(Vec::len),
         Some(1),
@@ -1127,10 +1169,13 @@ fn a_pool_job_of_two_never_mixes_vendors() {
     let mut job = pool.start_job(&job_id(70), "true", two, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(buses(&job.env), ["0000:18:00.0", "0000:86:00.0"]);
-    assert_eq!(job.env["CUDA_VISIBLE_DEVICES"], format!("{nv0},{nv2}"));
+    assert_eq!(buses(&job.slice_env()), ["0000:18:00.0", "0000:86:00.0"]);
+    assert_eq!(
+        job.slice_env()["CUDA_VISIBLE_DEVICES"],
+        format!("{nv0},{nv2}")
+    );
     // CUDA numbers NVIDIA GPUs only: these are its 0 and 1.
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0,1");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "0,1");
     assert!(
         output_text(&out).contains("slices 0 and 2 sit on NUMA nodes 0 and 1"),
         "{}",
@@ -1162,8 +1207,8 @@ fn a_pool_job_of_two_never_mixes_vendors() {
     let mut job = pool.start_job(&job_id(74), "true", two, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(buses(&job.env), ["0000:3b:00.0", "0000:af:00.0"]);
-    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "0,1");
+    assert_eq!(buses(&job.slice_env()), ["0000:3b:00.0", "0000:af:00.0"]);
+    assert_eq!(job.slice_env()["ROCR_VISIBLE_DEVICES"], "0,1");
     assert!(job.run_hook("pre-exit").status.success());
     assert!(held[0].1.run_hook("pre-exit").status.success());
 
@@ -1199,6 +1244,6 @@ fn a_pool_job_of_two_never_mixes_vendors() {
     let mut job = pool.start_job(&job_id(77), "true", two, Install::AgentBinary);
     let out = job.run_hook("environment");
     assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(buses(&job.env), ["0000:18:00.0", "0000:86:00.0"]);
+    assert_eq!(buses(&job.slice_env()), ["0000:18:00.0", "0000:86:00.0"]);
     assert!(job.run_hook("pre-exit").status.success());
 }

@@ -76,8 +76,8 @@ fn docker_run_gets_exactly_the_slice() {
     }
     // Exported for pipelines that use the official docker plugin instead.
     let uuid = "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd";
-    assert_eq!(job.env["NVIDIA_VISIBLE_DEVICES"], uuid);
-    assert_eq!(job.env["KERNELBOT_CPUSET"], "1");
+    assert_eq!(job.slice_env()["NVIDIA_VISIBLE_DEVICES"], uuid);
+    assert_eq!(job.slice_env()["KERNELBOT_CPUSET"], "1");
     // Docker mode makes no host cgroup.
     assert!(!node.cgroup_dir(id).exists());
 
@@ -259,7 +259,7 @@ fn network_opt_in_exit_codes_and_multi_gpu() {
         (512u64 << 20).to_string(),
         "two slices' memory"
     );
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "0,1");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "0,1");
 }
 
 /// A node of one-GPU AMD slices at `buses` (render node `renderD<128+i>` each, in its sysfs
@@ -301,7 +301,7 @@ fn amd_gpus_are_passed_as_devices() {
     );
     let outs = job.run_all();
     assert!(outs.iter().all(|(_, o)| o.status.success()));
-    assert_eq!(job.env["ROCR_VISIBLE_DEVICES"], "0");
+    assert_eq!(job.slice_env()["ROCR_VISIBLE_DEVICES"], "0");
     assert!(!job.env.contains_key("HIP_VISIBLE_DEVICES"));
     assert!(!job.env.contains_key("CUDA_VISIBLE_DEVICES"));
     let args = &calls(node.path())[0].0;
@@ -407,7 +407,7 @@ fn a_mig_slice_gets_its_mig_device_in_the_container() {
         assert!(o.status.success(), "{hook}: {}", output_text(o));
     }
     let uuid = "MIG-0000002a-0005-4000-8000-000000000000";
-    assert_eq!(job.env["NVIDIA_VISIBLE_DEVICES"], uuid);
+    assert_eq!(job.slice_env()["NVIDIA_VISIBLE_DEVICES"], uuid);
     let args = &calls(node.path())[0].0;
     let at = args.iter().position(|a| a == "--gpus").unwrap();
     assert_eq!(args[at + 1], format!("device={uuid}"), "{args:?}");
@@ -453,7 +453,7 @@ fn two_amd_gpus_reach_one_container_numbered_as_it_sees_them() {
     for (hook, o) in &outs {
         assert!(o.status.success(), "{hook}: {}", output_text(o));
     }
-    assert_eq!(job.env["KERNELBOT_GPU_INDEX"], "1,2");
+    assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "1,2");
     let args = &calls(node.path())[0].0;
     let joined = args.join(" ");
     assert!(

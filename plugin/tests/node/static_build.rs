@@ -145,7 +145,7 @@ fn the_plugin_s_hook_files_run_the_static_build_and_hand_over_the_same_way() {
     }
     assert!(!st.record.exists(), "no hook needed NVML");
     // A step asking for locked clocks: `plugin-hook .../environment` becomes the NVML build's
-    // `environment --export job-api`, as for an agent-level link.
+    // `environment --export state`, as for an agent-level link.
     let mut job = st.agent.start_job(
         &job_id(6),
         "true",
@@ -157,7 +157,7 @@ fn the_plugin_s_hook_files_run_the_static_build_and_hand_over_the_same_way() {
     assert_eq!(out.status.code(), Some(7), "{}", output_text(&out));
     assert_eq!(
         std::fs::read_to_string(&st.record).unwrap(),
-        "environment\n--export\njob-api\n"
+        "environment\n--export\nstate\n"
     );
 }
 
@@ -182,7 +182,7 @@ fn a_hook_that_needs_nvml_runs_in_the_nvml_build_with_the_same_arguments() {
     );
     assert_eq!(
         std::fs::read_to_string(&st.record).unwrap(),
-        "environment\n--export\njob-api\n"
+        "environment\n--export\nstate\n"
     );
     // Nothing was done before the hand-over: no lease, no state, no cgroup.
     let run = st.node.path().join("run");

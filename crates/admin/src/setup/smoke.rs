@@ -702,7 +702,8 @@ pub fn run_slice(
     let environment = hook("environment", &env)?;
     let mut command_out = None;
     if environment.status.success() {
-        // The variables the hook exported reach the later hooks, as the agent passes them.
+        // What the agent holds for the job reaches the later hooks, as it passes them (the
+        // slice's variables reach the command from the job's state).
         let mut job_env = api.env();
         job_env.insert(
             "BUILDKITE_AGENT_JOB_API_SOCKET".into(),
