@@ -505,6 +505,9 @@ try uvm-gpus-in-proc sh -c 'ls -A "$KK_FAKE_SYSFS/proc/driver/nvidia-uvm" | grep
 try driver-warnings-in-proc test -e "$KK_FAKE_SYSFS/proc/driver/nvidia/warnings"
 echo "modify $(grep ModifyDeviceFiles "$KK_FAKE_SYSFS/proc/driver/nvidia/params")"
 echo "driver-mounts $(awk -v d="$KK_FAKE_SYSFS/proc/driver/" 'index($5, d) == 1 { split($6, o, ","); for (i = 7; $i != "-"; i++); print substr($5, length(d) + 1) ":" $(i + 1) ":" o[1] }' /proc/self/mountinfo | LC_ALL=C sort | tr '\n' ' ')"
+try interrupts-in-proc sh -c 'grep -q . /proc/interrupts'
+try firmware-in-sys sh -c 'ls -A /sys/firmware | grep -q .'
+try page-flags-in-proc sh -c 'test -n "$(head -c 8 /proc/kpageflags | od -An)"'
 echo "proc-read-only $(awk '$5 ~ /^\/proc\/(bus|fs|irq|sys|sysrq-trigger)$/ && $6 ~ /^ro(,|$)/ { print $5 }' /proc/self/mountinfo | LC_ALL=C sort -u | tr '\n' ' ')"
 try mknod mknod /tmp/kk-node c 195 1
 try write-etc touch /etc/kk-escape
@@ -643,6 +646,9 @@ fn every_escape_fails_and_the_node_is_left_as_it_was() {
         "setgroups",
         "setuid-another-job",
         "setuid-another-submission",
+        "interrupts-in-proc",
+        "firmware-in-sys",
+        "page-flags-in-proc",
     ] {
         assert!(
             stdout.contains(&format!("blocked {blocked}\n")),
@@ -1203,7 +1209,9 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
         "grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs)' /proc/self/status; \
          v=$(cat /proc/sys/vm/overcommit_memory); \
          (echo \"$v\" > /proc/sys/vm/overcommit_memory) 2>/dev/null \
-         && echo 'ESCAPED write-proc-sys' || echo 'blocked write-proc-sys'",
+         && echo 'ESCAPED write-proc-sys' || echo 'blocked write-proc-sys'; \
+         test -n \"$(head -c 8 /proc/kpageflags 2>/dev/null | od -An)\" \
+         && echo 'ESCAPED page-flags-in-proc' || echo 'blocked page-flags-in-proc'",
     );
     job.set_env(
         "BUILDKITE_PLUGIN_CONFIGURATION",
@@ -1224,6 +1232,9 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
     assert!(stdout.contains("CapBnd:\t0000000000000000"), "{stdout}");
     assert!(stdout.contains("NoNewPrivs:\t1"), "{stdout}");
     assert!(stdout.contains("blocked write-proc-sys\n"), "{stdout}");
+    // The physical page maps are root's alone by their mode, which a root command passes:
+    // covered for it.
+    assert!(stdout.contains("blocked page-flags-in-proc\n"), "{stdout}");
     let log = String::from_utf8_lossy(&outs[1].1.stderr);
     assert!(log.contains("WARNING: the command runs as root"), "{log}");
 }

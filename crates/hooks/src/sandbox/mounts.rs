@@ -32,6 +32,10 @@
 //!    * `/proc/bus`, `/proc/fs`, `/proc/irq`, `/proc/sys` and `/proc/sysrq-trigger` are bound
 //!      read-only (runc's read-only paths): files root owns and writes by their mode alone,
 //!      which an `allow-root` job (uid 0, no capabilities) could otherwise write;
+//!    * the kernel's files that tell of the whole machine ([`MASKED`]: runc's masked paths,
+//!      the physical page maps and `/proc/interrupts`) are covered, a directory by an empty
+//!      read-only tmpfs, a file by `/dev/null`, wherever the command could read them: a file
+//!      only root may read is left to its mode for a command that is not root;
 //! 7. the working directory entered again, so that it resolves through the new mounts.
 //!
 //! Sources are cloned (`open_tree`) before anything covers them. Only `rustix` system calls;
@@ -80,6 +84,37 @@ pub const PROC_READ_ONLY: &[&str] = &[
     "/proc/sys",
     "/proc/sysrq-trigger",
 ];
+
+/// Kernel files and directories a job is not shown (covered empty): runc's masked paths for a
+/// container (`/proc/kcore`, `/proc/keys`, `/proc/timer_list`, ACPI, sound, SCSI, firmware
+/// tables, RAPL energy counters), the physical page maps (`/proc/kpage*`, which map physical
+/// memory for an attacker choosing rows to hammer) and `/proc/interrupts` (each device's
+/// interrupt counts: how busy the node's other GPUs, and so other jobs, are).
+pub const MASKED: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/devices/virtual/powercap",
+    "/sys/firmware",
+];
+
+/// Whether a command running as `uid` needs [`MASKED`]'s path covered: not where it is a file
+/// only root may read (owned by root, no permission for group or others) and the command is
+/// not root, since it cannot open it anyway (it has no capabilities), and every mount is time
+/// spent before the command starts.
+pub fn needs_mask(uid: u32, is_dir: bool, owner: u32, mode: u32) -> bool {
+    is_dir || uid == 0 || owner != 0 || mode & 0o077 != 0
+}
 
 /// The driver's `params` as a job is shown them: `ModifyDeviceFiles: 0`, so that the user-space
 /// driver (NVML, CUDA) does not try to make or fix `/dev/nvidia*` nodes for GPUs the job lacks
@@ -435,6 +470,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
     // of its own): the driver's directory masked, and root's writable files read-only.
     built.driver_proc = mask_driver_proc(&spec.driver_proc)?;
     proc_read_only(&mut built)?;
+    mask_kernel_paths(spec.user.uid, &mut built)?;
 
     // Step 7.
     rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
@@ -781,6 +817,28 @@ fn proc_read_only(built: &mut Built) -> Result<(), SandboxError> {
     Ok(())
 }
 
+/// Covers [`MASKED`]'s paths that exist and [`needs_mask`] says the command could read: a
+/// directory by an empty read-only tmpfs, a file by the private `/dev`'s `null` bound over it.
+fn mask_kernel_paths(uid: u32, built: &mut Built) -> Result<(), SandboxError> {
+    use std::os::unix::fs::MetadataExt;
+    for p in MASKED.iter().map(Path::new) {
+        let Ok(meta) = std::fs::symlink_metadata(p) else {
+            continue;
+        };
+        if !needs_mask(uid, meta.is_dir(), meta.uid(), meta.mode()) {
+            continue;
+        }
+        if meta.is_dir() {
+            empty_read_only(p, "mode=555", || Ok(()))?;
+        } else {
+            let null = Path::new("/dev/null");
+            rustix::mount::mount_bind(null, p).map_err(step("cover with /dev/null", p))?;
+        }
+        built.hidden.push(p.to_path_buf());
+    }
+    Ok(())
+}
+
 /// Mounts the private `/dev` (step 5) and makes it read-only.
 fn private_dev(
     spec: &SandboxSpec,
@@ -954,6 +1012,20 @@ fn overlay(path: &Path, spec: &SandboxSpec, n: usize) -> Result<Overlaid, Sandbo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kernel_file_only_root_reads_is_masked_for_a_root_command_only() {
+        let job = 1_950_000_000;
+        // /proc/kpageflags, /proc/timer_list: 0400 root.
+        assert!(!needs_mask(job, false, 0, 0o100400));
+        assert!(needs_mask(0, false, 0, 0o100400));
+        // /proc/interrupts, /proc/keys: 0444.
+        assert!(needs_mask(job, false, 0, 0o100444));
+        assert!(needs_mask(job, false, 0, 0o100440), "a group may read it");
+        // A directory is covered whatever its mode: its files have modes of their own.
+        assert!(needs_mask(job, true, 0, 0o040500));
+        assert!(needs_mask(job, false, 1000, 0o100400), "not root's");
+    }
 
     #[test]
     fn a_job_with_its_own_network_gets_resolvers_it_can_reach() {
