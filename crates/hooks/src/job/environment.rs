@@ -127,7 +127,12 @@ pub fn run(
                 device_indices: devices,
                 slice,
                 config: config.clone(),
-                cgroup_version: None,
+                // What the job's cgroup will be, recorded with the state's one write: only a
+                // failure `allow-unenforced` lets through changes it (written again then).
+                cgroup_version: cgroups
+                    .as_ref()
+                    .filter(|_| config.mode == Mode::Host)
+                    .map(Cgroups::version),
                 clocks_locked,
                 job_user: job_user.clone(),
                 checkout_owner: checkout_owner(checkout.as_deref(), &config, job_user.as_ref()),
@@ -142,7 +147,7 @@ pub fn run(
                 // whatever the node's size), where there is another GPU to keep out.
                 let allow = other_gpu_devices_exist(&settings.sysfs_root, &plan, &state.slice)
                     .then(|| job_devices(&settings.sysfs_root, &state.slice));
-                state.cgroup_version = create_cgroup(
+                let made = create_cgroup(
                     &job_id,
                     &config,
                     &state.slice,
@@ -150,7 +155,10 @@ pub fn run(
                     cgroups.as_ref(),
                     &mut notices,
                 )?;
-                write_state(settings, &state)?;
+                if made != state.cgroup_version {
+                    state.cgroup_version = made;
+                    write_state(settings, &state)?;
+                }
             }
             Ok(state)
         });
@@ -482,6 +490,47 @@ mod tests {
     use crate::job::state::jobs_dir;
     use crate::job::test_support::{env, fake_node, FakeDriver};
     use crate::lease::Leases;
+
+    #[test]
+    fn the_state_records_the_cgroup_it_will_have_and_what_allow_unenforced_leaves() {
+        let (_dir, settings) = fake_node();
+        let driver = FakeDriver::default();
+        let mut open = move || Ok(Box::new(driver.clone()) as Box<dyn GpuControl>);
+        let e = env(&[("BUILDKITE_JOB_ID", "job-cg")]);
+        let prepared = run(&settings, &e, &mut open).unwrap();
+        assert_eq!(prepared.state.cgroup_version, Some(2));
+        let stored = crate::job::state::read_state(&settings, "job-cg")
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored.cgroup_version, Some(2));
+        crate::job::pre_exit::run(&settings, &e, &mut open).unwrap();
+        // The cgroups are there but the job's cannot be made: with `allow-unenforced` the job
+        // runs without one, and its state says so (the command hook warns from it).
+        let parent = settings.cgroup_root.join("sys/fs/cgroup/kernelkite");
+        std::fs::remove_dir_all(&parent).unwrap();
+        std::fs::write(&parent, "not a directory").unwrap();
+        let e = env(&[
+            ("BUILDKITE_JOB_ID", "job-uncg"),
+            (
+                "BUILDKITE_PLUGIN_CONFIGURATION",
+                r#"{"allow-unenforced":true}"#,
+            ),
+        ]);
+        let prepared = run(&settings, &e, &mut open).unwrap();
+        assert_eq!(prepared.state.cgroup_version, None);
+        assert!(
+            prepared
+                .notices
+                .iter()
+                .any(|n| n.contains("RUNNING UNENFORCED")),
+            "{:?}",
+            prepared.notices
+        );
+        let stored = crate::job::state::read_state(&settings, "job-uncg")
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored.cgroup_version, None);
+    }
 
     #[test]
     fn clocks_are_reset_when_the_state_cannot_be_written() {
