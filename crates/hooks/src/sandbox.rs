@@ -256,6 +256,7 @@ pub fn describe(
             "the host's (`network: false` cuts it to loopback)"
         }
     ));
+    lines.extend(spec.tools_refused.iter().map(|w| format!("WARNING: {w}")));
     if !cwd_reachable {
         lines.push(format!(
             "WARNING: {} cannot reach {} by its path (a parent directory is not searchable by it); paths relative to the working directory work",
@@ -355,6 +356,7 @@ mod tests {
             writable: vec![],
             read_only: vec![],
             tools: vec![],
+            tools_refused: vec![],
             driver_proc: spec::DriverProc::default(),
             allow_syscalls: vec![],
             artifacts: vec![],

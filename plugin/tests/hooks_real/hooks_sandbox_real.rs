@@ -1239,6 +1239,67 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
     assert!(log.contains("WARNING: the command runs as root"), "{log}");
 }
 
+/// A node's job tool is bound into every job and run with the evaluator's capabilities: one
+/// that someone other than root (or the hooks' owner) could replace is left out, and the job
+/// log says why; one only root can change is bound as before.
+#[test]
+fn a_job_tool_others_could_replace_is_not_bound() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(_cg) = needs_root_and_cgroups() else {
+        return;
+    };
+    let Some(node) = SandboxNode::new("t", 64 << 20, None) else {
+        kernelkite_testkit::skip("cannot make a holder namespace (unshare --mount --ipc)");
+        return;
+    };
+    // Hidden from the job: it reaches a tool in there only if the sandbox binds it.
+    let tools = node.dir.path().join("tools");
+    let tool = |dir: &str, mode: u32| {
+        let d = tools.join(dir);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).unwrap();
+        let t = d.join("tool.sh");
+        std::fs::write(&t, format!("#!/bin/sh\necho ran-{dir}\n")).unwrap();
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::canonicalize(t).unwrap()
+    };
+    let safe = tool("safe", 0o755);
+    // Anyone may write here (no sticky bit): anyone could put another tool.sh in its place.
+    let open = tool("open", 0o777);
+    let id = format!("{}-tools", prefix());
+    let _guard = real_cgroups::CgroupGuard(vec![id.clone()]);
+    let mut job = node.job(
+        &id,
+        &format!(
+            "{} ; {} || echo 'not reached: open'",
+            quoted(&safe),
+            quoted(&open)
+        ),
+    );
+    job.set_env("KERNELKITE_HIDE", &tools.display().to_string());
+    job.set_env(
+        "KERNELKITE_JOB_TOOLS",
+        &format!("{}:{}", safe.display(), open.display()),
+    );
+    let outs = job.run_all();
+    for (hook, o) in &outs {
+        assert!(o.status.success(), "{hook}: {}", output_text(o));
+    }
+    let stdout = String::from_utf8_lossy(&outs[1].1.stdout);
+    assert!(stdout.contains("ran-safe\n"), "{stdout}");
+    assert!(!stdout.contains("ran-open"), "{stdout}");
+    assert!(stdout.contains("not reached: open"), "{stdout}");
+    let log = String::from_utf8_lossy(&outs[1].1.stderr);
+    assert!(
+        log.contains(&format!(
+            "WARNING: the job tool {} is not bound into the sandbox: {} is writable by its group or others (mode 777)",
+            open.display(),
+            open.parent().unwrap().display()
+        )),
+        "{log}"
+    );
+}
+
 #[test]
 fn a_missing_job_user_fails_the_job_before_anything_is_held() {
     let Some(_cg) = needs_root_and_cgroups() else {

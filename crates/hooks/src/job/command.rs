@@ -382,7 +382,13 @@ pub fn sandbox_spec(
         .filter(|g| std::fs::symlink_metadata(g).is_ok());
     let groups = spec::device_groups(&devices);
     let mut hide = spec::hidden_paths(env, &settings.run_dir, checkout, &settings.hide);
-    let tools = spec::tool_paths(&settings.job_tools);
+    // Whoever owns this binary can change what runs as root already: a tool of theirs adds
+    // no one.
+    let trusted = std::env::current_exe()
+        .ok()
+        .and_then(|exe| spec::Access::of(&exe))
+        .map_or(0, |a| a.uid);
+    let (tools, tools_refused) = spec::tool_paths(&settings.job_tools, trusted, spec::Access::of);
     let covered: Vec<PathBuf> = crate::sandbox::mounts::FRESH_DIRS
         .iter()
         .chain([&crate::sandbox::mounts::HOST_RUN])
@@ -412,6 +418,7 @@ pub fn sandbox_spec(
         writable: checkout.map(Path::to_path_buf).into_iter().collect(),
         read_only: git.into_iter().collect(),
         tools,
+        tools_refused,
         driver_proc: spec::driver_proc(&settings.sysfs_root, &state.slice),
         allow_syscalls: state.config.allow_syscalls.clone(),
         artifacts: env

@@ -69,6 +69,9 @@ pub struct SandboxSpec {
     /// under `/var/tmp` or `/root`). A directory on the way the job user may not search is
     /// covered too ([`tool_covers`]).
     pub tools: Vec<PathBuf>,
+    /// The `--job-tool`s left out because someone other than root could change them, each
+    /// with why ([`tool_paths`]): warnings for the job log.
+    pub tools_refused: Vec<String>,
     /// The NVIDIA driver's `/proc` directory and what of it the job keeps ([`driver_proc`]).
     pub driver_proc: DriverProc,
     /// The step's artifact patterns (`BUILDKITE_ARTIFACT_PATHS`): what of the job's writes to
@@ -185,19 +188,64 @@ pub fn hideable(path: &Path) -> bool {
 }
 
 /// The node's `--job-tool`s as the sandbox binds them: real paths (no link on the way, so the
-/// path the job runs is the path bound), regular files only, each once. A tool that cannot be
-/// resolved is left out: the job then fails to run it, saying where it looked.
-pub fn tool_paths(given: &[PathBuf]) -> Vec<PathBuf> {
+/// path the job runs is the path bound), regular files only, each once, that no one but root
+/// and `trusted` (the owner of the hooks' own binary, who can change what runs as root
+/// already) can change ([`changeable_by_others`]): a tool someone else could replace would run
+/// in every job with the evaluator's capabilities. A tool that cannot be resolved is left out
+/// silently (the job fails to run it, saying where it looked); one others could change is left
+/// out with the reason, for the job log. `access` reads a path's owner and mode.
+pub fn tool_paths(
+    given: &[PathBuf],
+    trusted: u32,
+    access: impl Fn(&Path) -> Option<Access>,
+) -> (Vec<PathBuf>, Vec<String>) {
     let mut out: Vec<PathBuf> = Vec::new();
+    let mut refused = Vec::new();
     for p in given.iter().filter(|p| p.is_absolute()) {
         let Ok(real) = std::fs::canonicalize(p) else {
             continue;
         };
-        if std::fs::metadata(&real).is_ok_and(|m| m.is_file()) && !out.contains(&real) {
-            out.push(real);
+        if !std::fs::metadata(&real).is_ok_and(|m| m.is_file()) || out.contains(&real) {
+            continue;
+        }
+        match changeable_by_others(&real, trusted, &access) {
+            None => out.push(real),
+            Some(why) => refused.push(format!(
+                "the job tool {} is not bound into the sandbox: {why}; make it and every directory above it root's (or the hooks' owner's) and writable by that owner alone",
+                real.display()
+            )),
         }
     }
-    out
+    (out, refused)
+}
+
+/// Why someone other than root and `trusted` could change the file `tool` or what its path
+/// leads to: the file, or a directory on its way, owned by another user or writable by its
+/// group or others (a directory with the sticky bit excepted, as `/tmp`: only an entry's owner
+/// may rename or remove it, and the entry is checked in turn). `None` when only they can.
+pub fn changeable_by_others(
+    tool: &Path,
+    trusted: u32,
+    access: impl Fn(&Path) -> Option<Access>,
+) -> Option<String> {
+    const STICKY: u32 = 0o1000;
+    for p in tool.ancestors() {
+        let is_file = p == tool;
+        let Some(a) = access(p) else {
+            return Some(format!("cannot inspect {}", p.display()));
+        };
+        if a.uid != 0 && a.uid != trusted {
+            return Some(format!("{} belongs to uid {}", p.display(), a.uid));
+        }
+        if a.mode & 0o022 != 0 && (is_file || a.mode & STICKY == 0) {
+            return Some(format!(
+                "{} is writable by its group or others (mode {:o})",
+                p.display(),
+                a.mode & 0o7777
+            ));
+        }
+    }
+    None
 }
 
 /// Who may search a directory, as `stat` says: its owner, group and mode bits.
@@ -499,15 +547,80 @@ mod tests {
         let link = d.path().join("link");
         std::os::unix::fs::symlink(&file, &link).unwrap();
         let real = std::fs::canonicalize(&file).unwrap();
+        // Root's, whoever runs the test.
+        let roots = |p: &Path| {
+            Access::of(p).map(|a| Access {
+                uid: 0,
+                mode: a.mode & !0o022,
+                ..a
+            })
+        };
         assert_eq!(
-            tool_paths(&[
-                link,
-                file.clone(),
-                d.path().to_path_buf(),
-                d.path().join("absent"),
-                PathBuf::from("relative/tool"),
-            ]),
-            [real]
+            tool_paths(
+                &[
+                    link,
+                    file.clone(),
+                    d.path().to_path_buf(),
+                    d.path().join("absent"),
+                    PathBuf::from("relative/tool"),
+                ],
+                0,
+                roots
+            ),
+            (vec![real], vec![])
+        );
+    }
+
+    #[test]
+    fn a_tool_someone_else_could_replace_is_not_bound() {
+        let table = |owner: u32, tmp_mode: u32, bin_mode: u32, tool_mode: u32| {
+            move |p: &Path| {
+                let (uid, mode) = match p.to_str()? {
+                    "/" => (0, 0o40755),
+                    "/var" => (0, 0o40755),
+                    "/var/tmp" => (0, tmp_mode),
+                    "/var/tmp/kk" => (owner, bin_mode),
+                    "/var/tmp/kk/runner" => (0, tool_mode),
+                    _ => return None,
+                };
+                Some(Access { uid, gid: 0, mode })
+            }
+        };
+        let tool = Path::new("/var/tmp/kk/runner");
+        // A clone in /var/tmp (sticky, anyone may write) that root owns: bound.
+        assert_eq!(
+            changeable_by_others(tool, 0, table(0, 0o41777, 0o40755, 0o100755)),
+            None
+        );
+        for (access, why) in [
+            (
+                table(1000, 0o41777, 0o40755, 0o100755),
+                "/var/tmp/kk belongs to uid 1000",
+            ),
+            (
+                table(0, 0o40777, 0o40755, 0o100755),
+                "/var/tmp is writable by its group or others (mode 777)",
+            ),
+            (
+                table(0, 0o41777, 0o40775, 0o100755),
+                "/var/tmp/kk is writable by its group or others (mode 775)",
+            ),
+            (
+                table(0, 0o41777, 0o40755, 0o101777),
+                "/var/tmp/kk/runner is writable by its group or others (mode 1777)",
+            ),
+        ] {
+            assert_eq!(changeable_by_others(tool, 0, access).as_deref(), Some(why));
+        }
+        assert_eq!(
+            changeable_by_others(Path::new("/opt/runner"), 0, table(0, 0, 0, 0)).as_deref(),
+            Some("cannot inspect /opt/runner")
+        );
+        // A clone of the user who owns the hooks' binary too (local mode from a clone in
+        // their home): they can change what runs as root already.
+        assert_eq!(
+            changeable_by_others(tool, 1000, table(1000, 0o41777, 0o40755, 0o100755)),
+            None
         );
     }
 
