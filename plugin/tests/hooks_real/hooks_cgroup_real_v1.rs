@@ -173,6 +173,55 @@ fn device_rules_take_under_a_millisecond_on_v1() {
     assert!(median <= Duration::from_millis(1), "median {median:?}");
 }
 
+/// On v1 every host-mode job's `devices` cgroup holds only the base set, on a node with no GPU
+/// driver too (no other GPU to keep out): a device node the job finds outside its `/dev` does
+/// not open whatever its mode. Root without the sandbox here, the strongest a job can be.
+#[test]
+fn a_job_on_a_node_without_gpu_drivers_gets_device_rules_on_v1() {
+    let Some(_cg) = devices_hierarchy() else {
+        return;
+    };
+    let (dir, agent) = node(0, 6);
+    let kmsg = dir.path().join("kmsg-copy");
+    let made = std::process::Command::new("mknod")
+        .arg(&kmsg)
+        .args(["c", "1", "11"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(made, "mknod {}", kmsg.display());
+    let id = unique("devrules");
+    let _guard = CgroupGuard(vec![id.clone()]);
+    let command = format!(
+        "echo \"copy: $( (exec 3< '{}') 2>&1 | sed 's/.*: //')\"; head -c 1 /dev/urandom >/dev/null && echo urandom-ok",
+        kmsg.display()
+    );
+    let mut job = agent.start_job(&id, &command, None, Install::AgentBinary);
+    let env_out = job.run_hook("environment");
+    assert!(env_out.status.success(), "{}", output_text(&env_out));
+    let name = kernelkite_hooks::cgroup::job_cgroup_name(&id).unwrap();
+    let devices = Path::new("/sys/fs/cgroup/devices")
+        .join(kernelkite_hooks::cgroup::PARENT)
+        .join(name);
+    // The base set and the NVIDIA slice's shared nodes (`nvidiactl`, `nvidia-modeset`: the
+    // driver's fixed numbers), nothing else; an unrestricted cgroup lists `a *:* rwm`.
+    let listed = std::fs::read_to_string(devices.join("devices.list")).unwrap();
+    let mut listed: Vec<&str> = listed.lines().collect();
+    let mut want: Vec<&str> = BASE_DEVICE_RULES.to_vec();
+    want.extend(["c 195:254 rwm", "c 195:255 rwm"]);
+    listed.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(listed, want);
+    let cmd = job.run_hook("command");
+    let stdout = String::from_utf8_lossy(&cmd.stdout);
+    assert!(
+        stdout.contains("copy: Operation not permitted"),
+        "{}",
+        output_text(&cmd)
+    );
+    assert!(stdout.contains("urandom-ok"), "{}", output_text(&cmd));
+    assert!(job.run_hook("pre-exit").status.success());
+}
+
 #[test]
 fn pre_exit_kills_a_process_moved_into_a_child_cgroup_on_v1() {
     let Some(cg) = real_cgroups() else { return };

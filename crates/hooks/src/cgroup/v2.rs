@@ -82,7 +82,7 @@ impl V2 {
         write(&dir.join("pids.max"), &limits.pids.to_string())?;
         if limits.allow_devices.is_some() {
             warnings.push(
-                "cgroup v2 restricts devices only through BPF, which kernelkite does not load: other GPUs are hidden only by the exported variables (use mode: docker to keep them out)".into(),
+                "cgroup v2 restricts devices only through BPF, which kernelkite does not load: other GPUs are kept out by the sandbox's private /dev, where their nodes do not exist (with the sandbox off, only by the exported variables), and a device node the job finds elsewhere on the host opens as its mode allows (mode: docker refuses it)".into(),
             );
         }
         Ok(warnings)

@@ -68,7 +68,8 @@ pub fn job_devices(sysfs_root: &Path, slice: &Slice) -> Vec<CharDevice> {
 /// Whether the node has GPU devices outside `mine` to keep the job from: a GPU of the plan that
 /// is not the job's and whose node numbers the driver's files give, or NVIDIA's capability
 /// driver (MIG's `config` and `monitor`, other MIG devices'), which every node with the
-/// `nvidia` module has. Where there are none, the job's cgroup gets no device rules, as before.
+/// `nvidia` module has. Where there are none, a job on cgroup v2 gets no device rules (nor the
+/// warning that it has none).
 pub fn other_gpu_devices_exist(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> bool {
     let my_gpus = mine.gpus();
     let mine: Vec<&str> = my_gpus.iter().map(|g| g.pci_bus_id.as_str()).collect();

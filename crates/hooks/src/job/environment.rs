@@ -144,9 +144,14 @@ pub fn run(
             }
             if config.mode == Mode::Host {
                 // Deny every device but the base set and the job's own GPU nodes (a few rules,
-                // whatever the node's size), where there is another GPU to keep out.
-                let allow = other_gpu_devices_exist(&settings.sysfs_root, &plan, &state.slice)
-                    .then(|| job_devices(&settings.sysfs_root, &state.slice));
+                // whatever the node's size): on cgroup v1 always, so that a device node the
+                // job finds outside its /dev (a disk's, in a directory the host left open)
+                // is refused whatever its mode; on v2, which restricts devices through BPF
+                // only, where there is another GPU to keep out (the hierarchy warns then).
+                let v1 = cgroups.as_ref().is_some_and(|c| c.version() == 1);
+                let allow = (v1
+                    || other_gpu_devices_exist(&settings.sysfs_root, &plan, &state.slice))
+                .then(|| job_devices(&settings.sysfs_root, &state.slice));
                 let made = create_cgroup(
                     &job_id,
                     &config,
