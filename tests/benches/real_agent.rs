@@ -15,11 +15,16 @@
 //! - finished → client (webhook, artifact fetch, check, store, wake).
 //!
 //! Then what kernelkite's hooks add to a job under the real agent, against the floor the issue
-//! names (36, item 8): the same agents and step, interleaved, in three forms:
+//! names (36, item 8): the same agents and step, interleaved, in four forms:
 //! - **bare**: no hooks at all, no plugin; the agent runs the command itself;
 //! - **floor**: an empty hook (`#!/bin/true`, executed as kernelkite's are) at every level
 //!   kernelkite has one that runs for the job (the agent's `pre-bootstrap`, `environment` and
 //!   `pre-exit`; the plugin's `environment` and `pre-exit`); the agent runs the command;
+//! - **floor with a command hook**: the same, and at the plugin's `command` level, where
+//!   kernelkite's hook runs the command in place of the agent, the least such a hook can be:
+//!   executed, it runs the command with the step's shell and nothing else
+//!   (`#!/usr/bin/env -S /bin/bash -e -c ${BUILDKITE_COMMAND}`), so the agent's cost of running
+//!   a hook at that level is in the floor too;
 //! - **kernelkite**: setup's hooks and the plugin (lease, cgroup, sandbox with its PID
 //!   namespace and seccomp, clean-up).
 //!
@@ -40,7 +45,7 @@
 //! evaluation).
 //!
 //! `cargo bench -p kernelkite-testkit --bench real_agent` (`KERNELKITE_BENCH_SHORT=1`: three
-//! submissions each, and three rounds of the three forms; else 20). Needs what `tests/tests/real_agent_node.rs` needs (root, writable
+//! submissions each, and three rounds of the four forms; else 20). Needs what `tests/tests/real_agent_node.rs` needs (root, writable
 //! cgroups, the agent built by `scripts/buildkite-agent.sh`); says so and exits otherwise.
 
 use std::time::{Duration, Instant, SystemTime};
@@ -271,19 +276,35 @@ async fn main() {
     }
 }
 
-/// The three forms of the job the floor comparison runs (the module's doc).
+/// The four forms of the job the floor comparison runs (the module's doc).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Form {
     Bare,
     Floor,
+    FloorWithCommand,
     Kernelkite,
 }
 
-const FORMS: [Form; 3] = [Form::Bare, Form::Floor, Form::Kernelkite];
+const FORMS: [Form; 4] = [
+    Form::Bare,
+    Form::Floor,
+    Form::FloorWithCommand,
+    Form::Kernelkite,
+];
 
 /// The plugin version whose hooks are empty (no `command`: the agent runs the command); a
 /// version setup's agents allow (`allowed-plugins`).
 const FLOOR_TAG: &str = "v0.0.0-floor";
+
+/// The floor's plugin with a `command` hook that only runs the command (a tag `allowed-plugins`
+/// lets through: no second `-`).
+const FLOOR_COMMAND_TAG: &str = "v0.0.0-floor.command";
+
+/// The least a `command` hook can be: executed (its `#!` line names `env`, then no shell, so
+/// the agent does not wrap it: `shellscript.IsPOSIXShell` in the agent's source), it runs the
+/// step's command with bash as the agent's default shell would, and nothing else. GNU `env -S`
+/// splits the line and expands the variable; the hook's path follows as bash's `$0`.
+const RUN_ONLY_COMMAND_HOOK: &str = "#!/usr/bin/env -S /bin/bash -e -c ${BUILDKITE_COMMAND}\n# runs the command and nothing else: the floor of the real-agent benchmark\n";
 
 /// An empty hook the agent executes (not a shell: no wrapper), as it executes kernelkite's.
 const EMPTY_HOOK: &str = "#!/bin/true\n# an empty hook: the floor of the real-agent benchmark\n";
@@ -302,10 +323,14 @@ fn pipeline_for(host: &str, form: Form) -> String {
     let text = host.replace(command, &format!("    command: {MARKED_COMMAND}\n"));
     match form {
         Form::Kernelkite => text,
-        Form::Floor => {
+        Form::Floor | Form::FloorWithCommand => {
             let plugin = format!("/plugin#{PLUGIN_TAG}:");
             assert!(text.contains(&plugin), "host.yml's plugin changed");
-            text.replace(&plugin, &format!("/plugin#{FLOOR_TAG}:"))
+            let tag = match form {
+                Form::Floor => FLOOR_TAG,
+                _ => FLOOR_COMMAND_TAG,
+            };
+            text.replace(&plugin, &format!("/plugin#{tag}:"))
         }
         Form::Bare => {
             let start = text.find("    plugins:\n").expect("host.yml has plugins");
@@ -330,8 +355,8 @@ fn agent_hooks_for(d: &Deployment, form: Form) {
             "for h in {all}; do mv {dir}/$h {aside}/$h; done\n"
         ));
     }
-    if form == Form::Floor {
-        // No `command`: with the floor plugin's none, the agent runs the command itself.
+    if matches!(form, Form::Floor | Form::FloorWithCommand) {
+        // No agent-level `command`: the floor plugin's, or the agent, runs the command.
         for h in [PRE_BOOTSTRAP_HOOK, ENVIRONMENT_HOOK, PRE_EXIT_HOOK] {
             script.push_str(&format!(
                 "printf '%s' '{EMPTY_HOOK}' > {dir}/{h}\nchmod 0755 {dir}/{h}\n"
@@ -448,10 +473,21 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
         ],
         &["plugin/hooks/command"],
     );
+    agent_node::tag_with(
+        d.scratch(),
+        FLOOR_COMMAND_TAG,
+        &[
+            ("plugin/hooks/environment", EMPTY_HOOK),
+            ("plugin/hooks/pre-exit", EMPTY_HOOK),
+            ("plugin/hooks/command", RUN_ONLY_COMMAND_HOOK),
+        ],
+        &[],
+    );
     let clock = Clock::now();
     let trivial = probe_config("test", json!([{}]));
     let mut splits: Vec<Split> = FORMS.iter().map(|_| Split::default()).collect();
-    // One warm-up of each form (the floor's plugin is cloned on its first job), then n rounds.
+    // One warm-up of each form (the floors' plugins are cloned on their first jobs), then n
+    // rounds.
     for round in 0..=n {
         for (i, form) in FORMS.into_iter().enumerate() {
             agent_hooks_for(d, form);
@@ -506,7 +542,7 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
             row(&format!("  {name}"), v.clone());
         }
     }
-    // Paired by round (the three jobs of a round ran one after another), which leaves out
+    // Paired by round (the four jobs of a round ran one after another), which leaves out
     // what drifts between rounds; the median of the pairs.
     let added = |i: usize, of: Pick| {
         let pairs: Vec<f64> = of(&splits[i])
@@ -521,10 +557,12 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
         ("the whole job less its command", |s| &s.job_less_command),
     ];
     for (what, of) in pick {
-        let (floor, kernelkite) = (added(1, of), added(2, of));
+        let (floor, with_command, kernelkite) = (added(1, of), added(2, of), added(3, of));
         println!(
-            "  added over the bare agent, {what} (median of the rounds' differences): floor (empty hooks at the \
-             same levels) {floor:.1} ms, kernelkite {kernelkite:.1} ms: {:.2}x the floor (goal: at most 1.3x)",
+            "  added over the bare agent, {what} (median of the rounds' differences): kernelkite {kernelkite:.1} ms; \
+             floor with a command hook that only runs the command {with_command:.1} ms: {:.2}x (goal: at most 1.3x); \
+             floor without a command hook {floor:.1} ms: {:.2}x",
+            kernelkite / with_command,
             kernelkite / floor
         );
     }
@@ -535,9 +573,10 @@ async fn hooks_against_their_floor(d: &Deployment, n: usize) {
     for (what, of) in pick {
         let median = |i: usize| quantile(of(&splits[i]), 0.5);
         println!(
-            "    {what}: floor +{:.1} ms, kernelkite +{:.1} ms",
+            "    {what}: floor +{:.1} ms, floor with a command hook +{:.1} ms, kernelkite +{:.1} ms",
             median(1) - median(0),
-            median(2) - median(0)
+            median(2) - median(0),
+            median(3) - median(0)
         );
     }
 }
