@@ -376,7 +376,8 @@ pub fn sandbox_spec(
     submission: Option<&JobUser>,
     checkout: Option<&Path>,
 ) -> SandboxSpec {
-    let devices = spec::gpu_device_nodes(&settings.sysfs_root, &settings.dev_root, &state.slice);
+    let devices =
+        super::devices::gpu_device_nodes(&settings.sysfs_root, &settings.dev_root, &state.slice);
     let git = checkout
         .map(|c| c.join(".git"))
         .filter(|g| std::fs::symlink_metadata(g).is_ok());

@@ -1,35 +1,60 @@
-//! The node's GPUs as devices: the host numbers of the job's GPUs, and the device numbers of
-//! its own GPU nodes, the only GPU devices its cgroup allows.
+//! The node's GPUs as devices: the host numbers of the job's GPUs, and its own GPU nodes, one
+//! list that the sandbox's `/dev` (by path) and its cgroup's device rules (by number) are made
+//! from.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kernelkite_topology::plan::{Plan, Slice, SliceGpu, Vendor};
 
 use kernelkite_sys::nvidia;
 
 use crate::cgroup::CharDevice;
+use crate::sandbox::spec::DeviceNode;
 
 /// The DRM subsystem's major (`/dev/dri/card<n>`, `renderD<n>`; `DRM_MAJOR` in the kernel).
 pub const DRM_MAJOR: u32 = 226;
 
-/// The character devices of `slice`'s own GPU nodes, from the driver's files under
-/// `sysfs_root`: NVIDIA `nvidia<minor>` (195, minor from
+/// One of a slice's GPU device nodes: its path under `/dev`, and its number where the driver's
+/// files give it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuNode {
+    /// Under `/dev` (`nvidia1`, `nvidia-caps/nvidia-cap165`, `dri/renderD130`).
+    pub path: PathBuf,
+    /// Its character device; `None` where the driver's files do not number it.
+    pub device: Option<CharDevice>,
+}
+
+/// The one list of `slice`'s own GPU nodes, from the driver's files under `sysfs_root`, that
+/// both the sandbox's private `/dev` ([`gpu_device_nodes`]: by path) and the job's device
+/// rules ([`job_devices`]: by number) are made from: NVIDIA `nvidia<minor>` (195, minor from
 /// `/proc/driver/nvidia/gpus/<bdf>/information`), the driver's shared `nvidiactl` (195:255),
 /// `nvidia-modeset` (195:254), `nvidia-uvm` and `nvidia-uvm-tools` (the `nvidia-uvm` major of
-/// `/proc/devices`, minors 0 and 1), and a MIG device's two capabilities (the `nvidia-caps`
-/// major, minors from `mig-minors`); AMD `kfd` (its major, minor 0) and each GPU's
-/// `dri/card<n>` and `renderD<n>` (226). The nodes `sandbox::spec::gpu_device_nodes` binds
-/// into the job's `/dev`, by number; a handful, whatever the node's size or the driver's table.
-pub fn job_devices(sysfs_root: &Path, slice: &Slice) -> Vec<CharDevice> {
+/// `/proc/devices`, minors 0 and 1), and a MIG device's two capabilities under `nvidia-caps/`
+/// (the `nvidia-caps` major, minors from `mig-minors`), no other; AMD `kfd` (its major, minor
+/// 0) and each GPU's `dri/card<n>` and `dri/renderD<n>` (226:n). A handful, whatever the node's
+/// size or the driver's table; other GPUs' nodes, other MIG devices' capabilities and MIG's
+/// `config`/`monitor` never.
+pub fn gpu_nodes(sysfs_root: &Path, slice: &Slice) -> Vec<GpuNode> {
     let dev = |major, minor| CharDevice { major, minor };
     let gpus = slice.gpus();
     let mut out = Vec::new();
+    let mut node = |path: &Path, device: Option<CharDevice>| {
+        out.push(GpuNode {
+            path: path.to_path_buf(),
+            device,
+        })
+    };
     for g in &gpus {
         match g.vendor {
             Vendor::Nvidia => {
                 let minor = nvidia::device_minor(sysfs_root, &g.pci_bus_id);
-                out.extend(minor.map(|m| dev(nvidia::GPU_MAJOR, m)));
+                if let Some(m) = minor {
+                    node(
+                        Path::new(&format!("nvidia{m}")),
+                        Some(dev(nvidia::GPU_MAJOR, m)),
+                    );
+                }
                 let caps = minor.zip(g.mig.as_ref()).and_then(|(m, mig)| {
                     nvidia::mig_cap_minors(
                         sysfs_root,
@@ -38,30 +63,72 @@ pub fn job_devices(sysfs_root: &Path, slice: &Slice) -> Vec<CharDevice> {
                         mig.compute_instance_id,
                     )
                 });
-                if let (Some(major), Some(caps)) = (nvidia::caps_major(sysfs_root), caps) {
-                    out.extend(caps.map(|m| dev(major, m)));
+                let caps_major = nvidia::caps_major(sysfs_root);
+                for cap in caps.into_iter().flatten() {
+                    node(&nvidia::cap_node(cap), caps_major.map(|m| dev(m, cap)));
                 }
             }
-            Vendor::Amd => out.extend(
-                drm_minors(sysfs_root, g)
-                    .into_iter()
-                    .map(|m| dev(DRM_MAJOR, m)),
-            ),
+            Vendor::Amd => {
+                for (name, minor) in drm_nodes(sysfs_root, g) {
+                    node(&Path::new("dri").join(name), Some(dev(DRM_MAJOR, minor)));
+                }
+            }
         }
     }
     if gpus.iter().any(|g| g.vendor == Vendor::Nvidia) {
-        out.push(dev(nvidia::GPU_MAJOR, nvidia::CTL_MINOR));
-        out.push(dev(nvidia::GPU_MAJOR, nvidia::MODESET_MINOR));
-        if let Some(uvm) = nvidia::char_major(sysfs_root, nvidia::UVM_DEVICES_NAME) {
-            out.push(dev(uvm, nvidia::UVM_MINOR));
-            out.push(dev(uvm, nvidia::UVM_MINOR + 1));
-        }
+        node(
+            Path::new("nvidiactl"),
+            Some(dev(nvidia::GPU_MAJOR, nvidia::CTL_MINOR)),
+        );
+        node(
+            Path::new("nvidia-modeset"),
+            Some(dev(nvidia::GPU_MAJOR, nvidia::MODESET_MINOR)),
+        );
+        let uvm = nvidia::char_major(sysfs_root, nvidia::UVM_DEVICES_NAME);
+        node(
+            Path::new("nvidia-uvm"),
+            uvm.map(|m| dev(m, nvidia::UVM_MINOR)),
+        );
+        node(
+            Path::new("nvidia-uvm-tools"),
+            uvm.map(|m| dev(m, nvidia::UVM_MINOR + 1)),
+        );
     }
     if gpus.iter().any(|g| g.vendor == Vendor::Amd) {
-        out.extend(nvidia::char_major(sysfs_root, "kfd").map(|m| dev(m, 0)));
+        node(
+            Path::new("kfd"),
+            nvidia::char_major(sysfs_root, "kfd").map(|m| dev(m, 0)),
+        );
     }
+    out
+}
+
+/// The character devices of `slice`'s own GPU nodes ([`gpu_nodes`] that have a number),
+/// sorted, each once: the only GPU devices its cgroup allows.
+pub fn job_devices(sysfs_root: &Path, slice: &Slice) -> Vec<CharDevice> {
+    let mut out: Vec<CharDevice> = gpu_nodes(sysfs_root, slice)
+        .into_iter()
+        .filter_map(|n| n.device)
+        .collect();
     out.sort();
     out.dedup();
+    out
+}
+
+/// `slice`'s own GPU nodes ([`gpu_nodes`]) that exist under `dev_root`, as the sandbox binds
+/// them into the job's `/dev`, each once, by path.
+pub fn gpu_device_nodes(sysfs_root: &Path, dev_root: &Path, slice: &Slice) -> Vec<DeviceNode> {
+    let mut out: Vec<DeviceNode> = Vec::new();
+    for n in gpu_nodes(sysfs_root, slice) {
+        let source = dev_root.join(&n.path);
+        if std::fs::symlink_metadata(&source).is_ok() && !out.iter().any(|d| d.target == n.path) {
+            out.push(DeviceNode {
+                source,
+                target: n.path,
+            });
+        }
+    }
+    out.sort_by(|a, b| a.target.cmp(&b.target));
     out
 }
 
@@ -75,7 +142,7 @@ pub fn other_gpu_devices_exist(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> 
     let mine: Vec<&str> = my_gpus.iter().map(|g| g.pci_bus_id.as_str()).collect();
     let other = |g: &SliceGpu| match g.vendor {
         Vendor::Nvidia => nvidia::device_minor(sysfs_root, &g.pci_bus_id).is_some(),
-        Vendor::Amd => !drm_minors(sysfs_root, g).is_empty(),
+        Vendor::Amd => !drm_nodes(sysfs_root, g).is_empty(),
     };
     nvidia::caps_major(sysfs_root).is_some()
         || plan
@@ -86,23 +153,29 @@ pub fn other_gpu_devices_exist(sysfs_root: &Path, plan: &Plan, mine: &Slice) -> 
             .any(other)
 }
 
-/// The DRM minors of an AMD GPU's `card<n>` and `renderD<n>`, from its sysfs `drm` directory.
-fn drm_minors(sysfs_root: &Path, g: &SliceGpu) -> Vec<u32> {
+/// An AMD GPU's `card<n>` and `renderD<n>` (name and DRM minor `n`), from its sysfs `drm`
+/// directory, sorted by name.
+fn drm_nodes(sysfs_root: &Path, g: &SliceGpu) -> Vec<(String, u32)> {
     let drm = sysfs_root
         .join("sys/bus/pci/devices")
         .join(&g.pci_bus_id)
         .join("drm");
-    std::fs::read_dir(drm)
+    let mut out: Vec<(String, u32)> = std::fs::read_dir(drm)
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.strip_prefix("renderD")
-                .or_else(|| name.strip_prefix("card"))
-                .and_then(|n| n.parse().ok())
+            let name = e.file_name().into_string().ok()?;
+            let minor = name
+                .strip_prefix("renderD")
+                .or_else(|| name.strip_prefix("card"))?
+                .parse()
+                .ok()?;
+            Some((name, minor))
         })
-        .collect()
+        .collect();
+    out.sort();
+    out
 }
 
 /// Host device numbers of a slice's GPUs: each GPU's position among the plan's GPUs of its
@@ -312,6 +385,114 @@ mod tests {
         amd
     }
 
+    fn slice_of(gpus: Vec<SliceGpu>) -> Slice {
+        let mut g = gpus.into_iter();
+        Slice {
+            index: 0,
+            gpu: g.next(),
+            extra_gpus: g.collect(),
+            cpus: vec![1, 2],
+            mems: vec![0],
+            memory_bytes: 64 << 20,
+        }
+    }
+
+    #[test]
+    fn only_the_job_s_gpu_nodes_and_the_shared_ones_are_listed() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let dev = r.join("dev");
+        std::fs::create_dir_all(dev.join("dri")).unwrap();
+        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for n in [
+            "nvidia0",
+            "nvidia1",
+            "nvidiactl",
+            "nvidia-uvm",
+            "kfd",
+            "dri/card1",
+            "dri/renderD129",
+            "dri/card2",
+            "dri/renderD130",
+        ] {
+            std::fs::write(dev.join(n), "").unwrap();
+        }
+        for (bus, minor) in [("0000:18:00.0", 0), ("0000:2a:00.0", 1)] {
+            let d = r.join("proc/driver/nvidia/gpus").join(bus);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("information"), format!("Device Minor: \t {minor}\n")).unwrap();
+        }
+        for (bus, n) in [("0000:0c:00.0", 1), ("0000:0d:00.0", 2)] {
+            let d = r.join("sys/bus/pci/devices").join(bus).join("drm");
+            std::fs::create_dir_all(d.join(format!("card{n}"))).unwrap();
+            std::fs::create_dir_all(d.join(format!("renderD{}", 128 + n))).unwrap();
+        }
+        let nv = SliceGpu {
+            vendor: Vendor::Nvidia,
+            pci_bus_id: "0000:2a:00.0".into(),
+            uuid: None,
+            numa_node: Some(0),
+            mig: None,
+        };
+        let targets = |s: &Slice| -> Vec<String> {
+            gpu_device_nodes(r, &dev, s)
+                .iter()
+                .map(|d| d.target.display().to_string())
+                .collect()
+        };
+        // A whole GPU needs no capability: `nvidia-caps/` (MIG's config and monitor, other
+        // jobs' MIG devices) stays out.
+        assert_eq!(
+            targets(&slice_of(vec![nv.clone()])),
+            ["nvidia-uvm", "nvidia1", "nvidiactl"]
+        );
+        // A MIG device of GPU 1: its GPU's node and its own two capabilities, no other.
+        kernelkite_testkit::fake_nvml::write_mig_minors(r, 508).unwrap();
+        // The driver's numbers: gpu1/gi3 165 and 166, gpu1/gi5 183 and 184.
+        for cap in [1, 2, 165, 166, 183, 184] {
+            std::fs::write(dev.join(format!("nvidia-caps/nvidia-cap{cap}")), "").unwrap();
+        }
+        let mig = |gi: u32| SliceGpu {
+            uuid: Some(format!("MIG-{gi}")),
+            mig: Some(kernelkite_topology::plan::MigInstance {
+                uuid: format!("MIG-{gi}"),
+                gpu_instance_id: gi,
+                compute_instance_id: 0,
+                memory_bytes: 10 << 30,
+            }),
+            ..nv.clone()
+        };
+        assert_eq!(
+            targets(&slice_of(vec![mig(3)])),
+            [
+                "nvidia-caps/nvidia-cap165",
+                "nvidia-caps/nvidia-cap166",
+                "nvidia-uvm",
+                "nvidia1",
+                "nvidiactl"
+            ]
+        );
+        assert!(targets(&slice_of(vec![mig(5)])).contains(&"nvidia-caps/nvidia-cap184".to_string()));
+        // A MIG device the driver does not list (GPU instance 15, past its table) gets no
+        // capability, not someone else's.
+        assert_eq!(
+            targets(&slice_of(vec![mig(15)])),
+            ["nvidia-uvm", "nvidia1", "nvidiactl"]
+        );
+        let amd = SliceGpu {
+            vendor: Vendor::Amd,
+            pci_bus_id: "0000:0d:00.0".into(),
+            mig: None,
+            ..nv
+        };
+        assert_eq!(
+            targets(&slice_of(vec![amd])),
+            ["dri/card2", "dri/renderD130", "kfd"]
+        );
+        let nodes = gpu_device_nodes(r, &dev, &slice_of(vec![]));
+        assert!(nodes.is_empty());
+    }
+
     #[test]
     fn a_job_may_open_its_own_nodes_and_nothing_else_whatever_the_table() {
         let root = tempfile::tempdir().unwrap();
@@ -352,7 +533,7 @@ mod tests {
     }
 
     #[test]
-    fn device_rules_are_set_only_where_another_gpu_is_there_to_keep_out() {
+    fn another_gpu_to_keep_out_is_found_by_its_driver_files() {
         let root = tempfile::tempdir().unwrap();
         let r = root.path();
         driver_files(r, false);
@@ -394,7 +575,6 @@ mod tests {
     fn every_node_the_sandbox_binds_is_one_the_cgroup_allows() {
         use crate::cgroup::BASE_DEVICE_RULES;
         use crate::sandbox::mounts::STANDARD_NODES;
-        use crate::sandbox::spec::gpu_device_nodes;
         use std::os::unix::fs::FileTypeExt;
         use std::os::unix::fs::MetadataExt;
         let root = tempfile::tempdir().unwrap();
