@@ -210,7 +210,7 @@ pub fn device_indices(plan: &Plan, slice: &Slice) -> Vec<u32> {
 mod tests {
     use super::*;
     use crate::job::exports::exports_for;
-    use crate::job::test_support::nv;
+    use crate::job::test_support::{nv, slice_of};
     use kernelkite_topology::plan::SliceGpu;
 
     #[test]
@@ -383,18 +383,6 @@ mod tests {
         let mut amd = nv("0000:0c:00.0", None);
         amd.vendor = Vendor::Amd;
         amd
-    }
-
-    fn slice_of(gpus: Vec<SliceGpu>) -> Slice {
-        let mut g = gpus.into_iter();
-        Slice {
-            index: 0,
-            gpu: g.next(),
-            extra_gpus: g.collect(),
-            cpus: vec![1, 2],
-            mems: vec![0],
-            memory_bytes: 64 << 20,
-        }
     }
 
     #[test]

@@ -66,6 +66,19 @@ impl GpuControl for FakeDriver {
     }
 }
 
+/// Slice 0 holding `gpus` (the first as its `gpu`), CPUs 1-2, memory node 0, 64 MiB.
+pub fn slice_of(gpus: Vec<SliceGpu>) -> Slice {
+    let mut g = gpus.into_iter();
+    Slice {
+        index: 0,
+        gpu: g.next(),
+        extra_gpus: g.collect(),
+        cpus: vec![1, 2],
+        mems: vec![0],
+        memory_bytes: 64 << 20,
+    }
+}
+
 pub fn fake_node() -> (tempfile::TempDir, Settings) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();

@@ -410,6 +410,7 @@ pub fn slice_note(slice: &Slice) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::test_support::slice_of;
     use kernelkite_topology::plan::SliceGpu;
 
     fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -617,18 +618,6 @@ mod tests {
         );
     }
 
-    fn slice(gpus: Vec<SliceGpu>) -> Slice {
-        let mut g = gpus.into_iter();
-        Slice {
-            index: 0,
-            gpu: g.next(),
-            extra_gpus: g.collect(),
-            cpus: vec![1, 2],
-            mems: vec![0],
-            memory_bytes: 64 << 20,
-        }
-    }
-
     #[test]
     fn the_job_keeps_only_its_own_gpus_and_mig_capabilities_of_the_driver_s_proc() {
         let root = tempfile::tempdir().unwrap();
@@ -646,20 +635,20 @@ mod tests {
             numa_node: Some(0),
             mig: None,
         };
-        let d = driver_proc(r, &slice(vec![gpu("0000:18:00.0")]));
+        let d = driver_proc(r, &slice_of(vec![gpu("0000:18:00.0")]));
         assert_eq!(d.dir, r.join("proc/driver/nvidia"));
         assert_eq!(d.uvm_dir, r.join("proc/driver/nvidia-uvm"));
         assert_eq!(d.gpus, ["0000:18:00.0"]);
         assert!(d.caps.is_empty(), "{:?}", d.caps);
         // NVML's form of the bus id names the same directory.
-        let d = driver_proc(r, &slice(vec![gpu("00000000:18:00.0")]));
+        let d = driver_proc(r, &slice_of(vec![gpu("00000000:18:00.0")]));
         assert_eq!(d.gpus, ["0000:18:00.0"]);
         assert_eq!(driver_bus_id("00000000:2A:00.0"), "0000:2a:00.0");
         assert_eq!(driver_bus_id("0001:2a:00.0"), "0001:2a:00.0");
         // Two GPUs, both kept; a GPU the driver does not list is not.
         let d = driver_proc(
             r,
-            &slice(vec![
+            &slice_of(vec![
                 gpu("0000:19:00.0"),
                 gpu("0000:18:00.0"),
                 gpu("0000:99:00.0"),
@@ -677,7 +666,7 @@ mod tests {
             }),
             ..gpu("0000:18:00.0")
         };
-        let d = driver_proc(r, &slice(vec![mig(3)]));
+        let d = driver_proc(r, &slice_of(vec![mig(3)]));
         assert_eq!(d.gpus, ["0000:18:00.0"]);
         assert_eq!(
             d.caps,
@@ -687,17 +676,17 @@ mod tests {
             ]
         );
         // A MIG device the driver does not list gets no access file, not another's.
-        assert!(driver_proc(r, &slice(vec![mig(9)])).caps.is_empty());
+        assert!(driver_proc(r, &slice_of(vec![mig(9)])).caps.is_empty());
         // An AMD slice keeps nothing (the directory is covered all the same).
         let amd = SliceGpu {
             vendor: Vendor::Amd,
             ..gpu("0000:18:00.0")
         };
-        let d = driver_proc(r, &slice(vec![amd]));
+        let d = driver_proc(r, &slice_of(vec![amd]));
         assert!(d.gpus.is_empty() && d.caps.is_empty());
         // No driver: nothing to keep, and no directory.
         let bare = tempfile::tempdir().unwrap();
-        let d = driver_proc(bare.path(), &slice(vec![gpu("0000:18:00.0")]));
+        let d = driver_proc(bare.path(), &slice_of(vec![gpu("0000:18:00.0")]));
         assert!(d.gpus.is_empty() && d.caps.is_empty());
         assert!(!d.dir.exists());
     }
@@ -733,7 +722,7 @@ mod tests {
         assert_eq!(human_size((1 << 30) + 1), "1.0 GiB");
         assert_eq!(human_size(12), "12 B");
         assert_eq!(
-            slice_note(&slice(vec![])),
+            slice_note(&slice_of(vec![])),
             "CPUs 1-2 (2 CPUs), memory nodes 0"
         );
     }
