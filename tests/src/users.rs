@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 /// runs (Python) must be reachable on its own.
 pub fn out_of_the_job_users_reach(path: &Path) -> Option<PathBuf> {
     use kernelkite_hooks::sandbox::mounts::{FRESH_DIRS, HOST_RUN};
+    use kernelkite_hooks::sandbox::spec::Access;
     use std::os::unix::fs::PermissionsExt;
     let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let replaced = FRESH_DIRS.iter().chain([&HOST_RUN, &"/dev"]).map(Path::new);
@@ -22,9 +23,10 @@ pub fn out_of_the_job_users_reach(path: &Path) -> Option<PathBuf> {
     }
     let mut ancestors: Vec<&Path> = real.ancestors().skip(1).collect();
     ancestors.reverse();
-    let closed_dir = ancestors
-        .into_iter()
-        .find(|d| std::fs::metadata(d).map_or(true, |m| m.permissions().mode() & 0o001 == 0));
+    // As any user who owns nothing there (the job user's own ids own nothing on the host).
+    let anyone =
+        |d: &&Path| Access::of(d).is_some_and(|a| a.searchable_by(u32::MAX - 1, u32::MAX - 1, &[]));
+    let closed_dir = ancestors.into_iter().find(|d| !anyone(d));
     if let Some(d) = closed_dir {
         return Some(d.to_path_buf());
     }

@@ -110,6 +110,17 @@ pub struct Plan {
     pub warnings: Vec<String>,
 }
 
+impl Plan {
+    /// Whether a slice holds a MIG device: such a plan is only as good as this boot's MIG
+    /// layout, which a reboot or a reconfiguration changes.
+    pub fn names_mig(&self) -> bool {
+        self.slices
+            .iter()
+            .flat_map(Slice::gpus)
+            .any(|g| g.mig.is_some())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

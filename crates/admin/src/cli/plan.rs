@@ -165,12 +165,7 @@ fn refresh(file: &std::path::Path, sysfs_root: &std::path::Path) -> anyhow::Resu
             file.display()
         )
     })?;
-    let names_mig = plan
-        .slices
-        .iter()
-        .flat_map(|s| s.gpus())
-        .any(|g| g.mig.is_some());
-    if names_mig {
+    if plan.names_mig() {
         // Without NVML every MIG device would read as gone.
         kernelkite_sys::nvml::Nvml::load().with_context(|| {
             format!(

@@ -653,11 +653,7 @@ pub fn agent_unit(plan: &Plan, facts: &Facts, opts: &Options) -> String {
         "[Unit]\nDescription=Buildkite agent %i of kernelkite (jobs held to their GPU slices by the hooks)\nDocumentation={DOCS_URL}\nWants=network-online.target\nAfter=network-online.target\n"
     );
     // MIG devices are made anew at every boot: the plan is refreshed before the agent starts.
-    let mig = plan
-        .slices
-        .iter()
-        .flat_map(|sl| sl.gpus())
-        .any(|g| g.mig.is_some());
+    let mig = plan.names_mig();
     if mig {
         // After the units that make MIG devices at boot (absent units order nothing).
         let _ = writeln!(
