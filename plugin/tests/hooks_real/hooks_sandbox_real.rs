@@ -508,7 +508,7 @@ echo "driver-mounts $(awk -v d="$KK_FAKE_SYSFS/proc/driver/" 'index($5, d) == 1 
 try interrupts-in-proc sh -c 'grep -q . /proc/interrupts'
 try firmware-in-sys sh -c 'ls -A /sys/firmware | grep -q .'
 try page-flags-in-proc sh -c 'test -n "$(head -c 8 /proc/kpageflags | od -An)"'
-echo "proc-read-only $(awk '$5 ~ /^\/proc\/(bus|fs|irq|sys|sysrq-trigger)$/ && $6 ~ /^ro(,|$)/ { print $5 }' /proc/self/mountinfo | LC_ALL=C sort -u | tr '\n' ' ')"
+echo "proc-read-only $(awk '$5 ~ /^\/proc\/(bus|fs|sys|sysrq-trigger)$/ && $6 ~ /^ro(,|$)/ { print $5 }' /proc/self/mountinfo | LC_ALL=C sort -u | tr '\n' ' ')"
 try mknod mknod /tmp/kk-node c 195 1
 try write-etc touch /etc/kk-escape
 try signal-agent kill -0 "$KK_BOOTSTRAP_PID"
@@ -1211,7 +1211,11 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
          (echo \"$v\" > /proc/sys/vm/overcommit_memory) 2>/dev/null \
          && echo 'ESCAPED write-proc-sys' || echo 'blocked write-proc-sys'; \
          test -n \"$(head -c 8 /proc/kpageflags 2>/dev/null | od -An)\" \
-         && echo 'ESCAPED page-flags-in-proc' || echo 'blocked page-flags-in-proc'",
+         && echo 'ESCAPED page-flags-in-proc' || echo 'blocked page-flags-in-proc'; \
+         for f in /dev/null /dev/urandom /proc/interrupts; do \
+           chmod 666 $f 2>/dev/null && echo \"ESCAPED chmod $f\" || echo \"blocked chmod $f\"; \
+         done; head -c 1 /dev/urandom > /dev/null && echo 'urandom still reads'; \
+         echo x > /dev/null && echo 'null still writes'",
     );
     job.set_env(
         "BUILDKITE_PLUGIN_CONFIGURATION",
@@ -1235,6 +1239,14 @@ fn root_needs_allow_root_and_then_runs_without_capabilities() {
     // The physical page maps are root's alone by their mode, which a root command passes:
     // covered for it.
     assert!(stdout.contains("blocked page-flags-in-proc\n"), "{stdout}");
+    // Root owns the host's device nodes, and chmod needs no capability on one's own file: the
+    // job's nodes (and the /dev/null over a masked file) are read-only binds, which still open
+    // for reading and writing. The mode set is the one they have, so an escape changes nothing.
+    for f in ["/dev/null", "/dev/urandom", "/proc/interrupts"] {
+        assert!(stdout.contains(&format!("blocked chmod {f}\n")), "{stdout}");
+    }
+    assert!(stdout.contains("urandom still reads\n"), "{stdout}");
+    assert!(stdout.contains("null still writes\n"), "{stdout}");
     let log = String::from_utf8_lossy(&outs[1].1.stderr);
     assert!(log.contains("WARNING: the command runs as root"), "{log}");
 }

@@ -198,7 +198,7 @@ impl V1 {
             match &self.devices {
                 Some(d) => restrict_devices(&Self::dir(d, name), allow)?,
                 None => warnings.push(
-                    "the devices hierarchy is not mounted: other GPUs are hidden only by the exported variables"
+                    "the devices hierarchy is not mounted: other GPUs are kept out by the sandbox's private /dev alone (with the sandbox off, only by the exported variables), and a device node the job finds elsewhere on the host opens as its mode allows"
                         .into(),
                 ),
             }

@@ -29,13 +29,14 @@
 //!      UUIDs and MIG instances are not there, and no driver file is writable (as
 //!      libnvidia-container does for a container); the UVM driver's directory, which names
 //!      every GPU in use on the node, is covered empty;
-//!    * `/proc/bus`, `/proc/fs`, `/proc/irq`, `/proc/sys` and `/proc/sysrq-trigger` are bound
-//!      read-only (runc's read-only paths): files root owns and writes by their mode alone,
+//!    * `/proc/bus`, `/proc/fs`, `/proc/sys` and `/proc/sysrq-trigger` are bound read-only
+//!      (runc's read-only paths): files root owns and writes by their mode alone,
 //!      which an `allow-root` job (uid 0, no capabilities) could otherwise write;
 //!    * the kernel's files that tell of the whole machine ([`MASKED`]: runc's masked paths,
-//!      the physical page maps and `/proc/interrupts`) are covered, a directory by an empty
-//!      read-only tmpfs, a file by `/dev/null`, wherever the command could read them: a file
-//!      only root may read is left to its mode for a command that is not root;
+//!      the physical page maps, interrupt counts by device, root's views of the kernel's
+//!      internals) are covered, a directory by an empty read-only tmpfs, a file by `/dev/null`
+//!      bound read-only, wherever the command could read them: what only root may read is
+//!      left to its mode for a command that is not root;
 //! 7. the working directory entered again, so that it resolves through the new mounts.
 //!
 //! Sources are cloned (`open_tree`) before anything covers them. Only `rustix` system calls;
@@ -74,46 +75,54 @@ pub const HOST_RUN: &str = "/run";
 /// version, its module parameters (edited, [`unmodifiable_params`]) and its registry keys.
 pub const DRIVER_FILES: &[&str] = &["version", "params", "registry"];
 
-/// Paths of `/proc` bound read-only in the job's view: runc's read-only paths for a container.
-/// Their files are root's and most check no capability (a sysctl, an IRQ's affinity, the SysRq
-/// trigger), so uid 0 without capabilities (`allow-root`) could write them.
-pub const PROC_READ_ONLY: &[&str] = &[
-    "/proc/bus",
-    "/proc/fs",
-    "/proc/irq",
-    "/proc/sys",
-    "/proc/sysrq-trigger",
-];
+/// Paths of `/proc` bound read-only in the job's view: runc's read-only paths for a container
+/// (less `/proc/irq`, which [`MASKED`] covers whole). Their files are root's and most check no
+/// capability (a sysctl, the SysRq trigger), so uid 0 without capabilities (`allow-root`) could
+/// write them.
+pub const PROC_READ_ONLY: &[&str] = &["/proc/bus", "/proc/fs", "/proc/sys", "/proc/sysrq-trigger"];
 
 /// Kernel files and directories a job is not shown (covered empty): runc's masked paths for a
 /// container (`/proc/kcore`, `/proc/keys`, `/proc/timer_list`, ACPI, sound, SCSI, firmware
 /// tables, RAPL energy counters), the physical page maps (`/proc/kpage*`, which map physical
-/// memory for an attacker choosing rows to hammer) and `/proc/interrupts` (each device's
-/// interrupt counts: how busy the node's other GPUs, and so other jobs, are).
+/// memory for an attacker choosing rows to hammer, and `page_idle`), interrupt counts by device
+/// (`/proc/interrupts`, `/proc/irq`, `/sys/kernel/irq`: how busy the node's other GPUs, and so
+/// other jobs, are; `/proc/stat`'s `intr` line still sums them by number, and stays, as every
+/// tool reading CPU times needs the file), and what root alone may read of the kernel's
+/// internals (`slabinfo`, `pagetypeinfo`, debugfs, tracefs, pstore, the BPF file system), which
+/// the job sees where the host mounts them under `/sys`.
 pub const MASKED: &[&str] = &[
     "/proc/acpi",
     "/proc/asound",
     "/proc/interrupts",
+    "/proc/irq",
     "/proc/kcore",
     "/proc/keys",
     "/proc/kpagecgroup",
     "/proc/kpagecount",
     "/proc/kpageflags",
     "/proc/latency_stats",
+    "/proc/pagetypeinfo",
     "/proc/sched_debug",
     "/proc/scsi",
+    "/proc/slabinfo",
     "/proc/timer_list",
     "/proc/timer_stats",
     "/sys/devices/virtual/powercap",
     "/sys/firmware",
+    "/sys/fs/bpf",
+    "/sys/fs/pstore",
+    "/sys/kernel/debug",
+    "/sys/kernel/irq",
+    "/sys/kernel/mm/page_idle",
+    "/sys/kernel/tracing",
 ];
 
-/// Whether a command running as `uid` needs [`MASKED`]'s path covered: not where it is a file
-/// only root may read (owned by root, no permission for group or others) and the command is
-/// not root, since it cannot open it anyway (it has no capabilities), and every mount is time
-/// spent before the command starts.
-pub fn needs_mask(uid: u32, is_dir: bool, owner: u32, mode: u32) -> bool {
-    is_dir || uid == 0 || owner != 0 || mode & 0o077 != 0
+/// Whether a command running as `uid` needs [`MASKED`]'s path covered: not where only root may
+/// read it (a file or directory owned by root, no permission for group or others) and the
+/// command is not root, since it cannot open or enter it anyway (it has no capability that
+/// bypasses permissions), and every mount is time spent before the command starts.
+pub fn needs_mask(uid: u32, owner: u32, mode: u32) -> bool {
+    uid == 0 || owner != 0 || mode & 0o077 != 0
 }
 
 /// The driver's `params` as a job is shown them: `ModifyDeviceFiles: 0`, so that the user-space
@@ -494,6 +503,9 @@ struct Sources {
     host_ptmx: Option<OwnedFd>,
     /// The host has `/dev/mqueue`.
     mqueue: bool,
+    /// The nodes and `/dev/null` copies are read-only already ([`read_only_node`]); where the
+    /// kernel could not make them so, each is made read-only once attached.
+    nodes_read_only: bool,
 }
 
 /// Clones every source [`build`] attaches later, and settles what is hidden.
@@ -541,33 +553,56 @@ fn clone_sources(spec: &SandboxSpec) -> Result<Sources, SandboxError> {
     if std::fs::symlink_metadata(HOST_RUN).is_ok_and(|m| m.is_dir()) {
         hide.push((PathBuf::from(HOST_RUN), true));
     }
+    let mut read_only = true;
+    let mut node = |path: &Path| {
+        read_only_node(path).map(|(tree, ro)| {
+            read_only &= ro;
+            tree
+        })
+    };
     let null_copies: Vec<OwnedFd> = hide
         .iter()
         .filter(|(_, dir)| !dir)
-        .map(|_| clone_tree(Path::new("/dev/null")))
+        .map(|_| node(Path::new("/dev/null")))
         .collect::<Result<_, _>>()?;
     let dev = Path::new("/dev");
     let mut nodes: Vec<(PathBuf, OwnedFd, bool)> = Vec::new();
     for d in &spec.devices {
         let is_dir = std::fs::metadata(&d.source).is_ok_and(|m| m.is_dir());
-        nodes.push((d.target.clone(), clone_tree(&d.source)?, is_dir));
+        nodes.push((d.target.clone(), node(&d.source)?, is_dir));
     }
     for n in STANDARD_NODES {
         let source = dev.join(n);
         if source.exists() {
-            nodes.push((PathBuf::from(n), clone_tree(&source)?, false));
+            nodes.push((PathBuf::from(n), node(&source)?, false));
         }
     }
+    let host_pts = node(&dev.join("pts")).ok();
+    let host_ptmx = node(&dev.join("ptmx")).ok();
     Ok(Sources {
         writable,
         hide,
         kept,
         null_copies,
         nodes,
-        host_pts: clone_tree(&dev.join("pts")).ok(),
-        host_ptmx: clone_tree(&dev.join("ptmx")).ok(),
+        host_pts,
+        host_ptmx,
         mqueue: dev.join("mqueue").is_dir(),
+        nodes_read_only: read_only,
     })
+}
+
+/// A detached copy of the host's node at `path` (a device, `/dev/null` for a hidden file, the
+/// host's devpts), read-only before it is attached anywhere, and whether that took: the job
+/// opens the device as before (a device opens for writing on a read-only mount), but a root
+/// command (`allow-root`: uid 0, the owner of the host's nodes, no capabilities needed to
+/// chmod its own files) cannot change the host's node through it. Before Linux 5.12 the kernel
+/// has no `mount_setattr`, and the node is made read-only once attached ([`bind_read_only`]).
+fn read_only_node(path: &Path) -> Result<(OwnedFd, bool), SandboxError> {
+    use std::os::fd::AsFd;
+    let tree = clone_tree(path)?;
+    let ro = kernelkite_sys::raw::make_detached_read_only(tree.as_fd()).is_ok();
+    Ok((tree, ro))
 }
 
 /// Mounts the layers (step 3), shallowest first; returns the overlaid checkouts.
@@ -684,6 +719,9 @@ fn hide_path(
             return Ok(());
         };
         attach(&null, p)?;
+        if !sources.nodes_read_only {
+            bind_read_only(p)?;
+        }
     }
     built.hidden.push(p.to_path_buf());
     Ok(())
@@ -825,14 +863,17 @@ fn mask_kernel_paths(uid: u32, built: &mut Built) -> Result<(), SandboxError> {
         let Ok(meta) = std::fs::symlink_metadata(p) else {
             continue;
         };
-        if !needs_mask(uid, meta.is_dir(), meta.uid(), meta.mode()) {
+        if !needs_mask(uid, meta.uid(), meta.mode()) {
             continue;
         }
         if meta.is_dir() {
             empty_read_only(p, "mode=555", || Ok(()))?;
         } else {
+            // The private /dev's `null`, bound read-only: the host's node, which a root
+            // command could otherwise chmod through it.
             let null = Path::new("/dev/null");
             rustix::mount::mount_bind(null, p).map_err(step("cover with /dev/null", p))?;
+            bind_read_only(p)?;
         }
         built.hidden.push(p.to_path_buf());
     }
@@ -862,6 +903,9 @@ fn private_dev(
             touch(&at)?;
         }
         attach(tree, &at)?;
+        if !sources.nodes_read_only {
+            bind_read_only(&at)?;
+        }
         built.devices.push(at);
     }
     dev_pts(dev, sources)?;
@@ -1017,14 +1061,16 @@ mod tests {
     fn a_kernel_file_only_root_reads_is_masked_for_a_root_command_only() {
         let job = 1_950_000_000;
         // /proc/kpageflags, /proc/timer_list: 0400 root.
-        assert!(!needs_mask(job, false, 0, 0o100400));
-        assert!(needs_mask(0, false, 0, 0o100400));
+        assert!(!needs_mask(job, 0, 0o100400));
+        assert!(needs_mask(0, 0, 0o100400));
         // /proc/interrupts, /proc/keys: 0444.
-        assert!(needs_mask(job, false, 0, 0o100444));
-        assert!(needs_mask(job, false, 0, 0o100440), "a group may read it");
-        // A directory is covered whatever its mode: its files have modes of their own.
-        assert!(needs_mask(job, true, 0, 0o040500));
-        assert!(needs_mask(job, false, 1000, 0o100400), "not root's");
+        assert!(needs_mask(job, 0, 0o100444));
+        assert!(needs_mask(job, 0, 0o100440), "a group may read it");
+        assert!(needs_mask(job, 1000, 0o100400), "not root's");
+        // A directory only root may enter (debugfs, 0700), and one anyone may (/proc/irq).
+        assert!(!needs_mask(job, 0, 0o040700));
+        assert!(needs_mask(0, 0, 0o040700));
+        assert!(needs_mask(job, 0, 0o040555));
     }
 
     #[test]

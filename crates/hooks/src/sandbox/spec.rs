@@ -208,7 +208,8 @@ pub fn tool_paths(
         if !std::fs::metadata(&real).is_ok_and(|m| m.is_file()) || out.contains(&real) {
             continue;
         }
-        match changeable_by_others(&real, trusted, &access) {
+        let links = std::fs::metadata(&real).map_or(1, |m| m.nlink());
+        match changeable_by_others(&real, links, trusted, &access) {
             None => out.push(real),
             Some(why) => refused.push(format!(
                 "the job tool {} is not bound into the sandbox: {why}; make it and every directory above it root's (or the hooks' owner's) and writable by that owner alone",
@@ -219,18 +220,23 @@ pub fn tool_paths(
     (out, refused)
 }
 
-/// Why someone other than root and `trusted` could change the file `tool` or what its path
-/// leads to: the file, or a directory on its way, owned by another user or writable by its
-/// group or others (a directory with the sticky bit excepted, as `/tmp`: only an entry's owner
-/// may rename or remove it, and the entry is checked in turn). `None` when only they can.
+/// Why someone other than root and `trusted` could change the file `tool` (with `links` hard
+/// links) or what its path leads to: the file, or a directory on its way, owned by another
+/// user or writable by its group or others (a directory with the sticky bit excepted, as
+/// `/tmp`: only an entry's owner may rename or remove it, and the entry is checked in turn).
+/// In such a directory the file must have no other link: anyone may link a file of root's
+/// there under the tool's name where the kernel does not protect hard links. `None` when only
+/// they can.
 pub fn changeable_by_others(
     tool: &Path,
+    links: u64,
     trusted: u32,
     access: impl Fn(&Path) -> Option<Access>,
 ) -> Option<String> {
     const STICKY: u32 = 0o1000;
     for p in tool.ancestors() {
         let is_file = p == tool;
+        let is_parent = tool.parent() == Some(p);
         let Some(a) = access(p) else {
             return Some(format!("cannot inspect {}", p.display()));
         };
@@ -242,6 +248,12 @@ pub fn changeable_by_others(
                 "{} is writable by its group or others (mode {:o})",
                 p.display(),
                 a.mode & 0o7777
+            ));
+        }
+        if is_parent && a.mode & 0o022 != 0 && links > 1 {
+            return Some(format!(
+                "it has {links} hard links and lies in {}, where anyone may make one",
+                p.display()
             ));
         }
     }
@@ -519,7 +531,7 @@ mod tests {
         let tool = Path::new("/var/tmp/kk/runner");
         // A clone in /var/tmp (sticky, anyone may write) that root owns: bound.
         assert_eq!(
-            changeable_by_others(tool, 0, table(0, 0o41777, 0o40755, 0o100755)),
+            changeable_by_others(tool, 1, 0, table(0, 0o41777, 0o40755, 0o100755)),
             None
         );
         for (access, why) in [
@@ -540,16 +552,44 @@ mod tests {
                 "/var/tmp/kk/runner is writable by its group or others (mode 1777)",
             ),
         ] {
-            assert_eq!(changeable_by_others(tool, 0, access).as_deref(), Some(why));
+            assert_eq!(
+                changeable_by_others(tool, 1, 0, access).as_deref(),
+                Some(why)
+            );
         }
         assert_eq!(
-            changeable_by_others(Path::new("/opt/runner"), 0, table(0, 0, 0, 0)).as_deref(),
+            changeable_by_others(Path::new("/opt/runner"), 1, 0, table(0, 0, 0, 0)).as_deref(),
             Some("cannot inspect /opt/runner")
         );
         // A clone of the user who owns the hooks' binary too (local mode from a clone in
         // their home): they can change what runs as root already.
         assert_eq!(
-            changeable_by_others(tool, 1000, table(1000, 0o41777, 0o40755, 0o100755)),
+            changeable_by_others(tool, 1, 1000, table(1000, 0o41777, 0o40755, 0o100755)),
+            None
+        );
+        // Straight in a sticky directory anyone may write: a second link could be anyone's
+        // doing (a program of root's linked under the tool's name).
+        let in_tmp = Path::new("/var/tmp/runner");
+        let table_tmp = |p: &Path| {
+            let mode = match p.to_str()? {
+                "/var/tmp" => 0o41777,
+                "/var/tmp/runner" => 0o100755,
+                _ => 0o40755,
+            };
+            Some(Access {
+                uid: 0,
+                gid: 0,
+                mode,
+            })
+        };
+        assert_eq!(changeable_by_others(in_tmp, 1, 0, table_tmp), None);
+        assert_eq!(
+            changeable_by_others(in_tmp, 2, 0, table_tmp).as_deref(),
+            Some("it has 2 hard links and lies in /var/tmp, where anyone may make one")
+        );
+        // Elsewhere a second link is root's own doing.
+        assert_eq!(
+            changeable_by_others(tool, 2, 0, table(0, 0o41777, 0o40755, 0o100755)),
             None
         );
     }
