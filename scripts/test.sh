@@ -7,7 +7,9 @@
 # the Python client's ruff and pytest suite (in a venv at target/py-venv, against the real
 # service binary), the Docker images' builds, the unit and integration tests again in a fresh
 # clone with nothing beside it (under /var/tmp, where the README's main job, ./scripts/demo.sh,
-# runs too), and each benchmark in its short mode. A failure does not stop it: every suite
+# runs too; in CI, where the checkout is a clean clone already, the whole run happens in such a
+# clone instead, once), and each benchmark in its short mode; then how long each section took.
+# A failure does not stop it: every suite
 # runs (cargo's --no-fail-fast), the failing tests and steps are listed at the end, the closing
 # line counts passed, failed and skipped tests, and the exit status is 1 when anything failed.
 # A test that could not run here (no root, no GPU, no cgroups, no Docker daemon) is listed with
@@ -26,7 +28,23 @@ cd "$(dirname "$0")/.."
 
 # Each section says how much room the build directory has left: a full disk fails a run in
 # whichever build comes next (CI's once did, in the benchmarks' release build).
-section() { printf '\n--- %s (%s free)\n' "$*" "$(df -h --output=avail . 2>/dev/null | tail -n1 | tr -d ' ')"; }
+# Each section's start is kept, for the times printed at the end.
+section_names=()
+section_starts=()
+section() {
+  section_names+=("$*")
+  section_starts+=("$SECONDS")
+  printf '\n--- %s (%s free)\n' "$*" "$(df -h --output=avail . 2>/dev/null | tail -n1 | tr -d ' ')"
+}
+# How long each section took, longest first, and the whole run.
+section_times() {
+  local i n=${#section_names[@]} end
+  echo "time by section (longest first; the whole run ${SECONDS} s):"
+  for ((i = 0; i < n; i++)); do
+    end=${section_starts[i + 1]:-$SECONDS}
+    printf '%6d s  %s\n' "$((end - section_starts[i]))" "${section_names[i]}"
+  done | sort -rn
+}
 
 # CI builds once from a clean checkout: incremental caches (gigabytes) would never be read.
 [ "${CI:-}" != true ] || export CARGO_INCREMENTAL=0
@@ -90,6 +108,26 @@ fetch_hadolint() {
 if [ "${KERNELKITE_SKIP_INSTALL:-}" != 1 ]; then
   install_deps
   fetch_hadolint
+fi
+
+# In CI the checkout is a clean clone already: the whole run moves into a clone of it under
+# /var/tmp with nothing beside it (the sandbox replaces /var/tmp in every job, so a checkout
+# there must work too), which proves the repository stands alone without building and running
+# the suite a second time. Its build directory stays where CI's would be (outside /var/tmp,
+# where the tests' fake device trees must stay visible to their jobs). A developer's tree,
+# changes and all, is tested in place, and a fresh clone of its last commit runs the tests
+# again afterwards.
+if [ "${CI:-}" = true ] && [ -z "${KERNELKITE_IN_CLONE:-}" ] && [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] &&
+  git rev-parse --git-dir >/dev/null 2>&1; then
+  clone_parent=$(mktemp -d -p /var/tmp kernelkite-clone.XXXXXX)
+  git clone --quiet --no-hardlinks "$PWD" "$clone_parent/kernelkite"
+  printf '\n--- the run moves into a fresh clone of %s: %s/kernelkite\n' \
+    "$(git rev-parse --short HEAD)" "$clone_parent"
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" KERNELKITE_IN_CLONE=1 KERNELKITE_SKIP_INSTALL=1
+  rc=0
+  (cd "$clone_parent/kernelkite" && ./scripts/test.sh) || rc=$?
+  rm -rf "$clone_parent"
+  exit "$rc"
 fi
 
 # What failed, in the order it ran: "<step>\t<failed tests it counted>" (a step that failed
@@ -212,7 +250,19 @@ else
 fi
 cut -f1,3 "$checks" | awk -F'\t' '{print ($2 == "" ? "built: " $1 : "skipped: " $1 ": " $2)}'
 
-if [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2>&1; then
+if [ -n "${KERNELKITE_IN_CLONE:-}" ]; then
+  # This run is the fresh clone's (CI, above): the README's main job runs here too, in its
+  # own build directory under /var/tmp.
+  section "./scripts/demo.sh in this fresh clone (its own target directory, under /var/tmp)"
+  demo_log=$(mktemp)
+  if env -u CARGO_TARGET_DIR ./scripts/demo.sh >"$demo_log" 2>&1; then
+    grep -E '^sandbox|^demo passed' "$demo_log"
+  else
+    cat "$demo_log"
+    failed_step "./scripts/demo.sh in a fresh clone under /var/tmp"
+  fi
+  rm -f "$demo_log"
+elif [ "${KERNELKITE_SKIP_CLONE:-}" != 1 ] && git rev-parse --git-dir >/dev/null 2>&1; then
   # The repository must stand alone: clone it into an empty directory under /var/tmp (a
   # common place for a scratch checkout, which the job sandbox replaces with a private one),
   # with nothing beside it, and run the tests and the README's main job there.
@@ -292,5 +342,6 @@ if ((skipped)); then
   { tail -n +2 <<<"$py_counts" || true; } | awk -F'\t' '$1 == "skip" {printf "  pytest: %s: %s\n", $2, $3}'
   awk -F'\t' '$2 == "skip" {printf "  scripts/test.sh: %s: %s\n", $1, $3}' "$checks"
 fi
+section_times
 echo "tests: $((passed - rust_skip + bats_ok + py_passed + script_ok)) passed, $((failed + bats_bad + py_failed + clone_failed + steps_failed)) failed, $skipped skipped"
 [ ! -s "$failures" ]
