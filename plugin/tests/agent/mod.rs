@@ -1,7 +1,7 @@
 //! A harness that plays the Buildkite agent for the plugin's hooks.
 //!
 //! It sets the `BUILDKITE_*` variables a real agent sets, serves the Job API on a unix socket
-//! (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise), runs hooks in the
+//! (`kernelkite_admin::setup::local_agent`, the one emulation of it), runs hooks in the
 //! agent's order (`environment` → `command` → `pre-exit`), either as agent-level binary hooks
 //! (links named after the hook) or as the plugin's hook files (whose first line names the
 //! binary: the agent executes them, the kernel runs the binary), whose `environment` leaves
@@ -28,12 +28,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Arc, Mutex};
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::routing::get;
-use axum::{Json, Router};
+use kernelkite_admin::setup::local_agent;
 use kernelkite_testkit::{plugin_variables, PLUGIN_LOCATION};
 use serde_json::{json, Value};
 
@@ -73,19 +69,20 @@ pub fn agent_wraps(path: &Path) -> bool {
     ["bash", "dash", "ksh", "sh", "zsh"].contains(&bin.as_str())
 }
 
-/// The Job API as the agent serves it.
+/// The Job API as the agent serves it: the one emulation
+/// (`kernelkite_admin::setup::local_agent`), at a socket path a unix socket can have.
 pub struct JobApiServer {
     pub socket: PathBuf,
     pub token: String,
-    pub env: Arc<Mutex<BTreeMap<String, String>>>,
-    pub requests: Arc<Mutex<Vec<String>>>,
-    _rt: tokio::runtime::Runtime,
+    server: Option<local_agent::JobApiServer>,
     /// The directory made for a socket whose natural path was too long; removed on drop.
     short_dir: Option<PathBuf>,
 }
 
 impl Drop for JobApiServer {
     fn drop(&mut self) {
+        // The server first: it wakes its thread through the socket.
+        drop(self.server.take());
         if let Some(d) = &self.short_dir {
             let _ = std::fs::remove_dir_all(d);
         }
@@ -114,135 +111,43 @@ fn socket_place(dir: &Path) -> (PathBuf, Option<PathBuf>) {
     panic!("no directory for a job API socket")
 }
 
-#[derive(Clone)]
-struct ApiState {
-    token: String,
-    env: Arc<Mutex<BTreeMap<String, String>>>,
-    requests: Arc<Mutex<Vec<String>>>,
-}
-
-fn authorised(s: &ApiState, headers: &HeaderMap) -> bool {
-    headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v == format!("Bearer {}", s.token))
-}
-
-fn unauthorised() -> (StatusCode, Json<Value>) {
-    (
-        StatusCode::UNAUTHORIZED,
-        Json(json!({"error": "invalid Authorization header"})),
-    )
-}
-
-async fn get_env(State(s): State<ApiState>, headers: HeaderMap) -> (StatusCode, Json<Value>) {
-    s.requests.lock().unwrap().push("GET".into());
-    if !authorised(&s, &headers) {
-        return unauthorised();
-    }
-    let env = s.env.lock().unwrap().clone();
-    (StatusCode::OK, Json(json!({ "env": env })))
-}
-
-async fn patch_env(
-    State(s): State<ApiState>,
-    headers: HeaderMap,
-    body: String,
-) -> (StatusCode, Json<Value>) {
-    s.requests.lock().unwrap().push("PATCH".into());
-    if !authorised(&s, &headers) {
-        return unauthorised();
-    }
-    let Ok(v) = serde_json::from_str::<Value>(&body) else {
-        return (StatusCode::BAD_REQUEST, Json(json!({"error": "bad JSON"})));
-    };
-    let Some(map) = v.get("env").and_then(Value::as_object) else {
-        return (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": "missing env"})),
-        );
-    };
-    let mut env = s.env.lock().unwrap();
-    let mut added = Vec::new();
-    for (k, v) in map {
-        let Some(v) = v.as_str() else {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"error": "values must be strings"})),
-            );
-        };
-        env.insert(k.clone(), v.to_string());
-        added.push(k.clone());
-    }
-    (
-        StatusCode::OK,
-        Json(json!({ "added": added, "updated": [] })),
-    )
-}
-
-async fn delete_env(
-    State(s): State<ApiState>,
-    headers: HeaderMap,
-    body: String,
-) -> (StatusCode, Json<Value>) {
-    s.requests.lock().unwrap().push("DELETE".into());
-    if !authorised(&s, &headers) {
-        return unauthorised();
-    }
-    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-    let keys: Vec<String> = v
-        .get("keys")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|k| k.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut env = s.env.lock().unwrap();
-    for k in &keys {
-        env.remove(k);
-    }
-    (StatusCode::OK, Json(json!({ "deleted": keys })))
-}
-
 impl JobApiServer {
     pub fn start(dir: &Path, token: &str, env: BTreeMap<String, String>) -> JobApiServer {
         let (socket, short_dir) = socket_place(dir);
         // A job id run again by the same agent gets a fresh socket, like a fresh job.
-        let _ = std::fs::remove_file(&socket);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let state = ApiState {
-            token: token.to_string(),
-            env: Arc::new(Mutex::new(env)),
-            requests: Arc::new(Mutex::new(Vec::new())),
-        };
-        let app = Router::new()
-            .route(
-                "/api/current-job/v0/env",
-                get(get_env).patch(patch_env).delete(delete_env),
-            )
-            .with_state(state.clone());
-        let listener = rt
-            .block_on(async { tokio::net::UnixListener::bind(&socket) })
-            .unwrap();
-        rt.spawn(async move { axum::serve(listener, app).await });
+        let server = local_agent::JobApiServer::start(&socket, token, env).unwrap();
         JobApiServer {
             socket,
             token: token.to_string(),
-            env: state.env,
-            requests: state.requests,
-            _rt: rt,
+            server: Some(server),
             short_dir,
         }
     }
 
+    fn server(&self) -> &local_agent::JobApiServer {
+        self.server
+            .as_ref()
+            .expect("the Job API is served until dropped")
+    }
+
+    /// The job's environment as the hooks left it.
     pub fn env(&self) -> BTreeMap<String, String> {
-        self.env.lock().unwrap().clone()
+        self.server().env()
+    }
+
+    /// Replaces the job's environment.
+    pub fn set_env(&self, env: BTreeMap<String, String>) {
+        self.server().set_env(env)
+    }
+
+    /// Sets one variable (`Some`) or removes it (`None`).
+    pub fn set(&self, key: &str, value: Option<&str>) {
+        self.server().set(key, value)
+    }
+
+    /// The method of every request so far.
+    pub fn requests(&self) -> Vec<String> {
+        self.server().requests()
     }
 }
 
@@ -407,7 +312,7 @@ impl Agent {
             Install::Plugin => plugin_hooks(Path::new(BIN), &job_dir),
         };
         // The Job API serves the job's environment as the agent knows it.
-        *api.env.lock().unwrap() = env.clone();
+        api.set_env(env.clone());
         Job {
             id: job_id.into(),
             env,
@@ -426,11 +331,7 @@ impl Job {
     /// too, so it survives the agent re-reading the environment after a hook).
     pub fn set_env(&mut self, key: &str, value: &str) {
         self.env.insert(key.into(), value.into());
-        self.api
-            .env
-            .lock()
-            .unwrap()
-            .insert(key.into(), value.into());
+        self.api.set(key, Some(value));
     }
 
     fn hook_command(&self, hook: &str, cwd: &Path) -> Command {

@@ -29,7 +29,7 @@ fn binary_hooks_give_the_command_its_slice_without_waiting_on_the_job_api() {
     assert!(env_out.status.success(), "{}", output_text(&env_out));
     // The variables stay in the job's state for kernelkite's `command`: the agent is not
     // asked (its answer costs a job milliseconds, for hooks that are not kernelkite's).
-    assert!(job.api.requests.lock().unwrap().is_empty());
+    assert!(job.api.requests().is_empty());
     assert!(!job.env.contains_key("CUDA_VISIBLE_DEVICES"));
     let uuid = "GPU-00000002-aaaa-bbbb-cccc-dddddddddddd";
     assert_eq!(job.slice_env()["CUDA_VISIBLE_DEVICES"], uuid);
@@ -104,11 +104,7 @@ fn plugin_hook_files_are_executed_and_give_the_command_its_slice() {
         output_text(env_out)
     );
     assert!(
-        !job.api
-            .requests
-            .lock()
-            .unwrap()
-            .contains(&"PATCH".to_string()),
+        !job.api.requests().contains(&"PATCH".to_string()),
         "the plugin's environment hook exported through the Job API unasked"
     );
     assert_eq!(job.slice_env()["KERNELBOT_GPU_INDEX"], "0");
@@ -142,7 +138,7 @@ fn export_to_agent_hands_the_slice_to_the_agent_through_the_job_api() {
     );
     let env_out = job.run_hook("environment");
     assert!(env_out.status.success(), "{}", output_text(&env_out));
-    assert_eq!(*job.api.requests.lock().unwrap(), vec!["PATCH".to_string()]);
+    assert_eq!(job.api.requests(), ["PATCH"]);
     // What the agent now holds for later hooks is what the command gets.
     let slice_env = job.slice_env();
     assert!(!slice_env.is_empty());
@@ -559,7 +555,7 @@ fn a_step_naming_the_plugin_on_a_node_with_agent_level_hooks_is_prepared_once() 
     let mut for_plugin = BTreeMap::new();
     for k in &plugin_vars {
         for_plugin.insert(k.clone(), job.env.remove(k).unwrap());
-        job.api.env.lock().unwrap().remove(k);
+        job.api.set(k, None);
     }
     assert!(job.env.contains_key("BUILDKITE_PLUGINS"));
     let out = job.run_hook("environment");

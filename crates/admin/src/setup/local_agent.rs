@@ -1,6 +1,7 @@
-//! The agent's Job API for one job, served on a unix socket: what the smoke job needs to run
-//! the agent-level hooks the way the agent does. They are executed binaries and hand the job
-//! its variables through `PATCH /api/current-job/v0/env` (DESIGN.md, "Buildkite agent hooks").
+//! The agent's Job API for one job, served on a unix socket, as the agent serves it to the hooks
+//! it executes (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise;
+//! DESIGN.md, "Buildkite agent hooks"): the one emulation of it, for the smoke job, the hooks'
+//! benchmark and the plugin's test harness.
 //!
 //! Blocking I/O on one thread: a job's hooks make a handful of sequential requests. The
 //! request line and headers are parsed by `httparse`, as the client in [`kernelkite_hooks::jobapi`] parses
@@ -27,6 +28,7 @@ const MAX_REQUEST: usize = 16 << 20;
 pub struct JobApiServer {
     socket: PathBuf,
     env: Arc<Mutex<BTreeMap<String, String>>>,
+    requests: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -41,18 +43,24 @@ impl JobApiServer {
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket)?;
         let env = Arc::new(Mutex::new(env));
+        let requests = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         // A blocking accept answers a hook at once, as the agent does (a polling loop would add
         // its period to every request); `drop` wakes it with a connection of its own.
         let thread = {
-            let (env, stop, token) = (env.clone(), stop.clone(), token.to_string());
+            let (env, requests, stop, token) = (
+                env.clone(),
+                requests.clone(),
+                stop.clone(),
+                token.to_string(),
+            );
             std::thread::spawn(move || loop {
                 let accepted = listener.accept();
                 if stop.load(Ordering::SeqCst) {
                     break;
                 }
                 match accepted {
-                    Ok((stream, _)) => serve(stream, &token, &env),
+                    Ok((stream, _)) => serve(stream, &token, &env, &requests),
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             })
@@ -60,6 +68,7 @@ impl JobApiServer {
         Ok(JobApiServer {
             socket: socket.to_path_buf(),
             env,
+            requests,
             stop,
             thread: Some(thread),
         })
@@ -73,6 +82,28 @@ impl JobApiServer {
     /// The job's environment as the hooks left it.
     pub fn env(&self) -> BTreeMap<String, String> {
         self.env.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// Replaces the job's environment, as the agent's own changes between hooks do.
+    pub fn set_env(&self, env: BTreeMap<String, String>) {
+        if let Ok(mut e) = self.env.lock() {
+            *e = env;
+        }
+    }
+
+    /// Sets one variable (`Some`) or removes it (`None`), as a step's `env` would.
+    pub fn set(&self, key: &str, value: Option<&str>) {
+        if let Ok(mut e) = self.env.lock() {
+            match value {
+                Some(v) => e.insert(key.to_string(), v.to_string()),
+                None => e.remove(key),
+            };
+        }
+    }
+
+    /// The method of every request so far, in order, answered or refused.
+    pub fn requests(&self) -> Vec<String> {
+        self.requests.lock().map(|r| r.clone()).unwrap_or_default()
     }
 }
 
@@ -157,7 +188,12 @@ fn respond(mut stream: &UnixStream, status: u16, body: &Value) {
     );
 }
 
-fn serve(stream: UnixStream, token: &str, env: &Mutex<BTreeMap<String, String>>) {
+fn serve(
+    stream: UnixStream,
+    token: &str,
+    env: &Mutex<BTreeMap<String, String>>,
+    requests: &Mutex<Vec<String>>,
+) {
     if stream.set_nonblocking(false).is_err() {
         return;
     }
@@ -166,6 +202,9 @@ fn serve(stream: UnixStream, token: &str, env: &Mutex<BTreeMap<String, String>>)
         respond(&stream, 400, &json!({"error": "malformed request"}));
         return;
     };
+    if let Ok(mut r) = requests.lock() {
+        r.push(req.method.clone());
+    }
     if req.authorization.as_deref() != Some(&format!("Bearer {token}")) {
         respond(
             &stream,
