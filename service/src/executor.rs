@@ -2,15 +2,46 @@
 //! build it became ([`Launched`]), hears of its progress as [`BuildEvent`]s, and asks the
 //! executor for the [`Outcome`] once the build finished.
 //!
-//! Today there is one executor, Buildkite's (`crate::buildkite`: REST calls out, signed
-//! webhooks in). An executor that runs builds on this machine implements the same trait and
-//! feeds the same events to [`crate::App::on_event`], so both share one state machine, one
-//! store and one set of waiters.
+//! Buildkite's executor (`crate::buildkite`: REST calls out, signed webhooks in) and the local
+//! one (`crate::local`: builds run on this machine) implement the same trait; the local one is
+//! handed the core as an [`Events`] handle (`App::events`) and delivers its builds' events
+//! through it, so both share one state machine, one store and one set of waiters.
 
 use futures_util::future::BoxFuture;
 
 use crate::report::BoxError;
-use crate::submission::{BuildInfo, Outcome};
+use crate::submission::{BuildInfo, Outcome, Submission};
+
+/// The core as an executor sees it, handed to an executor that runs builds itself when it
+/// starts (instead of the App): where its builds' events go, and what it may watch of a
+/// submission. Events flow one way, executor → core; what the core decides reaches the
+/// executor through [`Executor`]'s calls and the submission's watch.
+pub trait Events: Send + Sync {
+    /// Hands the core a build's event; returns once its effect is committed.
+    fn deliver(&self, event: BuildEvent) -> BoxFuture<'_, ()>;
+    /// The submission as it changes, while the core holds it; `None` once it does not (it
+    /// ended long ago, or the core is gone).
+    fn watch(&self, submission_id: &str) -> Option<tokio::sync::watch::Receiver<Submission>>;
+    /// After a restart, for a build this executor found left by its previous run: takes the
+    /// submission back when it is still open with that build ([`Reclaim`]).
+    fn reclaim<'a>(&'a self, submission_id: &'a str, build_id: &'a str) -> BoxFuture<'a, Reclaim>;
+    /// The largest result artifact the core takes (`--max-artifact-bytes`).
+    fn max_artifact_bytes(&self) -> u64;
+}
+
+/// What [`Events::reclaim`] made of a build left by an executor's previous run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reclaim {
+    /// The submission is open with this build: recovered (collected, left to run, run again
+    /// or failed, as the executor's `recover` says).
+    Recovered,
+    /// The submission ended, or is open with another build: the build is nobody's.
+    NotOpen,
+    /// The store does not know the submission.
+    Unknown,
+    /// The store could not be read: why.
+    Unreadable(String),
+}
 
 /// An accepted submission, as an executor needs it to run. Kept in the store until the
 /// submission ends, so a build that was never created can be created after a restart.

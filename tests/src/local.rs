@@ -237,7 +237,7 @@ pub async fn start_stack(
         .await
         .expect("local executor starts");
     let app = kernelkite_service::cli::serve::start(cfg, local.clone()).expect("service starts");
-    local.start(&app).await;
+    local.start(app.events()).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("loopback port");

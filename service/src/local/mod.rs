@@ -43,9 +43,8 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
-use crate::app::App;
 use crate::executor::{
-    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched, Recovered,
+    BuildEvent, BuildEventKind, BuildStatus, Events, Executor, Job, Launched, Reclaim, Recovered,
 };
 use crate::report::BoxError;
 use crate::result::ResultJson;
@@ -55,6 +54,7 @@ pub use plan::PlannedSlice;
 use safe_read::ReadError;
 pub use settings::{LocalArgs, LocalSettings, SandboxChoice, SandboxDecision};
 use timing::Timings;
+use tracing::Instrument;
 
 /// Why local mode cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -184,7 +184,8 @@ pub struct LocalExecutor {
     wake: Arc<Notify>,
     jobs: Mutex<HashMap<String, Record>>,
     history: Mutex<VecDeque<JobReport>>,
-    app: OnceLock<Weak<App>>,
+    /// The core, once [`LocalExecutor::start`] connected it.
+    events: OnceLock<Arc<dyn Events>>,
     next_number: AtomicU64,
     warned_unenforced: std::sync::atomic::AtomicBool,
     host: String,
@@ -237,7 +238,7 @@ impl LocalExecutor {
             wake: Arc::new(Notify::new()),
             jobs: Mutex::new(HashMap::new()),
             history: Mutex::new(VecDeque::new()),
-            app: OnceLock::new(),
+            events: OnceLock::new(),
             next_number: AtomicU64::new(1),
             warned_unenforced: std::sync::atomic::AtomicBool::new(false),
             host,
@@ -265,12 +266,12 @@ impl LocalExecutor {
         lock(&self.queue).len()
     }
 
-    /// Connects the executor to the service it reports to, picks up the jobs a previous run
-    /// left in the local directory (see [`LocalExecutor::sweep`]), then starts one worker per
-    /// slice. Call once, after the service's store has loaded what it keeps.
-    pub async fn start(self: &Arc<Self>, app: &Arc<App>) {
-        let _ = self.app.set(Arc::downgrade(app));
-        self.sweep(app).await;
+    /// Connects the executor to the core it reports to (`App::events`), picks up the jobs a
+    /// previous run left in the local directory (see [`LocalExecutor::sweep`]), then starts
+    /// one worker per slice. Call once, after the service's store has loaded what it keeps.
+    pub async fn start(self: &Arc<Self>, events: Arc<dyn Events>) {
+        let _ = self.events.set(events.clone());
+        self.sweep(events.as_ref()).await;
         for slice in &self.slices {
             tokio::spawn(job::worker(
                 Arc::downgrade(self),
@@ -296,11 +297,11 @@ impl LocalExecutor {
     }
 
     /// Goes through the job directories a previous run left: a job whose submission is still
-    /// open with this job's build is recovered ([`crate::recovery::recover_submission`]); any
-    /// other (its submission ended, is unknown, or never recorded this build, having waited in
-    /// the queue when the service stopped) is cleaned up after (its leftover processes
-    /// stopped, `pre-exit` run) and removed.
-    pub async fn sweep(self: &Arc<Self>, app: &Arc<App>) {
+    /// open with this job's build is recovered by the core ([`Events::reclaim`]); any other
+    /// (its submission ended, is unknown, or never recorded this build, having waited in the
+    /// queue when the service stopped) is cleaned up after (its leftover processes stopped,
+    /// `pre-exit` run) and removed.
+    pub async fn sweep(self: &Arc<Self>, events: &dyn Events) {
         for dir in jobdir::list(&self.jobs_root()) {
             // A job this process launched is its own, whatever its directory holds yet: `launch`
             // registers the job before it makes the directory, so a directory listed here
@@ -324,22 +325,17 @@ impl LocalExecutor {
             if lock(&self.jobs).contains_key(&file.build.id) {
                 continue;
             }
-            match app.lookup(&file.submission_id).await {
-                Ok(Some(sub))
-                    if !sub.state.is_terminal()
-                        && sub.build.as_ref().is_some_and(|b| b.id == file.build.id) =>
-                {
-                    crate::recovery::recover_submission(app, &sub).await;
-                }
-                found => {
-                    match found {
-                        Ok(None) => {
+            match events.reclaim(&file.submission_id, &file.build.id).await {
+                Reclaim::Recovered => {}
+                other => {
+                    match other {
+                        Reclaim::Unknown => {
                             tracing::warn!(id = %file.submission_id, build = file.build.number, "the store does not know this local job's submission; dropping the job")
                         }
-                        Err(e) => {
-                            tracing::warn!(id = %file.submission_id, build = file.build.number, error = %crate::report::report(&e), "the store could not be read for this local job's submission; dropping the job (its submission times out if it is still in flight)")
+                        Reclaim::Unreadable(why) => {
+                            tracing::warn!(id = %file.submission_id, build = file.build.number, error = %why, "the store could not be read for this local job's submission; dropping the job (its submission times out if it is still in flight)")
                         }
-                        Ok(Some(_)) => {}
+                        Reclaim::NotOpen | Reclaim::Recovered => {}
                     }
                     if let Some(n) = dir.last_attempt() {
                         self.stop_attempt(&dir, &file, n).await;
@@ -369,16 +365,16 @@ impl LocalExecutor {
         self.settings.local_dir.join("jobs")
     }
 
-    fn app(&self) -> Option<Arc<App>> {
-        self.app.get().and_then(Weak::upgrade)
+    fn events(&self) -> Option<&Arc<dyn Events>> {
+        self.events.get()
     }
 
     /// The largest `result.json` taken from a job: the service's `--max-artifact-bytes`
     /// (KERNELKITE_MAX_ARTIFACT_BYTES), the cap the Buildkite executor's downloads have.
     fn result_cap(&self) -> u64 {
-        self.app()
-            .map_or(crate::config::DEFAULT_MAX_ARTIFACT_BYTES, |a| {
-                a.cfg.max_artifact_bytes
+        self.events()
+            .map_or(crate::config::DEFAULT_MAX_ARTIFACT_BYTES, |e| {
+                e.max_artifact_bytes()
             })
     }
 
@@ -391,9 +387,10 @@ impl LocalExecutor {
         )
     }
 
+    /// Hands the core a build event in the background (the job goes on meanwhile).
     fn emit(&self, kind: BuildEventKind, build: &BuildInfo, state: &str) {
-        if let Some(app) = self.app() {
-            app.on_event(BuildEvent {
+        if let Some(events) = self.events().cloned() {
+            let event = BuildEvent {
                 kind,
                 build: BuildStatus {
                     id: build.id.clone(),
@@ -402,7 +399,11 @@ impl LocalExecutor {
                     web_url: build.web_url.clone(),
                     blocked: false,
                 },
-            });
+            };
+            tokio::spawn(
+                async move { events.deliver(event).await }
+                    .instrument(tracing::info_span!(parent: None, "event")),
+            );
         }
     }
 
@@ -448,8 +449,7 @@ impl LocalExecutor {
         tokio::spawn(async move {
             let rx = me
                 .upgrade()
-                .and_then(|m| m.app())
-                .and_then(|app| app.store.subscribe(&submission_id));
+                .and_then(|m| m.events().and_then(|e| e.watch(&submission_id)));
             let mut stored = None;
             if let Some(mut rx) = rx {
                 // Ends when the submission is terminal, or leaves memory (then it is too).
@@ -507,9 +507,9 @@ impl Executor for LocalExecutor {
             // When the submission was accepted (its timings); the queue's order is the order
             // of the launches below.
             let accepted_at = self
-                .app()
-                .and_then(|app| app.store.get(&job.submission_id))
-                .map_or_else(Utc::now, |s| s.created_at);
+                .events()
+                .and_then(|e| e.watch(&job.submission_id))
+                .map_or_else(Utc::now, |rx| rx.borrow().created_at);
             let file = JobFile {
                 submission_id: job.submission_id.clone(),
                 run_id: job.run_id.clone(),
@@ -561,10 +561,7 @@ impl Executor for LocalExecutor {
             // queued (canceled, timed out) gets its build back at once, and the core cancels
             // it, which drops the job from the queue.
             let ended = async {
-                match self
-                    .app()
-                    .and_then(|app| app.store.subscribe(&job.submission_id))
-                {
+                match self.events().and_then(|e| e.watch(&job.submission_id)) {
                     Some(mut rx) => {
                         let _ = rx.wait_for(|s| s.state.is_terminal()).await;
                     }
