@@ -1213,14 +1213,6 @@ impl App {
         });
     }
 
-    /// The events handle for an executor that runs builds itself
-    /// ([`crate::executor::Events`]): holds the App weakly, as the App holds the executor.
-    pub fn events(self: &Arc<Self>) -> Arc<dyn crate::executor::Events> {
-        Arc::new(CoreEvents {
-            app: Arc::downgrade(self),
-        })
-    }
-
     /// A submission from memory, else from the store.
     pub async fn lookup(&self, id: &str) -> Result<Option<Submission>, Error> {
         self.store.lookup(id).await.map_err(|e| {
@@ -1330,56 +1322,4 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
         return Err(Invalid::ConfigNotObject);
     }
     Ok(())
-}
-
-/// [`App::events`]: the core behind an executor's events handle.
-struct CoreEvents {
-    app: std::sync::Weak<App>,
-}
-
-impl crate::executor::Events for CoreEvents {
-    fn deliver(&self, event: BuildEvent) -> futures_util::future::BoxFuture<'_, ()> {
-        Box::pin(async move {
-            if let Some(app) = self.app.upgrade() {
-                app.handle_event(event).await;
-            }
-        })
-    }
-
-    fn watch(&self, submission_id: &str) -> Option<tokio::sync::watch::Receiver<Submission>> {
-        self.app.upgrade()?.store.subscribe(submission_id)
-    }
-
-    fn reclaim<'a>(
-        &'a self,
-        submission_id: &'a str,
-        build_id: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, crate::executor::Reclaim> {
-        use crate::executor::Reclaim;
-        Box::pin(async move {
-            let Some(app) = self.app.upgrade() else {
-                return Reclaim::Unreadable("the service is stopping".into());
-            };
-            match app.lookup(submission_id).await {
-                Ok(Some(sub))
-                    if !sub.state.is_terminal()
-                        && sub.build.as_ref().is_some_and(|b| b.id == build_id) =>
-                {
-                    crate::recovery::recover_submission(&app, &sub).await;
-                    Reclaim::Recovered
-                }
-                Ok(Some(_)) => Reclaim::NotOpen,
-                Ok(None) => Reclaim::Unknown,
-                Err(e) => Reclaim::Unreadable(crate::report::report(&e).to_string()),
-            }
-        })
-    }
-
-    fn max_artifact_bytes(&self) -> u64 {
-        self.app
-            .upgrade()
-            .map_or(crate::config::DEFAULT_MAX_ARTIFACT_BYTES, |a| {
-                a.cfg.max_artifact_bytes
-            })
-    }
 }

@@ -4,7 +4,7 @@
 //!
 //! Buildkite's executor (`crate::buildkite`: REST calls out, signed webhooks in) and the local
 //! one (`crate::local`: builds run on this machine) implement the same trait; the local one is
-//! handed the core as an [`Events`] handle (`App::events`) and delivers its builds' events
+//! handed the core as an [`Events`] handle (`crate::events::for_executor`) and delivers its builds' events
 //! through it, so both share one state machine, one store and one set of waiters.
 
 use futures_util::future::BoxFuture;

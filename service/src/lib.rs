@@ -41,6 +41,7 @@ pub mod cli;
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod events;
 pub mod executor;
 pub mod fairshare;
 pub mod health;

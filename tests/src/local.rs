@@ -237,7 +237,9 @@ pub async fn start_stack(
         .await
         .expect("local executor starts");
     let app = kernelkite_service::cli::serve::start(cfg, local.clone()).expect("service starts");
-    local.start(app.events()).await;
+    local
+        .start(kernelkite_service::events::for_executor(&app))
+        .await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("loopback port");

@@ -35,7 +35,7 @@ pub async fn start(args: &LocalArgs) -> anyhow::Result<Embedded> {
         .await
         .context("cannot start local mode")?;
     let app = super::serve::start(cfg, local.clone()).context("cannot start local mode")?;
-    local.start(app.events()).await;
+    local.start(crate::events::for_executor(&app)).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .context("cannot listen on a loopback port")?;

@@ -131,7 +131,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
                 tracing::info!("local executor: {}", s.describe());
             }
             let app = start(cfg, executor.clone()).context("cannot start kernelkite-service")?;
-            executor.start(app.events()).await;
+            executor.start(crate::events::for_executor(&app)).await;
             app
         }
     };

@@ -266,7 +266,7 @@ impl LocalExecutor {
         lock(&self.queue).len()
     }
 
-    /// Connects the executor to the core it reports to (`App::events`), picks up the jobs a
+    /// Connects the executor to the core it reports to (`crate::events::for_executor`), picks up the jobs a
     /// previous run left in the local directory (see [`LocalExecutor::sweep`]), then starts
     /// one worker per slice. Call once, after the service's store has loaded what it keeps.
     pub async fn start(self: &Arc<Self>, events: Arc<dyn Events>) {
