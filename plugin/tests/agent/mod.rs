@@ -389,18 +389,14 @@ impl Job {
     }
 
     fn read_slice_env(&self) -> BTreeMap<String, String> {
-        let name = kernelkite_hooks::cgroup::job_cgroup_name(&self.id).unwrap();
-        let path = Path::new(&self.env["KERNELKITE_RUN_DIR"])
-            .join(kernelkite_sys::node::JOB_STATE_DIR)
-            .join(format!("{name}.json"));
-        match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let state: kernelkite_hooks::job::JobState = serde_json::from_str(&text).unwrap();
-                state.exports
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => panic!("{}: {e}", path.display()),
-        }
+        let settings = kernelkite_hooks::job::Settings {
+            run_dir: PathBuf::from(&self.env["KERNELKITE_RUN_DIR"]),
+            ..Default::default()
+        };
+        kernelkite_hooks::job::state::read_state(&settings, &self.id)
+            .unwrap()
+            .map(|state| state.exports)
+            .unwrap_or_default()
     }
 
     /// Runs the job to the end the way the agent does: `pre-exit` runs even when an earlier

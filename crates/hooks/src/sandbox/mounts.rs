@@ -479,7 +479,7 @@ pub fn build(spec: &SandboxSpec) -> Result<(Built, Vec<Overlaid>), SandboxError>
     // of its own): the driver's directory masked, and root's writable files read-only.
     built.driver_proc = mask_driver_proc(&spec.driver_proc)?;
     proc_read_only(&mut built)?;
-    mask_kernel_paths(spec.user.uid, &mut built)?;
+    mask_kernel_paths(spec.user.uid, sources.nodes_read_only, &mut built)?;
 
     // Step 7.
     rustix::process::chdir(&spec.cwd).map_err(step("enter", &spec.cwd))?;
@@ -856,8 +856,13 @@ fn proc_read_only(built: &mut Built) -> Result<(), SandboxError> {
 }
 
 /// Covers [`MASKED`]'s paths that exist and [`needs_mask`] says the command could read: a
-/// directory by an empty read-only tmpfs, a file by the private `/dev`'s `null` bound over it.
-fn mask_kernel_paths(uid: u32, built: &mut Built) -> Result<(), SandboxError> {
+/// directory by an empty read-only tmpfs, a file by the private `/dev`'s `null` bound over it
+/// (read-only as that `null` is, which a bind keeps; `nodes_read_only` false: made so here).
+fn mask_kernel_paths(
+    uid: u32,
+    nodes_read_only: bool,
+    built: &mut Built,
+) -> Result<(), SandboxError> {
     use std::os::unix::fs::MetadataExt;
     for p in MASKED.iter().map(Path::new) {
         let Ok(meta) = std::fs::symlink_metadata(p) else {
@@ -869,11 +874,12 @@ fn mask_kernel_paths(uid: u32, built: &mut Built) -> Result<(), SandboxError> {
         if meta.is_dir() {
             empty_read_only(p, "mode=555", || Ok(()))?;
         } else {
-            // The private /dev's `null`, bound read-only: the host's node, which a root
-            // command could otherwise chmod through it.
+            // The host's node, which a root command could otherwise chmod through it.
             let null = Path::new("/dev/null");
             rustix::mount::mount_bind(null, p).map_err(step("cover with /dev/null", p))?;
-            bind_read_only(p)?;
+            if !nodes_read_only {
+                bind_read_only(p)?;
+            }
         }
         built.hidden.push(p.to_path_buf());
     }

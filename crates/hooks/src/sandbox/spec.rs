@@ -205,11 +205,13 @@ pub fn tool_paths(
         let Ok(real) = std::fs::canonicalize(p) else {
             continue;
         };
-        if !std::fs::metadata(&real).is_ok_and(|m| m.is_file()) || out.contains(&real) {
+        let Some(meta) = std::fs::metadata(&real).ok().filter(|m| m.is_file()) else {
+            continue;
+        };
+        if out.contains(&real) {
             continue;
         }
-        let links = std::fs::metadata(&real).map_or(1, |m| m.nlink());
-        match changeable_by_others(&real, links, trusted, &access) {
+        match changeable_by_others(&real, meta.nlink(), trusted, &access) {
             None => out.push(real),
             Some(why) => refused.push(format!(
                 "the job tool {} is not bound into the sandbox: {why}; make it and every directory above it root's (or the hooks' owner's) and writable by that owner alone",
