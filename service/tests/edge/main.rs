@@ -49,6 +49,8 @@ pub struct Service {
     pub data: std::path::PathBuf,
     _data: Option<tempfile::TempDir>,
     stderr: Arc<Mutex<String>>,
+    /// The task that drains stderr; it ends at the pipe's end of file.
+    stderr_reader: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Service {
@@ -115,7 +117,7 @@ impl Service {
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
         let sink = stderr.clone();
-        tokio::spawn(async move {
+        let stderr_reader = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 let mut s = sink.lock().unwrap();
                 s.push_str(&line);
@@ -176,12 +178,28 @@ impl Service {
             data,
             _data: tmp,
             stderr,
+            stderr_reader: Some(stderr_reader),
         }
     }
 
     /// Everything the service wrote to stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
+    }
+
+    /// Waits up to `limit` for the child to exit, then for its last stderr lines: the
+    /// child's exit and the reader's last line race, so a log read right after `wait()`
+    /// can miss what the child wrote just before it exited.
+    pub async fn exit_within(
+        &mut self,
+        limit: Duration,
+    ) -> Result<std::process::ExitStatus, tokio::time::error::Elapsed> {
+        let status = tokio::time::timeout(limit, self.child.wait()).await?;
+        if let Some(reader) = self.stderr_reader.take() {
+            // The pipe ends when the child (and anything it started) has closed it.
+            let _ = tokio::time::timeout(Duration::from_secs(5), reader).await;
+        }
+        Ok(status.expect("waiting for the service's process"))
     }
 
     /// The child's resident memory, KiB.

@@ -112,10 +112,10 @@ async fn sigterm_answers_streams_and_long_polls_resumably_and_exits_within_the_g
     // Listening stopped: new clients are refused and go elsewhere.
     assert!(TcpStream::connect(("127.0.0.1", svc.port)).await.is_err());
 
-    let status = tokio::time::timeout(Duration::from_secs(GRACE_S + 2), svc.child.wait())
+    let status = svc
+        .exit_within(Duration::from_secs(GRACE_S + 2))
         .await
-        .expect("exits within the grace period")
-        .unwrap();
+        .expect("exits within the grace period");
     let took = t.elapsed();
     assert!(status.success(), "{status:?}: {}", svc.stderr());
     // Everything ended by itself: no need to wait out the grace period.
@@ -140,10 +140,10 @@ async fn sigterm_exits_after_the_grace_period_when_a_request_does_not_finish() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t = Instant::now();
     svc.sigterm();
-    let status = tokio::time::timeout(Duration::from_secs(5), svc.child.wait())
+    let status = svc
+        .exit_within(Duration::from_secs(5))
         .await
-        .expect("exits once the grace period is over")
-        .unwrap();
+        .expect("exits once the grace period is over");
     assert!(status.success(), "{status:?}");
     assert!(
         t.elapsed() >= Duration::from_millis(900),
