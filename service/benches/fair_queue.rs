@@ -269,7 +269,7 @@ fn core(dir: &std::path::Path) -> Arc<App> {
     let mut cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
     cfg.store.data_dir = Some(dir.to_path_buf());
     cfg.fair.queue_slots = Slots::parse("h100=2").expect("slots");
-    kernelkite_service::cli::serve::start(cfg, Arc::new(Hold)).expect("service")
+    kernelkite_service::cli::serve::start(&cfg, Arc::new(Hold)).expect("service")
 }
 
 fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
@@ -292,7 +292,7 @@ async fn accept_latency(queued: usize, n: usize) {
         // Keep it empty: the Hold executor never ends a run, so end each here.
         empty
             .finish(
-                &empty.store.all_live()[0].0,
+                &empty.store().all_live()[0].0,
                 Outcome::Canceled("bench".into()),
             )
             .await
@@ -315,7 +315,7 @@ async fn accept_latency(queued: usize, n: usize) {
     let t = Instant::now();
     full.publish_places();
     let pass = t.elapsed();
-    let waiting = full.dispatch.status("h100", Some(2)).waiting;
+    let waiting = full.dispatch().status("h100", Some(2)).waiting;
     println!();
     println!("## A submission accepted through the core, store on disk ({n} submissions)");
     println!("| queue | p50 | p99 |");
@@ -346,7 +346,7 @@ async fn cache_latency(n: usize) {
     // What a cache answer costs, not its limit: one user asks `n` times, past the default of
     // 120 answers an hour (issue 34), which would answer 429 from the 121st on.
     cfg.fair.cache_hourly = kernelkite_service::dispatch::Most(None);
-    let app = kernelkite_service::cli::serve::start(cfg, Arc::new(Hold)).expect("service");
+    let app = kernelkite_service::cli::serve::start(&cfg, Arc::new(Hold)).expect("service");
     // The original: a succeeded submission whose result the cache returns.
     let first = app
         .submit(request(0, 0), None)
@@ -366,7 +366,7 @@ async fn cache_latency(n: usize) {
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let serving = app.clone();
     tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+        let _ = kernelkite_service::serve(serving, &cfg, listener, std::future::pending()).await;
     });
     let http = reqwest::Client::new();
     let body = |n: usize| {

@@ -159,7 +159,7 @@ async fn park_long_poll(s: &Service, id: &str) -> tokio::task::JoinHandle<(Insta
             .expect("json");
         (Instant::now(), v)
     });
-    while s.app.store.watchers(id) < 2 {
+    while s.app.store().watchers(id) < 2 {
         tokio::time::sleep(Duration::from_micros(100)).await;
     }
     waiter
@@ -192,7 +192,7 @@ async fn submit(s: &Service) -> (String, u64) {
         .next_created(Duration::from_secs(10))
         .await
         .expect("build created");
-    let mut rx = s.app.store.subscribe(&id).expect("known");
+    let mut rx = s.app.store().subscribe(&id).expect("known");
     let _ = rx.wait_for(|x| x.build.is_some()).await;
     (id, number)
 }
@@ -566,8 +566,8 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
     // state change, fetch queued.
     let pause = s
         .app
-        .fetch_slots
-        .acquire_many(s.app.cfg.fetch_concurrency as u32)
+        .fetch_slots()
+        .acquire_many(s.app.cfg().fetch_concurrency as u32)
         .await
         .expect("permits");
 
@@ -611,7 +611,7 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
     // In the store first (as after a restart), so each webhook's commit writes a real row.
     {
         use futures_util::StreamExt;
-        let durable = s.app.store.durable().clone();
+        let durable = s.app.store().durable().clone();
         futures_util::stream::iter(subs.iter().cloned())
             .map(|sub| {
                 let durable = durable.clone();
@@ -664,7 +664,7 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
         Delivery::InProcess => {
             use futures_util::StreamExt;
             use tower::ServiceExt;
-            let router = kernelkite_service::router(s.app.clone());
+            let router = kernelkite_service::router(s.app.clone(), &s.cfg);
             // 32 in flight, as over loopback: each answer waits for its state change to be
             // committed, and concurrent deliveries share a commit (group commit).
             futures_util::stream::iter(bodies)
@@ -718,7 +718,7 @@ async fn ingest(sizes: &Sizes, how: Delivery) {
         .iter()
         .filter(|id| {
             s.app
-                .store
+                .store()
                 .get(id)
                 .is_some_and(|x| x.state == State::Fetching)
         })
@@ -1004,7 +1004,7 @@ async fn finished_memory(sizes: &Sizes) {
     // short here so the table shows the steady state within the run.
     cfg.store.early_event_ttl_s = 2;
     let app = kernelkite_service::cli::serve::start(
-        cfg,
+        &cfg,
         Arc::new(Instantly(std::sync::atomic::AtomicU64::new(0))),
     )
     .expect("app");
@@ -1018,7 +1018,7 @@ async fn finished_memory(sizes: &Sizes) {
             "| {done} | {:.1} MiB | {:.1} MiB | {} | {} |",
             rss_bytes() as f64 / 1048576.0,
             LIVE.load(Ordering::Relaxed) as f64 / 1048576.0,
-            app.store.len(),
+            app.store().len(),
             if rate > 0.0 {
                 format!("{rate:.0}")
             } else {
@@ -1040,7 +1040,7 @@ async fn finished_memory(sizes: &Sizes) {
                     )
                     .expect("request");
                     let sub = app.submit(req, None).await.expect("accepted").submission;
-                    let mut rx = app.store.subscribe(&sub.id).expect("in flight");
+                    let mut rx = app.store().subscribe(&sub.id).expect("in flight");
                     let attached = rx
                         .wait_for(|s| s.build.is_some())
                         .await
@@ -1126,7 +1126,7 @@ async fn reconciler_calls(sizes: &Sizes) {
     let mut found = 0;
     let mut lags = Vec::new();
     for (id, at) in &finished {
-        let x = match s.app.store.get(id) {
+        let x = match s.app.store().get(id) {
             Some(x) => Some(x),
             None => s.app.lookup(id).await.ok().flatten(),
         };

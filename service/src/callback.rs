@@ -17,7 +17,7 @@ use sha2::Sha256;
 use tokio::sync::Semaphore;
 
 use crate::app::App;
-use crate::config::host_allowed;
+use crate::config::{host_allowed, CallbackConfig};
 use crate::metrics::OutcomeLabel;
 use crate::report::report;
 use crate::store::{now_ms, CallbackState, DueCallback};
@@ -63,6 +63,8 @@ enum Attempt {
 /// is dropped.
 pub struct Outbox {
     app: Weak<App>,
+    /// KERNELKITE_CALLBACK_*.
+    cfg: CallbackConfig,
     /// Never follows redirects, with KERNELKITE_CALLBACK_TIMEOUT_S per attempt.
     http: reqwest::Client,
     /// Callbacks being delivered now (never two attempts of one at once).
@@ -70,15 +72,16 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// The outbox of `app`'s store, configured by its KERNELKITE_CALLBACK_* settings.
-    pub fn new(app: &Arc<App>) -> Result<Arc<Outbox>, reqwest::Error> {
+    /// The outbox of `app`'s store, configured by the KERNELKITE_CALLBACK_* settings `cfg`.
+    pub fn new(app: &Arc<App>, cfg: &CallbackConfig) -> Result<Arc<Outbox>, reqwest::Error> {
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(app.cfg.callbacks.callback_timeout_s))
+            .timeout(Duration::from_secs(cfg.callback_timeout_s))
             // A redirect could send the full submission to another (internal) address.
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
         Ok(Arc::new(Outbox {
             app: Arc::downgrade(app),
+            cfg: cfg.clone(),
             http,
             inflight: dashmap::DashSet::new(),
         }))
@@ -89,13 +92,10 @@ impl Outbox {
     pub fn spawn(self: Arc<Self>) {
         tokio::spawn(async move {
             let slots = Arc::new(Semaphore::new(CONCURRENCY));
-            let tick = {
-                let Some(a) = self.app.upgrade() else { return };
-                Duration::from_millis(a.cfg.callbacks.callback_backoff_ms.clamp(10, 1_000))
-            };
+            let tick = Duration::from_millis(self.cfg.callback_backoff_ms.clamp(10, 1_000));
             loop {
                 let Some(a) = self.app.upgrade() else { return };
-                let due = match a.store.durable().due_callbacks(now_ms(), 64).await {
+                let due = match a.store().durable().due_callbacks(now_ms(), 64).await {
                     Ok(d) => d,
                     Err(e) => {
                         tracing::warn!(error = %report(&e), "could not read the callback outbox");
@@ -119,7 +119,7 @@ impl Outbox {
                 }
                 // Asleep until the next retry is due (looked up, not polled) or a new
                 // callback is written; at most a minute, and at least a tick apart.
-                let next = match a.store.durable().next_callback_at().await {
+                let next = match a.store().durable().next_callback_at().await {
                     Ok(Some(at)) => Duration::from_millis(
                         u64::try_from(at.saturating_sub(now_ms())).unwrap_or(0),
                     ),
@@ -129,7 +129,7 @@ impl Outbox {
                 let wake = a.clone();
                 drop(a);
                 tokio::select! {
-                    _ = wake.callbacks_due.notified() => {}
+                    _ = wake.callbacks_due().notified() => {}
                     _ = tokio::time::sleep(next.clamp(tick, Duration::from_secs(60))) => {}
                 }
             }
@@ -138,11 +138,11 @@ impl Outbox {
 
     async fn deliver(&self, app: &App, cb: DueCallback) {
         let attempts = cb.attempts + 1;
-        let outcome = self.attempt(app, &cb).await;
+        let outcome = self.attempt(&cb).await;
         let now = now_ms();
-        let base = Duration::from_millis(app.cfg.callbacks.callback_backoff_ms.max(1));
-        let capped = app.cfg.callbacks.callback_attempts > 0
-            && attempts >= i64::from(app.cfg.callbacks.callback_attempts);
+        let base = Duration::from_millis(self.cfg.callback_backoff_ms.max(1));
+        let capped =
+            self.cfg.callback_attempts > 0 && attempts >= i64::from(self.cfg.callback_attempts);
         let (state, next_at, error, label) = match outcome {
             Attempt::Delivered => (CallbackState::Delivered, now, None, "delivered"),
             Attempt::Refused(why) => {
@@ -164,14 +164,14 @@ impl Outbox {
                 )
             }
         };
-        app.metrics
+        app.metrics()
             .callbacks
             .get_or_create(&OutcomeLabel {
                 outcome: label.to_string(),
             })
             .inc();
         if let Err(e) = app
-            .store
+            .store()
             .durable()
             .callback_attempted(&cb.submission_id, state, attempts, next_at, error)
             .await
@@ -181,14 +181,14 @@ impl Outbox {
         }
     }
 
-    async fn attempt(&self, app: &App, cb: &DueCallback) -> Attempt {
-        let Some(secret) = &app.cfg.callbacks.callback_secret else {
+    async fn attempt(&self, cb: &DueCallback) -> Attempt {
+        let Some(secret) = &self.cfg.callback_secret else {
             return Attempt::Failed(
                 "KERNELKITE_CALLBACK_SECRET is not set, so the callback cannot be signed".into(),
             );
         };
         match url::Url::parse(&cb.url) {
-            Ok(u) if host_allowed(&u, &app.cfg.callbacks.callback_allowed_hosts) => {}
+            Ok(u) if host_allowed(&u, &self.cfg.callback_allowed_hosts) => {}
             _ => {
                 return Attempt::Refused(format!(
                     "callback_url {:?} is not allowed by KERNELKITE_CALLBACK_ALLOWED_HOSTS",

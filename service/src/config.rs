@@ -4,7 +4,9 @@
 //! size, fetch concurrency, the reconciler's waits) and one group per part that reads the
 //! rest: [`EdgeConfig`] (the HTTP edge), [`BuildkiteConfig`], [`StoreConfig`],
 //! [`CallbackConfig`] and [`QueueSettings`]. The groups are flattened into one command line,
-//! so every flag and variable keeps its name.
+//! so every flag and variable keeps its name. What the core reads is handed to it as its own
+//! plain settings ([`Config::core`], a `kernelkite_core::config::Config`), so the core never
+//! depends on clap.
 //!
 //! Tokens are wrapped in [`Secret`], whose `Debug` and `Display` never show the value, so a
 //! config printed in a log or a panic message leaks nothing.
@@ -71,8 +73,7 @@ impl std::str::FromStr for Secret {
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Buildkite's REST API.
 pub const DEFAULT_API_URL: &str = "https://api.buildkite.com/v2";
-/// The largest result.json taken unless `--max-artifact-bytes` says otherwise.
-pub const DEFAULT_MAX_ARTIFACT_BYTES: u64 = 64 << 20;
+pub use kernelkite_core::config::{host_allowed, DEFAULT_MAX_ARTIFACT_BYTES};
 
 /// A setting that cannot work. Each message names the variable to fix and how.
 #[derive(Debug, thiserror::Error)]
@@ -97,9 +98,9 @@ pub enum ConfigError {
         /// The value.
         value: String,
     },
-    /// KERNELKITE_QUEUE_SLOTS names a queue where every queue waits in the node's one line.
-    #[error("KERNELKITE_QUEUE_SLOTS names queue {0:?}, but this executor runs every queue on the node's slices, in one line: set `local=N` (or `*=N`) for the node, or leave it unset to use every slice")]
-    QueueSlotsOfOneLine(String),
+    /// A setting the core reads.
+    #[error(transparent)]
+    Core(#[from] kernelkite_core::config::ConfigError),
     /// BUILDKITE_API_TOKEN is empty.
     #[error("BUILDKITE_API_TOKEN is empty; create an API token with read_builds, write_builds and read_artifacts")]
     EmptyApiToken,
@@ -112,20 +113,9 @@ pub enum ConfigError {
     /// KERNELKITE_RETRY_ATTEMPTS is 0.
     #[error("KERNELKITE_RETRY_ATTEMPTS must be at least 1")]
     NoRetryAttempts,
-    /// KERNELKITE_FETCH_CONCURRENCY is 0.
-    #[error("KERNELKITE_FETCH_CONCURRENCY must be at least 1")]
-    NoFetchConcurrency,
-    /// KERNELKITE_DEFAULT_TIMEOUT_S is 0 or above KERNELKITE_MAX_TIMEOUT_S.
-    #[error("KERNELKITE_DEFAULT_TIMEOUT_S must be in 1..=KERNELKITE_MAX_TIMEOUT_S")]
-    DefaultTimeout,
     /// A setting that is 0 where 0 makes the service useless.
     #[error("{0} must be at least 1 (0 would make {1})")]
     Zero(&'static str, &'static str),
-    /// The reconciler's waits are out of order.
-    #[error(
-        "KERNELKITE_RECONCILE_MIN_MS must be at least 1 and at most KERNELKITE_RECONCILE_MAX_MS"
-    )]
-    ReconcileBackoff,
     /// KERNELKITE_CALLBACK_SECRET is set to the empty string.
     #[error("KERNELKITE_CALLBACK_SECRET is set but empty; set a key (e.g. `openssl rand -hex 32`), or unset it to refuse callback_url")]
     EmptyCallbackSecret,
@@ -544,21 +534,6 @@ pub struct FairConfig {
 /// Buildkite's agent API.
 pub const DEFAULT_AGENT_API_URL: &str = "https://agent.buildkite.com/v3";
 
-/// Whether `url`'s host may receive callbacks under KERNELKITE_CALLBACK_ALLOWED_HOSTS
-/// (`allowed`): any host when the list is empty, else one of the list (exact,
-/// case-insensitive). Checked when a submission names its `callback_url` and again before
-/// every delivery.
-pub fn host_allowed(url: &url::Url, allowed: &[String]) -> bool {
-    if allowed.iter().all(|h| h.trim().is_empty()) {
-        return true;
-    }
-    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
-    allowed
-        .iter()
-        .map(|h| h.trim().trim_matches(['[', ']']))
-        .any(|h| !h.is_empty() && h.eq_ignore_ascii_case(host))
-}
-
 impl EdgeConfig {
     /// KERNELKITE_HEADER_READ_TIMEOUT_S.
     pub fn header_read_timeout(&self) -> Duration {
@@ -658,6 +633,39 @@ impl Config {
         }
     }
 
+    /// What the core reads, as the core's plain settings (the flags' values; the HTTP edge's,
+    /// Buildkite's, the store's and the callback sender's own settings stay here).
+    pub fn core(&self) -> kernelkite_core::config::Config {
+        let f = &self.fair;
+        kernelkite_core::config::Config {
+            default_timeout_s: self.default_timeout_s,
+            max_timeout_s: self.max_timeout_s,
+            max_artifact_bytes: self.max_artifact_bytes,
+            retry_base_ms: self.retry_base_ms,
+            fetch_concurrency: self.fetch_concurrency,
+            reconcile_min_ms: self.reconcile_min_ms,
+            reconcile_max_ms: self.reconcile_max_ms,
+            public_url: self.edge.public_url.clone(),
+            early_event_max: self.store.early_event_max,
+            early_event_ttl_s: self.store.early_event_ttl_s,
+            agents_refresh_s: self.queues.agents_refresh_s,
+            callbacks: kernelkite_core::config::Callbacks {
+                signed: self.callbacks.callback_secret.is_some(),
+                allowed_hosts: self.callbacks.callback_allowed_hosts.clone(),
+                retry_s: self.callbacks.callback_retry_s,
+            },
+            fair: kernelkite_core::config::Fair {
+                queue_slots: f.queue_slots.clone(),
+                queue_limits: f.queue_limits.clone(),
+                queue_estimate_s: f.queue_estimate_s,
+                cache: f.cache,
+                cache_max_age_s: f.cache_max_age_s,
+                cache_hourly: f.cache_hourly,
+                runner_version: f.runner_version.clone(),
+            },
+        }
+    }
+
     /// Checks what clap cannot; the error says what to fix.
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.executor == ExecutorKind::Buildkite {
@@ -730,12 +738,7 @@ impl Config {
         if self.buildkite.retry_attempts == 0 {
             return Err(ConfigError::NoRetryAttempts);
         }
-        if self.fetch_concurrency == 0 {
-            return Err(ConfigError::NoFetchConcurrency);
-        }
-        if self.default_timeout_s == 0 || self.default_timeout_s > self.max_timeout_s {
-            return Err(ConfigError::DefaultTimeout);
-        }
+        self.core().check()?;
         self.edge.check()?;
         for (value, name, effect) in [
             (
@@ -757,9 +760,6 @@ impl Config {
             if value == 0 {
                 return Err(ConfigError::Zero(name, effect));
             }
-        }
-        if self.reconcile_min_ms == 0 || self.reconcile_min_ms > self.reconcile_max_ms {
-            return Err(ConfigError::ReconcileBackoff);
         }
         if self
             .callbacks

@@ -34,28 +34,22 @@
 
 #![deny(missing_docs)]
 
-pub mod app;
 pub mod buildkite;
 pub mod callback;
 pub mod cli;
 pub mod config;
-pub mod dispatch;
-pub mod error;
-pub mod events;
-pub mod executor;
-pub mod fairshare;
-pub mod health;
 pub mod http;
 pub mod local;
-pub mod metrics;
-pub mod queues;
-pub mod reconcile;
-pub mod recovery;
-pub mod report;
-pub mod result;
 pub mod store;
-pub mod submission;
 pub mod task;
+
+// The core's modules, under the paths they had before the core became a crate of its own
+// (`kernelkite-core`), so that `kernelkite_service::executor::Job` and the like still name
+// what they named.
+pub use kernelkite_core::{
+    app, dispatch, error, events, executor, fairshare, health, metrics, queues, reconcile,
+    recovery, report, result, submission,
+};
 
 pub use app::{App, SubmitRequest};
 pub use config::Config;

@@ -97,7 +97,7 @@ async fn the_result_comes_back_byte_for_byte_through_get_sse_callback_and_store(
     let body = String::from_utf8(cb.deliveries()[0].body.to_vec()).unwrap();
     assert_eq!(raw_result(&body), ARTIFACT);
     // And after a restart, GET serves the stored copy unchanged too.
-    let restarted = kernelkite_service::cli::serve::start_buildkite(h.app.cfg.clone()).unwrap();
+    let restarted = kernelkite_service::cli::serve::start_buildkite(&h.cfg).unwrap();
     let after = restarted
         .lookup(&id)
         .await

@@ -26,6 +26,8 @@ pub struct Harness {
     pub fake: FakeBuildkite,
     /// The service's core, for looking inside.
     pub app: Arc<App>,
+    /// The settings it was started with (a restart in a test starts another with them).
+    pub cfg: Config,
     /// `http://127.0.0.1:<port>`.
     pub base: String,
     /// A client for the service.
@@ -64,10 +66,12 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
+    let app = kernelkite_service::cli::serve::start_buildkite(&cfg).unwrap();
     let serving = app.clone();
+    let http_cfg = cfg.clone();
     let server = tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+        let _ =
+            kernelkite_service::serve(serving, &http_cfg, listener, std::future::pending()).await;
     });
     fake.set_webhook(
         format!("http://{addr}/webhooks/buildkite"),
@@ -76,6 +80,7 @@ pub async fn harness_with(tweak: impl FnOnce(&mut Config)) -> Harness {
     Harness {
         fake,
         app,
+        cfg,
         base: format!("http://{addr}"),
         http: reqwest::Client::new(),
         _dir: dir,
@@ -138,7 +143,7 @@ impl Harness {
     /// Waits until the submission's build is attached (the create call returned and the
     /// build id is committed).
     pub async fn wait_build_attached(&self, id: &str) {
-        let Some(mut rx) = self.app.store.subscribe(id) else {
+        let Some(mut rx) = self.app.store().subscribe(id) else {
             // Already ended (and so attached, or never to be).
             return;
         };

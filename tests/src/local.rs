@@ -236,7 +236,7 @@ pub async fn start_stack(
     let local = LocalExecutor::new(&args, None)
         .await
         .expect("local executor starts");
-    let app = kernelkite_service::cli::serve::start(cfg, local.clone()).expect("service starts");
+    let app = kernelkite_service::cli::serve::start(&cfg, local.clone()).expect("service starts");
     local
         .start(kernelkite_service::events::for_executor(&app))
         .await;
@@ -246,7 +246,7 @@ pub async fn start_stack(
     let addr = listener.local_addr().expect("address");
     let serving = app.clone();
     let server = tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+        let _ = kernelkite_service::serve(serving, &cfg, listener, std::future::pending()).await;
     });
     LocalStack {
         app,
@@ -342,7 +342,11 @@ impl LocalStack {
 
     /// Waits until the submission has reached `state` (or passed it).
     pub async fn wait_for_state(&self, id: &str, state: &str) {
-        let mut rx = self.app.store.subscribe(id).expect("submission in memory");
+        let mut rx = self
+            .app
+            .store()
+            .subscribe(id)
+            .expect("submission in memory");
         let want = state.to_string();
         tokio::time::timeout(
             LOCAL_WAIT,
@@ -531,7 +535,7 @@ impl Crashable {
     pub async fn crash_and_restart(self, id: &str, state: &str) -> LocalStack {
         let _ = self.stop.send(());
         self.thread.join().expect("the service's thread");
-        let now = self.app.store.get(id).expect("the submission");
+        let now = self.app.store().get(id).expect("the submission");
         assert_eq!(now.state.as_str(), state);
         drop(self.app);
         start_stack(self.args, self.dir.clone(), data_dir(&self.dir)).await

@@ -494,8 +494,8 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
     // with the job finished and its result.json on disk.
     let slots = first
         .app
-        .fetch_slots
-        .try_acquire_many(first.app.cfg.fetch_concurrency as u32)
+        .fetch_slots()
+        .try_acquire_many(first.app.cfg().fetch_concurrency as u32)
         .expect("all collection slots");
     let id = first
         .submit(probe_config(
@@ -505,7 +505,7 @@ async fn a_job_that_finished_while_the_service_was_down_is_collected_not_rerun()
         .await;
     let app = first.app.clone();
     wait_until("the job to finish", RESTART_WAIT, || {
-        app.store.state(&id).map(|s| s.as_str()) == Some("fetching")
+        app.store().state(&id).map(|s| s.as_str()) == Some("fetching")
     })
     .await;
     // The slots stay held: the first service never collects.

@@ -161,3 +161,47 @@ fn the_cycle_finder_finds_a_cycle() {
     assert!(cycle_through(&graph, "d").is_none());
     assert!(product_code("x\n// crate::y\n#[cfg(test)]\nmod tests { crate::z }\n").trim() == "x");
 }
+
+/// The service's core names no adapter: what it builds against (its normal dependencies, all
+/// the way down, as `cargo tree` resolves them for it alone) has no HTTP server or client, no
+/// database driver and no command-line parser. A dependency added by mistake, even through
+/// a leaf crate's feature, fails here.
+#[test]
+fn the_service_core_depends_on_no_adapter_crate() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(cargo)
+        .current_dir(&repo)
+        .args([
+            "tree",
+            "--locked",
+            "--offline",
+            "-p",
+            "kernelkite-core",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let names: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(names.contains("tokio") && names.contains("kernelkite-kernelbot"), "{tree}");
+    let adapters: Vec<&str> = ["axum", "hyper", "sqlx", "reqwest", "clap"]
+        .into_iter()
+        .filter(|a| names.contains(a))
+        .collect();
+    assert!(
+        adapters.is_empty(),
+        "kernelkite-core depends on {adapters:?}; those belong to kernelkite-service's adapters:\n{tree}"
+    );
+}

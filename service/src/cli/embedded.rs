@@ -34,7 +34,7 @@ pub async fn start(args: &LocalArgs) -> anyhow::Result<Embedded> {
     let local = LocalExecutor::new(args, None)
         .await
         .context("cannot start local mode")?;
-    let app = super::serve::start(cfg, local.clone()).context("cannot start local mode")?;
+    let app = super::serve::start(&cfg, local.clone()).context("cannot start local mode")?;
     local.start(crate::events::for_executor(&app)).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -42,7 +42,7 @@ pub async fn start(args: &LocalArgs) -> anyhow::Result<Embedded> {
     let addr = listener.local_addr().context("loopback address")?;
     let serving = app.clone();
     let server = tokio::spawn(async move {
-        if let Err(e) = crate::http::serve(serving, listener, std::future::pending()).await {
+        if let Err(e) = crate::http::serve(serving, &cfg, listener, std::future::pending()).await {
             tracing::error!(error = %e, "the embedded service stopped");
         }
     });

@@ -41,22 +41,22 @@ pub enum StartError {
 /// The service with Buildkite as the executor: opens its store (blocking while it does),
 /// reloads the submissions that had not ended and starts the background loops. Needs a
 /// tokio runtime.
-pub fn start_buildkite(cfg: crate::Config) -> Result<Arc<App>, StartError> {
+pub fn start_buildkite(cfg: &crate::Config) -> Result<Arc<App>, StartError> {
     cfg.check()?;
     let metrics = Arc::new(Metrics::new());
-    let executor = Arc::new(BuildkiteExecutor::new(&cfg)?.with_metrics(metrics.clone()));
+    let executor = Arc::new(BuildkiteExecutor::new(cfg)?.with_metrics(metrics.clone()));
     assemble(cfg, executor, metrics)
 }
 
 /// The service around another executor (one that runs builds on this machine, a test's):
 /// [`start_buildkite`] otherwise.
-pub fn start(cfg: crate::Config, executor: Arc<dyn Executor>) -> Result<Arc<App>, StartError> {
+pub fn start(cfg: &crate::Config, executor: Arc<dyn Executor>) -> Result<Arc<App>, StartError> {
     cfg.check()?;
     assemble(cfg, executor, Arc::new(Metrics::new()))
 }
 
 fn assemble(
-    cfg: crate::Config,
+    cfg: &crate::Config,
     executor: Arc<dyn Executor>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<App>, StartError> {
@@ -73,8 +73,8 @@ fn assemble(
     if cfg.store.store_check_s > 0 {
         db.watch_pages(std::time::Duration::from_secs(cfg.store.store_check_s));
     }
-    let app = App::new(cfg, executor, Arc::new(db), metrics)?;
-    let outbox = Outbox::new(&app)?;
+    let app = App::new(cfg.core(), executor, Arc::new(db), metrics).map_err(ConfigError::from)?;
+    let outbox = Outbox::new(&app, &cfg.callbacks)?;
     app.spawn_housekeeping();
     app.spawn_places();
     let reconciler = Reconciler::new(&app);
@@ -121,7 +121,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
                     "plain X-Buildkite-Token webhooks are accepted; prefer signed webhooks"
                 );
             }
-            start_buildkite(cfg).context("cannot start kernelkite-service")?
+            start_buildkite(&cfg).context("cannot start kernelkite-service")?
         }
         ExecutorKind::Local => {
             let executor = LocalExecutor::new(&args.local, cfg.store.data_dir.as_deref())
@@ -130,7 +130,7 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             for s in executor.slices() {
                 tracing::info!("local executor: {}", s.describe());
             }
-            let app = start(cfg, executor.clone()).context("cannot start kernelkite-service")?;
+            let app = start(&cfg, executor.clone()).context("cannot start kernelkite-service")?;
             executor.start(crate::events::for_executor(&app)).await;
             app
         }
@@ -143,8 +143,8 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
     // The bound address, not the configured one: with port 0 this is how a caller (a test, a
     // supervisor) learns which port the kernel picked.
     let addr = listener.local_addr().unwrap_or(listen);
-    tracing::info!(%addr, executor = app.executor.name(), "kernelkite-service listening");
-    serve(app, listener, shutdown_signal())
+    tracing::info!(%addr, executor = app.executor().name(), "kernelkite-service listening");
+    serve(app, &cfg, listener, shutdown_signal())
         .await
         .context("server failed")?;
     Ok(())

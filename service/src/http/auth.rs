@@ -1,5 +1,6 @@
 //! Who may use `/v1`: the bearer token when one is configured, else loopback clients only.
 
+use super::error::ApiError;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -8,16 +9,16 @@ use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
 
-use crate::app::App;
+use super::Edge;
 use crate::error::{Error, Unauthorized};
 
 /// Guards `/v1`: the bearer token when one is configured, else loopback clients only.
 pub(super) async fn require_client(
-    State(app): State<Arc<App>>,
+    State(edge): State<Arc<Edge>>,
     req: Request,
     next: Next,
-) -> Result<Response, Error> {
-    match &app.cfg.edge.api_token {
+) -> Result<Response, ApiError> {
+    match &edge.cfg.edge.api_token {
         Some(token) => {
             let given = req
                 .headers()
@@ -34,7 +35,7 @@ pub(super) async fn require_client(
                 .get::<ConnectInfo<SocketAddr>>()
                 .is_some_and(|c| is_loopback(c.0.ip()));
             if !loopback {
-                return Err(Error::Forbidden);
+                return Err(Error::Forbidden.into());
             }
         }
     }

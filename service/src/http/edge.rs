@@ -12,6 +12,7 @@ use futures_util::StreamExt as _;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::app::App;
+use crate::config::Config;
 use crate::error::{BadRequest, Error, Unavailable};
 use crate::metrics::{Refusal, RefusalLabel};
 
@@ -78,6 +79,8 @@ impl RateLimitedLog {
 /// The state the edge shares: one per served router.
 pub struct Edge {
     pub(crate) app: Arc<App>,
+    /// The service's settings (the edge's own: limits, timeouts, the client token).
+    pub(crate) cfg: Arc<Config>,
     phase: watch::Sender<Phase>,
     /// Bytes all unauthenticated bodies in memory may hold together.
     budget: Arc<Semaphore>,
@@ -86,11 +89,12 @@ pub struct Edge {
 }
 
 impl Edge {
-    /// The edge of `app`, serving.
-    pub fn new(app: Arc<App>) -> Edge {
-        let budget = app.cfg.edge.unauthenticated_body_budget_bytes;
+    /// The edge of `app` under the service's settings `cfg`, serving.
+    pub fn new(app: Arc<App>, cfg: Arc<Config>) -> Edge {
+        let budget = cfg.edge.unauthenticated_body_budget_bytes;
         Edge {
             app,
+            cfg,
             phase: watch::channel(Phase::Serving).0,
             budget: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
             log: RateLimitedLog::new(LOG_INTERVAL),
@@ -136,7 +140,7 @@ impl Edge {
     /// whose span already names it).
     pub fn refused(&self, why: Refusal, peer: Option<SocketAddr>, what: &'static str) {
         self.app
-            .metrics
+            .metrics()
             .http_refusals
             .get_or_create(&RefusalLabel {
                 reason: why.clone(),
@@ -175,7 +179,7 @@ impl Edge {
                 permit = Some(self.take_budget(n)?);
             }
         }
-        let timeout = self.app.cfg.edge.body_read_timeout();
+        let timeout = self.cfg.edge.body_read_timeout();
         let read = async {
             let mut stream = body.into_data_stream();
             let mut first: Option<Bytes> = None;

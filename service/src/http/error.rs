@@ -9,48 +9,66 @@ use serde_json::json;
 use crate::error::{Error, Unauthorized};
 use crate::report::report;
 
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        let status = match &self {
-            Error::NotFound { .. } => StatusCode::NOT_FOUND,
-            Error::BadRequest(_) => StatusCode::BAD_REQUEST,
-            Error::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Error::Conflict { .. } | Error::KeyReused { .. } => StatusCode::CONFLICT,
-            Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            Error::Forbidden => StatusCode::FORBIDDEN,
-            Error::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Error::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Error::OverQuota(_) => StatusCode::TOO_MANY_REQUESTS,
-        };
-        let retry_after = match &self {
-            Error::OverQuota(q) => Some(q.retry_after_s()),
-            _ => None,
-        };
-        let bearer = matches!(self, Error::Unauthorized(Unauthorized::BearerToken));
-        let message = elide(&report(&self));
-        let mut r = (status, Json(json!({ "error": message }))).into_response();
-        if bearer {
-            // RFC 6750: a 401 for a bearer-token resource names the scheme.
-            r.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        if let Some(s) = retry_after {
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(s));
-        }
-        if status == StatusCode::REQUEST_TIMEOUT {
-            // The rest of the body may still be on its way: the connection cannot be reused.
-            r.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        r
+/// The core's [`Error`] on its way out as an HTTP answer. The core names no HTTP type, so the
+/// answer is made here, through this wrapper (the orphan rule keeps `IntoResponse` off a type
+/// of another crate); handlers return it, and `?` wraps any error the core's converts from.
+#[derive(Debug)]
+pub struct ApiError(pub Error);
+
+impl<E: Into<Error>> From<E> for ApiError {
+    fn from(e: E) -> ApiError {
+        ApiError(e.into())
     }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let ApiError(e) = self;
+        answer(e)
+    }
+}
+
+/// The answer for `e`: its status, headers and JSON body.
+fn answer(e: Error) -> Response {
+    let status = match &e {
+        Error::NotFound { .. } => StatusCode::NOT_FOUND,
+        Error::BadRequest(_) => StatusCode::BAD_REQUEST,
+        Error::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        Error::Conflict { .. } | Error::KeyReused { .. } => StatusCode::CONFLICT,
+        Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        Error::Forbidden => StatusCode::FORBIDDEN,
+        Error::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        Error::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+        Error::OverQuota(_) => StatusCode::TOO_MANY_REQUESTS,
+    };
+    let retry_after = match &e {
+        Error::OverQuota(q) => Some(q.retry_after_s()),
+        _ => None,
+    };
+    let bearer = matches!(e, Error::Unauthorized(Unauthorized::BearerToken));
+    let message = elide(&report(&e));
+    let mut r = (status, Json(json!({ "error": message }))).into_response();
+    if bearer {
+        // RFC 6750: a 401 for a bearer-token resource names the scheme.
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    if let Some(s) = retry_after {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    if status == StatusCode::REQUEST_TIMEOUT {
+        // The rest of the body may still be on its way: the connection cannot be reused.
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    r
 }
 
 /// Longest run of a client's own text an error message repeats (a quoted value, an unknown
@@ -110,8 +128,8 @@ mod tests {
     use crate::error::{BadRequest, Invalid, Unavailable};
     use crate::submission::State;
 
-    async fn answer(e: Error) -> (u16, Option<String>, serde_json::Value) {
-        let r = e.into_response();
+    async fn answer_of(e: Error) -> (u16, Option<String>, serde_json::Value) {
+        let r = ApiError(e).into_response();
         let status = r.status().as_u16();
         let auth = r
             .headers()
@@ -229,17 +247,17 @@ mod tests {
             ),
         ];
         for (e, status, message) in cases {
-            let (got, auth, body) = answer(e).await;
+            let (got, auth, body) = answer_of(e).await;
             assert_eq!(
                 (got, body),
                 (status, serde_json::json!({ "error": message }))
             );
             assert_eq!(auth, None, "{message}");
         }
-        let r = Error::from(Unavailable::ShuttingDown).into_response();
+        let r = ApiError::from(Unavailable::ShuttingDown).into_response();
         assert_eq!(r.status().as_u16(), 503);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
-        let (status, auth, body) = answer(Unauthorized::BearerToken.into()).await;
+        let (status, auth, body) = answer_of(Unauthorized::BearerToken.into()).await;
         assert_eq!((status, auth.as_deref()), (401, Some("Bearer")));
         assert_eq!(
             body["error"],

@@ -7,6 +7,7 @@
 //! layer's write-stall deadline (KERNELKITE_WRITE_STALL_S), a client that stops reading
 //! holds neither its connection nor a copy of the result for long (issue 21, item 5).
 
+use super::error::ApiError;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,7 +23,6 @@ use bytes::Bytes;
 
 use super::edge::Edge;
 use crate::app::{App, Watch};
-use crate::error::Error;
 use crate::submission::{Place, State, Submission};
 
 /// How soon a client should reconnect after the service ended its stream to shut down.
@@ -116,7 +116,7 @@ pub(super) async fn stream(
     AxState(finished): AxState<Arc<Finished>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Result<Response, Error> {
+) -> Result<Response, ApiError> {
     let start = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())

@@ -26,6 +26,7 @@ use serde_json::json;
 
 use crate::app::App;
 use crate::buildkite::webhook::WebhookReceiver;
+use crate::config::Config;
 pub use edge::{Edge, Phase};
 pub use server::RequestId;
 
@@ -67,8 +68,8 @@ impl FromRef<Http> for Arc<Edge> {
 /// The HTTP routes, with an edge of their own (always serving). Bodies are read by the
 /// handlers themselves (authentication first, then a bounded, timed read), so no body-limit
 /// layer is needed.
-pub fn router(app: Arc<App>) -> Router {
-    let edge = Arc::new(Edge::new(app.clone()));
+pub fn router(app: Arc<App>, cfg: &Config) -> Router {
+    let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg.clone())));
     router_with(app, edge)
 }
 
@@ -86,7 +87,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/v1/submissions/{id}/events", get(events::stream))
         .route("/v1/queues/{queue}", queues::route(&app))
         .route_layer(axum::middleware::from_fn_with_state(
-            app.clone(),
+            edge.clone(),
             auth::require_client,
         ));
     Router::new()
@@ -97,23 +98,25 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/openapi.json", get(openapi::serve))
         .route("/metrics", get(metrics))
         .with_state(Http {
-            webhooks: Arc::new(WebhookReceiver::from_config(&app.cfg)),
+            webhooks: Arc::new(WebhookReceiver::from_config(&edge.cfg)),
             finished: Arc::new(events::Finished::default()),
             app,
             edge,
         })
 }
 
-/// Serves on `listener` until `shutdown` resolves, then drains for up to
-/// KERNELKITE_SHUTDOWN_GRACE_S (see [`server`]).
-pub async fn serve(
+/// Serves `app` under the service's settings `cfg` on `listener` until `shutdown` resolves,
+/// then drains for up to KERNELKITE_SHUTDOWN_GRACE_S (see [`server`]).
+/// The settings are read now, so the future borrows nothing and can be spawned.
+pub fn serve(
     app: Arc<App>,
+    cfg: &Config,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let edge = Arc::new(Edge::new(app.clone()));
+) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
+    let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg.clone())));
     let router = router_with(app.clone(), edge.clone());
-    server::run(app, edge, router, listener, shutdown).await
+    server::run(app, edge, router, listener, shutdown)
 }
 
 /// `GET /healthz`: `200 {"status":"ok"}` while the store answers; `503` with the reason.
@@ -154,7 +157,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        app.metrics.render(),
+        app.metrics().render(),
     )
         .into_response()
 }
@@ -189,8 +192,8 @@ mod tests {
     #[tokio::test]
     async fn draining_is_healthy_but_not_ready_and_takes_no_submissions() {
         let cfg = crate::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "t");
-        let app = crate::cli::serve::start_buildkite(cfg).unwrap();
-        let edge = Arc::new(Edge::new(app.clone()));
+        let app = crate::cli::serve::start_buildkite(&cfg).unwrap();
+        let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg)));
         let router = router_with(app, edge.clone());
         assert_eq!(
             call(&router, "GET", "/readyz").await,

@@ -12,7 +12,6 @@ use axum::response::{IntoResponse as _, Response};
 use serde_json::Value;
 use std::sync::Arc;
 
-use crate::app::App;
 use crate::config::Config;
 
 /// The document as written in the repository.
@@ -43,10 +42,10 @@ pub fn document(cfg: &Config) -> String {
 }
 
 /// `GET /openapi.json`
-pub(super) async fn serve(State(app): State<Arc<App>>) -> Response {
+pub(super) async fn serve(State(edge): State<Arc<super::Edge>>) -> Response {
     (
         [(header::CONTENT_TYPE, "application/json")],
-        document(&app.cfg),
+        document(&edge.cfg),
     )
         .into_response()
 }

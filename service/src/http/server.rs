@@ -424,7 +424,8 @@ impl hyper::service::Service<Request<Incoming>> for ConnService {
                 Some(self.peer),
                 "every connection is busy; answered 503 on a reserve connection",
             );
-            let mut r = crate::Error::from(crate::error::Unavailable::Connections).into_response();
+            let mut r = super::error::ApiError::from(crate::error::Unavailable::Connections)
+                .into_response();
             set_request_id(&mut r, &id);
             return Box::pin(std::future::ready(Ok(r.map(|inner| TrackedBody {
                 inner,
@@ -611,7 +612,7 @@ pub(crate) async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let limits = limits(&app);
+    let limits = limits(&app, &edge);
     let conns = Arc::new(Conns {
         slots: Mutex::new(std::collections::HashMap::new()),
         next: AtomicU64::new(1),
@@ -701,8 +702,8 @@ async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
     }
     // In-flight result fetches write what clients will read: give them what is left of the
     // grace period too.
-    let slots = app.cfg.fetch_concurrency.min(u32::MAX as usize) as u32;
-    if tokio::time::timeout_at(deadline, app.fetch_slots.acquire_many(slots))
+    let slots = app.cfg().fetch_concurrency.min(u32::MAX as usize) as u32;
+    if tokio::time::timeout_at(deadline, app.fetch_slots().acquire_many(slots))
         .await
         .is_err()
     {
@@ -712,24 +713,25 @@ async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
 
 /// The connection layer's settings, from the edge's configuration and the open-files limit
 /// (which may lower the connection cap); logged, and the cap exported.
-fn limits(app: &App) -> Limits {
+fn limits(app: &App, edge: &Edge) -> Limits {
+    let cfg = &edge.cfg.edge;
     let nofile = open_files_limit();
-    let (cap, lowered) = connection_cap(app.cfg.edge.max_connections, nofile);
+    let (cap, lowered) = connection_cap(cfg.max_connections, nofile);
     if lowered {
         tracing::warn!(
-            configured = app.cfg.edge.max_connections,
+            configured = cfg.max_connections,
             cap,
             open_files_limit = ?nofile,
             "KERNELKITE_MAX_CONNECTIONS is above what the open-files limit leaves room for; using the lower cap (raise LimitNOFILE= or `ulimit -n`)"
         );
     }
-    app.metrics.connection_cap.set(cap as i64);
+    app.metrics().connection_cap.set(cap as i64);
     let limits = Limits {
-        header: app.cfg.edge.header_read_timeout(),
-        idle: app.cfg.edge.idle_timeout(),
+        header: cfg.header_read_timeout(),
+        idle: cfg.idle_timeout(),
         cap,
-        grace: app.cfg.edge.shutdown_grace(),
-        stall: app.cfg.edge.write_stall(),
+        grace: cfg.shutdown_grace(),
+        stall: cfg.write_stall(),
     };
     tracing::info!(
         cap,
@@ -772,7 +774,7 @@ fn spawn_connection(
     } else {
         conns.lock().insert(id, slot.clone());
     }
-    app.metrics.connections.inc();
+    app.metrics().connections.inc();
     let service = ConnService {
         router: router.clone(),
         peer,
@@ -905,7 +907,7 @@ impl Drop for Ended {
         if self.slot.evicted.load(Ordering::Relaxed) {
             c.evicting.fetch_sub(1, Ordering::Relaxed);
         }
-        self.app.metrics.connections.dec();
+        self.app.metrics().connections.dec();
         c.ended.notify_waiters();
     }
 }

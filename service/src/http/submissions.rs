@@ -1,6 +1,7 @@
 //! `POST /v1/submissions`, `GET /v1/submissions/{id}[?wait=SECONDS]`,
 //! `POST /v1/submissions/{id}/cancel`.
 
+use super::error::ApiError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +31,7 @@ pub(super) async fn create(
     State(edge): State<Arc<Edge>>,
     headers: axum::http::HeaderMap,
     body: Body,
-) -> Result<Response, Error> {
+) -> Result<Response, ApiError> {
     if edge.phase() != Phase::Serving {
         return Err(Unavailable::ShuttingDown.into());
     }
@@ -45,7 +46,7 @@ pub(super) async fn create(
     let (body, _) = edge
         .read_body(
             body,
-            app.cfg.edge.max_submission_bytes,
+            edge.cfg.edge.max_submission_bytes,
             "KERNELKITE_MAX_SUBMISSION_BYTES",
             false,
         )
@@ -111,30 +112,31 @@ pub(super) async fn get(
     State(edge): State<Arc<Edge>>,
     Path(id): Path<String>,
     query: Result<Query<WaitQuery>, QueryRejection>,
-) -> Result<Json<Submission>, Error> {
+) -> Result<Json<Submission>, ApiError> {
     let Query(q) = query.map_err(|e| BadRequest::Query(e.into()))?;
     let wait = match q.wait {
         Some(w) if !w.is_finite() || w < 0.0 => return Err(BadRequest::Wait.into()),
         // try_: a KERNELKITE_MAX_WAIT_S near u64::MAX lets `wait` exceed Duration's range.
-        Some(w) => Duration::try_from_secs_f64(w.min(app.cfg.edge.max_wait_s as f64))
+        Some(w) => Duration::try_from_secs_f64(w.min(edge.cfg.edge.max_wait_s as f64))
             .unwrap_or(Duration::MAX),
         None => Duration::ZERO,
     };
     if wait.is_zero() {
-        return app.get(&id, wait).await.map(Json);
+        return Ok(Json(app.get(&id, wait).await?));
     }
-    tokio::select! {
-        r = app.get(&id, wait) => r.map(Json),
-        () = edge.stopping() => app.get(&id, Duration::ZERO).await.map(Json),
-    }
+    let got = tokio::select! {
+        r = app.get(&id, wait) => r,
+        () = edge.stopping() => app.get(&id, Duration::ZERO).await,
+    };
+    Ok(Json(got?))
 }
 
 /// `POST /v1/submissions/{id}/cancel`
 pub(super) async fn cancel(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
-) -> Result<Json<Submission>, Error> {
-    app.cancel(&id).await.map(Json)
+) -> Result<Json<Submission>, ApiError> {
+    Ok(Json(app.cancel(&id).await?))
 }
 
 /// A method `/v1/submissions/{id}` does not have: `405` with the methods it has, and for a

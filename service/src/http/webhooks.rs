@@ -9,6 +9,7 @@
 //! stays within KERNELKITE_UNAUTHENTICATED_BODY_BUDGET_BYTES; and the connection may be
 //! closed to make room for others while it is being read.
 
+use super::error::ApiError;
 use std::sync::Arc;
 
 use axum::body::HttpBody as _;
@@ -29,9 +30,9 @@ pub(super) async fn buildkite(
     State(edge): State<Arc<Edge>>,
     State(webhooks): State<Arc<WebhookReceiver>>,
     req: Request,
-) -> Result<Json<Value>, Error> {
+) -> Result<Json<Value>, ApiError> {
     let (parts, body) = req.into_parts();
-    let limit = app.cfg.edge.webhook_max_bytes;
+    let limit = edge.cfg.edge.webhook_max_bytes;
     const SETTING: &str = "KERNELKITE_WEBHOOK_MAX_BYTES";
     if body.size_hint().lower() > limit as u64 {
         refused(
@@ -43,7 +44,8 @@ pub(super) async fn buildkite(
         return Err(Error::PayloadTooLarge {
             limit,
             setting: SETTING,
-        });
+        }
+        .into());
     }
     let now = chrono::Utc::now().timestamp();
     if let Err(e) = webhooks.auth.precheck(&parts.headers, now) {
@@ -58,7 +60,7 @@ pub(super) async fn buildkite(
             if matches!(e, Error::PayloadTooLarge { .. }) {
                 refused(&app, &edge, "too_large", &e);
             }
-            return Err(e);
+            return Err(e.into());
         }
     };
     drop(reading);
@@ -80,7 +82,7 @@ pub(super) async fn buildkite(
 /// Counts a refused webhook by reason and logs it: at most one line per reason
 /// per [`super::edge::LOG_INTERVAL`], saying how many were left out.
 fn refused(app: &App, edge: &Edge, reason: &'static str, why: &dyn std::fmt::Display) {
-    app.metrics
+    app.metrics()
         .webhook_rejections
         .get_or_create(&ReasonLabel {
             reason: reason.to_string(),

@@ -47,7 +47,7 @@ async fn bearer_token_guards_the_api() {
 async fn without_an_api_token_only_loopback_is_served() {
     use tower::ServiceExt;
     let h = harness().await;
-    let router = kernelkite_service::router(h.app.clone());
+    let router = kernelkite_service::router(h.app.clone(), &h.cfg);
     let req = |peer: Option<std::net::SocketAddr>| {
         let mut r = axum::http::Request::get(format!("/v1/submissions/{}", uuid_like()))
             .body(axum::body::Body::empty())

@@ -119,7 +119,7 @@ async fn a_build_created_after_its_canceled_submission_left_memory_is_canceled()
     assert_eq!(r.status().as_u16(), 200);
     let number = h.fake.next_created(WAIT).await.unwrap();
     assert!(
-        h.app.store.get(id).is_none(),
+        h.app.store().get(id).is_none(),
         "left memory before the create returned"
     );
     assert!(

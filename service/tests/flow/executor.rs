@@ -83,11 +83,12 @@ async fn another_executor_drives_the_same_state_machine() {
     let mut cfg = Config::new("http://127.0.0.1:9/v2", "org", "pipe", "unused");
     // The same config is submitted again to run again.
     cfg.fair.cache = false;
-    let app = kernelkite_service::cli::serve::start(cfg, executor.clone()).unwrap();
+    let app = kernelkite_service::cli::serve::start(&cfg, executor.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(kernelkite_service::serve(
         app.clone(),
+        &cfg,
         listener,
         std::future::pending(),
     ));
@@ -103,7 +104,7 @@ async fn another_executor_drives_the_same_state_machine() {
             .await
             .unwrap();
         let id = v["id"].as_str().unwrap().to_string();
-        let mut rx = app.store.subscribe(&id).unwrap();
+        let mut rx = app.store().subscribe(&id).unwrap();
         tokio::time::timeout(WAIT, rx.wait_for(|s| s.build.is_some()))
             .await
             .unwrap()
@@ -125,7 +126,7 @@ async fn another_executor_drives_the_same_state_machine() {
         let config = kernelkite_kernelbot::payload::decode(&jobs[0].payload).unwrap();
         assert_eq!(config, sample_config());
     }
-    assert_eq!(app.store.get(&id).unwrap().state.as_str(), "running");
+    assert_eq!(app.store().get(&id).unwrap().state.as_str(), "running");
     app.on_event(finished(1));
     let v: Value = http
         .get(format!("{base}/v1/submissions/{id}?wait=10"))

@@ -128,12 +128,12 @@ async fn service_on(slots: Slots, tweak: impl FnOnce(&mut Config)) -> Service {
     cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("h100=2").unwrap();
     tweak(&mut cfg);
     let slots = Arc::new(slots);
-    let app = kernelkite_service::cli::serve::start(cfg, slots.clone()).unwrap();
+    let app = kernelkite_service::cli::serve::start(&cfg, slots.clone()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let serving = app.clone();
     let server = tokio::spawn(async move {
-        let _ = kernelkite_service::serve(serving, listener, std::future::pending()).await;
+        let _ = kernelkite_service::serve(serving, &cfg, listener, std::future::pending()).await;
     });
     Service {
         app,
@@ -764,7 +764,7 @@ async fn queues_on_one_node_share_its_slots_and_one_line() {
         node_slots: Some(2),
         ..Slots::default()
     };
-    let refused = kernelkite_service::cli::serve::start(cfg, Arc::new(node)).err();
+    let refused = kernelkite_service::cli::serve::start(&cfg, Arc::new(node)).err();
     let e = kernelkite_service::report::report(&refused.expect("per-queue slots are refused"));
     assert!(e.contains("\"h100\"") && e.contains("local=N"), "{e}");
     let node = Slots {

@@ -246,7 +246,7 @@ async fn the_core_counts_what_operators_watch() {
     h.wait_build_attached(&b).await;
     h.fake.complete_build(nb, "passed", result_artifact());
     assert_eq!(h.wait_terminal(&b).await["state"], "succeeded");
-    let text = h.app.metrics.render();
+    let text = h.app.metrics().render();
     for line in [
         "kernelkite_submissions{state=\"succeeded\"} 2",
         "kernelkite_submissions{state=\"queued\"} 0",

@@ -74,7 +74,7 @@ async fn the_same_key_and_request_is_the_same_submission() {
     }
 
     // The key is kept in the store: after a restart it still names the submission.
-    let restarted = kernelkite_service::cli::serve::start_buildkite(h.app.cfg.clone()).unwrap();
+    let restarted = kernelkite_service::cli::serve::start_buildkite(&h.cfg).unwrap();
     let req: kernelkite_service::SubmitRequest = serde_json::from_value(body).unwrap();
     let again = restarted.submit(req, Some("key-1".into())).await.unwrap();
     assert!(!again.created);

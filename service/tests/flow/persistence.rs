@@ -25,7 +25,7 @@ async fn finished_submissions_leave_memory_at_once_and_early_events_expire() {
     assert_eq!(done["state"], "succeeded", "{done}");
     // Memory holds only what is in flight: the finished submission is served from the store.
     assert!(
-        h.app.store.is_empty(),
+        h.app.store().is_empty(),
         "a finished submission stayed in memory"
     );
     assert_eq!(h.get(&id, "").await, (200, done));
@@ -36,16 +36,16 @@ async fn finished_submissions_leave_memory_at_once_and_early_events_expire() {
     )];
     assert_eq!(h.fake.post_webhook_raw(&headers, body).await, Some(200));
     let deadline = Instant::now() + WAIT;
-    while h.app.store.early_len() == 0 && Instant::now() < deadline {
+    while h.app.store().early_len() == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(h.app.store.early_len(), 1);
+    assert_eq!(h.app.store().early_len(), 1);
     // The housekeeping task runs every second here; the event must go within a few ticks.
-    while h.app.store.early_len() > 0 && Instant::now() < deadline {
+    while h.app.store().early_len() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(
-        h.app.store.early_len(),
+        h.app.store().early_len(),
         0,
         "early events outlived their TTL"
     );
@@ -65,8 +65,8 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
     cfg.fair.cache = false;
     cfg.fair.queue_slots = kernelkite_service::dispatch::Slots::parse("*=none").unwrap();
     cfg.store.data_dir = Some(h._dir.path().to_path_buf());
-    let restarted = kernelkite_service::cli::serve::start_buildkite(cfg).unwrap();
-    assert!(restarted.store.is_empty());
+    let restarted = kernelkite_service::cli::serve::start_buildkite(&cfg).unwrap();
+    assert!(restarted.store().is_empty());
     let after = restarted
         .lookup(&id)
         .await
@@ -76,7 +76,7 @@ async fn finished_submissions_are_read_back_from_the_data_dir_after_a_restart() 
 
     // Through the HTTP API of the restarted service: GET and the SSE replay.
     use tower::ServiceExt;
-    let router = kernelkite_service::router(restarted);
+    let router = kernelkite_service::router(restarted, &cfg);
     let local: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
     let req = |path: String| {
         let mut r = axum::http::Request::get(path)

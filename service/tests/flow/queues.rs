@@ -62,7 +62,7 @@ async fn counts_submissions_by_state_and_agents_from_one_listing() {
     assert_eq!(calls(&h, Route::ListAgents), 2, "one fetch of two pages");
     // Through the REST client, as every other Buildkite call: counted with them, and spending
     // the same rate budget.
-    let metrics = h.app.metrics.render();
+    let metrics = h.app.metrics().render();
     assert!(
         metrics.contains("kernelkite_buildkite_calls_total{call=\"list_agents\"} 2"),
         "{metrics}"

@@ -186,7 +186,7 @@ async fn invalid_requests_are_refused_without_a_build() {
         h.fake.requests().is_empty(),
         "no build may be created for a refused submission"
     );
-    assert!(h.app.store.is_empty());
+    assert!(h.app.store().is_empty());
 }
 
 #[tokio::test]
@@ -257,7 +257,7 @@ async fn oversized_bodies_are_refused_with_a_json_error_naming_the_limit() {
     assert_eq!(status, 413, "{v}");
     let err = v["error"].as_str().unwrap();
     assert!(err.contains("KERNELKITE_MAX_SUBMISSION_BYTES"), "{err}");
-    assert!(h.fake.requests().is_empty() && h.app.store.is_empty());
+    assert!(h.fake.requests().is_empty() && h.app.store().is_empty());
 
     let r = h
         .http

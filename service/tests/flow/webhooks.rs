@@ -234,7 +234,7 @@ async fn webhook_racing_the_create_response_is_not_lost() {
     let v = h.wait_terminal(&id).await;
     assert_eq!(v["state"], "succeeded", "{v}");
     assert_eq!(v["build"]["number"], number);
-    assert_eq!(h.app.store.early_len(), 0);
+    assert_eq!(h.app.store().early_len(), 0);
 }
 
 #[tokio::test]
@@ -263,7 +263,7 @@ async fn unknown_builds_and_pings_are_acknowledged() {
         "an unknown build must cause no Buildkite call"
     );
     assert_eq!(
-        h.app.store.early_len(),
+        h.app.store().early_len(),
         1,
         "kept briefly: its create call may not have returned yet"
     );
@@ -274,7 +274,7 @@ async fn unknown_builds_and_pings_are_acknowledged() {
         signature_header(WEBHOOK_TOKEN, unix_now(), &body),
     )];
     assert_eq!(h.fake.post_webhook_raw(&headers, body).await, Some(200));
-    assert_eq!(h.app.store.early_len(), 1);
+    assert_eq!(h.app.store().early_len(), 1);
 }
 
 #[tokio::test]

@@ -1,18 +1,18 @@
-//! Recovery on start: picking up the submissions that had not ended when the service stopped.
-//! The one place that does it; the composition root (`crate::cli::serve`) calls [`recover`]
-//! once the store is open, and the local executor calls [`recover_submission`] for the jobs
-//! it finds on disk.
+//! Recovery on start: picking up the submissions that had not ended when the service stopped. The
+//! one place that does it; the composition root (`kernelkite_service::cli::serve`) calls
+//! [`recover`] once the store is open, and the local executor calls [`recover_submission`] for the
+//! jobs it finds on disk.
 //!
 //! Every submission that had not ended is reloaded into memory with its absolute deadline.
-//! Submissions whose build was never recorded (the process died around the create call) are
-//! matched with one listing of the builds created since the oldest of them (each build
-//! carries its submission id in its meta-data): a build found is adopted, and only a
-//! submission with no build gets one created. Every other reloaded submission is due for the
-//! reconciler at once, and its timer is armed after that first pass (at most 30 s).
+//! Submissions whose build was never recorded (the process died around the create call) are matched
+//! with one listing of the builds created since the oldest of them (each build carries its
+//! submission id in its meta-data): a build found is adopted, and only a submission with no build
+//! gets one created. Every other reloaded submission is due for the reconciler at once, and its
+//! timer is armed after that first pass (at most 30 s).
 //!
-//! An executor that keeps state of its own (the local one) is asked what became of each
-//! build ([`Executor::recover`](crate::executor::Executor::recover)), and the core acts on the
-//! answer as it would on the executor's events.
+//! An executor that keeps state of its own (the local one) is asked what became of each build
+//! ([`Executor::recover`](crate::executor::Executor::recover)), and the core acts on the answer as
+//! it would on the executor's events.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,11 +1,12 @@
 //! Where builds run, behind one interface: the core hands an [`Executor`] a [`Job`], learns the
-//! build it became ([`Launched`]), hears of its progress as [`BuildEvent`]s, and asks the
-//! executor for the [`Outcome`] once the build finished.
+//! build it became ([`Launched`]), hears of its progress as [`BuildEvent`]s, and asks the executor
+//! for the [`Outcome`] once the build finished.
 //!
-//! Buildkite's executor (`crate::buildkite`: REST calls out, signed webhooks in) and the local
-//! one (`crate::local`: builds run on this machine) implement the same trait; the local one is
-//! handed the core as an [`Events`] handle (`crate::events::for_executor`) and delivers its builds' events
-//! through it, so both share one state machine, one store and one set of waiters.
+//! Buildkite's executor (`kernelkite_service::buildkite`: REST calls out, signed webhooks in) and
+//! the local one (`kernelkite_service::local`: builds run on this machine) implement the same
+//! trait; the local one is handed the core as an [`Events`] handle (`crate::events::for_executor`)
+//! and delivers its builds' events through it, so both share one state machine, one store and one
+//! set of waiters.
 
 use futures_util::future::BoxFuture;
 

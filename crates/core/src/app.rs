@@ -1,16 +1,15 @@
 //! The service's core: what happens on a submission, a build event, a cancel, a timeout.
 //!
-//! It speaks in submissions and domain errors ([`Error`]); requests, responses and status
-//! codes are the HTTP layer's (`crate::http`). Builds run on an [`Executor`]; submissions live
+//! It speaks in submissions and domain errors ([`Error`]); requests, responses and status codes are
+//! the HTTP layer's (`kernelkite_service::http`). Builds run on an [`Executor`]; submissions live
 //! in the [`Store`], which commits every change before any waiter hears of it.
 //!
-//! Nothing here polls a build. A submission waits on its `watch` channel; the executor's
-//! events move it; a per-submission timer enforces its absolute deadline. It names no
-//! executor and no database: the composition root (`crate::cli::serve`) picks both and hands
-//! them in, and starts the background loops that make it self-healing beside it (recovery
-//! after a restart, `crate::recovery`; the reconciler for lost events, `crate::reconcile`; the
-//! callback outbox, `crate::callback`). Those loops call into the core; the core calls none
-//! of them.
+//! Nothing here polls a build. A submission waits on its `watch` channel; the executor's events
+//! move it; a per-submission timer enforces its absolute deadline. It names no executor and no
+//! database: the composition root (`kernelkite_service::cli::serve`) picks both and hands them in,
+//! and starts the background loops that make it self-healing beside it (recovery after a restart,
+//! `crate::recovery`; the reconciler for lost events, `crate::reconcile`; the callback outbox,
+//! `kernelkite_service::callback`). Those loops call into the core; the core calls none of them.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -24,7 +23,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::config::{Config, ConfigError};
-use crate::dispatch::{Dispatcher, Who, NODE_LINE};
+use crate::dispatch::{Dispatcher, Who};
 use crate::error::{BadRequest, Error, Invalid};
 use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
 use crate::fairshare::Class;
@@ -104,22 +103,22 @@ const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
 /// live beside it and hold it, never the other way round.
 pub struct App {
     /// The configuration it started with.
-    pub cfg: Config,
+    pub(crate) cfg: Config,
     /// Every submission, and its waiters.
-    pub store: Store,
+    pub(crate) store: Store,
     /// Where builds run.
-    pub executor: Arc<dyn Executor>,
+    pub(crate) executor: Arc<dyn Executor>,
     /// Result collections in flight. Holding permits pauses collecting (the ingest benchmark
     /// does, to measure the webhook path alone).
-    pub fetch_slots: Semaphore,
+    pub(crate) fetch_slots: Semaphore,
     /// What `GET /metrics` exports.
-    pub metrics: Arc<Metrics>,
-    /// Wakes the callback outbox (`crate::callback`) when a callback was written.
+    pub(crate) metrics: Arc<Metrics>,
+    /// Wakes the callback outbox (the service's `callback`) when a callback was written.
     pub(crate) callbacks_due: Notify,
     /// The service's queue: who waits for a slot, who starts next, the quotas.
-    pub dispatch: Dispatcher,
+    pub(crate) dispatch: Dispatcher,
     /// Agent counts (a queue's slots, and `GET /v1/queues/{queue}`).
-    pub queues: Arc<Queues>,
+    pub(crate) queues: Arc<Queues>,
     /// Wakes the place publisher (`App::spawn_places`) when a queue moved.
     places_due: Arc<Notify>,
     /// When each queue held for want of agents was last said so (`App::warn_held`).
@@ -165,10 +164,51 @@ pub struct Submitted {
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
 impl App {
-    /// The core around `executor` (where builds run) and `durable` (where submissions are
-    /// kept), both chosen by the composition root (`crate::cli::serve`). Nothing runs yet:
-    /// the root starts the background loops (housekeeping, recovery, the reconciler, the
-    /// callback outbox) around it.
+    /// The configuration it started with.
+    pub fn cfg(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Every submission, and its waiters.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Where builds run.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.executor
+    }
+
+    /// Result collections in flight: holding permits pauses collecting (the ingest benchmark
+    /// does, to measure the webhook path alone), and shutdown waits for them all.
+    pub fn fetch_slots(&self) -> &Semaphore {
+        &self.fetch_slots
+    }
+
+    /// What `GET /metrics` exports.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Resolves when a callback was written (the callback outbox waits on it).
+    pub fn callbacks_due(&self) -> &Notify {
+        &self.callbacks_due
+    }
+
+    /// The service's queue: who waits for a slot, who starts next, the quotas.
+    pub fn dispatch(&self) -> &Dispatcher {
+        &self.dispatch
+    }
+
+    /// Agent counts (a queue's slots, and `GET /v1/queues/{queue}`).
+    pub fn queues(&self) -> &Arc<Queues> {
+        &self.queues
+    }
+
+    /// The core around `executor` (where builds run) and `durable` (where submissions are kept),
+    /// both chosen by the composition root (`kernelkite_service::cli::serve`). Nothing runs yet:
+    /// the root starts the background loops (housekeeping, recovery, the reconciler, the callback
+    /// outbox) around it.
     pub fn new(
         cfg: Config,
         executor: Arc<dyn Executor>,
@@ -183,10 +223,7 @@ impl App {
         );
         // An executor with slots of its own runs every queue on them (local mode's slices).
         if executor.slots().is_some() {
-            let mut names = cfg.fair.queue_slots.names();
-            if let Some(q) = names.find(|q| !["*", NODE_LINE].contains(q)) {
-                return Err(ConfigError::QueueSlotsOfOneLine(q.to_string()));
-            }
+            cfg.check_one_line()?;
             dispatch = dispatch.one_line();
         }
         Ok(Arc::new(App {
@@ -196,10 +233,10 @@ impl App {
             launchers: Mutex::new(std::collections::HashMap::new()),
             held_logged: Mutex::new(std::collections::HashMap::new()),
             store: Store::new(
-                cfg.store.early_event_max,
-                Duration::from_secs(cfg.store.early_event_ttl_s),
+                cfg.early_event_max,
+                Duration::from_secs(cfg.early_event_ttl_s),
                 Duration::from_millis(cfg.reconcile_min_ms),
-                Duration::from_secs(cfg.callbacks.callback_retry_s),
+                cfg.callback_retry(),
                 durable,
                 metrics.clone(),
             ),
@@ -216,7 +253,7 @@ impl App {
     /// Forgets expired early events now and then, until the core is dropped.
     pub fn spawn_housekeeping(self: &Arc<Self>) {
         let app = Arc::downgrade(self);
-        let period = Duration::from_secs((self.cfg.store.early_event_ttl_s / 2).clamp(1, 60));
+        let period = Duration::from_secs((self.cfg.early_event_ttl_s / 2).clamp(1, 60));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1251,7 +1288,7 @@ impl App {
 
     /// Where clients read a submission.
     pub fn status_url(&self, id: &str) -> String {
-        match &self.cfg.edge.public_url {
+        match &self.cfg.public_url {
             Some(base) => format!("{}/v1/submissions/{id}", base.trim_end_matches('/')),
             None => format!("/v1/submissions/{id}"),
         }
@@ -1294,10 +1331,10 @@ fn check_request(req: &SubmitRequest, cfg: &Config) -> Result<(), Invalid> {
     if let Some(u) = &req.callback_url {
         match url::Url::parse(u) {
             Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {
-                if cfg.callbacks.callback_secret.is_none() {
+                if !cfg.callbacks.signed {
                     return Err(Invalid::CallbackUnsigned);
                 }
-                if !crate::config::host_allowed(&url, &cfg.callbacks.callback_allowed_hosts) {
+                if !crate::config::host_allowed(&url, &cfg.callbacks.allowed_hosts) {
                     return Err(Invalid::CallbackHost(
                         url.host_str().unwrap_or_default().to_string(),
                     ));

@@ -188,9 +188,9 @@ pub enum Unauthorized {
     Webhook(WebhookRefusal),
 }
 
-/// Why a webhook's verifier (the executor's, `crate::buildkite::webhook`) refused a delivery:
-/// its error, kept whole (it reads as that error, and its causes are that error's), without
-/// the core's errors naming the executor's types.
+/// Why a webhook's verifier (the executor's, `kernelkite_service::buildkite::webhook`) refused a
+/// delivery: its error, kept whole (it reads as that error, and its causes are that error's),
+/// without the core's errors naming the executor's types.
 #[derive(Debug)]
 pub struct WebhookRefusal(BoxError);
 

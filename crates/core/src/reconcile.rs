@@ -31,8 +31,8 @@ use crate::submission::State;
 /// from ours.
 pub const MARGIN: Duration = Duration::from_secs(60);
 
-/// The reconciler: the core it feeds (held weakly: it stops once the core is dropped) and
-/// where its next listing starts. Started by the composition root (`crate::cli::serve`).
+/// The reconciler: the core it feeds (held weakly: it stops once the core is dropped) and where its
+/// next listing starts. Started by the composition root (`kernelkite_service::cli::serve`).
 pub struct Reconciler {
     app: Weak<App>,
     /// Where the next listing starts (the start of the last complete pass).

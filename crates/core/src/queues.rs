@@ -1,14 +1,13 @@
-//! Queue status: how busy a queue is, for a backend choosing where (or whether) to send work
-//! and for the competitor waiting in it.
+//! Queue status: how busy a queue is, for a backend choosing where (or whether) to send work and
+//! for the competitor waiting in it.
 //!
-//! Two sources, read differently. The service's own counts (its in-flight submissions on the
-//! queue, by state) are exact and read from the store on every request. The agents (GPU
-//! machines) serving the queue come from the executor's world ([`Executor::agents`];
-//! Buildkite: its agents list or its agent metrics endpoint, `crate::buildkite::agents`), which
-//! costs API calls against the same 50/min budget that submissions spend; so they are fetched
-//! in the background at most once per
-//! `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only while
-//! somebody asks, and every request in between is answered from that snapshot. A request
+//! Two sources, read differently. The service's own counts (its in-flight submissions on the queue,
+//! by state) are exact and read from the store on every request. The agents (GPU machines) serving
+//! the queue come from the executor's world ([`Executor::agents`]; Buildkite: its agents list or
+//! its agent metrics endpoint, `kernelkite_service::buildkite::agents`), which costs API calls
+//! against the same 50/min budget that submissions spend; so they are fetched in the background at
+//! most once per `KERNELKITE_AGENTS_REFRESH_S` (at least a minute), for every queue at once, only
+//! while somebody asks, and every request in between is answered from that snapshot. A request
 //! never waits for Buildkite except the very first, and then only briefly.
 
 use std::sync::{Arc, Mutex};
@@ -123,7 +122,7 @@ impl Queues {
     /// metrics; an executor without a source of its own: `agents` is null), refreshed as
     /// KERNELKITE_AGENTS_REFRESH_S says.
     pub fn for_executor(cfg: &Config, executor: &dyn Executor) -> Queues {
-        let refresh = Duration::from_secs(cfg.queues.agents_refresh_s);
+        let refresh = Duration::from_secs(cfg.agents_refresh_s);
         Queues::new(executor.agents(), refresh)
     }
 
