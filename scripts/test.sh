@@ -2,13 +2,14 @@
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
 # It installs what it needs, then runs, in order: formatting, lints, the API docs, the node's
 # binaries (scripts/node-binaries.sh: the static kernelkite-isolate, which needs the musl
-# target, added with rustup), every crate's tests (shellcheck on every shell script, hadolint
-# on the Dockerfiles and systemd-analyze on the units among them), the plugin's bats tests,
-# the Python client's ruff and pytest suite (in a venv at target/py-venv, against the real
-# service binary), the Docker images' builds, the unit and integration tests again in a fresh
-# clone with nothing beside it (under /var/tmp, where the README's main job, ./scripts/demo.sh,
-# runs too; in CI, where the checkout is a clean clone already, the whole run happens in such a
-# clone instead, once), and each benchmark in its short mode; then how long each section took.
+# target, added with rustup), every crate's tests, the fast tier (a plain `cargo test`) then
+# the full tier (the test binaries marked `test = false`; shellcheck on every shell script,
+# hadolint on the Dockerfiles and systemd-analyze on the units among them), the plugin's bats
+# tests, the Python client's ruff and pytest suite (in a venv at target/py-venv, against the
+# real service binary), the Docker images' builds, the fast tier again in a fresh clone with
+# nothing beside it (under /var/tmp, where the README's main job, ./scripts/demo.sh, runs too;
+# in CI, where the checkout is a clean clone already, the whole run happens in such a clone
+# instead, once), and each benchmark in its short mode; then how long each section took.
 # A failure does not stop it: every suite
 # runs (cargo's --no-fail-fast), the failing tests and steps are listed at the end, the closing
 # line counts passed, failed and skipped tests, and the exit status is 1 when anything failed.
@@ -185,11 +186,37 @@ fi
 # cargo's failing tests in a log: their count (from the per-binary result lines).
 cargo_failed() { grep -hoE '[0-9]+ failed;' "$1" | awk '{s+=$1} END {print s+0}'; }
 
-section "cargo test"
+section "cargo test (the fast tier)"
 # --no-fail-fast: one failing test binary no longer hides the others' results.
 if ! cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"; then
   failed_step "cargo test" "$(cargo_failed "$log")"
 fi
+
+# The full tier: the test binaries a plain `cargo test` leaves out (`test = false` in their
+# crate's Cargo.toml: root, real cgroups, the real agent, SIGKILL), found in the manifests so
+# the list has one home; the same dev build, so nothing is compiled twice.
+full_tier_args() {
+  cargo metadata --format-version 1 --no-deps --locked | python3 -c '
+import json, sys
+for p in json.load(sys.stdin)["packages"]:
+    for t in p["targets"]:
+        if t["kind"] == ["test"] and not t["test"]:
+            print("-p", p["name"], "--test", t["name"])'
+}
+section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL)"
+full_log=$(mktemp)
+full_args=$(full_tier_args) || full_args=""
+if [ -z "$full_args" ]; then
+  # Without the list, a bare `cargo test` would run the fast tier again instead.
+  failed_step "cargo test (the full tier): its test binaries could not be listed (cargo metadata, python3)"
+else
+  # shellcheck disable=SC2086 # one word per argument, from full_tier_args
+  if ! cargo test --locked --no-fail-fast $full_args 2>&1 | tee "$full_log"; then
+    failed_step "cargo test (the full tier)" "$(cargo_failed "$full_log")"
+  fi
+  cat "$full_log" >>"$log"
+fi
+rm -f "$full_log"
 
 section "bats (the plugin's hook files)"
 bats_log=$(mktemp)

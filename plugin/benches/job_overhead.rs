@@ -455,7 +455,11 @@ fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
     let (b2b_jobs, gap_jobs) = if short { (30, 8) } else { (200, 60) };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate"));
+    // The ordinary (dynamically linked) release build a node installs beside the static one
+    // (`kernelkite-isolate-nvml`), where scripts/node-binaries.sh built it; else this
+    // benchmark's own build, whose profile has no whole-program optimisation (Cargo.toml).
+    let exe = kernelkite_testkit::node_binary("kernelkite-isolate-nvml")
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate")));
     // What nodes run the hooks from (scripts/node-binaries.sh); the ordinary build above is
     // measured beside it, in the same run, as the baseline.
     let static_exe = kernelkite_testkit::static_isolate();
@@ -527,7 +531,7 @@ fn main() {
     let node_exe = static_exe.clone().unwrap_or_else(|| exe.clone());
     set("KERNELKITE_ISOLATE_BIN", node_exe.display().to_string());
     // The agent's Job API (the hooks export through it only with `export-to-agent`).
-    let job_api = kernelkite_admin::setup::local_agent::JobApiServer::start(
+    let job_api = kernelkite_agent::job_api::JobApiServer::start(
         &shm.path().join("job-api.sock"),
         "bench-token",
         BTreeMap::new(),

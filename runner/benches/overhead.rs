@@ -8,7 +8,7 @@
 //! measured itself. `KERNELKITE_BENCH_SHORT=1` runs 30 rounds instead of 200;
 //! `KERNELKITE_BENCH_ROUNDS=N` sets any count.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -69,7 +69,11 @@ fn main() {
         } else {
             200
         });
-    let runner = env!("CARGO_BIN_EXE_kernelkite-runner");
+    // The release runner a node installs (scripts/node-binaries.sh), where it was built; else
+    // this benchmark's own build, whose profile has no whole-program optimisation (Cargo.toml).
+    let runner = kernelkite_testkit_leaf::node_binary("kernelkite-runner")
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-runner")));
+    println!("the runner measured: {}", runner.display());
     let proto = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/prototype_runner.py");
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = json!({"lang": "py", "mode": "test", "main": "eval.py", "sources": {"eval.py": HARNESS},
@@ -91,7 +95,7 @@ fn main() {
     };
     let ours = || {
         let wall = time_it(
-            Command::new(runner)
+            Command::new(&runner)
                 .arg("--payload-file")
                 .arg(&pfile)
                 .arg("--output")

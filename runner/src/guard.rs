@@ -350,7 +350,7 @@ mod tests {
     #[test]
     fn a_harness_runs_as_the_submission_identity_without_capabilities() {
         if !rustix::process::geteuid().is_root() {
-            kernelkite_testkit::skip("needs root to switch to another uid");
+            kernelkite_testkit_leaf::skip("needs root to switch to another uid");
             return;
         }
         let ids = Ids {

@@ -527,7 +527,7 @@ mod tests {
             .args(["-c", "import platform; print(platform.platform())"])
             .output()
         else {
-            kernelkite_testkit::skip("python3 not available");
+            kernelkite_testkit_leaf::skip("python3 not available");
             return;
         };
         assert_eq!(
@@ -619,12 +619,12 @@ mod tests {
         if std::env::var_os("ROCR_VISIBLE_DEVICES").is_some()
             || std::env::var_os("HIP_VISIBLE_DEVICES").is_some()
         {
-            kernelkite_testkit::skip("this process has ROCm's visibility variables set");
+            kernelkite_testkit_leaf::skip("this process has ROCm's visibility variables set");
             return;
         }
         // An 8× MI300X node; the job's /dev holds two of its render nodes.
         let root = tempfile::tempdir().unwrap();
-        kernelkite_testkit::kfd::write_mi300x(root.path(), &[2, 5], true).unwrap();
+        kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[2, 5], true).unwrap();
         let probe = Probe {
             use_nvml: false,
             torch: TorchProbe::Off,
@@ -633,7 +633,7 @@ mod tests {
             ..Probe::default()
         };
         if find_on_path("nvidia-smi").is_some() {
-            kernelkite_testkit::skip("nvidia-smi is installed: the NVIDIA GPUs come first");
+            kernelkite_testkit_leaf::skip("nvidia-smi is installed: the NVIDIA GPUs come first");
             return;
         }
         let g = detect_gpus(&probe);

@@ -92,7 +92,7 @@ mod tests {
             .arg(&zpath)
             .output()
         else {
-            kernelkite_testkit::skip("python3 not available");
+            kernelkite_testkit_leaf::skip("python3 not available");
             return;
         };
         assert!(

@@ -286,7 +286,7 @@ fn profile_without_a_profiler_is_a_clear_infrastructure_error() {
             .iter()
             .any(|d| std::path::Path::new(d).join(t).exists())
     }) {
-        kernelkite_testkit::skip("a real profiler is installed in /usr/bin or /bin");
+        kernelkite_testkit_leaf::skip("a real profiler is installed in /usr/bin or /bin");
         return;
     }
     let r = run_config(&harness_config("profile", "pass", json!({})), &[], &[]);
@@ -552,7 +552,7 @@ fn unwritable_output_is_an_infrastructure_failure() {
 #[test]
 fn require_gpu_without_a_gpu_is_an_infrastructure_failure() {
     if std::path::Path::new("/dev/nvidia0").exists() || std::path::Path::new("/dev/kfd").exists() {
-        kernelkite_testkit::skip("this machine has a GPU");
+        kernelkite_testkit_leaf::skip("this machine has a GPU");
         return;
     }
     let r = run_config(
@@ -706,7 +706,7 @@ fn sigterm_kills_the_harness_and_still_writes_the_result() {
 fn gpu_info_comes_from_nvidia_smi_or_rocm_smi_without_nvml() {
     let Some(_) = need_python() else { return };
     if kernelkite_runner::sysinfo::nvml_available() {
-        kernelkite_testkit::skip("NVML is loadable here, so the smi fallbacks are not used");
+        kernelkite_testkit_leaf::skip("NVML is loadable here, so the smi fallbacks are not used");
         return;
     }
     let tools = tempfile::tempdir().unwrap();
@@ -755,13 +755,15 @@ fn gpu_info_comes_from_nvidia_smi_or_rocm_smi_without_nvml() {
 fn the_gpu_count_is_nvml_s_and_never_nvidia_smi_s_when_nvml_loads() {
     let Some(_) = need_python() else { return };
     if kernelkite_runner::sysinfo::nvml_available() {
-        kernelkite_testkit::skip("a real NVML loads here and would answer instead of the stand-in");
+        kernelkite_testkit_leaf::skip(
+            "a real NVML loads here and would answer instead of the stand-in",
+        );
         return;
     }
-    use kernelkite_testkit::fake_nvml::{h100, FakeNvml};
+    use kernelkite_testkit_leaf::fake_nvml::{h100, FakeNvml};
     let fake = match FakeNvml::build() {
         Ok(f) => f,
-        Err(why) => return kernelkite_testkit::skip(&why),
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
     };
     fake.configure(&format!(
         "{}{}",
@@ -810,7 +812,7 @@ fn the_gpu_count_is_nvml_s_and_never_nvidia_smi_s_when_nvml_loads() {
 fn profile_uses_rocprofv3_when_that_is_the_profiler_present() {
     let Some(_) = need_python() else { return };
     if kernelkite_runner::sysinfo::find_on_path("ncu").is_some() {
-        kernelkite_testkit::skip("a real ncu is on PATH and would be preferred");
+        kernelkite_testkit_leaf::skip("a real ncu is on PATH and would be preferred");
         return;
     }
     let tools = tempfile::tempdir().unwrap();

@@ -138,7 +138,7 @@ fn a_compile_error_is_reported_and_stops_the_chain() {
 #[test]
 fn no_nvcc_is_recorded_as_kernelbot_records_it_and_exits_as_an_infrastructure_failure() {
     if Path::new("/usr/local/cuda/bin/nvcc").exists() || Path::new("/usr/bin/nvcc").exists() {
-        kernelkite_testkit::skip("a real nvcc is installed where the runner looks");
+        kernelkite_testkit_leaf::skip("a real nvcc is installed where the runner looks");
         return;
     }
     let r = run_config(&cu_config("test", "int main() {}\n"), &[], &[]);
@@ -283,11 +283,13 @@ int main(int argc, char** argv) {
 #[test]
 fn real_nvcc_and_gpu_when_present() {
     let Some(nvcc) = kernelkite_runner::cuda::find_nvcc(None, &["/usr/local/cuda".into()]) else {
-        kernelkite_testkit::skip("no nvcc on this machine (PATH, $CUDA_HOME, /usr/local/cuda)");
+        kernelkite_testkit_leaf::skip(
+            "no nvcc on this machine (PATH, $CUDA_HOME, /usr/local/cuda)",
+        );
         return;
     };
     if !Path::new("/dev/nvidia0").exists() {
-        kernelkite_testkit::skip(format_args!(
+        kernelkite_testkit_leaf::skip(format_args!(
             "nvcc found at {} but no NVIDIA GPU (/dev/nvidia0)",
             nvcc.display()
         ));

@@ -11,88 +11,21 @@ pub mod agent_node;
 pub mod callback_receiver;
 pub mod deployment;
 pub mod fake_buildkite;
-pub mod fake_nvml;
 pub mod harness;
-pub mod kfd;
 pub mod local;
 pub mod service_process;
-pub mod skip;
-pub mod tmpfs;
 pub mod users;
 
-pub use skip::skip;
+// The leaf crates' test support, under the paths every test already uses.
+pub use kernelkite_testkit_leaf::{
+    assert_warns, built_binary, fake_nvml, kfd, need_python, node_binary, python, scratch, skip,
+    static_isolate, tmpfs,
+};
 
 /// The variables a Buildkite agent gives a plugin's hooks (the service's, which local mode
 /// uses; `tests/real_agent.rs` checks them against the real agent), for the plugin's emulated
 /// agent.
-pub use kernelkite_service::buildkite::plugins::{plugin_variables, PLUGIN_LOCATION};
-
-/// A binary a script builds for the tests (`scripts/node-binaries.sh`,
-/// `scripts/buildkite-agent.sh`): the one the variable `var` names, which must be there (a
-/// wrong name is the caller's mistake, never a skip), else `fallback` where it is a file;
-/// `None` when there is neither, for the caller to skip or leave out.
-pub fn built_binary(var: &str, fallback: Option<std::path::PathBuf>) -> Option<std::path::PathBuf> {
-    if let Some(p) = std::env::var_os(var) {
-        let p = std::path::PathBuf::from(p);
-        assert!(p.is_file(), "{var}={} is not a file", p.display());
-        return Some(p);
-    }
-    fallback.filter(|p| p.is_file())
-}
-
-/// The static build of the hooks, what `setup` installs on a node: `KERNELKITE_STATIC_ISOLATE`
-/// (the test command sets it), else what `scripts/node-binaries.sh target/node` wrote; `None`
-/// when there is neither.
-pub fn static_isolate() -> Option<std::path::PathBuf> {
-    let built =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/node/kernelkite-isolate");
-    built_binary("KERNELKITE_STATIC_ISOLATE", Some(built))
-}
-
-/// The real interpreter behind `python3` (not a shim), or `None` when there is no Python.
-pub fn python() -> Option<&'static str> {
-    static PY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    PY.get_or_init(|| {
-        let out = std::process::Command::new("python3")
-            .args(["-c", "import sys; print(sys.executable)"])
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-    })
-    .as_deref()
-}
-
-/// [`python()`], or `None` after recording that the test is skipped for want of it.
-pub fn need_python() -> Option<&'static str> {
-    let p = python();
-    if p.is_none() {
-        skip("python3 is not available");
-    }
-    p
-}
-
-/// A scratch directory on tmpfs when there is one: fake trees are thousands of small files, and
-/// sysfs itself lives in memory, so disk-backed /tmp would only measure the disk.
-pub fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("kernelkite-fake")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .expect("a scratch directory in /dev/shm or the temp dir")
-}
-
-/// Fails, listing the plan's warnings, unless one warning contains every one of `parts`.
-pub fn assert_warns(p: &kernelkite_topology::plan::Plan, parts: &[&str]) {
-    assert!(
-        p.warnings
-            .iter()
-            .any(|w| parts.iter().all(|part| w.contains(part))),
-        "no warning with {parts:?}: {:?}",
-        p.warnings
-    );
-}
+pub use kernelkite_agent::plugins::{plugin_variables, PLUGIN_LOCATION};
 
 /// Issue 25's claims on the order a queue of two slots started its submissions in, as the
 /// service's and local mode's simulations both check them (`order`: every submission, first

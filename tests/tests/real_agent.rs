@@ -5,7 +5,7 @@
 //!
 //! - A plugin in a repository subdirectory (`<repository>.git/plugin#<commit>`, as the
 //!   deployment pipelines name `github.com/kernelkite/kernelkite/plugin`) gets exactly the
-//!   variables `kernelkite_service::buildkite::plugins::plugin_variables` makes, which local
+//!   variables `kernelkite_agent::plugins::plugin_variables` makes, which local
 //!   mode gives the plugin's hooks.
 //! - Hook order: agent-level `environment` before the plugin's, agent-level `pre-exit` before
 //!   the plugin's (the plugin's README and `crates/hooks/src/job/env.rs` rely on this).
@@ -158,7 +158,7 @@ subprocess.run(["buildkite-agent", "env", "set", "KK_FROM_PLUGIN=exported"], che
         .into_iter()
         .filter(|(k, _)| k.starts_with("BUILDKITE_PLUGIN_"))
         .collect();
-    let emulated = kernelkite_service::buildkite::plugins::plugin_variables(&location, &config);
+    let emulated = kernelkite_agent::plugins::plugin_variables(&location, &config);
     assert_eq!(seen, emulated, "{log}");
     assert_eq!(seen["BUILDKITE_PLUGIN_NAME"], "PLUGIN");
 }

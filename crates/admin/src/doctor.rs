@@ -1269,7 +1269,7 @@ mod tests {
     fn missing_mig_nodes_are_made_by_nvidia_modprobe_or_by_hand() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        kernelkite_testkit::fake_nvml::write_mig_minors(root, 508).unwrap();
+        kernelkite_testkit_leaf::fake_nvml::write_mig_minors(root, 508).unwrap();
         let mut devices = healthy().nvml.unwrap();
         devices[1].mig = vec![kernelkite_sys::nvml::MigDeviceInfo {
             uuid: "MIG-1".into(),

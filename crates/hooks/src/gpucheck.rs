@@ -333,7 +333,7 @@ mod tests {
     #[test]
     fn nvml_absent_is_a_clear_error() {
         if std::path::Path::new("/dev/nvidiactl").exists() {
-            kernelkite_testkit::skip("this machine has the NVIDIA driver");
+            kernelkite_testkit_leaf::skip("this machine has the NVIDIA driver");
             return;
         }
         match Nvml::load() {
@@ -346,7 +346,7 @@ mod tests {
                     "{e:?}"
                 );
             }
-            Ok(_) => kernelkite_testkit::skip("NVML loaded although no /dev/nvidiactl"),
+            Ok(_) => kernelkite_testkit_leaf::skip("NVML loaded although no /dev/nvidiactl"),
         }
     }
 }

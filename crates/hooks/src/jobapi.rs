@@ -15,8 +15,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Path of the environment endpoint.
-pub const ENV_PATH: &str = "/api/current-job/v0/env";
+/// Path of the environment endpoint (the agent's, as `kernelkite-agent` serves it).
+pub use kernelkite_agent::job_api::ENV_PATH;
 
 /// Why a Job API request failed.
 #[derive(Debug, thiserror::Error)]
@@ -397,5 +397,31 @@ mod tests {
         )
         .unwrap();
         assert_eq!(b, b"ok");
+    }
+
+    #[test]
+    fn the_hooks_client_patches_reads_and_deletes_through_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
+        let server = kernelkite_agent::job_api::JobApiServer::start(&sock, "t0k", env).unwrap();
+        let api = JobApi::new(&sock, "t0k");
+        api.patch_env(&BTreeMap::from([
+            ("B".to_string(), "two words".to_string()),
+            ("A".to_string(), "3".to_string()),
+        ]))
+        .unwrap();
+        assert_eq!(api.get_env().unwrap()["B"], "two words");
+        api.delete_env(&["A".to_string()]).unwrap();
+        let seen = server.env();
+        assert_eq!(seen.get("A"), None);
+        assert_eq!(seen["B"], "two words");
+        let wrong = JobApi::new(&sock, "other");
+        assert!(matches!(
+            wrong.get_env(),
+            Err(JobApiError::Unauthorized { .. })
+        ));
+        drop(server);
+        assert!(!sock.exists(), "the socket goes with the server");
     }
 }

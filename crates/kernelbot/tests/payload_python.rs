@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use kernelkite_kernelbot::config::RunConfig;
 use kernelkite_kernelbot::payload;
-use kernelkite_testkit::need_python;
+use kernelkite_testkit_leaf::need_python;
 use serde_json::Value;
 
 /// Configs built in Python (so key order and float spelling are Python's own), printed as

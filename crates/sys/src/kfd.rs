@@ -375,7 +375,7 @@ mod tests {
     /// The 8× MI300X fixture with the render nodes `present` (by GPU).
     fn mi300x(present: &[usize]) -> tempfile::TempDir {
         let root = tempfile::tempdir().unwrap();
-        kernelkite_testkit::kfd::write_mi300x(root.path(), present, true).unwrap();
+        kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), present, true).unwrap();
         root
     }
 
@@ -435,12 +435,12 @@ mod tests {
     /// An 8× MI300X in the given partitioning, with the render nodes `present` by (GPU,
     /// partition).
     fn partitioned_node(
-        how: &kernelkite_testkit::kfd::Partitioning,
+        how: &kernelkite_testkit_leaf::kfd::Partitioning,
         present: &[(usize, usize)],
     ) -> tempfile::TempDir {
         // tmpfs: a CPX tree is some 8,000 files, which a busy disk takes seconds to write.
-        let root = kernelkite_testkit::scratch();
-        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), how, present).unwrap();
+        let root = kernelkite_testkit_leaf::scratch();
+        kernelkite_testkit_leaf::kfd::write_mi300x_partitioned(root.path(), how, present).unwrap();
         root
     }
 
@@ -453,7 +453,7 @@ mod tests {
 
     /// What `write_mi300x_partitioned` lays out for `per_gpu` partitions per GPU.
     fn expected(per_gpu: usize) -> Vec<(String, Option<u32>, u32)> {
-        use kernelkite_testkit::kfd::{mi300x_bus_id, mi300x_render_minor};
+        use kernelkite_testkit_leaf::kfd::{mi300x_bus_id, mi300x_render_minor};
         (0..8)
             .flat_map(|i| {
                 (0..per_gpu).map(move |p| {
@@ -469,7 +469,7 @@ mod tests {
 
     #[test]
     fn partitions_are_read_from_location_id_in_either_encoding() {
-        use kernelkite_testkit::kfd::{Partitioning, Uuids};
+        use kernelkite_testkit_leaf::kfd::{Partitioning, Uuids};
         let cpx = Partitioning::cpx();
         let r = partitioned_node(&cpx, &[]);
         let g = gpus(r.path());

@@ -123,7 +123,7 @@ pub fn cap_node(minor: u32) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kernelkite_testkit::fake_nvml::{
+    use kernelkite_testkit_leaf::fake_nvml::{
         mig_cap_minor, mig_minors_table, write_mig_minors, MIG_MINORS_LINES,
     };
 

@@ -428,7 +428,7 @@ mod tests {
                     "{e:?}"
                 );
                 assert!(e.to_string().contains(LIBRARY) || e.to_string().contains("nvmlInit_v2"));
-                kernelkite_testkit::skip(format_args!("no NVIDIA driver here: {e}"));
+                kernelkite_testkit_leaf::skip(format_args!("no NVIDIA driver here: {e}"));
             }
         }
     }

@@ -989,7 +989,7 @@ mod tests {
     #[test]
     fn a_thread_can_move_into_new_ipc_and_network_namespaces() {
         if !rustix::process::geteuid().is_root() {
-            kernelkite_testkit::skip("new namespaces need root");
+            kernelkite_testkit_leaf::skip("new namespaces need root");
             return;
         }
         let before = std::fs::read_link("/proc/thread-self/ns/ipc").unwrap();
@@ -1015,11 +1015,11 @@ mod tests {
     /// their other flags. On a tmpfs of the test's own (root), unmounted at the end.
     #[test]
     fn a_tree_of_mounts_becomes_read_only_in_one_call() {
-        let Some(outer) = kernelkite_testkit::tmpfs::SmallTmpfs::mount(1 << 20) else {
+        let Some(outer) = kernelkite_testkit_leaf::tmpfs::SmallTmpfs::mount(1 << 20) else {
             return;
         };
         let inner_mount =
-            kernelkite_testkit::tmpfs::SmallTmpfs::mount_in(outer.path(), 64 << 10, "noexec")
+            kernelkite_testkit_leaf::tmpfs::SmallTmpfs::mount_in(outer.path(), 64 << 10, "noexec")
                 .expect("a tmpfs inside the first");
         let inner = inner_mount.path().to_path_buf();
         let writable = |p: &std::path::Path| std::fs::write(p.join("f"), b"x").is_ok();
@@ -1027,7 +1027,7 @@ mod tests {
 
         match make_tree_read_only(outer.path()) {
             Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
-                kernelkite_testkit::skip("mount_setattr needs Linux 5.12");
+                kernelkite_testkit_leaf::skip("mount_setattr needs Linux 5.12");
                 return;
             }
             r => r.unwrap(),

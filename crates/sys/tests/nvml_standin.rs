@@ -1,10 +1,10 @@
 //! Every NVML call of `kernelkite_sys::nvml`, through the real loader and nvml-wrapper, against
-//! the stand-in library (`kernelkite_testkit::fake_nvml`): what a GPU node's driver would
+//! the stand-in library (`kernelkite_testkit_leaf::fake_nvml`): what a GPU node's driver would
 //! answer, errors included. One test: the stand-in reads its configuration from this
 //! process's environment at `nvmlInit_v2`.
 
 use kernelkite_sys::nvml::{ComputeProcess, DriverError, Nvml, NvmlError};
-use kernelkite_testkit::fake_nvml::{h100, mig, mig_uuid, nvlink, FakeNvml};
+use kernelkite_testkit_leaf::fake_nvml::{h100, mig, mig_uuid, nvlink, FakeNvml};
 
 fn load(fake: &FakeNvml) -> Result<Nvml, NvmlError> {
     Nvml::load_from(&fake.library().display().to_string())
@@ -14,7 +14,7 @@ fn load(fake: &FakeNvml) -> Result<Nvml, NvmlError> {
 fn every_nvml_path_against_the_stand_in_library() {
     let fake = match FakeNvml::build_in_this_process() {
         Ok(f) => f,
-        Err(why) => return kernelkite_testkit::skip(&why),
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
     };
     let (a, b) = ("0000:18:00.0", "0000:2a:00.0");
     fake.configure(&format!(

@@ -521,7 +521,7 @@ mod tests {
         for with_uuids in [true, false] {
             let root = tempfile::tempdir().unwrap();
             crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
-            kernelkite_testkit::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
+            kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
             let topo = Topology::discover(root.path()).unwrap();
             let amd: Vec<_> = topo
                 .gpus
@@ -530,14 +530,14 @@ mod tests {
                 .collect();
             assert_eq!(amd.len(), 8);
             for (i, g) in amd.iter().enumerate() {
-                assert_eq!(g.pci_bus_id, kernelkite_testkit::kfd::mi300x_bus_id(i));
+                assert_eq!(g.pci_bus_id, kernelkite_testkit_leaf::kfd::mi300x_bus_id(i));
                 let want =
                     with_uuids.then(|| format!("GPU-{:016x}", 0x1d3a_0000_0000_0000u64 + i as u64));
                 assert_eq!(g.uuid, want);
                 // Every MI300X reaches the seven others over xGMI (KFD io_links of type 11).
                 let peers: Vec<String> = (0..8)
                     .filter(|j| *j != i)
-                    .map(kernelkite_testkit::kfd::mi300x_bus_id)
+                    .map(kernelkite_testkit_leaf::kfd::mi300x_bus_id)
                     .collect();
                 assert_eq!(g.links, peers);
             }
@@ -545,16 +545,18 @@ mod tests {
     }
 
     /// The 8× MI300X node, its KFD topology in the given partitioning.
-    fn partitioned(how: &kernelkite_testkit::kfd::Partitioning) -> Topology {
-        let root = kernelkite_testkit::scratch();
+    fn partitioned(how: &kernelkite_testkit_leaf::kfd::Partitioning) -> Topology {
+        let root = kernelkite_testkit_leaf::scratch();
         crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
-        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), how, &[]).unwrap();
+        kernelkite_testkit_leaf::kfd::write_mi300x_partitioned(root.path(), how, &[]).unwrap();
         Topology::discover(root.path()).unwrap()
     }
 
     #[test]
     fn a_partitioned_mi300x_is_one_gpu_with_its_partitions() {
-        use kernelkite_testkit::kfd::{mi300x_bus_id, mi300x_render_minor, Partitioning, Uuids};
+        use kernelkite_testkit_leaf::kfd::{
+            mi300x_bus_id, mi300x_render_minor, Partitioning, Uuids,
+        };
         let topo = partitioned(&Partitioning::cpx());
         assert_eq!(topo.gpus.len(), 8);
         for (i, g) in topo.gpus.iter().enumerate() {
@@ -603,10 +605,14 @@ mod tests {
             .collect();
         assert_eq!(counts, [8, 8, 8, 8, 8, 8, 8, 7]);
         // Unreadable mode files (amdgpu refuses them during a reset): the mode comes from KFD.
-        let root = kernelkite_testkit::scratch();
+        let root = kernelkite_testkit_leaf::scratch();
         crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
-        kernelkite_testkit::kfd::write_mi300x_partitioned(root.path(), &Partitioning::dpx(), &[])
-            .unwrap();
+        kernelkite_testkit_leaf::kfd::write_mi300x_partitioned(
+            root.path(),
+            &Partitioning::dpx(),
+            &[],
+        )
+        .unwrap();
         for i in 0..8 {
             let dir = root
                 .path()
@@ -628,10 +634,10 @@ mod tests {
     fn gpus_without_a_shared_link_are_grouped_with_a_warning() {
         let root = tempfile::tempdir().unwrap();
         crate::fakesys::mi300x_8().write_to(root.path()).unwrap();
-        kernelkite_testkit::kfd::write_mi300x(root.path(), &[], true).unwrap();
+        kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[], true).unwrap();
         let mut topo = Topology::discover(root.path()).unwrap();
         // Node 0's GPUs 0..4 keep only the links 0–2 and 1–3 (both ways).
-        let bus = kernelkite_testkit::kfd::mi300x_bus_id;
+        let bus = kernelkite_testkit_leaf::kfd::mi300x_bus_id;
         for (i, peer) in [(0, 2), (1, 3), (2, 0), (3, 1)] {
             topo.gpus[i].links = vec![bus(peer)];
         }

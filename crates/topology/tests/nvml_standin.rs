@@ -1,9 +1,11 @@
 //! Plans from NVML: a node whose driver files give no UUIDs (`/proc/driver/nvidia` absent, as in
 //! containers that mount only the device nodes), discovered with NVML loaded through the real
-//! loader from the stand-in library (`kernelkite_testkit::fake_nvml`): the UUIDs and minors
+//! loader from the stand-in library (`kernelkite_testkit_leaf::fake_nvml`): the UUIDs and minors
 //! come from NVML, and the plan's slices carry them (what `CUDA_VISIBLE_DEVICES` names).
 
-use kernelkite_testkit::fake_nvml::{h100, h100_uuid, mig, mig_mode, mig_uuid, nvlink, FakeNvml};
+use kernelkite_testkit_leaf::fake_nvml::{
+    h100, h100_uuid, mig, mig_mode, mig_uuid, nvlink, FakeNvml,
+};
 use kernelkite_topology::fakesys;
 use kernelkite_topology::planner::{plan, Policy};
 use kernelkite_topology::Topology;
@@ -13,7 +15,7 @@ fn a_plan_takes_uuids_and_minors_from_nvml() {
     let _one = NVML.lock().unwrap_or_else(|e| e.into_inner());
     let fake = match FakeNvml::build_in_this_process() {
         Ok(f) => f,
-        Err(why) => return kernelkite_testkit::skip(&why),
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
     };
     let root = tempfile::tempdir().unwrap();
     fakesys::dgx_h100()
@@ -62,7 +64,7 @@ fn a_gpu_in_mig_mode_is_one_slice_per_mig_device_and_nvlink_groups_slices() {
     let _one = NVML.lock().unwrap_or_else(|e| e.into_inner());
     let fake = match FakeNvml::build_in_this_process() {
         Ok(f) => f,
-        Err(why) => return kernelkite_testkit::skip(&why),
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
     };
     let root = tempfile::tempdir().unwrap();
     fakesys::dgx_h100().write_to(root.path()).unwrap();
@@ -200,7 +202,7 @@ fn a_gpu_in_mig_mode_without_mig_devices_is_in_no_slice() {
     let _one = NVML.lock().unwrap_or_else(|e| e.into_inner());
     let fake = match FakeNvml::build_in_this_process() {
         Ok(f) => f,
-        Err(why) => return kernelkite_testkit::skip(&why),
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
     };
     let root = tempfile::tempdir().unwrap();
     fakesys::dgx_h100().write_to(root.path()).unwrap();

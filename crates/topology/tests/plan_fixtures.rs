@@ -9,7 +9,7 @@ use kernelkite_topology::plan::{Plan, Vendor};
 use kernelkite_topology::planner::{plan, plan_explained, PlanError, Policy};
 use kernelkite_topology::topology::Topology;
 
-use kernelkite_testkit::{assert_warns, scratch};
+use kernelkite_testkit_leaf::{assert_warns, scratch};
 
 const GIB: u64 = 1 << 30;
 
@@ -135,7 +135,7 @@ fn dgx_h100_plan_is_local_whole_cores_and_equal() {
         assert_eq!(s.memory_bytes, (node_mem - node_mem / 10) / 4);
     }
     // The 3 cores per socket that do not divide by 4 are reported, not given away.
-    assert_warns(&p, &["53-55,109-111,165-167,221-223"]);
+    assert_warns(&p.warnings, &["53-55,109-111,165-167,221-223"]);
 }
 
 #[test]
@@ -156,16 +156,16 @@ fn mi300x_node_plans_amd_accelerators() {
 }
 
 /// The 8× MI300X node with its KFD topology in the given partitioning.
-fn mi300x_partitioned(how: &kernelkite_testkit::kfd::Partitioning) -> Topology {
+fn mi300x_partitioned(how: &kernelkite_testkit_leaf::kfd::Partitioning) -> Topology {
     let dir = scratch();
     fakesys::mi300x_8().write_to(dir.path()).unwrap();
-    kernelkite_testkit::kfd::write_mi300x_partitioned(dir.path(), how, &[]).unwrap();
+    kernelkite_testkit_leaf::kfd::write_mi300x_partitioned(dir.path(), how, &[]).unwrap();
     Topology::discover(dir.path()).unwrap()
 }
 
 #[test]
 fn a_partitioned_mi300x_is_refused_with_the_fix() {
-    use kernelkite_testkit::kfd::Partitioning;
+    use kernelkite_testkit_leaf::kfd::Partitioning;
     for (how, mode, count, last) in [
         (Partitioning::cpx(), "CPX", 8, 135),
         (Partitioning::dpx(), "DPX", 2, 129),
@@ -226,8 +226,8 @@ fn prototype_l40s_node_with_unknown_gpu_numa() {
         .slices
         .iter()
         .all(|s| s.mems == vec![0] && s.gpu.as_ref().unwrap().numa_node.is_none()));
-    assert_warns(p, &["0000:01:00.0", "-1"]);
-    assert_warns(p, &["7,15"]);
+    assert_warns(&p.warnings, &["0000:01:00.0", "-1"]);
+    assert_warns(&p.warnings, &["7,15"]);
     assert!(
         e.notes.iter().any(|n| n.contains("slice size: 3")),
         "{:?}",
@@ -300,7 +300,7 @@ fn mixed_vendors_follow_bus_order_and_warn() {
         vendors,
         [Vendor::Nvidia, Vendor::Amd, Vendor::Nvidia, Vendor::Amd]
     );
-    assert_warns(&p, &["mixes NVIDIA and AMD"]);
+    assert_warns(&p.warnings, &["mixes NVIDIA and AMD"]);
     // Two slices per node: 15 / 2 = 7 cores.
     assert!(p.slices.iter().all(|s| s.cpus.len() == 14));
 }
@@ -338,7 +338,7 @@ fn offline_cpus_are_skipped_and_their_siblings_stay_whole() {
     assert_eq!(topo.offline_cpus(), vec![30, 31, 122, 142, 143]);
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
-    assert_warns(&p, &["30-31,122,142-143", "offline"]);
+    assert_warns(&p.warnings, &["30-31,122,142-143", "offline"]);
     // Node 0 now has 54 free cores: 13 each still.
     assert_eq!(p.slices[0].cpus.len(), 25, "core 10 has one online thread");
     assert!(p
@@ -354,9 +354,9 @@ fn restricted_cpuset_is_respected() {
     let topo = discover(&f);
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
-    assert_warns(&p, &["outside this process's cpuset"]);
+    assert_warns(&p.warnings, &["outside this process's cpuset"]);
     // Socket 1's GPUs have no usable local CPU; they are placed on node 0 and say so.
-    assert_warns(&p, &["0000:9a:00.0", "no usable CPUs"]);
+    assert_warns(&p.warnings, &["0000:9a:00.0", "no usable CPUs"]);
     assert!(p
         .slices
         .iter()
@@ -386,7 +386,7 @@ fn a_cpuset_of_first_threads_only_still_plans_and_warns() {
     let p = plan(&topo, &Policy::default()).unwrap();
     assert_sound(&topo, &p);
     assert_eq!(p.slices[0].cpus, list("1-13"));
-    assert_warns(&p, &["only some SMT threads"]);
+    assert_warns(&p.warnings, &["only some SMT threads"]);
 }
 
 #[test]
@@ -416,7 +416,7 @@ fn more_gpus_than_cores_is_an_error_unless_sharing() {
     assert_eq!(p.slices.len(), 4);
     let cpus: Vec<Vec<u32>> = p.slices.iter().map(|s| s.cpus.clone()).collect();
     assert_eq!(cpus, [vec![1], vec![2], vec![1], vec![2]]);
-    assert_warns(&p, &["NOT isolated"]);
+    assert_warns(&p.warnings, &["NOT isolated"]);
 }
 
 #[test]

@@ -10,7 +10,7 @@ use kernelkite_topology::plan::{Plan, Vendor};
 use kernelkite_topology::planner::{plan, Policy};
 use kernelkite_topology::topology::Topology;
 
-use kernelkite_testkit::scratch;
+use kernelkite_testkit_leaf::scratch;
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hwloc")
@@ -45,7 +45,7 @@ fn hwloc(tool: &str, args: &[&str]) -> Option<String> {
 fn have_hwloc() -> bool {
     let ok = Command::new("hwloc-calc").arg("--version").output().is_ok();
     if !ok {
-        kernelkite_testkit::skip(
+        kernelkite_testkit_leaf::skip(
             "hwloc oracle checks not run: hwloc-calc not found (apt-get install hwloc)",
         );
     }

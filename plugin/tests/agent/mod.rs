@@ -1,7 +1,7 @@
 //! A harness that plays the Buildkite agent for the plugin's hooks.
 //!
 //! It sets the `BUILDKITE_*` variables a real agent sets, serves the Job API on a unix socket
-//! (`kernelkite_admin::setup::local_agent`, the one emulation of it), runs hooks in the
+//! (`kernelkite_agent::job_api`, the one emulation of it), runs hooks in the
 //! agent's order (`environment` → `command` → `pre-exit`), either as agent-level binary hooks
 //! (links named after the hook) or as the plugin's hook files (whose first line names the
 //! binary: the agent executes them, the kernel runs the binary), whose `environment` leaves
@@ -29,8 +29,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
-use kernelkite_admin::setup::local_agent;
-use kernelkite_testkit::{plugin_variables, PLUGIN_LOCATION};
+use kernelkite_agent::job_api;
+use kernelkite_agent::job_env::JobEnv;
+use kernelkite_testkit::PLUGIN_LOCATION;
 use serde_json::{json, Value};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kernelkite-isolate");
@@ -70,11 +71,11 @@ pub fn agent_wraps(path: &Path) -> bool {
 }
 
 /// The Job API as the agent serves it: the one emulation
-/// (`kernelkite_admin::setup::local_agent`), at a socket path a unix socket can have.
+/// (`kernelkite_agent::job_api`), at a socket path a unix socket can have.
 pub struct JobApiServer {
     pub socket: PathBuf,
     pub token: String,
-    server: Option<local_agent::JobApiServer>,
+    server: Option<job_api::JobApiServer>,
     /// The directory made for a socket whose natural path was too long; removed on drop.
     short_dir: Option<PathBuf>,
 }
@@ -115,7 +116,7 @@ impl JobApiServer {
     pub fn start(dir: &Path, token: &str, env: BTreeMap<String, String>) -> JobApiServer {
         let (socket, short_dir) = socket_place(dir);
         // A job id run again by the same agent gets a fresh socket, like a fresh job.
-        let server = local_agent::JobApiServer::start(&socket, token, env).unwrap();
+        let server = job_api::JobApiServer::start(&socket, token, env).unwrap();
         JobApiServer {
             socket,
             token: token.to_string(),
@@ -124,7 +125,7 @@ impl JobApiServer {
         }
     }
 
-    fn server(&self) -> &local_agent::JobApiServer {
+    fn server(&self) -> &job_api::JobApiServer {
         self.server
             .as_ref()
             .expect("the Job API is served until dropped")
@@ -257,17 +258,38 @@ impl Agent {
         let add = |env: &mut BTreeMap<String, String>, k: &str, v: &str| {
             env.insert(k.to_string(), v.to_string());
         };
-        add(&mut env, "BUILDKITE", "true");
-        add(&mut env, "CI", "true");
-        add(&mut env, "BUILDKITE_JOB_ID", job_id);
-        add(
-            &mut env,
-            "BUILDKITE_BUILD_ID",
-            "0190b8c2-0000-4000-8000-000000000001",
+        // The job's variables as local mode and setup's smoke job give them too
+        // (`kernelkite_agent::job_env`), with the step's plugin: the variables the real agent
+        // sets for the pipelines' plugin (checked against it in tests/tests/real_agent.rs).
+        let plugin = plugin_config.map(|cfg| {
+            (
+                format!("{PLUGIN_LOCATION}#v1.0.0"),
+                serde_json::from_str::<Value>(cfg).unwrap_or(Value::Null),
+            )
+        });
+        env.extend(
+            JobEnv {
+                job_id,
+                build_id: "0190b8c2-0000-4000-8000-000000000001",
+                build_number: 42,
+                organization: "kernelkite",
+                pipeline: "kernelbot",
+                agent_name: &self.name,
+                tags: Vec::new(),
+                checkout: &checkout,
+                command,
+                artifact_paths: None,
+                plugin,
+            }
+            .variables(),
         );
-        add(&mut env, "BUILDKITE_BUILD_NUMBER", "42");
-        add(&mut env, "BUILDKITE_PIPELINE_SLUG", "kernelbot");
-        add(&mut env, "BUILDKITE_ORGANIZATION_SLUG", "kernelkite");
+        if let Some(cfg) = plugin_config {
+            // A configuration that is not JSON reaches the hooks as written.
+            add(&mut env, "BUILDKITE_PLUGIN_CONFIGURATION", cfg);
+        }
+        // What the agent's own process adds (`createEnvironment` in agent/job_runner.go), which
+        // the hooks must keep from the job: its id and access token, its binaries' directory,
+        // the Job API's socket and token; and the job's anchor process.
         add(
             &mut env,
             "BUILDKITE_AGENT_ID",
@@ -278,13 +300,6 @@ impl Agent {
             "BUILDKITE_AGENT_ACCESS_TOKEN",
             "secret-agent-token",
         );
-        add(&mut env, "BUILDKITE_COMMAND", command);
-        add(
-            &mut env,
-            "BUILDKITE_BUILD_CHECKOUT_PATH",
-            checkout.to_str().unwrap(),
-        );
-        add(&mut env, "BUILDKITE_SHELL", "/bin/bash -e -c");
         add(&mut env, "BUILDKITE_BIN_PATH", "/usr/bin");
         add(
             &mut env,
@@ -293,20 +308,6 @@ impl Agent {
         );
         add(&mut env, "BUILDKITE_AGENT_JOB_API_TOKEN", &token);
         add(&mut env, "KERNELKITE_JOB_PID", &bootstrap.id().to_string());
-        if let Some(cfg) = plugin_config {
-            // The variables the real agent sets for the pipelines' plugin (checked against it
-            // in tests/tests/real_agent.rs).
-            let config = serde_json::from_str::<Value>(cfg).unwrap_or(Value::Null);
-            let location = format!("{PLUGIN_LOCATION}#v1.0.0");
-            env.extend(plugin_variables(&location, &config));
-            // A configuration that is not JSON reaches the hooks as written.
-            add(&mut env, "BUILDKITE_PLUGIN_CONFIGURATION", cfg);
-            add(
-                &mut env,
-                "BUILDKITE_PLUGINS",
-                &json!([{ location: config }]).to_string(),
-            );
-        }
         let hooks_dir = match install {
             Install::AgentBinary => self.hooks_dir.clone(),
             Install::Plugin => plugin_hooks(Path::new(BIN), &job_dir),

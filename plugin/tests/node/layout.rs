@@ -162,12 +162,9 @@ fn the_cycle_finder_finds_a_cycle() {
     assert!(product_code("x\n// crate::y\n#[cfg(test)]\nmod tests { crate::z }\n").trim() == "x");
 }
 
-/// The service's core names no adapter: what it builds against (its normal dependencies, all
-/// the way down, as `cargo tree` resolves them for it alone) has no HTTP server or client, no
-/// database driver and no command-line parser. A dependency added by mistake, even through
-/// a leaf crate's feature, fails here.
-#[test]
-fn the_service_core_depends_on_no_adapter_crate() {
+/// What `package` builds against: its normal dependencies, all the way down, as `cargo tree`
+/// resolves them for it alone (the names only).
+fn normal_dependencies(package: &str) -> BTreeSet<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = std::process::Command::new(cargo)
@@ -176,13 +173,13 @@ fn the_service_core_depends_on_no_adapter_crate() {
             "tree",
             "--locked",
             "--offline",
-            "-p",
-            "kernelkite-core",
             "-e",
             "normal",
             "--prefix",
             "none",
+            "-p",
         ])
+        .arg(package)
         .output()
         .expect("cargo tree runs");
     assert!(
@@ -190,18 +187,44 @@ fn the_service_core_depends_on_no_adapter_crate() {
         "cargo tree failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let tree = String::from_utf8_lossy(&out.stdout);
-    let names: BTreeSet<&str> = tree
+    String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())
-        .collect();
-    assert!(names.contains("tokio") && names.contains("kernelkite-kernelbot"), "{tree}");
+        .map(String::from)
+        .collect()
+}
+
+/// The service's core names no adapter: what it builds against has no HTTP server or client,
+/// no database driver and no command-line parser. A dependency added by mistake, even through
+/// a leaf crate's feature, fails here.
+#[test]
+fn the_service_core_depends_on_no_adapter_crate() {
+    let names = normal_dependencies("kernelkite-core");
+    assert!(
+        names.contains("tokio") && names.contains("kernelkite-kernelbot"),
+        "{names:?}"
+    );
     let adapters: Vec<&str> = ["axum", "hyper", "sqlx", "reqwest", "clap"]
         .into_iter()
-        .filter(|a| names.contains(a))
+        .filter(|a| names.contains(*a))
         .collect();
     assert!(
         adapters.is_empty(),
-        "kernelkite-core depends on {adapters:?}; those belong to kernelkite-service's adapters:\n{tree}"
+        "kernelkite-core depends on {adapters:?}; those belong to kernelkite-service's adapters"
+    );
+}
+
+/// The leaf crates' testkit depends on no kernelkite crate, so testing a leaf crate builds
+/// nothing of the service's.
+#[test]
+fn the_leaf_testkit_depends_on_no_kernelkite_crate() {
+    let names = normal_dependencies("kernelkite-testkit-leaf");
+    let ours: Vec<&String> = names
+        .iter()
+        .filter(|n| n.starts_with("kernelkite-") && *n != "kernelkite-testkit-leaf")
+        .collect();
+    assert!(
+        names.contains("tempfile") && ours.is_empty(),
+        "kernelkite-testkit-leaf depends on {ours:?}"
     );
 }

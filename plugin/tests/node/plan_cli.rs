@@ -131,7 +131,7 @@ fn fixture_variants_reach_the_plan() {
     assert!(o.status.success(), "{:?}", text(&o));
     let o = bin(&["plan", "--sysfs-root", root, "--json"]);
     let p: Plan = serde_json::from_str(&text(&o).0).unwrap();
-    assert_warns(&p, &["1-2,113-114", "offline"]);
+    assert_warns(&p.warnings, &["1-2,113-114", "offline"]);
     assert!(p
         .slices
         .iter()

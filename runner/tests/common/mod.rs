@@ -18,7 +18,7 @@ pub fn harness_source() -> String {
     std::fs::read_to_string(harness_dir().join("popcorn_harness.py")).unwrap()
 }
 
-pub use kernelkite_testkit::{need_python, python};
+pub use kernelkite_testkit_leaf::{need_python, python};
 
 /// A py config running the test harness; `patch` overrides top-level keys.
 pub fn harness_config(mode: &str, behave: &str, patch: Value) -> Value {

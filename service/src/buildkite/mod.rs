@@ -10,13 +10,11 @@
 //! - [`artifact`]: choosing, downloading and checking `result.json`.
 //! - [`agents`]: the agents serving each queue (REST agents list or agent metrics), for queue
 //!   status, through the client's HTTP client and budget.
-//! - [`plugins`]: the plugin configuration the agent hands hooks (shared with local mode).
 
 pub mod agents;
 pub mod artifact;
 pub mod budget;
 pub mod client;
-pub mod plugins;
 pub mod webhook;
 
 use std::collections::BTreeMap;

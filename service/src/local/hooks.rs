@@ -7,6 +7,9 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::Path;
 
+use kernelkite_agent::job_env::JobEnv;
+use kernelkite_agent::plugins::PLUGIN_LOCATION;
+
 /// Variables of the service's own environment that never reach a job: the service's secrets,
 /// a stale job's variables, and the runner's and hooks' own settings, which the executor sets
 /// per job (a `KERNELKITE_PAYLOAD_FILE` left in the service's environment would otherwise make
@@ -62,38 +65,31 @@ pub fn hook_env(
         .filter(|(k, _)| inherited(k))
         .collect();
     env.extend(job.build_env.iter().cloned());
-    let config = serde_json::Value::Object(job.plugin_config.clone());
-    let mut set = |k: &str, v: String| {
-        env.insert(k.to_string(), v);
-    };
-    set("BUILDKITE", "true".into());
-    set("CI", "true".into());
-    set("BUILDKITE_JOB_ID", job.job_id.into());
-    set("BUILDKITE_BUILD_ID", job.build_id.into());
-    set("BUILDKITE_BUILD_NUMBER", job.build_number.to_string());
-    set("BUILDKITE_ORGANIZATION_SLUG", "local".into());
-    set("BUILDKITE_PIPELINE_SLUG", "kernelkite-local".into());
-    set("BUILDKITE_AGENT_NAME", job.agent_name.into());
-    set("BUILDKITE_AGENT_META_DATA_GPU_INDEX", job.slice.to_string());
-    set("BUILDKITE_AGENT_META_DATA_QUEUE", job.queue.into());
-    set(
-        "BUILDKITE_BUILD_CHECKOUT_PATH",
-        job.checkout.display().to_string(),
-    );
-    set("BUILDKITE_COMMAND", job.command.into());
-    // The step's artifact_paths, as the agent hands them to the hooks
-    // (internal/job/config.go in github.com/buildkite/agent): in the sandbox, what of the job's
-    // writes to its checkout reaches this machine's disk (crates/hooks/src/sandbox/disk.rs).
-    set("BUILDKITE_ARTIFACT_PATHS", "result.json".into());
     // As an agent runs the pipeline's step (`deployment/pipelines/host.yml` names the plugin
-    // by its repository subdirectory): the plugin's variables, and the step's plugin list.
-    let location = format!("{}#local", crate::buildkite::plugins::PLUGIN_LOCATION);
-    env.extend(crate::buildkite::plugins::plugin_variables(
-        &location, &config,
-    ));
-    env.insert(
-        "BUILDKITE_PLUGINS".into(),
-        serde_json::json!([{ location: config }]).to_string(),
+    // by its repository subdirectory): the job's variables, the plugin's and the step's list.
+    env.extend(
+        JobEnv {
+            job_id: job.job_id,
+            build_id: job.build_id,
+            build_number: job.build_number,
+            organization: "local",
+            pipeline: "kernelkite-local",
+            agent_name: job.agent_name,
+            tags: vec![
+                ("gpu-index", job.slice.to_string()),
+                ("queue", job.queue.to_string()),
+            ],
+            checkout: job.checkout,
+            command: job.command,
+            // The step's artifact_paths: in the sandbox, what of the job's writes to its
+            // checkout reaches this machine's disk (crates/hooks/src/sandbox/disk.rs).
+            artifact_paths: Some("result.json"),
+            plugin: Some((
+                format!("{PLUGIN_LOCATION}#local"),
+                serde_json::Value::Object(job.plugin_config.clone()),
+            )),
+        }
+        .variables(),
     );
     env
 }

@@ -17,11 +17,9 @@
 //! | [`apply`] | comparing with the disk, the commands, and the executor |
 //! | [`report`] | how setup prints what it does (and, with `--dry-run`, would do) |
 //! | [`smoke`] | the smoke job: plays the agent for one job per slice through the installed hooks |
-//! | [`local_agent`] | the agent's Job API on a unix socket, for the smoke job |
 
 pub mod apply;
 pub mod facts;
-pub mod local_agent;
 pub mod manifest;
 pub mod paths;
 pub mod render;

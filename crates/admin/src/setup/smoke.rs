@@ -19,8 +19,9 @@ use kernelkite_topology::plan::{Plan, Slice, Vendor};
 use kernelkite_topology::planner::format_bytes;
 use serde_json::Value;
 
-use super::local_agent::JobApiServer;
 use super::SetupError;
+use kernelkite_agent::job_api::JobApiServer;
+use kernelkite_agent::job_env::JobEnv;
 use kernelkite_hooks::config::{parse_config, Mode};
 use kernelkite_hooks::job::devices::device_indices;
 use kernelkite_hooks::job::exports::shell_quote;
@@ -619,37 +620,23 @@ fn smoke_job_env(
         }
     }
     env.extend(opts.env.clone());
-    let set = |env: &mut BTreeMap<String, String>, k: &str, v: &str| {
-        env.insert(k.to_string(), v.to_string());
-    };
-    set(&mut env, "KERNELKITE_CONFIG", config);
-    set(&mut env, "BUILDKITE", "true");
-    set(&mut env, "CI", "true");
-    set(&mut env, "BUILDKITE_JOB_ID", job_id);
-    set(&mut env, "BUILDKITE_BUILD_ID", job_id);
-    set(&mut env, "BUILDKITE_BUILD_NUMBER", "0");
-    set(&mut env, "BUILDKITE_PIPELINE_SLUG", "kernelkite-smoke");
-    set(&mut env, "BUILDKITE_ORGANIZATION_SLUG", "local");
-    set(
-        &mut env,
-        "BUILDKITE_AGENT_NAME",
-        &format!("{}-smoke", opts.node),
-    );
-    set(
-        &mut env,
-        "BUILDKITE_AGENT_META_DATA_GPU_INDEX",
-        &slice.index.to_string(),
-    );
-    set(
-        &mut env,
-        "BUILDKITE_BUILD_CHECKOUT_PATH",
-        &checkout.display().to_string(),
-    );
-    set(&mut env, "BUILDKITE_SHELL", "/bin/bash -e -c");
-    set(
-        &mut env,
-        "BUILDKITE_COMMAND",
-        &command(opts.runner.as_deref()),
+    env.insert("KERNELKITE_CONFIG".into(), config.into());
+    let agent_name = format!("{}-smoke", opts.node);
+    env.extend(
+        JobEnv {
+            job_id,
+            build_id: job_id,
+            build_number: 0,
+            organization: "local",
+            pipeline: "kernelkite-smoke",
+            agent_name: &agent_name,
+            tags: vec![("gpu-index", slice.index.to_string())],
+            checkout,
+            command: &command(opts.runner.as_deref()),
+            artifact_paths: None,
+            plugin: None,
+        }
+        .variables(),
     );
     env
 }

@@ -8,6 +8,7 @@
 //! submission leaves memory the moment its end is committed; from then on it is read from the
 //! durable store, so memory does not grow with history.
 
+mod in_memory;
 mod memory;
 
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+pub use in_memory::InMemory;
 pub use memory::{Heard, Live, Routed};
 
 use futures_util::future::BoxFuture;

@@ -280,7 +280,7 @@ mod tests {
                 kernelkite_topology::fakesys::mi300x_8()
                     .write_to(root.path())
                     .unwrap();
-                kernelkite_testkit::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
+                kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
                 let topo = Topology::discover(root.path()).unwrap();
                 let policy = Policy {
                     gpus_per_slice,
@@ -294,15 +294,17 @@ mod tests {
                     // The job's /dev: its own render nodes only.
                     let job = tempfile::tempdir().unwrap();
                     let own: Vec<usize> = (0..8)
-                        .filter(|i| mine.contains(&kernelkite_testkit::kfd::mi300x_bus_id(*i)))
+                        .filter(|i| mine.contains(&kernelkite_testkit_leaf::kfd::mi300x_bus_id(*i)))
                         .collect();
-                    kernelkite_testkit::kfd::write_mi300x(job.path(), &own, with_uuids).unwrap();
+                    kernelkite_testkit_leaf::kfd::write_mi300x(job.path(), &own, with_uuids)
+                        .unwrap();
                     let host = exports_for(slice, &device_indices(&p, slice), true);
                     let container = crate::docker::container_device_env(slice);
                     // The sandbox off: the host's /dev, every render node.
                     let bare = tempfile::tempdir().unwrap();
                     let every: Vec<usize> = (0..8).collect();
-                    kernelkite_testkit::kfd::write_mi300x(bare.path(), &every, with_uuids).unwrap();
+                    kernelkite_testkit_leaf::kfd::write_mi300x(bare.path(), &every, with_uuids)
+                        .unwrap();
                     let unsandboxed = exports_for(slice, &device_indices(&p, slice), false);
                     for (mode, env, view) in [
                         ("host", &host, job.path()),
@@ -345,7 +347,7 @@ mod tests {
                 .unwrap();
         }
         if mig_table {
-            kernelkite_testkit::fake_nvml::write_mig_minors(r, 508).unwrap();
+            kernelkite_testkit_leaf::fake_nvml::write_mig_minors(r, 508).unwrap();
         } else {
             let _ = std::fs::remove_dir_all(r.join("proc/driver/nvidia-caps"));
         }
@@ -435,7 +437,7 @@ mod tests {
             ["nvidia-uvm", "nvidia1", "nvidiactl"]
         );
         // A MIG device of GPU 1: its GPU's node and its own two capabilities, no other.
-        kernelkite_testkit::fake_nvml::write_mig_minors(r, 508).unwrap();
+        kernelkite_testkit_leaf::fake_nvml::write_mig_minors(r, 508).unwrap();
         // The driver's numbers: gpu1/gi3 165 and 166, gpu1/gi5 183 and 184.
         for cap in [1, 2, 165, 166, 183, 184] {
             std::fs::write(dev.join(format!("nvidia-caps/nvidia-cap{cap}")), "").unwrap();

@@ -109,7 +109,7 @@ mod tests {
     #[test]
     fn the_tree_changes_hands_but_links_and_git_do_not_lead_it_astray() {
         if !rustix::process::geteuid().is_root() {
-            kernelkite_testkit::skip("chown to another user needs root");
+            kernelkite_testkit_leaf::skip("chown to another user needs root");
             return;
         }
         let outside = tempfile::tempdir().unwrap();

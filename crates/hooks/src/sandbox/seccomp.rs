@@ -598,7 +598,7 @@ mod tests {
     #[test]
     fn with_the_evaluator_s_capabilities_only_the_two_identities_are_reachable() {
         if !rustix::process::geteuid().is_root() {
-            kernelkite_testkit::skip("needs root: without it every id change fails anyway");
+            kernelkite_testkit_leaf::skip("needs root: without it every id change fails anyway");
             return;
         }
         let ids = Identities {

@@ -664,7 +664,7 @@ mod tests {
     fn the_job_keeps_only_its_own_gpus_and_mig_capabilities_of_the_driver_s_proc() {
         let root = tempfile::tempdir().unwrap();
         let r = root.path();
-        kernelkite_testkit::fake_nvml::write_driver_proc(
+        kernelkite_testkit_leaf::fake_nvml::write_driver_proc(
             r,
             &[("0000:18:00.0", 0), ("0000:19:00.0", 1)],
             &[(0, 3, 0), (0, 5, 0)],

@@ -69,7 +69,7 @@ mod tests {
             lines[0].ends_with("skip::tests::a_skip_is_recorded_with_the_test_name_and_reason\tno GPU on this machine"),
             "{text}"
         );
-        assert!(lines[0].starts_with("kernelkite_testkit::"), "{text}");
+        assert!(lines[0].starts_with("kernelkite_testkit_leaf::"), "{text}");
         assert!(lines[1].ends_with("\tsecond"), "{text}");
     }
 }

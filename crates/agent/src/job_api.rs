@@ -1,11 +1,11 @@
 //! The agent's Job API for one job, served on a unix socket, as the agent serves it to the hooks
 //! it executes (`GET|PATCH|DELETE /api/current-job/v0/env`, bearer token, 401 otherwise;
 //! DESIGN.md, "Buildkite agent hooks"): the one emulation of it, for the smoke job, the hooks'
-//! benchmark and the plugin's test harness.
+//! benchmark and the plugin's test harness. The hooks' client (`kernelkite_hooks::jobapi`) is
+//! tested against it.
 //!
 //! Blocking I/O on one thread: a job's hooks make a handful of sequential requests. The
-//! request line and headers are parsed by `httparse`, as the client in [`kernelkite_hooks::jobapi`] parses
-//! responses.
+//! request line and headers are parsed by `httparse`, as the hooks' client parses responses.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use kernelkite_hooks::jobapi::ENV_PATH;
+/// The Job API's one resource: the job's environment.
+pub const ENV_PATH: &str = "/api/current-job/v0/env";
 
 /// The largest request head or body accepted; a job's environment is far smaller.
 const MAX_REQUEST: usize = 16 << 20;
@@ -260,37 +261,5 @@ fn serve(
             respond(&stream, 200, &json!({ "deleted": deleted }));
         }
         _ => respond(&stream, 405, &json!({"error": "method not allowed"})),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kernelkite_hooks::jobapi::{JobApi, JobApiError};
-
-    #[test]
-    fn the_hooks_client_patches_reads_and_deletes_through_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("api.sock");
-        let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
-        let server = JobApiServer::start(&sock, "t0k", env).unwrap();
-        let api = JobApi::new(&sock, "t0k");
-        api.patch_env(&BTreeMap::from([
-            ("B".to_string(), "two words".to_string()),
-            ("A".to_string(), "3".to_string()),
-        ]))
-        .unwrap();
-        assert_eq!(api.get_env().unwrap()["B"], "two words");
-        api.delete_env(&["A".to_string()]).unwrap();
-        let seen = server.env();
-        assert_eq!(seen.get("A"), None);
-        assert_eq!(seen["B"], "two words");
-        let wrong = JobApi::new(&sock, "other");
-        assert!(matches!(
-            wrong.get_env(),
-            Err(JobApiError::Unauthorized { .. })
-        ));
-        drop(server);
-        assert!(!sock.exists(), "the socket goes with the server");
     }
 }

@@ -1,4 +1,4 @@
-//! A stand-in for `libnvidia-ml.so.1` (`tests/nvml/fake_nvml.c`), compiled with the system's C
+//! A stand-in for `libnvidia-ml.so.1` (`crates/testkit-leaf/nvml/fake_nvml.c`), compiled with the system's C
 //! compiler into a temporary directory, for tests of the NVML paths on machines without an
 //! NVIDIA GPU. A test writes what the "driver" reports ([`FakeNvml::configure`]) and reads
 //! back what was asked of it ([`FakeNvml::log`]); the library is loaded through the real
@@ -69,7 +69,7 @@ impl FakeNvml {
     /// What the next `nvmlInit_v2` reads: `gpu <bus> <uuid> <minor> <max MHz> <used bytes>
     /// <name>`, `proc <bus or MIG uuid> <pid> <used bytes>`, `mig <parent bus> <gi> <ci>
     /// <uuid> <bytes> <name>`, `nvlink <bus> <bus>`, `fail <function> <code>` lines (the
-    /// format is described in `tests/nvml/fake_nvml.c`).
+    /// format is described in `crates/testkit-leaf/nvml/fake_nvml.c`).
     pub fn configure(&self, text: &str) {
         std::fs::write(self.config_path(), text).unwrap_or_else(|e| panic!("{e}"));
     }
