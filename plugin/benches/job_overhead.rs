@@ -457,7 +457,7 @@ fn main() {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     // The ordinary (dynamically linked) release build a node installs beside the static one
     // (`kernelkite-isolate-nvml`), where scripts/node-binaries.sh built it; else this
-    // benchmark's own build, whose profile has no whole-program optimisation (Cargo.toml).
+    // benchmark's own build (unoptimised in the test command's short runs).
     let exe = kernelkite_testkit::node_binary("kernelkite-isolate-nvml")
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-isolate")));
     // What nodes run the hooks from (scripts/node-binaries.sh); the ordinary build above is

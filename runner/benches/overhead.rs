@@ -70,7 +70,7 @@ fn main() {
             200
         });
     // The release runner a node installs (scripts/node-binaries.sh), where it was built; else
-    // this benchmark's own build, whose profile has no whole-program optimisation (Cargo.toml).
+    // this benchmark's own build (unoptimised in the test command's short runs).
     let runner = kernelkite_testkit_leaf::node_binary("kernelkite-runner")
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kernelkite-runner")));
     println!("the runner measured: {}", runner.display());
