@@ -145,13 +145,6 @@ step() {
 section "cargo fmt --check"
 step "cargo fmt --check" cargo fmt --all --check
 
-# The node's binaries (the static kernelkite-isolate, and the release builds a node installs):
-# their whole-program link runs on one core, so they build in the background, beside clippy and
-# the API docs, and are waited for before the tests that run them.
-node_log=$(mktemp)
-./scripts/node-binaries.sh target/node >"$node_log" 2>&1 &
-node_pid=$!
-
 section "cargo clippy (warnings are errors)"
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
 
@@ -168,12 +161,11 @@ clone_dir=""
 py_junit=""
 trap 'rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
 
-section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node, built since clippy began)"
+section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
 # The hooks' static build, which its own tests (plugin/tests/node/static_build.rs) and the job
 # overhead benchmark run. Without the musl target (rustup offline) those tests skip, saying so.
 node_rc=0
-wait "$node_pid" || node_rc=$?
-cat "$node_log" && rm -f "$node_log"
+./scripts/node-binaries.sh target/node || node_rc=$?
 if [ "$node_rc" = 0 ]; then
   export KERNELKITE_STATIC_ISOLATE="$PWD/target/node/kernelkite-isolate"
 elif [ "$node_rc" = 3 ]; then
@@ -212,7 +204,9 @@ fi
 
 # The full tier: the test binaries a plain `cargo test` leaves out (`test = false` in their
 # crate's Cargo.toml: root, real cgroups, the real agent, SIGKILL), found in the manifests so
-# the list has one home; the same dev build, so nothing is compiled twice.
+# the list has one home, and the few tests of the fast tier's binaries marked
+# `#[ignore = "full tier ..."]` (they wait out timeouts of seconds); the same dev build, so
+# nothing is compiled twice. Every ignored test runs here, so an ignore cannot hide a test.
 full_tier_args() {
   cargo metadata --format-version 1 --no-deps --locked | python3 -c '
 import json, sys
@@ -221,7 +215,46 @@ for p in json.load(sys.stdin)["packages"]:
         if t["kind"] == ["test"] and not t["test"]:
             print("-p", p["name"], "--test", t["name"])'
 }
-section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL)"
+# The Python client's suite: ruff, then pytest against the real service. Its counts go to
+# "$py_result" (the first line "passed failed skipped", then one line per test that did not pass).
+python_suite() {
+  # Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
+  # as processes (built here; cargo test above built most of it already).
+  py_venv=target/py-venv
+  py_ready=true
+  [ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
+  $py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -r clients/python/requirements-test.txt || py_ready=false
+  $py_ready || failed_step "the Python test venv (target/py-venv)"
+  step "cargo build (the Python suite's binaries)" \
+    cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
+  # The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
+  # kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
+  if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
+    KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
+    export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
+  fi
+  if $py_ready; then
+    (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .) ||
+      failed_step "ruff (clients/python)"
+    # -rs prints each skip with its reason, -rf each failure; the counts come from the JUnit XML.
+    (cd clients/python && ../../$py_venv/bin/python -m pytest -rfs -p no:cacheprovider \
+      --junitxml="$py_junit") || true
+    if "$py_venv/bin/python" scripts/pytest_counts.py "$py_junit" >"$py_result"; then
+      read -r _ py_failed _ <"$py_result"
+      ((py_failed == 0)) || failed_step "pytest (clients/python)" "$py_failed"
+    else
+      failed_step "pytest (clients/python): no JUnit report"
+    fi
+  fi
+}
+
+section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL), with the Python client's suite beside it"
+# Both mostly wait (on agents, processes, sockets): run side by side they take the time of the
+# longer, not of both. The Python suite's output is shown after the full tier's.
+py_log=$(mktemp) py_junit=$(mktemp) py_result=$(mktemp)
+python_suite >"$py_log" 2>&1 &
+py_pid=$!
 full_log=$(mktemp)
 full_args=$(full_tier_args) || full_args=""
 if [ -z "$full_args" ]; then
@@ -233,8 +266,21 @@ else
     failed_step "cargo test (the full tier)" "$(cargo_failed "$full_log")"
   fi
   cat "$full_log" >>"$log"
+  if ! cargo test --workspace --tests --locked --no-fail-fast -- --ignored 2>&1 | tee "$full_log"; then
+    failed_step "cargo test (the full tier: the fast tier's ignored tests)" "$(cargo_failed "$full_log")"
+  fi
+  cat "$full_log" >>"$log"
 fi
 rm -f "$full_log"
+wait "$py_pid" || failed_step "the Python client's suite (exit $?)"
+echo "--- the Python client's suite (clients/python): ruff, pytest against the real service"
+cat "$py_log"
+py_passed=0 py_failed=0 py_skipped=0 py_counts=""
+if [ -s "$py_result" ]; then
+  py_counts=$(cat "$py_result")
+  read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+fi
+rm -f "$py_log" "$py_result"
 
 section "bats (the plugin's hook files)"
 bats_log=$(mktemp)
@@ -242,39 +288,6 @@ if ! bats plugin/tests/bats 2>&1 | tee "$bats_log"; then
   failed_step "bats" "$(grep -cE '^not ok [0-9]+' "$bats_log" || true)"
 fi
 cat "$bats_log" >>"$log" && rm -f "$bats_log"
-
-section "python client (clients/python): ruff, pytest against the real service"
-# Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
-# as processes (built here; cargo test above built most of it already).
-py_venv=target/py-venv
-py_passed=0 py_failed=0 py_skipped=0 py_counts=""
-py_ready=true
-[ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
-$py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -r clients/python/requirements-test.txt || py_ready=false
-$py_ready || failed_step "the Python test venv (target/py-venv)"
-step "cargo build (the Python suite's binaries)" \
-  cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
-# The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
-# kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
-if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
-  KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
-  export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
-fi
-if $py_ready; then
-  (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .) ||
-    failed_step "ruff (clients/python)"
-  py_junit=$(mktemp)
-  # -rs prints each skip with its reason, -rf each failure; the counts come from the JUnit XML.
-  (cd clients/python && ../../$py_venv/bin/python -m pytest -rfs -p no:cacheprovider \
-    --junitxml="$py_junit") || true
-  if py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit"); then
-    read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
-    ((py_failed == 0)) || failed_step "pytest (clients/python)" "$py_failed"
-  else
-    failed_step "pytest (clients/python): no JUnit report"
-  fi
-fi
 
 section "docker images (deployment/*/Dockerfile*)"
 if [ "${KERNELKITE_SKIP_DOCKER:-}" = 1 ]; then

@@ -441,6 +441,7 @@ fn submit_talks_to_a_running_service_with_its_token() {
 }
 
 #[test]
+#[ignore = "full tier (scripts/test.sh runs it): the service killed with SIGKILL"]
 fn a_service_killed_mid_run_delivers_every_result_after_its_restart() {
     if need_python().is_none() {
         return;

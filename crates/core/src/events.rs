@@ -1,7 +1,9 @@
-//! The core as an executor that runs builds itself sees it (`executor::Events`): its builds'
-//! events delivered to the App, a submission's watch, and a build left by the previous run
-//! taken back through recovery. Its own module, so that neither the App nor recovery imports
-//! the other to serve it.
+//! The core as its executors see it (`executor::Events`), the one way in for build events:
+//! the local executor is handed it at start, and the service's receiver of Buildkite's
+//! webhooks delivers through it too. A build's event delivered to the App (returning once its
+//! change is committed), a submission's watch, and a build left by the previous run taken back
+//! through recovery. Its own module, so that neither the App nor recovery imports the other to
+//! serve it.
 
 use std::sync::{Arc, Weak};
 
@@ -11,8 +13,8 @@ use crate::app::App;
 use crate::executor::{BuildEvent, Events, Reclaim};
 use crate::submission::Submission;
 
-/// The events handle for an executor that runs builds itself: holds the App weakly, as the App
-/// holds the executor.
+/// The events handle for an executor (the local one; Buildkite's webhook receiver): holds the
+/// App weakly, as the App holds the executor.
 pub fn for_executor(app: &Arc<App>) -> Arc<dyn Events> {
     Arc::new(CoreEvents {
         app: Arc::downgrade(app),

@@ -217,7 +217,7 @@ impl Agent {
         let dir = node_dir.join(format!("agent-{name}"));
         let hooks_dir = dir.join("hooks");
         std::fs::create_dir_all(&hooks_dir).unwrap();
-        for hook in ["environment", "command", "pre-exit"] {
+        for hook in kernelkite_sys::node::HOOK_NAMES {
             let link = hooks_dir.join(hook);
             if !link.exists() {
                 std::os::unix::fs::symlink(bin, &link).unwrap();

@@ -27,6 +27,7 @@ use serde_json::json;
 use crate::app::App;
 use crate::buildkite::webhook::WebhookReceiver;
 use crate::config::Config;
+use crate::executor::Events;
 pub use edge::{Edge, Phase};
 pub use server::RequestId;
 
@@ -37,6 +38,9 @@ pub(crate) struct Http {
     app: Arc<App>,
     edge: Arc<Edge>,
     webhooks: Arc<WebhookReceiver>,
+    /// The core's one way in for build events (`kernelkite_core::events`), which Buildkite's
+    /// webhooks take as the local executor's events do.
+    events: Arc<dyn Events>,
     /// Finished submissions' events, shared by the streams sending them.
     finished: Arc<events::Finished>,
 }
@@ -50,6 +54,12 @@ impl FromRef<Http> for Arc<events::Finished> {
 impl FromRef<Http> for Arc<WebhookReceiver> {
     fn from_ref(h: &Http) -> Arc<WebhookReceiver> {
         h.webhooks.clone()
+    }
+}
+
+impl FromRef<Http> for Arc<dyn Events> {
+    fn from_ref(h: &Http) -> Arc<dyn Events> {
+        h.events.clone()
     }
 }
 
@@ -99,6 +109,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/metrics", get(metrics))
         .with_state(Http {
             webhooks: Arc::new(WebhookReceiver::from_config(&edge.cfg)),
+            events: crate::events::for_executor(&app),
             finished: Arc::new(events::Finished::default()),
             app,
             edge,

@@ -22,6 +22,7 @@ use super::server::{unauthenticated, ConnSlot};
 use crate::app::App;
 use crate::buildkite::webhook::{WebhookError, WebhookReceiver};
 use crate::error::{BadRequest, Error, Unauthorized, WebhookRefusal};
+use crate::executor::Events;
 use crate::metrics::ReasonLabel;
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
@@ -29,6 +30,7 @@ pub(super) async fn buildkite(
     State(app): State<Arc<App>>,
     State(edge): State<Arc<Edge>>,
     State(webhooks): State<Arc<WebhookReceiver>>,
+    State(events): State<Arc<dyn Events>>,
     req: Request,
 ) -> Result<Json<Value>, ApiError> {
     let (parts, body) = req.into_parts();
@@ -65,8 +67,9 @@ pub(super) async fn buildkite(
     };
     drop(reading);
     match webhooks.receive(&parts.headers, &body, now) {
-        // Answered once the change is committed (commit, then acknowledge).
-        Ok(Some(event)) => app.handle_event(event).await,
+        // Into the core the one way every executor's events go, and answered once the change
+        // is committed (commit, then acknowledge).
+        Ok(Some(event)) => events.deliver(event).await,
         Ok(None) => {}
         Err(WebhookError::Auth(e)) => {
             refused(&app, &edge, e.reason(), &e);

@@ -99,6 +99,7 @@ async fn the_soft_open_files_limit_is_raised_to_the_hard_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn slow_headers_idle_keep_alives_and_slow_bodies_are_cut_off() {
     if raise_own_nofile() < 8192 {
         kernelkite_testkit::skip("this test process cannot open 3,000 sockets (ulimit -n)");

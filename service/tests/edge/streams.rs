@@ -46,6 +46,7 @@ async fn stalled_stream(port: u16, id: &str) -> TcpStream {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn streams_nobody_reads_share_one_copy_of_the_result_and_are_closed_after_the_write_stall() {
     let svc = Service::start(&[("KERNELKITE_WRITE_STALL_S", "1")]).await;
     let a = exchange(svc.port, &submission_request(""), Duration::from_secs(5))

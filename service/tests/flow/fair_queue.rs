@@ -495,6 +495,7 @@ async fn an_identical_test_run_is_answered_from_the_cache_and_a_ranked_run_is_no
 /// database grew 240 MiB). Now each answer refers to the run's result, and answers are
 /// bounded per user (KERNELKITE_CACHE_HOURLY, here 20), across a restart too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn cache_answers_keep_one_copy_of_the_result_and_are_bounded_per_user() {
     const MIB: usize = 1 << 20;
     let data = tempfile::tempdir().unwrap();
@@ -973,6 +974,7 @@ async fn the_event_stream_tells_a_waiting_submission_its_place_as_it_moves() {
 /// Buildkite's agents are the queue's slots: none connected holds the queue in the service
 /// (nothing is created in Buildkite); an agent that connects is used, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn a_queue_s_connected_buildkite_agents_are_its_slots() {
     use kernelkite_testkit::fake_buildkite::FakeAgent;
     let h = kernelkite_testkit::harness::harness_with(|c| {
@@ -1064,6 +1066,7 @@ async fn a_token_refused_the_agents_list_does_not_hold_the_queue() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn the_cache_repeats_only_evaluations_that_ran_and_only_while_they_are_fresh() {
     let s = service(|c| c.fair.cache_max_age_s = 3).await;
     // A runner that could not evaluate is not repeated: the same run runs again.

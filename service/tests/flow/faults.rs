@@ -63,6 +63,7 @@ async fn server_errors_are_retried() {
 }
 
 #[tokio::test]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn a_timed_out_artifact_fetch_is_retried_and_a_timed_out_create_is_adopted_not_repeated() {
     // Looked up 1 s after the timeout: the delayed create (1.5 s) has landed by then.
     let h = harness_with(|c| {
@@ -212,6 +213,7 @@ async fn rate_limits_do_not_use_up_failure_retries_but_are_bounded() {
 /// answer) is ridden out: the tries back off as the README promises (doubling from
 /// `KERNELKITE_RETRY_BASE_MS`), each after a lookup found nothing, and one build is made.
 #[tokio::test]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn a_short_create_build_outage_is_ridden_out_with_backoff() {
     let h = harness_with(|c| {
         c.retry_base_ms = 250;

@@ -15,6 +15,7 @@ use kernelkite_testkit::{sample_config, sample_result_json};
 use serde_json::{json, Value};
 
 #[tokio::test]
+#[ignore = "full tier (scripts/test.sh runs it): waits out timeouts and intervals of seconds"]
 async fn a_short_outage_after_build_finished_does_not_fail_the_submission() {
     // Two tries per call: the old service gave up after them and failed the submission for
     // good (Buildkite does not redeliver build.finished).

@@ -25,6 +25,7 @@ use kernelkite_agent::job_env::JobEnv;
 use kernelkite_hooks::config::{parse_config, Mode};
 use kernelkite_hooks::job::devices::device_indices;
 use kernelkite_hooks::job::exports::shell_quote;
+use kernelkite_sys::node::{COMMAND_HOOK, ENVIRONMENT_HOOK, PRE_EXIT_HOOK};
 
 /// The prefix of every line the smoke command reports.
 pub const MARK: &str = "kk-smoke";
@@ -686,7 +687,7 @@ pub fn run_slice(
             .output()
             .map_err(|e| SetupError::io(&path, e))
     };
-    let environment = hook("environment", &env)?;
+    let environment = hook(ENVIRONMENT_HOOK, &env)?;
     let mut command_out = None;
     if environment.status.success() {
         // What the agent holds for the job reaches the later hooks, as it passes them (the
@@ -698,9 +699,9 @@ pub fn run_slice(
         );
         job_env.insert("BUILDKITE_AGENT_JOB_API_TOKEN".into(), token.clone());
         env = job_env;
-        command_out = Some(hook("command", &env)?);
+        command_out = Some(hook(COMMAND_HOOK, &env)?);
     }
-    let pre_exit = hook("pre-exit", &env)?;
+    let pre_exit = hook(PRE_EXIT_HOOK, &env)?;
     let run_dir = env
         .get("KERNELKITE_RUN_DIR")
         .cloned()
