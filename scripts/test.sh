@@ -2,11 +2,12 @@
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
 # It installs what it needs, then runs, in order: formatting, lints, the API docs, the node's
 # binaries (scripts/node-binaries.sh: the static kernelkite-isolate, which needs the musl
-# target, added with rustup), every crate's tests, the fast tier (a plain `cargo test`) then
-# the full tier (the test binaries marked `test = false`; shellcheck on every shell script,
-# hadolint on the Dockerfiles and systemd-analyze on the units among them), the plugin's bats
-# tests, the Python client's ruff and pytest suite (in a venv at target/py-venv, against the
-# real service binary), the Docker images' builds, the fast tier again in a fresh clone with
+# target, added with rustup), every crate's tests, the fast tier (a plain `cargo test`, which
+# also lints every shell script with shellcheck, the Dockerfiles with hadolint and the units
+# with systemd-analyze) then the full tier (the test binaries marked `test = false` and the
+# tests marked `#[ignore = "full tier ..."]`), the Python client's ruff and pytest suite (in a
+# venv at target/py-venv, against the real service binary), the plugin's bats tests, the
+# Docker images' builds, the fast tier again in a fresh clone with
 # nothing beside it (under /var/tmp, where the README's main job, ./scripts/demo.sh, runs too;
 # in CI, where the checkout is a clean clone already, the whole run happens in such a clone
 # instead, once), and each benchmark in its short mode; then how long each section took.
@@ -147,6 +148,9 @@ step "cargo fmt --check" cargo fmt --all --check
 
 section "cargo clippy (warnings are errors)"
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+# `--all-targets` leaves out the test targets marked `test = false` (the full tier), and takes
+# precedence over `--test` beside it: a second run with `--test '*'` checks them.
+step "cargo clippy (the full tier's tests)" cargo clippy --workspace --test '*' --locked -- -D warnings
 
 section "cargo doc (warnings are errors)"
 step "cargo doc" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
@@ -159,7 +163,13 @@ export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""
 py_junit=""
-trap 'rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}' EXIT
+# The demo's background build stops with the script, however it ends.
+demo_build_pid=""
+cleanup() {
+  [ -z "$demo_build_pid" ] || kill "$demo_build_pid" 2>/dev/null || true
+  rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}
+}
+trap cleanup EXIT
 
 section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
 # The hooks' static build, which its own tests (plugin/tests/node/static_build.rs) and the job
@@ -219,15 +229,14 @@ for p in json.load(sys.stdin)["packages"]:
 # "$py_result" (the first line "passed failed skipped", then one line per test that did not pass).
 python_suite() {
   # Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
-  # as processes (built here; cargo test above built most of it already).
+  # as processes, as cargo test built them (target/debug; no build of their own, whose
+  # features, without the tests' dev-dependencies, would compile them again).
   py_venv=target/py-venv
   py_ready=true
   [ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
   $py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     -r clients/python/requirements-test.txt || py_ready=false
   $py_ready || failed_step "the Python test venv (target/py-venv)"
-  step "cargo build (the Python suite's binaries)" \
-    cargo build --locked --quiet -p kernelkite-service -p kernelkite-testkit --bins
   # The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
   # kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
   if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
@@ -249,12 +258,7 @@ python_suite() {
   fi
 }
 
-section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL), with the Python client's suite beside it"
-# Both mostly wait (on agents, processes, sockets): run side by side they take the time of the
-# longer, not of both. The Python suite's output is shown after the full tier's.
-py_log=$(mktemp) py_junit=$(mktemp) py_result=$(mktemp)
-python_suite >"$py_log" 2>&1 &
-py_pid=$!
+section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL)"
 full_log=$(mktemp)
 full_args=$(full_tier_args) || full_args=""
 if [ -z "$full_args" ]; then
@@ -272,15 +276,17 @@ else
   cat "$full_log" >>"$log"
 fi
 rm -f "$full_log"
-wait "$py_pid" || failed_step "the Python client's suite (exit $?)"
-echo "--- the Python client's suite (clients/python): ruff, pytest against the real service"
-cat "$py_log"
+section "python client (clients/python): ruff, pytest against the real service"
+# Run beside the full tier, it took longer than after it (CI, 2 cores): it computes more than
+# it waits. It runs the binaries the tests built (target/debug).
+py_junit=$(mktemp) py_result=$(mktemp)
+python_suite || failed_step "the Python client's suite (exit $?)"
 py_passed=0 py_failed=0 py_skipped=0 py_counts=""
 if [ -s "$py_result" ]; then
   py_counts=$(cat "$py_result")
   read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
 fi
-rm -f "$py_log" "$py_result"
+rm -f "$py_result"
 
 section "bats (the plugin's hook files)"
 bats_log=$(mktemp)
@@ -315,6 +321,7 @@ if [ -n "${KERNELKITE_IN_CLONE:-}" ]; then
   demo_log=$(mktemp)
   demo_build_rc=0
   wait "$demo_build_pid" || demo_build_rc=$?
+  demo_build_pid=""
   if [ "$demo_build_rc" != 0 ]; then
     cat "$demo_build_log"
     failed_step "./scripts/demo.sh in a fresh clone under /var/tmp: its build (exit $demo_build_rc)"

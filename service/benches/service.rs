@@ -1048,7 +1048,8 @@ async fn finished_memory(sizes: &Sizes) {
                         .build
                         .clone()
                         .expect("build");
-                    app.handle_event(kernelkite_service::executor::BuildEvent {
+                    kernelkite_service::events::for_executor(&app)
+                        .deliver(kernelkite_service::executor::BuildEvent {
                         kind: kernelkite_service::executor::BuildEventKind::Finished,
                         build: kernelkite_service::executor::BuildStatus {
                             id: attached.id,

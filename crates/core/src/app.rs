@@ -850,7 +850,7 @@ impl App {
     /// Acts on a build's progress, as its executor reported it, in the background: the
     /// webhook is answered at once, and an event lost to a crash before its commit is found
     /// again by the reconciler. [`App::handle_event`] is the same, awaited.
-    pub fn on_event(self: &Arc<Self>, event: BuildEvent) {
+    pub(crate) fn on_event(self: &Arc<Self>, event: BuildEvent) {
         let app = self.clone();
         tokio::spawn(
             async move { app.handle_event(event).await }
@@ -859,8 +859,9 @@ impl App {
     }
 
     /// Acts on a build's progress and returns once its effect is committed. Collecting the
-    /// result of a finished build runs in the background.
-    pub async fn handle_event(self: &Arc<Self>, event: BuildEvent) {
+    /// result of a finished build runs in the background. Adapters deliver events through the
+    /// events handle (`crate::events::for_executor`), the one way in.
+    pub(crate) async fn handle_event(self: &Arc<Self>, event: BuildEvent) {
         match self.store.route(&event) {
             Routed::Submission(id) => self.apply(&id, event).await,
             Routed::Buffered => {

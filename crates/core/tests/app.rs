@@ -1,7 +1,7 @@
 //! The core alone: the App over the in-memory store and an executor that runs builds in this
 //! process, driven through the events handle an executor is given. No HTTP, no database, no
-//! other kernelkite crate; the service's tests drive the same core over HTTP against the fake
-//! Buildkite and the SQLite store.
+//! kernelkite crate but the core and its leaves; the service's tests drive the same core over
+//! HTTP against the fake Buildkite and the SQLite store.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -368,11 +368,7 @@ impl Job {
 
     /// Runs one hook and applies its environment changes the way the agent does.
     pub fn run_hook(&mut self, hook: &str) -> Output {
-        let out = self
-            .hook_command(hook, &self.checkout())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let out = output_of(|| self.hook_command(hook, &self.checkout()));
         if out.status.success() {
             // An executed hook changes the job's environment through the Job API only.
             self.env = self.api.env();
@@ -500,4 +496,20 @@ impl Node {
             .join("cgroot/sys/fs/cgroup/kernelkite")
             .join(job)
     }
+}
+
+/// Runs the command `make` builds, its stdin empty. A hook file this harness has just written
+/// can be `ETXTBSY` for a moment: another test thread's fork copied the descriptor it was
+/// written through, until that child execs (the kernel refuses to execute a file open for
+/// writing). The exec is tried again then, as the file is complete.
+fn output_of(make: impl Fn() -> Command) -> Output {
+    for _ in 0..100 {
+        match make().stdin(Stdio::null()).output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r.unwrap(),
+        }
+    }
+    panic!("the hook stayed busy (ETXTBSY) for a second");
 }

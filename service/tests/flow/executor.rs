@@ -127,7 +127,9 @@ async fn another_executor_drives_the_same_state_machine() {
         assert_eq!(config, sample_config());
     }
     assert_eq!(app.store().get(&id).unwrap().state.as_str(), "running");
-    app.on_event(finished(1));
+    kernelkite_service::events::for_executor(&app)
+        .deliver(finished(1))
+        .await;
     let v: Value = http
         .get(format!("{base}/v1/submissions/{id}?wait=10"))
         .send()

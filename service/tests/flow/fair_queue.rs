@@ -253,8 +253,8 @@ impl Service {
 
     /// Ends build `number` as passed, as its executor's event would.
     async fn finish(&self, number: usize) {
-        self.app
-            .handle_event(BuildEvent {
+        kernelkite_service::events::for_executor(&self.app)
+            .deliver(BuildEvent {
                 kind: BuildEventKind::Finished,
                 build: BuildStatus {
                     id: format!("b-{number}"),

@@ -1,7 +1,9 @@
 //! A [`Durable`] store in memory: what the core's tests and an embedder that keeps nothing
 //! across restarts run on, with the same answers as the service's SQLite store (which the
 //! service's tests run against; `kernelkite_service::store::sqlite`). Nothing survives the
-//! process ([`Durable::persistent`] is false).
+//! process ([`Durable::persistent`] is false). Each change is made when the method is called,
+//! before its future is awaited (the SQLite store's, when it is awaited): the core awaits every
+//! write before it goes on, so it cannot tell.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,6 +20,9 @@ use crate::submission::{State, Submission};
 /// A submission as kept.
 struct Row {
     sub: Submission,
+    /// Set by `finish` alone, as the SQLite store's `terminal` column: a `save` never ends a
+    /// submission, whatever state it carries.
+    terminal: bool,
     /// Until it ends (what its build is created from).
     job: Option<Job>,
     deadline_ms: i64,
@@ -75,23 +80,28 @@ fn existing(row: &Row, hash: &str) -> Inserted {
 }
 
 impl Tables {
-    fn insert(&mut self, new: NewSubmission) -> Inserted {
+    fn insert(&mut self, new: NewSubmission) -> Result<Inserted, StoreError> {
         let (key, hash) = match &new.idempotency {
             Some((k, h)) => (Some(k.clone()), Some(h.clone())),
             None => (None, None),
         };
         if let (Some(k), Some(h)) = (&key, &hash) {
             if let Some(row) = self.keys.get(k).and_then(|id| self.submissions.get(id)) {
-                return existing(row, h);
+                return Ok(existing(row, h));
             }
         }
         let id = new.sub.id.clone();
+        if self.submissions.contains_key(&id) {
+            // The SQLite store's primary key refuses it too.
+            return Err(StoreError::Write(format!("submission {id} exists already")));
+        }
         if let Some(k) = key {
             self.keys.insert(k, id.clone());
         }
         self.submissions.insert(
             id,
             Row {
+                terminal: new.sub.state.is_terminal(),
                 sub: new.sub,
                 job: Some(new.job),
                 deadline_ms: new.deadline_ms,
@@ -100,13 +110,13 @@ impl Tables {
                 cache_key: new.cache_key,
             },
         );
-        Inserted::Created
+        Ok(Inserted::Created)
     }
 
     /// A change of a submission that has not ended; false when it has (or is unknown).
     fn save(&mut self, sub: &Submission) -> bool {
         match self.submissions.get_mut(&sub.id) {
-            Some(row) if !row.sub.state.is_terminal() => {
+            Some(row) if !row.terminal => {
                 // A waiting submission's place is told, never kept (as the SQLite store).
                 let mut kept = sub.clone();
                 kept.place = None;
@@ -121,10 +131,11 @@ impl Tables {
         let Some(row) = self.submissions.get_mut(&sub.id) else {
             return false;
         };
-        if row.sub.state.is_terminal() {
+        if row.terminal {
             return false;
         }
         row.sub = sub.clone();
+        row.terminal = true;
         row.job = None;
         if let Some(cb) = callback {
             self.callbacks.insert(
@@ -142,7 +153,7 @@ impl Tables {
         true
     }
 
-    fn due(&self, now_ms: i64, limit: i64) -> Result<Vec<DueCallback>, StoreError> {
+    fn due(&self, now_ms: i64, limit: i64) -> Vec<DueCallback> {
         let mut due: Vec<(&String, &Callback)> = self
             .callbacks
             .iter()
@@ -157,8 +168,15 @@ impl Tables {
                     let Some(row) = self.submissions.get(id) else {
                         continue;
                     };
-                    serde_json::to_string(&row.sub)
-                        .map_err(|e| StoreError::Read(format!("encoding {id}: {e}")))?
+                    // One that cannot be encoded must not hold up every other callback (as
+                    // the SQLite store leaves such a row out).
+                    match serde_json::to_string(&row.sub) {
+                        Ok(body) => body,
+                        Err(e) => {
+                            tracing::error!(id = %id, error = %e, "cannot build a callback's body from its submission; it is left out");
+                            continue;
+                        }
+                    }
                 }
             };
             out.push(DueCallback {
@@ -169,7 +187,7 @@ impl Tables {
                 give_up_at_ms: c.give_up_at_ms,
             });
         }
-        Ok(out)
+        out
     }
 
     fn cached(&self, q: &CacheQuery) -> Option<Submission> {
@@ -188,7 +206,7 @@ impl Tables {
 impl Durable for InMemory {
     fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>> {
         let inserted = self.tables().insert(new);
-        Box::pin(async move { Ok(inserted) })
+        Box::pin(async move { inserted })
     }
 
     fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -215,7 +233,7 @@ impl Durable for InMemory {
             .tables()
             .submissions
             .values()
-            .filter(|r| !r.sub.state.is_terminal())
+            .filter(|r| !r.terminal)
             .map(|r| Pending {
                 sub: r.sub.clone(),
                 job: r.job.clone(),
@@ -232,7 +250,7 @@ impl Durable for InMemory {
             .tables()
             .submissions
             .get(id)
-            .filter(|r| !r.sub.state.is_terminal())
+            .filter(|r| !r.terminal)
             .and_then(|r| r.job.clone());
         Box::pin(async move { Ok(job) })
     }
@@ -284,7 +302,7 @@ impl Durable for InMemory {
         limit: i64,
     ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
         let due = self.tables().due(now_ms, limit);
-        Box::pin(async move { due })
+        Box::pin(async move { Ok(due) })
     }
 
     fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
