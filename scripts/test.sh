@@ -225,39 +225,6 @@ for p in json.load(sys.stdin)["packages"]:
         if t["kind"] == ["test"] and not t["test"]:
             print("-p", p["name"], "--test", t["name"])'
 }
-# The Python client's suite: ruff, then pytest against the real service. Its counts go to
-# "$py_result" (the first line "passed failed skipped", then one line per test that did not pass).
-python_suite() {
-  # Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
-  # as processes, as cargo test built them (target/debug; no build of their own, whose
-  # features, without the tests' dev-dependencies, would compile them again).
-  py_venv=target/py-venv
-  py_ready=true
-  [ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
-  $py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r clients/python/requirements-test.txt || py_ready=false
-  $py_ready || failed_step "the Python test venv (target/py-venv)"
-  # The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
-  # kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
-  if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
-    KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
-    export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
-  fi
-  if $py_ready; then
-    (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .) ||
-      failed_step "ruff (clients/python)"
-    # -rs prints each skip with its reason, -rf each failure; the counts come from the JUnit XML.
-    (cd clients/python && ../../$py_venv/bin/python -m pytest -rfs -p no:cacheprovider \
-      --junitxml="$py_junit") || true
-    if "$py_venv/bin/python" scripts/pytest_counts.py "$py_junit" >"$py_result"; then
-      read -r _ py_failed _ <"$py_result"
-      ((py_failed == 0)) || failed_step "pytest (clients/python)" "$py_failed"
-    else
-      failed_step "pytest (clients/python): no JUnit report"
-    fi
-  fi
-}
-
 section "cargo test (the full tier: root, real cgroups, the real agent, SIGKILL)"
 full_log=$(mktemp)
 full_args=$(full_tier_args) || full_args=""
@@ -277,16 +244,37 @@ else
 fi
 rm -f "$full_log"
 section "python client (clients/python): ruff, pytest against the real service"
-# Run beside the full tier, it took longer than after it (CI, 2 cores): it computes more than
-# it waits. It runs the binaries the tests built (target/debug).
-py_junit=$(mktemp) py_result=$(mktemp)
-python_suite || failed_step "the Python client's suite (exit $?)"
+# Pinned tools in a venv of their own; the suite starts kernelkite-service and fake-buildkite
+# as processes, as cargo test built them (target/debug; no build of their own, whose features,
+# without the tests' dev-dependencies, would compile them again). Run beside the full tier, it
+# took longer than after it (CI, 2 cores): it computes more than it waits.
+py_venv=target/py-venv
 py_passed=0 py_failed=0 py_skipped=0 py_counts=""
-if [ -s "$py_result" ]; then
-  py_counts=$(cat "$py_result")
-  read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+py_ready=true
+[ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv" || py_ready=false
+$py_ready && "$py_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  -r clients/python/requirements-test.txt || py_ready=false
+$py_ready || failed_step "the Python test venv (target/py-venv)"
+# The checkout mode (kernelbot's own code with the launcher) runs where KERNELBOT_SRC names a
+# kernelbot checkout; its interpreter is made here unless KERNELBOT_PYTHON names one.
+if [ -n "${KERNELBOT_SRC:-}" ] && [ -z "${KERNELBOT_PYTHON:-}" ]; then
+  KERNELBOT_PYTHON=$(./scripts/kernelbot-venv.sh | tail -n1)
+  export KERNELBOT_PYTHON="$PWD/$KERNELBOT_PYTHON"
 fi
-rm -f "$py_result"
+if $py_ready; then
+  (cd clients/python && ../../$py_venv/bin/ruff check . && ../../$py_venv/bin/ruff format --check .) ||
+    failed_step "ruff (clients/python)"
+  py_junit=$(mktemp)
+  # -rs prints each skip with its reason, -rf each failure; the counts come from the JUnit XML.
+  (cd clients/python && ../../$py_venv/bin/python -m pytest -rfs -p no:cacheprovider \
+    --junitxml="$py_junit") || true
+  if py_counts=$("$py_venv/bin/python" scripts/pytest_counts.py "$py_junit"); then
+    read -r py_passed py_failed py_skipped <<<"$(head -n1 <<<"$py_counts")"
+    ((py_failed == 0)) || failed_step "pytest (clients/python)" "$py_failed"
+  else
+    failed_step "pytest (clients/python): no JUnit report"
+  fi
+fi
 
 section "bats (the plugin's hook files)"
 bats_log=$(mktemp)

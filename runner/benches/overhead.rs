@@ -19,16 +19,6 @@ with open(sys.argv[2]) as f:\n    cases = f.read().splitlines()\n\
 out = os.fdopen(int(os.environ['POPCORN_FD']), 'w')\n\
 out.write(f'test-count: {len(cases)}\\ncheck: pass\\n')\n";
 
-fn python() -> Option<String> {
-    let out = Command::new("python3")
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 fn time_it(cmd: &mut Command) -> Duration {
     let t = Instant::now();
     let status = cmd
@@ -57,7 +47,7 @@ fn stats(mut v: Vec<f64>) -> (f64, f64) {
 }
 
 fn main() {
-    let Some(py) = python() else {
+    let Some(py) = kernelkite_testkit_leaf::python() else {
         println!("skipping: python3 is not available");
         return;
     };
@@ -87,7 +77,7 @@ fn main() {
 
     let direct = || {
         time_it(
-            Command::new(&py)
+            Command::new(py)
                 .args(["eval.py", "test", "cases.txt"])
                 .current_dir(dir.path())
                 .env("POPCORN_FD", "1"),
@@ -100,7 +90,7 @@ fn main() {
                 .arg(&pfile)
                 .arg("--output")
                 .arg(&result)
-                .args(["--python", &py])
+                .args(["--python", py])
                 .env("RUST_LOG", "warn"),
         );
         let r: serde_json::Value =
@@ -115,7 +105,7 @@ fn main() {
     };
     let prototype = || {
         time_it(
-            Command::new(&py)
+            Command::new(py)
                 .arg(&proto)
                 .arg(&result)
                 .env("KERNELBOT_PAYLOAD", &payload)

@@ -28,69 +28,39 @@ fn inherited(name: &str) -> bool {
     !(name.starts_with("BUILDKITE_") || name.starts_with("KERNELBOT_") || name == "BUILDKITE")
 }
 
-/// What a job's hooks are told about it.
-#[derive(Debug, Clone)]
-pub struct HookJob<'a> {
-    /// `BUILDKITE_JOB_ID`: unique per attempt, and a valid cgroup name.
-    pub job_id: &'a str,
-    /// `BUILDKITE_BUILD_ID`.
-    pub build_id: &'a str,
-    /// `BUILDKITE_BUILD_NUMBER`.
-    pub build_number: u64,
-    /// `BUILDKITE_AGENT_NAME`.
-    pub agent_name: &'a str,
-    /// The slice the worker is bound to (`BUILDKITE_AGENT_META_DATA_GPU_INDEX`, the agent tag
-    /// the hooks lease by).
-    pub slice: u32,
-    /// The queue (`BUILDKITE_AGENT_META_DATA_QUEUE`).
-    pub queue: &'a str,
-    /// `BUILDKITE_PLUGIN_CONFIGURATION`.
-    pub plugin_config: &'a serde_json::Map<String, serde_json::Value>,
-    /// `BUILDKITE_BUILD_CHECKOUT_PATH`, where the hooks run.
-    pub checkout: &'a Path,
-    /// `BUILDKITE_COMMAND`.
-    pub command: &'a str,
-    /// The build's env (the payload carrier, `KERNELBOT_RUN_ID`, ...).
-    pub build_env: &'a [(String, String)],
+/// The organization local mode's jobs name, as an agent's would name Buildkite's.
+pub const ORGANIZATION: &str = "local";
+/// The pipeline local mode's jobs name.
+pub const PIPELINE: &str = "kernelkite-local";
+/// The step's artifact_paths: in the sandbox, what of the job's writes to its checkout reaches
+/// this machine's disk (crates/hooks/src/sandbox/disk.rs).
+pub const ARTIFACT_PATHS: &str = "result.json";
+
+/// The step's plugin as the pipeline names it (`deployment/pipelines/host.yml` takes it from
+/// its repository subdirectory), with the configuration every local job gets.
+pub fn plugin_step(
+    config: &serde_json::Map<String, serde_json::Value>,
+) -> (String, serde_json::Value) {
+    (
+        format!("{PLUGIN_LOCATION}#local"),
+        serde_json::Value::Object(config.clone()),
+    )
 }
 
 /// The environment an agent gives each hook of `job`: its own (here: the service's, less what
-/// `inherited` keeps out), the build's env, and the `BUILDKITE_*` variables.
+/// `inherited` keeps out), the build's env (`build_env`: the payload carrier,
+/// `KERNELBOT_RUN_ID`, ...), and the variables the agent sets for the job.
 pub fn hook_env(
     service_env: impl IntoIterator<Item = (String, String)>,
-    job: &HookJob<'_>,
+    build_env: &[(String, String)],
+    job: &JobEnv<'_>,
 ) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = service_env
         .into_iter()
         .filter(|(k, _)| inherited(k))
         .collect();
-    env.extend(job.build_env.iter().cloned());
-    // As an agent runs the pipeline's step (`deployment/pipelines/host.yml` names the plugin
-    // by its repository subdirectory): the job's variables, the plugin's and the step's list.
-    env.extend(
-        JobEnv {
-            job_id: job.job_id,
-            build_id: job.build_id,
-            build_number: job.build_number,
-            organization: "local",
-            pipeline: "kernelkite-local",
-            agent_name: job.agent_name,
-            tags: vec![
-                ("gpu-index", job.slice.to_string()),
-                ("queue", job.queue.to_string()),
-            ],
-            checkout: job.checkout,
-            command: job.command,
-            // The step's artifact_paths: in the sandbox, what of the job's writes to its
-            // checkout reaches this machine's disk (crates/hooks/src/sandbox/disk.rs).
-            artifact_paths: Some("result.json"),
-            plugin: Some((
-                format!("{PLUGIN_LOCATION}#local"),
-                serde_json::Value::Object(job.plugin_config.clone()),
-            )),
-        }
-        .variables(),
-    );
+    env.extend(build_env.iter().cloned());
+    env.extend(job.variables());
     env
 }
 
@@ -256,17 +226,18 @@ mod tests {
     fn hooks_get_the_agents_variables_and_none_of_the_services_secrets() {
         let cfg = serde_json::json!({"allow-unenforced": true, "gpus": 1});
         let build_env = vec![("KERNELBOT_PAYLOAD".to_string(), "eJw=".to_string())];
-        let job = HookJob {
+        let job = JobEnv {
             job_id: "b-1",
             build_id: "b",
             build_number: 7,
+            organization: ORGANIZATION,
+            pipeline: PIPELINE,
             agent_name: "local-host-0",
-            slice: 3,
-            queue: "local",
-            plugin_config: cfg.as_object().unwrap(),
+            tags: vec![("gpu-index", "3".into()), ("queue", "local".into())],
             checkout: Path::new("/tmp/x"),
             command: "true",
-            build_env: &build_env,
+            artifact_paths: Some(ARTIFACT_PATHS),
+            plugin: Some(plugin_step(cfg.as_object().unwrap())),
         };
         let service = [
             ("PATH", "/usr/bin"),
@@ -277,7 +248,7 @@ mod tests {
             ("KERNELKITE_PYTHON", "python3.11"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()));
-        let env = hook_env(service, &job);
+        let env = hook_env(service, &build_env, &job);
         assert_eq!(env["PATH"], "/usr/bin");
         assert_eq!(env["KERNELKITE_PYTHON"], "python3.11");
         assert_eq!(env["KERNELBOT_PAYLOAD"], "eJw=");

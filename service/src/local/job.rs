@@ -12,7 +12,9 @@ use kernelkite_sys::node::{COMMAND_HOOK, ENVIRONMENT_HOOK, PRE_EXIT_HOOK};
 use tokio::process::Command;
 use tokio::sync::Notify;
 
-use super::hooks::{self, HookJob, ProcessId};
+use kernelkite_agent::job_env::JobEnv;
+
+use super::hooks::{self, ProcessId};
 use super::jobdir::{JobDir, JobFile};
 use super::plan::PlannedSlice;
 use super::{lock, LocalExecutor, Queued, Stage, STOP_GRACE, UNENFORCED};
@@ -112,22 +114,29 @@ impl LocalExecutor {
                 return (out, None);
             }
         };
+        // `BUILDKITE_JOB_ID`: unique per attempt, and a valid cgroup name.
         let job_id = format!("{}-{attempt}", file.build.id);
         let (command, build_env) = self.command_for(file, dir, attempt);
         let agent_name = format!("local-{}-{}", self.host, slice.index);
-        let job = HookJob {
+        // As an agent of the local pipeline bound to the slice (the tag the hooks lease by)
+        // runs the step.
+        let job = JobEnv {
             job_id: &job_id,
             build_id: &file.build.id,
             build_number: file.build.number,
+            organization: hooks::ORGANIZATION,
+            pipeline: hooks::PIPELINE,
             agent_name: &agent_name,
-            slice: slice.index,
-            queue: &file.queue,
-            plugin_config: &self.settings.plugin_config,
+            tags: vec![
+                ("gpu-index", slice.index.to_string()),
+                ("queue", file.queue.clone()),
+            ],
             checkout: &checkout,
             command: &command,
-            build_env: &build_env,
+            artifact_paths: Some(hooks::ARTIFACT_PATHS),
+            plugin: Some(hooks::plugin_step(&self.settings.plugin_config)),
         };
-        let mut env = hooks::hook_env(std::env::vars(), &job);
+        let mut env = hooks::hook_env(std::env::vars(), &build_env, &job);
         let sandbox = if self.settings.sandbox.on {
             "on"
         } else {
