@@ -171,11 +171,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh target/node)"
+section "the node's binaries: the static kernelkite-isolate (scripts/node-binaries.sh --static-only target/node)"
 # The hooks' static build, which its own tests (plugin/tests/node/static_build.rs) and the job
 # overhead benchmark run. Without the musl target (rustup offline) those tests skip, saying so.
+# The dynamic release builds a node installs beside it are left out: only the benchmarks would
+# run them, and their short runs here take the tests' build instead (a minute and a half less).
 node_rc=0
-./scripts/node-binaries.sh target/node || node_rc=$?
+./scripts/node-binaries.sh --static-only target/node || node_rc=$?
 if [ "$node_rc" = 0 ]; then
   export KERNELKITE_STATIC_ISOLATE="$PWD/target/node/kernelkite-isolate"
 elif [ "$node_rc" = 3 ]; then
@@ -365,8 +367,8 @@ if [ "${KERNELKITE_SKIP_BENCH:-}" != 1 ]; then
   # unit tests already ran above. The short runs show that every benchmark runs; they are
   # built with the tests' profile (dev: one build for tests and benchmarks, seconds instead of
   # an optimised build's 7 minutes on 2 cores), so their figures are unoptimised and only the
-  # release binaries they run (the node's hooks and runner, target/node) are as a node has
-  # them. The figures in docs/BENCHMARKS.md are full runs of `cargo bench` (the bench profile).
+  # static hooks (target/node) are as a node has them. The figures in docs/BENCHMARKS.md are
+  # full runs of `cargo bench` (the bench profile) after `scripts/node-binaries.sh target/node`.
   echo "note: short runs of an unoptimised build; for figures run cargo bench (docs/BENCHMARKS.md)"
   KERNELKITE_BENCH_SHORT=1 step "benchmarks" cargo bench --workspace --locked --no-fail-fast --profile dev --bench '*'
 fi

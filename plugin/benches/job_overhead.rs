@@ -20,7 +20,7 @@
 //! environment hook.
 //!
 //! `cargo bench -p kernelkite-isolate --bench job_overhead` (`KERNELKITE_BENCH_SHORT=1`: a run
-//! of about a minute). Uses the machine's real cgroups when root and writable (the sandbox needs
+//! of about 25 s). Uses the machine's real cgroups when root and writable (the sandbox needs
 //! root), else a fake v2 tree with the sandbox off.
 
 use std::collections::BTreeMap;
@@ -453,7 +453,7 @@ fn shell_shims(dir: &Path) -> PathBuf {
 
 fn main() {
     let short = std::env::var_os("KERNELKITE_BENCH_SHORT").is_some();
-    let (b2b_jobs, gap_jobs) = if short { (30, 8) } else { (200, 60) };
+    let (b2b_jobs, gap_jobs) = if short { (15, 4) } else { (200, 60) };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     // The ordinary (dynamically linked) release build a node installs beside the static one
     // (`kernelkite-isolate-nvml`), where scripts/node-binaries.sh built it; else this

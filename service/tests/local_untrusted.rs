@@ -295,14 +295,9 @@ fn start_time(pid: u32) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_command_pid_signals_nothing_after_a_restart() {
-    use std::os::unix::process::CommandExt;
     // The process the job points at: not the job's, and leading a process group of its own,
     // as the command hook does, so that only where the record comes from tells them apart.
-    let mut victim = std::process::Command::new("sleep")
-        .arg("300")
-        .process_group(0)
-        .spawn()
-        .unwrap();
+    let mut victim = kernelkite_testkit::Sleeper::leader(300);
     let v = victim.id();
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let marks = dir.path().join("marks");
@@ -347,8 +342,7 @@ esac"#,
         .await
         .expect("the recovered submission ends");
     let victim_survived = alive(v);
-    let _ = victim.kill();
-    let _ = victim.wait();
+    victim.kill();
     assert!(victim_survived, "the service signalled the forged pid {v}");
     // The attempt the restart interrupted was stopped: its recorded hook (the service's own
     // record) was signalled, with its group.

@@ -7,9 +7,11 @@
 pub mod fake_nvml;
 pub mod kfd;
 pub mod skip;
+pub mod sleeper;
 pub mod tmpfs;
 
 pub use skip::skip;
+pub use sleeper::Sleeper;
 
 /// A binary a script builds for the tests (`scripts/node-binaries.sh`,
 /// `scripts/buildkite-agent.sh`): the one the variable `var` names, which must be there (a
@@ -32,8 +34,9 @@ pub fn static_isolate() -> Option<std::path::PathBuf> {
     built_binary("KERNELKITE_STATIC_ISOLATE", Some(built))
 }
 
-/// Where `scripts/node-binaries.sh target/node` (which the test command runs) writes the
-/// release binaries a node installs: `target/node` in the repository.
+/// Where `scripts/node-binaries.sh target/node` writes the release binaries a node installs:
+/// `target/node` in the repository (the test command writes only the static hooks there, with
+/// `--static-only`).
 fn node_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/node")
 }

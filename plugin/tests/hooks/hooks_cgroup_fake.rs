@@ -34,8 +34,16 @@ fn v2_tree(root: &Path) -> PathBuf {
     cg
 }
 
+/// A `sleep` with no standard streams: one left by a failing test must not hold the test
+/// command's pipe open.
 fn sleeper() -> Child {
-    Command::new("sleep").arg("300").spawn().unwrap()
+    Command::new("sleep")
+        .arg("300")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
 }
 
 /// Emulates the kernel for one fake cgroup dir: writing 1 to `cgroup.kill` kills every

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use agent::common::output_ok;
 use agent::{Node, BIN};
+use kernelkite_testkit::Sleeper;
 
 struct Racer {
     job: String,
-    anchor: Child,
+    anchor: Sleeper,
     hook: Child,
 }
 
@@ -19,8 +20,7 @@ impl Drop for Racer {
     fn drop(&mut self) {
         let _ = self.hook.kill();
         let _ = self.hook.wait();
-        let _ = self.anchor.kill();
-        let _ = self.anchor.wait();
+        self.anchor.kill();
     }
 }
 
@@ -103,7 +103,7 @@ fn eight_jobs_four_gpus_never_share_and_dead_holders_free_theirs() {
     let mut racers: Vec<Racer> = (0..8)
         .map(|i| {
             let job = format!("race-{i}");
-            let anchor = Command::new("sleep").arg("600").spawn().unwrap();
+            let anchor = Sleeper::new(600);
             let hook = hook(&node, &job, anchor.id(), "environment")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -139,8 +139,7 @@ fn eight_jobs_four_gpus_never_share_and_dead_holders_free_theirs() {
         .filter(|&i| first.contains_key(&racers[i].job))
         .collect();
     for &i in &winners[..2] {
-        racers[i].anchor.kill().unwrap();
-        racers[i].anchor.wait().unwrap();
+        racers[i].anchor.kill();
     }
     for &i in &winners[2..] {
         let r = &racers[i];
@@ -164,7 +163,7 @@ fn eight_jobs_four_gpus_never_share_and_dead_holders_free_theirs() {
 /// multi-GPU queue's agent is, by tag) with the step's `config`; the job's anchor lives until
 /// the racer is dropped.
 fn bound(node: &Node, job: &str, gpu_index: &str, config: &str) -> Racer {
-    let anchor = Command::new("sleep").arg("600").spawn().unwrap();
+    let anchor = Sleeper::new(600);
     let hook = hook(node, job, anchor.id(), "environment")
         .env("BUILDKITE_AGENT_META_DATA_GPU_INDEX", gpu_index)
         .env("BUILDKITE_PLUGIN_CONFIGURATION", config)

@@ -324,18 +324,10 @@ mod tests {
 
     #[test]
     fn only_the_recorded_group_leader_of_this_boot_is_the_hook() {
-        use std::os::unix::process::CommandExt;
         let boot = super::boot_id();
         // A process in this test's group (not a leader), and one leading its own group.
-        let mut member = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let mut leader = std::process::Command::new("sleep")
-            .arg("30")
-            .process_group(0)
-            .spawn()
-            .unwrap();
+        let mut member = kernelkite_testkit::Sleeper::new(30);
+        let mut leader = kernelkite_testkit::Sleeper::leader(30);
         let (m, l) = (member.id(), leader.id());
         let (mt, lt) = (start_time(m).unwrap(), start_time(l).unwrap());
         assert_eq!(verify_hook(m, mt, &boot), Err(NotTheHook::NotLeader(m)));
@@ -354,10 +346,8 @@ mod tests {
                 start_time: lt
             })
         );
-        leader.kill().unwrap();
-        leader.wait().unwrap();
+        leader.kill();
         assert_eq!(verify_hook(l, lt, &boot), Err(NotTheHook::Gone(l)));
-        member.kill().unwrap();
-        member.wait().unwrap();
+        member.kill();
     }
 }

@@ -171,7 +171,7 @@ pub struct Sqlite {
     path: Option<PathBuf>,
     closed: Arc<AtomicBool>,
     /// The data directory's lock, held while the store is open ([`lock_dir`]).
-    _lock: Option<Arc<std::fs::File>>,
+    _lock: Option<Arc<DirLock>>,
     /// The database file's device and inode when opened: a file found otherwise later was
     /// deleted or replaced ([`Sqlite::check_file`]).
     identity: Option<(u64, u64)>,
@@ -624,24 +624,57 @@ fn sqlite_header(path: &Path) -> bool {
 /// The data directory's lock file: who holds it, for the next process's error.
 pub const LOCK_FILE: &str = "kernelkite-service.lock";
 
-/// The data directories this process holds: a second store of this process on one of them
-/// (a restart in a test, an inspection) shares the lock; another process is refused.
-fn hold_dir(dir: &Path) -> Result<Arc<std::fs::File>, StoreError> {
-    static HELD: std::sync::Mutex<Vec<(PathBuf, std::sync::Weak<std::fs::File>)>> =
-        std::sync::Mutex::new(Vec::new());
-    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
-    held.retain(|(_, f)| f.strong_count() > 0);
-    if let Some(file) = held
-        .iter()
-        .find(|(d, _)| *d == key)
-        .and_then(|(_, f)| f.upgrade())
-    {
-        return Ok(file);
+/// The data directories this process holds, with a handle on each lock: a second store of this
+/// process on one of them (a restart in a test, an inspection) shares the lock; another process
+/// is refused.
+type Held = Vec<(PathBuf, std::sync::Weak<DirLock>)>;
+static HELD: std::sync::Mutex<Held> = std::sync::Mutex::new(Vec::new());
+
+fn held() -> std::sync::MutexGuard<'static, Held> {
+    HELD.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A data directory's lock, held by this process while any of its stores is open.
+pub(crate) struct DirLock {
+    key: PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl Drop for DirLock {
+    /// Closes the file (which drops the `flock`) and forgets the directory under the
+    /// registry's mutex: a store opening the directory meanwhile waits for the close, where
+    /// it could otherwise find the holder gone and the lock still taken, and refuse itself
+    /// (a restart in a test failed that way once under load).
+    fn drop(&mut self) {
+        let mut held = held();
+        drop(self.file.take());
+        held.retain(|(k, f)| !(k == &self.key && f.strong_count() == 0));
     }
-    let file = Arc::new(lock_dir(dir)?);
-    held.push((key, Arc::downgrade(&file)));
-    Ok(file)
+}
+
+fn hold_dir(dir: &Path) -> Result<Arc<DirLock>, StoreError> {
+    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    loop {
+        let mut held = held();
+        match held.iter().find(|(d, _)| *d == key) {
+            Some((_, f)) => {
+                if let Some(lock) = f.upgrade() {
+                    return Ok(lock);
+                }
+                // Its last holder is closing it (DirLock::drop waits for this mutex).
+                drop(held);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            None => {
+                let lock = Arc::new(DirLock {
+                    key: key.clone(),
+                    file: Some(lock_dir(dir)?),
+                });
+                held.push((key, Arc::downgrade(&lock)));
+                return Ok(lock);
+            }
+        }
+    }
 }
 
 /// Takes the data directory's exclusive lock (`flock` on [`LOCK_FILE`], which the kernel drops
@@ -1548,6 +1581,27 @@ mod tests {
     use super::*;
     use crate::executor::Job;
     use crate::submission::{Outcome, State};
+
+    /// A store of this process let go on one thread while another opens the same directory
+    /// (an in-process restart): the second shares the lock or takes it, and is never refused
+    /// as if another process held it.
+    #[test]
+    fn a_lock_let_go_while_the_directory_is_opened_again_is_never_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..2000 {
+            let first = hold_dir(dir.path()).unwrap();
+            let go = Arc::new(std::sync::Barrier::new(2));
+            let go2 = go.clone();
+            let dropper = std::thread::spawn(move || {
+                go2.wait();
+                drop(first);
+            });
+            go.wait();
+            let second = hold_dir(dir.path());
+            dropper.join().unwrap();
+            assert!(second.is_ok(), "attempt {i}: {:?}", second.err());
+        }
+    }
 
     fn job(id: &str) -> Job {
         Job {

@@ -275,13 +275,14 @@ mod tests {
         use kernelkite_topology::planner::{plan, Policy};
         use kernelkite_topology::Topology;
         for with_uuids in [true, false] {
+            // The node's tree, once per fixture (thousands of files), in memory.
+            let root = kernelkite_testkit_leaf::scratch();
+            kernelkite_topology::fakesys::mi300x_8()
+                .write_to(root.path())
+                .unwrap();
+            kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
+            let topo = Topology::discover(root.path()).unwrap();
             for gpus_per_slice in [1, 2] {
-                let root = tempfile::tempdir().unwrap();
-                kernelkite_topology::fakesys::mi300x_8()
-                    .write_to(root.path())
-                    .unwrap();
-                kernelkite_testkit_leaf::kfd::write_mi300x(root.path(), &[], with_uuids).unwrap();
-                let topo = Topology::discover(root.path()).unwrap();
                 let policy = Policy {
                     gpus_per_slice,
                     ..Policy::default()
@@ -292,7 +293,7 @@ mod tests {
                     let mine: Vec<String> =
                         slice.gpus().iter().map(|g| g.pci_bus_id.clone()).collect();
                     // The job's /dev: its own render nodes only.
-                    let job = tempfile::tempdir().unwrap();
+                    let job = kernelkite_testkit_leaf::scratch();
                     let own: Vec<usize> = (0..8)
                         .filter(|i| mine.contains(&kernelkite_testkit_leaf::kfd::mi300x_bus_id(*i)))
                         .collect();
@@ -301,7 +302,7 @@ mod tests {
                     let host = exports_for(slice, &device_indices(&p, slice), true);
                     let container = crate::docker::container_device_env(slice);
                     // The sandbox off: the host's /dev, every render node.
-                    let bare = tempfile::tempdir().unwrap();
+                    let bare = kernelkite_testkit_leaf::scratch();
                     let every: Vec<usize> = (0..8).collect();
                     kernelkite_testkit_leaf::kfd::write_mi300x(bare.path(), &every, with_uuids)
                         .unwrap();
