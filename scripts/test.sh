@@ -2,7 +2,8 @@
 # The project's one test command (README "Run the tests"; `.ci/run` calls exactly this).
 # It installs what it needs, then runs, in order: formatting, lints, the API docs, the node's
 # binaries (scripts/node-binaries.sh: the static kernelkite-isolate, which needs the musl
-# target, added with rustup), every crate's tests, the fast tier (a plain `cargo test`, which
+# target, added with rustup), a private PostgreSQL server for the store's tests
+# (scripts/postgres.sh), every crate's tests, the fast tier (a plain `cargo test`, which
 # also lints every shell script with shellcheck, the Dockerfiles with hadolint and the units
 # with systemd-analyze) then the full tier (the test binaries marked `test = false` and the
 # tests marked `#[ignore = "full tier ..."]`), the Python client's ruff and pytest suite (in a
@@ -53,7 +54,7 @@ section_times() {
 
 install_deps() {
   # Linters: the shell scripts are checked with shellcheck, the units with systemd-analyze.
-  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 nftables util-linux procps shellcheck systemd)
+  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 nftables util-linux procps shellcheck systemd postgresql)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -163,10 +164,12 @@ export KERNELKITE_SKIP_LOG
 KERNELKITE_SKIP_LOG=$(mktemp)
 clone_dir=""
 py_junit=""
+pg_dir=""
 # The demo's background build stops with the script, however it ends.
 demo_build_pid=""
 cleanup() {
   [ -z "$demo_build_pid" ] || kill "$demo_build_pid" 2>/dev/null || true
+  [ -z "$pg_dir" ] || { ./scripts/postgres.sh stop "$pg_dir"; rm -rf "$pg_dir"; }
   rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}
 }
 trap cleanup EXIT
@@ -206,6 +209,23 @@ if [ -n "${KERNELKITE_IN_CLONE:-}" ]; then
   demo_build_log=$(mktemp)
   env -u CARGO_TARGET_DIR KERNELKITE_DEMO_BUILD_ONLY=1 nice -n 19 ./scripts/demo.sh >"$demo_build_log" 2>&1 &
   demo_build_pid=$!
+fi
+
+section "PostgreSQL for the tests (scripts/postgres.sh: a private server, stopped at the end)"
+# The store's suite runs against it (service/tests/store.rs); without it those tests skip,
+# saying so. A cluster of its own: a few seconds, and nothing of the machine's is touched.
+pg_dir=$(mktemp -d)
+if KERNELKITE_TEST_DATABASE_URL=$(./scripts/postgres.sh start "$pg_dir"); then
+  export KERNELKITE_TEST_DATABASE_URL
+  echo "PostgreSQL at $KERNELKITE_TEST_DATABASE_URL"
+else
+  unset KERNELKITE_TEST_DATABASE_URL
+  if [ "${CI:-}" = true ]; then
+    # CI installs PostgreSQL: a server that cannot start there is a failure, not a skip.
+    failed_step "scripts/postgres.sh (PostgreSQL for the tests did not start)"
+  else
+    echo "note: no PostgreSQL server for the tests (scripts/postgres.sh failed above); the PostgreSQL store's tests skip"
+  fi
 fi
 
 section "cargo test (the fast tier)"

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kernelkite_service::buildkite::artifact;
 use kernelkite_service::buildkite::{BuildkiteClient, NewBuild};
-use kernelkite_service::store::NewSubmission;
+use kernelkite_service::store::{Durable, NewSubmission};
 use kernelkite_service::submission::{BuildInfo, State, Submission};
 use kernelkite_service::Config;
 use kernelkite_testkit::fake_buildkite::{
@@ -767,18 +767,67 @@ fn job_for(id: &str) -> kernelkite_service::executor::Job {
     }
 }
 
+/// The stores measured: SQLite on disk with each sync mode, and PostgreSQL where a server is
+/// named (`KERNELKITE_BENCH_DATABASE_URL`, else the tests' `KERNELKITE_TEST_DATABASE_URL`),
+/// labelled with the server's own durability settings.
+async fn stores(dirs: &[tempfile::TempDir; 2]) -> Vec<(String, Arc<dyn Durable>)> {
+    use kernelkite_service::store::{PgSettings, Postgres, Sqlite, SyncMode};
+    let mut out: Vec<(String, Arc<dyn Durable>)> = Vec::new();
+    for (sync, dir) in [SyncMode::Normal, SyncMode::Full].into_iter().zip(dirs) {
+        let db = Sqlite::open(Some(dir.path()), sync, None).expect("store");
+        out.push((format!("SQLite, {sync:?}"), Arc::new(db)));
+    }
+    let url = [
+        "KERNELKITE_BENCH_DATABASE_URL",
+        "KERNELKITE_TEST_DATABASE_URL",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()));
+    let Some(url) = url else {
+        println!("(PostgreSQL not measured: set KERNELKITE_BENCH_DATABASE_URL, or run scripts/postgres.sh start DIR durable)");
+        return out;
+    };
+    let settings = PgSettings {
+        url: url.clone(),
+        schema: format!("kk_bench_{}", std::process::id()),
+        max_connections: 8,
+        lock_wait: Duration::ZERO,
+    };
+    let (db, _) = Postgres::open(&settings, None).expect("the PostgreSQL store opens");
+    let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect");
+    let mut shown = Vec::new();
+    for name in ["fsync", "synchronous_commit"] {
+        let v: String = sqlx::query_scalar(&format!("SHOW {name}"))
+            .fetch_one(&mut c)
+            .await
+            .unwrap_or_default();
+        shown.push(v);
+    }
+    let (fsync, commit) = (&shown[0], &shown[1]);
+    out.push((
+        format!(
+            "PostgreSQL on loopback, 8 connections (fsync={fsync}, synchronous_commit={commit})"
+        ),
+        Arc::new(db),
+    ));
+    out
+}
+
 /// The store alone: new submissions written (as `POST /v1/submissions` writes them before
-/// creating the build), 64 writers at once, on disk.
+/// creating the build), 64 writers at once, on disk; each store in the same run.
 async fn store_throughput(sizes: &Sizes) {
     use futures_util::StreamExt;
-    use kernelkite_service::store::{Sqlite, SyncMode};
-    println!("\n## Store throughput (SQLite on the VM's ext4 disk, WAL, group commit; 64 writers)");
-    println!("| what | sync | n | time | per second |");
+    println!("\n## Store throughput (SQLite on the VM's ext4 disk, WAL, group commit; PostgreSQL on this VM; 64 writers)");
+    println!("| what | store | n | time | per second |");
     println!("|---|---|---|---|---|");
+    let dirs = [
+        tempfile::tempdir().expect("dir"),
+        tempfile::tempdir().expect("dir"),
+    ];
     let mut single = Vec::new();
-    for sync in [SyncMode::Normal, SyncMode::Full] {
-        let dir = tempfile::tempdir().expect("dir");
-        let db = Sqlite::open(Some(dir.path()), sync, None).expect("store");
+    for (store, db) in stores(&dirs).await {
         let n = sizes.store_n;
         let t = Instant::now();
         futures_util::stream::iter(0..n)
@@ -811,7 +860,7 @@ async fn store_throughput(sizes: &Sizes) {
             .await;
         let took = t.elapsed();
         println!(
-            "| submissions written (insert + idempotency key + job) | {sync:?} | {n} | {} | {:.0} |",
+            "| submissions written (insert + idempotency key + job) | {store} | {n} | {} | {:.0} |",
             ms(took),
             n as f64 / took.as_secs_f64()
         );
@@ -842,11 +891,11 @@ async fn store_throughput(sizes: &Sizes) {
             lat.push(t.elapsed());
         }
         lat.sort();
-        single.push((sync, lat));
+        single.push((store, lat));
     }
-    for (sync, lat) in single {
+    for (store, lat) in single {
         println!(
-            "one state change committed alone ({sync:?}): p50 {}, p99 {} over {}",
+            "one state change committed alone ({store}): p50 {}, p99 {} over {}",
             ms(pct(&lat, 0.5)),
             ms(pct(&lat, 0.99)),
             lat.len()

@@ -87,6 +87,12 @@ pub enum ConfigError {
         #[source]
         source: url::ParseError,
     },
+    /// Both stores were asked for.
+    #[error("KERNELKITE_DATA_DIR and KERNELKITE_DATABASE_URL are both set: the store is either a SQLite file in the data dir or PostgreSQL; unset one")]
+    TwoStores,
+    /// The schema name would need quoting.
+    #[error("KERNELKITE_DATABASE_SCHEMA {0:?} is not a plain schema name: use lower-case letters, digits and _ (not first), at most 63")]
+    Schema(String),
     /// BUILDKITE_API_URL is not http(s).
     #[error("BUILDKITE_API_URL {0:?} must be http(s)")]
     ApiUrlScheme(String),
@@ -289,6 +295,29 @@ pub struct StoreConfig {
     #[arg(long, env = "KERNELKITE_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
 
+    /// The store in PostgreSQL instead (`postgres://user:password@host:port/database`, TLS as
+    /// its `sslmode` says): for a service without a disk that outlives it (a Heroku-style
+    /// platform). Unset, and no data dir given: `DATABASE_URL` (the platform's database) when
+    /// set. Not with a data dir.
+    #[arg(long, env = "KERNELKITE_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<Secret>,
+
+    /// The PostgreSQL schema kernelkite's tables live in (created when missing), so it can
+    /// share a database (kernelbot's) without touching other tables: lower-case letters,
+    /// digits and `_`.
+    #[arg(long, env = "KERNELKITE_DATABASE_SCHEMA", default_value = crate::store::postgres::DEFAULT_SCHEMA)]
+    pub database_schema: String,
+
+    /// Most connections the service opens to PostgreSQL (one more holds its lock).
+    #[arg(long, env = "KERNELKITE_DATABASE_CONNECTIONS", default_value_t = 8)]
+    pub database_connections: u32,
+
+    /// Seconds a start waits for the PostgreSQL schema's lock while another session holds it
+    /// (a service that just died lets go within seconds, one whose machine died within about
+    /// 25 s); then it exits, naming the holder.
+    #[arg(long, env = "KERNELKITE_DATABASE_LOCK_WAIT_S", default_value_t = 30)]
+    pub database_lock_wait_s: u64,
+
     /// How commits reach the disk: `normal` survives the process being killed at any
     /// instant; `full` also survives a power loss (an fsync per commit).
     #[arg(long, env = "KERNELKITE_STORE_SYNC", value_enum, default_value_t = crate::store::SyncMode::Normal)]
@@ -309,6 +338,61 @@ pub struct StoreConfig {
     /// At most this many builds' early webhooks are kept.
     #[arg(long, env = "KERNELKITE_EARLY_EVENT_MAX", default_value_t = 10_000)]
     pub early_event_max: usize,
+}
+
+/// Which durable store the service opens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// SQLite in the data dir (`None`: in memory).
+    Sqlite(Option<PathBuf>),
+    /// PostgreSQL at the URL.
+    Postgres(String),
+}
+
+impl StoreConfig {
+    /// The store asked for: KERNELKITE_DATABASE_URL, else KERNELKITE_DATA_DIR, else the
+    /// platform's `DATABASE_URL` (`platform_url`), else SQLite in memory.
+    pub fn backend(&self, platform_url: Option<String>) -> Backend {
+        match (&self.database_url, &self.data_dir) {
+            (Some(url), _) => Backend::Postgres(url.expose().to_string()),
+            (None, Some(dir)) => Backend::Sqlite(Some(dir.clone())),
+            (None, None) => match platform_url.filter(|u| !u.is_empty()) {
+                Some(url) => Backend::Postgres(url),
+                None => Backend::Sqlite(None),
+            },
+        }
+    }
+
+    /// [`StoreConfig::backend`] with the process's `DATABASE_URL`.
+    pub fn backend_here(&self) -> Backend {
+        self.backend(std::env::var("DATABASE_URL").ok())
+    }
+
+    /// PostgreSQL's settings for `url`.
+    pub fn postgres(&self, url: String) -> crate::store::PgSettings {
+        crate::store::PgSettings {
+            url,
+            schema: self.database_schema.clone(),
+            max_connections: self.database_connections,
+            lock_wait: std::time::Duration::from_secs(self.database_lock_wait_s),
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        if self.database_url.is_some() && self.data_dir.is_some() {
+            return Err(ConfigError::TwoStores);
+        }
+        if !crate::store::postgres::valid_schema(&self.database_schema) {
+            return Err(ConfigError::Schema(self.database_schema.clone()));
+        }
+        if self.database_connections == 0 {
+            return Err(ConfigError::Zero(
+                "KERNELKITE_DATABASE_CONNECTIONS",
+                "the service open no connection to PostgreSQL",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Buildkite: the REST API, the pipeline and its builds, the webhook, artifact downloads, retries and the rate budget. Read by `crate::buildkite`; checked only when Buildkite is the executor (the webhook token always).
@@ -740,6 +824,7 @@ impl Config {
         }
         self.core().check()?;
         self.edge.check()?;
+        self.store.check()?;
         for (value, name, effect) in [
             (
                 self.buildkite.http_timeout_s,
@@ -776,6 +861,40 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_store_is_the_one_asked_for_and_two_are_refused() {
+        let mut c = Config::local();
+        assert_eq!(c.store.backend(None), Backend::Sqlite(None));
+        let heroku = || Some("postgres://u:p@db:5432/app".to_string());
+        assert_eq!(
+            c.store.backend(heroku()),
+            Backend::Postgres("postgres://u:p@db:5432/app".into()),
+            "the platform's DATABASE_URL when nothing else is set"
+        );
+        assert_eq!(c.store.backend(Some(String::new())), Backend::Sqlite(None));
+        c.store.data_dir = Some("/var/lib/kk".into());
+        assert_eq!(
+            c.store.backend(heroku()),
+            Backend::Sqlite(Some("/var/lib/kk".into())),
+            "a data dir wins over the platform's database"
+        );
+        c.store.database_url = Some(Secret::new("postgres://kk:SECRET-4@db/kk"));
+        assert!(matches!(c.check(), Err(ConfigError::TwoStores)));
+        c.store.data_dir = None;
+        assert!(c.check().is_ok());
+        assert_eq!(
+            c.store.backend(heroku()),
+            Backend::Postgres("postgres://kk:SECRET-4@db/kk".into())
+        );
+        assert!(
+            !format!("{c:?}").contains("SECRET-4"),
+            "the URL's password is never shown"
+        );
+        c.store.database_schema = "Kernel-Kite".into();
+        let e = c.check().unwrap_err().to_string();
+        assert!(e.contains("KERNELKITE_DATABASE_SCHEMA"), "{e}");
+    }
 
     #[test]
     fn debug_redacts_every_token() {

@@ -141,6 +141,22 @@ fn log_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_submissions_survive_kill_9_at_random_points() {
+    survive_kill_9(None).await;
+}
+
+/// The same with the store in PostgreSQL: each restart waits for the killed process's session
+/// to let go of the schema's lock (the server notices at once) and reads everything back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_submissions_survive_kill_9_at_random_points_with_postgres() {
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    survive_kill_9(Some((url, kernelkite_testkit::postgres::schema()))).await;
+}
+
+// Over 80 lines: one scenario (submissions at every stage, five kills, then every promise
+// checked), shared by both stores.
+async fn survive_kill_9(postgres: Option<(String, String)>) {
     const N: usize = 200;
     const KILLS: usize = 5;
     let fake = Arc::new(FakeBuildkite::start().await);
@@ -150,6 +166,9 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
     // Slow answers, so kills land while callbacks are in flight.
     receiver.set_mode(Mode::Slow(Duration::from_millis(100)));
     let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    if let Some((url, schema)) = &postgres {
+        svc.use_postgres(url, schema);
+    }
     svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
     svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
     svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
@@ -267,6 +286,13 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
         count("reloading submissions that had not ended") >= 3,
         "kills missed the submissions in flight: {log}"
     );
+    if postgres.is_some() {
+        assert_eq!(
+            count("the store is in PostgreSQL"),
+            KILLS + 1,
+            "every start used PostgreSQL: {log}"
+        );
+    }
     assert!(
         count("adopting the build an interrupted create made")
             + count("creating the build of an interrupted submission")

@@ -18,8 +18,8 @@ pub mod users;
 
 // The leaf crates' test support, under the paths every test already uses.
 pub use kernelkite_testkit_leaf::{
-    assert_warns, built_binary, fake_nvml, kfd, need_python, node_binary, python, scratch, skip,
-    static_isolate, tmpfs, Sleeper,
+    assert_warns, built_binary, fake_nvml, kfd, need_python, node_binary, postgres, python,
+    scratch, skip, static_isolate, tmpfs, Sleeper,
 };
 
 /// The variables a Buildkite agent gives a plugin's hooks (the service's, which local mode

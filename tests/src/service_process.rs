@@ -90,6 +90,13 @@ impl ServiceProcess {
         }
     }
 
+    /// Keeps the store in PostgreSQL at `url`, in `schema`, instead of the data dir.
+    pub fn use_postgres(&mut self, url: &str, schema: &str) {
+        self.env.retain(|(k, _)| k != "KERNELKITE_DATA_DIR");
+        self.set_env("KERNELKITE_DATABASE_URL", url);
+        self.set_env("KERNELKITE_DATABASE_SCHEMA", schema);
+    }
+
     /// Sets (or replaces) an environment variable of the next start.
     pub fn set_env(&mut self, key: &str, value: impl Into<String>) {
         self.env.retain(|(k, _)| k != key);

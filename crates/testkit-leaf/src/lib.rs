@@ -6,6 +6,7 @@
 
 pub mod fake_nvml;
 pub mod kfd;
+pub mod postgres;
 pub mod skip;
 pub mod sleeper;
 pub mod tmpfs;

@@ -16,13 +16,13 @@ use super::ServeArgs;
 use crate::app::App;
 use crate::buildkite::BuildkiteExecutor;
 use crate::callback::Outbox;
-use crate::config::{ConfigError, ExecutorKind};
+use crate::config::{Backend, ConfigError, ExecutorKind};
 use crate::executor::Executor;
 use crate::http::serve;
 use crate::local::LocalExecutor;
 use crate::metrics::Metrics;
 use crate::reconcile::Reconciler;
-use crate::store::{Sqlite, StoreError};
+use crate::store::{Durable, Postgres, Reopened, Sqlite, StoreError};
 
 /// Why the service cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -60,20 +60,8 @@ fn assemble(
     executor: Arc<dyn Executor>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<App>, StartError> {
-    if cfg.store.data_dir.is_none() {
-        tracing::warn!(
-            "KERNELKITE_DATA_DIR is not set: the store is in memory and nothing survives a restart"
-        );
-    }
-    let (db, reopened) = Sqlite::open_with_pending(
-        cfg.store.data_dir.as_deref(),
-        cfg.store.store_sync,
-        Some(metrics.clone()),
-    )?;
-    if cfg.store.store_check_s > 0 {
-        db.watch_pages(std::time::Duration::from_secs(cfg.store.store_check_s));
-    }
-    let app = App::new(cfg.core(), executor, Arc::new(db), metrics).map_err(ConfigError::from)?;
+    let (db, reopened) = open_store(cfg, &metrics)?;
+    let app = App::new(cfg.core(), executor, db, metrics).map_err(ConfigError::from)?;
     let outbox = Outbox::new(&app, &cfg.callbacks)?;
     app.spawn_housekeeping();
     app.spawn_places();
@@ -82,6 +70,36 @@ fn assemble(
     reconciler.spawn();
     outbox.spawn();
     Ok(app)
+}
+
+/// The durable store the configuration names ([`crate::config::Backend`]), opened, with what
+/// it kept.
+fn open_store(
+    cfg: &crate::Config,
+    metrics: &Arc<Metrics>,
+) -> Result<(Arc<dyn Durable>, Reopened), StartError> {
+    match cfg.store.backend_here() {
+        Backend::Postgres(url) => {
+            let (db, reopened) = Postgres::open(&cfg.store.postgres(url), Some(metrics.clone()))?;
+            Ok((Arc::new(db), reopened))
+        }
+        Backend::Sqlite(dir) => {
+            if dir.is_none() {
+                tracing::warn!(
+                    "neither KERNELKITE_DATA_DIR nor KERNELKITE_DATABASE_URL is set: the store is in memory and nothing survives a restart"
+                );
+            }
+            let (db, reopened) = Sqlite::open_with_pending(
+                dir.as_deref(),
+                cfg.store.store_sync,
+                Some(metrics.clone()),
+            )?;
+            if cfg.store.store_check_s > 0 {
+                db.watch_pages(std::time::Duration::from_secs(cfg.store.store_check_s));
+            }
+            Ok((Arc::new(db), reopened))
+        }
+    }
 }
 
 /// Serves until a shutdown signal; `local` forces the local executor (`kernelkite-service

@@ -9,9 +9,8 @@
 //! never queues behind a commit, and checkpoints the WAL, so no commit pays for that fsync; an
 //! in-memory database has one connection, so its one task does both.
 //!
-//! The SQL is kept portable for a later Postgres backend: `$n` placeholders, `TEXT` and
-//! `BIGINT` columns, booleans as `0/1`, no `INSERT OR ...`, no `RETURNING`, times as unix
-//! milliseconds. The schema is created by the numbered migrations in `service/migrations/`,
+//! Its statements are the PostgreSQL store's too, kept portable in one place (`store/sql.rs`).
+//! The schema is created by the numbered migrations in `service/migrations/`,
 //! run by sqlx's migrator and recorded in `_sqlx_migrations` (a database from before then
 //! also keeps its old `kernelkite_schema` table, unused).
 //!
@@ -31,6 +30,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{ConnectOptions, Row, SqliteConnection};
 use tokio::sync::{mpsc, oneshot};
 
+use super::sql::{
+    self, decode, encode, encode_ended, encode_kept, needs_result_of, BODY_FROM_SUBMISSION,
+    RUNS_WINDOW_MS,
+};
 use super::{
     now_ms, Accepted, CacheQuery, CallbackState, DueCallback, Durable, Inserted, NewCallback,
     NewSubmission, Pending, Ran, Reopened, StoreError,
@@ -677,9 +680,26 @@ fn hold_dir(dir: &Path) -> Result<Arc<DirLock>, StoreError> {
     }
 }
 
+/// How long a lock this process itself is letting go of may take to be free ([`lock_dir`]).
+const OWN_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Who holds a lock: this process as its lock file names it (`pid N on HOST, since T`).
+fn holder_name() -> String {
+    format!(
+        "pid {} on {}",
+        std::process::id(),
+        kernelkite_sys::host::name()
+    )
+}
+
 /// Takes the data directory's exclusive lock (`flock` on [`LOCK_FILE`], which the kernel drops
 /// when the process ends, however it ends) and writes who holds it; `Locked`, naming the
 /// holder, when another process has it.
+///
+/// A lock the file says is this process's own is waited for (up to [`OWN_LOCK_WAIT`]): it is
+/// being let go (a store of this process closing while another opens, as a restart in a test
+/// does), but a child this process is forking elsewhere holds a copy of the descriptor until
+/// it execs, and the lock with it. Refused at once, that restart failed in CI.
 fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
     use std::io::{Read, Seek, Write};
     let path = dir.join(LOCK_FILE);
@@ -695,13 +715,24 @@ fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
         .mode(0o600)
         .open(&path)
         .map_err(open_err)?;
-    if let Err(e) = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+    let me = holder_name();
+    let start = Instant::now();
+    while let Err(e) =
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+    {
         if e != rustix::io::Errno::WOULDBLOCK {
             return Err(open_err(e.into()));
         }
         let mut holder = String::new();
-        let _ = file.read_to_string(&mut holder);
+        let _ = file
+            .rewind()
+            .and_then(|()| file.read_to_string(&mut holder));
         let holder = holder.trim();
+        let own = holder.starts_with(&format!("{me},"));
+        if own && start.elapsed() < OWN_LOCK_WAIT {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
         return Err(StoreError::Locked {
             dir: dir.to_path_buf(),
             holder: if holder.is_empty() {
@@ -712,9 +743,7 @@ fn lock_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
         });
     }
     let me = format!(
-        "pid {} on {}, since {}",
-        std::process::id(),
-        kernelkite_sys::host::name(),
+        "{me}, since {}",
         chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
     );
     file.set_len(0).map_err(open_err)?;
@@ -749,9 +778,6 @@ fn prepare_files(dir: &Path, path: &Path) -> std::io::Result<()> {
     }
     Ok(())
 }
-
-/// How far back a start reads runs for the queues' estimates: a week.
-const RUNS_WINDOW_MS: i64 = 7 * 24 * crate::dispatch::HOUR_MS;
 
 /// Opens the connections (the writer's first: it checks the file and migrates), and reads
 /// the submissions that had not ended, on a helper thread: connecting needs no runtime, so
@@ -1119,51 +1145,16 @@ fn set_failed(shared: &Shared, failure: Option<WriteFailure>) {
         .unwrap_or_else(|p| p.into_inner()) = failure;
 }
 
-fn encode<T: serde::Serialize>(v: &T) -> Result<String, sqlx::Error> {
-    serde_json::to_string(v).map_err(|e| sqlx::Error::Encode(e.into()))
-}
-
-/// A submission as kept: without its place in the queue, which is derived from the queue and
-/// told to its waiters only (a restart rebuilds the queue).
-fn encode_kept(s: &Submission) -> Result<String, sqlx::Error> {
-    if s.place.is_none() {
-        return encode(s);
-    }
-    let mut kept = s.clone();
-    kept.place = None;
-    encode(&kept)
-}
-
-/// An ended submission as kept: an answer from the result cache without the result, which
-/// the run it names keeps (one copy, however many answers repeat it; [`with_result`] reads
-/// it back).
-fn encode_ended(s: &Submission) -> Result<String, sqlx::Error> {
-    if s.cached_from.is_none() || s.result.is_none() {
-        return encode(s);
-    }
-    let mut kept = s.clone();
-    kept.result = None;
-    encode(&kept)
-}
-
-/// A callback row's body when it is the submission as stored ([`NewCallback::body`] `None`).
-const BODY_FROM_SUBMISSION: &str = "";
-
 /// A submission as a reader sees it: an answer from the result cache gets the result of the
 /// run it names (kept once, there).
 async fn with_result(
     conn: &mut SqliteConnection,
     mut sub: Submission,
 ) -> Result<Submission, sqlx::Error> {
-    let Some(from) = sub.cached_from.as_deref() else {
+    let Some(from) = needs_result_of(&sub) else {
         return Ok(sub);
     };
-    // Only an answer that ended `succeeded` carries the run's result (one that was canceled
-    // before its end was written has none of its own).
-    if sub.result.is_some() || sub.state != crate::submission::State::Succeeded {
-        return Ok(sub);
-    }
-    let doc: Option<String> = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = $1")
+    let doc: Option<String> = sqlx::query_scalar(sql::DOC)
         .bind(from)
         .fetch_optional(&mut *conn)
         .await?;
@@ -1178,15 +1169,11 @@ async fn with_result(
 /// the result it refers to; the same bytes on every attempt (an ended submission does not
 /// change).
 async fn callback_body(conn: &mut SqliteConnection, id: &str) -> Result<String, sqlx::Error> {
-    let doc: String = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = $1")
+    let doc: String = sqlx::query_scalar(sql::DOC)
         .bind(id)
         .fetch_one(&mut *conn)
         .await?;
     encode(&with_result(conn, decode(&doc)?).await?)
-}
-
-fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, sqlx::Error> {
-    serde_json::from_str(text).map_err(|e| sqlx::Error::Decode(e.into()))
 }
 
 // Over 80 lines: one match arm per write operation, each a few SQL statements side by side.
@@ -1199,74 +1186,61 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 }
             }
             let s = &new.sub;
-            sqlx::query(
-                "INSERT INTO submissions (id, state, terminal, created_at_ms, deadline_ms, build_id, build_number, idempotency_key, request_sha256, job, doc, queue, user_id, class, fair_tag, cache_key, cached_from)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
-            )
-            .bind(&s.id)
-            .bind(s.state.as_str())
-            .bind(i64::from(s.state.is_terminal()))
-            .bind(s.created_at.timestamp_millis())
-            .bind(new.deadline_ms)
-            .bind(s.build.as_ref().map(|b| b.id.clone()))
-            .bind(s.build.as_ref().map(|b| b.number as i64))
-            .bind(new.idempotency.as_ref().map(|k| k.0.clone()))
-            .bind(new.idempotency.as_ref().map(|k| k.1.clone()))
-            .bind(encode(&new.job)?)
-            .bind(encode(s)?)
-            .bind(&s.queue)
-            .bind(&s.user)
-            .bind(s.priority.as_str())
-            .bind(new.fair_tag.map(|t| i64::try_from(t).unwrap_or(i64::MAX)))
-            .bind(&new.cache_key)
-            .bind(&s.cached_from)
-            .execute(&mut *conn)
-            .await?;
+            sqlx::query(sql::INSERT_SUBMISSION)
+                .bind(&s.id)
+                .bind(s.state.as_str())
+                .bind(i64::from(s.state.is_terminal()))
+                .bind(s.created_at.timestamp_millis())
+                .bind(new.deadline_ms)
+                .bind(s.build.as_ref().map(|b| b.id.clone()))
+                .bind(s.build.as_ref().map(|b| b.number as i64))
+                .bind(new.idempotency.as_ref().map(|k| k.0.clone()))
+                .bind(new.idempotency.as_ref().map(|k| k.1.clone()))
+                .bind(encode(&new.job)?)
+                .bind(encode(s)?)
+                .bind(&s.queue)
+                .bind(&s.user)
+                .bind(s.priority.as_str())
+                .bind(sql::tag_column(new.fair_tag))
+                .bind(&new.cache_key)
+                .bind(&s.cached_from)
+                .execute(&mut *conn)
+                .await?;
             Ok(Reply::Inserted(Inserted::Created))
         }
         Op::Save(s) => {
-            let done = sqlx::query(
-                "UPDATE submissions SET state = $2, doc = $3, build_id = $4, build_number = $5
-                 WHERE id = $1 AND terminal = 0",
-            )
-            .bind(&s.id)
-            .bind(s.state.as_str())
-            .bind(encode_kept(s)?)
-            .bind(s.build.as_ref().map(|b| b.id.clone()))
-            .bind(s.build.as_ref().map(|b| b.number as i64))
-            .execute(&mut *conn)
-            .await?;
+            let done = sqlx::query(sql::SAVE)
+                .bind(&s.id)
+                .bind(s.state.as_str())
+                .bind(encode_kept(s)?)
+                .bind(s.build.as_ref().map(|b| b.id.clone()))
+                .bind(s.build.as_ref().map(|b| b.number as i64))
+                .execute(&mut *conn)
+                .await?;
             Ok(Reply::Done(done.rows_affected() == 1))
         }
         Op::Finish(s, callback) => {
-            let done = sqlx::query(
-                "UPDATE submissions SET state = $2, terminal = 1, doc = $3, build_id = $4, build_number = $5, job = NULL,
-                     ran_ms = $6, ended_at_ms = $7
-                 WHERE id = $1 AND terminal = 0",
-            )
-            .bind(&s.id)
-            .bind(s.state.as_str())
-            .bind(encode_ended(s)?)
-            .bind(s.build.as_ref().map(|b| b.id.clone()))
-            .bind(s.build.as_ref().map(|b| b.number as i64))
-            .bind(s.ran().map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)))
-            .bind(s.finished_at.map(|t| t.timestamp_millis()))
-            .execute(&mut *conn)
-            .await?;
-            let ended = done.rows_affected() == 1;
-            if let (true, Some(cb)) = (ended, callback) {
-                sqlx::query(
-                    "INSERT INTO callbacks (submission_id, url, body, state, attempts, next_at_ms, give_up_at_ms, last_error)
-                     VALUES ($1, $2, $3, $4, 0, $5, $6, NULL)",
-                )
+            let done = sqlx::query(sql::FINISH)
                 .bind(&s.id)
-                .bind(&cb.url)
-                .bind(cb.body.as_deref().unwrap_or(BODY_FROM_SUBMISSION))
-                .bind(CallbackState::Pending.as_str())
-                .bind(now_ms())
-                .bind(cb.give_up_at_ms)
+                .bind(s.state.as_str())
+                .bind(encode_ended(s)?)
+                .bind(s.build.as_ref().map(|b| b.id.clone()))
+                .bind(s.build.as_ref().map(|b| b.number as i64))
+                .bind(sql::ran_column(s))
+                .bind(s.finished_at.map(|t| t.timestamp_millis()))
                 .execute(&mut *conn)
                 .await?;
+            let ended = done.rows_affected() == 1;
+            if let (true, Some(cb)) = (ended, callback) {
+                sqlx::query(sql::INSERT_CALLBACK)
+                    .bind(&s.id)
+                    .bind(&cb.url)
+                    .bind(cb.body.as_deref().unwrap_or(BODY_FROM_SUBMISSION))
+                    .bind(CallbackState::Pending.as_str())
+                    .bind(now_ms())
+                    .bind(cb.give_up_at_ms)
+                    .execute(&mut *conn)
+                    .await?;
             }
             Ok(Reply::Done(ended))
         }
@@ -1277,21 +1251,18 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
             next_at_ms,
             error,
         } => {
-            sqlx::query(
-                "UPDATE callbacks SET state = $2, attempts = $3, next_at_ms = $4, last_error = $5
-                 WHERE submission_id = $1",
-            )
-            .bind(id)
-            .bind(state.as_str())
-            .bind(attempts)
-            .bind(next_at_ms)
-            .bind(error)
-            .execute(&mut *conn)
-            .await?;
+            sqlx::query(sql::CALLBACK_ATTEMPTED)
+                .bind(id)
+                .bind(state.as_str())
+                .bind(attempts)
+                .bind(next_at_ms)
+                .bind(error)
+                .execute(&mut *conn)
+                .await?;
             Ok(Reply::Done(true))
         }
         Op::Probe => {
-            sqlx::query("UPDATE kernelkite_health SET checked_at_ms = $1 WHERE id = 1")
+            sqlx::query(sql::PROBE)
                 .bind(now_ms())
                 .execute(&mut *conn)
                 .await?;
@@ -1310,11 +1281,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
 
 /// Every submission that had not ended, oldest first.
 async fn pending(conn: &mut SqliteConnection) -> Result<Vec<Pending>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT doc, job, deadline_ms, fair_tag FROM submissions WHERE terminal = 0 ORDER BY created_at_ms",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows = sqlx::query(sql::PENDING).fetch_all(&mut *conn).await?;
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let job: Option<String> = r.try_get(1)?;
@@ -1336,13 +1303,10 @@ async fn accepted(
     conn: &mut SqliteConnection,
     since_ms: i64,
 ) -> Result<Vec<Accepted>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT queue, user_id, class, created_at_ms, cached_from FROM submissions
-         WHERE created_at_ms >= $1 AND (fair_tag IS NOT NULL OR cached_from IS NOT NULL)",
-    )
-    .bind(since_ms)
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows = sqlx::query(sql::ACCEPTED)
+        .bind(since_ms)
+        .fetch_all(&mut *conn)
+        .await?;
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let class: Option<String> = r.try_get(2)?;
@@ -1360,24 +1324,11 @@ async fn accepted(
 /// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs to end, of the
 /// submissions accepted since `since_ms`, earliest end first.
 async fn runs(conn: &mut SqliteConnection, since_ms: i64) -> Result<Vec<Ran>, sqlx::Error> {
-    // The last runs to end, as the queue learned them before the restart (under fair
-    // share they end in another order than they came). A window function keeps every
-    // queue's own however busy the others are; the week of submissions (by the
-    // index on created_at_ms) bounds what a start reads.
-    let rows = sqlx::query(
-        "SELECT queue, ran_ms FROM (
-             SELECT queue, ran_ms, ended_at_ms, id,
-                    ROW_NUMBER() OVER (PARTITION BY queue ORDER BY ended_at_ms DESC, id DESC) AS n
-             FROM submissions
-             WHERE created_at_ms >= $1 AND ran_ms IS NOT NULL AND queue IS NOT NULL
-         ) AS recent
-         WHERE n <= $2
-         ORDER BY ended_at_ms, id",
-    )
-    .bind(since_ms)
-    .bind(crate::dispatch::RECENT_RUNS as i64)
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows = sqlx::query(sql::RUNS)
+        .bind(since_ms)
+        .bind(crate::dispatch::RECENT_RUNS as i64)
+        .fetch_all(&mut *conn)
+        .await?;
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let ms: i64 = r.try_get(1)?;
@@ -1408,7 +1359,7 @@ async fn keyed(
     key: &str,
     hash: &str,
 ) -> Result<Option<Inserted>, sqlx::Error> {
-    let row = sqlx::query("SELECT request_sha256, doc FROM submissions WHERE idempotency_key = $1")
+    let row = sqlx::query(sql::KEYED)
         .bind(key)
         .fetch_optional(&mut *conn)
         .await?;
@@ -1426,7 +1377,7 @@ async fn keyed(
 async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error> {
     match op {
         Op::Load(id) => {
-            let row = sqlx::query("SELECT doc FROM submissions WHERE id = $1")
+            let row = sqlx::query(sql::DOC)
                 .bind(&id)
                 .fetch_optional(&mut *conn)
                 .await?;
@@ -1434,15 +1385,12 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
         }
         Op::Pending => Ok(Reply::Pending(pending(conn).await?)),
         Op::DueCallbacks { now_ms, limit } => {
-            let rows = sqlx::query(
-                "SELECT submission_id, url, body, attempts, give_up_at_ms FROM callbacks
-                 WHERE state = $1 AND next_at_ms <= $2 ORDER BY next_at_ms LIMIT $3",
-            )
-            .bind(CallbackState::Pending.as_str())
-            .bind(now_ms)
-            .bind(limit)
-            .fetch_all(&mut *conn)
-            .await?;
+            let rows = sqlx::query(sql::DUE_CALLBACKS)
+                .bind(CallbackState::Pending.as_str())
+                .bind(now_ms)
+                .bind(limit)
+                .fetch_all(&mut *conn)
+                .await?;
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
                 let submission_id: String = r.try_get(0)?;
@@ -1468,38 +1416,31 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
             Ok(Reply::Due(out))
         }
         Op::NextCallbackAt => {
-            let at: Option<i64> =
-                sqlx::query("SELECT MIN(next_at_ms) FROM callbacks WHERE state = $1")
-                    .bind(CallbackState::Pending.as_str())
-                    .fetch_one(&mut *conn)
-                    .await?
-                    .try_get(0)?;
+            let at: Option<i64> = sqlx::query(sql::NEXT_CALLBACK_AT)
+                .bind(CallbackState::Pending.as_str())
+                .fetch_one(&mut *conn)
+                .await?
+                .try_get(0)?;
             Ok(Reply::At(at))
         }
         Op::Job(id) => {
-            let job: Option<Option<String>> =
-                sqlx::query_scalar("SELECT job FROM submissions WHERE id = $1 AND terminal = 0")
-                    .bind(&id)
-                    .fetch_optional(&mut *conn)
-                    .await?;
+            let job: Option<Option<String>> = sqlx::query_scalar(sql::JOB)
+                .bind(&id)
+                .fetch_optional(&mut *conn)
+                .await?;
             let job = job.flatten().map(|j| decode(&j)).transpose()?;
             Ok(Reply::Job(job.map(Box::new)))
         }
         Op::Keyed { key, hash } => Ok(Reply::Keyed(keyed(conn, &key, &hash).await?)),
         Op::Accepted(since_ms) => Ok(Reply::Accepted(accepted(conn, since_ms).await?)),
         Op::Cached(q) => {
-            // A submission's timeout is its deadline less its acceptance.
-            let row = sqlx::query(
-                "SELECT doc FROM submissions WHERE cache_key = $1 AND created_at_ms >= $2 AND state = $3
-                     AND deadline_ms - created_at_ms <= $4
-                 ORDER BY created_at_ms DESC LIMIT 1",
-            )
-            .bind(&q.key)
-            .bind(q.since_ms)
-            .bind(crate::submission::State::Succeeded.as_str())
-            .bind(q.max_timeout_ms)
-            .fetch_optional(&mut *conn)
-            .await?;
+            let row = sqlx::query(sql::CACHED)
+                .bind(&q.key)
+                .bind(q.since_ms)
+                .bind(crate::submission::State::Succeeded.as_str())
+                .bind(q.max_timeout_ms)
+                .fetch_optional(&mut *conn)
+                .await?;
             loaded(conn, row).await
         }
         other => write(conn, &other).await,
@@ -1588,6 +1529,17 @@ mod tests {
     #[test]
     fn a_lock_let_go_while_the_directory_is_opened_again_is_never_refused() {
         let dir = tempfile::tempdir().unwrap();
+        // Processes started meanwhile, as a service's hooks are: each child holds a copy of
+        // every descriptor from its fork to its exec (the lock's too).
+        let stop = Arc::new(AtomicBool::new(false));
+        let forker = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = std::process::Command::new("true").status();
+                }
+            })
+        };
         for i in 0..2000 {
             let first = hold_dir(dir.path()).unwrap();
             let go = Arc::new(std::sync::Barrier::new(2));
@@ -1601,6 +1553,8 @@ mod tests {
             dropper.join().unwrap();
             assert!(second.is_ok(), "attempt {i}: {:?}", second.err());
         }
+        stop.store(true, Ordering::Relaxed);
+        forker.join().unwrap();
     }
 
     fn job(id: &str) -> Job {

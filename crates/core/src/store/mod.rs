@@ -75,6 +75,36 @@ pub enum StoreError {
         /// What SQLite reported.
         detail: String,
     },
+    /// The PostgreSQL store cannot be opened: the server does not answer, refuses the
+    /// credentials, or the schema cannot be created or migrated.
+    #[error("cannot open the store in PostgreSQL at {target}: {cause}; check KERNELKITE_DATABASE_URL (host, port, user, password, sslmode), that the server accepts connections from here, and that the user may create the schema (KERNELKITE_DATABASE_SCHEMA) or that it exists")]
+    Database {
+        /// The URL without its password, and the schema.
+        target: String,
+        /// Why, with its causes.
+        cause: String,
+    },
+    /// Another service holds the PostgreSQL schema (one service per schema: two would both
+    /// recover and run its submissions).
+    #[error("the PostgreSQL schema {schema} is in use by another kernelkite-service ({holder}); stop that one first, or give this one another KERNELKITE_DATABASE_SCHEMA")]
+    DatabaseInUse {
+        /// The schema.
+        schema: String,
+        /// Who holds it, as the server shows its session.
+        holder: String,
+    },
+    /// The connection holding the PostgreSQL schema's lock was lost while the service ran:
+    /// another service may hold it now, so nothing more is written.
+    #[error("the store lost its hold on PostgreSQL at {target} ({cause}); nothing more is written. Restart the service once the database answers again")]
+    DatabaseLost {
+        /// The URL without its password, and the schema.
+        target: String,
+        /// Why the connection was lost.
+        cause: String,
+    },
+    /// A change could not be committed to PostgreSQL; nothing of it was kept.
+    #[error("the store could not save the change in PostgreSQL ({0}); check that the database server answers and accepts writes, then retry")]
+    DatabaseWrite(String),
     /// A change could not be committed; nothing of it was kept.
     #[error("the store could not save the change ({0}); free disk space in KERNELKITE_DATA_DIR or check the disk, then retry")]
     Write(String),

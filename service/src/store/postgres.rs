@@ -1,0 +1,940 @@
+//! The durable store in PostgreSQL (`KERNELKITE_DATABASE_URL`), for where the service has no
+//! disk of its own that outlives it (a Heroku-style platform, kernelbot's: its state lives in
+//! the database its `DATABASE_URL` names). The same statements as the SQLite store
+//! (`store/sql.rs`) on a pool of connections, in a schema of kernelkite's own
+//! (`KERNELKITE_DATABASE_SCHEMA`, default `kernelkite`: the connections' `search_path`), so it
+//! can share kernelbot's database without touching kernelbot's tables. Its migrations are its
+//! own (`service/migrations-postgres/`), run by sqlx's migrator at start. TLS is as the URL's
+//! `sslmode` says (`require` for managed PostgreSQL services).
+//!
+//! One service per schema for now, as one per SQLite data directory: the store holds a
+//! session-level advisory lock on a connection of its own, kept on a thread of its own, and a
+//! second service on the same schema is refused, naming the holder. The holder's connection
+//! is checked every [`KEEP_EVERY`]: once lost (the server restarted, the network cut), the
+//! lock may be another's, so this store refuses every write and turns unhealthy until the
+//! service is restarted.
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, Row};
+
+use super::sql::{
+    self, decode, encode, encode_ended, encode_kept, needs_result_of, BODY_FROM_SUBMISSION,
+    RUNS_WINDOW_MS,
+};
+use super::{
+    now_ms, Accepted, CacheQuery, CallbackState, DueCallback, Durable, Inserted, NewCallback,
+    NewSubmission, Pending, Ran, Reopened, StoreError,
+};
+use crate::executor::Job;
+use crate::fairshare::Class;
+use crate::report::report;
+use crate::submission::Submission;
+
+/// The schema's name when none is given.
+pub const DEFAULT_SCHEMA: &str = "kernelkite";
+
+/// How often the lock's connection is checked.
+pub const KEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// How long opening waits for the server to answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The first key of the store's advisory lock (the second is the schema's hash): "kk".
+const LOCK_CLASS: i32 = 0x6b6b;
+
+/// How often a start asks again for a held lock.
+const LOCK_POLL: Duration = Duration::from_millis(200);
+
+/// PostgreSQL's "unique_violation".
+const UNIQUE_VIOLATION: &str = "23505";
+
+/// The migrations of `service/migrations-postgres/`, embedded at build time.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations-postgres");
+
+/// Where the store is.
+#[derive(Debug, Clone)]
+pub struct PgSettings {
+    /// `postgres://user:password@host:port/database?sslmode=...`.
+    pub url: String,
+    /// kernelkite's schema in that database.
+    pub schema: String,
+    /// Most connections the service opens (the lock's own not counted).
+    pub max_connections: u32,
+    /// How long a start waits for the schema's lock while another session holds it: a service
+    /// that just died holds it until the server notices (at once when its process died, within
+    /// about 25 s when its machine did: the connections' TCP keepalives).
+    pub lock_wait: Duration,
+}
+
+/// Whether `schema` can be kernelkite's schema: lower-case letters, digits and `_`, not
+/// starting with a digit, at most 63 bytes (PostgreSQL's limit), so it needs no quoting.
+pub fn valid_schema(schema: &str) -> bool {
+    let mut chars = schema.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && schema.len() <= 63
+}
+
+/// The URL without its password, for messages and logs.
+pub fn shown(opts: &PgConnectOptions) -> String {
+    format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        opts.get_database().unwrap_or_default()
+    )
+}
+
+/// The second key of the schema's advisory lock: its name's FNV-1a hash.
+fn lock_key(schema: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in schema.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h as i32
+}
+
+/// The PostgreSQL store. Cloning is cheap; the lock is let go when the last clone drops.
+#[derive(Clone)]
+pub struct Postgres {
+    pool: PgPool,
+    keeper: Arc<Keeper>,
+    /// Where, for messages: the URL without its password, and the schema.
+    target: String,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+impl std::fmt::Debug for Postgres {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Postgres")
+            .field("target", &self.target)
+            .finish()
+    }
+}
+
+/// The thread that holds the schema's lock on its connection; stopped (and the lock let go)
+/// when dropped.
+struct Keeper {
+    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Why the lock's connection was lost, once it was.
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = stop.send(());
+        }
+        // The lock is let go before the drop returns: a store opened next (a restart in the
+        // same process) finds it free.
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Postgres {
+    /// Opens the store: connects, takes the schema's lock, creates the schema when missing,
+    /// brings it up to date and reads what a start needs ([`Reopened`]). Blocks while it does
+    /// (it runs before the service serves anything); needs a tokio runtime, on which the
+    /// pool's connections then serve.
+    pub fn open(
+        settings: &PgSettings,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<(Postgres, Reopened), StoreError> {
+        let opts = connect_options(settings)?;
+        let target = format!("{} (schema {})", shown(&opts), settings.schema);
+        let lost = Arc::new(Mutex::new(None));
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let (opened, started) = std::sync::mpsc::channel();
+        let thread = {
+            let (opts, schema, lost) = (opts.clone(), settings.schema.clone(), lost.clone());
+            let lock_wait = settings.lock_wait;
+            std::thread::Builder::new()
+                .name("kernelkite-db-lock".into())
+                .spawn(move || {
+                    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    else {
+                        let _ = opened.send(Err(OpenError::Other(
+                            "no runtime for the lock's thread".into(),
+                        )));
+                        return;
+                    };
+                    rt.block_on(async move {
+                        match start(&opts, &schema, lock_wait).await {
+                            Ok((conn, reopened)) => {
+                                let _ = opened.send(Ok(reopened));
+                                keep(conn, stopped, lost).await;
+                            }
+                            Err(e) => {
+                                let _ = opened.send(Err(e));
+                            }
+                        }
+                    })
+                })
+                .map_err(|e| StoreError::Database {
+                    target: target.clone(),
+                    cause: e.to_string(),
+                })?
+        };
+        let reopened = match started.recv() {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e.into_error(&target, &settings.schema));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(StoreError::Database {
+                    target,
+                    cause: "the opening thread ended".into(),
+                });
+            }
+        };
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections.max(1))
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(opts);
+        tracing::info!(store = %target, "the store is in PostgreSQL");
+        Ok((
+            Postgres {
+                pool,
+                keeper: Arc::new(Keeper {
+                    stop: Mutex::new(Some(stop)),
+                    thread: Mutex::new(Some(thread)),
+                    lost,
+                }),
+                target,
+                metrics,
+            },
+            reopened,
+        ))
+    }
+
+    /// Where the store is: the URL without its password, and the schema.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    fn observe(&self, op: &str, since: Instant) {
+        if let Some(m) = &self.metrics {
+            m.store_seconds
+                .get_or_create(&crate::metrics::OpLabel { op: op.to_string() })
+                .observe(since.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Refuses once the lock's connection is lost.
+    fn held(&self) -> Result<(), StoreError> {
+        match self
+            .keeper
+            .lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            Some(why) => Err(StoreError::DatabaseLost {
+                target: self.target.clone(),
+                cause: why,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn write_err(&self, e: &sqlx::Error) -> StoreError {
+        let why = report(e);
+        tracing::error!(error = %why, store = %self.target, "the store could not commit");
+        StoreError::DatabaseWrite(why)
+    }
+
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| StoreError::Read(report(&e)))
+    }
+
+    async fn insert(&self, new: NewSubmission) -> Result<Inserted, StoreError> {
+        self.held()?;
+        let t = Instant::now();
+        let mut c = self.conn().await?;
+        if let Some((key, hash)) = &new.idempotency {
+            if let Some(existing) = keyed(&mut c, key, hash)
+                .await
+                .map_err(|e| StoreError::Read(report(&e)))?
+            {
+                return Ok(existing);
+            }
+        }
+        let done = insert(&mut c, &new).await;
+        self.observe("insert", t);
+        match done {
+            Ok(()) => Ok(Inserted::Created),
+            // Another replica's (or request's) insert with the same key won the race: its
+            // submission is the answer, as if it had been found first.
+            Err(e) if is_unique_violation(&e) && new.idempotency.is_some() => {
+                let (key, hash) = new.idempotency.as_ref().map_or(("", ""), |(k, h)| (k, h));
+                keyed(&mut c, key, hash)
+                    .await
+                    .map_err(|e| StoreError::Read(report(&e)))?
+                    .ok_or_else(|| self.write_err(&e))
+            }
+            Err(e) => Err(self.write_err(&e)),
+        }
+    }
+
+    async fn save(&self, s: &Submission) -> Result<(), StoreError> {
+        self.held()?;
+        let t = Instant::now();
+        let doc = encode_kept(s).map_err(|e| self.write_err(&e))?;
+        sqlx::query(sql::SAVE)
+            .bind(&s.id)
+            .bind(s.state.as_str())
+            .bind(doc)
+            .bind(s.build.as_ref().map(|b| b.id.clone()))
+            .bind(s.build.as_ref().map(|b| b.number as i64))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.write_err(&e))?;
+        self.observe("save", t);
+        Ok(())
+    }
+
+    async fn finish(&self, s: &Submission, cb: Option<NewCallback>) -> Result<bool, StoreError> {
+        self.held()?;
+        let t = Instant::now();
+        let ended = finish(&self.pool, s, cb)
+            .await
+            .map_err(|e| self.write_err(&e))?;
+        self.observe("finish", t);
+        Ok(ended)
+    }
+
+    async fn callback_attempted(
+        &self,
+        id: &str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> Result<(), StoreError> {
+        self.held()?;
+        sqlx::query(sql::CALLBACK_ATTEMPTED)
+            .bind(id)
+            .bind(state.as_str())
+            .bind(attempts)
+            .bind(next_at_ms)
+            .bind(error)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.write_err(&e))
+            .map(drop)
+    }
+
+    async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
+        let mut c = self.conn().await?;
+        let doc: Option<String> = sqlx::query_scalar(sql::DOC)
+            .bind(id)
+            .fetch_optional(&mut *c)
+            .await
+            .map_err(|e| StoreError::Read(report(&e)))?;
+        match doc {
+            Some(doc) => shown_doc(&mut c, &doc)
+                .await
+                .map(Some)
+                .map_err(|e| StoreError::Read(report(&e))),
+            None => Ok(None),
+        }
+    }
+
+    async fn read<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let mut c = self.conn().await?;
+        f(&mut c).await.map_err(|e| StoreError::Read(report(&e)))
+    }
+
+    async fn job(&self, id: &str) -> Result<Option<Job>, StoreError> {
+        self.read(async |c| {
+            let job: Option<Option<String>> = sqlx::query_scalar(sql::JOB)
+                .bind(id)
+                .fetch_optional(&mut *c)
+                .await?;
+            job.flatten().map(|j| decode(&j)).transpose()
+        })
+        .await
+    }
+
+    async fn cached(&self, q: &CacheQuery) -> Result<Option<Submission>, StoreError> {
+        self.read(async |c| {
+            let doc: Option<String> = sqlx::query_scalar(sql::CACHED)
+                .bind(&q.key)
+                .bind(q.since_ms)
+                .bind(crate::submission::State::Succeeded.as_str())
+                .bind(q.max_timeout_ms)
+                .fetch_optional(&mut *c)
+                .await?;
+            match doc {
+                Some(doc) => shown_doc(c, &doc).await.map(Some),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn due_callbacks(&self, now: i64, limit: i64) -> Result<Vec<DueCallback>, StoreError> {
+        self.read(async |c| due_callbacks(c, now, limit).await)
+            .await
+    }
+
+    async fn next_callback_at(&self) -> Result<Option<i64>, StoreError> {
+        self.read(async |c| {
+            sqlx::query(sql::NEXT_CALLBACK_AT)
+                .bind(CallbackState::Pending.as_str())
+                .fetch_one(&mut *c)
+                .await?
+                .try_get(0)
+        })
+        .await
+    }
+
+    /// Reachable and writable: the lock is still held and a probe write commits.
+    async fn health(&self) -> Result<(), StoreError> {
+        self.held()?;
+        sqlx::query(sql::PROBE)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+            .map(drop)
+    }
+}
+
+/// Why opening failed, before the target is known to the message.
+enum OpenError {
+    Unreachable(String),
+    InUse(String),
+    Other(String),
+}
+
+impl From<String> for OpenError {
+    fn from(s: String) -> OpenError {
+        OpenError::Other(s)
+    }
+}
+
+impl OpenError {
+    fn into_error(self, target: &str, schema: &str) -> StoreError {
+        match self {
+            OpenError::Unreachable(cause) | OpenError::Other(cause) => StoreError::Database {
+                target: target.to_string(),
+                cause,
+            },
+            OpenError::InUse(holder) => StoreError::DatabaseInUse {
+                schema: schema.to_string(),
+                holder,
+            },
+        }
+    }
+}
+
+/// The URL's options, with the schema as the search path and who this is as the
+/// application name (which a refused second service names).
+fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError> {
+    let malformed = |why: String| StoreError::Database {
+        target: "KERNELKITE_DATABASE_URL".into(),
+        cause: format!(
+            "{why} (the form is postgres://user:password@host:port/database?sslmode=require)"
+        ),
+    };
+    if !["postgres://", "postgresql://"]
+        .iter()
+        .any(|p| settings.url.starts_with(p))
+    {
+        return Err(malformed("not a postgres:// URL".into()));
+    }
+    let opts = PgConnectOptions::from_str(&settings.url).map_err(|e| malformed(report(&e)))?;
+    // Checked by the configuration too; here because the name is spliced into SQL.
+    if !valid_schema(&settings.schema) {
+        return Err(StoreError::Database {
+            target: shown(&opts),
+            cause: format!(
+                "the schema name {:?} is not plain (lower-case letters, digits and _; KERNELKITE_DATABASE_SCHEMA)",
+                settings.schema
+            ),
+        });
+    }
+    let me = format!(
+        "kernelkite-service pid {} on {}",
+        std::process::id(),
+        kernelkite_sys::host::name()
+    );
+    // The server's keepalives on every connection (TCP ones; a local socket has none): a
+    // service whose machine died lets go of the schema's lock within about 25 s, where the
+    // server's defaults would keep it for two hours.
+    Ok(opts
+        .options([
+            ("search_path", settings.schema.as_str()),
+            ("tcp_keepalives_idle", "10"),
+            ("tcp_keepalives_interval", "5"),
+            ("tcp_keepalives_count", "3"),
+        ])
+        .application_name(&me)
+        .disable_statement_logging())
+}
+
+/// What the lock's thread does before serving: connect, lock, create and migrate the schema,
+/// read what a start needs. The connection it returns holds the lock.
+async fn start(
+    opts: &PgConnectOptions,
+    schema: &str,
+    lock_wait: Duration,
+) -> Result<(PgConnection, Reopened), OpenError> {
+    let mut conn = match tokio::time::timeout(CONNECT_TIMEOUT, opts.connect()).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return Err(OpenError::Unreachable(report(&e))),
+        Err(_) => {
+            return Err(OpenError::Unreachable(format!(
+                "no answer within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            )))
+        }
+    };
+    let waited = Instant::now();
+    loop {
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(LOCK_CLASS)
+            .bind(lock_key(schema))
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| report(&e))?;
+        if locked {
+            break;
+        }
+        let who = holder(&mut conn, schema).await;
+        if waited.elapsed() >= lock_wait {
+            return Err(OpenError::InUse(who));
+        }
+        if waited.elapsed() < LOCK_POLL {
+            tracing::warn!(holder = %who, schema, "the schema is held by another session; waiting up to {} s for it (a service that just died lets go within seconds)", lock_wait.as_secs());
+        }
+        tokio::time::sleep(LOCK_POLL).await;
+    }
+    // The name was checked (`valid_schema`): no quoting can be escaped.
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
+        .execute(&mut conn)
+        .await
+        .map_err(|e| report(&e))?;
+    refuse_newer(&mut conn, schema).await?;
+    MIGRATOR.run(&mut conn).await.map_err(|e| report(&e))?;
+    let now = now_ms();
+    let reopened = Reopened {
+        pending: pending(&mut conn).await.map_err(|e| report(&e))?,
+        accepted: accepted(&mut conn, now.saturating_sub(crate::dispatch::HOUR_MS))
+            .await
+            .map_err(|e| report(&e))?,
+        runs: runs(&mut conn, now.saturating_sub(RUNS_WINDOW_MS))
+            .await
+            .map_err(|e| report(&e))?,
+    };
+    Ok((conn, reopened))
+}
+
+/// Refuses a schema a later release migrated further than this one knows: its statements
+/// might not hold there. Migrations only add (expand, then contract in a later release), so
+/// during a rolling upgrade the replicas already running the earlier release go on; one of
+/// them restarting is refused, and the upgrade goes on with the new release.
+async fn refuse_newer(conn: &mut PgConnection, schema: &str) -> Result<(), OpenError> {
+    let applied: Option<i64> =
+        match sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Ok(v) => v,
+            // UNDEFINED_TABLE: a schema never migrated.
+            Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42P01") => None,
+            Err(e) => return Err(report(&e).into()),
+        };
+    let known = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+    match applied {
+        Some(v) if v > known => Err(OpenError::Other(format!(
+            "the schema {schema} was migrated by a later kernelkite-service release (to version {v}; this release knows up to {known}): run that release (or a later one), or restore a backup taken before the upgrade"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Who holds the schema's lock, as the server shows its session (its application name,
+/// address and start); what can be said when the server shows none.
+async fn holder(conn: &mut PgConnection, schema: &str) -> String {
+    let row = sqlx::query(
+        "SELECT a.application_name, COALESCE(host(a.client_addr), 'a local socket'),
+                to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+           AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+         LIMIT 1",
+    )
+    .bind(i64::from(LOCK_CLASS))
+    .bind(i64::from(lock_key(schema) as u32))
+    .fetch_optional(&mut *conn)
+    .await;
+    match row {
+        Ok(Some(r)) => {
+            let name: Option<String> = r.try_get(0).ok();
+            let from: Option<String> = r.try_get(1).ok();
+            let since: Option<String> = r.try_get(2).ok();
+            format!(
+                "{}, connected from {} since {}",
+                name.filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| "a session".into()),
+                from.unwrap_or_default(),
+                since.unwrap_or_default()
+            )
+        }
+        _ => "a session this role cannot see".into(),
+    }
+}
+
+/// Holds the lock until told to stop: checks its connection every [`KEEP_EVERY`] and, once
+/// it is lost, says so (the store then refuses writes).
+async fn keep(
+    mut conn: PgConnection,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+    lost: Arc<Mutex<Option<String>>>,
+) {
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(KEEP_EVERY) => {
+                if let Err(e) = sqlx::query("SELECT 1").execute(&mut conn).await {
+                    let why = report(&e);
+                    tracing::error!(error = %why, "the store lost its connection holding the schema's lock; every write is refused until the service is restarted");
+                    *lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    return;
+                }
+            }
+        }
+    }
+    let _ = conn.close().await;
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(UNIQUE_VIOLATION))
+}
+
+async fn insert(c: &mut PgConnection, new: &NewSubmission) -> Result<(), sqlx::Error> {
+    let s = &new.sub;
+    sqlx::query(sql::INSERT_SUBMISSION)
+        .bind(&s.id)
+        .bind(s.state.as_str())
+        .bind(i64::from(s.state.is_terminal()))
+        .bind(s.created_at.timestamp_millis())
+        .bind(new.deadline_ms)
+        .bind(s.build.as_ref().map(|b| b.id.clone()))
+        .bind(s.build.as_ref().map(|b| b.number as i64))
+        .bind(new.idempotency.as_ref().map(|k| k.0.clone()))
+        .bind(new.idempotency.as_ref().map(|k| k.1.clone()))
+        .bind(encode(&new.job)?)
+        .bind(encode(s)?)
+        .bind(&s.queue)
+        .bind(&s.user)
+        .bind(s.priority.as_str())
+        .bind(sql::tag_column(new.fair_tag))
+        .bind(&new.cache_key)
+        .bind(&s.cached_from)
+        .execute(&mut *c)
+        .await
+        .map(drop)
+}
+
+/// A submission's end and its callback, in one transaction.
+async fn finish(
+    pool: &PgPool,
+    s: &Submission,
+    cb: Option<NewCallback>,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query(sql::FINISH)
+        .bind(&s.id)
+        .bind(s.state.as_str())
+        .bind(encode_ended(s)?)
+        .bind(s.build.as_ref().map(|b| b.id.clone()))
+        .bind(s.build.as_ref().map(|b| b.number as i64))
+        .bind(sql::ran_column(s))
+        .bind(s.finished_at.map(|t| t.timestamp_millis()))
+        .execute(&mut *tx)
+        .await?;
+    let ended = done.rows_affected() == 1;
+    if let (true, Some(cb)) = (ended, cb) {
+        sqlx::query(sql::INSERT_CALLBACK)
+            .bind(&s.id)
+            .bind(&cb.url)
+            .bind(cb.body.as_deref().unwrap_or(BODY_FROM_SUBMISSION))
+            .bind(CallbackState::Pending.as_str())
+            .bind(now_ms())
+            .bind(cb.give_up_at_ms)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(ended)
+}
+
+/// A stored `doc` as a reader sees it: an answer from the result cache gets the result of the
+/// run it names (kept once, there).
+async fn shown_doc(c: &mut PgConnection, doc: &str) -> Result<Submission, sqlx::Error> {
+    let mut sub: Submission = decode(doc)?;
+    let Some(from) = needs_result_of(&sub).map(str::to_string) else {
+        return Ok(sub);
+    };
+    let origin: Option<String> = sqlx::query_scalar(sql::DOC)
+        .bind(&from)
+        .fetch_optional(&mut *c)
+        .await?;
+    if let Some(origin) = origin {
+        sub.result = decode::<Submission>(&origin)?.result;
+    }
+    Ok(sub)
+}
+
+async fn keyed(
+    c: &mut PgConnection,
+    key: &str,
+    hash: &str,
+) -> Result<Option<Inserted>, sqlx::Error> {
+    let Some(row) = sqlx::query(sql::KEYED)
+        .bind(key)
+        .fetch_optional(&mut *c)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let earlier: Option<String> = row.try_get(0)?;
+    let doc: String = row.try_get(1)?;
+    Ok(Some(Inserted::Existing {
+        sub: Box::new(shown_doc(c, &doc).await?),
+        same_request: earlier.as_deref() == Some(hash),
+    }))
+}
+
+async fn pending(c: &mut PgConnection) -> Result<Vec<Pending>, sqlx::Error> {
+    let rows = sqlx::query(sql::PENDING).fetch_all(&mut *c).await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let job: Option<String> = r.try_get(1)?;
+        out.push(Pending {
+            sub: decode(&r.try_get::<String, _>(0)?)?,
+            job: job.map(|j| decode(&j)).transpose()?,
+            deadline_ms: r.try_get(2)?,
+            fair_tag: r
+                .try_get::<Option<i64>, _>(3)?
+                .and_then(|t| u64::try_from(t).ok()),
+        });
+    }
+    Ok(out)
+}
+
+async fn accepted(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Accepted>, sqlx::Error> {
+    let rows = sqlx::query(sql::ACCEPTED)
+        .bind(since_ms)
+        .fetch_all(&mut *c)
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let class: Option<String> = r.try_get(2)?;
+        out.push(Accepted {
+            queue: r.try_get(0)?,
+            user: r.try_get(1)?,
+            class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
+            created_at_ms: r.try_get(3)?,
+            cached: r.try_get::<Option<String>, _>(4)?.is_some(),
+        });
+    }
+    Ok(out)
+}
+
+async fn runs(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Ran>, sqlx::Error> {
+    let rows = sqlx::query(sql::RUNS)
+        .bind(since_ms)
+        .bind(crate::dispatch::RECENT_RUNS as i64)
+        .fetch_all(&mut *c)
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let ms: i64 = r.try_get(1)?;
+        out.push(Ran {
+            queue: r.try_get(0)?,
+            took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+        });
+    }
+    Ok(out)
+}
+
+async fn due_callbacks(
+    c: &mut PgConnection,
+    now: i64,
+    limit: i64,
+) -> Result<Vec<DueCallback>, sqlx::Error> {
+    let rows = sqlx::query(sql::DUE_CALLBACKS)
+        .bind(CallbackState::Pending.as_str())
+        .bind(now)
+        .bind(limit)
+        .fetch_all(&mut *c)
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let submission_id: String = r.try_get(0)?;
+        let mut body: String = r.try_get(2)?;
+        if body == BODY_FROM_SUBMISSION {
+            // One row that cannot be read must not hold up every other callback.
+            let doc: Option<String> = sqlx::query_scalar(sql::DOC)
+                .bind(&submission_id)
+                .fetch_optional(&mut *c)
+                .await?;
+            let built = match doc {
+                Some(doc) => match shown_doc(c, &doc).await {
+                    Ok(sub) => encode(&sub),
+                    Err(e) => Err(e),
+                },
+                None => Err(sqlx::Error::RowNotFound),
+            };
+            match built {
+                Ok(b) => body = b,
+                Err(e) => {
+                    tracing::error!(id = %submission_id, error = %report(&e), "cannot build a callback's body from its submission; it is left out");
+                    continue;
+                }
+            }
+        }
+        out.push(DueCallback {
+            submission_id,
+            url: r.try_get(1)?,
+            body,
+            attempts: r.try_get(3)?,
+            give_up_at_ms: r.try_get(4)?,
+        });
+    }
+    Ok(out)
+}
+
+impl Durable for Postgres {
+    fn insert(&self, new: NewSubmission) -> BoxFuture<'_, Result<Inserted, StoreError>> {
+        Box::pin(Postgres::insert(self, new))
+    }
+    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Postgres::save(self, sub))
+    }
+    fn finish<'a>(
+        &'a self,
+        sub: &'a Submission,
+        callback: Option<NewCallback>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Postgres::finish(self, sub, callback))
+    }
+    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        Box::pin(Postgres::load(self, id))
+    }
+    fn pending(&self) -> BoxFuture<'_, Result<Vec<Pending>, StoreError>> {
+        Box::pin(self.read(async |c| pending(c).await))
+    }
+    fn job<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Job>, StoreError>> {
+        Box::pin(Postgres::job(self, id))
+    }
+    fn keyed<'a>(
+        &'a self,
+        key: &'a str,
+        hash: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Inserted>, StoreError>> {
+        Box::pin(self.read(async |c| keyed(c, key, hash).await))
+    }
+    fn accepted_since(&self, since_ms: i64) -> BoxFuture<'_, Result<Vec<Accepted>, StoreError>> {
+        Box::pin(self.read(async move |c| accepted(c, since_ms).await))
+    }
+    fn cached<'a>(
+        &'a self,
+        q: &'a CacheQuery,
+    ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        Box::pin(Postgres::cached(self, q))
+    }
+    fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> BoxFuture<'_, Result<Vec<DueCallback>, StoreError>> {
+        Box::pin(Postgres::due_callbacks(self, now_ms, limit))
+    }
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
+        Box::pin(Postgres::next_callback_at(self))
+    }
+    fn callback_attempted<'a>(
+        &'a self,
+        id: &'a str,
+        state: CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Postgres::callback_attempted(
+            self, id, state, attempts, next_at_ms, error,
+        ))
+    }
+    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(Postgres::health(self))
+    }
+    fn persistent(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_that_need_no_quoting_are_the_only_ones_taken() {
+        for ok in ["kernelkite", "_k", "kk_2", &"a".repeat(63)] {
+            assert!(valid_schema(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "2k",
+            "Kernelkite",
+            "kernel-kite",
+            "k\"; DROP TABLE x; --",
+            "k k",
+            &"a".repeat(64),
+        ] {
+            assert!(!valid_schema(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_shown_url_has_no_password() {
+        let opts =
+            PgConnectOptions::from_str("postgres://kk:s3cret@db.example:6543/app?sslmode=require")
+                .unwrap();
+        let s = shown(&opts);
+        assert_eq!(s, "postgres://kk@db.example:6543/app");
+        assert!(!s.contains("s3cret"));
+    }
+
+    #[test]
+    fn each_schema_has_its_own_lock() {
+        assert_ne!(lock_key("kernelkite"), lock_key("kernelkite_staging"));
+        assert_eq!(lock_key("kernelkite"), lock_key("kernelkite"));
+    }
+}
