@@ -29,10 +29,13 @@ if [ "$(id -u)" -eq 0 ]; then
   as=(runuser -u postgres --)
 fi
 
+dir=$(realpath -m "$dir")
 case "$cmd" in
 start)
   mkdir -p "$dir"
   [ ${#as[@]} -eq 0 ] || chown postgres: "$dir"
+  # The server's user may not enter the caller's directory (a clone under a 0700 one).
+  cd "$dir"
   fast="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
   [ "${3:-}" != durable ] || fast=""
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -45,6 +48,7 @@ start)
   ;;
 stop)
   [ -d "$dir/data" ] || exit 0
+  cd "$dir"
   "${as[@]}" "$bin/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1 || true
   ;;
 *)

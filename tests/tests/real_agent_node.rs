@@ -925,7 +925,15 @@ async fn the_agents_failure_paths_end_each_submission_as_they_should() {
         "{}",
         w.node.agent_log(&agent)
     );
-    assert!(j.log().contains("released GPU lease"), "{}", j.log());
+    // The agent's first poll comes at a random point of its first interval
+    // (agent/job_runner.go: a first check at once, after `rand.N(JobStatusInterval)` of
+    // jitter), so the cancel may land before `environment` took a lease (CI saw it once,
+    // with nothing from any hook in the log). A lease the job was told it holds is released,
+    // in its log; the next scenarios on the same GPU, and the node's check at the end, find
+    // nothing left either way.
+    if j.log().contains(" holds GPU(s) ") {
+        assert!(j.log().contains("released GPU lease"), "{}", j.log());
+    }
 
     // The artifact batch refused after the command passed: exit status 1, no result.
     w.stack
