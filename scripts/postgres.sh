@@ -29,27 +29,49 @@ if [ "$(id -u)" -eq 0 ]; then
   as=(runuser -u postgres --)
 fi
 
+# Everything goes into a new directory of the server's own (the server's user may not be able
+# to enter DIR, nor should DIR change owner): the cluster, its sockets, its password and its
+# logs. DIR/postgres-home says where, for `stop`.
 dir=$(realpath -m "$dir")
 case "$cmd" in
 start)
+  if [ -e "$dir/postgres-home" ]; then
+    echo "error: $dir has a server already (scripts/postgres.sh stop $dir first)" >&2
+    exit 1
+  fi
   mkdir -p "$dir"
-  [ ${#as[@]} -eq 0 ] || chown postgres: "$dir"
+  home=$(mktemp -d "${TMPDIR:-/tmp}/kernelkite-postgres.XXXXXX")
+  echo "$home" >"$dir/postgres-home"
+  [ ${#as[@]} -eq 0 ] || chown postgres: "$home"
   # The server's user may not enter the caller's directory (a clone under a 0700 one).
-  cd "$dir"
+  cd "$home"
   fast="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
   [ "${3:-}" != durable ] || fast=""
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  "${as[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 ||
-    { cat "$dir/initdb.log" >&2; exit 1; }
-  "${as[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-c listen_addresses=127.0.0.1 -p $port -k $dir $fast -c max_connections=200" \
-    start >/dev/null || { cat "$dir/server.log" >&2; exit 1; }
-  echo "postgres://postgres@127.0.0.1:$port/postgres"
+  # A password of its own (no other user of this machine may connect, as anyone can to a
+  # server that trusts loopback), and sockets only in its 0700 directory.
+  password=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  (umask 077 && printf '%s\n' "$password" >"$home/password")
+  [ ${#as[@]} -eq 0 ] || chown postgres: "$home/password"
+  "${as[@]}" "$bin/initdb" -D "$home/data" -U postgres --auth=scram-sha-256 --pwfile="$home/password" \
+    -E UTF8 --no-sync >"$home/initdb.log" 2>&1 || { cat "$home/initdb.log" >&2; exit 1; }
+  "${as[@]}" "$bin/pg_ctl" -D "$home/data" -l "$home/server.log" -w -t 60 \
+    -o "-c listen_addresses=127.0.0.1 -p $port -c unix_socket_directories='$home' $fast -c max_connections=200" \
+    start >/dev/null || { cat "$home/server.log" >&2; exit 1; }
+  echo "postgres://postgres:$password@127.0.0.1:$port/postgres"
   ;;
 stop)
-  [ -d "$dir/data" ] || exit 0
-  cd "$dir"
-  "${as[@]}" "$bin/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1 || true
+  [ -f "$dir/postgres-home" ] || exit 0
+  home=$(cat "$dir/postgres-home")
+  if [ -d "$home/data" ]; then
+    cd "$home"
+    "${as[@]}" "$bin/pg_ctl" -D "$home/data" -m immediate -w stop >/dev/null 2>&1 || true
+    cd /
+  fi
+  case "$home" in
+  */kernelkite-postgres.*) rm -rf "$home" ;;
+  esac
+  rm -f "$dir/postgres-home"
   ;;
 *)
   echo "error: unknown command $cmd (start or stop)" >&2

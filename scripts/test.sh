@@ -169,7 +169,7 @@ pg_dir=""
 demo_build_pid=""
 cleanup() {
   [ -z "$demo_build_pid" ] || kill "$demo_build_pid" 2>/dev/null || true
-  [ -z "$pg_dir" ] || { ./scripts/postgres.sh stop "$pg_dir"; rm -rf "$pg_dir"; }
+  [ -z "$pg_dir" ] || { ./scripts/postgres.sh stop "$pg_dir" || true; rm -rf "$pg_dir"; }
   rm -rf "$log" "$checks" "$failures" "$KERNELKITE_SKIP_LOG" ${clone_dir:+"$clone_dir"} ${py_junit:+"$py_junit"}
 }
 trap cleanup EXIT
@@ -217,7 +217,7 @@ section "PostgreSQL for the tests (scripts/postgres.sh: a private server, stoppe
 pg_dir=$(mktemp -d)
 if KERNELKITE_TEST_DATABASE_URL=$(./scripts/postgres.sh start "$pg_dir"); then
   export KERNELKITE_TEST_DATABASE_URL
-  echo "PostgreSQL at $KERNELKITE_TEST_DATABASE_URL"
+  echo "PostgreSQL at ${KERNELKITE_TEST_DATABASE_URL##*@} (scripts/postgres.sh; its password in the URL the tests get)"
 else
   unset KERNELKITE_TEST_DATABASE_URL
   if [ "${CI:-}" = true ]; then

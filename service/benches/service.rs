@@ -792,6 +792,7 @@ async fn stores(dirs: &[tempfile::TempDir; 2]) -> Vec<(String, Arc<dyn Durable>)
         schema: format!("kk_bench_{}", std::process::id()),
         max_connections: 8,
         lock_wait: Duration::ZERO,
+        exit_on_lost: false,
     };
     let (db, _) = Postgres::open(&settings, None).expect("the PostgreSQL store opens");
     let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&url)

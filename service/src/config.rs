@@ -341,7 +341,7 @@ pub struct StoreConfig {
 }
 
 /// Which durable store the service opens.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum Backend {
     /// SQLite in the data dir (`None`: in memory).
     Sqlite(Option<PathBuf>),
@@ -349,23 +349,33 @@ pub enum Backend {
     Postgres(String),
 }
 
+impl std::fmt::Debug for Backend {
+    /// Without the URL, whose password it may carry.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Sqlite(dir) => f.debug_tuple("Sqlite").field(dir).finish(),
+            Backend::Postgres(_) => f.debug_tuple("Postgres").field(&"<redacted>").finish(),
+        }
+    }
+}
+
 impl StoreConfig {
-    /// The store asked for: KERNELKITE_DATABASE_URL, else KERNELKITE_DATA_DIR, else the
-    /// platform's `DATABASE_URL` (`platform_url`), else SQLite in memory.
-    pub fn backend(&self, platform_url: Option<String>) -> Backend {
+    /// The store asked for: KERNELKITE_DATABASE_URL, else KERNELKITE_DATA_DIR, else SQLite in
+    /// memory.
+    pub fn backend(&self) -> Backend {
         match (&self.database_url, &self.data_dir) {
             (Some(url), _) => Backend::Postgres(url.expose().to_string()),
-            (None, Some(dir)) => Backend::Sqlite(Some(dir.clone())),
-            (None, None) => match platform_url.filter(|u| !u.is_empty()) {
-                Some(url) => Backend::Postgres(url),
-                None => Backend::Sqlite(None),
-            },
+            (None, dir) => Backend::Sqlite(dir.clone()),
         }
     }
 
-    /// [`StoreConfig::backend`] with the process's `DATABASE_URL`.
-    pub fn backend_here(&self) -> Backend {
-        self.backend(std::env::var("DATABASE_URL").ok())
+    /// Takes the platform's database (`DATABASE_URL`, as a Heroku-style platform sets it) when
+    /// neither store is asked for. The command line does this; a service started in process
+    /// (the demo, tests) never reads it.
+    pub fn adopt_platform_url(&mut self, platform_url: Option<String>) {
+        if self.database_url.is_none() && self.data_dir.is_none() {
+            self.database_url = platform_url.filter(|u| !u.is_empty()).map(Secret::new);
+        }
     }
 
     /// PostgreSQL's settings for `url`.
@@ -375,6 +385,8 @@ impl StoreConfig {
             schema: self.database_schema.clone(),
             max_connections: self.database_connections,
             lock_wait: std::time::Duration::from_secs(self.database_lock_wait_s),
+            // A service that lost its lock must stop acting on what it holds in memory.
+            exit_on_lost: true,
         }
     }
 
@@ -865,30 +877,37 @@ mod tests {
     #[test]
     fn the_store_is_the_one_asked_for_and_two_are_refused() {
         let mut c = Config::local();
-        assert_eq!(c.store.backend(None), Backend::Sqlite(None));
+        assert_eq!(c.store.backend(), Backend::Sqlite(None));
         let heroku = || Some("postgres://u:p@db:5432/app".to_string());
-        assert_eq!(
-            c.store.backend(heroku()),
-            Backend::Postgres("postgres://u:p@db:5432/app".into()),
-            "the platform's DATABASE_URL when nothing else is set"
-        );
-        assert_eq!(c.store.backend(Some(String::new())), Backend::Sqlite(None));
+        c.store.adopt_platform_url(Some(String::new()));
+        assert_eq!(c.store.backend(), Backend::Sqlite(None));
         c.store.data_dir = Some("/var/lib/kk".into());
+        c.store.adopt_platform_url(heroku());
         assert_eq!(
-            c.store.backend(heroku()),
+            c.store.backend(),
             Backend::Sqlite(Some("/var/lib/kk".into())),
             "a data dir wins over the platform's database"
         );
+        c.store.data_dir = None;
+        c.store.adopt_platform_url(heroku());
+        assert_eq!(
+            c.store.backend(),
+            Backend::Postgres("postgres://u:p@db:5432/app".into()),
+            "the platform's DATABASE_URL when nothing else is set"
+        );
         c.store.database_url = Some(Secret::new("postgres://kk:SECRET-4@db/kk"));
+        c.store.adopt_platform_url(heroku());
+        assert_eq!(
+            c.store.backend(),
+            Backend::Postgres("postgres://kk:SECRET-4@db/kk".into()),
+            "KERNELKITE_DATABASE_URL wins"
+        );
+        assert!(c.check().is_ok());
+        c.store.data_dir = Some("/var/lib/kk".into());
         assert!(matches!(c.check(), Err(ConfigError::TwoStores)));
         c.store.data_dir = None;
-        assert!(c.check().is_ok());
-        assert_eq!(
-            c.store.backend(heroku()),
-            Backend::Postgres("postgres://kk:SECRET-4@db/kk".into())
-        );
         assert!(
-            !format!("{c:?}").contains("SECRET-4"),
+            !format!("{c:?} {:?}", c.store.backend()).contains("SECRET-4"),
             "the URL's password is never shown"
         );
         c.store.database_schema = "Kernel-Kite".into();

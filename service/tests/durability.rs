@@ -144,8 +144,9 @@ async fn two_hundred_submissions_survive_kill_9_at_random_points() {
     survive_kill_9(None).await;
 }
 
-/// The same with the store in PostgreSQL: each restart waits for the killed process's session
-/// to let go of the schema's lock (the server notices at once) and reads everything back.
+/// The same with the store in PostgreSQL, named as a Heroku-style platform names it (only
+/// `DATABASE_URL`): each restart waits for the killed process's session to let go of the
+/// schema's lock (the server notices at once) and reads everything back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_submissions_survive_kill_9_at_random_points_with_postgres() {
     let Some(url) = kernelkite_testkit::postgres::url() else {

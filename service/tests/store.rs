@@ -38,6 +38,7 @@ impl Backend {
             schema: kernelkite_testkit::postgres::schema(),
             max_connections: 4,
             lock_wait: std::time::Duration::ZERO,
+            exit_on_lost: false,
         }))
     }
 
@@ -438,8 +439,11 @@ async fn postgres_one_service_per_schema_and_nothing_outside_it() {
         ..s.clone()
     };
     let (again, _) = Postgres::open(&waiting, None).expect("it opens once the first let go");
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(500),
+        "it waited for the first"
+    );
     letting_go.join().unwrap();
-    assert!(t.elapsed() >= std::time::Duration::from_millis(500));
     again.health().await.unwrap();
 
     let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
@@ -486,6 +490,56 @@ async fn postgres_one_service_per_schema_and_nothing_outside_it() {
     assert_eq!(recorded, 2, "nothing more was applied");
 }
 
+/// A store whose lock's session is ended under it (the server restarted it, an operator
+/// terminated it, the network cut it) writes nothing more: its next write's fence finds the
+/// lock gone, and another service takes the schema while it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_store_that_lost_its_lock_writes_nothing_more() {
+    let Some(Backend::Postgres(s)) = Backend::postgres() else {
+        return;
+    };
+    let (first, _) = Postgres::open(&s, None).unwrap();
+    let kept = new_sub(None);
+    created(&first, &kept).await;
+    let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
+        .await
+        .unwrap();
+    let (class, key) = kernelkite_service::store::postgres::lock_id(&s.schema);
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2
+           AND classid = $1::bigint::oid AND objid = $2::bigint::oid",
+    )
+    .bind(class)
+    .bind(key)
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    assert!(!ended.is_empty(), "no holder session found");
+    // The server lets go of the lock as the session ends; another service takes the schema.
+    let waiting = PgSettings {
+        lock_wait: std::time::Duration::from_secs(10),
+        ..s.clone()
+    };
+    let (second, reopened) = Postgres::open(&waiting, None).expect("the schema is free again");
+    assert_eq!(reopened.pending.len(), 1);
+    // The first store's writes are refused, whatever its pool's connections still could do.
+    match first.insert(new_sub(None)).await {
+        Err(StoreError::DatabaseLost { .. }) => {}
+        other => panic!("a store without its lock wrote: {other:?}"),
+    }
+    let mut ended_kept = kept.sub.clone();
+    ended_kept.finish(Outcome::Failed("x".into()), chrono::Utc::now());
+    assert!(first.finish(&ended_kept, None).await.is_err());
+    assert!(first.health().await.is_err());
+    assert_eq!(
+        second.pending().await.unwrap().len(),
+        1,
+        "nothing of the first's got in"
+    );
+    assert!(second.finish(&ended_kept, None).await.unwrap());
+}
+
 /// Bad settings are refused with what to do, and write nothing.
 #[tokio::test]
 async fn postgres_unreachable_or_malformed_is_refused_with_what_to_do() {
@@ -494,6 +548,7 @@ async fn postgres_unreachable_or_malformed_is_refused_with_what_to_do() {
         schema: "kernelkite".into(),
         max_connections: 1,
         lock_wait: std::time::Duration::ZERO,
+        exit_on_lost: false,
     };
     let e = Postgres::open(&malformed, None).unwrap_err().to_string();
     assert!(e.contains("KERNELKITE_DATABASE_URL"), "{e}");

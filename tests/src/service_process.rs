@@ -90,10 +90,11 @@ impl ServiceProcess {
         }
     }
 
-    /// Keeps the store in PostgreSQL at `url`, in `schema`, instead of the data dir.
+    /// Keeps the store in PostgreSQL at `url`, in `schema`, instead of the data dir, named as
+    /// a Heroku-style platform names its database: `DATABASE_URL`, and no data dir.
     pub fn use_postgres(&mut self, url: &str, schema: &str) {
         self.env.retain(|(k, _)| k != "KERNELKITE_DATA_DIR");
-        self.set_env("KERNELKITE_DATABASE_URL", url);
+        self.set_env("DATABASE_URL", url);
         self.set_env("KERNELKITE_DATABASE_SCHEMA", schema);
     }
 

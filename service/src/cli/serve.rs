@@ -78,7 +78,7 @@ fn open_store(
     cfg: &crate::Config,
     metrics: &Arc<Metrics>,
 ) -> Result<(Arc<dyn Durable>, Reopened), StartError> {
-    match cfg.store.backend_here() {
+    match cfg.store.backend() {
         Backend::Postgres(url) => {
             let (db, reopened) = Postgres::open(&cfg.store.postgres(url), Some(metrics.clone()))?;
             Ok((Arc::new(db), reopened))
@@ -109,6 +109,8 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
     if local {
         cfg.executor = ExecutorKind::Local;
     }
+    cfg.store
+        .adopt_platform_url(std::env::var("DATABASE_URL").ok());
     cfg.check().context("invalid configuration")?;
     if cfg.edge.api_token.is_none() {
         tracing::warn!("KERNELKITE_API_TOKEN is not set: /v1 serves loopback clients only");

@@ -9,17 +9,20 @@
 //!
 //! One service per schema for now, as one per SQLite data directory: the store holds a
 //! session-level advisory lock on a connection of its own, kept on a thread of its own, and a
-//! second service on the same schema is refused, naming the holder. The holder's connection
-//! is checked every [`KEEP_EVERY`]: once lost (the server restarted, the network cut), the
-//! lock may be another's, so this store refuses every write and turns unhealthy until the
-//! service is restarted.
+//! second service on the same schema is refused, naming the holder. Every write is fenced by
+//! it: its transaction first checks that the lock is still granted to that connection's
+//! session, and is refused when it is not. The holder's connection is also checked every
+//! [`KEEP_EVERY`] (each check bounded by [`CHECK_TIMEOUT`]): once lost (the server restarted,
+//! the network cut), the lock may be another's, so this store refuses every write and, in the
+//! service (`PgSettings::exit_on_lost`), the process exits for its supervisor to start it
+//! again: a process that lost its lock must not go on acting on what it holds in memory.
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Connection, Row};
 
 use super::sql::{
@@ -41,6 +44,18 @@ pub const DEFAULT_SCHEMA: &str = "kernelkite";
 /// How often the lock's connection is checked.
 pub const KEEP_EVERY: Duration = Duration::from_secs(5);
 
+/// Longest a check of the lock's connection may take before it counts as lost.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The exit status of a service that lost its lock (`EX_TEMPFAIL`).
+pub const EXIT_LOST: i32 = 75;
+
+/// Whether the schema's lock is still granted to the holder's session (`$3`, its backend pid):
+/// the fence every write's transaction starts with.
+const FENCE: &str =
+    "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
+       AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND pid = $3";
+
 /// How long opening waits for the server to answer.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -57,7 +72,7 @@ const UNIQUE_VIOLATION: &str = "23505";
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations-postgres");
 
 /// Where the store is.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PgSettings {
     /// `postgres://user:password@host:port/database?sslmode=...`.
     pub url: String,
@@ -69,6 +84,22 @@ pub struct PgSettings {
     /// that just died holds it until the server notices (at once when its process died, within
     /// about 25 s when its machine did: the connections' TCP keepalives).
     pub lock_wait: Duration,
+    /// Whether losing the lock ends the process ([`EXIT_LOST`]): the service's choice; a test's
+    /// store only refuses its writes.
+    pub exit_on_lost: bool,
+}
+
+impl std::fmt::Debug for PgSettings {
+    /// Without the URL, whose password it may carry.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSettings")
+            .field("url", &"<redacted>")
+            .field("schema", &self.schema)
+            .field("max_connections", &self.max_connections)
+            .field("lock_wait", &self.lock_wait)
+            .field("exit_on_lost", &self.exit_on_lost)
+            .finish()
+    }
 }
 
 /// Whether `schema` can be kernelkite's schema: lower-case letters, digits and `_`, not
@@ -80,6 +111,9 @@ pub fn valid_schema(schema: &str) -> bool {
         .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
         && schema.len() <= 63
+        // The server's own and the default schema: kernelkite's tables never go there.
+        && !schema.starts_with("pg_")
+        && !["public", "information_schema"].contains(&schema)
 }
 
 /// The URL without its password, for messages and logs.
@@ -91,6 +125,12 @@ pub fn shown(opts: &PgConnectOptions) -> String {
         opts.get_port(),
         opts.get_database().unwrap_or_default()
     )
+}
+
+/// The schema's advisory lock as `pg_locks` shows it, `(classid, objid)` (with `objsubid` 2):
+/// how an operator (or a test) finds the session holding it.
+pub fn lock_id(schema: &str) -> (i64, i64) {
+    (i64::from(LOCK_CLASS), i64::from(lock_key(schema) as u32))
 }
 
 /// The second key of the schema's advisory lock: its name's FNV-1a hash.
@@ -108,6 +148,9 @@ fn lock_key(schema: &str) -> i32 {
 pub struct Postgres {
     pool: PgPool,
     keeper: Arc<Keeper>,
+    /// The lock's keys and the backend pid of the session holding it: every write's fence.
+    fence: (i64, i64, i32),
+    exit_on_lost: bool,
     /// Where, for messages: the URL without its password, and the schema.
     target: String,
     metrics: Option<Arc<crate::metrics::Metrics>>,
@@ -159,7 +202,7 @@ impl Postgres {
         let (opened, started) = std::sync::mpsc::channel();
         let thread = {
             let (opts, schema, lost) = (opts.clone(), settings.schema.clone(), lost.clone());
-            let lock_wait = settings.lock_wait;
+            let (lock_wait, exit_on_lost) = (settings.lock_wait, settings.exit_on_lost);
             std::thread::Builder::new()
                 .name("kernelkite-db-lock".into())
                 .spawn(move || {
@@ -174,9 +217,9 @@ impl Postgres {
                     };
                     rt.block_on(async move {
                         match start(&opts, &schema, lock_wait).await {
-                            Ok((conn, reopened)) => {
-                                let _ = opened.send(Ok(reopened));
-                                keep(conn, stopped, lost).await;
+                            Ok((conn, reopened, pid)) => {
+                                let _ = opened.send(Ok((reopened, pid)));
+                                keep(conn, &schema, stopped, lost, exit_on_lost).await;
                             }
                             Err(e) => {
                                 let _ = opened.send(Err(e));
@@ -189,7 +232,7 @@ impl Postgres {
                     cause: e.to_string(),
                 })?
         };
-        let reopened = match started.recv() {
+        let (reopened, holder_pid) = match started.recv() {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -216,6 +259,11 @@ impl Postgres {
                     thread: Mutex::new(Some(thread)),
                     lost,
                 }),
+                fence: {
+                    let (class, key) = lock_id(&settings.schema);
+                    (class, key, holder_pid)
+                },
+                exit_on_lost: settings.exit_on_lost,
                 target,
                 metrics,
             },
@@ -266,29 +314,57 @@ impl Postgres {
             .map_err(|e| StoreError::Read(report(&e)))
     }
 
+    /// Begins a write: a transaction whose first statement is the fence (the schema's lock
+    /// still granted to this store's holding session). A fence that fails loses the lock.
+    async fn begin_fenced(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        self.held()?;
+        let mut tx = self.pool.begin().await.map_err(|e| self.write_err(&e))?;
+        let (class, key, pid) = self.fence;
+        let granted: i64 = sqlx::query_scalar(FENCE)
+            .bind(class)
+            .bind(key)
+            .bind(pid)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| self.write_err(&e))?;
+        if granted == 0 {
+            let why = "the schema's lock is no longer held by this service's session".to_string();
+            lose(&self.keeper.lost, why.clone(), self.exit_on_lost);
+            return Err(StoreError::DatabaseLost {
+                target: self.target.clone(),
+                cause: why,
+            });
+        }
+        Ok(tx)
+    }
+
     async fn insert(&self, new: NewSubmission) -> Result<Inserted, StoreError> {
         self.held()?;
         let t = Instant::now();
-        let mut c = self.conn().await?;
         if let Some((key, hash)) = &new.idempotency {
-            if let Some(existing) = keyed(&mut c, key, hash)
-                .await
-                .map_err(|e| StoreError::Read(report(&e)))?
-            {
+            if let Some(existing) = self.read(async |c| keyed(c, key, hash).await).await? {
                 return Ok(existing);
             }
         }
-        let done = insert(&mut c, &new).await;
+        // The transaction's connection goes back to the pool before anything else is asked
+        // of it (racers each holding one while waiting for another would drain it); dropped
+        // without a commit, the transaction is rolled back.
+        let done = {
+            let mut tx = self.begin_fenced().await?;
+            match insert(&mut tx, &new).await {
+                Ok(()) => tx.commit().await,
+                Err(e) => Err(e),
+            }
+        };
         self.observe("insert", t);
         match done {
             Ok(()) => Ok(Inserted::Created),
-            // Another replica's (or request's) insert with the same key won the race: its
-            // submission is the answer, as if it had been found first.
+            // Another request's insert with the same key won the race: its submission is the
+            // answer, as if it had been found first.
             Err(e) if is_unique_violation(&e) && new.idempotency.is_some() => {
                 let (key, hash) = new.idempotency.as_ref().map_or(("", ""), |(k, h)| (k, h));
-                keyed(&mut c, key, hash)
-                    .await
-                    .map_err(|e| StoreError::Read(report(&e)))?
+                self.read(async |c| keyed(c, key, hash).await)
+                    .await?
                     .ok_or_else(|| self.write_err(&e))
             }
             Err(e) => Err(self.write_err(&e)),
@@ -296,28 +372,30 @@ impl Postgres {
     }
 
     async fn save(&self, s: &Submission) -> Result<(), StoreError> {
-        self.held()?;
         let t = Instant::now();
         let doc = encode_kept(s).map_err(|e| self.write_err(&e))?;
+        let mut tx = self.begin_fenced().await?;
         sqlx::query(sql::SAVE)
             .bind(&s.id)
             .bind(s.state.as_str())
             .bind(doc)
             .bind(s.build.as_ref().map(|b| b.id.clone()))
             .bind(s.build.as_ref().map(|b| b.number as i64))
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
             .map_err(|e| self.write_err(&e))?;
+        tx.commit().await.map_err(|e| self.write_err(&e))?;
         self.observe("save", t);
         Ok(())
     }
 
     async fn finish(&self, s: &Submission, cb: Option<NewCallback>) -> Result<bool, StoreError> {
-        self.held()?;
         let t = Instant::now();
-        let ended = finish(&self.pool, s, cb)
+        let mut tx = self.begin_fenced().await?;
+        let ended = finish(&mut tx, s, cb)
             .await
             .map_err(|e| self.write_err(&e))?;
+        tx.commit().await.map_err(|e| self.write_err(&e))?;
         self.observe("finish", t);
         Ok(ended)
     }
@@ -330,17 +408,17 @@ impl Postgres {
         next_at_ms: i64,
         error: Option<String>,
     ) -> Result<(), StoreError> {
-        self.held()?;
+        let mut tx = self.begin_fenced().await?;
         sqlx::query(sql::CALLBACK_ATTEMPTED)
             .bind(id)
             .bind(state.as_str())
             .bind(attempts)
             .bind(next_at_ms)
             .bind(error)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| self.write_err(&e))
-            .map(drop)
+            .map_err(|e| self.write_err(&e))?;
+        tx.commit().await.map_err(|e| self.write_err(&e))
     }
 
     async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
@@ -411,15 +489,17 @@ impl Postgres {
         .await
     }
 
-    /// Reachable and writable: the lock is still held and a probe write commits.
+    /// Reachable and writable: the lock is still held (the fence) and a probe write commits.
     async fn health(&self) -> Result<(), StoreError> {
-        self.held()?;
+        let mut tx = self.begin_fenced().await?;
         sqlx::query(sql::PROBE)
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| StoreError::DatabaseWrite(report(&e)))?;
+        tx.commit()
             .await
             .map_err(|e| StoreError::DatabaseWrite(report(&e)))
-            .map(drop)
     }
 }
 
@@ -493,7 +573,37 @@ fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError
             ("tcp_keepalives_count", "3"),
         ])
         .application_name(&me)
+        .ssl_mode(ssl_mode(&settings.url, opts_host_is_local(&settings.url)))
         .disable_statement_logging())
+}
+
+/// The TLS mode: the URL's `sslmode` when it names one; else `require` for a server
+/// elsewhere (where sqlx's default, `prefer`, would let a man in the middle talk it down to
+/// plain text: a platform's `DATABASE_URL` often names none), and `prefer` on this machine.
+fn ssl_mode(url: &str, local: bool) -> PgSslMode {
+    let named = url
+        .split_once('?')
+        .is_some_and(|(_, q)| q.split('&').any(|kv| kv.starts_with("sslmode=")));
+    match (named, local) {
+        (true, _) => PgConnectOptions::from_str(url)
+            .map(|o| o.get_ssl_mode())
+            .unwrap_or(PgSslMode::Require),
+        (false, true) => PgSslMode::Prefer,
+        (false, false) => PgSslMode::Require,
+    }
+}
+
+/// Whether the URL's server is this machine (loopback, or a local socket).
+fn opts_host_is_local(url: &str) -> bool {
+    PgConnectOptions::from_str(url).is_ok_and(|o| {
+        let host = o.get_host();
+        host.starts_with('/')
+            || host == "localhost"
+            || host
+                .trim_matches(['[', ']'])
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    })
 }
 
 /// What the lock's thread does before serving: connect, lock, create and migrate the schema,
@@ -502,7 +612,7 @@ async fn start(
     opts: &PgConnectOptions,
     schema: &str,
     lock_wait: Duration,
-) -> Result<(PgConnection, Reopened), OpenError> {
+) -> Result<(PgConnection, Reopened, i32), OpenError> {
     let mut conn = match tokio::time::timeout(CONNECT_TIMEOUT, opts.connect()).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => return Err(OpenError::Unreachable(report(&e))),
@@ -533,11 +643,21 @@ async fn start(
         }
         tokio::time::sleep(LOCK_POLL).await;
     }
-    // The name was checked (`valid_schema`): no quoting can be escaped.
-    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
-        .execute(&mut conn)
-        .await
-        .map_err(|e| report(&e))?;
+    // Created only when missing: the server checks the right to create a schema before it
+    // looks for one, so a schema the operator made for a user without that right is used as
+    // it is. The name was checked (`valid_schema`): no quoting can be escaped.
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(schema)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| report(&e))?;
+    if !exists {
+        sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+            .execute(&mut conn)
+            .await
+            .map_err(|e| report(&e))?;
+    }
     refuse_newer(&mut conn, schema).await?;
     MIGRATOR.run(&mut conn).await.map_err(|e| report(&e))?;
     let now = now_ms();
@@ -550,7 +670,11 @@ async fn start(
             .await
             .map_err(|e| report(&e))?,
     };
-    Ok((conn, reopened))
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut conn)
+        .await
+        .map_err(|e| report(&e))?;
+    Ok((conn, reopened, pid))
 }
 
 /// Refuses a schema a later release migrated further than this one knows: its statements
@@ -588,8 +712,8 @@ async fn holder(conn: &mut PgConnection, schema: &str) -> String {
            AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
          LIMIT 1",
     )
-    .bind(i64::from(LOCK_CLASS))
-    .bind(i64::from(lock_key(schema) as u32))
+    .bind(lock_id(schema).0)
+    .bind(lock_id(schema).1)
     .fetch_optional(&mut *conn)
     .await;
     match row {
@@ -609,27 +733,50 @@ async fn holder(conn: &mut PgConnection, schema: &str) -> String {
     }
 }
 
-/// Holds the lock until told to stop: checks its connection every [`KEEP_EVERY`] and, once
-/// it is lost, says so (the store then refuses writes).
+/// Holds the lock until told to stop: checks its connection every [`KEEP_EVERY`] (each check
+/// bounded by [`CHECK_TIMEOUT`]) and, once it is lost, says so; then lets go of the lock
+/// before closing, so that a store opened next finds it free at once.
 async fn keep(
     mut conn: PgConnection,
+    schema: &str,
     mut stop: tokio::sync::oneshot::Receiver<()>,
     lost: Arc<Mutex<Option<String>>>,
+    exit_on_lost: bool,
 ) {
     loop {
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(KEEP_EVERY) => {
-                if let Err(e) = sqlx::query("SELECT 1").execute(&mut conn).await {
-                    let why = report(&e);
-                    tracing::error!(error = %why, "the store lost its connection holding the schema's lock; every write is refused until the service is restarted");
-                    *lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
-                    return;
-                }
+                let check = tokio::time::timeout(CHECK_TIMEOUT, sqlx::query("SELECT 1").execute(&mut conn));
+                let why = match check.await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => report(&e),
+                    Err(_) => format!("no answer within {} s", CHECK_TIMEOUT.as_secs()),
+                };
+                lose(&lost, why, exit_on_lost);
+                return;
             }
         }
     }
-    let _ = conn.close().await;
+    let unlock = sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+        .bind(LOCK_CLASS)
+        .bind(lock_key(schema))
+        .execute(&mut conn);
+    let _ = tokio::time::timeout(CHECK_TIMEOUT, unlock).await;
+    let _ = tokio::time::timeout(CHECK_TIMEOUT, conn.close()).await;
+}
+
+/// Records that the lock is lost (every later write is refused) and, in the service, ends the
+/// process: what it holds in memory (queued work, timers, callbacks) is another's to act on.
+fn lose(lost: &Mutex<Option<String>>, why: String, exit_on_lost: bool) {
+    tracing::error!(error = %why, "the store lost its hold on the PostgreSQL schema's lock; every write is refused");
+    *lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    if exit_on_lost {
+        tracing::error!(
+            "exiting (status {EXIT_LOST}) so that the service starts again and takes the lock anew"
+        );
+        std::process::exit(EXIT_LOST);
+    }
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -661,13 +808,12 @@ async fn insert(c: &mut PgConnection, new: &NewSubmission) -> Result<(), sqlx::E
         .map(drop)
 }
 
-/// A submission's end and its callback, in one transaction.
+/// A submission's end and its callback, in the caller's transaction.
 async fn finish(
-    pool: &PgPool,
+    tx: &mut PgConnection,
     s: &Submission,
     cb: Option<NewCallback>,
 ) -> Result<bool, sqlx::Error> {
-    let mut tx = pool.begin().await?;
     let done = sqlx::query(sql::FINISH)
         .bind(&s.id)
         .bind(s.state.as_str())
@@ -690,7 +836,6 @@ async fn finish(
             .execute(&mut *tx)
             .await?;
     }
-    tx.commit().await?;
     Ok(ended)
 }
 
@@ -911,6 +1056,9 @@ mod tests {
         }
         for bad in [
             "",
+            "public",
+            "pg_catalog",
+            "information_schema",
             "2k",
             "Kernelkite",
             "kernel-kite",
@@ -930,6 +1078,31 @@ mod tests {
         let s = shown(&opts);
         assert_eq!(s, "postgres://kk@db.example:6543/app");
         assert!(!s.contains("s3cret"));
+    }
+
+    #[test]
+    fn tls_is_required_for_a_server_elsewhere_unless_the_url_says_otherwise() {
+        let mode = |u: &str| ssl_mode(u, opts_host_is_local(u));
+        assert!(matches!(
+            mode("postgres://u:p@db.example/app"),
+            PgSslMode::Require
+        ));
+        assert!(matches!(
+            mode("postgres://u:p@127.0.0.1:5432/app"),
+            PgSslMode::Prefer
+        ));
+        assert!(matches!(
+            mode("postgres://u:p@localhost/app"),
+            PgSslMode::Prefer
+        ));
+        assert!(matches!(
+            mode("postgres://u:p@db.example/app?sslmode=disable"),
+            PgSslMode::Disable
+        ));
+        assert!(matches!(
+            mode("postgres://u:p@db.example/app?application_name=x&sslmode=verify-full"),
+            PgSslMode::VerifyFull
+        ));
     }
 
     #[test]
