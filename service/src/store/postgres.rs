@@ -34,7 +34,6 @@ use super::{
     NewSubmission, Pending, Ran, Reopened, StoreError,
 };
 use crate::executor::Job;
-use crate::fairshare::Class;
 use crate::report::report;
 use crate::submission::Submission;
 
@@ -878,19 +877,7 @@ async fn keyed(
 
 async fn pending(c: &mut PgConnection) -> Result<Vec<Pending>, sqlx::Error> {
     let rows = sqlx::query(sql::PENDING).fetch_all(&mut *c).await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let job: Option<String> = r.try_get(1)?;
-        out.push(Pending {
-            sub: decode(&r.try_get::<String, _>(0)?)?,
-            job: job.map(|j| decode(&j)).transpose()?,
-            deadline_ms: r.try_get(2)?,
-            fair_tag: r
-                .try_get::<Option<i64>, _>(3)?
-                .and_then(|t| u64::try_from(t).ok()),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::pending_row).collect()
 }
 
 async fn accepted(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Accepted>, sqlx::Error> {
@@ -898,18 +885,7 @@ async fn accepted(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Accepted>, 
         .bind(since_ms)
         .fetch_all(&mut *c)
         .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let class: Option<String> = r.try_get(2)?;
-        out.push(Accepted {
-            queue: r.try_get(0)?,
-            user: r.try_get(1)?,
-            class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
-            created_at_ms: r.try_get(3)?,
-            cached: r.try_get::<Option<String>, _>(4)?.is_some(),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::accepted_row).collect()
 }
 
 async fn runs(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Ran>, sqlx::Error> {
@@ -918,15 +894,7 @@ async fn runs(c: &mut PgConnection, since_ms: i64) -> Result<Vec<Ran>, sqlx::Err
         .bind(crate::dispatch::RECENT_RUNS as i64)
         .fetch_all(&mut *c)
         .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let ms: i64 = r.try_get(1)?;
-        out.push(Ran {
-            queue: r.try_get(0)?,
-            took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::ran_row).collect()
 }
 
 async fn due_callbacks(

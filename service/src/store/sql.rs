@@ -124,3 +124,61 @@ pub(crate) fn ran_column(sub: &Submission) -> Option<i64> {
     sub.ran()
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
+
+// The row decoders both stores share, generic over the driver's row: columns by index,
+// `TEXT` as `String` and `BIGINT` as `i64` (each possibly NULL).
+
+/// A row of [`PENDING`].
+pub(crate) fn pending_row<'r, R>(r: &'r R) -> Result<crate::store::Pending, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let job: Option<String> = r.try_get(1)?;
+    Ok(crate::store::Pending {
+        sub: decode(&r.try_get::<String, _>(0)?)?,
+        job: job.map(|j| decode(&j)).transpose()?,
+        deadline_ms: r.try_get(2)?,
+        fair_tag: r
+            .try_get::<Option<i64>, _>(3)?
+            .and_then(|t| u64::try_from(t).ok()),
+    })
+}
+
+/// A row of [`ACCEPTED`].
+pub(crate) fn accepted_row<'r, R>(r: &'r R) -> Result<crate::store::Accepted, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let class: Option<String> = r.try_get(2)?;
+    Ok(crate::store::Accepted {
+        queue: r.try_get(0)?,
+        user: r.try_get(1)?,
+        class: class
+            .as_deref()
+            .and_then(crate::fairshare::Class::parse)
+            .unwrap_or_default(),
+        created_at_ms: r.try_get(3)?,
+        cached: r.try_get::<Option<String>, _>(4)?.is_some(),
+    })
+}
+
+/// A row of [`RUNS`].
+pub(crate) fn ran_row<'r, R>(r: &'r R) -> Result<crate::store::Ran, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let ms: i64 = r.try_get(1)?;
+    Ok(crate::store::Ran {
+        queue: r.try_get(0)?,
+        took: std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+    })
+}

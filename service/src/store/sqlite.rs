@@ -39,7 +39,6 @@ use super::{
     NewSubmission, Pending, Ran, Reopened, StoreError,
 };
 use crate::executor::Job;
-use crate::fairshare::Class;
 use crate::report::report;
 use crate::submission::Submission;
 
@@ -1282,19 +1281,7 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
 /// Every submission that had not ended, oldest first.
 async fn pending(conn: &mut SqliteConnection) -> Result<Vec<Pending>, sqlx::Error> {
     let rows = sqlx::query(sql::PENDING).fetch_all(&mut *conn).await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let job: Option<String> = r.try_get(1)?;
-        out.push(Pending {
-            sub: decode(&r.try_get::<String, _>(0)?)?,
-            job: job.map(|j| decode(&j)).transpose()?,
-            deadline_ms: r.try_get(2)?,
-            fair_tag: r
-                .try_get::<Option<i64>, _>(3)?
-                .and_then(|t| u64::try_from(t).ok()),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::pending_row).collect()
 }
 
 /// The submissions accepted since `since_ms`, queued or answered from the result cache, for
@@ -1307,18 +1294,7 @@ async fn accepted(
         .bind(since_ms)
         .fetch_all(&mut *conn)
         .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let class: Option<String> = r.try_get(2)?;
-        out.push(Accepted {
-            queue: r.try_get(0)?,
-            user: r.try_get(1)?,
-            class: class.as_deref().and_then(Class::parse).unwrap_or_default(),
-            created_at_ms: r.try_get(3)?,
-            cached: r.try_get::<Option<String>, _>(4)?.is_some(),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::accepted_row).collect()
 }
 
 /// Per queue its last [`RECENT_RUNS`](crate::dispatch::RECENT_RUNS) runs to end, of the
@@ -1329,15 +1305,7 @@ async fn runs(conn: &mut SqliteConnection, since_ms: i64) -> Result<Vec<Ran>, sq
         .bind(crate::dispatch::RECENT_RUNS as i64)
         .fetch_all(&mut *conn)
         .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let ms: i64 = r.try_get(1)?;
-        out.push(Ran {
-            queue: r.try_get(0)?,
-            took: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
-        });
-    }
-    Ok(out)
+    rows.iter().map(sql::ran_row).collect()
 }
 
 /// A submission read as its `doc` (the row's first column), if there was a row.
