@@ -504,7 +504,6 @@ impl Postgres {
 
 /// Why opening failed, before the target is known to the message.
 enum OpenError {
-    Unreachable(String),
     InUse(String),
     Other(String),
 }
@@ -518,7 +517,7 @@ impl From<String> for OpenError {
 impl OpenError {
     fn into_error(self, target: &str, schema: &str) -> StoreError {
         match self {
-            OpenError::Unreachable(cause) | OpenError::Other(cause) => StoreError::Database {
+            OpenError::Other(cause) => StoreError::Database {
                 target: target.to_string(),
                 cause,
             },
@@ -564,6 +563,7 @@ fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError
     // The server's keepalives on every connection (TCP ones; a local socket has none): a
     // service whose machine died lets go of the schema's lock within about 25 s, where the
     // server's defaults would keep it for two hours.
+    let tls = ssl_mode(&settings.url, &opts);
     Ok(opts
         .options([
             ("search_path", settings.schema.as_str()),
@@ -572,37 +572,36 @@ fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError
             ("tcp_keepalives_count", "3"),
         ])
         .application_name(&me)
-        .ssl_mode(ssl_mode(&settings.url, opts_host_is_local(&settings.url)))
+        .ssl_mode(tls)
         .disable_statement_logging())
 }
 
 /// The TLS mode: the URL's `sslmode` when it names one; else `require` for a server
 /// elsewhere (where sqlx's default, `prefer`, would let a man in the middle talk it down to
 /// plain text: a platform's `DATABASE_URL` often names none), and `prefer` on this machine.
-fn ssl_mode(url: &str, local: bool) -> PgSslMode {
+/// `opts` are the URL's, as parsed (which cannot tell an `sslmode` named from its default).
+fn ssl_mode(url: &str, opts: &PgConnectOptions) -> PgSslMode {
     let named = url
         .split_once('?')
         .is_some_and(|(_, q)| q.split('&').any(|kv| kv.starts_with("sslmode=")));
-    match (named, local) {
-        (true, _) => PgConnectOptions::from_str(url)
-            .map(|o| o.get_ssl_mode())
-            .unwrap_or(PgSslMode::Require),
-        (false, true) => PgSslMode::Prefer,
-        (false, false) => PgSslMode::Require,
+    if named {
+        opts.get_ssl_mode()
+    } else if is_local(opts) {
+        PgSslMode::Prefer
+    } else {
+        PgSslMode::Require
     }
 }
 
-/// Whether the URL's server is this machine (loopback, or a local socket).
-fn opts_host_is_local(url: &str) -> bool {
-    PgConnectOptions::from_str(url).is_ok_and(|o| {
-        let host = o.get_host();
-        host.starts_with('/')
-            || host == "localhost"
-            || host
-                .trim_matches(['[', ']'])
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
-    })
+/// Whether the server is this machine (loopback, or a local socket).
+fn is_local(opts: &PgConnectOptions) -> bool {
+    let host = opts.get_host();
+    host.starts_with('/')
+        || host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// What the lock's thread does before serving: connect, lock, create and migrate the schema,
@@ -614,9 +613,9 @@ async fn start(
 ) -> Result<(PgConnection, Reopened, i32), OpenError> {
     let mut conn = match tokio::time::timeout(CONNECT_TIMEOUT, opts.connect()).await {
         Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(OpenError::Unreachable(report(&e))),
+        Ok(Err(e)) => return Err(OpenError::Other(report(&e))),
         Err(_) => {
-            return Err(OpenError::Unreachable(format!(
+            return Err(OpenError::Other(format!(
                 "no answer within {} s",
                 CONNECT_TIMEOUT.as_secs()
             )))
@@ -703,6 +702,7 @@ async fn refuse_newer(conn: &mut PgConnection, schema: &str) -> Result<(), OpenE
 /// Who holds the schema's lock, as the server shows its session (its application name,
 /// address and start); what can be said when the server shows none.
 async fn holder(conn: &mut PgConnection, schema: &str) -> String {
+    let (class, key) = lock_id(schema);
     let row = sqlx::query(
         "SELECT a.application_name, COALESCE(host(a.client_addr), 'a local socket'),
                 to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
@@ -711,8 +711,8 @@ async fn holder(conn: &mut PgConnection, schema: &str) -> String {
            AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
          LIMIT 1",
     )
-    .bind(lock_id(schema).0)
-    .bind(lock_id(schema).1)
+    .bind(class)
+    .bind(key)
     .fetch_optional(&mut *conn)
     .await;
     match row {
@@ -1050,7 +1050,7 @@ mod tests {
 
     #[test]
     fn tls_is_required_for_a_server_elsewhere_unless_the_url_says_otherwise() {
-        let mode = |u: &str| ssl_mode(u, opts_host_is_local(u));
+        let mode = |u: &str| ssl_mode(u, &PgConnectOptions::from_str(u).unwrap());
         assert!(matches!(
             mode("postgres://u:p@db.example/app"),
             PgSslMode::Require

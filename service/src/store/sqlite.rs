@@ -173,7 +173,7 @@ pub struct Sqlite {
     path: Option<PathBuf>,
     closed: Arc<AtomicBool>,
     /// The data directory's lock, held while the store is open ([`lock_dir`]).
-    _lock: Option<Arc<DirLock>>,
+    _lock: Option<Arc<std::fs::File>>,
     /// The database file's device and inode when opened: a file found otherwise later was
     /// deleted or replaced ([`Sqlite::check_file`]).
     identity: Option<(u64, u64)>,
@@ -626,57 +626,26 @@ fn sqlite_header(path: &Path) -> bool {
 /// The data directory's lock file: who holds it, for the next process's error.
 pub const LOCK_FILE: &str = "kernelkite-service.lock";
 
-/// The data directories this process holds, with a handle on each lock: a second store of this
-/// process on one of them (a restart in a test, an inspection) shares the lock; another process
-/// is refused.
-type Held = Vec<(PathBuf, std::sync::Weak<DirLock>)>;
-static HELD: std::sync::Mutex<Held> = std::sync::Mutex::new(Vec::new());
-
-fn held() -> std::sync::MutexGuard<'static, Held> {
-    HELD.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A data directory's lock, held by this process while any of its stores is open.
-pub(crate) struct DirLock {
-    key: PathBuf,
-    file: Option<std::fs::File>,
-}
-
-impl Drop for DirLock {
-    /// Closes the file (which drops the `flock`) and forgets the directory under the
-    /// registry's mutex: a store opening the directory meanwhile waits for the close, where
-    /// it could otherwise find the holder gone and the lock still taken, and refuse itself
-    /// (a restart in a test failed that way once under load).
-    fn drop(&mut self) {
-        let mut held = held();
-        drop(self.file.take());
-        held.retain(|(k, f)| !(k == &self.key && f.strong_count() == 0));
-    }
-}
-
-fn hold_dir(dir: &Path) -> Result<Arc<DirLock>, StoreError> {
+/// The data directories this process holds: a second store of this process on one of them
+/// (a restart in a test, an inspection) shares the lock; another process is refused. One the
+/// process is letting go of meanwhile (its last holder closing it) is taken anew, once free
+/// ([`lock_dir`] waits for a lock the file says is this process's own).
+fn hold_dir(dir: &Path) -> Result<Arc<std::fs::File>, StoreError> {
+    static HELD: std::sync::Mutex<Vec<(PathBuf, std::sync::Weak<std::fs::File>)>> =
+        std::sync::Mutex::new(Vec::new());
     let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    loop {
-        let mut held = held();
-        match held.iter().find(|(d, _)| *d == key) {
-            Some((_, f)) => {
-                if let Some(lock) = f.upgrade() {
-                    return Ok(lock);
-                }
-                // Its last holder is closing it (DirLock::drop waits for this mutex).
-                drop(held);
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            None => {
-                let lock = Arc::new(DirLock {
-                    key: key.clone(),
-                    file: Some(lock_dir(dir)?),
-                });
-                held.push((key, Arc::downgrade(&lock)));
-                return Ok(lock);
-            }
-        }
+    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    held.retain(|(_, f)| f.strong_count() > 0);
+    if let Some(file) = held
+        .iter()
+        .find(|(d, _)| *d == key)
+        .and_then(|(_, f)| f.upgrade())
+    {
+        return Ok(file);
     }
+    let file = Arc::new(lock_dir(dir)?);
+    held.push((key, Arc::downgrade(&file)));
+    Ok(file)
 }
 
 /// How long a lock this process itself is letting go of may take to be free ([`lock_dir`]).
