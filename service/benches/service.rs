@@ -777,12 +777,7 @@ async fn stores(dirs: &[tempfile::TempDir; 2]) -> Vec<(String, Arc<dyn Durable>)
         let db = Sqlite::open(Some(dir.path()), sync, None).expect("store");
         out.push((format!("SQLite, {sync:?}"), Arc::new(db)));
     }
-    let url = [
-        "KERNELKITE_BENCH_DATABASE_URL",
-        "KERNELKITE_TEST_DATABASE_URL",
-    ]
-    .iter()
-    .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()));
+    let url = kernelkite_testkit::postgres::bench_url();
     let Some(url) = url else {
         println!("(PostgreSQL not measured: set KERNELKITE_BENCH_DATABASE_URL, or run scripts/postgres.sh start DIR durable)");
         return out;
@@ -792,6 +787,7 @@ async fn stores(dirs: &[tempfile::TempDir; 2]) -> Vec<(String, Arc<dyn Durable>)
         schema: format!("kk_bench_{}", std::process::id()),
         max_connections: 8,
         lock_wait: Duration::ZERO,
+        standby: false,
         exit_on_lost: false,
     };
     let (db, _) = Postgres::open(&settings, None).expect("the PostgreSQL store opens");

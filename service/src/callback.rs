@@ -137,6 +137,11 @@ impl Outbox {
     }
 
     async fn deliver(&self, app: &App, cb: DueCallback) {
+        if !app.store().durable().acting() {
+            // Another service may hold the store now: the callback is its to send.
+            tracing::error!(id = %cb.submission_id, "not sending the callback: this service no longer holds the store");
+            return;
+        }
         let attempts = cb.attempts + 1;
         let outcome = self.attempt(&cb).await;
         let now = now_ms();

@@ -90,6 +90,9 @@ pub enum ConfigError {
     /// Both stores were asked for.
     #[error("KERNELKITE_DATA_DIR and KERNELKITE_DATABASE_URL are both set: the store is either a SQLite file in the data dir or PostgreSQL; unset one")]
     TwoStores,
+    /// A standby without PostgreSQL: SQLite's file has one writer, on one machine.
+    #[error("KERNELKITE_STANDBY needs the store in PostgreSQL (KERNELKITE_DATABASE_URL): a SQLite store is one service on one machine; unset KERNELKITE_STANDBY or set KERNELKITE_DATABASE_URL")]
+    StandbyWithoutDatabase,
     /// The schema name would need quoting.
     #[error("KERNELKITE_DATABASE_SCHEMA {0:?} is not a plain schema name: use lower-case letters, digits and _ (not first), at most 63")]
     Schema(String),
@@ -313,10 +316,18 @@ pub struct StoreConfig {
     pub database_connections: u32,
 
     /// Seconds a start waits for the PostgreSQL schema's lock while another session holds it
-    /// (a service that just died lets go within seconds, one whose machine died within about
-    /// 25 s); then it exits, naming the holder.
+    /// (a service that just died lets go at once; one whose session stays silent for 6 s,
+    /// stopped or its machine gone, is taken over); then it exits, naming the holder.
     #[arg(long, env = "KERNELKITE_DATABASE_LOCK_WAIT_S", default_value_t = 30)]
     pub database_lock_wait_s: u64,
+
+    /// Start as a standby replica (PostgreSQL only): wait without limit for the schema's lock,
+    /// serving nothing (not even `/healthz`, so a load balancer's health check sends nothing
+    /// here) until the service holding it ends or stays silent for 6 s (stopped, frozen, its
+    /// machine or network gone: its database session is then ended), then take over: read
+    /// everything back and serve.
+    #[arg(long, env = "KERNELKITE_STANDBY")]
+    pub standby: bool,
 
     /// How commits reach the disk: `normal` survives the process being killed at any
     /// instant; `full` also survives a power loss (an fsync per commit).
@@ -385,6 +396,7 @@ impl StoreConfig {
             schema: self.database_schema.clone(),
             max_connections: self.database_connections,
             lock_wait: std::time::Duration::from_secs(self.database_lock_wait_s),
+            standby: self.standby,
             // A service that lost its lock must stop acting on what it holds in memory.
             exit_on_lost: true,
         }
@@ -393,6 +405,9 @@ impl StoreConfig {
     fn check(&self) -> Result<(), ConfigError> {
         if self.database_url.is_some() && self.data_dir.is_some() {
             return Err(ConfigError::TwoStores);
+        }
+        if self.standby && self.database_url.is_none() {
+            return Err(ConfigError::StandbyWithoutDatabase);
         }
         if !crate::store::postgres::valid_schema(&self.database_schema) {
             return Err(ConfigError::Schema(self.database_schema.clone()));
@@ -906,6 +921,13 @@ mod tests {
         c.store.data_dir = Some("/var/lib/kk".into());
         assert!(matches!(c.check(), Err(ConfigError::TwoStores)));
         c.store.data_dir = None;
+        c.store.standby = true;
+        assert!(c.check().is_ok(), "a standby on PostgreSQL");
+        let url = c.store.database_url.take();
+        let e = c.check().unwrap_err().to_string();
+        assert!(e.contains("KERNELKITE_STANDBY needs"), "{e}");
+        c.store.database_url = url;
+        c.store.standby = false;
         assert!(
             !format!("{c:?} {:?}", c.store.backend()).contains("SECRET-4"),
             "the URL's password is never shown"

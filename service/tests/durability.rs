@@ -135,6 +135,46 @@ fn builds_per_submission(fake: &FakeBuildkite) -> HashMap<String, Vec<u64>> {
     out
 }
 
+/// `n` clients, the i-th submitting (key `key-i`, run id `run-i`, calling back to `callback`)
+/// after `i * every_ms` and long-polling to the end through restarts: each gives back its run
+/// id, submission id and final JSON.
+fn spread_clients(
+    http: &reqwest::Client,
+    base: &str,
+    callback: &str,
+    n: usize,
+    every_ms: u64,
+) -> Vec<tokio::task::JoinHandle<(String, String, Value)>> {
+    (0..n)
+        .map(|i| {
+            let (http, base, cb) = (http.clone(), base.to_string(), callback.to_string());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i as u64 * every_ms)).await;
+                let run_id = format!("run-{i}");
+                let body = json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb});
+                let id = submit_until_accepted(&http, &base, &format!("key-{i}"), &body).await;
+                let done = long_poll(&http, &base, &id).await;
+                (run_id, id, done)
+            })
+        })
+        .collect()
+}
+
+/// Exactly one build per submission of `ids`, and none for any other: no twins, none lost.
+fn one_build_each<'a>(fake: &FakeBuildkite, ids: impl ExactSizeIterator<Item = &'a String>) {
+    let builds = builds_per_submission(fake);
+    let n = ids.len();
+    for id in ids {
+        assert_eq!(
+            builds.get(id).map(Vec::len),
+            Some(1),
+            "{id}: builds {:?}",
+            builds.get(id)
+        );
+    }
+    assert_eq!(builds.len(), n);
+}
+
 fn log_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
     dir.path().join("service.log")
 }
@@ -191,20 +231,8 @@ async fn survive_kill_9(postgres: Option<(String, String)>) {
     let started = Instant::now();
     let http = reqwest::Client::new();
     let base = svc.base.clone();
-    let mut clients = Vec::new();
-    for i in 0..N {
-        let (http, base, cb) = (http.clone(), base.clone(), receiver.url());
-        clients.push(tokio::spawn(async move {
-            // Spread over 2.4 s, so every kill lands among submissions at every stage.
-            tokio::time::sleep(Duration::from_millis(i as u64 * 12)).await;
-            let run_id = format!("run-{i}");
-            let body =
-                json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb});
-            let id = submit_until_accepted(&http, &base, &format!("key-{i}"), &body).await;
-            let done = long_poll(&http, &base, &id).await;
-            (run_id, id, done)
-        }));
-    }
+    // Spread over 2.4 s, so every kill lands among submissions at every stage.
+    let clients = spread_clients(&http, &base, &receiver.url(), N, 12);
     let mut rng = fastrand::Rng::with_seed(42);
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(rng.u64(350..650))).await;
@@ -234,17 +262,7 @@ async fn survive_kill_9(postgres: Option<(String, String)>) {
         ids.insert(id.clone(), run_id.clone());
     }
     assert_eq!(ids.len(), N, "one submission per idempotency key");
-    // Exactly one build per submission: no twins, none lost.
-    let builds = builds_per_submission(&fake);
-    for id in ids.keys() {
-        assert_eq!(
-            builds.get(id).map(Vec::len),
-            Some(1),
-            "{id}: builds {:?}",
-            builds.get(id)
-        );
-    }
-    assert_eq!(builds.len(), N);
+    one_build_each(&fake, ids.keys());
     // Every callback arrived at least once, signed, with the submission id as its key.
     let all_called = receiver
         .wait_for(Duration::from_secs(60), |d| {
@@ -1079,4 +1097,148 @@ async fn dropped_events_are_logged_a_few_times_and_background_work_logs_under_it
             "logged under the request's span: {line}"
         );
     }
+}
+
+/// Two replicas on one PostgreSQL schema behind a load balancer (the test's, routing as
+/// haproxy does with a health check): the first serves, the second stands by serving nothing.
+/// The serving one is killed with SIGKILL, then the one that took over is frozen with SIGSTOP;
+/// each time the other takes over within 10 s, through the same address, and the frozen one,
+/// let go on, exits (status 75) instead of acting on what it held. Every submission ends
+/// exactly once, with one build each, its own result, and its callback delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_replica_takes_over_from_one_killed_and_one_frozen() {
+    const N: usize = 120;
+    const TAKEOVER: Duration = Duration::from_secs(10);
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let receiver = CallbackReceiver::start().await;
+    let replica = |name: &str| {
+        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), logs.path().join(name));
+        svc.use_postgres(&url, &schema);
+        svc.set_env("KERNELKITE_STANDBY", "true");
+        svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+        svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
+        svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
+        svc
+    };
+    let (mut a, mut b) = (replica("a.log"), replica("b.log"));
+    let lb = kernelkite_testkit::balancer::Balancer::start(&[a.base.clone(), b.base.clone()]).await;
+    fake.set_webhook(
+        format!("{}/webhooks/buildkite", lb.base),
+        kernelkite_testkit::fake_buildkite::Signing::Hmac(
+            kernelkite_testkit::harness::WEBHOOK_TOKEN.into(),
+        ),
+    );
+    a.start().await.unwrap();
+    b.spawn().unwrap();
+    standing_by(&b).await;
+    assert!(
+        reqwest::get(format!("{}/healthz", b.base)).await.is_err(),
+        "a standby serves nothing"
+    );
+    let agents = spawn_agents_for(fake.clone(), 3, 100..600);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let clients = spread_clients(&http, &lb.base, &receiver.url(), N, 40);
+    // The serving replica dies.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    a.kill9().await;
+    let t = Instant::now();
+    b.ready(TAKEOVER)
+        .await
+        .expect("the standby takes over from a killed replica");
+    let after_kill = t.elapsed();
+    a.spawn().unwrap();
+    // The replica that took over freezes: its database session stays open.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    b.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    a.ready(TAKEOVER)
+        .await
+        .expect("the standby takes over from a frozen replica");
+    let after_freeze = t.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    b.signal(libc::SIGCONT);
+    let code = b.exited(Duration::from_secs(10)).await;
+    assert!(
+        b.log_text().contains("last beat to the database was"),
+        "the frozen one stopped itself: {}",
+        b.log_text()
+    );
+    println!(
+        "took over {after_kill:?} after a kill -9, {after_freeze:?} after a SIGSTOP; the frozen one, let go on, exited with {code:?}"
+    );
+    assert_eq!(
+        code,
+        Some(75),
+        "a replica that was taken over stops: {}",
+        b.log_text()
+    );
+
+    let mut ids = BTreeMap::new();
+    for c in clients {
+        let (run_id, id, done) = tokio::time::timeout(Duration::from_secs(90), c)
+            .await
+            .expect("every client hears the end")
+            .unwrap();
+        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
+        assert_eq!(done["result"]["system"]["hostname"], run_id);
+        ids.insert(id, run_id);
+    }
+    assert_eq!(ids.len(), N, "one submission per idempotency key");
+    one_build_each(&fake, ids.keys());
+    let all_called = receiver
+        .wait_for(Duration::from_secs(60), |d| {
+            let seen: std::collections::HashSet<_> =
+                d.iter().filter_map(|x| x.idempotency_key.clone()).collect();
+            ids.keys().all(|id| seen.contains(id))
+        })
+        .await;
+    assert!(all_called, "some callbacks never arrived");
+    agents.abort();
+    a.kill9().await;
+}
+
+/// Waits (up to 30 s) for a replica's log to say it stands by.
+async fn standing_by(svc: &ServiceProcess) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !svc.log_text().contains("standing by") {
+        assert!(
+            Instant::now() < deadline,
+            "the replica never stood by: {}",
+            svc.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A service on PostgreSQL stopped (SIGSTOP) for longer than its beat may be old, with no
+/// standby to take over, stops itself when let go on: it cannot know whether another took the
+/// schema meanwhile, so it exits (75) for its supervisor to start it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_frozen_past_its_beat_stops_itself_when_let_go_on() {
+    use kernelkite_service::store::postgres::SELF_FENCE_AFTER;
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    let fake = FakeBuildkite::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+    svc.use_postgres(&url, &kernelkite_testkit::postgres::schema());
+    svc.start().await.unwrap();
+    svc.signal(libc::SIGSTOP);
+    tokio::time::sleep(SELF_FENCE_AFTER + Duration::from_millis(500)).await;
+    svc.signal(libc::SIGCONT);
+    let code = svc.exited(Duration::from_secs(10)).await;
+    let log = svc.log_text();
+    assert_eq!(code, Some(75), "{log}");
+    assert!(log.contains("last beat to the database was"), "{log}");
 }

@@ -38,6 +38,7 @@ impl Backend {
             schema: kernelkite_testkit::postgres::schema(),
             max_connections: 4,
             lock_wait: std::time::Duration::ZERO,
+            standby: false,
             exit_on_lost: false,
         }))
     }
@@ -501,20 +502,7 @@ async fn postgres_a_store_that_lost_its_lock_writes_nothing_more() {
     let (first, _) = Postgres::open(&s, None).unwrap();
     let kept = new_sub(None);
     created(&first, &kept).await;
-    let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
-        .await
-        .unwrap();
-    let (class, key) = kernelkite_service::store::postgres::lock_id(&s.schema);
-    let ended: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_locks
-         WHERE locktype = 'advisory' AND granted AND objsubid = 2
-           AND classid = $1::bigint::oid AND objid = $2::bigint::oid",
-    )
-    .bind(class)
-    .bind(key)
-    .fetch_all(&mut c)
-    .await
-    .unwrap();
+    let ended = end_lock_session(&s).await;
     assert!(!ended.is_empty(), "no holder session found");
     // The server lets go of the lock as the session ends; another service takes the schema.
     let waiting = PgSettings {
@@ -548,6 +536,7 @@ async fn postgres_unreachable_or_malformed_is_refused_with_what_to_do() {
         schema: "kernelkite".into(),
         max_connections: 1,
         lock_wait: std::time::Duration::ZERO,
+        standby: false,
         exit_on_lost: false,
     };
     let e = Postgres::open(&malformed, None).unwrap_err().to_string();
@@ -567,4 +556,165 @@ async fn postgres_unreachable_or_malformed_is_refused_with_what_to_do() {
     };
     let e = Postgres::open(&spliced, None).unwrap_err().to_string();
     assert!(e.contains("not plain"), "{e}");
+}
+
+/// A holder whose session stays silent (a service stopped with SIGSTOP, frozen, cut off: the
+/// server would keep its session for as long as TCP looks alive) is taken over after
+/// `TAKEOVER_AFTER`, not before, and its session is ended, so nothing it tries later lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_silent_holder_is_taken_over_and_its_session_ended() {
+    use kernelkite_service::store::postgres::{lock_id, TAKEOVER_AFTER};
+    let Some(Backend::Postgres(s)) = Backend::postgres() else {
+        return;
+    };
+    // Made and migrated by a store first, as a service's start would.
+    drop(Postgres::open(&s, None).unwrap());
+    let mut silent = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
+        .await
+        .unwrap();
+    let (class, key) = lock_id(&s.schema);
+    sqlx::query("SELECT pg_advisory_lock($1::int, $2::int)")
+        .bind(class as i32)
+        .bind(key as u32 as i32)
+        .execute(&mut silent)
+        .await
+        .unwrap();
+    let t = std::time::Instant::now();
+    let waiting = PgSettings {
+        lock_wait: std::time::Duration::from_secs(20),
+        ..s.clone()
+    };
+    let (taken, _) = Postgres::open(&waiting, None).expect("the silent holder is taken over");
+    let took = t.elapsed();
+    assert!(
+        took >= TAKEOVER_AFTER - std::time::Duration::from_millis(100),
+        "taken over after {took:?}, before the holder was silent for {TAKEOVER_AFTER:?}"
+    );
+    assert!(
+        took < TAKEOVER_AFTER + std::time::Duration::from_secs(3),
+        "taken over only after {took:?}"
+    );
+    println!("a silent holder was taken over after {took:?}");
+    taken.health().await.unwrap();
+    let later = sqlx::query("SELECT 1").execute(&mut silent).await;
+    assert!(later.is_err(), "the silent holder's session was ended");
+}
+
+/// A standby waits past any `lock_wait` while the holder beats (a live service is never
+/// taken over, however long the standby waits), and takes over the moment it lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_standby_waits_while_the_holder_beats_and_takes_over_when_it_ends() {
+    use kernelkite_service::store::postgres::TAKEOVER_AFTER;
+    let Some(Backend::Postgres(s)) = Backend::postgres() else {
+        return;
+    };
+    let (first, _) = Postgres::open(&s, None).unwrap();
+    let kept = new_sub(None);
+    created(&first, &kept).await;
+    let standby = PgSettings {
+        standby: true,
+        ..s.clone()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = tokio::runtime::Handle::current();
+    let waiter = std::thread::spawn(move || {
+        let _rt = handle.enter();
+        let opened = Postgres::open(&standby, None);
+        let _ = tx.send(std::time::Instant::now());
+        opened
+    });
+    let waited = TAKEOVER_AFTER + std::time::Duration::from_secs(2);
+    assert!(
+        rx.recv_timeout(waited).is_err(),
+        "the standby took over from a holder that beats"
+    );
+    first.health().await.expect("the holder still writes");
+    let let_go = std::time::Instant::now();
+    drop(first);
+    let opened_at = rx
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("the standby takes over once the holder let go");
+    let (second, reopened) = waiter.join().unwrap().expect("the standby opens");
+    println!(
+        "the standby took over {:?} after the holder let go",
+        opened_at.saturating_duration_since(let_go)
+    );
+    assert!(
+        reopened.pending.iter().any(|p| p.sub.id == kept.sub.id),
+        "what the first accepted is the standby's to finish"
+    );
+    second.health().await.unwrap();
+}
+
+/// A write its predecessor's fence let through and that is still open when another service
+/// takes over (its process frozen between the fence and the commit) is waited for, then its
+/// session ended, before the one taking over reads anything: it never commits after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_write_still_open_at_a_take_over_never_commits_after_it() {
+    use kernelkite_service::store::postgres::writers_lock_id;
+    let Some(Backend::Postgres(s)) = Backend::postgres() else {
+        return;
+    };
+    let (first, _) = Postgres::open(&s, None).unwrap();
+    // The predecessor's write, as its fence leaves it: inside a transaction holding the
+    // writers' lock shared.
+    let mut writer = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
+        .await
+        .unwrap();
+    let (wclass, wkey) = writers_lock_id(&s.schema);
+    sqlx::query("BEGIN").execute(&mut writer).await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1::int, $2::int)")
+        .bind(wclass as i32)
+        .bind(wkey as u32 as i32)
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    sqlx::query(&format!("CREATE TABLE {}.late_write (x int)", s.schema))
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    // The predecessor loses its lock (its lock's session ended, as a take-over does).
+    assert!(!end_lock_session(&s).await.is_empty());
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
+        .await
+        .unwrap();
+    let waiting = PgSettings {
+        lock_wait: std::time::Duration::from_secs(20),
+        ..s.clone()
+    };
+    let (taken, _) = Postgres::open(&waiting, None).expect("the schema is taken over");
+    let committed = sqlx::query("COMMIT").execute(&mut writer).await;
+    assert!(
+        committed.is_err(),
+        "the predecessor's open write committed after the take-over"
+    );
+    let landed: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'late_write')",
+    )
+    .bind(&s.schema)
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(!landed, "the late write landed");
+    taken.health().await.unwrap();
+    drop(first);
+}
+
+/// Ends the session holding `s`'s schema lock, as a server restart, an operator or a service
+/// taking over does; whether each found was ended.
+async fn end_lock_session(s: &PgSettings) -> Vec<bool> {
+    let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&s.url)
+        .await
+        .unwrap();
+    let (class, key) = kernelkite_service::store::postgres::lock_id(&s.schema);
+    sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2
+           AND classid = $1::bigint::oid AND objid = $2::bigint::oid",
+    )
+    .bind(class)
+    .bind(key)
+    .fetch_all(&mut c)
+    .await
+    .unwrap()
 }

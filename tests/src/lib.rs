@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod agent_node;
+pub mod balancer;
 pub mod callback_receiver;
 pub mod deployment;
 pub mod fake_buildkite;

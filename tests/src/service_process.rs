@@ -107,6 +107,13 @@ impl ServiceProcess {
     /// Starts the binary; returns once `/healthz` answers, or the exit status and log when
     /// it ends first.
     pub async fn start(&mut self) -> Result<(), String> {
+        self.spawn()?;
+        self.ready(Duration::from_secs(20)).await
+    }
+
+    /// Starts the binary without waiting for it to serve (a standby serves nothing until it
+    /// takes over).
+    pub fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -137,16 +144,29 @@ impl ServiceProcess {
                 });
             }
         }
-        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
-        let http = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(20);
+        self.child = Some(cmd.spawn().map_err(|e| e.to_string())?);
+        Ok(())
+    }
+
+    /// Waits until the running process answers `/healthz` (within `within`); the exit status
+    /// and log when it ends first or never answers.
+    pub async fn ready(&mut self, within: Duration) -> Result<(), String> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + within;
         loop {
+            let Some(child) = self.child.as_mut() else {
+                return Err("not started".into());
+            };
             if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
                 return Err(format!("exited with {status}: {}", self.log_text()));
             }
             if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await {
                 if r.status().is_success() {
-                    break;
+                    return Ok(());
                 }
             }
             if Instant::now() > deadline {
@@ -154,8 +174,28 @@ impl ServiceProcess {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        self.child = Some(child);
-        Ok(())
+    }
+
+    /// Sends `signal` to the running process (SIGSTOP freezes it, SIGCONT lets it go on).
+    pub fn signal(&self, signal: i32) {
+        if let Some(pid) = self.pid() {
+            // SAFETY: kill(2) on our own child's pid; no memory is involved.
+            unsafe {
+                libc::kill(pid as libc::pid_t, signal);
+            }
+        }
+    }
+
+    /// Waits up to `within` for the running process to exit on its own; its exit code.
+    pub async fn exited(&mut self, within: Duration) -> Option<i32> {
+        let child = self.child.as_mut()?;
+        match tokio::time::timeout(within, child.wait()).await {
+            Ok(Ok(status)) => {
+                self.child = None;
+                status.code()
+            }
+            _ => None,
+        }
     }
 
     /// Runs the binary to its exit (for configurations it must refuse); the status and log.

@@ -723,6 +723,11 @@ impl App {
         // read as that request's.
         let span = tracing::info_span!(parent: None, "submission", id = %id);
         async {
+            if !self.store.durable().acting() {
+                // Another service may hold the store now: the submission is its to launch.
+                tracing::error!("not creating the build: this service no longer holds the store");
+                return;
+            }
             match self.executor.launch(&job).await {
                 Ok(launched) => self.attach(&id, launched).await,
                 Err(e) => {
@@ -1241,6 +1246,13 @@ impl App {
     pub(crate) fn spawn_cancel_build(self: &Arc<Self>, build: BuildInfo) {
         let app = self.clone();
         tokio::spawn(async move {
+            if !app.store.durable().acting() {
+                tracing::error!(
+                    build = build.number,
+                    "not canceling the build: this service no longer holds the store"
+                );
+                return;
+            }
             match app.executor.cancel(&build).await {
                 Ok(true) => tracing::info!(build = build.number, "build canceled"),
                 Ok(false) => {}

@@ -1066,3 +1066,40 @@ mod tests {
         }
     }
 }
+
+/// Time since boot, the time the machine (or its VM) was suspended included
+/// (`CLOCK_BOOTTIME`): unlike `Instant` (`CLOCK_MONOTONIC`), it has moved on when a process
+/// suspended with its machine runs again, which is what a lease measured on it must see.
+pub fn boottime() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass, which lives on this stack frame.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    if rc != 0 {
+        // Never on Linux (CLOCK_BOOTTIME exists since 2.6.39); the monotonic clock is the
+        // next best.
+        // SAFETY: as above.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    }
+    std::time::Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
+#[cfg(test)]
+mod boottime_tests {
+    #[test]
+    fn boottime_moves_forward_with_the_monotonic_clock() {
+        let (b, m) = (super::boottime(), std::time::Instant::now());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let (db, dm) = (super::boottime() - b, m.elapsed());
+        assert!(db >= std::time::Duration::from_millis(20), "{db:?}");
+        assert!(
+            db <= dm + std::time::Duration::from_millis(5),
+            "{db:?} vs {dm:?}"
+        );
+    }
+}

@@ -18,6 +18,15 @@ pub fn url() -> Option<String> {
     }
 }
 
+/// The server a benchmark measures: `KERNELKITE_BENCH_DATABASE_URL` (a durable one, as
+/// `scripts/postgres.sh start DIR durable` starts), else the tests' server; `None` when
+/// neither is set (the benchmark says what it left out).
+pub fn bench_url() -> Option<String> {
+    ["KERNELKITE_BENCH_DATABASE_URL", URL_VAR]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()))
+}
+
 /// A schema name no other test uses: `kk_test_` and random hex.
 pub fn schema() -> String {
     use std::hash::{BuildHasher, Hasher};

@@ -382,6 +382,85 @@ fn the_compose_file_keeps_the_data_dir_on_a_volume_and_reads_service_env() {
     assert_eq!(agent["env_file"], "pipeline-agent.env");
 }
 
+/// The fail-over deployment: two standby replicas on PostgreSQL (no disk), each what the
+/// service reads, behind haproxy checking `/healthz` on each (the routing the replica test,
+/// `a_standby_replica_takes_over_from_one_killed_and_one_frozen`, plays); and the Procfile's
+/// one web process.
+#[test]
+fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() {
+    let c = yaml("deployment/service/compose.ha.yaml");
+    let known = service_variables();
+    let haproxy = read("deployment/service/haproxy.cfg");
+    assert!(haproxy.contains("option httpchk GET /healthz"), "{haproxy}");
+    assert!(
+        read("deployment/service/Dockerfile").contains("KERNELKITE_DATA_DIR="),
+        "the image names a data dir, which the replicas unset"
+    );
+    for name in ["replica-a", "replica-b"] {
+        let r = &c["services"][name];
+        assert_eq!(r["environment"]["KERNELKITE_STANDBY"], "true", "{name}");
+        for k in r["environment"].as_object().unwrap().keys() {
+            assert!(
+                known.contains(k),
+                "{name} sets {k}, which the service does not read"
+            );
+        }
+        let entry: Vec<&str> = r["entrypoint"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        assert_eq!(
+            entry,
+            [
+                "/usr/bin/env",
+                "-u",
+                "KERNELKITE_DATA_DIR",
+                "/usr/local/bin/kernelkite-service"
+            ],
+            "{name}: both stores named is refused (TwoStores)"
+        );
+        assert_eq!(r["command"][0], "serve");
+        assert_eq!(r["env_file"], "service.env");
+        assert!(r.get("volumes").is_none(), "{name} keeps nothing on disk");
+        assert_eq!(r["depends_on"]["postgres"]["condition"], "service_healthy");
+        assert_eq!(
+            r["healthcheck"]["disable"], true,
+            "{name}: a standby serves no /healthz, and is not sick for it"
+        );
+        let port = r["environment"]["KERNELKITE_LISTEN"]
+            .as_str()
+            .unwrap()
+            .rsplit(':')
+            .next()
+            .unwrap();
+        assert!(
+            haproxy
+                .lines()
+                .any(|l| l.trim() == format!("server {name} {name}:{port}")),
+            "haproxy routes to {name}:{port}: {haproxy}"
+        );
+    }
+    assert!(
+        haproxy.contains("default-server check"),
+        "every server is checked"
+    );
+    let balancer = &c["services"]["balancer"];
+    assert!(balancer["volumes"][0]
+        .as_str()
+        .unwrap()
+        .starts_with("./haproxy.cfg:"));
+    let procfile = read("deployment/service/Procfile");
+    let web: Vec<&str> = procfile.lines().filter(|l| l.starts_with("web:")).collect();
+    assert_eq!(web.len(), 1, "one web process: {procfile}");
+    assert!(web[0].contains("kernelkite-service serve --listen \"0.0.0.0:${PORT}\""));
+    assert!(
+        read("service/README.md").contains("| `--listen` |"),
+        "--listen is the service's flag"
+    );
+}
+
 /// The variables the service reads, from the configuration table of service/README.md.
 fn service_variables() -> Vec<String> {
     let readme = read("service/README.md");

@@ -109,8 +109,13 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
     if local {
         cfg.executor = ExecutorKind::Local;
     }
-    cfg.store
-        .adopt_platform_url(std::env::var("DATABASE_URL").ok());
+    let platform_url = std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty());
+    if platform_url.is_some() && cfg.store.data_dir.is_some() && cfg.store.database_url.is_none() {
+        // A container image that names a data dir, run on a platform that names its database:
+        // the data dir wins, and on a disk the platform wipes that loses everything.
+        tracing::warn!("DATABASE_URL is set, but so is KERNELKITE_DATA_DIR, which wins: the store is SQLite in the data dir, not the platform's PostgreSQL; where the disk does not outlive the process, unset KERNELKITE_DATA_DIR (the image's entrypoint can: env -u KERNELKITE_DATA_DIR)");
+    }
+    cfg.store.adopt_platform_url(platform_url);
     cfg.check().context("invalid configuration")?;
     if cfg.edge.api_token.is_none() {
         tracing::warn!("KERNELKITE_API_TOKEN is not set: /v1 serves loopback clients only");

@@ -7,15 +7,30 @@
 //! own (`service/migrations-postgres/`), run by sqlx's migrator at start. TLS is as the URL's
 //! `sslmode` says (`require` for managed PostgreSQL services).
 //!
-//! One service per schema for now, as one per SQLite data directory: the store holds a
-//! session-level advisory lock on a connection of its own, kept on a thread of its own, and a
-//! second service on the same schema is refused, naming the holder. Every write is fenced by
-//! it: its transaction first checks that the lock is still granted to that connection's
-//! session, and is refused when it is not. The holder's connection is also checked every
-//! [`KEEP_EVERY`] (each check bounded by [`CHECK_TIMEOUT`]): once lost (the server restarted,
-//! the network cut), the lock may be another's, so this store refuses every write and, in the
-//! service (`PgSettings::exit_on_lost`), the process exits for its supervisor to start it
-//! again: a process that lost its lock must not go on acting on what it holds in memory.
+//! One service serves a schema at a time, as one serves a SQLite data directory: the store
+//! holds a session-level advisory lock on a connection of its own, kept on a thread of its own.
+//! Every write is fenced by it: its transaction first takes the schema's writers' lock shared,
+//! then checks that the lock is still granted to that connection's session, and is refused when
+//! it is not. The holder beats: its connection asks the server something every [`BEAT`] (each
+//! bounded by [`CHECK_TIMEOUT`]).
+//!
+//! A second service on the schema waits for the lock (`lock_wait`, or without limit as a
+//! *standby*, `PgSettings::standby`) and takes over when the holder ends (its session with it,
+//! at once when its process died) or when the holder's session has been silent for
+//! [`TAKEOVER_AFTER`]: a process stopped (SIGSTOP), frozen or cut off from the server, whose
+//! session the server would keep for as long as the TCP connection looks alive. The waiter
+//! then ends that session (`pg_terminate_backend`), which lets go of the lock. Holding it, the
+//! waiter takes the writers' lock alone once before it reads anything: every write whose fence
+//! passed before the take-over has ended by then (the sessions of those that do not end, a
+//! frozen predecessor's, are ended too), and every fence after it fails.
+//!
+//! The holder stops acting first: once its own last successful beat is older than
+//! [`SELF_FENCE_AFTER`] (a second less than a waiter waits), or its connection is lost (the
+//! server restarted, the network cut, a waiter ended it), the lock may be another's, so this
+//! store refuses every write (and [`Durable::acting`] says no: no build is created or canceled
+//! and no callback sent) and, in the service (`PgSettings::exit_on_lost`), the process exits for
+//! its supervisor to start it again: a process that lost its lock must not go on acting on what
+//! it holds in memory.
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -40,17 +55,30 @@ use crate::submission::Submission;
 /// The schema's name when none is given.
 pub const DEFAULT_SCHEMA: &str = "kernelkite";
 
-/// How often the lock's connection is checked.
-pub const KEEP_EVERY: Duration = Duration::from_secs(5);
+/// How often the holder's connection asks the server something (its beat, which a waiter
+/// reads as the session's last change of state).
+pub const BEAT: Duration = Duration::from_secs(1);
 
-/// Longest a check of the lock's connection may take before it counts as lost.
-pub const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest a beat may take before the lock counts as lost: with [`BEAT`], short enough that
+/// a holder whose beats all succeed never has one older than [`SELF_FENCE_AFTER`].
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a holder's session may stay silent (by the server's clock) before a waiting
+/// service ends it and takes the lock. A holder beats every [`BEAT`]: only a stopped, frozen
+/// or cut-off one is silent this long. (Releases before the beat checked every 5 s.)
+pub const TAKEOVER_AFTER: Duration = Duration::from_secs(6);
+
+/// How long after its last successful beat a holder stops writing and exits: before any
+/// waiter may take over ([`TAKEOVER_AFTER`], a second later).
+pub const SELF_FENCE_AFTER: Duration = Duration::from_secs(5);
 
 /// The exit status of a service that lost its lock (`EX_TEMPFAIL`).
 pub const EXIT_LOST: i32 = 75;
 
 /// Whether the schema's lock is still granted to the holder's session (`$3`, its backend pid):
-/// the fence every write's transaction starts with.
+/// the fence every write's transaction starts with, once it holds the writers' lock shared
+/// ([`WRITERS_CLASS`]): a fence passed before a take-over is a write the one taking over waits
+/// for, and one checked after it fails.
 const FENCE: &str =
     "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
        AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND pid = $3";
@@ -61,8 +89,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The first key of the store's advisory lock (the second is the schema's hash): "kk".
 const LOCK_CLASS: i32 = 0x6b6b;
 
-/// How often a start asks again for a held lock.
-const LOCK_POLL: Duration = Duration::from_millis(200);
+/// The first key of the schema's writers' lock, "kw" (the second is the schema's hash too):
+/// every write's transaction holds it shared; a service taking over holds it alone once, so
+/// that every write its predecessor's fence let through has ended before it reads anything.
+const WRITERS_CLASS: i32 = 0x6b77;
+
+/// How long a start waits in the server's queue for a held lock before it looks at the holder
+/// again (the server hands the lock over the moment its holder lets go).
+const LOCK_POLL: Duration = Duration::from_millis(500);
+
+/// PostgreSQL's "lock_not_available": a `lock_timeout` ran out.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// PostgreSQL's "unique_violation".
 const UNIQUE_VIOLATION: &str = "23505";
@@ -80,9 +117,11 @@ pub struct PgSettings {
     /// Most connections the service opens (the lock's own not counted).
     pub max_connections: u32,
     /// How long a start waits for the schema's lock while another session holds it: a service
-    /// that just died holds it until the server notices (at once when its process died, within
-    /// about 25 s when its machine did: the connections' TCP keepalives).
+    /// that just died holds it until the server notices (at once when its process died); one
+    /// whose session stays silent for [`TAKEOVER_AFTER`] is taken over.
     pub lock_wait: Duration,
+    /// Wait for the lock without limit (a standby replica), instead of `lock_wait`.
+    pub standby: bool,
     /// Whether losing the lock ends the process ([`EXIT_LOST`]): the service's choice; a test's
     /// store only refuses its writes.
     pub exit_on_lost: bool,
@@ -96,6 +135,7 @@ impl std::fmt::Debug for PgSettings {
             .field("schema", &self.schema)
             .field("max_connections", &self.max_connections)
             .field("lock_wait", &self.lock_wait)
+            .field("standby", &self.standby)
             .field("exit_on_lost", &self.exit_on_lost)
             .finish()
     }
@@ -130,6 +170,12 @@ pub fn shown(opts: &PgConnectOptions) -> String {
 /// how an operator (or a test) finds the session holding it.
 pub fn lock_id(schema: &str) -> (i64, i64) {
     (i64::from(LOCK_CLASS), i64::from(lock_key(schema) as u32))
+}
+
+/// The schema's writers' lock as `pg_locks` shows it, `(classid, objid)` (with `objsubid` 2):
+/// every write's transaction holds it shared.
+pub fn writers_lock_id(schema: &str) -> (i64, i64) {
+    (i64::from(WRITERS_CLASS), i64::from(lock_key(schema) as u32))
 }
 
 /// The second key of the schema's advisory lock: its name's FNV-1a hash.
@@ -170,6 +216,57 @@ struct Keeper {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Why the lock's connection was lost, once it was.
     lost: Arc<Mutex<Option<String>>>,
+    /// When the holder's connection last answered.
+    beat: Arc<Beat>,
+}
+
+/// When the holder's last successful beat began, on the boot clock
+/// ([`kernelkite_sys::raw::boottime`]: a process stopped, or suspended with its machine, finds
+/// it old as soon as it runs again).
+struct Beat {
+    last_ok_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Beat {
+    fn new() -> Beat {
+        Beat {
+            last_ok_ms: std::sync::atomic::AtomicU64::new(now_boot_ms()),
+        }
+    }
+
+    /// A beat that began at `began_ms` (boot clock) was answered.
+    fn answered(&self, began_ms: u64) {
+        self.last_ok_ms
+            .fetch_max(began_ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long before `now_ms` (boot clock) the last successful beat began.
+    fn age(&self, now_ms: u64) -> Duration {
+        Duration::from_millis(
+            now_ms.saturating_sub(self.last_ok_ms.load(std::sync::atomic::Ordering::Relaxed)),
+        )
+    }
+
+    /// Why this holder must stop acting, when its last beat is older than
+    /// [`SELF_FENCE_AFTER`].
+    fn stale(&self) -> Option<String> {
+        stale_after(self.age(now_boot_ms()))
+    }
+}
+
+/// The boot clock in milliseconds.
+fn now_boot_ms() -> u64 {
+    kernelkite_sys::raw::boottime().as_millis() as u64
+}
+
+/// Why a holder whose last beat is `age` old must stop acting, if it must.
+fn stale_after(age: Duration) -> Option<String> {
+    (age > SELF_FENCE_AFTER).then(|| {
+        format!(
+            "this service's last beat to the database was {:.1} s ago (the process was stopped, suspended or starved): another service may hold the schema by now",
+            age.as_secs_f64()
+        )
+    })
 }
 
 impl Drop for Keeper {
@@ -197,11 +294,22 @@ impl Postgres {
         let opts = connect_options(settings)?;
         let target = format!("{} (schema {})", shown(&opts), settings.schema);
         let lost = Arc::new(Mutex::new(None));
+        let beat = Arc::new(Beat::new());
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let (opened, started) = std::sync::mpsc::channel();
         let thread = {
-            let (opts, schema, lost) = (opts.clone(), settings.schema.clone(), lost.clone());
-            let (lock_wait, exit_on_lost) = (settings.lock_wait, settings.exit_on_lost);
+            let (opts, schema, lost, beat) = (
+                opts.clone(),
+                settings.schema.clone(),
+                lost.clone(),
+                beat.clone(),
+            );
+            let exit_on_lost = settings.exit_on_lost;
+            let wait = if settings.standby {
+                None
+            } else {
+                Some(settings.lock_wait)
+            };
             std::thread::Builder::new()
                 .name("kernelkite-db-lock".into())
                 .spawn(move || {
@@ -215,10 +323,16 @@ impl Postgres {
                         return;
                     };
                     rt.block_on(async move {
-                        match start(&opts, &schema, lock_wait).await {
+                        match start(&opts, &schema, wait).await {
                             Ok((conn, reopened, pid)) => {
+                                beat.answered(now_boot_ms());
                                 let _ = opened.send(Ok((reopened, pid)));
-                                keep(conn, &schema, stopped, lost, exit_on_lost).await;
+                                let held = Held {
+                                    lost,
+                                    beat,
+                                    exit_on_lost,
+                                };
+                                keep(conn, &schema, stopped, &held).await;
                             }
                             Err(e) => {
                                 let _ = opened.send(Err(e));
@@ -257,6 +371,7 @@ impl Postgres {
                     stop: Mutex::new(Some(stop)),
                     thread: Mutex::new(Some(thread)),
                     lost,
+                    beat,
                 }),
                 fence: {
                     let (class, key) = lock_id(&settings.schema);
@@ -283,8 +398,12 @@ impl Postgres {
         }
     }
 
-    /// Refuses once the lock's connection is lost.
+    /// Refuses once the lock's connection is lost, or its last beat is too old to be sure
+    /// no other service took over.
     fn held(&self) -> Result<(), StoreError> {
+        if let Some(why) = self.keeper.beat.stale() {
+            lose(&self.keeper.lost, why, self.exit_on_lost);
+        }
         match self
             .keeper
             .lost
@@ -319,6 +438,12 @@ impl Postgres {
         self.held()?;
         let mut tx = self.pool.begin().await.map_err(|e| self.write_err(&e))?;
         let (class, key, pid) = self.fence;
+        sqlx::query("SELECT pg_advisory_xact_lock_shared($1, $2)")
+            .bind(WRITERS_CLASS)
+            .bind(key as u32 as i32)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.write_err(&e))?;
         let granted: i64 = sqlx::query_scalar(FENCE)
             .bind(class)
             .bind(key)
@@ -560,9 +685,10 @@ fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError
         std::process::id(),
         kernelkite_sys::host::name()
     );
-    // The server's keepalives on every connection (TCP ones; a local socket has none): a
-    // service whose machine died lets go of the schema's lock within about 25 s, where the
-    // server's defaults would keep it for two hours.
+    // The server's keepalives on every connection (TCP ones; a local socket has none): the
+    // sessions of a service whose machine died end within about 25 s, where the server's
+    // defaults would keep them for two hours (a waiting service takes the lock over after
+    // `TAKEOVER_AFTER` of silence anyway).
     let tls = ssl_mode(&settings.url, &opts);
     Ok(opts
         .options([
@@ -604,12 +730,193 @@ fn is_local(opts: &PgConnectOptions) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Takes the schema's lock on `conn`: at once when it is free; else waits for it, `wait` long
+/// (without limit for a standby, `None`), ending the holder's session once it has been silent
+/// for [`TAKEOVER_AFTER`].
+async fn lock(
+    conn: &mut PgConnection,
+    schema: &str,
+    wait: Option<Duration>,
+) -> Result<(), OpenError> {
+    let waited = Instant::now();
+    let mut said = None;
+    let mut locked = bounded(
+        sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(LOCK_CLASS)
+            .bind(lock_key(schema))
+            .fetch_one(&mut *conn),
+    )
+    .await?;
+    loop {
+        if locked {
+            if said.is_some() {
+                tracing::warn!(
+                    schema,
+                    waited_s = waited.elapsed().as_secs_f64(),
+                    "took the schema's lock: this service serves it now"
+                );
+            }
+            return drain_writers(conn, schema).await;
+        }
+        let who = holder(conn, schema).await;
+        let mut ended = false;
+        if let Some(silent) = who.silent.filter(|s| *s > TAKEOVER_AFTER) {
+            tracing::warn!(holder = %who.shown, silent_s = silent.as_secs_f64(), schema, "the schema's holder has been silent for longer than {} s (stopped, frozen or cut off): ending its database session to take over", TAKEOVER_AFTER.as_secs());
+            ended = bounded(
+                sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1)")
+                    .bind(who.pid)
+                    .fetch_one(&mut *conn),
+            )
+            .await
+            .unwrap_or(false);
+            if !ended {
+                tracing::error!(holder = %who.shown, "could not end the silent holder's session: run every replica as the same database role (a session of another role can only be ended by a superuser)");
+            }
+        } else if said.as_deref() != Some(who.shown.as_str()) {
+            match wait {
+                None => {
+                    tracing::warn!(holder = %who.shown, schema, "standing by: another service holds the schema; taking over when it ends or stays silent for {} s", TAKEOVER_AFTER.as_secs())
+                }
+                Some(w) => {
+                    tracing::warn!(holder = %who.shown, schema, "the schema is held by another service; waiting up to {} s for it (a service that just died lets go at once, a silent one is taken over after {} s)", w.as_secs(), TAKEOVER_AFTER.as_secs())
+                }
+            }
+            if who.silent.is_none() && who.pid != 0 {
+                tracing::warn!(holder = %who.shown, "the server does not show this role how long the holder's session has been silent (another role's?): a frozen holder cannot be taken over; run every replica as the same database role");
+            }
+            said = Some(who.shown.clone());
+        }
+        // A round that ended the holder's session waits for its lock, whatever the deadline.
+        if !ended && wait.is_some_and(|w| waited.elapsed() >= w) {
+            return Err(OpenError::InUse(who.shown));
+        }
+        locked = queue_for_lock(conn, schema).await?;
+    }
+}
+
+/// A query of the lock's start, bounded: a server that stops answering (the network cut: the
+/// connection's own keepalives are the server's, not this side's) ends the start instead of
+/// hanging it, for the supervisor to start the service again.
+async fn bounded<T>(
+    query: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, OpenError> {
+    let limit = LOCK_POLL + CHECK_TIMEOUT;
+    match tokio::time::timeout(limit, query).await {
+        Ok(r) => r.map_err(|e| report(&e).into()),
+        Err(_) => Err(OpenError::Other(format!(
+            "the server did not answer within {} s",
+            limit.as_secs_f64()
+        ))),
+    }
+}
+
+/// A transaction whose lock waits last at most [`LOCK_POLL`] (then fail with
+/// [`LOCK_NOT_AVAILABLE`]).
+async fn waiting_at_most_a_poll(
+    conn: &mut PgConnection,
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, OpenError> {
+    let mut tx = bounded(conn.begin()).await?;
+    bounded(
+        sqlx::query(&format!(
+            "SET LOCAL lock_timeout = {}",
+            LOCK_POLL.as_millis()
+        ))
+        .execute(&mut *tx),
+    )
+    .await?;
+    Ok(tx)
+}
+
+/// Once the lock is taken: waits until no write its predecessor's fence let through is still
+/// open (each holds the writers' lock shared; none of this service's own has begun), ending
+/// the sessions of those that do not end by themselves (a frozen predecessor's).
+async fn drain_writers(conn: &mut PgConnection, schema: &str) -> Result<(), OpenError> {
+    let key = lock_key(schema);
+    for _ in 0..20 {
+        let mut tx = waiting_at_most_a_poll(conn).await?;
+        let alone = tokio::time::timeout(
+            LOCK_POLL + CHECK_TIMEOUT,
+            sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+                .bind(WRITERS_CLASS)
+                .bind(key)
+                .execute(&mut *tx),
+        )
+        .await;
+        match alone {
+            Ok(Ok(_)) => return bounded(tx.commit()).await,
+            Ok(Err(sqlx::Error::Database(d)))
+                if d.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
+            {
+                bounded(tx.rollback()).await?;
+            }
+            Ok(Err(e)) => return Err(report(&e).into()),
+            Err(_) => return Err(OpenError::Other("the server did not answer".into())),
+        }
+        let ended: Vec<bool> = bounded(
+            sqlx::query_scalar(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks
+                 WHERE locktype = 'advisory' AND granted AND objsubid = 2
+                   AND classid = $1::bigint::oid AND objid = $2::bigint::oid
+                   AND pid <> pg_backend_pid()",
+            )
+            .bind(i64::from(WRITERS_CLASS))
+            .bind(i64::from(key as u32))
+            .fetch_all(&mut *conn),
+        )
+        .await?;
+        tracing::warn!(
+            sessions = ended.len(),
+            "ended the previous service's sessions still inside a write (it was frozen or cut off after its fence let them through)"
+        );
+    }
+    Err(OpenError::Other(
+        "the previous service's writes did not end (their sessions could not be ended: run every replica as the same database role)".into(),
+    ))
+}
+
+/// Waits in the server's queue for the schema's lock, at most [`LOCK_POLL`]: whether it was
+/// taken (the server hands it over the moment the holder's session lets go).
+async fn queue_for_lock(conn: &mut PgConnection, schema: &str) -> Result<bool, OpenError> {
+    let mut tx = waiting_at_most_a_poll(conn).await?;
+    // A session lock: it outlives the transaction it was taken in.
+    let taken = bounded(
+        sqlx::query("SELECT pg_advisory_lock($1, $2)")
+            .bind(LOCK_CLASS)
+            .bind(lock_key(schema))
+            .execute(&mut *tx),
+    )
+    .await;
+    match taken {
+        Ok(_) => {
+            bounded(tx.commit()).await?;
+            Ok(true)
+        }
+        Err(_) => {
+            bounded(tx.rollback()).await?;
+            // The server can grant the lock and still report the timeout (the two race):
+            // whether this session holds it now is what counts.
+            let mine: i64 = bounded(
+                sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
+                       AND objsubid = 2 AND classid = $1::bigint::oid AND objid = $2::bigint::oid
+                       AND pid = pg_backend_pid()",
+                )
+                .bind(i64::from(LOCK_CLASS))
+                .bind(i64::from(lock_key(schema) as u32))
+                .fetch_one(&mut *conn),
+            )
+            .await?;
+            Ok(mine > 0)
+        }
+    }
+}
+
 /// What the lock's thread does before serving: connect, lock, create and migrate the schema,
 /// read what a start needs. The connection it returns holds the lock.
 async fn start(
     opts: &PgConnectOptions,
     schema: &str,
-    lock_wait: Duration,
+    wait: Option<Duration>,
 ) -> Result<(PgConnection, Reopened, i32), OpenError> {
     let mut conn = match tokio::time::timeout(CONNECT_TIMEOUT, opts.connect()).await {
         Ok(Ok(c)) => c,
@@ -621,26 +928,7 @@ async fn start(
             )))
         }
     };
-    let waited = Instant::now();
-    loop {
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-            .bind(LOCK_CLASS)
-            .bind(lock_key(schema))
-            .fetch_one(&mut conn)
-            .await
-            .map_err(|e| report(&e))?;
-        if locked {
-            break;
-        }
-        let who = holder(&mut conn, schema).await;
-        if waited.elapsed() >= lock_wait {
-            return Err(OpenError::InUse(who));
-        }
-        if waited.elapsed() < LOCK_POLL {
-            tracing::warn!(holder = %who, schema, "the schema is held by another session; waiting up to {} s for it (a service that just died lets go within seconds)", lock_wait.as_secs());
-        }
-        tokio::time::sleep(LOCK_POLL).await;
-    }
+    lock(&mut conn, schema, wait).await?;
     // Created only when missing: the server checks the right to create a schema before it
     // looks for one, so a schema the operator made for a user without that right is used as
     // it is. The name was checked (`valid_schema`): no quoting can be escaped.
@@ -699,13 +987,29 @@ async fn refuse_newer(conn: &mut PgConnection, schema: &str) -> Result<(), OpenE
     }
 }
 
-/// Who holds the schema's lock, as the server shows its session (its application name,
-/// address and start); what can be said when the server shows none.
-async fn holder(conn: &mut PgConnection, schema: &str) -> String {
+/// The session holding the schema's lock, as the server shows it.
+struct Holder {
+    /// Its application name, address and start; what can be said when the server shows none.
+    shown: String,
+    /// Its backend's pid (0: not seen).
+    pid: i32,
+    /// How long its session has said nothing, by the server's clock: since its last query
+    /// ended (or since the server began waiting to send it an answer it does not take); none
+    /// while the server runs a query of its (a long migration is not silence). `None` when the
+    /// server does not show it (another role's session).
+    silent: Option<Duration>,
+}
+
+/// Who holds the schema's lock, and how long its session has been silent.
+async fn holder(conn: &mut PgConnection, schema: &str) -> Holder {
     let (class, key) = lock_id(schema);
     let row = sqlx::query(
         "SELECT a.application_name, COALESCE(host(a.client_addr), 'a local socket'),
-                to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+                to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                a.pid,
+                CASE WHEN a.state <> 'active' OR a.wait_event_type = 'Client'
+                     THEN EXTRACT(EPOCH FROM (clock_timestamp() - a.state_change))::float8
+                     ELSE 0 END
          FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
            AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
@@ -720,39 +1024,65 @@ async fn holder(conn: &mut PgConnection, schema: &str) -> String {
             let name: Option<String> = r.try_get(0).ok();
             let from: Option<String> = r.try_get(1).ok();
             let since: Option<String> = r.try_get(2).ok();
-            format!(
-                "{}, connected from {} since {}",
-                name.filter(|n| !n.is_empty())
-                    .unwrap_or_else(|| "a session".into()),
-                from.unwrap_or_default(),
-                since.unwrap_or_default()
-            )
+            let silent: Option<f64> = r.try_get(4).ok().flatten();
+            Holder {
+                shown: format!(
+                    "{}, connected from {} since {}",
+                    name.filter(|n| !n.is_empty())
+                        .unwrap_or_else(|| "a session".into()),
+                    from.unwrap_or_default(),
+                    since.unwrap_or_default()
+                ),
+                pid: r.try_get(3).unwrap_or(0),
+                silent: silent
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .map(Duration::from_secs_f64),
+            }
         }
-        _ => "a session this role cannot see".into(),
+        _ => Holder {
+            shown: "a session this role cannot see".into(),
+            pid: 0,
+            silent: None,
+        },
     }
 }
 
-/// Holds the lock until told to stop: checks its connection every [`KEEP_EVERY`] (each check
-/// bounded by [`CHECK_TIMEOUT`]) and, once it is lost, says so; then lets go of the lock
-/// before closing, so that a store opened next finds it free at once.
+/// What the holder's thread shares with the store.
+struct Held {
+    lost: Arc<Mutex<Option<String>>>,
+    beat: Arc<Beat>,
+    exit_on_lost: bool,
+}
+
+/// Holds the lock until told to stop: beats every [`BEAT`] (each bounded by
+/// [`CHECK_TIMEOUT`]) and, once the connection is lost or the last beat is older than
+/// [`SELF_FENCE_AFTER`], says so; then lets go of the lock before closing, so that a store
+/// opened next finds it free at once.
 async fn keep(
     mut conn: PgConnection,
     schema: &str,
     mut stop: tokio::sync::oneshot::Receiver<()>,
-    lost: Arc<Mutex<Option<String>>>,
-    exit_on_lost: bool,
+    held: &Held,
 ) {
     loop {
         tokio::select! {
             _ = &mut stop => break,
-            _ = tokio::time::sleep(KEEP_EVERY) => {
+            _ = tokio::time::sleep(BEAT) => {
+                if let Some(why) = held.beat.stale() {
+                    lose(&held.lost, why, held.exit_on_lost);
+                    return;
+                }
+                let began = now_boot_ms();
                 let check = tokio::time::timeout(CHECK_TIMEOUT, sqlx::query("SELECT 1").execute(&mut conn));
                 let why = match check.await {
-                    Ok(Ok(_)) => continue,
+                    Ok(Ok(_)) => {
+                        held.beat.answered(began);
+                        continue;
+                    }
                     Ok(Err(e)) => report(&e),
                     Err(_) => format!("no answer within {} s", CHECK_TIMEOUT.as_secs()),
                 };
-                lose(&lost, why, exit_on_lost);
+                lose(&held.lost, why, held.exit_on_lost);
                 return;
             }
         }
@@ -768,6 +1098,9 @@ async fn keep(
 /// Records that the lock is lost (every later write is refused) and, in the service, ends the
 /// process: what it holds in memory (queued work, timers, callbacks) is another's to act on.
 fn lose(lost: &Mutex<Option<String>>, why: String, exit_on_lost: bool) {
+    if lost.lock().unwrap_or_else(|p| p.into_inner()).is_some() && !exit_on_lost {
+        return;
+    }
     tracing::error!(error = %why, "the store lost its hold on the PostgreSQL schema's lock; every write is refused");
     *lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
     if exit_on_lost {
@@ -1011,11 +1344,36 @@ impl Durable for Postgres {
     fn persistent(&self) -> bool {
         true
     }
+    /// Not once the lock is lost or the last beat is stale (which, in the service, ends the
+    /// process).
+    fn acting(&self) -> bool {
+        self.held().is_ok()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_stops_acting_a_second_before_any_waiter_may_take_over() {
+        assert!(SELF_FENCE_AFTER + Duration::from_secs(1) <= TAKEOVER_AFTER);
+        // A holder whose beats all succeed: the next begins at most a beat and a check after
+        // the last began.
+        assert!(BEAT + CHECK_TIMEOUT < SELF_FENCE_AFTER);
+        assert!(stale_after(SELF_FENCE_AFTER).is_none());
+        let why = stale_after(SELF_FENCE_AFTER + Duration::from_millis(1)).unwrap();
+        assert!(why.contains("last beat"), "{why}");
+        let beat = Beat::new();
+        assert!(beat.stale().is_none(), "a beat just taken");
+        let now = now_boot_ms();
+        beat.answered(now.saturating_sub(1));
+        assert!(beat.age(now + 5_000) <= SELF_FENCE_AFTER);
+        assert!(beat.age(now + 5_002) > SELF_FENCE_AFTER);
+        // An answer to an earlier beat, arriving late, never moves it back.
+        beat.answered(now.saturating_sub(10_000));
+        assert!(beat.age(now) <= Duration::from_millis(1));
+    }
 
     #[test]
     fn schema_names_that_need_no_quoting_are_the_only_ones_taken() {

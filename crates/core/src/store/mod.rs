@@ -328,6 +328,12 @@ pub trait Durable: Send + Sync + 'static {
     fn health(&self) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Whether it survives a restart (false: in memory).
     fn persistent(&self) -> bool;
+    /// Whether this process may still act outside the store (create or cancel a build, send
+    /// a callback): a store another service can take over says no once it may have. Asked
+    /// right before each such act.
+    fn acting(&self) -> bool {
+        true
+    }
 }
 
 /// A queue's in-flight submissions, by what they wait for.

@@ -1,0 +1,133 @@
+//! kernelkite-service benchmark of fail-over on PostgreSQL (issue 38: "another takes over
+//! within 10 s"): real service processes on one schema against the fake Buildkite, each figure
+//! beside its baseline in the same run:
+//!
+//! - a standby replica taking over from the serving one killed with SIGKILL: from the kill to
+//!   the standby answering `/healthz`;
+//! - the same from a serving one frozen with SIGSTOP (its database session stays open, silent);
+//! - the baseline: one service and no standby, started again at once after the kill (what a
+//!   supervisor restarting a single process gives, less its own restart delay).
+//!
+//! `cargo bench -p kernelkite-service --bench failover` with `KERNELKITE_BENCH_DATABASE_URL`
+//! (or `KERNELKITE_TEST_DATABASE_URL`; `scripts/postgres.sh start DIR` prints one);
+//! `KERNELKITE_BENCH_SHORT=1` for one round instead of five. Figures are printed;
+//! docs/BENCHMARKS.md records them.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kernelkite_testkit::fake_buildkite::FakeBuildkite;
+use kernelkite_testkit::service_process::ServiceProcess;
+
+const EXE: &str = env!("CARGO_BIN_EXE_kernelkite-service");
+
+/// Longest any step may take before the round fails.
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// The issue's bound on a take-over.
+const TARGET: Duration = Duration::from_secs(10);
+
+fn replica(fake: &FakeBuildkite, dir: &Path, log: &str, url: &str, schema: &str) -> ServiceProcess {
+    let mut svc = ServiceProcess::new(EXE, fake, dir, dir.join(log));
+    svc.use_postgres(url, schema);
+    svc.set_env("KERNELKITE_STANDBY", "true");
+    svc
+}
+
+async fn standing_by(svc: &ServiceProcess) {
+    let deadline = Instant::now() + WITHIN;
+    while !svc.log_text().contains("standing by") {
+        assert!(Instant::now() < deadline, "no standby: {}", svc.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One round: (after a kill, after a freeze, a lone service restarted).
+async fn round(url: &str) -> (Duration, Duration, Duration) {
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = FakeBuildkite::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut a = replica(&fake, dir.path(), "a.log", url, &schema);
+    let mut b = replica(&fake, dir.path(), "b.log", url, &schema);
+    a.start().await.expect("the first replica serves");
+    b.spawn().expect("spawn");
+    standing_by(&b).await;
+    a.kill9().await;
+    let t = Instant::now();
+    b.ready(WITHIN).await.expect("the standby takes over");
+    let killed = t.elapsed();
+    a.spawn().expect("spawn");
+    standing_by(&a).await;
+    b.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    a.ready(WITHIN).await.expect("the standby takes over");
+    let frozen = t.elapsed();
+    b.signal(libc::SIGCONT);
+    assert_eq!(b.exited(WITHIN).await, Some(75), "{}", b.log_text());
+    // The baseline: a lone service (no standby) killed and started again at once.
+    a.kill9().await;
+    let mut lone = ServiceProcess::new(EXE, &fake, dir.path(), dir.path().join("lone.log"));
+    lone.use_postgres(url, &schema);
+    let t = Instant::now();
+    lone.start().await.expect("a lone service starts again");
+    let restarted = t.elapsed();
+    lone.kill9().await;
+    (killed, frozen, restarted)
+}
+
+fn row(what: &str, mut xs: Vec<Duration>, against: &str) {
+    xs.sort();
+    let median = xs[xs.len() / 2];
+    let max = xs[xs.len() - 1];
+    println!(
+        "{what:<58} median {:>8.3} s  max {:>8.3} s  ({against})",
+        median.as_secs_f64(),
+        max.as_secs_f64()
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let short = std::env::var("KERNELKITE_BENCH_SHORT").is_ok_and(|v| v == "1");
+    let rounds = if short { 1 } else { 5 };
+    let url = kernelkite_testkit::postgres::bench_url();
+    let Some(url) = url else {
+        println!("failover: not measured: set KERNELKITE_BENCH_DATABASE_URL, or run scripts/postgres.sh start DIR");
+        return;
+    };
+    println!("failover benchmark: two kernelkite-service replicas on one PostgreSQL schema, {rounds} round(s)");
+    let (mut killed, mut frozen, mut restarted) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let (k, f, r) = round(&url).await;
+        killed.push(k);
+        frozen.push(f);
+        restarted.push(r);
+    }
+    let worst = killed
+        .iter()
+        .chain(&frozen)
+        .max()
+        .copied()
+        .unwrap_or_default();
+    row(
+        "standby takes over from a replica killed (SIGKILL)",
+        killed,
+        "target <= 10 s",
+    );
+    row(
+        "standby takes over from a replica frozen (SIGSTOP)",
+        frozen,
+        "target <= 10 s; the silence it waits out: 6 s",
+    );
+    row(
+        "baseline: a lone service started again at once after a kill",
+        restarted,
+        "no standby; a supervisor adds its restart delay",
+    );
+    println!(
+        "take-over, slowest of every round: {:.3} s; target <= {} s: {}",
+        worst.as_secs_f64(),
+        TARGET.as_secs(),
+        if worst <= TARGET { "met" } else { "MISSED" }
+    );
+}
