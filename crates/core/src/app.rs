@@ -389,11 +389,58 @@ impl App {
                 self.pump(&who.queue, Some(job));
                 Ok(self.placed(&who.queue, s))
             }
+            Ok(s) if self.unanswered(&s) => match self.queue_unanswered(&who, &s).await {
+                Some(job) => {
+                    self.dispatch.enqueue(
+                        &who,
+                        &s.submission.id,
+                        s.submission.created_at.timestamp_micros(),
+                        admission,
+                    );
+                    self.pump(&who.queue, Some(job));
+                    Ok(self.placed(&who.queue, s))
+                }
+                None => {
+                    self.dispatch.withdraw(&who, admission, now_ms);
+                    Ok(s)
+                }
+            },
             other => {
                 self.dispatch.withdraw(&who, admission, now_ms);
                 other
             }
         }
+    }
+
+    /// Whether a replayed key's submission is one an earlier attempt wrote without being
+    /// answered: the store committed it, but its reply was lost (the connection dropped after
+    /// the commit), so that attempt failed, withdrew from the queue and queued nothing; the
+    /// submission has not ended and this process does not hold it. Nothing else leaves one so
+    /// (a restart reloads every submission that had not ended).
+    fn unanswered(&self, s: &Submitted) -> bool {
+        !s.created
+            && !s.submission.state.is_terminal()
+            && self.store.live(&s.submission.id).is_none()
+    }
+
+    /// Takes in a submission [`App::unanswered`] found: into memory, its deadline armed; its
+    /// job, to queue it (the caller queues it with this request's admission: the attempt that
+    /// wrote it withdrew its own). `None` when another request took it in first, or it has no
+    /// job kept (it is then ended, saying so).
+    async fn queue_unanswered(self: &Arc<Self>, who: &Who, s: &Submitted) -> Option<Job> {
+        let sub = &s.submission;
+        let deadline_ms = sub
+            .created_at
+            .timestamp_millis()
+            .saturating_add(i64::try_from(sub.timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
+        if !self.store.reload_if_absent(sub.clone(), deadline_ms) {
+            return None;
+        }
+        tracing::warn!(id = %sub.id, queue = %who.queue, "queuing a submission an earlier attempt wrote without being answered (the store's reply was lost)");
+        self.spawn_timeout(&sub.id, deadline_ms);
+        // In memory now, so its job is read as a started submission's is (a job not kept
+        // ends it, saying so).
+        self.stored_job(&sub.id).await
     }
 
     /// A submission just accepted, with its place in the queue when it waits there: the

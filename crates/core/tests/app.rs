@@ -13,7 +13,7 @@ use kernelkite_core::executor::{BuildEvent, BuildEventKind, BuildStatus, Executo
 use kernelkite_core::metrics::Metrics;
 use kernelkite_core::report::BoxError;
 use kernelkite_core::result::ResultJson;
-use kernelkite_core::store::{Durable, InMemory};
+use kernelkite_core::store::{Durable, InMemory, StoreError};
 use kernelkite_core::submission::{BuildInfo, Outcome, State, Submission};
 use kernelkite_core::{events, App, Error, SubmitRequest};
 
@@ -317,4 +317,139 @@ async fn bad_input_is_refused_and_nothing_is_written() {
     ));
     assert!(durable.pending().await.unwrap().is_empty());
     assert!(executor.launched.lock().unwrap().is_empty());
+}
+
+/// The in-memory store whose first insert is committed and then reported failed, as when the
+/// database's reply to a commit is lost (the connection dropped after the commit).
+struct LostReply {
+    inner: InMemory,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl Durable for LostReply {
+    fn insert(
+        &self,
+        new: kernelkite_core::store::NewSubmission,
+    ) -> BoxFuture<'_, Result<kernelkite_core::store::Inserted, StoreError>> {
+        Box::pin(async move {
+            let done = self.inner.insert(new).await;
+            if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                return Err(StoreError::Write(
+                    "the connection closed before the reply".into(),
+                ));
+            }
+            done
+        })
+    }
+    fn save<'a>(&'a self, sub: &'a Submission) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.save(sub)
+    }
+    fn finish<'a>(
+        &'a self,
+        sub: &'a Submission,
+        callback: Option<kernelkite_core::store::NewCallback>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.finish(sub, callback)
+    }
+    fn load<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        self.inner.load(id)
+    }
+    fn pending(&self) -> BoxFuture<'_, Result<Vec<kernelkite_core::store::Pending>, StoreError>> {
+        self.inner.pending()
+    }
+    fn job<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Job>, StoreError>> {
+        self.inner.job(id)
+    }
+    fn keyed<'a>(
+        &'a self,
+        key: &'a str,
+        hash: &'a str,
+    ) -> BoxFuture<'a, Result<Option<kernelkite_core::store::Inserted>, StoreError>> {
+        self.inner.keyed(key, hash)
+    }
+    fn accepted_since(
+        &self,
+        since_ms: i64,
+    ) -> BoxFuture<'_, Result<Vec<kernelkite_core::store::Accepted>, StoreError>> {
+        self.inner.accepted_since(since_ms)
+    }
+    fn cached<'a>(
+        &'a self,
+        q: &'a kernelkite_core::store::CacheQuery,
+    ) -> BoxFuture<'a, Result<Option<Submission>, StoreError>> {
+        self.inner.cached(q)
+    }
+    fn due_callbacks(
+        &self,
+        now_ms: i64,
+        limit: i64,
+    ) -> BoxFuture<'_, Result<Vec<kernelkite_core::store::DueCallback>, StoreError>> {
+        self.inner.due_callbacks(now_ms, limit)
+    }
+    fn next_callback_at(&self) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
+        self.inner.next_callback_at()
+    }
+    fn callback_attempted<'a>(
+        &'a self,
+        id: &'a str,
+        state: kernelkite_core::store::CallbackState,
+        attempts: i64,
+        next_at_ms: i64,
+        error: Option<String>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner
+            .callback_attempted(id, state, attempts, next_at_ms, error)
+    }
+    fn health(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.health()
+    }
+    fn persistent(&self) -> bool {
+        true
+    }
+}
+
+/// A submission whose write was committed but whose answer was lost: the client, told the
+/// store failed, sends the request again with its key, and is answered with that submission,
+/// which is then queued and run, once, however many retries race (before this, it was
+/// answered but ran only after the next restart's recovery).
+#[tokio::test]
+async fn a_submission_written_but_unanswered_runs_once_when_its_key_is_sent_again() {
+    let executor = Arc::new(InProcess::default());
+    let durable = Arc::new(LostReply {
+        inner: InMemory::new(),
+        lost: std::sync::atomic::AtomicBool::new(false),
+    });
+    let app = App::new(
+        config(),
+        executor.clone(),
+        durable,
+        Arc::new(Metrics::new()),
+    )
+    .unwrap();
+    let first = app.submit(request("alice"), Some("key-1".into())).await;
+    assert!(first.is_err(), "the first attempt is told the store failed");
+    assert!(executor.launched.lock().unwrap().is_empty());
+    let retries: Vec<_> = (0..4)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { app.submit(request("alice"), Some("key-1".into())).await })
+        })
+        .collect();
+    let mut ids = std::collections::BTreeSet::new();
+    for r in retries {
+        let s = r.await.unwrap().expect("a retry is answered");
+        assert!(!s.created, "the key's submission, not a new one");
+        ids.insert(s.submission.id);
+    }
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let id = ids.into_iter().next().unwrap();
+    until("its build", || executor.launched.lock().unwrap().len() == 1).await;
+    assert_eq!(executor.launched.lock().unwrap()[0].submission_id, id);
+    events::for_executor(&app)
+        .deliver(finished(1, "passed"))
+        .await;
+    let done = ended(&app, &id).await;
+    assert_eq!(done.state, State::Succeeded);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(executor.launched.lock().unwrap().len(), 1, "a second build");
 }

@@ -102,15 +102,18 @@ impl Memory {
     /// Adds (or replaces) a submission; its waiters start from this value. Its build, if it
     /// has one, is keyed too.
     pub fn insert(&self, sub: Submission, deadline_ms: i64) {
-        if let Some(b) = &sub.build {
-            self.builds
-                .insert(b.id.clone(), BuildSlot::Known(sub.id.clone()));
-        }
+        self.insert_if_absent(sub, deadline_ms, true);
+    }
+
+    /// Inserts `sub` unless it is already in memory (`replace` false); whether it was
+    /// inserted. The check and the insert are one step under the map's lock: of two callers
+    /// racing with one submission, one inserts it.
+    pub fn insert_if_absent(&self, sub: Submission, deadline_ms: i64, replace: bool) -> bool {
         let id = sub.id.clone();
-        let (tx, _) = watch::channel(sub);
+        let build = sub.build.as_ref().map(|b| b.id.clone());
         let now = Instant::now();
-        self.subs.insert(
-            id,
+        let live = || {
+            let (tx, _) = watch::channel(sub);
             Arc::new(Live {
                 tx,
                 lock: tokio::sync::Mutex::new(()),
@@ -121,8 +124,23 @@ impl Memory {
                     due: now + self.first_check,
                 }),
                 collecting: AtomicBool::new(false),
-            }),
-        );
+            })
+        };
+        let inserted = match self.subs.entry(id.clone()) {
+            Entry::Occupied(mut e) if replace => {
+                e.insert(live());
+                true
+            }
+            Entry::Occupied(_) => false,
+            Entry::Vacant(e) => {
+                e.insert(live());
+                true
+            }
+        };
+        if let (true, Some(b)) = (inserted, build) {
+            self.builds.insert(b, BuildSlot::Known(id));
+        }
+        inserted
     }
 
     /// The submission in flight.

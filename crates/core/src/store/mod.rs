@@ -420,6 +420,18 @@ impl Store {
         self.memory.insert(sub, deadline_ms);
     }
 
+    /// [`Store::reload`] unless it is in memory already; whether it was reloaded (of two
+    /// callers racing with one submission, one is told yes).
+    pub fn reload_if_absent(&self, mut sub: Submission, deadline_ms: i64) -> bool {
+        sub.place = None;
+        let state = sub.state;
+        let reloaded = self.memory.insert_if_absent(sub, deadline_ms, false);
+        if reloaded {
+            self.gauge(state).inc();
+        }
+        reloaded
+    }
+
     fn observe(&self, op: &str, since: Instant) {
         self.metrics
             .store_seconds
