@@ -5,6 +5,8 @@
 //! - a standby replica taking over from the serving one killed with SIGKILL: from the kill to
 //!   the standby answering `/healthz`;
 //! - the same from a serving one frozen with SIGSTOP (its database session stays open, silent);
+//! - the same from a serving one stopped with SIGTERM, as a rolling upgrade stops the old
+//!   release (it lets go of the lock as it exits);
 //! - the baseline: one service and no standby, started again at once after the kill (what a
 //!   supervisor restarting a single process gives, less its own restart delay).
 //!
@@ -42,8 +44,8 @@ async fn standing_by(svc: &ServiceProcess) {
     }
 }
 
-/// One round: (after a kill, after a freeze, a lone service restarted).
-async fn round(url: &str) -> (Duration, Duration, Duration) {
+/// One round: (after a kill, after a freeze, after a stop, a lone service restarted).
+async fn round(url: &str) -> (Duration, Duration, Duration, Duration) {
     let schema = kernelkite_testkit::postgres::schema();
     let fake = FakeBuildkite::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
@@ -64,15 +66,23 @@ async fn round(url: &str) -> (Duration, Duration, Duration) {
     let frozen = t.elapsed();
     b.signal(libc::SIGCONT);
     assert_eq!(b.exited(WITHIN).await, Some(75), "{}", b.log_text());
+    // A rolling upgrade: the new release stands by, the old one is stopped.
+    b.spawn().expect("spawn");
+    standing_by(&b).await;
+    a.signal(libc::SIGTERM);
+    let t = Instant::now();
+    b.ready(WITHIN).await.expect("the standby takes over");
+    let stopped = t.elapsed();
+    assert_eq!(a.exited(WITHIN).await, Some(0), "{}", a.log_text());
     // The baseline: a lone service (no standby) killed and started again at once.
-    a.kill9().await;
+    b.kill9().await;
     let mut lone = ServiceProcess::new(EXE, &fake, dir.path(), dir.path().join("lone.log"));
     lone.use_postgres(url, &schema);
     let t = Instant::now();
     lone.start().await.expect("a lone service starts again");
     let restarted = t.elapsed();
     lone.kill9().await;
-    (killed, frozen, restarted)
+    (killed, frozen, stopped, restarted)
 }
 
 fn row(what: &str, mut xs: Vec<Duration>, against: &str) {
@@ -96,16 +106,19 @@ async fn main() {
         return;
     };
     println!("failover benchmark: two kernelkite-service replicas on one PostgreSQL schema, {rounds} round(s)");
-    let (mut killed, mut frozen, mut restarted) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut killed, mut frozen, mut stopped, mut restarted) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
-        let (k, f, r) = round(&url).await;
+        let (k, f, s, r) = round(&url).await;
         killed.push(k);
         frozen.push(f);
+        stopped.push(s);
         restarted.push(r);
     }
     let worst = killed
         .iter()
         .chain(&frozen)
+        .chain(&stopped)
         .max()
         .copied()
         .unwrap_or_default();
@@ -118,6 +131,11 @@ async fn main() {
         "standby takes over from a replica frozen (SIGSTOP)",
         frozen,
         "target <= 10 s; the silence it waits out: 6 s",
+    );
+    row(
+        "standby takes over from a replica stopped (SIGTERM: an upgrade)",
+        stopped,
+        "target <= 10 s",
     );
     row(
         "baseline: a lone service started again at once after a kill",

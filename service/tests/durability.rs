@@ -1101,12 +1101,13 @@ async fn dropped_events_are_logged_a_few_times_and_background_work_logs_under_it
 
 /// Two replicas on one PostgreSQL schema behind a load balancer (the test's, routing as
 /// haproxy does with a health check): the first serves, the second stands by serving nothing.
-/// The serving one is killed with SIGKILL, then the one that took over is frozen with SIGSTOP;
-/// each time the other takes over within 10 s, through the same address, and the frozen one,
-/// let go on, exits (status 75) instead of acting on what it held. Every submission ends
+/// The serving one is killed with SIGKILL, the one that took over is stopped with SIGTERM (a
+/// rolling upgrade's step), and the one that took over then is frozen with SIGSTOP; each time
+/// the other takes over within 10 s, through the same address, and the frozen one, let go on,
+/// exits (status 75) instead of acting on what it held. Every submission ends
 /// exactly once, with one build each, its own result, and its callback delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_replica_takes_over_from_one_killed_and_one_frozen() {
+async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen() {
     const N: usize = 120;
     const TAKEOVER: Duration = Duration::from_secs(10);
     let Some(url) = kernelkite_testkit::postgres::url() else {
@@ -1156,30 +1157,47 @@ async fn a_standby_replica_takes_over_from_one_killed_and_one_frozen() {
         .expect("the standby takes over from a killed replica");
     let after_kill = t.elapsed();
     a.spawn().unwrap();
-    // The replica that took over freezes: its database session stays open.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    b.signal(libc::SIGSTOP);
+    standing_by(&a).await;
+    // A rolling upgrade: the serving one is stopped (SIGTERM) with the other standing by.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    b.signal(libc::SIGTERM);
     let t = Instant::now();
     a.ready(TAKEOVER)
+        .await
+        .expect("the standby takes over from a stopped replica");
+    let after_stop = t.elapsed();
+    assert_eq!(
+        b.exited(Duration::from_secs(10)).await,
+        Some(0),
+        "a stopped replica ends cleanly: {}",
+        b.log_text()
+    );
+    b.spawn().unwrap();
+    standing_by(&b).await;
+    // The replica that took over freezes: its database session stays open.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    a.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    b.ready(TAKEOVER)
         .await
         .expect("the standby takes over from a frozen replica");
     let after_freeze = t.elapsed();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    b.signal(libc::SIGCONT);
-    let code = b.exited(Duration::from_secs(10)).await;
+    a.signal(libc::SIGCONT);
+    let code = a.exited(Duration::from_secs(10)).await;
     assert!(
-        b.log_text().contains("last beat to the database was"),
+        a.log_text().contains("last beat to the database was"),
         "the frozen one stopped itself: {}",
-        b.log_text()
+        a.log_text()
     );
     println!(
-        "took over {after_kill:?} after a kill -9, {after_freeze:?} after a SIGSTOP; the frozen one, let go on, exited with {code:?}"
+        "took over {after_kill:?} after a kill -9, {after_stop:?} after a SIGTERM, {after_freeze:?} after a SIGSTOP; the frozen one, let go on, exited with {code:?}"
     );
     assert_eq!(
         code,
         Some(75),
         "a replica that was taken over stops: {}",
-        b.log_text()
+        a.log_text()
     );
 
     let mut ids = BTreeMap::new();
@@ -1203,7 +1221,7 @@ async fn a_standby_replica_takes_over_from_one_killed_and_one_frozen() {
         .await;
     assert!(all_called, "some callbacks never arrived");
     agents.abort();
-    a.kill9().await;
+    b.kill9().await;
 }
 
 /// Waits (up to 30 s) for a replica's log to say it stands by.

@@ -384,7 +384,7 @@ fn the_compose_file_keeps_the_data_dir_on_a_volume_and_reads_service_env() {
 
 /// The fail-over deployment: two standby replicas on PostgreSQL (no disk), each what the
 /// service reads, behind haproxy checking `/healthz` on each (the routing the replica test,
-/// `a_standby_replica_takes_over_from_one_killed_and_one_frozen`, plays); and the Procfile's
+/// `a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen`, plays); and the Procfile's
 /// one web process.
 #[test]
 fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() {
