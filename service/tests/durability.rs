@@ -56,8 +56,10 @@ fn spawn_agents_for(
     })
 }
 
-/// Submits with an idempotency key, retrying through restarts and 503s until the service
-/// answers; returns the submission id.
+/// Submits with an idempotency key, retrying through restarts, the service's 503s and a load
+/// balancer's 502s and 504s (haproxy's answer when the replica it sent the request to died
+/// under it) until the service answers, as the Python client does (every 5xx is transient to
+/// it); returns the submission id.
 async fn submit_until_accepted(
     http: &reqwest::Client,
     base: &str,
@@ -77,7 +79,7 @@ async fn submit_until_accepted(
                 return v["id"].as_str().unwrap().to_string();
             }
             Ok(r) => assert!(
-                matches!(r.status().as_u16(), 503),
+                matches!(r.status().as_u16(), 502..=504),
                 "{}: {:?}",
                 r.status(),
                 r.text().await
@@ -1259,4 +1261,125 @@ async fn a_service_frozen_past_its_beat_stops_itself_when_let_go_on() {
     let log = svc.log_text();
     assert_eq!(code, Some(75), "{log}");
     assert!(log.contains("last beat to the database was"), "{log}");
+}
+
+/// `deployment/service/haproxy.cfg`, as shipped (only its addresses made this machine's),
+/// run by the real haproxy in front of two replicas on PostgreSQL: it passes haproxy's own
+/// check, sends everything to the serving replica, and after that one is killed, and the one
+/// that took over is frozen, to the other; every submission made through it ends once, with one
+/// build each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_haproxy_config_fails_over_between_replicas() {
+    const N: usize = 30;
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    let haproxy = std::process::Command::new("haproxy").arg("-v").output();
+    if !haproxy.is_ok_and(|o| o.status.success()) {
+        skip("haproxy is not installed (Debian's haproxy package; the test command installs it)");
+        return;
+    }
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let receiver = CallbackReceiver::start().await;
+    let replica = |name: &str| {
+        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), logs.path().join(name));
+        svc.use_postgres(&url, &schema);
+        svc.set_env("KERNELKITE_STANDBY", "true");
+        svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+        svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
+        svc
+    };
+    let (mut a, mut b) = (replica("a.log"), replica("b.log"));
+    let port = kernelkite_testkit::service_process::free_port();
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deployment/service/haproxy.cfg"),
+    )
+    .unwrap();
+    let addr = |base: &str| base.trim_start_matches("http://").to_string();
+    let cfg = shipped
+        .replace("bind :8080", &format!("bind 127.0.0.1:{port}"))
+        .replace("replica-a:8080", &addr(&a.base))
+        .replace("replica-b:8080", &addr(&b.base));
+    assert_ne!(
+        cfg, shipped,
+        "the shipped file names the addresses this test replaces"
+    );
+    let cfg_file = logs.path().join("haproxy.cfg");
+    std::fs::write(&cfg_file, &cfg).unwrap();
+    let checked = std::process::Command::new("haproxy")
+        .arg("-c")
+        .arg("-f")
+        .arg(&cfg_file)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "haproxy refuses the shipped configuration: {}",
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    let _haproxy = tokio::process::Command::new("haproxy")
+        .arg("-db")
+        .arg("-f")
+        .arg(&cfg_file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let lb = format!("http://127.0.0.1:{port}");
+    fake.set_webhook(
+        format!("{lb}/webhooks/buildkite"),
+        kernelkite_testkit::fake_buildkite::Signing::Hmac(
+            kernelkite_testkit::harness::WEBHOOK_TOKEN.into(),
+        ),
+    );
+    a.start().await.unwrap();
+    b.spawn().unwrap();
+    standing_by(&b).await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !http
+        .get(format!("{lb}/healthz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "haproxy never sent to the serving replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let agents = spawn_agents_for(fake.clone(), 5, 100..400);
+    let clients = spread_clients(&http, &lb, &receiver.url(), N, 100);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    a.kill9().await;
+    b.ready(Duration::from_secs(10)).await.unwrap();
+    a.spawn().unwrap();
+    standing_by(&a).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.signal(libc::SIGSTOP);
+    a.ready(Duration::from_secs(10)).await.unwrap();
+    b.signal(libc::SIGCONT);
+    assert_eq!(b.exited(Duration::from_secs(10)).await, Some(75));
+    let mut ids = BTreeMap::new();
+    for c in clients {
+        let (run_id, id, done) = tokio::time::timeout(Duration::from_secs(90), c)
+            .await
+            .expect("every client hears the end")
+            .unwrap();
+        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
+        assert_eq!(done["result"]["system"]["hostname"], run_id);
+        ids.insert(id, run_id);
+    }
+    assert_eq!(ids.len(), N);
+    one_build_each(&fake, ids.keys());
+    agents.abort();
+    a.kill9().await;
 }
