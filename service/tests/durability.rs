@@ -56,15 +56,33 @@ fn spawn_agents_for(
     })
 }
 
-/// Submits with an idempotency key, retrying through restarts, the service's 503s and a load
-/// balancer's 502s and 504s (haproxy's answer when the replica it sent the request to died
-/// under it) until the service answers, as the Python client does (every 5xx is transient to
-/// it); returns the submission id.
+/// What a client retries besides a connection error: the service's 503 when it talks to the
+/// service itself.
+const DIRECT: &[u16] = &[503];
+
+/// The same behind a load balancer: also its 502 and 504 (haproxy's answer when the replica it
+/// sent the request to died under it), as the Python client does (every 5xx is transient to
+/// it; safe with an idempotency key).
+const BALANCED: &[u16] = &[502, 503, 504];
+
+/// Submits with an idempotency key, retrying through restarts and 503s until the service
+/// answers; returns the submission id.
 async fn submit_until_accepted(
     http: &reqwest::Client,
     base: &str,
     key: &str,
     body: &Value,
+) -> String {
+    submit_retrying(http, base, key, body, DIRECT).await
+}
+
+/// [`submit_until_accepted`], retrying the statuses in `retried`.
+async fn submit_retrying(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    body: &Value,
+    retried: &[u16],
 ) -> String {
     loop {
         match http
@@ -79,7 +97,7 @@ async fn submit_until_accepted(
                 return v["id"].as_str().unwrap().to_string();
             }
             Ok(r) => assert!(
-                matches!(r.status().as_u16(), 502..=504),
+                retried.contains(&r.status().as_u16()),
                 "{}: {:?}",
                 r.status(),
                 r.text().await
@@ -146,6 +164,7 @@ fn spread_clients(
     callback: &str,
     n: usize,
     every_ms: u64,
+    retried: &'static [u16],
 ) -> Vec<tokio::task::JoinHandle<(String, String, Value)>> {
     (0..n)
         .map(|i| {
@@ -154,7 +173,7 @@ fn spread_clients(
                 tokio::time::sleep(Duration::from_millis(i as u64 * every_ms)).await;
                 let run_id = format!("run-{i}");
                 let body = json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb});
-                let id = submit_until_accepted(&http, &base, &format!("key-{i}"), &body).await;
+                let id = submit_retrying(&http, &base, &format!("key-{i}"), &body, retried).await;
                 let done = long_poll(&http, &base, &id).await;
                 (run_id, id, done)
             })
@@ -234,7 +253,7 @@ async fn survive_kill_9(postgres: Option<(String, String)>) {
     let http = reqwest::Client::new();
     let base = svc.base.clone();
     // Spread over 2.4 s, so every kill lands among submissions at every stage.
-    let clients = spread_clients(&http, &base, &receiver.url(), N, 12);
+    let clients = spread_clients(&http, &base, &receiver.url(), N, 12, DIRECT);
     let mut rng = fastrand::Rng::with_seed(42);
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(rng.u64(350..650))).await;
@@ -1149,7 +1168,7 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
         .timeout(Duration::from_secs(30))
         .build()
         .unwrap();
-    let clients = spread_clients(&http, &lb.base, &receiver.url(), N, 40);
+    let clients = spread_clients(&http, &lb.base, &receiver.url(), N, 40, BALANCED);
     // The serving replica dies.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     a.kill9().await;
@@ -1284,10 +1303,13 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     let data = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
     let receiver = CallbackReceiver::start().await;
+    // Requests reach the replicas from haproxy: the deployment sets the API token.
+    const TOKEN: &str = "kk-ha-test-token";
     let replica = |name: &str| {
         let mut svc = ServiceProcess::new(EXE, &fake, data.path(), logs.path().join(name));
         svc.use_postgres(&url, &schema);
         svc.set_env("KERNELKITE_STANDBY", "true");
+        svc.set_env("KERNELKITE_API_TOKEN", TOKEN);
         svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
         svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
         svc
@@ -1299,14 +1321,17 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     )
     .unwrap();
     let addr = |base: &str| base.trim_start_matches("http://").to_string();
+    for named in ["bind :8080", " replica-a:8080", " replica-b:8080"] {
+        assert_eq!(
+            shipped.matches(named).count(),
+            1,
+            "the shipped file names {named:?} once: {shipped}"
+        );
+    }
     let cfg = shipped
         .replace("bind :8080", &format!("bind 127.0.0.1:{port}"))
-        .replace("replica-a:8080", &addr(&a.base))
-        .replace("replica-b:8080", &addr(&b.base));
-    assert_ne!(
-        cfg, shipped,
-        "the shipped file names the addresses this test replaces"
-    );
+        .replace(" replica-a:8080", &format!(" {}", addr(&a.base)))
+        .replace(" replica-b:8080", &format!(" {}", addr(&b.base)));
     let cfg_file = logs.path().join("haproxy.cfg");
     std::fs::write(&cfg_file, &cfg).unwrap();
     let checked = std::process::Command::new("haproxy")
@@ -1320,12 +1345,13 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
         "haproxy refuses the shipped configuration: {}",
         String::from_utf8_lossy(&checked.stderr)
     );
+    let haproxy_log = std::fs::File::create(logs.path().join("haproxy.log")).unwrap();
     let _haproxy = tokio::process::Command::new("haproxy")
         .arg("-db")
         .arg("-f")
         .arg(&cfg_file)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stdout(haproxy_log.try_clone().unwrap())
+        .stderr(haproxy_log)
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -1339,8 +1365,14 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     a.start().await.unwrap();
     b.spawn().unwrap();
     standing_by(&b).await;
+    let mut auth = reqwest::header::HeaderMap::new();
+    auth.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {TOKEN}").parse().unwrap(),
+    );
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
+        .default_headers(auth)
         .build()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1357,8 +1389,12 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let agents = spawn_agents_for(fake.clone(), 5, 100..400);
-    let clients = spread_clients(&http, &lb, &receiver.url(), N, 100);
+    let clients = spread_clients(&http, &lb, &receiver.url(), N, 100, BALANCED);
     tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        a.log_text().contains("submission accepted") && !b.log_text().contains("request{"),
+        "haproxy sent the requests to the serving replica only"
+    );
     a.kill9().await;
     b.ready(Duration::from_secs(10)).await.unwrap();
     a.spawn().unwrap();

@@ -1,7 +1,7 @@
 //! A load balancer in front of several `kernelkite-service` replicas, routing as haproxy does
-//! with an HTTP health check (`option httpchk GET /healthz`, `inter 100ms`, `fall 1 rise 1`,
+//! with an HTTP health check (`option httpchk GET /readyz`, `inter 100ms`, `fall 1 rise 1`,
 //! `on-marked-down shutdown-sessions`: deployment/service/haproxy.cfg): each new connection
-//! goes to the first backend whose `/healthz` answered 200 at its last check, waiting up to a
+//! goes to the first backend whose `/readyz` answered 200 at its last check, waiting up to a
 //! second for one (as haproxy queues a request), else answered 503 (haproxy's "no server is
 //! available"; closing at once instead had every client reconnect every few milliseconds
 //! during a fail-over, and a reconnect landing on a port still in TIME_WAIT waits out SYN
@@ -83,7 +83,7 @@ impl Balancer {
                 let (addr, up) = &backends[i];
                 loop {
                     let ok = http
-                        .get(format!("http://{addr}/healthz"))
+                        .get(format!("http://{addr}/readyz"))
                         .send()
                         .await
                         .is_ok_and(|r| r.status().is_success());

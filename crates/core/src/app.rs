@@ -391,12 +391,18 @@ impl App {
             }
             Ok(s) if self.unanswered(&s) => match self.queue_unanswered(&who, &s).await {
                 Some(job) => {
+                    let id = s.submission.id.clone();
                     self.dispatch.enqueue(
                         &who,
-                        &s.submission.id,
+                        &id,
                         s.submission.created_at.timestamp_micros(),
                         admission,
                     );
+                    if self.store.live(&id).is_none() {
+                        // It ended (canceled, timed out) while it was being taken in: its end
+                        // found nothing to free.
+                        self.dispatch.ended(&who.queue, &id, None);
+                    }
                     self.pump(&who.queue, Some(job));
                     Ok(self.placed(&who.queue, s))
                 }
@@ -420,13 +426,16 @@ impl App {
     fn unanswered(&self, s: &Submitted) -> bool {
         !s.created
             && !s.submission.state.is_terminal()
+            // An answer from the result cache never runs (recovery ends an interrupted one).
+            && s.submission.cached_from.is_none()
             && self.store.live(&s.submission.id).is_none()
     }
 
     /// Takes in a submission [`App::unanswered`] found: into memory, its deadline armed; its
     /// job, to queue it (the caller queues it with this request's admission: the attempt that
-    /// wrote it withdrew its own). `None` when another request took it in first, or it has no
-    /// job kept (it is then ended, saying so).
+    /// wrote it withdrew its own). `None` when another request took it in first, or the store
+    /// keeps no job for it (it ended meanwhile) or cannot be read (left to the next restart's
+    /// recovery, as before).
     async fn queue_unanswered(self: &Arc<Self>, who: &Who, s: &Submitted) -> Option<Job> {
         let sub = &s.submission;
         let deadline_ms = sub
@@ -436,11 +445,18 @@ impl App {
         if !self.store.reload_if_absent(sub.clone(), deadline_ms) {
             return None;
         }
+        // Read again now that it is held here: a copy read before another request took it in,
+        // ran and ended it is stale (ended rows keep no job), and is let go without a word.
+        let job = match self.store.durable().job(&sub.id).await {
+            Ok(Some(job)) => job,
+            Ok(None) | Err(_) => {
+                self.store.forget(&sub.id);
+                return None;
+            }
+        };
         tracing::warn!(id = %sub.id, queue = %who.queue, "queuing a submission an earlier attempt wrote without being answered (the store's reply was lost)");
         self.spawn_timeout(&sub.id, deadline_ms);
-        // In memory now, so its job is read as a started submission's is (a job not kept
-        // ends it, saying so).
-        self.stored_job(&sub.id).await
+        Some(job)
     }
 
     /// A submission just accepted, with its place in the queue when it waits there: the

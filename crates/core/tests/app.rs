@@ -324,6 +324,8 @@ async fn bad_input_is_refused_and_nothing_is_written() {
 struct LostReply {
     inner: InMemory,
     lost: std::sync::atomic::AtomicBool,
+    /// The retries' replays wait for each other here, so they race on what follows.
+    together: tokio::sync::Barrier,
 }
 
 impl Durable for LostReply {
@@ -337,6 +339,9 @@ impl Durable for LostReply {
                 return Err(StoreError::Write(
                     "the connection closed before the reply".into(),
                 ));
+            }
+            if let Ok(kernelkite_core::store::Inserted::Existing { .. }) = &done {
+                self.together.wait().await;
             }
             done
         })
@@ -412,12 +417,13 @@ impl Durable for LostReply {
 /// store failed, sends the request again with its key, and is answered with that submission,
 /// which is then queued and run, once, however many retries race (before this, it was
 /// answered but ran only after the next restart's recovery).
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_submission_written_but_unanswered_runs_once_when_its_key_is_sent_again() {
     let executor = Arc::new(InProcess::default());
     let durable = Arc::new(LostReply {
         inner: InMemory::new(),
         lost: std::sync::atomic::AtomicBool::new(false),
+        together: tokio::sync::Barrier::new(4),
     });
     let app = App::new(
         config(),

@@ -383,7 +383,7 @@ fn the_compose_file_keeps_the_data_dir_on_a_volume_and_reads_service_env() {
 }
 
 /// The fail-over deployment: two standby replicas on PostgreSQL (no disk), each what the
-/// service reads, behind haproxy checking `/healthz` on each (the routing the replica test,
+/// service reads, behind haproxy checking `/readyz` on each (the routing the replica test,
 /// `a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen`, plays); and the Procfile's
 /// one web process.
 #[test]
@@ -391,7 +391,7 @@ fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() 
     let c = yaml("deployment/service/compose.ha.yaml");
     let known = service_variables();
     let haproxy = read("deployment/service/haproxy.cfg");
-    assert!(haproxy.contains("option httpchk GET /healthz"), "{haproxy}");
+    assert!(haproxy.contains("option httpchk GET /readyz"), "{haproxy}");
     assert!(
         read("deployment/service/Dockerfile").contains("KERNELKITE_DATA_DIR="),
         "the image names a data dir, which the replicas unset"

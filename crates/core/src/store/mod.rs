@@ -420,6 +420,15 @@ impl Store {
         self.memory.insert(sub, deadline_ms);
     }
 
+    /// Lets go of a submission [`Store::reload_if_absent`] took in and that is not to be held
+    /// after all (its copy was stale).
+    pub fn forget(&self, id: &str) {
+        if let Some(state) = self.state(id) {
+            self.gauge(state).dec();
+        }
+        self.memory.remove(id);
+    }
+
     /// [`Store::reload`] unless it is in memory already; whether it was reloaded (of two
     /// callers racing with one submission, one is told yes).
     pub fn reload_if_absent(&self, mut sub: Submission, deadline_ms: i64) -> bool {
