@@ -23,14 +23,76 @@ where
         return T::try_from(i).map_err(|_| refused(Unexpected::Signed(i)));
     }
     let f = n.as_f64().unwrap_or(f64::NAN);
-    // Exactly representable whole floats only (below 2^53): beyond, a float is not a count
-    // anyone meant, and the cast below would not be exact.
-    if f.fract() != 0.0 || !f.is_finite() || f.abs() >= 9_007_199_254_740_992.0 {
-        return Err(refused(Unexpected::Float(f)));
+    // The literal itself, exactly: through a float, `9007199254740993.0` would read as
+    // `...992`, and a whole float of 2^53 or more (schema-valid) would be refused.
+    match literal(&n.to_string()) {
+        Some(Literal::Whole(v)) => i64::try_from(v)
+            .ok()
+            .and_then(|i| T::try_from(i).ok())
+            .or_else(|| u64::try_from(v).ok().and_then(|u| T::try_from(u).ok()))
+            .ok_or_else(|| refused(Unexpected::Float(f))),
+        _ => Err(refused(Unexpected::Float(f))),
     }
-    // Whole and below 2^53 in size (checked above): the cast is exact.
-    let i = f as i64;
-    T::try_from(i).map_err(|_| refused(Unexpected::Float(f)))
+}
+
+/// What a JSON number literal stands for.
+#[derive(Debug, PartialEq, Eq)]
+enum Literal {
+    /// A whole number, exactly.
+    Whole(i128),
+    /// A number with a fraction, or too large for an `i128`.
+    Other,
+}
+
+/// Reads a JSON number literal (`-`, digits, an optional fraction and exponent) exactly, as
+/// decimal digits; `None` for text that is not one.
+fn literal(text: &str) -> Option<Literal> {
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().ok()?),
+        None => (text, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digit = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if int.is_empty() || !digit(int) || !digit(frac) {
+        return None;
+    }
+    let digits = format!("{int}{frac}");
+    // The value is `digits` x 10^shift.
+    let shift = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
+    let whole = if shift < 0 {
+        let cut = usize::try_from(shift.unsigned_abs())
+            .ok()?
+            .min(digits.len());
+        let (kept, dropped) = digits.split_at(digits.len() - cut);
+        if !dropped.bytes().all(|b| b == b'0') {
+            return Some(Literal::Other);
+        }
+        kept.to_string()
+    } else {
+        let significant = digits.trim_start_matches('0');
+        if significant.is_empty() {
+            return Some(Literal::Whole(0));
+        }
+        // 39 digits and more are past an i128.
+        if i64::try_from(significant.len()).ok()?.saturating_add(shift) > 38 {
+            return Some(Literal::Other);
+        }
+        format!("{significant}{}", "0".repeat(usize::try_from(shift).ok()?))
+    };
+    let whole = whole.trim_start_matches('0');
+    let value: i128 = if whole.is_empty() {
+        0
+    } else {
+        match whole.parse() {
+            Ok(v) => v,
+            Err(_) => return Some(Literal::Other),
+        }
+    };
+    Some(Literal::Whole(if negative { -value } else { value }))
 }
 
 /// A `u64` from `3` or `3.0`.
@@ -106,5 +168,39 @@ mod tests {
         }
         assert!(read(json!({"n": 1, "seed": u64::MAX})).is_err());
         assert!(read(json!({"n": 1, "seed": 0.5})).is_err());
+    }
+
+    /// What schemathesis sent (a whole float of 2^53, schema-valid for an integer field), and
+    /// the exact reading of literals a float would round.
+    #[test]
+    fn a_whole_literal_is_read_exactly_whatever_its_size() {
+        let seed = |text: &str| -> Result<Option<i64>, String> {
+            serde_json::from_str::<T>(&format!(r#"{{"n": 1, "seed": {text}}}"#))
+                .map(|t| t.seed)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(seed("9007199254740992.0"), Ok(Some(9_007_199_254_740_992)));
+        assert_eq!(seed("9007199254740993.0"), Ok(Some(9_007_199_254_740_993)));
+        assert_eq!(seed("-9223372036854775808.00"), Ok(Some(i64::MIN)));
+        assert_eq!(seed("9.223372036854775807e18"), Ok(Some(i64::MAX)));
+        assert_eq!(seed("1e3"), Ok(Some(1000)));
+        assert_eq!(seed("1.5E1"), Ok(Some(15)));
+        assert_eq!(seed("-0.0"), Ok(Some(0)));
+        assert_eq!(seed("120e-1"), Ok(Some(12)));
+        assert_eq!(seed("0.000e5"), Ok(Some(0)));
+        for bad in [
+            "1.25e1",
+            "9223372036854775808.0",
+            "1e19",
+            "1e400",
+            "0.1e0",
+            "5e-1",
+        ] {
+            let e = seed(bad).unwrap_err();
+            assert!(e.contains("whole number"), "{bad}: {e}");
+        }
+        assert_eq!(super::literal("1e-400"), Some(super::Literal::Other));
+        assert_eq!(super::literal("0e-400"), Some(super::Literal::Whole(0)));
+        assert_eq!(super::literal("abc"), None);
     }
 }
