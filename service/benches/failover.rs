@@ -36,14 +36,6 @@ fn replica(fake: &FakeBuildkite, dir: &Path, log: &str, url: &str, schema: &str)
     svc
 }
 
-async fn standing_by(svc: &ServiceProcess) {
-    let deadline = Instant::now() + WITHIN;
-    while !svc.log_text().contains("standing by") {
-        assert!(Instant::now() < deadline, "no standby: {}", svc.log_text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// One round: (after a kill, after a freeze, after a stop, a lone service restarted).
 async fn round(url: &str) -> (Duration, Duration, Duration, Duration) {
     let schema = kernelkite_testkit::postgres::schema();
@@ -53,13 +45,13 @@ async fn round(url: &str) -> (Duration, Duration, Duration, Duration) {
     let mut b = replica(&fake, dir.path(), "b.log", url, &schema);
     a.start().await.expect("the first replica serves");
     b.spawn().expect("spawn");
-    standing_by(&b).await;
+    b.standing_by().await;
     a.kill9().await;
     let t = Instant::now();
     b.ready(WITHIN).await.expect("the standby takes over");
     let killed = t.elapsed();
     a.spawn().expect("spawn");
-    standing_by(&a).await;
+    a.standing_by().await;
     b.signal(libc::SIGSTOP);
     let t = Instant::now();
     a.ready(WITHIN).await.expect("the standby takes over");
@@ -68,7 +60,7 @@ async fn round(url: &str) -> (Duration, Duration, Duration, Duration) {
     assert_eq!(b.exited(WITHIN).await, Some(75), "{}", b.log_text());
     // A rolling upgrade: the new release stands by, the old one is stopped.
     b.spawn().expect("spawn");
-    standing_by(&b).await;
+    b.standing_by().await;
     a.signal(libc::SIGTERM);
     let t = Instant::now();
     b.ready(WITHIN).await.expect("the standby takes over");

@@ -181,6 +181,30 @@ fn spread_clients(
         .collect()
 }
 
+/// Waits (90 s at most) for every client of [`spread_clients`]: each submission succeeded
+/// with its own result and run id, one per key (`n`). The submission ids, each with its run id.
+async fn every_one_succeeded(
+    clients: Vec<tokio::task::JoinHandle<(String, String, Value)>>,
+    n: usize,
+) -> BTreeMap<String, String> {
+    let mut ids = BTreeMap::new();
+    for c in clients {
+        let (run_id, id, done) = tokio::time::timeout(Duration::from_secs(90), c)
+            .await
+            .expect("every client hears the end")
+            .unwrap();
+        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
+        assert_eq!(
+            done["result"]["system"]["hostname"], run_id,
+            "{id} has another submission's result"
+        );
+        assert_eq!(done["run_id"], run_id);
+        ids.insert(id, run_id);
+    }
+    assert_eq!(ids.len(), n, "one submission per idempotency key");
+    ids
+}
+
 /// Exactly one build per submission of `ids`, and none for any other: no twins, none lost.
 fn one_build_each<'a>(fake: &FakeBuildkite, ids: impl ExactSizeIterator<Item = &'a String>) {
     let builds = builds_per_submission(fake);
@@ -261,28 +285,8 @@ async fn survive_kill_9(postgres: Option<(String, String)>) {
         tokio::time::sleep(Duration::from_millis(rng.u64(0..150))).await;
         svc.start().await.unwrap();
     }
-    let mut results = Vec::new();
-    for c in clients {
-        results.push(
-            tokio::time::timeout(Duration::from_secs(90), c)
-                .await
-                .expect("every client hears the end")
-                .unwrap(),
-        );
-    }
+    let ids = every_one_succeeded(clients, N).await;
     let took = started.elapsed();
-
-    let mut ids = BTreeMap::new();
-    for (run_id, id, done) in &results {
-        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
-        assert_eq!(
-            done["result"]["system"]["hostname"], *run_id,
-            "{id} has another submission's result"
-        );
-        assert_eq!(done["run_id"], *run_id);
-        ids.insert(id.clone(), run_id.clone());
-    }
-    assert_eq!(ids.len(), N, "one submission per idempotency key");
     one_build_each(&fake, ids.keys());
     // Every callback arrived at least once, signed, with the submission id as its key.
     let all_called = receiver
@@ -1130,7 +1134,6 @@ async fn dropped_events_are_logged_a_few_times_and_background_work_logs_under_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen() {
     const N: usize = 120;
-    const TAKEOVER: Duration = Duration::from_secs(10);
     let Some(url) = kernelkite_testkit::postgres::url() else {
         return;
     };
@@ -1139,26 +1142,14 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
     let data = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
     let receiver = CallbackReceiver::start().await;
-    let replica = |name: &str| {
-        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), logs.path().join(name));
-        svc.use_postgres(&url, &schema);
-        svc.set_env("KERNELKITE_STANDBY", "true");
-        svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
-        svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
-        svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
-        svc
-    };
+    let replica =
+        |name: &str| standby_replica(&fake, data.path(), &logs.path().join(name), &url, &schema);
     let (mut a, mut b) = (replica("a.log"), replica("b.log"));
     let lb = kernelkite_testkit::balancer::Balancer::start(&[a.base.clone(), b.base.clone()]).await;
-    fake.set_webhook(
-        format!("{}/webhooks/buildkite", lb.base),
-        kernelkite_testkit::fake_buildkite::Signing::Hmac(
-            kernelkite_testkit::harness::WEBHOOK_TOKEN.into(),
-        ),
-    );
+    webhooks_to(&fake, &lb.base);
     a.start().await.unwrap();
     b.spawn().unwrap();
-    standing_by(&b).await;
+    b.standing_by().await;
     assert!(
         reqwest::get(format!("{}/healthz", b.base)).await.is_err(),
         "a standby serves nothing"
@@ -1172,21 +1163,13 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
     // The serving replica dies.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     a.kill9().await;
-    let t = Instant::now();
-    b.ready(TAKEOVER)
-        .await
-        .expect("the standby takes over from a killed replica");
-    let after_kill = t.elapsed();
+    let after_kill = took_over(&mut b, "a killed replica").await;
     a.spawn().unwrap();
-    standing_by(&a).await;
+    a.standing_by().await;
     // A rolling upgrade: the serving one is stopped (SIGTERM) with the other standing by.
     tokio::time::sleep(Duration::from_millis(800)).await;
     b.signal(libc::SIGTERM);
-    let t = Instant::now();
-    a.ready(TAKEOVER)
-        .await
-        .expect("the standby takes over from a stopped replica");
-    let after_stop = t.elapsed();
+    let after_stop = took_over(&mut a, "a stopped replica").await;
     assert_eq!(
         b.exited(Duration::from_secs(10)).await,
         Some(0),
@@ -1194,15 +1177,11 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
         b.log_text()
     );
     b.spawn().unwrap();
-    standing_by(&b).await;
+    b.standing_by().await;
     // The replica that took over freezes: its database session stays open.
     tokio::time::sleep(Duration::from_millis(800)).await;
     a.signal(libc::SIGSTOP);
-    let t = Instant::now();
-    b.ready(TAKEOVER)
-        .await
-        .expect("the standby takes over from a frozen replica");
-    let after_freeze = t.elapsed();
+    let after_freeze = took_over(&mut b, "a frozen replica").await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     a.signal(libc::SIGCONT);
     let code = a.exited(Duration::from_secs(10)).await;
@@ -1221,17 +1200,7 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
         a.log_text()
     );
 
-    let mut ids = BTreeMap::new();
-    for c in clients {
-        let (run_id, id, done) = tokio::time::timeout(Duration::from_secs(90), c)
-            .await
-            .expect("every client hears the end")
-            .unwrap();
-        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
-        assert_eq!(done["result"]["system"]["hostname"], run_id);
-        ids.insert(id, run_id);
-    }
-    assert_eq!(ids.len(), N, "one submission per idempotency key");
+    let ids = every_one_succeeded(clients, N).await;
     one_build_each(&fake, ids.keys());
     let all_called = receiver
         .wait_for(Duration::from_secs(60), |d| {
@@ -1245,17 +1214,43 @@ async fn a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen
     b.kill9().await;
 }
 
-/// Waits (up to 30 s) for a replica's log to say it stands by.
-async fn standing_by(svc: &ServiceProcess) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !svc.log_text().contains("standing by") {
-        assert!(
-            Instant::now() < deadline,
-            "the replica never stood by: {}",
-            svc.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// A replica on PostgreSQL (`url`, `schema`) standing by (`KERNELKITE_STANDBY`) behind the
+/// fake Buildkite, logging to `log`, with quick reconciles and Buildkite calls.
+fn standby_replica(
+    fake: &FakeBuildkite,
+    data: &std::path::Path,
+    log: &std::path::Path,
+    url: &str,
+    schema: &str,
+) -> ServiceProcess {
+    let mut svc = ServiceProcess::new(EXE, fake, data, log.to_path_buf());
+    svc.use_postgres(url, schema);
+    svc.set_env("KERNELKITE_STANDBY", "true");
+    svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+    svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
+    svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
+    svc
+}
+
+/// Points the fake's webhooks at `base` (a load balancer in front of the replicas).
+fn webhooks_to(fake: &FakeBuildkite, base: &str) {
+    fake.set_webhook(
+        format!("{base}/webhooks/buildkite"),
+        kernelkite_testkit::fake_buildkite::Signing::Hmac(
+            kernelkite_testkit::harness::WEBHOOK_TOKEN.into(),
+        ),
+    );
+}
+
+/// How long `standby` took to serve once the replica it stood by for (`what`) went, which
+/// must be within the 10 s.
+async fn took_over(standby: &mut ServiceProcess, what: &str) -> Duration {
+    let t = Instant::now();
+    standby
+        .ready(Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("the standby did not take over from {what}: {e}"));
+    t.elapsed()
 }
 
 /// A service on PostgreSQL stopped (SIGSTOP) for longer than its beat may be old, with no
@@ -1306,12 +1301,8 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     // Requests reach the replicas from haproxy: the deployment sets the API token.
     const TOKEN: &str = "kk-ha-test-token";
     let replica = |name: &str| {
-        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), logs.path().join(name));
-        svc.use_postgres(&url, &schema);
-        svc.set_env("KERNELKITE_STANDBY", "true");
+        let mut svc = standby_replica(&fake, data.path(), &logs.path().join(name), &url, &schema);
         svc.set_env("KERNELKITE_API_TOKEN", TOKEN);
-        svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
-        svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
         svc
     };
     let (mut a, mut b) = (replica("a.log"), replica("b.log"));
@@ -1356,15 +1347,10 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
         .spawn()
         .unwrap();
     let lb = format!("http://127.0.0.1:{port}");
-    fake.set_webhook(
-        format!("{lb}/webhooks/buildkite"),
-        kernelkite_testkit::fake_buildkite::Signing::Hmac(
-            kernelkite_testkit::harness::WEBHOOK_TOKEN.into(),
-        ),
-    );
+    webhooks_to(&fake, &lb);
     a.start().await.unwrap();
     b.spawn().unwrap();
-    standing_by(&b).await;
+    b.standing_by().await;
     let mut auth = reqwest::header::HeaderMap::new();
     auth.insert(
         reqwest::header::AUTHORIZATION,
@@ -1398,23 +1384,13 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     a.kill9().await;
     b.ready(Duration::from_secs(10)).await.unwrap();
     a.spawn().unwrap();
-    standing_by(&a).await;
+    a.standing_by().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     b.signal(libc::SIGSTOP);
     a.ready(Duration::from_secs(10)).await.unwrap();
     b.signal(libc::SIGCONT);
     assert_eq!(b.exited(Duration::from_secs(10)).await, Some(75));
-    let mut ids = BTreeMap::new();
-    for c in clients {
-        let (run_id, id, done) = tokio::time::timeout(Duration::from_secs(90), c)
-            .await
-            .expect("every client hears the end")
-            .unwrap();
-        assert_eq!(done["state"], "succeeded", "{run_id}: {done}");
-        assert_eq!(done["result"]["system"]["hostname"], run_id);
-        ids.insert(id, run_id);
-    }
-    assert_eq!(ids.len(), N);
+    let ids = every_one_succeeded(clients, N).await;
     one_build_each(&fake, ids.keys());
     agents.abort();
     a.kill9().await;

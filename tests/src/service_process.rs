@@ -176,6 +176,20 @@ impl ServiceProcess {
         }
     }
 
+    /// Waits (30 s at most) for its log to say it stands by (`KERNELKITE_STANDBY`: waiting for
+    /// the schema's lock, serving nothing).
+    pub async fn standing_by(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.log_text().contains("standing by") {
+            assert!(
+                Instant::now() < deadline,
+                "it never stood by: {}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Sends `signal` to the running process (SIGSTOP freezes it, SIGCONT lets it go on).
     pub fn signal(&self, signal: i32) {
         if let Some(pid) = self.pid() {

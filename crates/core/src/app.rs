@@ -330,10 +330,7 @@ impl App {
         sub.user = req.user;
         sub.priority = class;
         let who = self.who(&sub);
-        let deadline_ms = sub
-            .created_at
-            .timestamp_millis()
-            .saturating_add(i64::try_from(timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
+        let deadline_ms = sub.deadline_ms();
         Ok(Prepared {
             sub,
             job,
@@ -438,10 +435,7 @@ impl App {
     /// recovery, as before).
     async fn queue_unanswered(self: &Arc<Self>, who: &Who, s: &Submitted) -> Option<Job> {
         let sub = &s.submission;
-        let deadline_ms = sub
-            .created_at
-            .timestamp_millis()
-            .saturating_add(i64::try_from(sub.timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
+        let deadline_ms = sub.deadline_ms();
         if !self.store.reload_if_absent(sub.clone(), deadline_ms) {
             return None;
         }
@@ -1214,10 +1208,7 @@ impl App {
     /// reads it from there; the ingest benchmark adopts values that are not, and their
     /// changes then write nothing).
     pub fn adopt(self: &Arc<Self>, sub: Submission) {
-        let deadline_ms = sub
-            .created_at
-            .timestamp_millis()
-            .saturating_add(i64::try_from(sub.timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX));
+        let deadline_ms = sub.deadline_ms();
         let id = sub.id.clone();
         let build = sub.build.as_ref().map(|b| b.id.clone());
         let terminal = sub.state.is_terminal();

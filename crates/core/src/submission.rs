@@ -203,6 +203,13 @@ pub enum Outcome {
 }
 
 impl Submission {
+    /// When it must have ended, unix ms: its creation plus its timeout.
+    pub fn deadline_ms(&self) -> i64 {
+        self.created_at
+            .timestamp_millis()
+            .saturating_add(i64::try_from(self.timeout_s.saturating_mul(1000)).unwrap_or(i64::MAX))
+    }
+
     /// How long it ran: from `running` to its end (`None` before it ended, or when it never
     /// ran: a cache answer, one canceled in the queue). What the queue's estimates learn from.
     /// At most its `timeout_s`: an end seen only after the service was down (recovery

@@ -732,11 +732,12 @@ fn is_local(opts: &PgConnectOptions) -> bool {
 
 /// Takes the schema's lock on `conn`: at once when it is free; else waits for it, `wait` long
 /// (without limit for a standby, `None`), ending the holder's session once it has been silent
-/// for [`TAKEOVER_AFTER`].
+/// for [`TAKEOVER_AFTER`]. `pid` is `conn`'s backend.
 async fn lock(
     conn: &mut PgConnection,
     schema: &str,
     wait: Option<Duration>,
+    pid: i32,
 ) -> Result<(), OpenError> {
     let waited = Instant::now();
     let mut said = None;
@@ -790,7 +791,7 @@ async fn lock(
         if !ended && wait.is_some_and(|w| waited.elapsed() >= w) {
             return Err(OpenError::InUse(who.shown));
         }
-        locked = queue_for_lock(conn, schema).await?;
+        locked = queue_for_lock(conn, schema, pid).await?;
     }
 }
 
@@ -876,7 +877,11 @@ async fn drain_writers(conn: &mut PgConnection, schema: &str) -> Result<(), Open
 
 /// Waits in the server's queue for the schema's lock, at most [`LOCK_POLL`]: whether it was
 /// taken (the server hands it over the moment the holder's session lets go).
-async fn queue_for_lock(conn: &mut PgConnection, schema: &str) -> Result<bool, OpenError> {
+async fn queue_for_lock(
+    conn: &mut PgConnection,
+    schema: &str,
+    pid: i32,
+) -> Result<bool, OpenError> {
     let mut tx = waiting_at_most_a_poll(conn).await?;
     // A session lock: it outlives the transaction it was taken in.
     let taken = bounded(
@@ -895,15 +900,13 @@ async fn queue_for_lock(conn: &mut PgConnection, schema: &str) -> Result<bool, O
             bounded(tx.rollback()).await?;
             // The server can grant the lock and still report the timeout (the two race):
             // whether this session holds it now is what counts.
+            let (class, key) = lock_id(schema);
             let mine: i64 = bounded(
-                sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
-                       AND objsubid = 2 AND classid = $1::bigint::oid AND objid = $2::bigint::oid
-                       AND pid = pg_backend_pid()",
-                )
-                .bind(i64::from(LOCK_CLASS))
-                .bind(i64::from(lock_key(schema) as u32))
-                .fetch_one(&mut *conn),
+                sqlx::query_scalar(FENCE)
+                    .bind(class)
+                    .bind(key)
+                    .bind(pid)
+                    .fetch_one(&mut *conn),
             )
             .await?;
             Ok(mine > 0)
@@ -928,7 +931,10 @@ async fn start(
             )))
         }
     };
-    lock(&mut conn, schema, wait).await?;
+    // This session's backend: the lock's holder, as every write's fence names it.
+    let pid: i32 =
+        bounded(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut conn)).await?;
+    lock(&mut conn, schema, wait, pid).await?;
     // Created only when missing: the server checks the right to create a schema before it
     // looks for one, so a schema the operator made for a user without that right is used as
     // it is. The name was checked (`valid_schema`): no quoting can be escaped.
@@ -956,10 +962,6 @@ async fn start(
             .await
             .map_err(|e| report(&e))?,
     };
-    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut conn)
-        .await
-        .map_err(|e| report(&e))?;
     Ok((conn, reopened, pid))
 }
 

@@ -102,13 +102,18 @@ impl Memory {
     /// Adds (or replaces) a submission; its waiters start from this value. Its build, if it
     /// has one, is keyed too.
     pub fn insert(&self, sub: Submission, deadline_ms: i64) {
-        self.insert_if_absent(sub, deadline_ms, true);
+        self.put(sub, deadline_ms, true);
     }
 
-    /// Inserts `sub` unless it is already in memory (`replace` false); whether it was
-    /// inserted. The check and the insert are one step under the map's lock: of two callers
-    /// racing with one submission, one inserts it.
-    pub fn insert_if_absent(&self, sub: Submission, deadline_ms: i64, replace: bool) -> bool {
+    /// Inserts `sub` unless it is already in memory; whether it was inserted. The check and
+    /// the insert are one step under the map's lock: of two callers racing with one
+    /// submission, one inserts it.
+    pub fn insert_if_absent(&self, sub: Submission, deadline_ms: i64) -> bool {
+        self.put(sub, deadline_ms, false)
+    }
+
+    /// Inserts `sub`, over one already in memory only with `replace`; whether it did.
+    fn put(&self, sub: Submission, deadline_ms: i64, replace: bool) -> bool {
         let id = sub.id.clone();
         let build = sub.build.as_ref().map(|b| b.id.clone());
         let now = Instant::now();

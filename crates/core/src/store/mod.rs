@@ -434,7 +434,7 @@ impl Store {
     pub fn reload_if_absent(&self, mut sub: Submission, deadline_ms: i64) -> bool {
         sub.place = None;
         let state = sub.state;
-        let reloaded = self.memory.insert_if_absent(sub, deadline_ms, false);
+        let reloaded = self.memory.insert_if_absent(sub, deadline_ms);
         if reloaded {
             self.gauge(state).inc();
         }
