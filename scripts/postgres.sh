@@ -5,13 +5,14 @@
 # benchmarks). Prints its URL, which the tests read from KERNELKITE_TEST_DATABASE_URL; each
 # test makes a schema of its own there.
 # As root it runs as the `postgres` user (PostgreSQL refuses root), which the package creates.
-# Usage: scripts/postgres.sh start DIR [durable] | scripts/postgres.sh stop DIR
+# `restart` stops the server (fast: sessions are ended) and starts it again on the same port.
+# Usage: scripts/postgres.sh start DIR [durable] | restart DIR | stop DIR
 set -euo pipefail
 
 cmd=${1:-}
 dir=${2:-}
 if [ -z "$cmd" ] || [ -z "$dir" ] || [ "$cmd" = -h ] || [ "$cmd" = --help ]; then
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   [ -n "$dir" ]
   exit
 fi
@@ -60,6 +61,16 @@ start)
     start >/dev/null || { cat "$home/server.log" >&2; exit 1; }
   echo "postgres://postgres:$password@127.0.0.1:$port/postgres"
   ;;
+restart)
+  if [ ! -f "$dir/postgres-home" ]; then
+    echo "error: $dir has no server (scripts/postgres.sh start $dir first)" >&2
+    exit 1
+  fi
+  home=$(cat "$dir/postgres-home")
+  cd "$home"
+  "${as[@]}" "$bin/pg_ctl" -D "$home/data" -l "$home/server.log" -m fast -w -t 60 restart >/dev/null \
+    || { cat "$home/server.log" >&2; exit 1; }
+  ;;
 stop)
   [ -f "$dir/postgres-home" ] || exit 0
   home=$(cat "$dir/postgres-home")
@@ -74,7 +85,7 @@ stop)
   rm -f "$dir/postgres-home"
   ;;
 *)
-  echo "error: unknown command $cmd (start or stop)" >&2
+  echo "error: unknown command $cmd (start, restart or stop)" >&2
   exit 1
   ;;
 esac

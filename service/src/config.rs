@@ -93,6 +93,9 @@ pub enum ConfigError {
     /// A standby without PostgreSQL: SQLite's file has one writer, on one machine.
     #[error("KERNELKITE_STANDBY needs the store in PostgreSQL (KERNELKITE_DATABASE_URL): a SQLite store is one service on one machine; unset KERNELKITE_STANDBY or set KERNELKITE_DATABASE_URL")]
     StandbyWithoutDatabase,
+    /// A replica without PostgreSQL: replicas share their store.
+    #[error("KERNELKITE_REPLICA needs the store in PostgreSQL (KERNELKITE_DATABASE_URL), which the replicas share; unset KERNELKITE_REPLICA or set KERNELKITE_DATABASE_URL")]
+    ReplicaWithoutDatabase,
     /// The schema name would need quoting.
     #[error("KERNELKITE_DATABASE_SCHEMA {0:?} is not a plain schema name: use lower-case letters, digits and _ (not first), at most 63")]
     Schema(String),
@@ -326,8 +329,16 @@ pub struct StoreConfig {
     /// here) until the service holding it ends or stays silent for 6 s (stopped, frozen, its
     /// machine or network gone: its database session is then ended), then take over: read
     /// everything back and serve.
-    #[arg(long, env = "KERNELKITE_STANDBY")]
+    #[arg(long, env = "KERNELKITE_STANDBY", conflicts_with = "replica")]
     pub standby: bool,
+
+    /// Run as one of several replicas on one PostgreSQL schema (PostgreSQL only, the Buildkite
+    /// executor): serve every request from the start, behind any load balancer or a
+    /// Heroku-style router; the replica holding the schema's lock runs the queue, and the
+    /// others read submissions from the database and hand it every other request through the
+    /// database. When it ends or stays silent for 6 s, another takes over.
+    #[arg(long, env = "KERNELKITE_REPLICA")]
+    pub replica: bool,
 
     /// How commits reach the disk: `normal` survives the process being killed at any
     /// instant; `full` also survives a power loss (an fsync per commit).
@@ -396,7 +407,7 @@ impl StoreConfig {
             schema: self.database_schema.clone(),
             max_connections: self.database_connections,
             lock_wait: std::time::Duration::from_secs(self.database_lock_wait_s),
-            standby: self.standby,
+            standby: self.standby || self.replica,
             // A service that lost its lock must stop acting on what it holds in memory.
             exit_on_lost: true,
         }
@@ -408,6 +419,9 @@ impl StoreConfig {
         }
         if self.standby && self.database_url.is_none() {
             return Err(ConfigError::StandbyWithoutDatabase);
+        }
+        if self.replica && self.database_url.is_none() {
+            return Err(ConfigError::ReplicaWithoutDatabase);
         }
         if !crate::store::postgres::valid_schema(&self.database_schema) {
             return Err(ConfigError::Schema(self.database_schema.clone()));
@@ -928,6 +942,17 @@ mod tests {
         assert!(e.contains("KERNELKITE_STANDBY needs"), "{e}");
         c.store.database_url = url;
         c.store.standby = false;
+        c.store.replica = true;
+        assert!(c.check().is_ok(), "a replica on PostgreSQL");
+        assert!(
+            c.store.postgres("postgres://x/y".into()).standby,
+            "a replica waits without limit"
+        );
+        let url = c.store.database_url.take();
+        let e = c.check().unwrap_err().to_string();
+        assert!(e.contains("KERNELKITE_REPLICA needs"), "{e}");
+        c.store.database_url = url;
+        c.store.replica = false;
         assert!(
             !format!("{c:?} {:?}", c.store.backend()).contains("SECRET-4"),
             "the URL's password is never shown"

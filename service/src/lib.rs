@@ -22,7 +22,10 @@
 //! - [`buildkite`]: all the Buildkite code (the executor, REST client and rate budget,
 //!   artifacts, signed webhooks, agents); [`local`]: the local executor, handed the core's
 //!   events handle at start.
-//! - [`store`]: the core's store, and the durable store behind it ([`store::sqlite`]).
+//! - [`store`]: the core's store, and the durable store behind it ([`store::sqlite`], or
+//!   [`store::postgres`] with what its replicas share, [`store::replicas`]).
+//! - [`replica`]: several processes on one PostgreSQL schema, each serving every request;
+//!   the one holding the schema's lock runs the queue.
 //! - [`task`]: kernelbot task directories; [`config`]: flags and environment, in groups.
 
 #![deny(missing_docs)]
@@ -33,6 +36,7 @@ pub mod cli;
 pub mod config;
 pub mod http;
 pub mod local;
+pub mod replica;
 pub mod store;
 pub mod task;
 

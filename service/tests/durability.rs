@@ -736,6 +736,48 @@ async fn zero_timeouts_and_limits_are_refused_at_start() {
     }
 }
 
+/// A replica needs what replicas share: refused, saying what to set, on SQLite (a data dir), as
+/// a standby at once, or with the local executor (whose builds run on its own machine); nothing
+/// is served or written.
+#[tokio::test]
+async fn a_replica_without_postgresql_as_a_standby_or_with_the_local_executor_is_refused() {
+    let fake = FakeBuildkite::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    // (with PostgreSQL, also a standby, the command, what it says)
+    let cases = [
+        (
+            false,
+            false,
+            "serve",
+            "KERNELKITE_REPLICA needs the store in PostgreSQL",
+        ),
+        (true, true, "serve", "cannot be used with"),
+        (
+            true,
+            false,
+            "local",
+            "KERNELKITE_REPLICA runs with the Buildkite executor only",
+        ),
+    ];
+    for (postgres, standby, command, says) in cases {
+        let mut svc = ServiceProcess::new(EXE, &fake, data.path(), log_file(&logs));
+        svc.set_env("KERNELKITE_REPLICA", "true");
+        if postgres {
+            // Nothing answers there: refused before any connection.
+            svc.use_postgres("postgres://kk@127.0.0.1:9/kk", "kernelkite");
+        }
+        if standby {
+            svc.set_env("KERNELKITE_STANDBY", "true");
+        }
+        svc.set_args(&[command]);
+        let (code, log) = svc.run_to_exit(Duration::from_secs(20)).await;
+        assert!(matches!(code, Some(1 | 2)), "{says}: {code:?} {log}");
+        assert!(log.contains(says), "{says}: {log}");
+        assert!(!log.contains("listening"), "nothing served: {log}");
+    }
+}
+
 #[tokio::test]
 async fn deadlines_hold_across_a_restart_while_buildkite_is_down() {
     let fake = Arc::new(FakeBuildkite::start().await);
@@ -1278,12 +1320,12 @@ async fn a_service_frozen_past_its_beat_stops_itself_when_let_go_on() {
 }
 
 /// `deployment/service/haproxy.cfg`, as shipped (only its addresses made this machine's),
-/// run by the real haproxy in front of two replicas on PostgreSQL: it passes haproxy's own
-/// check, sends everything to the serving replica, and after that one is killed, and the one
-/// that took over is frozen, to the other; every submission made through it ends once, with one
-/// build each.
+/// run by the real haproxy in front of two replicas (`KERNELKITE_REPLICA`) on PostgreSQL: it
+/// passes haproxy's own check and spreads requests over both; the one running the queue is
+/// killed, and the one that took over is frozen; every submission made through it ends once,
+/// with one build each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shipped_haproxy_config_fails_over_between_replicas() {
+async fn the_shipped_haproxy_config_spreads_over_replicas_through_a_kill_and_a_freeze() {
     const N: usize = 30;
     let Some(url) = kernelkite_testkit::postgres::url() else {
         return;
@@ -1301,7 +1343,7 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     // Requests reach the replicas from haproxy: the deployment sets the API token.
     const TOKEN: &str = "kk-ha-test-token";
     let replica = |name: &str| {
-        let mut svc = standby_replica(&fake, data.path(), &logs.path().join(name), &url, &schema);
+        let mut svc = replica(&fake, data.path(), &logs.path().join(name), &url, &schema);
         svc.set_env("KERNELKITE_API_TOKEN", TOKEN);
         svc
     };
@@ -1349,8 +1391,8 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
     let lb = format!("http://127.0.0.1:{port}");
     webhooks_to(&fake, &lb);
     a.start().await.unwrap();
-    b.spawn().unwrap();
-    b.standing_by().await;
+    until_runs_queue(&a, Duration::from_secs(20)).await;
+    b.start().await.unwrap();
     let mut auth = reqwest::header::HeaderMap::new();
     auth.insert(
         reqwest::header::AUTHORIZATION,
@@ -1368,30 +1410,493 @@ async fn the_shipped_haproxy_config_fails_over_between_replicas() {
         .await
         .is_ok_and(|r| r.status().is_success())
     {
-        assert!(
-            Instant::now() < deadline,
-            "haproxy never sent to the serving replica"
-        );
+        assert!(Instant::now() < deadline, "haproxy never sent to a replica");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let agents = spawn_agents_for(fake.clone(), 5, 100..400);
     let clients = spread_clients(&http, &lb, &receiver.url(), N, 100, BALANCED);
     tokio::time::sleep(Duration::from_millis(800)).await;
+    let spread = std::fs::read_to_string(logs.path().join("haproxy.log")).unwrap();
     assert!(
-        a.log_text().contains("submission accepted") && !b.log_text().contains("request{"),
-        "haproxy sent the requests to the serving replica only"
+        spread.contains("replicas/replica-a") && spread.contains("replicas/replica-b"),
+        "haproxy sends requests to both replicas: {spread}"
     );
     a.kill9().await;
-    b.ready(Duration::from_secs(10)).await.unwrap();
-    a.spawn().unwrap();
-    a.standing_by().await;
+    until_runs_queue(&b, Duration::from_secs(10)).await;
+    a.start().await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     b.signal(libc::SIGSTOP);
-    a.ready(Duration::from_secs(10)).await.unwrap();
+    until_runs_queue(&a, Duration::from_secs(10)).await;
     b.signal(libc::SIGCONT);
     assert_eq!(b.exited(Duration::from_secs(10)).await, Some(75));
     let ids = every_one_succeeded(clients, N).await;
     one_build_each(&fake, ids.keys());
     agents.abort();
     a.kill9().await;
+}
+
+/// A replica (`KERNELKITE_REPLICA`) on PostgreSQL (`url`, `schema`) behind the fake Buildkite,
+/// logging to `log`, with quick reconciles and Buildkite calls: it serves from its start.
+fn replica(
+    fake: &FakeBuildkite,
+    data: &std::path::Path,
+    log: &std::path::Path,
+    url: &str,
+    schema: &str,
+) -> ServiceProcess {
+    let mut svc = ServiceProcess::new(EXE, fake, data, log.to_path_buf());
+    svc.use_postgres(url, schema);
+    svc.set_env("KERNELKITE_REPLICA", "true");
+    svc.set_env("KERNELKITE_RECONCILE_MIN_MS", "200");
+    svc.set_env("KERNELKITE_RECONCILE_MAX_MS", "1000");
+    svc.set_env("KERNELKITE_HTTP_TIMEOUT_S", "2");
+    svc
+}
+
+/// What a replica logs when it starts, and when it takes the lock and runs the queue.
+const SERVING_AS_REPLICA: &str = "serving as a replica";
+const RUNS_QUEUE: &str = "this replica holds the schema's lock and runs the queue";
+
+/// Whether the replica's current process runs the queue (its log is appended to by each
+/// start).
+fn runs_queue(svc: &ServiceProcess) -> bool {
+    let log = svc.log_text();
+    log.rfind(RUNS_QUEUE) > log.rfind(SERVING_AS_REPLICA)
+}
+
+/// Waits (`within`) until the replica's current process runs the queue.
+async fn until_runs_queue(svc: &ServiceProcess, within: Duration) -> Duration {
+    let t = Instant::now();
+    while !runs_queue(svc) {
+        assert!(
+            t.elapsed() < within,
+            "the replica did not take over within {within:?}: {}",
+            svc.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    t.elapsed()
+}
+
+/// Reads `GET {base}/v1/submissions/{id}/events` until its terminal event; the text.
+async fn events_until_end(http: reqwest::Client, base: String, id: String) -> String {
+    let mut r = http
+        .get(format!("{base}/v1/submissions/{id}/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut text = String::new();
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        if ["succeeded", "failed", "canceled", "timed_out"]
+            .iter()
+            .any(|s| text.contains(&format!("event: {s}\n")))
+        {
+            break;
+        }
+    }
+    text
+}
+
+/// Three replicas on one PostgreSQL schema, every guarantee as one process gives it,
+/// whichever replica answers: a user over a quota is refused however their submissions are
+/// spread; an idempotency key sent to two replicas at once makes one submission; light users
+/// start before the heavy user's tenth run; a webhook received by one replica finishes the
+/// long-poll and the event stream held on another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_keep_quotas_keys_and_the_fair_order_and_wake_each_others_waiters() {
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut r: Vec<ServiceProcess> = ["a", "b", "c"]
+        .iter()
+        .map(|n| {
+            let mut svc = replica(
+                &fake,
+                data.path(),
+                &logs.path().join(format!("{n}.log")),
+                &url,
+                &schema,
+            );
+            svc.set_env("KERNELKITE_QUEUE_SLOTS", "h100=2");
+            svc.set_env("KERNELKITE_QUEUE_LIMITS", "*:queued=20");
+            svc.set_env("KERNELKITE_CACHE", "false");
+            svc
+        })
+        .collect();
+    r[0].start().await.unwrap();
+    until_runs_queue(&r[0], Duration::from_secs(20)).await;
+    for svc in &mut r[1..] {
+        svc.start().await.unwrap();
+    }
+    assert!(
+        !runs_queue(&r[1]) && !runs_queue(&r[2]),
+        "one runs the queue"
+    );
+    let (b, c) = (r[1].base.clone(), r[2].base.clone());
+    // Buildkite's webhooks reach replica c only.
+    webhooks_to(&fake, &c);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let submit = |base: String, user: String, key: String, i: usize| {
+        let http = http.clone();
+        async move {
+            let body = json!({"config": sample_config(), "queue": "h100", "run_id": format!("run-{i}"), "user": user});
+            let r = http
+                .post(format!("{base}/v1/submissions"))
+                .header("Idempotency-Key", key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    // The heavy user sends 24 at once, spread over b and c: the quota (20 waiting or running)
+    // admits exactly 20.
+    let heavy_sent: Vec<_> = (0..24)
+        .map(|i| {
+            let base = if i % 2 == 0 { b.clone() } else { c.clone() };
+            tokio::spawn(submit(base, "heavy".into(), format!("heavy-{i}"), i))
+        })
+        .collect();
+    let mut heavy = Vec::new();
+    let mut refused = 0;
+    for h in heavy_sent {
+        match h.await.unwrap() {
+            (202, v) => heavy.push(v["id"].as_str().unwrap().to_string()),
+            (429, _) => refused += 1,
+            other => panic!("{other:?}: {}", r[0].log_text()),
+        }
+    }
+    assert_eq!(
+        (heavy.len(), refused),
+        (20, 4),
+        "the quota holds across replicas"
+    );
+    // One key sent to two replicas at once: one submission.
+    let (x, y) = tokio::join!(
+        submit(b.clone(), "light0".into(), "twice".into(), 100),
+        submit(c.clone(), "light0".into(), "twice".into(), 100)
+    );
+    assert_eq!(x.1["id"], y.1["id"], "{x:?} {y:?}");
+    let mut light = vec![x.1["id"].as_str().unwrap().to_string()];
+    for u in 0..5 {
+        for k in 0..2 {
+            if (u, k) == (0, 0) {
+                continue;
+            }
+            let base = if k == 0 { b.clone() } else { c.clone() };
+            let (status, v) = submit(
+                base,
+                format!("light{u}"),
+                format!("light-{u}-{k}"),
+                101 + u * 2 + k,
+            )
+            .await;
+            assert_eq!(status, 202, "{v}");
+            light.push(v["id"].as_str().unwrap().to_string());
+        }
+    }
+    // The last light submission is followed on replica b, by a long-poll and an event stream.
+    let followed = light.last().unwrap().clone();
+    let poll = {
+        let (http, b, id) = (http.clone(), b.clone(), followed.clone());
+        tokio::spawn(async move {
+            http.get(format!("{b}/v1/submissions/{id}?wait=60"))
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        })
+    };
+    let stream = tokio::spawn(events_until_end(http.clone(), b.clone(), followed.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The test plays the agents: each build runs as it is created, one at a time.
+    let total = heavy.len() + light.len();
+    for _ in 0..total {
+        let n = fake
+            .next_created(Duration::from_secs(30))
+            .await
+            .expect("every submission's build is created");
+        let run_id = fake.build(n).unwrap()["meta_data"]["run_id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        fake.start_build(n).await;
+        assert_eq!(
+            fake.finish_build(n, "passed", Some(result_for(&run_id)))
+                .await,
+            Some(200),
+            "replica c took the webhook"
+        );
+    }
+    let done = tokio::time::timeout(Duration::from_secs(30), poll)
+        .await
+        .expect("the long-poll on b ended")
+        .unwrap();
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["result"]["system"]["hostname"], "run-110");
+    let events = tokio::time::timeout(Duration::from_secs(30), stream)
+        .await
+        .expect("the event stream on b ended")
+        .unwrap();
+    assert!(events.contains("event: running\n"), "{events}");
+    assert!(events.contains("run-110"), "{events}");
+    // Start order, from the builds' numbers: every light user's before the heavy user's tenth.
+    let started: HashMap<String, u64> = builds_per_submission(&fake)
+        .into_iter()
+        .map(|(id, n)| (id, n[0]))
+        .collect();
+    assert_eq!(started.len(), total, "one build each");
+    let mut heavy_starts: Vec<u64> = heavy.iter().map(|id| started[id]).collect();
+    heavy_starts.sort();
+    for id in &light {
+        assert!(
+            started[id] < heavy_starts[9],
+            "{id} started at build {} after the heavy user's tenth ({})",
+            started[id],
+            heavy_starts[9]
+        );
+    }
+    // Only the replica running the queue decided anything.
+    for svc in &r[1..] {
+        assert!(
+            !svc.log_text().contains("submission accepted"),
+            "{}",
+            svc.log_text()
+        );
+    }
+    assert!(r[0].log_text().contains("submission accepted"));
+}
+
+/// A PostgreSQL server of the test's own (`scripts/postgres.sh`), so it can be restarted
+/// without touching the server the other tests share; stopped when dropped.
+struct PrivatePostgres {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+const POSTGRES_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/postgres.sh");
+
+impl PrivatePostgres {
+    fn start() -> PrivatePostgres {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(POSTGRES_SH)
+            .arg("start")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let url = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        PrivatePostgres { dir, url }
+    }
+
+    fn restart(&self) {
+        let out = std::process::Command::new(POSTGRES_SH)
+            .arg("restart")
+            .arg(self.dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(POSTGRES_SH)
+            .arg("stop")
+            .arg(self.dir.path())
+            .output();
+    }
+}
+
+/// `n` clients of users `user0`..`user5`, the i-th starting after `i * every_ms` at replica
+/// `i % 3` and moving on to the next replica whenever one does not answer (refused, cut, a
+/// 503, a timeout): each submits with its own key and long-polls to the end. Each gives back
+/// its run id, submission id and final JSON.
+fn clients_over_replicas(
+    http: &reqwest::Client,
+    bases: &[String],
+    callback: &str,
+    n: usize,
+    every_ms: u64,
+) -> Vec<tokio::task::JoinHandle<(String, String, Value)>> {
+    (0..n)
+        .map(|i| {
+            let (http, bases, cb) = (http.clone(), bases.to_vec(), callback.to_string());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i as u64 * every_ms)).await;
+                let mut at = i % bases.len();
+                let run_id = format!("run-{i}");
+                let body = json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb, "user": format!("user{}", i % 6)});
+                let id = loop {
+                    match http
+                        .post(format!("{}/v1/submissions", bases[at]))
+                        .header("Idempotency-Key", format!("key-{i}"))
+                        .json(&body)
+                        .send()
+                        .await
+                    {
+                        Ok(r) if r.status() == 202 || r.status() == 200 => {
+                            let v: Value = r.json().await.unwrap();
+                            break v["id"].as_str().unwrap().to_string();
+                        }
+                        Ok(r) => assert_eq!(r.status(), 503, "{:?}", r.text().await),
+                        Err(_) => {}
+                    }
+                    at = (at + 1) % bases.len();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                let done = loop {
+                    if let Ok(r) = http
+                        .get(format!("{}/v1/submissions/{id}?wait=2", bases[at]))
+                        .send()
+                        .await
+                    {
+                        if r.status() == 200 {
+                            if let Ok(v) = r.json::<Value>().await {
+                                let ended = matches!(
+                                    v["state"].as_str(),
+                                    Some("succeeded" | "failed" | "canceled" | "timed_out")
+                                );
+                                if ended {
+                                    break v;
+                                }
+                                continue;
+                            }
+                        }
+                    }
+                    at = (at + 1) % bases.len();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                (run_id, id, done)
+            })
+        })
+        .collect()
+}
+
+/// The index of the replica whose current process runs the queue, waiting for one (10 s at
+/// most: the issue's bound on a take-over); and how long that took.
+async fn queue_runner(r: &[ServiceProcess], skip: Option<usize>) -> (usize, Duration) {
+    let t = Instant::now();
+    loop {
+        if let Some(i) =
+            (0..r.len()).find(|&i| Some(i) != skip && r[i].running() && runs_queue(&r[i]))
+        {
+            return (i, t.elapsed());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no replica took over within 10 s: {}",
+            r.iter()
+                .map(ServiceProcess::log_text)
+                .collect::<Vec<_>>()
+                .join("\n----\n")
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Issue 38's multi-replica suite: three replicas on one PostgreSQL, 300 submissions from six
+/// users spread over them, while the replica running the queue is killed (SIGKILL), the one
+/// that took over is frozen (SIGSTOP) for 20 s, and PostgreSQL itself is restarted; every
+/// replica that ends is started again, as a supervisor would. Every submission ends once with
+/// its own result and one build, every callback arrives, and the frozen replica, let go on,
+/// stops itself without acting on the lock it lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hundred_submissions_over_three_replicas_survive_a_kill_a_freeze_and_a_database_restart(
+) {
+    const N: usize = 300;
+    if kernelkite_testkit::postgres::url().is_none() {
+        return;
+    }
+    let pg = PrivatePostgres::start();
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let receiver = CallbackReceiver::start().await;
+    let mut r: Vec<ServiceProcess> = ["a", "b", "c"]
+        .iter()
+        .map(|n| {
+            replica(
+                &fake,
+                data.path(),
+                &logs.path().join(format!("{n}.log")),
+                &pg.url,
+                &schema,
+            )
+        })
+        .collect();
+    r[0].start().await.unwrap();
+    until_runs_queue(&r[0], Duration::from_secs(20)).await;
+    for svc in &mut r[1..] {
+        svc.start().await.unwrap();
+    }
+    let bases: Vec<String> = r.iter().map(|s| s.base.clone()).collect();
+    let lb = kernelkite_testkit::balancer::Balancer::start(&bases).await;
+    webhooks_to(&fake, &lb.base);
+    let agents = spawn_agents_for(fake.clone(), 38, 100..600);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let clients = clients_over_replicas(&http, &bases, &receiver.url(), N, 40);
+
+    // The replica running the queue is killed, and started again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    r[0].kill9().await;
+    let (second, after_kill) = queue_runner(&r, Some(0)).await;
+    r[0].start().await.unwrap();
+    // The one that took over freezes for 20 s: another takes over meanwhile.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    r[second].signal(libc::SIGSTOP);
+    let (third, after_freeze) = queue_runner(&r, Some(second)).await;
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(after_freeze)).await;
+    r[second].signal(libc::SIGCONT);
+    let code = r[second].exited(Duration::from_secs(10)).await;
+    assert_eq!(code, Some(75), "{}", r[second].log_text());
+    r[second].start().await.unwrap();
+    // PostgreSQL restarts: the replica running the queue loses its lock and ends; one takes
+    // over once the server is back.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    pg.restart();
+    let code = r[third].exited(Duration::from_secs(10)).await;
+    assert_eq!(code, Some(75), "{}", r[third].log_text());
+    r[third].start().await.unwrap();
+    let (_, after_restart) = queue_runner(&r, None).await;
+    println!(
+        "took over {after_kill:?} after a kill -9, {after_freeze:?} after a SIGSTOP, {after_restart:?} after PostgreSQL came back"
+    );
+
+    let ids = every_one_succeeded(clients, N).await;
+    one_build_each(&fake, ids.keys());
+    let all_called = receiver
+        .wait_for(Duration::from_secs(60), |d| {
+            let seen: std::collections::HashSet<_> =
+                d.iter().filter_map(|x| x.idempotency_key.clone()).collect();
+            ids.keys().all(|id| seen.contains(id))
+        })
+        .await;
+    assert!(all_called, "some callbacks never arrived");
+    agents.abort();
 }

@@ -488,7 +488,10 @@ async fn postgres_one_service_per_schema_and_nothing_outside_it() {
     .fetch_one(&mut c)
     .await
     .unwrap();
-    assert_eq!(recorded, 2, "nothing more was applied");
+    assert_eq!(
+        recorded, 3,
+        "this release's two and the later one's: nothing more was applied"
+    );
 }
 
 /// A store whose lock's session is ended under it (the server restarted it, an operator
@@ -717,4 +720,87 @@ async fn end_lock_session(s: &PgSettings) -> Vec<bool> {
     .fetch_all(&mut c)
     .await
     .unwrap()
+}
+
+/// What replicas share (`KERNELKITE_REPLICA`): a request relayed by one replica is claimed by
+/// the lock's holder only once, its answer taken once; a request nobody claimed can be taken
+/// back, a claimed one cannot; one whose claimant's session ended is seen as orphaned (its
+/// receiver answers 503 at once); every committed change of a submission is announced on the
+/// schema's channel, and a listener hears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_relayed_requests_are_claimed_once_answered_once_and_orphaned_with_their_claimant()
+{
+    use kernelkite_service::store::replicas::{Answer, Heard, RelayState, Relayed, Replica};
+    let Some(Backend::Postgres(s)) = Backend::postgres() else {
+        return;
+    };
+    let (holder, _) = Postgres::open(&s, None).unwrap();
+    let replica = Replica::connect(&s).unwrap();
+    let mut heard = replica.hear(vec![replica.channels().changed.clone()]);
+    assert_eq!(heard.recv().await, Some(Heard::Listening));
+    let request = |body: &str| Relayed {
+        method: "POST".into(),
+        uri: "/v1/submissions".into(),
+        headers: vec![("idempotency-key".into(), "k".into())],
+        peer: "127.0.0.1:1".into(),
+        body: body.as_bytes().to_vec(),
+    };
+    replica.relay(1, &request("one")).await.unwrap();
+    replica.relay(2, &request("two")).await.unwrap();
+    assert_eq!(replica.relay_state(1).await.unwrap(), RelayState::Waiting);
+    assert!(
+        replica.withdraw(2).await.unwrap(),
+        "nobody took it: taken back"
+    );
+    assert_eq!(replica.relay_state(2).await.unwrap(), RelayState::Gone);
+    let claimed = holder.claim_relayed(10).await.unwrap();
+    assert_eq!(claimed, vec![(1, request("one"))]);
+    assert!(
+        holder.claim_relayed(10).await.unwrap().is_empty(),
+        "claimed once"
+    );
+    assert!(
+        !replica.withdraw(1).await.unwrap(),
+        "a claimed request stays"
+    );
+    assert_eq!(
+        replica.relay_state(1).await.unwrap(),
+        RelayState::Claimed { orphaned: false }
+    );
+    let answer = Answer {
+        status: 202,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: b"{}".to_vec(),
+    };
+    replica.answer(1, holder.holder(), &answer).await.unwrap();
+    assert_eq!(replica.take_answer(1).await.unwrap(), Some(answer));
+    assert_eq!(replica.take_answer(1).await.unwrap(), None, "taken once");
+
+    // A change of a submission is announced.
+    let n = new_sub(None);
+    created(&holder, &n).await;
+    let said = tokio::time::timeout(std::time::Duration::from_secs(5), heard.recv())
+        .await
+        .expect("the change is announced");
+    assert_eq!(
+        said,
+        Some(Heard::Said {
+            channel: replica.channels().changed.clone(),
+            payload: n.sub.id.clone()
+        })
+    );
+    assert_eq!(replica.load(&n.sub.id).await.unwrap().unwrap().id, n.sub.id);
+
+    // The claimant's lock session ends with a request of it unanswered.
+    replica.relay(3, &request("three")).await.unwrap();
+    assert_eq!(holder.claim_relayed(10).await.unwrap().len(), 1);
+    drop(holder);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while replica.relay_state(3).await.unwrap() != (RelayState::Claimed { orphaned: true }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never seen as orphaned"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

@@ -21,6 +21,8 @@ pub struct Limits {
 /// The service binary, restartable on one port and one data dir.
 pub struct ServiceProcess {
     exe: PathBuf,
+    /// Its command line.
+    args: Vec<String>,
     env: Vec<(String, String)>,
     /// `http://127.0.0.1:<port>`.
     pub base: String,
@@ -82,6 +84,7 @@ impl ServiceProcess {
         .collect();
         ServiceProcess {
             exe: PathBuf::from(exe),
+            args: Vec::new(),
             env,
             base,
             log,
@@ -96,6 +99,11 @@ impl ServiceProcess {
         self.env.retain(|(k, _)| k != "KERNELKITE_DATA_DIR");
         self.set_env("DATABASE_URL", url);
         self.set_env("KERNELKITE_DATABASE_SCHEMA", schema);
+    }
+
+    /// The command line of the next start (none: `kernelkite-service` alone, which serves).
+    pub fn set_args(&mut self, args: &[&str]) {
+        self.args = args.iter().map(|a| a.to_string()).collect();
     }
 
     /// Sets (or replaces) an environment variable of the next start.
@@ -120,7 +128,8 @@ impl ServiceProcess {
             .open(&self.log)
             .map_err(|e| e.to_string())?;
         let mut cmd = tokio::process::Command::new(&self.exe);
-        cmd.env_clear()
+        cmd.args(&self.args)
+            .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(std::process::Stdio::null())
             .stderr(log)
@@ -223,7 +232,8 @@ impl ServiceProcess {
             Err(e) => return (None, e.to_string()),
         };
         let mut cmd = tokio::process::Command::new(&self.exe);
-        cmd.env_clear()
+        cmd.args(&self.args)
+            .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(std::process::Stdio::null())
             .stderr(log)

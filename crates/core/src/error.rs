@@ -97,6 +97,10 @@ pub enum Unavailable {
         #[source]
         source: BoxError,
     },
+    /// A replica could not get the request answered by the replica that runs the queue
+    /// (`KERNELKITE_REPLICA`); the message says what happened and that a retry is safe.
+    #[error("{0}")]
+    Relay(&'static str),
     /// Every connection is busy (KERNELKITE_MAX_CONNECTIONS).
     #[error(
         "every connection is busy; retry in a moment (the bound is KERNELKITE_MAX_CONNECTIONS)"

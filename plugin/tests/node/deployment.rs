@@ -382,12 +382,12 @@ fn the_compose_file_keeps_the_data_dir_on_a_volume_and_reads_service_env() {
     assert_eq!(agent["env_file"], "pipeline-agent.env");
 }
 
-/// The fail-over deployment: two standby replicas on PostgreSQL (no disk), each what the
-/// service reads, behind haproxy checking `/readyz` on each (the routing the replica test,
-/// `a_standby_replica_takes_over_from_one_killed_one_stopped_and_one_frozen`, plays); and the Procfile's
-/// one web process.
+/// The fail-over deployment: two replicas on PostgreSQL (no disk), each what the service
+/// reads, behind haproxy spreading requests over those whose `/readyz` answers (the shipped
+/// file runs under the real haproxy in `the_shipped_haproxy_config_spreads_over_replicas_through_a_kill_and_a_freeze`); and the
+/// Procfile's web process, a replica, so a platform may run several.
 #[test]
-fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() {
+fn the_ha_compose_file_runs_replicas_behind_a_health_checked_balancer() {
     let c = yaml("deployment/service/compose.ha.yaml");
     let known = service_variables();
     let haproxy = read("deployment/service/haproxy.cfg");
@@ -398,7 +398,7 @@ fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() 
     );
     for name in ["replica-a", "replica-b"] {
         let r = &c["services"][name];
-        assert_eq!(r["environment"]["KERNELKITE_STANDBY"], "true", "{name}");
+        assert_eq!(r["environment"]["KERNELKITE_REPLICA"], "true", "{name}");
         for k in r["environment"].as_object().unwrap().keys() {
             assert!(
                 known.contains(k),
@@ -425,9 +425,9 @@ fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() 
         assert_eq!(r["env_file"], "service.env");
         assert!(r.get("volumes").is_none(), "{name} keeps nothing on disk");
         assert_eq!(r["depends_on"]["postgres"]["condition"], "service_healthy");
-        assert_eq!(
-            r["healthcheck"]["disable"], true,
-            "{name}: a standby serves no /healthz, and is not sick for it"
+        assert!(
+            r.get("healthcheck").is_none(),
+            "{name}: a replica serves /healthz from its start; the image's check holds"
         );
         let port = r["environment"]["KERNELKITE_LISTEN"]
             .as_str()
@@ -454,10 +454,16 @@ fn the_ha_compose_file_runs_standby_replicas_behind_a_health_checked_balancer() 
     let procfile = read("deployment/service/Procfile");
     let web: Vec<&str> = procfile.lines().filter(|l| l.starts_with("web:")).collect();
     assert_eq!(web.len(), 1, "one web process: {procfile}");
-    assert!(web[0].contains("kernelkite-service serve --listen \"0.0.0.0:${PORT}\""));
+    assert!(web[0].contains("kernelkite-service serve --replica --listen \"0.0.0.0:${PORT}\""));
+    for flag in ["--listen", "--replica"] {
+        assert!(
+            read("service/README.md").contains(&format!("| `{flag}` |")),
+            "{flag} is the service's flag"
+        );
+    }
     assert!(
-        read("service/README.md").contains("| `--listen` |"),
-        "--listen is the service's flag"
+        haproxy.contains("balance roundrobin"),
+        "every replica takes requests"
     );
 }
 

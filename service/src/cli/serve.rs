@@ -55,12 +55,41 @@ pub fn start(cfg: &crate::Config, executor: Arc<dyn Executor>) -> Result<Arc<App
     assemble(cfg, executor, Arc::new(Metrics::new()))
 }
 
+/// One of several replicas (`KERNELKITE_REPLICA`) once it holds the schema's lock: the
+/// service with Buildkite as the executor, counting into the replica's `metrics`, with its
+/// store (whose lock session claims what the other replicas relay). Blocks until the lock is
+/// taken.
+pub fn start_replica(
+    cfg: &crate::Config,
+    metrics: Arc<Metrics>,
+) -> Result<(Arc<App>, Postgres), StartError> {
+    cfg.check()?;
+    let Backend::Postgres(url) = cfg.store.backend() else {
+        return Err(ConfigError::ReplicaWithoutDatabase.into());
+    };
+    let executor = Arc::new(BuildkiteExecutor::new(cfg)?.with_metrics(metrics.clone()));
+    let (db, reopened) = Postgres::open(&cfg.store.postgres(url), Some(metrics.clone()))?;
+    let app = wire(cfg, executor, Arc::new(db.clone()), reopened, metrics)?;
+    Ok((app, db))
+}
+
 fn assemble(
     cfg: &crate::Config,
     executor: Arc<dyn Executor>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<App>, StartError> {
     let (db, reopened) = open_store(cfg, &metrics)?;
+    wire(cfg, executor, db, reopened, metrics)
+}
+
+/// The core around its store, and the loops beside it, started.
+fn wire(
+    cfg: &crate::Config,
+    executor: Arc<dyn Executor>,
+    db: Arc<dyn Durable>,
+    reopened: Reopened,
+    metrics: Arc<Metrics>,
+) -> Result<Arc<App>, StartError> {
     let app = App::new(cfg.core(), executor, db, metrics).map_err(ConfigError::from)?;
     let outbox = Outbox::new(&app, &cfg.callbacks)?;
     app.spawn_housekeeping();
@@ -136,6 +165,13 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
         }
     }
     let listen = cfg.edge.listen;
+    if cfg.store.replica {
+        if cfg.executor == ExecutorKind::Local {
+            anyhow::bail!("KERNELKITE_REPLICA runs with the Buildkite executor only: the local executor runs builds on this machine, one service at a time; unset KERNELKITE_REPLICA");
+        }
+        let listener = bind(listen).await?;
+        return crate::replica::run(&cfg, listener, shutdown_signal()).await;
+    }
     let app = match cfg.executor {
         ExecutorKind::Buildkite => {
             if cfg.buildkite.buildkite_webhook_token.is_none() {
@@ -160,19 +196,24 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             app
         }
     };
+    let listener = bind(listen).await?;
+    serve(app, &cfg, listener, shutdown_signal())
+        .await
+        .context("server failed")?;
+    Ok(())
+}
+
+/// The listening socket, its bound address logged: with port 0 this is how a caller (a
+/// test, a supervisor) learns which port the kernel picked.
+async fn bind(listen: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| {
             format!("cannot listen on {listen}; set KERNELKITE_LISTEN to a free address")
         })?;
-    // The bound address, not the configured one: with port 0 this is how a caller (a test, a
-    // supervisor) learns which port the kernel picked.
     let addr = listener.local_addr().unwrap_or(listen);
-    tracing::info!(%addr, executor = app.executor().name(), "kernelkite-service listening");
-    serve(app, &cfg, listener, shutdown_signal())
-        .await
-        .context("server failed")?;
-    Ok(())
+    tracing::info!(%addr, "kernelkite-service listening");
+    Ok(listener)
 }
 
 async fn shutdown_signal() {

@@ -18,10 +18,19 @@ pub(super) async fn require_client(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
+    allowed(&edge, req.headers(), req.extensions())?;
+    Ok(next.run(req).await)
+}
+
+/// Whether a request with `headers` from the peer in `extensions` may use `/v1`.
+pub(super) fn allowed(
+    edge: &Edge,
+    headers: &axum::http::HeaderMap,
+    extensions: &axum::http::Extensions,
+) -> Result<(), ApiError> {
     match &edge.cfg.edge.api_token {
         Some(token) => {
-            let given = req
-                .headers()
+            let given = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(bearer_token);
@@ -30,8 +39,7 @@ pub(super) async fn require_client(
             }
         }
         None => {
-            let loopback = req
-                .extensions()
+            let loopback = extensions
                 .get::<ConnectInfo<SocketAddr>>()
                 .is_some_and(|c| is_loopback(c.0.ip()));
             if !loopback {
@@ -39,7 +47,7 @@ pub(super) async fn require_client(
             }
         }
     }
-    Ok(next.run(req).await)
+    Ok(())
 }
 
 /// The token of an `Authorization: Bearer <token>` value. The scheme's name is

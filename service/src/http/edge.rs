@@ -11,9 +11,9 @@ use axum::body::{Body, Bytes, HttpBody as _};
 use futures_util::StreamExt as _;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::app::App;
 use crate::config::Config;
 use crate::error::{BadRequest, Error, Unavailable};
+use crate::metrics::Metrics;
 use crate::metrics::{Refusal, RefusalLabel};
 
 /// Where the server is in its life.
@@ -78,7 +78,8 @@ impl RateLimitedLog {
 
 /// The state the edge shares: one per served router.
 pub struct Edge {
-    pub(crate) app: Arc<App>,
+    /// Where refusals are counted.
+    pub(crate) metrics: Arc<Metrics>,
     /// The service's settings (the edge's own: limits, timeouts, the client token).
     pub(crate) cfg: Arc<Config>,
     phase: watch::Sender<Phase>,
@@ -89,11 +90,11 @@ pub struct Edge {
 }
 
 impl Edge {
-    /// The edge of `app` under the service's settings `cfg`, serving.
-    pub fn new(app: Arc<App>, cfg: Arc<Config>) -> Edge {
+    /// An edge counting into `metrics` under the service's settings `cfg`, serving.
+    pub fn new(metrics: Arc<Metrics>, cfg: Arc<Config>) -> Edge {
         let budget = cfg.edge.unauthenticated_body_budget_bytes;
         Edge {
-            app,
+            metrics,
             cfg,
             phase: watch::channel(Phase::Serving).0,
             budget: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
@@ -139,8 +140,7 @@ impl Edge {
     /// Counts a refusal and logs it, rate-limited, with the peer (`None` inside a request,
     /// whose span already names it).
     pub fn refused(&self, why: Refusal, peer: Option<SocketAddr>, what: &'static str) {
-        self.app
-            .metrics()
+        self.metrics
             .http_refusals
             .get_or_create(&RefusalLabel {
                 reason: why.clone(),

@@ -22,7 +22,7 @@ use axum::response::{IntoResponse as _, Response};
 use bytes::Bytes;
 
 use super::edge::Edge;
-use crate::app::{App, Watch};
+use crate::app::Watch;
 use crate::submission::{Place, State, Submission};
 
 /// How soon a client should reconnect after the service ended its stream to shut down.
@@ -111,7 +111,7 @@ enum Step {
 /// `retry:` hint, so the client reconnects (elsewhere, or after the restart) with
 /// `Last-Event-ID` and misses nothing.
 pub(super) async fn stream(
-    AxState(app): AxState<Arc<App>>,
+    AxState(app): AxState<Arc<dyn super::Reader>>,
     AxState(edge): AxState<Arc<Edge>>,
     AxState(finished): AxState<Arc<Finished>>,
     Path(id): Path<String>,

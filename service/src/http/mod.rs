@@ -9,6 +9,7 @@ mod auth;
 mod edge;
 mod error;
 mod events;
+mod follower;
 pub mod openapi;
 mod queues;
 pub mod server;
@@ -16,6 +17,7 @@ mod submissions;
 mod webhooks;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{FromRef, State};
 use axum::http::{header, StatusCode};
@@ -24,18 +26,44 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
-use crate::app::App;
+use crate::app::{App, Watch};
 use crate::buildkite::webhook::WebhookReceiver;
 use crate::config::Config;
+use crate::error::Error;
 use crate::executor::Events;
+use crate::submission::Submission;
 pub use edge::{Edge, Phase};
+pub use error::ApiError;
+pub use follower::follower_router;
+use futures_util::future::BoxFuture;
 pub use server::RequestId;
+
+/// Where the read routes (`GET /v1/submissions/{id}[?wait=]` and its events) read a
+/// submission: the core ([`App`]) where the process runs the queue, a replica's mirror of the
+/// database ([`crate::replica`]) where another does.
+pub trait Reader: Send + Sync + 'static {
+    /// The submission once it ended or `wait` passed; at once when `wait` is zero.
+    fn get<'a>(&'a self, id: &'a str, wait: Duration) -> BoxFuture<'a, Result<Submission, Error>>;
+    /// The submission to follow, change by change.
+    fn watch<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Watch, Error>>;
+}
+
+impl Reader for App {
+    fn get<'a>(&'a self, id: &'a str, wait: Duration) -> BoxFuture<'a, Result<Submission, Error>> {
+        Box::pin(App::get(self, id, wait))
+    }
+    fn watch<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Watch, Error>> {
+        Box::pin(App::watch(self, id))
+    }
+}
 
 /// What the handlers are given: the core, the edge's shared state, and the receiving end of
 /// Buildkite's webhook (the edge's, not the core's: the core hears only executor events).
 #[derive(Clone)]
 pub(crate) struct Http {
     app: Arc<App>,
+    /// The same core, as the read routes see it.
+    reader: Arc<dyn Reader>,
     edge: Arc<Edge>,
     webhooks: Arc<WebhookReceiver>,
     /// The core's one way in for build events (`kernelkite_core::events`), which Buildkite's
@@ -63,6 +91,12 @@ impl FromRef<Http> for Arc<dyn Events> {
     }
 }
 
+impl FromRef<Http> for Arc<dyn Reader> {
+    fn from_ref(h: &Http) -> Arc<dyn Reader> {
+        h.reader.clone()
+    }
+}
+
 impl FromRef<Http> for Arc<App> {
     fn from_ref(h: &Http) -> Arc<App> {
         h.app.clone()
@@ -79,7 +113,7 @@ impl FromRef<Http> for Arc<Edge> {
 /// handlers themselves (authentication first, then a bounded, timed read), so no body-limit
 /// layer is needed.
 pub fn router(app: Arc<App>, cfg: &Config) -> Router {
-    let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg.clone())));
+    let edge = Arc::new(Edge::new(app.metrics().clone(), Arc::new(cfg.clone())));
     router_with(app, edge)
 }
 
@@ -111,6 +145,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
             webhooks: Arc::new(WebhookReceiver::from_config(&edge.cfg)),
             events: crate::events::for_executor(&app),
             finished: Arc::new(events::Finished::default()),
+            reader: app.clone(),
             app,
             edge,
         })
@@ -125,9 +160,9 @@ pub fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
-    let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg.clone())));
+    let edge = Arc::new(Edge::new(app.metrics().clone(), Arc::new(cfg.clone())));
     let router = router_with(app.clone(), edge.clone());
-    server::run(app, edge, router, listener, shutdown)
+    server::run(server::Served::by(app), edge, router, listener, shutdown)
 }
 
 /// `GET /healthz`: `200 {"status":"ok"}` while the store answers; `503` with the reason.
@@ -204,7 +239,7 @@ mod tests {
     async fn draining_is_healthy_but_not_ready_and_takes_no_submissions() {
         let cfg = crate::Config::new("http://127.0.0.1:9/v2", "org", "pipe", "t");
         let app = crate::cli::serve::start_buildkite(&cfg).unwrap();
-        let edge = Arc::new(Edge::new(app.clone(), Arc::new(cfg)));
+        let edge = Arc::new(Edge::new(app.metrics().clone(), Arc::new(cfg)));
         let router = router_with(app, edge.clone());
         assert_eq!(
             call(&router, "GET", "/readyz").await,

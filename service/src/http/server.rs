@@ -46,6 +46,7 @@ use tracing::Instrument as _;
 
 use super::edge::{Edge, Phase};
 use crate::app::App;
+use crate::metrics::Metrics;
 use crate::metrics::Refusal;
 
 /// Connections over the cap that are still served, for the operational routes only.
@@ -601,18 +602,40 @@ struct Limits {
     stall: Duration,
 }
 
+/// What a server counts into, and the core whose result fetches its drain waits for: set
+/// once the process serves one (a replica's is set when it takes the schema's lock, see
+/// [`crate::replica`]).
+#[derive(Clone)]
+pub(crate) struct Served {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) app: Arc<std::sync::OnceLock<Arc<App>>>,
+}
+
+impl Served {
+    /// A server of `app`.
+    pub(crate) fn by(app: Arc<App>) -> Served {
+        let metrics = app.metrics().clone();
+        let cell = std::sync::OnceLock::new();
+        let _ = cell.set(app);
+        Served {
+            metrics,
+            app: Arc::new(cell),
+        }
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown` resolves, then drains: stops listening,
 /// answers long-polls and ends event streams (both resumable), lets requests in flight finish
 /// for up to KERNELKITE_SHUTDOWN_GRACE_S, and returns. Dropping the future stops every
 /// connection at once.
 pub(crate) async fn run(
-    app: Arc<App>,
+    app: Served,
     edge: Arc<Edge>,
     router: Router,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let limits = limits(&app, &edge);
+    let limits = limits(&app.metrics, &edge);
     let conns = Arc::new(Conns {
         slots: Mutex::new(std::collections::HashMap::new()),
         next: AtomicU64::new(1),
@@ -678,7 +701,7 @@ pub(crate) async fn run(
 /// Draining: no new connections (the listening socket is closed, so clients are refused and
 /// go elsewhere), long-polls and streams answer, idle connections close; then what is left of
 /// the grace period for connections and result fetches to finish.
-async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
+async fn drain(app: &Served, edge: &Edge, conns: &Conns, limits: Limits) {
     let open = conns.open();
     tracing::info!(
         open_connections = open,
@@ -702,6 +725,9 @@ async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
     }
     // In-flight result fetches write what clients will read: give them what is left of the
     // grace period too.
+    let Some(app) = app.app.get() else {
+        return;
+    };
     let slots = app.cfg().fetch_concurrency.min(u32::MAX as usize) as u32;
     if tokio::time::timeout_at(deadline, app.fetch_slots().acquire_many(slots))
         .await
@@ -713,7 +739,7 @@ async fn drain(app: &App, edge: &Edge, conns: &Conns, limits: Limits) {
 
 /// The connection layer's settings, from the edge's configuration and the open-files limit
 /// (which may lower the connection cap); logged, and the cap exported.
-fn limits(app: &App, edge: &Edge) -> Limits {
+fn limits(metrics: &Metrics, edge: &Edge) -> Limits {
     let cfg = &edge.cfg.edge;
     let nofile = open_files_limit();
     let (cap, lowered) = connection_cap(cfg.max_connections, nofile);
@@ -725,7 +751,7 @@ fn limits(app: &App, edge: &Edge) -> Limits {
             "KERNELKITE_MAX_CONNECTIONS is above what the open-files limit leaves room for; using the lower cap (raise LimitNOFILE= or `ulimit -n`)"
         );
     }
-    app.metrics().connection_cap.set(cap as i64);
+    metrics.connection_cap.set(cap as i64);
     let limits = Limits {
         header: cfg.header_read_timeout(),
         idle: cfg.idle_timeout(),
@@ -754,7 +780,7 @@ struct Accepted {
 
 /// Registers an accepted connection and serves it in a task of its own.
 fn spawn_connection(
-    app: &Arc<App>,
+    app: &Served,
     edge: &Arc<Edge>,
     router: &Router,
     conns: &Arc<Conns>,
@@ -774,7 +800,7 @@ fn spawn_connection(
     } else {
         conns.lock().insert(id, slot.clone());
     }
-    app.metrics().connections.inc();
+    app.metrics.connections.inc();
     let service = ConnService {
         router: router.clone(),
         peer,
@@ -791,7 +817,7 @@ fn spawn_connection(
     );
     let ended = Ended {
         conns: conns.clone(),
-        app: app.clone(),
+        metrics: app.metrics.clone(),
         slot,
         id,
         ops_only,
@@ -890,7 +916,7 @@ async fn drive<S>(
 /// handler included): a slot left behind would count against the cap for good.
 struct Ended {
     conns: Arc<Conns>,
-    app: Arc<App>,
+    metrics: Arc<Metrics>,
     slot: Arc<Slot>,
     id: u64,
     ops_only: bool,
@@ -907,7 +933,7 @@ impl Drop for Ended {
         if self.slot.evicted.load(Ordering::Relaxed) {
             c.evicting.fetch_sub(1, Ordering::Relaxed);
         }
-        self.app.metrics().connections.dec();
+        self.metrics.connections.dec();
         c.ended.notify_waiters();
     }
 }

@@ -108,7 +108,7 @@ pub(super) struct WaitQuery {
 /// waiting request is answered at once with the submission as it is, as if its wait had run
 /// out: the client polls again (elsewhere, or after the restart).
 pub(super) async fn get(
-    State(app): State<Arc<App>>,
+    State(app): State<Arc<dyn super::Reader>>,
     State(edge): State<Arc<Edge>>,
     Path(id): Path<String>,
     query: Result<Query<WaitQuery>, QueryRejection>,

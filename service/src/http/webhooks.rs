@@ -19,7 +19,6 @@ use serde_json::{json, Value};
 
 use super::edge::Edge;
 use super::server::{unauthenticated, ConnSlot};
-use crate::app::App;
 use crate::buildkite::webhook::{WebhookError, WebhookReceiver};
 use crate::error::{BadRequest, Error, Unauthorized, WebhookRefusal};
 use crate::executor::Events;
@@ -27,7 +26,6 @@ use crate::metrics::ReasonLabel;
 
 /// `POST /webhooks/buildkite` → `200 {"ok": true}` once the delivery is verified and read.
 pub(super) async fn buildkite(
-    State(app): State<Arc<App>>,
     State(edge): State<Arc<Edge>>,
     State(webhooks): State<Arc<WebhookReceiver>>,
     State(events): State<Arc<dyn Events>>,
@@ -38,7 +36,6 @@ pub(super) async fn buildkite(
     const SETTING: &str = "KERNELKITE_WEBHOOK_MAX_BYTES";
     if body.size_hint().lower() > limit as u64 {
         refused(
-            &app,
             &edge,
             "too_large",
             &"body over KERNELKITE_WEBHOOK_MAX_BYTES",
@@ -51,7 +48,7 @@ pub(super) async fn buildkite(
     }
     let now = chrono::Utc::now().timestamp();
     if let Err(e) = webhooks.auth.precheck(&parts.headers, now) {
-        refused(&app, &edge, e.reason(), &e);
+        refused(&edge, e.reason(), &e);
         return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
     }
     let reading = unauthenticated(parts.extensions.get::<ConnSlot>());
@@ -60,7 +57,7 @@ pub(super) async fn buildkite(
         Err(e) => {
             // Budget and timeout refusals are counted by the reader.
             if matches!(e, Error::PayloadTooLarge { .. }) {
-                refused(&app, &edge, "too_large", &e);
+                refused(&edge, "too_large", &e);
             }
             return Err(e.into());
         }
@@ -72,7 +69,7 @@ pub(super) async fn buildkite(
         Ok(Some(event)) => events.deliver(event).await,
         Ok(None) => {}
         Err(WebhookError::Auth(e)) => {
-            refused(&app, &edge, e.reason(), &e);
+            refused(&edge, e.reason(), &e);
             return Err(Unauthorized::Webhook(WebhookRefusal::new(e)).into());
         }
         Err(WebhookError::Parse(e)) => {
@@ -84,8 +81,8 @@ pub(super) async fn buildkite(
 
 /// Counts a refused webhook by reason and logs it: at most one line per reason
 /// per [`super::edge::LOG_INTERVAL`], saying how many were left out.
-fn refused(app: &App, edge: &Edge, reason: &'static str, why: &dyn std::fmt::Display) {
-    app.metrics()
+pub(super) fn refused(edge: &Edge, reason: &'static str, why: &dyn std::fmt::Display) {
+    edge.metrics
         .webhook_rejections
         .get_or_create(&ReasonLabel {
             reason: reason.to_string(),

@@ -5,6 +5,7 @@
 
 pub mod backup;
 pub mod postgres;
+pub mod replicas;
 mod sql;
 pub mod sqlite;
 

@@ -179,7 +179,7 @@ pub fn writers_lock_id(schema: &str) -> (i64, i64) {
 }
 
 /// The second key of the schema's advisory lock: its name's FNV-1a hash.
-fn lock_key(schema: &str) -> i32 {
+pub(crate) fn lock_key(schema: &str) -> i32 {
     let mut h: u32 = 0x811c_9dc5;
     for b in schema.bytes() {
         h ^= u32::from(b);
@@ -192,6 +192,8 @@ fn lock_key(schema: &str) -> i32 {
 #[derive(Clone)]
 pub struct Postgres {
     pool: PgPool,
+    /// The same pool, as the replicas' side of the store sees it.
+    replica: super::replicas::Replica,
     keeper: Arc<Keeper>,
     /// The lock's keys and the backend pid of the session holding it: every write's fence.
     fence: (i64, i64, i32),
@@ -362,10 +364,12 @@ impl Postgres {
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections.max(1))
             .acquire_timeout(Duration::from_secs(10))
-            .connect_lazy_with(opts);
+            .connect_lazy_with(opts.clone());
         tracing::info!(store = %target, "the store is in PostgreSQL");
+        let replica = super::replicas::Replica::over(pool.clone(), &opts, &settings.schema);
         Ok((
             Postgres {
+                replica,
                 pool,
                 keeper: Arc::new(Keeper {
                     stop: Mutex::new(Some(stop)),
@@ -383,6 +387,31 @@ impl Postgres {
             },
             reopened,
         ))
+    }
+
+    /// The replicas' side of the store, on the same connections.
+    pub fn replica(&self) -> &super::replicas::Replica {
+        &self.replica
+    }
+
+    /// The backend pid of the session holding the schema's lock.
+    pub fn holder(&self) -> i32 {
+        self.fence.2
+    }
+
+    /// Takes up to `limit` requests other replicas relayed, for this store's lock session.
+    /// Not fenced in the database: a holder that lost the lock without knowing it yet would
+    /// answer what it claimed with a refusal (every write of the core is fenced), never with a
+    /// change; checked here as far as this process knows.
+    pub async fn claim_relayed(
+        &self,
+        limit: i64,
+    ) -> Result<Vec<(i64, super::replicas::Relayed)>, StoreError> {
+        self.held()?;
+        let mut c = self.conn().await?;
+        super::replicas::Replica::claim(&mut c, self.fence.2, limit)
+            .await
+            .map_err(|e| self.write_err(&e))
     }
 
     /// Where the store is: the URL without its password, and the schema.
@@ -547,18 +576,9 @@ impl Postgres {
 
     async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
         let mut c = self.conn().await?;
-        let doc: Option<String> = sqlx::query_scalar(sql::DOC)
-            .bind(id)
-            .fetch_optional(&mut *c)
+        load(&mut c, id)
             .await
-            .map_err(|e| StoreError::Read(report(&e)))?;
-        match doc {
-            Some(doc) => shown_doc(&mut c, &doc)
-                .await
-                .map(Some)
-                .map_err(|e| StoreError::Read(report(&e))),
-            None => Ok(None),
-        }
+            .map_err(|e| StoreError::Read(report(&e)))
     }
 
     async fn read<T>(
@@ -656,7 +676,7 @@ impl OpenError {
 
 /// The URL's options, with the schema as the search path and who this is as the
 /// application name (which a refused second service names).
-fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError> {
+pub(crate) fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError> {
     let malformed = |why: String| StoreError::Database {
         target: "KERNELKITE_DATABASE_URL".into(),
         cause: format!(
@@ -690,9 +710,12 @@ fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StoreError
     // defaults would keep them for two hours (a waiting service takes the lock over after
     // `TAKEOVER_AFTER` of silence anyway).
     let tls = ssl_mode(&settings.url, &opts);
+    let changed = super::replicas::channels(&settings.schema).changed;
     Ok(opts
         .options([
             ("search_path", settings.schema.as_str()),
+            // Where the submissions' trigger announces changes, for the replicas' waiters.
+            (super::replicas::CHANGED_SETTING, changed.as_str()),
             ("tcp_keepalives_idle", "10"),
             ("tcp_keepalives_interval", "5"),
             ("tcp_keepalives_count", "3"),
@@ -1175,6 +1198,21 @@ async fn finish(
 
 /// A stored `doc` as a reader sees it: an answer from the result cache gets the result of the
 /// run it names (kept once, there).
+/// The submission kept under `id`, as a client is shown it.
+pub(crate) async fn load(
+    c: &mut PgConnection,
+    id: &str,
+) -> Result<Option<Submission>, sqlx::Error> {
+    let doc: Option<String> = sqlx::query_scalar(sql::DOC)
+        .bind(id)
+        .fetch_optional(&mut *c)
+        .await?;
+    match doc {
+        Some(doc) => shown_doc(c, &doc).await.map(Some),
+        None => Ok(None),
+    }
+}
+
 async fn shown_doc(c: &mut PgConnection, doc: &str) -> Result<Submission, sqlx::Error> {
     let mut sub: Submission = decode(doc)?;
     let Some(from) = needs_result_of(&sub).map(str::to_string) else {

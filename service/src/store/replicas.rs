@@ -1,0 +1,413 @@
+//! What the replicas of one PostgreSQL schema share besides the submissions
+//! (`KERNELKITE_REPLICA`, [`crate::replica`]): the notification channels that announce a
+//! submission's changes and a relayed request's answer, and the table of requests a replica
+//! hands to the one that holds the schema's lock (and so runs the queue).
+//!
+//! A notification is a hint, never the only way to learn something: a receiver reads the row
+//! again, and re-reads what it waits for every [`RECHECK`] too, so a notification lost (a
+//! listener's connection cut, the server restarted) costs latency, never a result.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use sqlx::Row;
+
+use super::postgres::{connect_options, load, lock_key, shown, PgSettings};
+use super::{now_ms, StoreError};
+use crate::report::report;
+use crate::submission::Submission;
+
+/// How often what a replica waits for is read again whatever the notifications say.
+pub const RECHECK: Duration = Duration::from_secs(1);
+
+/// The setting (on every connection of the service) that names the channel the submissions
+/// table's trigger announces changes on (`migrations-postgres/0002_replicas.sql`).
+pub(crate) const CHANGED_SETTING: &str = "kernelkite.changed";
+
+/// The notification channels of one schema. Named from the schema's lock key: a channel's
+/// name is at most 63 bytes, and a schema's name may be that long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Channels {
+    /// A submission changed (payload: its id).
+    pub changed: String,
+    /// A request was relayed (payload: its id).
+    pub relayed: String,
+    /// A relayed request was answered (payload: its id).
+    pub answered: String,
+}
+
+/// The channels of `schema`.
+pub fn channels(schema: &str) -> Channels {
+    let key = lock_key(schema) as u32;
+    Channels {
+        changed: format!("kernelkite_{key:08x}_changed"),
+        relayed: format!("kernelkite_{key:08x}_relayed"),
+        answered: format!("kernelkite_{key:08x}_answered"),
+    }
+}
+
+/// A request as the replica that received it saw it, for the one that runs the queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Relayed {
+    /// The method.
+    pub method: String,
+    /// Path and query.
+    pub uri: String,
+    /// The headers whose values are text.
+    pub headers: Vec<(String, String)>,
+    /// The client's address, as the receiving replica saw it (which the loopback rule reads).
+    pub peer: String,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+/// What the replica running the queue answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The status.
+    pub status: u16,
+    /// The headers whose values are text.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+/// Where a relayed request stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RelayState {
+    /// No replica took it yet.
+    Waiting,
+    /// Taken by the replica holding the lock; `orphaned` once that replica's lock session has
+    /// ended (it died, or was taken over), so no answer will come.
+    Claimed {
+        /// The claimant's session is gone.
+        orphaned: bool,
+    },
+    /// Answered.
+    Answered(Answer),
+    /// Not there (deleted).
+    Gone,
+}
+
+/// What a listener heard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Heard {
+    /// Listening (again): what was said before was not heard.
+    Listening,
+    /// A notification.
+    Said {
+        /// Its channel.
+        channel: String,
+        /// Its payload.
+        payload: String,
+    },
+}
+
+async fn listen(pool: &PgPool, channels: &[String]) -> Result<PgListener, sqlx::Error> {
+    let mut l = PgListener::connect_with(pool).await?;
+    l.listen_all(channels.iter().map(String::as_str)).await?;
+    Ok(l)
+}
+
+/// A replica's connections to the schema, without its lock: reads submissions, relays
+/// requests, listens. Cloning is cheap.
+#[derive(Clone)]
+pub struct Replica {
+    pool: PgPool,
+    channels: Arc<Channels>,
+    target: Arc<str>,
+}
+
+impl Replica {
+    /// Connections to the schema `settings` name (opened when first used: a replica starts
+    /// while the database may still be down).
+    pub fn connect(settings: &PgSettings) -> Result<Replica, StoreError> {
+        let opts = connect_options(settings)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections.max(1))
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(opts.clone());
+        Ok(Replica::over(pool, &opts, &settings.schema))
+    }
+
+    /// Over an open pool.
+    pub(crate) fn over(pool: PgPool, opts: &PgConnectOptions, schema: &str) -> Replica {
+        Replica {
+            target: format!("{} (schema {schema})", shown(opts)).into(),
+            channels: Arc::new(channels(schema)),
+            pool,
+        }
+    }
+
+    /// The schema's channels.
+    pub fn channels(&self) -> &Channels {
+        &self.channels
+    }
+
+    /// Where: the URL without its password, and the schema.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    fn read_err(e: &sqlx::Error) -> StoreError {
+        StoreError::Read(report(e))
+    }
+
+    /// The submission kept under `id`.
+    pub async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
+        let mut c = self.pool.acquire().await.map_err(|e| Self::read_err(&e))?;
+        load(&mut c, id).await.map_err(|e| Self::read_err(&e))
+    }
+
+    /// Whether the database answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(|e| Self::read_err(&e))
+    }
+
+    /// What the database says on `channels`, heard on a connection of its own (made again
+    /// whenever it is lost) by a task that ends when the receiver is dropped.
+    /// [`Heard::Listening`] comes first and after every reconnection: whatever was said while
+    /// not listening was missed.
+    pub fn hear(&self, channels: Vec<String>) -> tokio::sync::mpsc::UnboundedReceiver<Heard> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let pool = self.pool.clone();
+        tokio::spawn(async move {
+            let mut warned = false;
+            while !tx.is_closed() {
+                let mut l = match listen(&pool, &channels).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        if !warned {
+                            tracing::warn!(error = %report(&e), "cannot listen to the database's notifications; trying again every second");
+                            warned = true;
+                        }
+                        tokio::time::sleep(RECHECK).await;
+                        continue;
+                    }
+                };
+                warned = false;
+                if tx.send(Heard::Listening).is_err() {
+                    return;
+                }
+                loop {
+                    let heard = tokio::select! {
+                        () = tx.closed() => return,
+                        n = l.try_recv() => n,
+                    };
+                    let sent = match heard {
+                        Ok(Some(n)) => tx.send(Heard::Said {
+                            channel: n.channel().to_string(),
+                            payload: n.payload().to_string(),
+                        }),
+                        // Lost and made again on the next call: some may have been missed.
+                        Ok(None) => tx.send(Heard::Listening),
+                        Err(e) => {
+                            tracing::debug!(error = %report(&e), "the database's notifications stopped; listening again");
+                            break;
+                        }
+                    };
+                    if sent.is_err() {
+                        return;
+                    }
+                }
+                tokio::time::sleep(RECHECK / 4).await;
+            }
+        });
+        rx
+    }
+
+    /// Hands `r` (under `id`, the caller's, so it can wait for the answer before asking) to
+    /// the replica that runs the queue, and tells it.
+    pub async fn relay(&self, id: i64, r: &Relayed) -> Result<(), StoreError> {
+        let headers = serde_json::to_string(&r.headers).unwrap_or_else(|_| "[]".into());
+        sqlx::query(
+            "WITH r AS (INSERT INTO relayed (id, created_at_ms, method, uri, headers, peer, body) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id) \
+             SELECT pg_notify($8, r.id::text) FROM r",
+        )
+        .bind(id)
+        .bind(now_ms())
+        .bind(&r.method)
+        .bind(&r.uri)
+        .bind(headers)
+        .bind(&r.peer)
+        .bind(&r.body)
+        .bind(&self.channels.relayed)
+        .execute(&self.pool)
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    }
+
+    /// Where relayed request `id` stands.
+    pub async fn relay_state(&self, id: i64) -> Result<RelayState, StoreError> {
+        let row = sqlx::query(
+            "SELECT claimed_by, status, answer_headers, answer_body, \
+             (claimed_by IS NOT NULL AND status IS NULL AND NOT EXISTS \
+              (SELECT 1 FROM pg_stat_activity WHERE pid = claimed_by)) AS orphaned \
+             FROM relayed WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| Self::read_err(&e))?;
+        let Some(row) = row else {
+            return Ok(RelayState::Gone);
+        };
+        let claimed: Option<i32> = row.try_get(0).map_err(|e| Self::read_err(&e))?;
+        let status: Option<i32> = row.try_get(1).map_err(|e| Self::read_err(&e))?;
+        Ok(match (claimed, status) {
+            (_, Some(status)) => {
+                let headers: Option<String> = row.try_get(2).map_err(|e| Self::read_err(&e))?;
+                let body: Option<Vec<u8>> = row.try_get(3).map_err(|e| Self::read_err(&e))?;
+                RelayState::Answered(Answer {
+                    status: u16::try_from(status).unwrap_or(500),
+                    headers: headers
+                        .and_then(|h| serde_json::from_str(&h).ok())
+                        .unwrap_or_default(),
+                    body: body.unwrap_or_default(),
+                })
+            }
+            (Some(_), None) => RelayState::Claimed {
+                orphaned: row.try_get(4).map_err(|e| Self::read_err(&e))?,
+            },
+            (None, None) => RelayState::Waiting,
+        })
+    }
+
+    /// The answer to relayed request `id`, taken (the row deleted) if it is there.
+    pub async fn take_answer(&self, id: i64) -> Result<Option<Answer>, StoreError> {
+        let row = sqlx::query(
+            "DELETE FROM relayed WHERE id = $1 AND status IS NOT NULL \
+             RETURNING status, answer_headers, answer_body",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| StoreError::DatabaseWrite(report(&e)))?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let status: i32 = row.try_get(0).map_err(|e| Self::read_err(&e))?;
+        let headers: Option<String> = row.try_get(1).map_err(|e| Self::read_err(&e))?;
+        let body: Option<Vec<u8>> = row.try_get(2).map_err(|e| Self::read_err(&e))?;
+        Ok(Some(Answer {
+            status: u16::try_from(status).unwrap_or(500),
+            headers: headers
+                .and_then(|h| serde_json::from_str(&h).ok())
+                .unwrap_or_default(),
+            body: body.unwrap_or_default(),
+        }))
+    }
+
+    /// Takes back relayed request `id` if no replica took it yet; false when one did.
+    pub async fn withdraw(&self, id: i64) -> Result<bool, StoreError> {
+        sqlx::query("DELETE FROM relayed WHERE id = $1 AND claimed_by IS NULL")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected() == 1)
+            .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    }
+
+    /// Deletes relayed request `id` (its answer was read, or will never come).
+    pub async fn forget(&self, id: i64) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM relayed WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    }
+
+    /// Takes up to `limit` waiting requests for the session `holder` (the lock's: a request
+    /// is the claimant's for as long as that session lives). The caller checks it holds the
+    /// lock ([`super::Postgres::claim_relayed`] does, in the same transaction).
+    pub(crate) async fn claim(
+        tx: &mut sqlx::PgConnection,
+        holder: i32,
+        limit: i64,
+    ) -> Result<Vec<(i64, Relayed)>, sqlx::Error> {
+        let rows = sqlx::query(
+            "UPDATE relayed SET claimed_by = $1 WHERE id IN \
+             (SELECT id FROM relayed WHERE claimed_by IS NULL ORDER BY created_at_ms LIMIT $2 \
+              FOR UPDATE SKIP LOCKED) \
+             RETURNING id, method, uri, headers, peer, body",
+        )
+        .bind(holder)
+        .bind(limit)
+        .fetch_all(tx)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                let headers: String = row.try_get(3)?;
+                Ok((
+                    row.try_get(0)?,
+                    Relayed {
+                        method: row.try_get(1)?,
+                        uri: row.try_get(2)?,
+                        headers: serde_json::from_str(&headers).unwrap_or_default(),
+                        peer: row.try_get(4)?,
+                        body: row.try_get(5)?,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// Writes the answer to relayed request `id` (claimed by session `holder`) and tells its
+    /// receiver.
+    pub async fn answer(&self, id: i64, holder: i32, a: &Answer) -> Result<(), StoreError> {
+        let headers = serde_json::to_string(&a.headers).unwrap_or_else(|_| "[]".into());
+        sqlx::query(
+            "WITH r AS (UPDATE relayed SET status = $3, answer_headers = $4, answer_body = $5 \
+             WHERE id = $1 AND claimed_by = $2 RETURNING id) \
+             SELECT pg_notify($6, r.id::text) FROM r",
+        )
+        .bind(id)
+        .bind(holder)
+        .bind(i32::from(a.status))
+        .bind(headers)
+        .bind(&a.body)
+        .bind(&self.channels.answered)
+        .execute(&self.pool)
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    }
+
+    /// Deletes relayed requests older than `before_ms` (their receivers died before reading
+    /// the answer, or gave up).
+    pub async fn prune(&self, before_ms: i64) -> Result<u64, StoreError> {
+        sqlx::query("DELETE FROM relayed WHERE created_at_ms < $1")
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_schema_has_its_own_channels_within_postgres_limit() {
+        let long = "s".repeat(63);
+        let (a, b, c) = (channels("kernelkite"), channels("other"), channels(&long));
+        assert_ne!(a, b);
+        for ch in [&a, &b, &c] {
+            for name in [&ch.changed, &ch.relayed, &ch.answered] {
+                assert!(name.len() < 64, "{name}");
+            }
+            assert_ne!(ch.changed, ch.relayed);
+            assert_ne!(ch.relayed, ch.answered);
+        }
+    }
+}
