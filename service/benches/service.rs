@@ -788,6 +788,7 @@ async fn stores(dirs: &[tempfile::TempDir; 2]) -> Vec<(String, Arc<dyn Durable>)
         max_connections: 8,
         lock_wait: Duration::ZERO,
         standby: false,
+        replica: false,
         exit_on_lost: false,
     };
     let (db, _) = Postgres::open(&settings, None).expect("the PostgreSQL store opens");

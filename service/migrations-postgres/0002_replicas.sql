@@ -4,8 +4,10 @@
 -- the channel, so the trigger stays quiet for them).
 
 -- Requests a replica hands to the one that runs the queue, and their answers: written by the
--- replica that received the request, claimed (`claimed_by`, the claimant's lock session) and
--- answered by the holder, read back and deleted by the receiver.
+-- replica that received the request (times by the database's clock), claimed (`claimed_by` and
+-- `claimed_start`: the claimant's lock session, its pid and start, since a pid is reused after
+-- a server restart; the body is dropped then) and answered by the holder, read back and deleted
+-- by the receiver.
 CREATE TABLE relayed (
     id BIGINT PRIMARY KEY,
     created_at_ms BIGINT NOT NULL,
@@ -15,6 +17,7 @@ CREATE TABLE relayed (
     peer TEXT NOT NULL,
     body BYTEA NOT NULL,
     claimed_by INTEGER,
+    claimed_start TIMESTAMPTZ,
     status INTEGER,
     answer_headers TEXT,
     answer_body BYTEA

@@ -408,6 +408,7 @@ impl StoreConfig {
             max_connections: self.database_connections,
             lock_wait: std::time::Duration::from_secs(self.database_lock_wait_s),
             standby: self.standby || self.replica,
+            replica: self.replica,
             // A service that lost its lock must stop acting on what it holds in memory.
             exit_on_lost: true,
         }

@@ -1606,24 +1606,32 @@ async fn three_replicas_keep_quotas_keys_and_the_fair_order_and_wake_each_others
             light.push(v["id"].as_str().unwrap().to_string());
         }
     }
-    // The last light submission is followed on replica b, by a long-poll and an event stream.
-    let followed = light.last().unwrap().clone();
-    let poll = {
-        let (http, b, id) = (http.clone(), b.clone(), followed.clone());
-        tokio::spawn(async move {
-            http.get(format!("{b}/v1/submissions/{id}?wait=60"))
-                .send()
-                .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap()
+    // Every light submission is long-polled on replica b, and the last one's event stream
+    // followed there too.
+    let polls: Vec<_> = light
+        .iter()
+        .map(|id| {
+            let (http, b, id) = (http.clone(), b.clone(), id.clone());
+            tokio::spawn(async move {
+                let v = http
+                    .get(format!("{b}/v1/submissions/{id}?wait=60"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json::<Value>()
+                    .await
+                    .unwrap();
+                (Instant::now(), v)
+            })
         })
-    };
+        .collect();
+    let followed = light.last().unwrap().clone();
     let stream = tokio::spawn(events_until_end(http.clone(), b.clone(), followed.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // The test plays the agents: each build runs as it is created, one at a time.
+    // The test plays the agents: each build runs as it is created, one at a time; its
+    // webhooks go to replica c.
     let total = heavy.len() + light.len();
+    let mut finished_at = HashMap::new();
     for _ in 0..total {
         let n = fake
             .next_created(Duration::from_secs(30))
@@ -1634,19 +1642,34 @@ async fn three_replicas_keep_quotas_keys_and_the_fair_order_and_wake_each_others
             .unwrap()
             .to_string();
         fake.start_build(n).await;
+        let sent = Instant::now();
         assert_eq!(
             fake.finish_build(n, "passed", Some(result_for(&run_id)))
                 .await,
             Some(200),
             "replica c took the webhook"
         );
+        finished_at.insert(run_id, sent);
     }
-    let done = tokio::time::timeout(Duration::from_secs(30), poll)
-        .await
-        .expect("the long-poll on b ended")
-        .unwrap();
-    assert_eq!(done["state"], "succeeded", "{done}");
-    assert_eq!(done["result"]["system"]["hostname"], "run-110");
+    // Each long-poll on b ended with its own result, woken by the database's notification:
+    // well within the second after which b would read it again anyway.
+    let mut woken = Vec::new();
+    for p in polls {
+        let (at, done) = tokio::time::timeout(Duration::from_secs(30), p)
+            .await
+            .expect("the long-poll on b ended")
+            .unwrap();
+        assert_eq!(done["state"], "succeeded", "{done}");
+        let run_id = done["run_id"].as_str().unwrap();
+        assert_eq!(done["result"]["system"]["hostname"], run_id);
+        woken.push(at.duration_since(finished_at[run_id]));
+    }
+    woken.sort();
+    println!("webhook on c -> long-poll on b answered: {woken:?}");
+    assert!(
+        woken[woken.len() / 2] < Duration::from_millis(200),
+        "the waiters on b were not woken by the notifications: {woken:?}"
+    );
     let events = tokio::time::timeout(Duration::from_secs(30), stream)
         .await
         .expect("the event stream on b ended")
@@ -1817,8 +1840,9 @@ async fn queue_runner(r: &[ServiceProcess], skip: Option<usize>) -> (usize, Dura
 }
 
 /// Issue 38's multi-replica suite: three replicas on one PostgreSQL, 300 submissions from six
-/// users spread over them, while the replica running the queue is killed (SIGKILL), the one
-/// that took over is frozen (SIGSTOP) for 20 s, and PostgreSQL itself is restarted; every
+/// users spread over them, while the replica running the queue is killed (SIGKILL), then one
+/// not running it, the one that took over is frozen (SIGSTOP) for 20 s, and PostgreSQL itself
+/// is restarted; every
 /// replica that ends is started again, as a supervisor would. Every submission ends once with
 /// its own result and one build, every callback arrives, and the frozen replica, let go on,
 /// stops itself without acting on the lock it lost.
@@ -1867,8 +1891,13 @@ async fn three_hundred_submissions_over_three_replicas_survive_a_kill_a_freeze_a
     r[0].kill9().await;
     let (second, after_kill) = queue_runner(&r, Some(0)).await;
     r[0].start().await.unwrap();
+    // A replica not running the queue is killed with requests in flight, and started again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let follower = (0..3).find(|&i| i != second).unwrap();
+    r[follower].kill9().await;
+    r[follower].start().await.unwrap();
     // The one that took over freezes for 20 s: another takes over meanwhile.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     r[second].signal(libc::SIGSTOP);
     let (third, after_freeze) = queue_runner(&r, Some(second)).await;
     tokio::time::sleep(Duration::from_secs(20).saturating_sub(after_freeze)).await;
@@ -1899,4 +1928,162 @@ async fn three_hundred_submissions_over_three_replicas_survive_a_kill_a_freeze_a
         .await;
     assert!(all_called, "some callbacks never arrived");
     agents.abort();
+}
+
+/// What a replica not running the queue writes to the database is only what the core would
+/// take from that client directly, and never a credential: an unknown path or method, a
+/// request without the API token and a webhook without a valid signature are answered by the
+/// replica itself and leave nothing in the relay table; a request it relays carries its
+/// verdict, not the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_relays_nothing_unchecked_and_no_credential() {
+    const TOKEN: &str = "kk-replica-secret-token";
+    let Some(url) = kernelkite_testkit::postgres::url() else {
+        return;
+    };
+    let schema = kernelkite_testkit::postgres::schema();
+    let fake = Arc::new(FakeBuildkite::start().await);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut r: Vec<ServiceProcess> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut svc = replica(
+                &fake,
+                data.path(),
+                &logs.path().join(format!("{n}.log")),
+                &url,
+                &schema,
+            );
+            svc.set_env("KERNELKITE_API_TOKEN", TOKEN);
+            svc
+        })
+        .collect();
+    r[0].start().await.unwrap();
+    until_runs_queue(&r[0], Duration::from_secs(20)).await;
+    r[1].start().await.unwrap();
+    let b = r[1].base.clone();
+    // Everything ever written to the relay table is kept aside for the test to read.
+    let mut db = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    for stmt in [
+        format!("CREATE TABLE {schema}.seen (uri TEXT, headers TEXT, body BYTEA)"),
+        format!(
+            "CREATE FUNCTION {schema}.keep_seen() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN INSERT INTO {schema}.seen VALUES (NEW.uri, NEW.headers, NEW.body); RETURN NULL; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER keep_seen AFTER INSERT ON {schema}.relayed \
+             FOR EACH ROW EXECUTE FUNCTION {schema}.keep_seen()"
+        ),
+    ] {
+        sqlx::query(&stmt).execute(&mut db).await.unwrap();
+    }
+    let http = reqwest::Client::new();
+    let big = "x".repeat(64 << 10);
+    let signed_badly = {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(
+            "x-buildkite-signature",
+            format!(
+                "timestamp={},signature=00ff",
+                chrono::Utc::now().timestamp()
+            )
+            .parse()
+            .unwrap(),
+        );
+        h.insert("x-buildkite-event", "build.finished".parse().unwrap());
+        h
+    };
+    let refused = [
+        (http.post(format!("{b}/x")).body(big.clone()), 404),
+        (
+            http.post(format!("{b}/v1/elsewhere")).body(big.clone()),
+            404,
+        ),
+        // The client guard answers first, as the core's routes do.
+        (http.delete(format!("{b}/v1/submissions")), 401),
+        (
+            http.post(format!("{b}/v1/submissions"))
+                .json(&json!({"config": sample_config(), "queue": "h100"})),
+            401,
+        ),
+        (http.get(format!("{b}/v1/queues/h100")), 401),
+        (
+            http.post(format!("{b}/webhooks/buildkite"))
+                .body(big.clone()),
+            401,
+        ),
+        (
+            http.post(format!("{b}/webhooks/buildkite"))
+                .headers(signed_badly)
+                .body(big.clone()),
+            401,
+        ),
+    ];
+    for (req, status) in refused {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{:?}", resp.text().await);
+    }
+    let seen_count = format!("SELECT COUNT(*) FROM {schema}.seen");
+    let count: i64 = sqlx::query_scalar(&seen_count)
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "nothing refused reached the database");
+    // A request with the token is relayed, with the verdict and without the token; its body
+    // is dropped from the table once the core took it.
+    let resp = http
+        .post(format!("{b}/v1/submissions"))
+        .bearer_auth(TOKEN)
+        .header("Idempotency-Key", "relayed-1")
+        .json(&json!({"config": sample_config(), "queue": "h100", "run_id": "run-r"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202, "{:?}", resp.text().await);
+    let resp = http
+        .get(format!("{b}/v1/queues/h100"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let seen: Vec<(String, String)> =
+        sqlx::query_as(&format!("SELECT uri, headers FROM {schema}.seen"))
+            .fetch_all(&mut db)
+            .await
+            .unwrap();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    for (uri, headers) in &seen {
+        assert!(!headers.contains(TOKEN), "{uri}: {headers}");
+        assert!(
+            !headers.to_lowercase().contains("authorization"),
+            "{uri}: {headers}"
+        );
+    }
+    let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {schema}.relayed"))
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "answered requests leave the table");
+    // A key that is not text is refused, not dropped (its retries would each make one).
+    let resp = http
+        .post(format!("{b}/v1/submissions"))
+        .bearer_auth(TOKEN)
+        .header(
+            "Idempotency-Key",
+            reqwest::header::HeaderValue::from_bytes(b"k\xe9y").unwrap(),
+        )
+        .json(&json!({"config": sample_config(), "queue": "h100"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let count: i64 = sqlx::query_scalar(&seen_count)
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+    assert_eq!(count, 2);
 }

@@ -39,6 +39,8 @@ impl Backend {
             max_connections: 4,
             lock_wait: std::time::Duration::ZERO,
             standby: false,
+            // Its connections announce changes, as a replica's do (the relay test listens).
+            replica: true,
             exit_on_lost: false,
         }))
     }
@@ -540,6 +542,7 @@ async fn postgres_unreachable_or_malformed_is_refused_with_what_to_do() {
         max_connections: 1,
         lock_wait: std::time::Duration::ZERO,
         standby: false,
+        replica: false,
         exit_on_lost: false,
     };
     let e = Postgres::open(&malformed, None).unwrap_err().to_string();

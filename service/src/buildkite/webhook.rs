@@ -260,6 +260,16 @@ impl WebhookReceiver {
         now: i64,
     ) -> Result<Option<BuildEvent>, WebhookError> {
         self.auth.verify(headers, body, now)?;
+        self.read(headers, body)
+    }
+
+    /// Reads a delivery another replica already verified ([`WebhookReceiver::receive`] less
+    /// the verification: the replica relays the verdict, not the signature).
+    pub fn read(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<Option<BuildEvent>, WebhookError> {
         let header_event = headers.get(HEADER_EVENT).and_then(|v| v.to_str().ok());
         match parse_delivery(header_event, &self.pipeline, body) {
             Ok(Delivery::Build(ev)) => Ok(Some(ev)),

@@ -10,15 +10,15 @@ use std::sync::Arc;
 use axum::extract::{ConnectInfo, FromRef, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse as _, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
 
 use super::error::ApiError;
 use super::{auth, events, openapi, status, submissions, webhooks, Edge, Phase, Reader};
 use crate::buildkite::webhook::WebhookReceiver;
-use crate::error::{Error, Unauthorized, Unavailable, WebhookRefusal};
-use crate::replica::relay::{text_headers, Relay};
+use crate::error::{BadRequest, Error, Unauthorized, Unavailable, WebhookRefusal};
+use crate::replica::relay::{text_headers, Relay, CLAIM_WAIT};
 use crate::store::replicas::{Relayed, Replica};
 
 /// What a replica's own routes are given.
@@ -58,20 +58,28 @@ pub fn follower_router(
     relay: Arc<Relay>,
     db: Replica,
 ) -> Router {
+    // The routes relayed are the core's that change something or need its memory; any other
+    // path or method is answered here (404, 405) and never reaches the database.
     let v1 = Router::new()
-        .route("/v1/submissions/{id}", get(submissions::get))
+        .route("/v1/submissions", post(relayed))
+        .route(
+            "/v1/submissions/{id}",
+            get(submissions::get).fallback(submissions::other_method),
+        )
+        .route("/v1/submissions/{id}/cancel", post(relayed))
         .route("/v1/submissions/{id}/events", get(events::stream))
+        .route("/v1/queues/{queue}", get(relayed))
         .route_layer(axum::middleware::from_fn_with_state(
             edge.clone(),
             auth::require_client,
         ));
     Router::new()
         .merge(v1)
+        .route("/webhooks/buildkite", post(relayed))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi::serve))
         .route("/metrics", get(metrics))
-        .fallback(relayed)
         .with_state(Follower {
             reader,
             finished: Arc::new(events::Finished::default()),
@@ -115,18 +123,25 @@ async fn metrics(State(f): State<Follower>) -> Response {
         .into_response()
 }
 
-/// Any other request: checked as far as this replica can (the client guard on `/v1`, the
-/// body's bound, a webhook's signature: the checks that need no state), then relayed. A
-/// webhook's body counts against the budget of unauthenticated bodies while it is read, as it
-/// does where the queue runs.
+/// A request the core answers: checked as far as this replica can (the client guard on `/v1`,
+/// run before this; the body's bound; a webhook's signature: the checks that need no state),
+/// then relayed with this replica's verdict and without the credentials. A webhook's body
+/// counts against the budget of unauthenticated bodies while it is read, as it does where the
+/// queue runs.
 async fn relayed(State(f): State<Follower>, req: Request) -> Result<Response, ApiError> {
     if f.edge.phase() != Phase::Serving {
         return Err(Error::from(Unavailable::ShuttingDown).into());
     }
     let (parts, body) = req.into_parts();
     let webhook = parts.uri.path() == "/webhooks/buildkite";
-    if parts.uri.path().starts_with("/v1/") || parts.uri.path() == "/v1" {
-        auth::allowed(&f.edge, &parts.headers, &parts.extensions)?;
+    // Headers that are not text are not relayed; a key that is not text would be lost, and the
+    // retries it protects would each make a submission.
+    if parts
+        .headers
+        .get("idempotency-key")
+        .is_some_and(|k| k.to_str().is_err())
+    {
+        return Err(Error::from(BadRequest::IdempotencyKey).into());
     }
     let (limit, setting) = if webhook {
         (
@@ -170,5 +185,5 @@ async fn relayed(State(f): State<Follower>, req: Request) -> Result<Response, Ap
         peer,
         body: body.to_vec(),
     };
-    Ok(f.relay.send(r).await?)
+    Ok(f.relay.send(r, CLAIM_WAIT).await?)
 }

@@ -32,6 +32,7 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::executor::Events;
 use crate::submission::Submission;
+pub use auth::Vouched;
 pub use edge::{Edge, Phase};
 pub use error::ApiError;
 pub use follower::follower_router;

@@ -9,24 +9,35 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
+use super::relay::Relay;
 use crate::app::Watch;
 use crate::error::{Error, Unavailable};
 use crate::http::Reader;
-use crate::store::replicas::Replica;
+use crate::store::replicas::{Relayed, Replica};
 use crate::submission::Submission;
+
+/// How long a read waits for the replica running the queue to give a waiting submission's
+/// place, before answering with what the database holds (no place).
+const PLACE_WAIT: Duration = Duration::from_secs(2);
 
 /// The submissions followed here, each a channel holding its last read.
 pub struct Mirror {
     db: Replica,
+    /// Where a waiting submission's place is asked for (it lives in the queue's memory).
+    relay: Arc<Relay>,
     followed: Mutex<HashMap<String, watch::Sender<Submission>>>,
+    /// A re-check is running (they never overlap).
+    rechecking: std::sync::atomic::AtomicBool,
 }
 
 impl Mirror {
-    /// A mirror reading through `db`.
-    pub fn new(db: Replica) -> Arc<Mirror> {
+    /// A mirror reading through `db`, asking through `relay` for places.
+    pub fn new(db: Replica, relay: Arc<Relay>) -> Arc<Mirror> {
         Arc::new(Mirror {
             db,
+            relay,
             followed: Mutex::new(HashMap::new()),
+            rechecking: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -47,12 +58,11 @@ impl Mirror {
     }
 
     /// Hands a fresh read to the channel following it (only a later one: reads of one row can
-    /// finish out of order).
+    /// finish out of order; every saved change moves its history or its `updated_at` on).
     fn offer(&self, s: Submission) {
         if let Some(tx) = self.lock().get(&s.id) {
             tx.send_if_modified(|cur| {
-                let later = s.history.len() > cur.history.len()
-                    || (s.history.len() == cur.history.len() && *cur != s);
+                let later = (s.history.len(), s.updated_at) > (cur.history.len(), cur.updated_at);
                 if later {
                     *cur = s;
                 }
@@ -75,16 +85,57 @@ impl Mirror {
         }
     }
 
-    /// Reads every followed submission again (what a lost notification would have said), and
-    /// stops following those nobody waits for any more.
+    /// Reads every followed submission again, in one query (what a lost notification would
+    /// have said), and stops following those nobody waits for any more. A re-check asked for
+    /// while one runs is skipped: the running one reads everything.
     pub async fn recheck(&self) {
+        use std::sync::atomic::Ordering;
+        if self.rechecking.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let ids: Vec<String> = {
             let mut map = self.lock();
             map.retain(|_, tx| tx.receiver_count() > 0);
             map.keys().cloned().collect()
         };
-        for id in ids {
-            self.changed(&id).await;
+        if !ids.is_empty() {
+            match self.db.load_many(&ids).await {
+                Ok(subs) => subs.into_iter().for_each(|s| self.offer(s)),
+                Err(e) => {
+                    tracing::debug!(error = %crate::report::report(&e), "the followed submissions could not be read again")
+                }
+            }
+        }
+        self.rechecking.store(false, Ordering::Release);
+    }
+
+    /// The submission as the replica running the queue shows it (with its place), if it
+    /// answers within [`PLACE_WAIT`].
+    async fn shown_by_the_queue(&self, id: &str) -> Option<Submission> {
+        let ask = Relayed {
+            method: "GET".into(),
+            uri: format!("/v1/submissions/{id}"),
+            headers: Vec::new(),
+            peer: String::new(),
+            body: Vec::new(),
+        };
+        let r = self.relay.send(ask, PLACE_WAIT).await.ok()?;
+        if r.status() != axum::http::StatusCode::OK {
+            return None;
+        }
+        let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.ok()?;
+        serde_json::from_slice(&body).ok()
+    }
+
+    /// What a read answers: an ended submission as stored (final); one not ended as the
+    /// replica running the queue shows it, with its place, else as stored.
+    async fn answer(&self, s: Submission) -> Submission {
+        if s.state.is_terminal() {
+            return s;
+        }
+        match self.shown_by_the_queue(&s.id).await {
+            Some(shown) => shown,
+            None => s,
         }
     }
 
@@ -115,7 +166,8 @@ impl Reader for Mirror {
     fn get<'a>(&'a self, id: &'a str, wait: Duration) -> BoxFuture<'a, Result<Submission, Error>> {
         Box::pin(async move {
             if wait.is_zero() {
-                return self.read(id).await;
+                let s = self.read(id).await?;
+                return Ok(self.answer(s).await);
             }
             match self.follow(id).await? {
                 Watch::Done(s) => Ok(*s),
@@ -123,7 +175,7 @@ impl Reader for Mirror {
                     let _ =
                         tokio::time::timeout(wait, rx.wait_for(|s| s.state.is_terminal())).await;
                     let s = rx.borrow().clone();
-                    Ok(s)
+                    Ok(self.answer(s).await)
                 }
             }
         })
@@ -147,9 +199,11 @@ mod tests {
             max_connections: 1,
             lock_wait: Duration::from_secs(1),
             standby: false,
+            replica: true,
             exit_on_lost: false,
         };
-        Mirror::new(Replica::connect(&settings).unwrap())
+        let db = Replica::connect(&settings).unwrap();
+        Mirror::new(db.clone(), Relay::new(db))
     }
 
     fn sub(states: &[State]) -> Submission {
@@ -180,6 +234,15 @@ mod tests {
         m.offer(queued);
         assert!(!rx.has_changed().unwrap());
         assert_eq!(rx.borrow().state, State::Running);
+        // A change without a state change (a build attached) is taken; the read before it,
+        // arriving late with the same history, is not.
+        let mut built = running.clone();
+        built.updated_at += chrono::Duration::milliseconds(5);
+        built.run_id = Some("r-1".into());
+        m.offer(built.clone());
+        assert_eq!(rx.borrow_and_update().run_id.as_deref(), Some("r-1"));
+        m.offer(running);
+        assert!(!rx.has_changed().unwrap());
         // Nobody waits: the next re-check forgets it.
         drop(rx);
         m.lock().retain(|_, tx| tx.receiver_count() > 0);

@@ -64,8 +64,8 @@ pub async fn run(
     let metrics = Arc::new(Metrics::new());
     let shared = Arc::new(cfg.clone());
     let edge = Arc::new(Edge::new(metrics.clone(), shared));
-    let mirror = Mirror::new(db.clone());
     let relay = Relay::new(db.clone());
+    let mirror = Mirror::new(db.clone(), relay.clone());
     let front = Arc::new(Front {
         follower: follower_router(mirror.clone(), edge.clone(), relay.clone(), db.clone()),
         leader: OnceLock::new(),
@@ -80,6 +80,7 @@ pub async fn run(
         metrics,
         front.clone(),
         served.app.clone(),
+        edge.clone(),
     ));
     // Draining reaches the core's routes too: their long-polls and streams answer.
     {
@@ -114,8 +115,12 @@ async fn lead(
     metrics: Arc<Metrics>,
     front: Arc<Front>,
     serving: Arc<OnceLock<Arc<App>>>,
+    own: Arc<Edge>,
 ) {
     let (app, db) = loop {
+        if own.phase() != Phase::Serving {
+            return; // draining: this process will not run the queue
+        }
         let (cfg, metrics) = (cfg.clone(), metrics.clone());
         let started =
             tokio::task::spawn_blocking(move || crate::cli::serve::start_replica(&cfg, metrics))
@@ -134,10 +139,15 @@ async fn lead(
     let _ = serving.set(app);
     let _ = front.leader.set(Leading {
         routes: routes.clone(),
-        edge,
+        edge: edge.clone(),
     });
     tracing::info!("this replica holds the schema's lock and runs the queue");
-    relay::serve_relayed(db, routes).await;
+    if own.phase() != Phase::Serving {
+        // The lock came while draining: the core's routes drain too, and nothing is claimed.
+        edge.set_phase(Phase::Draining);
+        return;
+    }
+    relay::serve_relayed(db, routes, own.stopping()).await;
 }
 
 /// Hears the database's notifications for this replica: a submission changed (its waiters

@@ -40,8 +40,21 @@ pub const ANSWER_WAIT: Duration = Duration::from_secs(60);
 /// Relayed requests older than this are deleted (their receivers died before reading them).
 const KEEP: Duration = Duration::from_secs(600);
 
-/// Headers that belong to one connection, never relayed.
-const HOP_BY_HOP: &[&str] = &[
+/// Relayed requests the holder answers at once, at most.
+pub const IN_FLIGHT: usize = 256;
+
+/// Relayed requests claimed in one statement, at most.
+const BATCH: usize = 64;
+
+/// Headers never relayed: those of one connection, and credentials (the receiving replica
+/// checked them and relays its verdict, [`crate::http::Vouched`]: no secret is written to the
+/// database).
+const NOT_RELAYED: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-buildkite-token",
+    "x-buildkite-signature",
     "connection",
     "keep-alive",
     "transfer-encoding",
@@ -58,12 +71,20 @@ pub struct Relay {
     waiting: Mutex<HashMap<i64, Arc<Notify>>>,
 }
 
-/// Takes a relayed request's waiter off the books however its wait ends.
-struct Waiting<'a>(&'a Relay, i64);
+/// Takes a relayed request's waiter off the books however its wait ends, and its row out of
+/// the table unless its answer was taken (a client that hung up leaves nothing behind).
+struct Waiting<'a> {
+    relay: &'a Relay,
+    id: i64,
+    taken: bool,
+}
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.lock().remove(&self.1);
+        self.relay.lock().remove(&self.id);
+        if !self.taken {
+            self.relay.let_go(self.id);
+        }
     }
 }
 
@@ -94,12 +115,17 @@ impl Relay {
         }
     }
 
-    /// Has `r` answered by the replica that runs the queue.
-    pub async fn send(&self, r: Relayed) -> Result<Response, Error> {
+    /// Has `r` answered by the replica that runs the queue, waiting at most `claim_wait` for
+    /// one to take it.
+    pub async fn send(&self, r: Relayed, claim_wait: Duration) -> Result<Response, Error> {
         let id = fastrand::i64(1..i64::MAX);
         let woken = Arc::new(Notify::new());
         self.lock().insert(id, woken.clone());
-        let _waiting = Waiting(self, id);
+        let mut waiting = Waiting {
+            relay: self,
+            id,
+            taken: false,
+        };
         self.db.relay(id, &r).await.map_err(|e| {
             Error::from(Unavailable::Store {
                 what: "the request could not be handed to the replica that runs the queue",
@@ -111,19 +137,16 @@ impl Relay {
             // The answer cannot be there before the holder heard of the request: wait first.
             tokio::select! {
                 () = woken.notified() => {}
-                () = tokio::time::sleep(RECHECK) => {}
+                () = tokio::time::sleep(RECHECK.min(claim_wait)) => {}
             }
             if let Ok(Some(a)) = self.db.take_answer(id).await {
+                waiting.taken = true;
                 return Ok(response(a));
             }
             match self.db.relay_state(id).await {
-                // Answered between the two reads.
-                Ok(RelayState::Answered(a)) => {
-                    self.let_go(id);
-                    return Ok(response(a));
-                }
-                Ok(RelayState::Waiting) if began.elapsed() > CLAIM_WAIT => {
+                Ok(RelayState::Waiting) if began.elapsed() >= claim_wait => {
                     if self.db.withdraw(id).await.unwrap_or(false) {
+                        waiting.taken = true;
                         return Err(Unavailable::Relay(
                             "no replica runs the queue right now (one takes over within seconds); nothing was done, retry in a moment",
                         )
@@ -131,23 +154,23 @@ impl Relay {
                     }
                 }
                 Ok(RelayState::Claimed { orphaned: true }) => {
-                    self.let_go(id);
                     return Err(Unavailable::Relay(
                         "the replica running the queue ended while answering; retry (with the same Idempotency-Key a submission is made once)",
                     )
                     .into());
                 }
                 Ok(RelayState::Gone) => {
+                    waiting.taken = true;
                     return Err(Unavailable::Relay(
                         "the relayed request was lost; retry (with the same Idempotency-Key a submission is made once)",
                     )
                     .into());
                 }
-                // A database that does not answer for a moment: the loop's bound holds.
+                // Answered between the two reads (taken on the next turn), still waiting, or a
+                // database that does not answer for a moment: the loop's bound holds.
                 Ok(_) | Err(_) => {}
             }
             if began.elapsed() > ANSWER_WAIT {
-                self.let_go(id);
                 return Err(Unavailable::Relay(
                     "the replica running the queue did not answer within 60 s; retry (with the same Idempotency-Key a submission is made once)",
                 )
@@ -156,7 +179,7 @@ impl Relay {
         }
     }
 
-    /// Deletes relayed request `id`, in the background (the answer is on its way already).
+    /// Deletes relayed request `id`, in the background.
     fn let_go(&self, id: i64) {
         let db = self.db.clone();
         tokio::spawn(async move {
@@ -178,48 +201,79 @@ fn response(a: Answer) -> Response {
     r
 }
 
-/// The headers whose values are text, without those of one connection.
+/// The headers whose values are text, without those of one connection and credentials.
 pub fn text_headers(h: &axum::http::HeaderMap) -> Vec<(String, String)> {
     h.iter()
-        .filter(|(k, _)| !HOP_BY_HOP.contains(&k.as_str()))
+        .filter(|(k, _)| !NOT_RELAYED.contains(&k.as_str()))
         .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
         .collect()
 }
 
 /// The holding side: while this process holds the schema's lock, claims what the replicas
-/// relay and answers it through `routes` (the core's own). Runs until the store refuses
-/// (the lock lost: the process exits then).
-pub async fn serve_relayed(db: Postgres, routes: Router) {
+/// relay and answers it through `routes` (the core's own), at most [`IN_FLIGHT`] at once (the
+/// connection cap does not see them). Runs until the store refuses (the lock lost: the process
+/// exits then) or `stopping` resolves (the process drains: what is relayed from then on waits
+/// for the next holder, which takes over once this one has exited).
+pub async fn serve_relayed(
+    db: Postgres,
+    routes: Router,
+    stopping: impl std::future::Future<Output = ()> + Send,
+) {
     let replica = db.replica().clone();
     let mut heard = replica.hear(vec![replica.channels().relayed.clone()]);
+    let slots = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
     let mut pruned = Instant::now();
+    tokio::pin!(stopping);
     loop {
-        match db.claim_relayed(64).await {
-            Ok(claimed) => {
-                for (id, r) in claimed {
-                    let (routes, replica, holder) = (routes.clone(), replica.clone(), db.holder());
-                    tokio::spawn(async move {
-                        let a = answer(routes, r).await;
-                        if let Err(e) = replica.answer(id, holder, &a).await {
-                            tracing::warn!(error = %crate::report::report(&e), "the answer to a relayed request could not be written; its replica answers 503");
-                        }
-                    });
+        let free = slots.available_permits().min(BATCH);
+        let mut full = false;
+        if free > 0 {
+            match db.claim_relayed(free as i64).await {
+                Ok(claimed) => {
+                    full = claimed.len() == free;
+                    for (id, r) in claimed {
+                        let Ok(slot) = slots.clone().try_acquire_owned() else {
+                            break;
+                        };
+                        let (routes, replica, holder) =
+                            (routes.clone(), replica.clone(), db.holder());
+                        tokio::spawn(async move {
+                            let a = answer(routes, r).await;
+                            if let Err(e) = replica.answer(id, holder, &a).await {
+                                tracing::warn!(error = %crate::report::report(&e), "the answer to a relayed request could not be written; its replica answers 503 within a minute");
+                            }
+                            drop(slot);
+                        });
+                    }
                 }
-            }
-            Err(crate::store::StoreError::DatabaseLost { .. }) => return,
-            Err(e) => {
-                tracing::warn!(error = %crate::report::report(&e), "relayed requests could not be claimed");
+                Err(crate::store::StoreError::DatabaseLost { .. }) => return,
+                Err(e) => {
+                    tracing::warn!(error = %crate::report::report(&e), "relayed requests could not be claimed");
+                }
             }
         }
         if pruned.elapsed() > RECHECK * 60 {
             pruned = Instant::now();
-            let before = crate::store::now_ms() - KEEP.as_millis() as i64;
-            let _ = replica.prune(before).await;
+            let _ = replica.prune(KEEP).await;
+            if let Ok(usage) = replica.notification_queue_usage().await {
+                if usage > 0.1 {
+                    tracing::error!(usage, "PostgreSQL's notification queue is filling: a listening session stopped reading (a replica frozen with its session open?); once full, every change of a submission fails. End that session (pg_terminate_backend) or let its process run");
+                }
+            }
+        }
+        if full {
+            // More may wait: claim again at once.
+            continue;
         }
         // Woken by a notification, or after a second whatever happened to them.
-        if let Ok(Some(_)) = tokio::time::timeout(RECHECK, heard.recv()).await {
-            // Whatever else arrived meanwhile is claimed by the same pass.
-            while heard.try_recv().is_ok() {}
+        tokio::select! {
+            () = &mut stopping => return,
+            h = tokio::time::timeout(RECHECK, heard.recv()) => {
+                if let Ok(Some(_)) = h {
+                    // Whatever else arrived meanwhile is claimed by the same pass.
+                    while heard.try_recv().is_ok() {}
+                }
+            }
         }
     }
 }
@@ -238,6 +292,8 @@ async fn answer(routes: Router, r: Relayed) -> Answer {
         req.extensions_mut()
             .insert(axum::extract::ConnectInfo(peer));
     }
+    // The receiving replica checked the client (or the webhook's signature).
+    req.extensions_mut().insert(crate::http::Vouched);
     let Ok(resp) = routes.clone().call(req).await;
     let status = resp.status().as_u16();
     let headers = text_headers(resp.headers());
@@ -263,8 +319,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_relayed_request_carries_its_own_headers_not_its_connections() {
+    fn a_relayed_request_carries_its_own_headers_not_its_connections_nor_credentials() {
         let mut h = axum::http::HeaderMap::new();
+        h.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer kk-secret"),
+        );
+        h.insert("x-buildkite-token", HeaderValue::from_static("bk-secret"));
+        h.insert(
+            "x-buildkite-signature",
+            HeaderValue::from_static("timestamp=1,signature=ab"),
+        );
+        h.insert("cookie", HeaderValue::from_static("s=1"));
         h.insert("content-type", HeaderValue::from_static("application/json"));
         h.insert("idempotency-key", HeaderValue::from_static("k-1"));
         h.insert("connection", HeaderValue::from_static("keep-alive"));
@@ -310,6 +376,8 @@ mod tests {
         );
     }
 
+    /// The relayed request reaches the core's routes with the receiving replica's verdict: a
+    /// route guarded as `/v1` is, without any credential in the request.
     #[tokio::test]
     async fn a_relayed_request_reaches_the_routes_as_it_was_received() {
         use axum::routing::post;
@@ -319,6 +387,7 @@ mod tests {
                 |axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<
                     std::net::SocketAddr,
                 >,
+                 axum::Extension(crate::http::Vouched): axum::Extension<crate::http::Vouched>,
                  headers: axum::http::HeaderMap,
                  uri: axum::http::Uri,
                  body: String| async move {

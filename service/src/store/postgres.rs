@@ -122,6 +122,9 @@ pub struct PgSettings {
     pub lock_wait: Duration,
     /// Wait for the lock without limit (a standby replica), instead of `lock_wait`.
     pub standby: bool,
+    /// One of several replicas (`KERNELKITE_REPLICA`): its connections name the channel the
+    /// submissions' changes are announced on ([`super::replicas`]); others announce nothing.
+    pub replica: bool,
     /// Whether losing the lock ends the process ([`EXIT_LOST`]): the service's choice; a test's
     /// store only refuses its writes.
     pub exit_on_lost: bool,
@@ -400,9 +403,10 @@ impl Postgres {
     }
 
     /// Takes up to `limit` requests other replicas relayed, for this store's lock session.
-    /// Not fenced in the database: a holder that lost the lock without knowing it yet would
-    /// answer what it claimed with a refusal (every write of the core is fenced), never with a
-    /// change; checked here as far as this process knows.
+    /// Checked as far as this process knows, not fenced in the database: a holder that lost the
+    /// lock without knowing it yet can only answer what it claimed with a refusal (every write
+    /// of the core is fenced) or with what it holds in memory, never with a change; and what it
+    /// claimed is seen as orphaned once its session is ended.
     pub async fn claim_relayed(
         &self,
         limit: i64,
@@ -710,11 +714,16 @@ pub(crate) fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions,
     // defaults would keep them for two hours (a waiting service takes the lock over after
     // `TAKEOVER_AFTER` of silence anyway).
     let tls = ssl_mode(&settings.url, &opts);
-    let changed = super::replicas::channels(&settings.schema).changed;
+    // Where the submissions' trigger announces changes, for the replicas' waiters; a lone
+    // service names no channel, and its commits notify nothing.
+    let changed = if settings.replica {
+        super::replicas::channels(&settings.schema).changed
+    } else {
+        String::new()
+    };
     Ok(opts
         .options([
             ("search_path", settings.schema.as_str()),
-            // Where the submissions' trigger announces changes, for the replicas' waiters.
             (super::replicas::CHANGED_SETTING, changed.as_str()),
             ("tcp_keepalives_idle", "10"),
             ("tcp_keepalives_interval", "5"),
@@ -1211,6 +1220,22 @@ pub(crate) async fn load(
         Some(doc) => shown_doc(c, &doc).await.map(Some),
         None => Ok(None),
     }
+}
+
+/// The submissions kept under `ids` (those there are), as a client is shown them.
+pub(crate) async fn load_many(
+    c: &mut PgConnection,
+    ids: &[String],
+) -> Result<Vec<Submission>, sqlx::Error> {
+    let docs: Vec<String> = sqlx::query_scalar("SELECT doc FROM submissions WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut *c)
+        .await?;
+    let mut out = Vec::with_capacity(docs.len());
+    for doc in docs {
+        out.push(shown_doc(c, &doc).await?);
+    }
+    Ok(out)
 }
 
 async fn shown_doc(c: &mut PgConnection, doc: &str) -> Result<Submission, sqlx::Error> {

@@ -13,8 +13,8 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::Row;
 
-use super::postgres::{connect_options, load, lock_key, shown, PgSettings};
-use super::{now_ms, StoreError};
+use super::postgres::{connect_options, load, load_many, lock_key, shown, PgSettings};
+use super::StoreError;
 use crate::report::report;
 use crate::submission::Submission;
 
@@ -154,6 +154,22 @@ impl Replica {
         StoreError::Read(report(e))
     }
 
+    /// The submissions kept under `ids` (those there are), in one query.
+    pub async fn load_many(&self, ids: &[String]) -> Result<Vec<Submission>, StoreError> {
+        let mut c = self.pool.acquire().await.map_err(|e| Self::read_err(&e))?;
+        load_many(&mut c, ids).await.map_err(|e| Self::read_err(&e))
+    }
+
+    /// How full PostgreSQL's notification queue is (0 to 1): a listener that stopped reading
+    /// (a replica frozen with its session open) holds it; full, every commit that notifies
+    /// fails.
+    pub async fn notification_queue_usage(&self) -> Result<f64, StoreError> {
+        sqlx::query_scalar("SELECT pg_notification_queue_usage()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Self::read_err(&e))
+    }
+
     /// The submission kept under `id`.
     pub async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
         let mut c = self.pool.acquire().await.map_err(|e| Self::read_err(&e))?;
@@ -227,11 +243,11 @@ impl Replica {
         let headers = serde_json::to_string(&r.headers).unwrap_or_else(|_| "[]".into());
         sqlx::query(
             "WITH r AS (INSERT INTO relayed (id, created_at_ms, method, uri, headers, peer, body) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id) \
-             SELECT pg_notify($8, r.id::text) FROM r",
+             VALUES ($1, (extract(epoch FROM clock_timestamp()) * 1000)::bigint, $2, $3, $4, $5, $6) \
+             RETURNING id) \
+             SELECT pg_notify($7, r.id::text) FROM r",
         )
         .bind(id)
-        .bind(now_ms())
         .bind(&r.method)
         .bind(&r.uri)
         .bind(headers)
@@ -249,7 +265,9 @@ impl Replica {
         let row = sqlx::query(
             "SELECT claimed_by, status, answer_headers, answer_body, \
              (claimed_by IS NOT NULL AND status IS NULL AND NOT EXISTS \
-              (SELECT 1 FROM pg_stat_activity WHERE pid = claimed_by)) AS orphaned \
+              (SELECT 1 FROM pg_stat_activity \
+               WHERE pid = claimed_by AND backend_start IS NOT DISTINCT FROM claimed_start)) \
+             AS orphaned \
              FROM relayed WHERE id = $1",
         )
         .bind(id)
@@ -326,22 +344,25 @@ impl Replica {
     }
 
     /// Takes up to `limit` waiting requests for the session `holder` (the lock's: a request
-    /// is the claimant's for as long as that session lives). The caller checks it holds the
-    /// lock ([`super::Postgres::claim_relayed`] does, in the same transaction).
+    /// is the claimant's for as long as that session lives), dropping their bodies from the
+    /// table. The caller checks it holds the lock ([`super::Postgres::claim_relayed`]).
     pub(crate) async fn claim(
-        tx: &mut sqlx::PgConnection,
+        c: &mut sqlx::PgConnection,
         holder: i32,
         limit: i64,
     ) -> Result<Vec<(i64, Relayed)>, sqlx::Error> {
         let rows = sqlx::query(
-            "UPDATE relayed SET claimed_by = $1 WHERE id IN \
-             (SELECT id FROM relayed WHERE claimed_by IS NULL ORDER BY created_at_ms LIMIT $2 \
-              FOR UPDATE SKIP LOCKED) \
-             RETURNING id, method, uri, headers, peer, body",
+            "WITH taken AS (SELECT id, method, uri, headers, peer, body, created_at_ms \
+               FROM relayed WHERE claimed_by IS NULL ORDER BY created_at_ms LIMIT $2 \
+               FOR UPDATE SKIP LOCKED), \
+             marked AS (UPDATE relayed r SET claimed_by = $1, body = ''::bytea, \
+               claimed_start = (SELECT backend_start FROM pg_stat_activity WHERE pid = $1) \
+               FROM taken WHERE r.id = taken.id) \
+             SELECT id, method, uri, headers, peer, body FROM taken ORDER BY created_at_ms",
         )
         .bind(holder)
         .bind(limit)
-        .fetch_all(tx)
+        .fetch_all(c)
         .await?;
         rows.into_iter()
             .map(|row| {
@@ -381,15 +402,18 @@ impl Replica {
         .map_err(|e| StoreError::DatabaseWrite(report(&e)))
     }
 
-    /// Deletes relayed requests older than `before_ms` (their receivers died before reading
-    /// the answer, or gave up).
-    pub async fn prune(&self, before_ms: i64) -> Result<u64, StoreError> {
-        sqlx::query("DELETE FROM relayed WHERE created_at_ms < $1")
-            .bind(before_ms)
-            .execute(&self.pool)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| StoreError::DatabaseWrite(report(&e)))
+    /// Deletes relayed requests older than `keep` by the database's clock (their receivers
+    /// died before reading the answer).
+    pub async fn prune(&self, keep: Duration) -> Result<u64, StoreError> {
+        sqlx::query(
+            "DELETE FROM relayed \
+             WHERE created_at_ms < (extract(epoch FROM clock_timestamp()) * 1000)::bigint - $1",
+        )
+        .bind(keep.as_millis() as i64)
+        .execute(&self.pool)
+        .await
+        .map(|r| r.rows_affected())
+        .map_err(|e| StoreError::DatabaseWrite(report(&e)))
     }
 }
 
