@@ -12,8 +12,10 @@
 //!
 //! `cargo bench -p kernelkite-service --bench replicas` with `KERNELKITE_BENCH_DATABASE_URL`
 //! (or `KERNELKITE_TEST_DATABASE_URL`; `scripts/postgres.sh start DIR durable` prints one);
-//! `KERNELKITE_BENCH_SHORT=1` for shorter runs. Figures are printed; docs/BENCHMARKS.md records
-//! them.
+//! `KERNELKITE_BENCH_SHORT=1` for shorter runs. `KERNELKITE_BENCH_BASELINE_EXE=PATH` (another
+//! release's `kernelkite-service`) adds its SQLite row, measured right after this build's, so
+//! that the SQLite path is compared in the same run. Figures are printed; docs/BENCHMARKS.md
+//! records them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -32,6 +34,8 @@ const CLIENTS: usize = 16;
 /// Where a setup's processes keep their state.
 enum Store<'a> {
     Sqlite,
+    /// SQLite, served by another build of the service.
+    SqliteBy(&'a str),
     Postgres(&'a str),
     Replicas(&'a str),
 }
@@ -52,9 +56,13 @@ async fn setup(
     for i in 0..n {
         let data = dir.join(format!("data-{i}"));
         std::fs::create_dir_all(&data).expect("data dir");
-        let mut svc = ServiceProcess::new(EXE, fake, &data, dir.join(format!("{i}.log")));
+        let exe = match store {
+            Store::SqliteBy(exe) => exe,
+            _ => EXE,
+        };
+        let mut svc = ServiceProcess::new(exe, fake, &data, dir.join(format!("{i}.log")));
         match store {
-            Store::Sqlite => {}
+            Store::Sqlite | Store::SqliteBy(_) => {}
             Store::Postgres(url) => svc.use_postgres(url, &schema),
             Store::Replicas(url) => {
                 svc.use_postgres(url, &schema);
@@ -91,8 +99,8 @@ fn body(i: usize) -> Value {
 }
 
 /// `CLIENTS` clients submitting for `secs`, client k to replica `k % n`: accepted per second,
-/// and each accept's latency.
-async fn accept(bases: &[String], secs: u64) -> (f64, Vec<Duration>) {
+/// each accept's latency, and what did not answer 202 (counted and shown, not hidden).
+async fn accept(bases: &[String], secs: u64) -> (f64, Vec<Duration>, Vec<String>) {
     let http = reqwest::Client::new();
     let stop = Arc::new(AtomicBool::new(false));
     let began = Instant::now();
@@ -101,32 +109,37 @@ async fn accept(bases: &[String], secs: u64) -> (f64, Vec<Duration>) {
             let (http, base, stop) = (http.clone(), bases[k % bases.len()].clone(), stop.clone());
             tokio::spawn(async move {
                 let mut lat = Vec::new();
+                let mut failed = Vec::new();
                 let mut i = k;
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
-                    let r = http
+                    match http
                         .post(format!("{base}/v1/submissions"))
                         .json(&body(i))
                         .send()
                         .await
-                        .expect("the service answers");
-                    assert_eq!(r.status(), 202, "{:?}", r.text().await);
-                    lat.push(t.elapsed());
+                    {
+                        Ok(r) if r.status() == 202 => lat.push(t.elapsed()),
+                        Ok(r) => failed.push(format!("{}: {:?}", r.status(), r.text().await)),
+                        Err(e) => failed.push(e.to_string()),
+                    }
                     i += CLIENTS;
                 }
-                lat
+                (lat, failed)
             })
         })
         .collect();
     tokio::time::sleep(Duration::from_secs(secs)).await;
     stop.store(true, Ordering::Relaxed);
-    let mut all = Vec::new();
+    let (mut all, mut failed) = (Vec::new(), Vec::new());
     for t in tasks {
-        all.extend(t.await.expect("client"));
+        let (lat, f) = t.await.expect("client");
+        all.extend(lat);
+        failed.extend(f);
     }
     let rate = all.len() as f64 / began.elapsed().as_secs_f64();
     all.sort();
-    (rate, all)
+    (rate, all, failed)
 }
 
 /// `n` times: a submission through `wait_on`, its build created, a long-poll parked on
@@ -209,25 +222,39 @@ async fn main() {
         "replicas benchmark: {CLIENTS} clients for {secs} s per setup; {samples} webhook samples"
     );
     let mut webhook_rows = Vec::new();
-    for (label, store) in [
-        ("one process, SQLite (baseline)", Store::Sqlite),
-        ("one process, PostgreSQL", Store::Postgres(&url)),
-        (
-            "three replicas, PostgreSQL, clients spread",
-            Store::Replicas(&url),
-        ),
-    ] {
+    let baseline = std::env::var("KERNELKITE_BENCH_BASELINE_EXE").ok();
+    let mut setups = vec![("one process, SQLite (baseline)", Store::Sqlite)];
+    if let Some(exe) = &baseline {
+        setups.push((
+            "one process, SQLite, the baseline binary",
+            Store::SqliteBy(exe),
+        ));
+        setups.push(("one process, SQLite, this build again", Store::Sqlite));
+        setups.push((
+            "one process, SQLite, the baseline binary again",
+            Store::SqliteBy(exe),
+        ));
+    }
+    setups.push(("one process, PostgreSQL", Store::Postgres(&url)));
+    setups.push((
+        "three replicas, PostgreSQL, clients spread",
+        Store::Replicas(&url),
+    ));
+    for (label, store) in setups {
         let fake = FakeBuildkite::start().await;
         let dir = tempfile::tempdir().expect("tempdir");
         let mut procs = setup(&fake, dir.path(), &store).await;
         let bases: Vec<String> = procs.iter().map(|p| p.base.clone()).collect();
-        let (rate, lat) = accept(&bases, secs).await;
+        let (rate, lat, failed) = accept(&bases, secs).await;
         println!(
             "accept  {label:<44} {rate:>8.0} /s  p50 {:>9}  p99 {:>9}",
             ms(pct(&lat, 0.5)),
             ms(pct(&lat, 0.99))
         );
-        if !matches!(store, Store::Sqlite) {
+        if let Some(first) = failed.first() {
+            println!("        {} not accepted; the first: {first}", failed.len());
+        }
+        if !matches!(store, Store::Sqlite | Store::SqliteBy(_)) {
             // The accept run's builds are drained before the webhook samples.
             while fake
                 .next_created(Duration::from_millis(200))

@@ -5,7 +5,8 @@
 
 -- Requests a replica hands to the one that runs the queue, and their answers: written by the
 -- replica that received the request (times by the database's clock), claimed (`claimed_by` and
--- `claimed_start`: the claimant's lock session, its pid and start, since a pid is reused after
+-- `claimed_start`: the claimant's lock session, its pid and start (epoch seconds, as text), since
+-- a pid is reused after
 -- a server restart; the body is dropped then) and answered by the holder, read back and deleted
 -- by the receiver.
 CREATE TABLE relayed (
@@ -17,7 +18,7 @@ CREATE TABLE relayed (
     peer TEXT NOT NULL,
     body BYTEA NOT NULL,
     claimed_by INTEGER,
-    claimed_start TIMESTAMPTZ,
+    claimed_start TEXT,
     status INTEGER,
     answer_headers TEXT,
     answer_body BYTEA

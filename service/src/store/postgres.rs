@@ -195,6 +195,8 @@ pub(crate) fn lock_key(schema: &str) -> i32 {
 #[derive(Clone)]
 pub struct Postgres {
     pool: PgPool,
+    /// When the lock's session started (what a relayed request's claim records with its pid).
+    holder_start: Arc<tokio::sync::OnceCell<String>>,
     /// The same pool, as the replicas' side of the store sees it.
     replica: super::replicas::Replica,
     keeper: Arc<Keeper>,
@@ -373,6 +375,7 @@ impl Postgres {
         Ok((
             Postgres {
                 replica,
+                holder_start: Arc::new(tokio::sync::OnceCell::new()),
                 pool,
                 keeper: Arc::new(Keeper {
                     stop: Mutex::new(Some(stop)),
@@ -413,7 +416,14 @@ impl Postgres {
     ) -> Result<Vec<(i64, super::replicas::Relayed)>, StoreError> {
         self.held()?;
         let mut c = self.conn().await?;
-        super::replicas::Replica::claim(&mut c, self.fence.2, limit)
+        let pid = self.fence.2;
+        let start = self
+            .holder_start
+            .get_or_try_init(|| super::replicas::Replica::session_start(&mut c, pid))
+            .await
+            .map_err(|e| self.write_err(&e))?
+            .clone();
+        super::replicas::Replica::claim(&mut c, (pid, &start), limit)
             .await
             .map_err(|e| self.write_err(&e))
     }

@@ -266,7 +266,8 @@ impl Replica {
             "SELECT claimed_by, status, answer_headers, answer_body, \
              (claimed_by IS NOT NULL AND status IS NULL AND NOT EXISTS \
               (SELECT 1 FROM pg_stat_activity \
-               WHERE pid = claimed_by AND backend_start IS NOT DISTINCT FROM claimed_start)) \
+               WHERE pid = claimed_by \
+               AND extract(epoch FROM backend_start)::text IS NOT DISTINCT FROM claimed_start)) \
              AS orphaned \
              FROM relayed WHERE id = $1",
         )
@@ -343,12 +344,25 @@ impl Replica {
             .map_err(|e| StoreError::DatabaseWrite(report(&e)))
     }
 
-    /// Takes up to `limit` waiting requests for the session `holder` (the lock's: a request
+    /// When session `pid` started, as [`Replica::claim`] records it.
+    pub(crate) async fn session_start(
+        c: &mut sqlx::PgConnection,
+        pid: i32,
+    ) -> Result<String, sqlx::Error> {
+        sqlx::query_scalar(
+            "SELECT extract(epoch FROM backend_start)::text FROM pg_stat_activity WHERE pid = $1",
+        )
+        .bind(pid)
+        .fetch_one(c)
+        .await
+    }
+
+    /// Takes up to `limit` waiting requests for the session `holder` (pid and start; the lock's: a request
     /// is the claimant's for as long as that session lives), dropping their bodies from the
     /// table. The caller checks it holds the lock ([`super::Postgres::claim_relayed`]).
     pub(crate) async fn claim(
         c: &mut sqlx::PgConnection,
-        holder: i32,
+        holder: (i32, &str),
         limit: i64,
     ) -> Result<Vec<(i64, Relayed)>, sqlx::Error> {
         let rows = sqlx::query(
@@ -356,12 +370,13 @@ impl Replica {
                FROM relayed WHERE claimed_by IS NULL ORDER BY created_at_ms LIMIT $2 \
                FOR UPDATE SKIP LOCKED), \
              marked AS (UPDATE relayed r SET claimed_by = $1, body = ''::bytea, \
-               claimed_start = (SELECT backend_start FROM pg_stat_activity WHERE pid = $1) \
+               claimed_start = $3 \
                FROM taken WHERE r.id = taken.id) \
              SELECT id, method, uri, headers, peer, body FROM taken ORDER BY created_at_ms",
         )
-        .bind(holder)
+        .bind(holder.0)
         .bind(limit)
+        .bind(holder.1)
         .fetch_all(c)
         .await?;
         rows.into_iter()
