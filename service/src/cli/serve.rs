@@ -170,7 +170,9 @@ pub async fn run(args: ServeArgs, local: bool) -> anyhow::Result<()> {
             anyhow::bail!("KERNELKITE_REPLICA runs with the Buildkite executor only: the local executor runs builds on this machine, one service at a time; unset KERNELKITE_REPLICA");
         }
         let listener = bind(listen).await?;
-        return crate::replica::run(&cfg, listener, shutdown_signal()).await;
+        let start: crate::replica::Start =
+            Arc::new(|cfg, metrics| Ok(start_replica(cfg, metrics)?));
+        return crate::replica::run(&cfg, listener, shutdown_signal(), start).await;
     }
     let app = match cfg.executor {
         ExecutorKind::Buildkite => {

@@ -16,10 +16,10 @@ use serde_json::json;
 
 use super::error::ApiError;
 use super::{auth, events, openapi, status, submissions, webhooks, Edge, Phase, Reader};
+use super::{text_headers, Relayer};
 use crate::buildkite::webhook::WebhookReceiver;
 use crate::error::{BadRequest, Error, Unauthorized, Unavailable, WebhookRefusal};
-use crate::replica::relay::{text_headers, Relay, CLAIM_WAIT};
-use crate::store::replicas::{Relayed, Replica};
+use crate::store::replicas::{Relayed, Replica, CLAIM_WAIT};
 
 /// What a replica's own routes are given.
 #[derive(Clone)]
@@ -27,7 +27,7 @@ pub(crate) struct Follower {
     reader: Arc<dyn Reader>,
     edge: Arc<Edge>,
     finished: Arc<events::Finished>,
-    relay: Arc<Relay>,
+    relay: Arc<dyn Relayer>,
     db: Replica,
     webhooks: Arc<WebhookReceiver>,
 }
@@ -55,7 +55,7 @@ impl FromRef<Follower> for Arc<events::Finished> {
 pub fn follower_router(
     reader: Arc<dyn Reader>,
     edge: Arc<Edge>,
-    relay: Arc<Relay>,
+    relay: Arc<dyn Relayer>,
     db: Replica,
 ) -> Router {
     // The routes relayed are the core's that change something or need its memory; any other

@@ -58,6 +58,45 @@ impl Reader for App {
     }
 }
 
+/// Where a replica that does not run the queue hands the requests the core answers
+/// (`crate::replica::relay`: through the database, to the replica that runs it).
+pub trait Relayer: Send + Sync + 'static {
+    /// `r` answered by the replica running the queue, waiting at most `claim_wait` for one to
+    /// take it.
+    fn send(
+        &self,
+        r: crate::store::replicas::Relayed,
+        claim_wait: Duration,
+    ) -> BoxFuture<'_, Result<Response, Error>>;
+}
+
+/// Headers never relayed: those of one connection, and credentials (the receiving replica
+/// checked them and relays its verdict, [`crate::http::Vouched`]: no secret is written to the
+/// database).
+const NOT_RELAYED: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-buildkite-token",
+    "x-buildkite-signature",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-connection",
+];
+
+/// The headers whose values are text, without those of one connection and credentials.
+pub fn text_headers(h: &axum::http::HeaderMap) -> Vec<(String, String)> {
+    h.iter()
+        .filter(|(k, _)| !NOT_RELAYED.contains(&k.as_str()))
+        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+        .collect()
+}
+
 /// What the handlers are given: the core, the edge's shared state, and the receiving end of
 /// Buildkite's webhook (the edge's, not the core's: the core hears only executor events).
 #[derive(Clone)]

@@ -31,7 +31,9 @@ use crate::config::Config;
 use crate::http::server::Served;
 use crate::http::{follower_router, router_with, Edge, Phase};
 use crate::metrics::Metrics;
+use crate::report::BoxError;
 use crate::store::replicas::{Heard, Replica, RECHECK};
+use crate::store::Postgres;
 use mirror::Mirror;
 use relay::Relay;
 
@@ -50,12 +52,18 @@ struct Leading {
     edge: Arc<Edge>,
 }
 
+/// How a replica starts the core once it may (blocking until it holds the schema's lock): the
+/// composition root's wiring (`crate::cli::serve::start_replica`), handed in.
+pub type Start =
+    Arc<dyn Fn(&Config, Arc<Metrics>) -> Result<(Arc<App>, Postgres), BoxError> + Send + Sync>;
+
 /// Serves as a replica on `listener` until `shutdown` resolves; meanwhile waits for the
-/// schema's lock and, once it holds it, runs the queue.
+/// schema's lock and, once it holds it, runs the queue, started by `start`.
 pub async fn run(
     cfg: &Config,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    start: Start,
 ) -> anyhow::Result<()> {
     let crate::config::Backend::Postgres(url) = cfg.store.backend() else {
         anyhow::bail!(crate::config::ConfigError::ReplicaWithoutDatabase);
@@ -81,6 +89,7 @@ pub async fn run(
         front.clone(),
         served.app.clone(),
         edge.clone(),
+        start,
     ));
     // Draining reaches the core's routes too: their long-polls and streams answer.
     {
@@ -116,19 +125,18 @@ async fn lead(
     front: Arc<Front>,
     serving: Arc<OnceLock<Arc<App>>>,
     own: Arc<Edge>,
+    start: Start,
 ) {
     let (app, db) = loop {
         if own.phase() != Phase::Serving {
             return; // draining: this process will not run the queue
         }
-        let (cfg, metrics) = (cfg.clone(), metrics.clone());
-        let started =
-            tokio::task::spawn_blocking(move || crate::cli::serve::start_replica(&cfg, metrics))
-                .await;
+        let (cfg, metrics, start) = (cfg.clone(), metrics.clone(), start.clone());
+        let started = tokio::task::spawn_blocking(move || start(&cfg, metrics)).await;
         match started {
             Ok(Ok(x)) => break x,
             Ok(Err(e)) => {
-                tracing::error!(error = %crate::report::report(&e), "this replica could not take the schema's lock or start the queue; trying again");
+                tracing::error!(error = %crate::report::report(&*e), "this replica could not take the schema's lock or start the queue; trying again");
             }
             Err(e) => tracing::error!(error = %e, "the start of the queue panicked; trying again"),
         }

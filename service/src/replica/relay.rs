@@ -10,7 +10,7 @@
 //! is written (the holder died or was taken over), the receiver answers 503 at once: the
 //! request may or may not have taken effect, as with a reply lost on the network, and a retry
 //! with the same `Idempotency-Key` gets the one submission either way. A request nobody
-//! claims within [`CLAIM_WAIT`] (no replica holds the lock) is taken back and answered 503,
+//! claims within [`CLAIM_WAIT`](crate::store::replicas::CLAIM_WAIT) (no replica holds the lock) is taken back and answered 503,
 //! without effect.
 
 use std::collections::HashMap;
@@ -25,13 +25,9 @@ use tokio::sync::Notify;
 use tower_service::Service as _;
 
 use crate::error::{Error, Unavailable};
+use crate::http::text_headers;
 use crate::store::replicas::{Answer, RelayState, Relayed, Replica, RECHECK};
 use crate::store::Postgres;
-
-/// How long a relayed request waits to be claimed: longer than a take-over takes (6 s of
-/// silence, then a start), so a request that arrives while the holder dies is answered by
-/// the next.
-pub const CLAIM_WAIT: Duration = Duration::from_secs(15);
 
 /// How long a claimed request waits for its answer (the holder's own bounds are shorter:
 /// store and Buildkite calls time out well within it).
@@ -45,25 +41,6 @@ pub const IN_FLIGHT: usize = 256;
 
 /// Relayed requests claimed in one statement, at most.
 const BATCH: usize = 64;
-
-/// Headers never relayed: those of one connection, and credentials (the receiving replica
-/// checked them and relays its verdict, [`crate::http::Vouched`]: no secret is written to the
-/// database).
-const NOT_RELAYED: &[&str] = &[
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-    "x-buildkite-token",
-    "x-buildkite-signature",
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "upgrade",
-    "te",
-    "trailer",
-    "proxy-connection",
-];
 
 /// The receiving side: requests relayed from here, each waiting for its answer.
 pub struct Relay {
@@ -188,6 +165,16 @@ impl Relay {
     }
 }
 
+impl crate::http::Relayer for Relay {
+    fn send(
+        &self,
+        r: Relayed,
+        claim_wait: Duration,
+    ) -> futures_util::future::BoxFuture<'_, Result<Response, Error>> {
+        Box::pin(Relay::send(self, r, claim_wait))
+    }
+}
+
 /// The answer as the client gets it.
 fn response(a: Answer) -> Response {
     let mut r = Response::new(Body::from(a.body));
@@ -199,14 +186,6 @@ fn response(a: Answer) -> Response {
         }
     }
     r
-}
-
-/// The headers whose values are text, without those of one connection and credentials.
-pub fn text_headers(h: &axum::http::HeaderMap) -> Vec<(String, String)> {
-    h.iter()
-        .filter(|(k, _)| !NOT_RELAYED.contains(&k.as_str()))
-        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
-        .collect()
 }
 
 /// The holding side: while this process holds the schema's lock, claims what the replicas

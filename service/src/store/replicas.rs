@@ -21,6 +21,11 @@ use crate::submission::Submission;
 /// How often what a replica waits for is read again whatever the notifications say.
 pub const RECHECK: Duration = Duration::from_secs(1);
 
+/// How long a relayed request waits to be claimed: longer than a take-over takes (6 s of
+/// silence, then a start), so a request that arrives while the holder dies is answered by
+/// the next.
+pub const CLAIM_WAIT: Duration = Duration::from_secs(15);
+
 /// The setting (on every connection of the service) that names the channel the submissions
 /// table's trigger announces changes on (`migrations-postgres/0002_replicas.sql`).
 pub(crate) const CHANGED_SETTING: &str = "kernelkite.changed";
