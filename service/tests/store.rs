@@ -733,11 +733,14 @@ async fn end_lock_session(s: &PgSettings) -> Vec<bool> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_relayed_requests_are_claimed_once_answered_once_and_orphaned_with_their_claimant()
 {
-    use kernelkite_service::store::replicas::{Answer, Heard, RelayState, Relayed, Replica};
+    use kernelkite_service::store::replicas::{
+        Answer, Heard, Holder, RelayState, Relayed, Replica,
+    };
     let Some(Backend::Postgres(s)) = Backend::postgres() else {
         return;
     };
-    let (holder, _) = Postgres::open(&s, None).unwrap();
+    let (store, _) = Postgres::open(&s, None).unwrap();
+    let holder = Holder::new(store.clone());
     let replica = Replica::connect(&s).unwrap();
     let mut heard = replica.hear(vec![replica.channels().changed.clone()]);
     assert_eq!(heard.recv().await, Some(Heard::Listening));
@@ -756,12 +759,9 @@ async fn postgres_relayed_requests_are_claimed_once_answered_once_and_orphaned_w
         "nobody took it: taken back"
     );
     assert_eq!(replica.relay_state(2).await.unwrap(), RelayState::Gone);
-    let claimed = holder.claim_relayed(10).await.unwrap();
+    let claimed = holder.claim(10).await.unwrap();
     assert_eq!(claimed, vec![(1, request("one"))]);
-    assert!(
-        holder.claim_relayed(10).await.unwrap().is_empty(),
-        "claimed once"
-    );
+    assert!(holder.claim(10).await.unwrap().is_empty(), "claimed once");
     assert!(
         !replica.withdraw(1).await.unwrap(),
         "a claimed request stays"
@@ -775,13 +775,13 @@ async fn postgres_relayed_requests_are_claimed_once_answered_once_and_orphaned_w
         headers: vec![("content-type".into(), "application/json".into())],
         body: b"{}".to_vec(),
     };
-    replica.answer(1, holder.holder(), &answer).await.unwrap();
+    replica.answer(1, holder.pid(), &answer).await.unwrap();
     assert_eq!(replica.take_answer(1).await.unwrap(), Some(answer));
     assert_eq!(replica.take_answer(1).await.unwrap(), None, "taken once");
 
     // A change of a submission is announced.
     let n = new_sub(None);
-    created(&holder, &n).await;
+    created(&store, &n).await;
     let said = tokio::time::timeout(std::time::Duration::from_secs(5), heard.recv())
         .await
         .expect("the change is announced");
@@ -796,8 +796,8 @@ async fn postgres_relayed_requests_are_claimed_once_answered_once_and_orphaned_w
 
     // The claimant's lock session ends with a request of it unanswered.
     replica.relay(3, &request("three")).await.unwrap();
-    assert_eq!(holder.claim_relayed(10).await.unwrap().len(), 1);
-    drop(holder);
+    assert_eq!(holder.claim(10).await.unwrap().len(), 1);
+    drop((holder, store));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while replica.relay_state(3).await.unwrap() != (RelayState::Claimed { orphaned: true }) {
         assert!(

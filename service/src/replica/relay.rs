@@ -26,7 +26,7 @@ use tower_service::Service as _;
 
 use crate::error::{Error, Unavailable};
 use crate::http::text_headers;
-use crate::store::replicas::{Answer, RelayState, Relayed, Replica, RECHECK};
+use crate::store::replicas::{Answer, Holder, RelayState, Relayed, Replica, RECHECK};
 use crate::store::Postgres;
 
 /// How long a claimed request waits for its answer (the holder's own bounds are shorter:
@@ -198,7 +198,8 @@ pub async fn serve_relayed(
     routes: Router,
     stopping: impl std::future::Future<Output = ()> + Send,
 ) {
-    let replica = db.replica().clone();
+    let holder = Holder::new(db);
+    let replica = holder.replica().clone();
     let mut heard = replica.hear(vec![replica.channels().relayed.clone()]);
     let slots = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
     let mut pruned = Instant::now();
@@ -207,7 +208,7 @@ pub async fn serve_relayed(
         let free = slots.available_permits().min(BATCH);
         let mut full = false;
         if free > 0 {
-            match db.claim_relayed(free as i64).await {
+            match holder.claim(free as i64).await {
                 Ok(claimed) => {
                     full = claimed.len() == free;
                     for (id, r) in claimed {
@@ -215,7 +216,7 @@ pub async fn serve_relayed(
                             break;
                         };
                         let (routes, replica, holder) =
-                            (routes.clone(), replica.clone(), db.holder());
+                            (routes.clone(), replica.clone(), holder.pid());
                         tokio::spawn(async move {
                             let a = answer(routes, r).await;
                             if let Err(e) = replica.answer(id, holder, &a).await {

@@ -107,6 +107,32 @@ const UNIQUE_VIOLATION: &str = "23505";
 /// The migrations of `service/migrations-postgres/`, embedded at build time.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations-postgres");
 
+/// The setting (on every connection of the service) that names the channel the submissions
+/// table's trigger announces changes on (`migrations-postgres/0002_replicas.sql`; see `super::replicas`).
+pub(crate) const CHANGED_SETTING: &str = "kernelkite.changed";
+
+/// The notification channels of one schema. Named from the schema's lock key: a channel's
+/// name is at most 63 bytes, and a schema's name may be that long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Channels {
+    /// A submission changed (payload: its id).
+    pub changed: String,
+    /// A request was relayed (payload: its id).
+    pub relayed: String,
+    /// A relayed request was answered (payload: its id).
+    pub answered: String,
+}
+
+/// The channels of `schema`.
+pub fn channels(schema: &str) -> Channels {
+    let key = lock_key(schema) as u32;
+    Channels {
+        changed: format!("kernelkite_{key:08x}_changed"),
+        relayed: format!("kernelkite_{key:08x}_relayed"),
+        answered: format!("kernelkite_{key:08x}_answered"),
+    }
+}
+
 /// Where the store is.
 #[derive(Clone)]
 pub struct PgSettings {
@@ -123,7 +149,7 @@ pub struct PgSettings {
     /// Wait for the lock without limit (a standby replica), instead of `lock_wait`.
     pub standby: bool,
     /// One of several replicas (`KERNELKITE_REPLICA`): its connections name the channel the
-    /// submissions' changes are announced on ([`super::replicas`]); others announce nothing.
+    /// submissions' changes are announced on ([`Channels::changed`]); others announce nothing.
     pub replica: bool,
     /// Whether losing the lock ends the process ([`EXIT_LOST`]): the service's choice; a test's
     /// store only refuses its writes.
@@ -195,10 +221,10 @@ pub(crate) fn lock_key(schema: &str) -> i32 {
 #[derive(Clone)]
 pub struct Postgres {
     pool: PgPool,
-    /// When the lock's session started (what a relayed request's claim records with its pid).
-    holder_start: Arc<tokio::sync::OnceCell<String>>,
-    /// The same pool, as the replicas' side of the store sees it.
-    replica: super::replicas::Replica,
+    /// What its connections were opened with.
+    opts: PgConnectOptions,
+    /// Its schema.
+    schema: String,
     keeper: Arc<Keeper>,
     /// The lock's keys and the backend pid of the session holding it: every write's fence.
     fence: (i64, i64, i32),
@@ -371,11 +397,10 @@ impl Postgres {
             .acquire_timeout(Duration::from_secs(10))
             .connect_lazy_with(opts.clone());
         tracing::info!(store = %target, "the store is in PostgreSQL");
-        let replica = super::replicas::Replica::over(pool.clone(), &opts, &settings.schema);
         Ok((
             Postgres {
-                replica,
-                holder_start: Arc::new(tokio::sync::OnceCell::new()),
+                opts,
+                schema: settings.schema.clone(),
                 pool,
                 keeper: Arc::new(Keeper {
                     stop: Mutex::new(Some(stop)),
@@ -395,37 +420,15 @@ impl Postgres {
         ))
     }
 
-    /// The replicas' side of the store, on the same connections.
-    pub fn replica(&self) -> &super::replicas::Replica {
-        &self.replica
+    /// Its connections, and the options they were opened with (the replicas' side of the
+    /// store, `super::replicas`, works on them).
+    pub(crate) fn connections(&self) -> (&PgPool, &PgConnectOptions, &str) {
+        (&self.pool, &self.opts, &self.schema)
     }
 
     /// The backend pid of the session holding the schema's lock.
     pub fn holder(&self) -> i32 {
         self.fence.2
-    }
-
-    /// Takes up to `limit` requests other replicas relayed, for this store's lock session.
-    /// Checked as far as this process knows, not fenced in the database: a holder that lost the
-    /// lock without knowing it yet can only answer what it claimed with a refusal (every write
-    /// of the core is fenced) or with what it holds in memory, never with a change; and what it
-    /// claimed is seen as orphaned once its session is ended.
-    pub async fn claim_relayed(
-        &self,
-        limit: i64,
-    ) -> Result<Vec<(i64, super::replicas::Relayed)>, StoreError> {
-        self.held()?;
-        let mut c = self.conn().await?;
-        let pid = self.fence.2;
-        let start = self
-            .holder_start
-            .get_or_try_init(|| super::replicas::Replica::session_start(&mut c, pid))
-            .await
-            .map_err(|e| self.write_err(&e))?
-            .clone();
-        super::replicas::Replica::claim(&mut c, (pid, &start), limit)
-            .await
-            .map_err(|e| self.write_err(&e))
     }
 
     /// Where the store is: the URL without its password, and the schema.
@@ -443,7 +446,7 @@ impl Postgres {
 
     /// Refuses once the lock's connection is lost, or its last beat is too old to be sure
     /// no other service took over.
-    fn held(&self) -> Result<(), StoreError> {
+    pub(crate) fn held(&self) -> Result<(), StoreError> {
         if let Some(why) = self.keeper.beat.stale() {
             lose(&self.keeper.lost, why, self.exit_on_lost);
         }
@@ -462,7 +465,7 @@ impl Postgres {
         }
     }
 
-    fn write_err(&self, e: &sqlx::Error) -> StoreError {
+    pub(crate) fn write_err(&self, e: &sqlx::Error) -> StoreError {
         let why = report(e);
         tracing::error!(error = %why, store = %self.target, "the store could not commit");
         StoreError::DatabaseWrite(why)
@@ -727,14 +730,14 @@ pub(crate) fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions,
     // Where the submissions' trigger announces changes, for the replicas' waiters; a lone
     // service names no channel, and its commits notify nothing.
     let changed = if settings.replica {
-        super::replicas::channels(&settings.schema).changed
+        channels(&settings.schema).changed
     } else {
         String::new()
     };
     Ok(opts
         .options([
             ("search_path", settings.schema.as_str()),
-            (super::replicas::CHANGED_SETTING, changed.as_str()),
+            (CHANGED_SETTING, changed.as_str()),
             ("tcp_keepalives_idle", "10"),
             ("tcp_keepalives_interval", "5"),
             ("tcp_keepalives_count", "3"),

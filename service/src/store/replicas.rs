@@ -13,7 +13,8 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::Row;
 
-use super::postgres::{connect_options, load, load_many, lock_key, shown, PgSettings};
+pub use super::postgres::{channels, Channels};
+use super::postgres::{connect_options, load, load_many, shown, PgSettings, Postgres};
 use super::StoreError;
 use crate::report::report;
 use crate::submission::Submission;
@@ -25,32 +26,6 @@ pub const RECHECK: Duration = Duration::from_secs(1);
 /// silence, then a start), so a request that arrives while the holder dies is answered by
 /// the next.
 pub const CLAIM_WAIT: Duration = Duration::from_secs(15);
-
-/// The setting (on every connection of the service) that names the channel the submissions
-/// table's trigger announces changes on (`migrations-postgres/0002_replicas.sql`).
-pub(crate) const CHANGED_SETTING: &str = "kernelkite.changed";
-
-/// The notification channels of one schema. Named from the schema's lock key: a channel's
-/// name is at most 63 bytes, and a schema's name may be that long.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Channels {
-    /// A submission changed (payload: its id).
-    pub changed: String,
-    /// A request was relayed (payload: its id).
-    pub relayed: String,
-    /// A relayed request was answered (payload: its id).
-    pub answered: String,
-}
-
-/// The channels of `schema`.
-pub fn channels(schema: &str) -> Channels {
-    let key = lock_key(schema) as u32;
-    Channels {
-        changed: format!("kernelkite_{key:08x}_changed"),
-        relayed: format!("kernelkite_{key:08x}_relayed"),
-        answered: format!("kernelkite_{key:08x}_answered"),
-    }
-}
 
 /// A request as the replica that received it saw it, for the one that runs the queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,6 +70,60 @@ pub enum RelayState {
     Gone,
 }
 
+/// The side of the replica holding the schema's lock: claims what the others relay, for its
+/// lock session.
+pub struct Holder {
+    db: Postgres,
+    replica: Replica,
+    /// When the lock's session started (what a claim records with its pid).
+    start: tokio::sync::OnceCell<String>,
+}
+
+impl Holder {
+    /// The holder with the store `db`.
+    pub fn new(db: Postgres) -> Holder {
+        Holder {
+            replica: Replica::of(&db),
+            db,
+            start: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// Its connections, as a replica's.
+    pub fn replica(&self) -> &Replica {
+        &self.replica
+    }
+
+    /// The backend pid of its lock session.
+    pub fn pid(&self) -> i32 {
+        self.db.holder()
+    }
+
+    /// Takes up to `limit` requests other replicas relayed, for its lock session. Checked as
+    /// far as this process knows, not fenced in the database: a holder that lost the lock
+    /// without knowing it yet can only answer what it claimed with a refusal (every write of the
+    /// core is fenced) or with what it holds in memory, never with a change; and what it
+    /// claimed is seen as orphaned once its session is ended.
+    pub async fn claim(&self, limit: i64) -> Result<Vec<(i64, Relayed)>, StoreError> {
+        self.db.held()?;
+        let (pool, _, _) = self.db.connections();
+        let mut c = pool
+            .acquire()
+            .await
+            .map_err(|e| StoreError::Read(report(&e)))?;
+        let pid = self.pid();
+        let start = self
+            .start
+            .get_or_try_init(|| Replica::session_start(&mut c, pid))
+            .await
+            .map_err(|e| self.db.write_err(&e))?
+            .clone();
+        Replica::claim(&mut c, (pid, &start), limit)
+            .await
+            .map_err(|e| self.db.write_err(&e))
+    }
+}
+
 /// What a listener heard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Heard {
@@ -136,8 +165,14 @@ impl Replica {
         Ok(Replica::over(pool, &opts, &settings.schema))
     }
 
+    /// On the connections of the store `db` (the replica holding the lock).
+    pub fn of(db: &Postgres) -> Replica {
+        let (pool, opts, schema) = db.connections();
+        Replica::over(pool.clone(), opts, schema)
+    }
+
     /// Over an open pool.
-    pub(crate) fn over(pool: PgPool, opts: &PgConnectOptions, schema: &str) -> Replica {
+    fn over(pool: PgPool, opts: &PgConnectOptions, schema: &str) -> Replica {
         Replica {
             target: format!("{} (schema {schema})", shown(opts)).into(),
             channels: Arc::new(channels(schema)),
@@ -350,10 +385,7 @@ impl Replica {
     }
 
     /// When session `pid` started, as [`Replica::claim`] records it.
-    pub(crate) async fn session_start(
-        c: &mut sqlx::PgConnection,
-        pid: i32,
-    ) -> Result<String, sqlx::Error> {
+    async fn session_start(c: &mut sqlx::PgConnection, pid: i32) -> Result<String, sqlx::Error> {
         sqlx::query_scalar(
             "SELECT extract(epoch FROM backend_start)::text FROM pg_stat_activity WHERE pid = $1",
         )
@@ -364,8 +396,8 @@ impl Replica {
 
     /// Takes up to `limit` waiting requests for the session `holder` (pid and start; the lock's: a request
     /// is the claimant's for as long as that session lives), dropping their bodies from the
-    /// table. The caller checks it holds the lock ([`super::Postgres::claim_relayed`]).
-    pub(crate) async fn claim(
+    /// table. The caller checks it holds the lock ([`Holder::claim`]).
+    async fn claim(
         c: &mut sqlx::PgConnection,
         holder: (i32, &str),
         limit: i64,
