@@ -84,9 +84,23 @@ async fn submit_retrying(
     body: &Value,
     retried: &[u16],
 ) -> String {
+    submit_over(http, &[base.to_string()], &mut 0, key, body, retried).await
+}
+
+/// [`submit_retrying`] to the services at `bases`, starting at `bases[*at]` and moving on to
+/// the next whenever one does not answer (refused, cut, a retried status); `at` is left at
+/// the one that accepted.
+async fn submit_over(
+    http: &reqwest::Client,
+    bases: &[String],
+    at: &mut usize,
+    key: &str,
+    body: &Value,
+    retried: &[u16],
+) -> String {
     loop {
         match http
-            .post(format!("{base}/v1/submissions"))
+            .post(format!("{}/v1/submissions", bases[*at]))
             .header("Idempotency-Key", key)
             .json(body)
             .send()
@@ -104,6 +118,7 @@ async fn submit_retrying(
             ),
             Err(_) => {}
         }
+        *at = (*at + 1) % bases.len();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -121,9 +136,20 @@ async fn get_submission(http: &reqwest::Client, base: &str, id: &str) -> Value {
 }
 
 async fn long_poll(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    long_poll_over(http, &[base.to_string()], &mut 0, id).await
+}
+
+/// [`long_poll`] at the services at `bases`, starting at `bases[*at]` and moving on to the
+/// next whenever one does not answer.
+async fn long_poll_over(
+    http: &reqwest::Client,
+    bases: &[String],
+    at: &mut usize,
+    id: &str,
+) -> Value {
     loop {
         if let Ok(r) = http
-            .get(format!("{base}/v1/submissions/{id}?wait=3"))
+            .get(format!("{}/v1/submissions/{id}?wait=3", bases[*at]))
             .send()
             .await
         {
@@ -140,6 +166,7 @@ async fn long_poll(http: &reqwest::Client, base: &str, id: &str) -> Value {
                 }
             }
         }
+        *at = (*at + 1) % bases.len();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -1721,36 +1748,33 @@ const POSTGRES_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/postg
 impl PrivatePostgres {
     fn start() -> PrivatePostgres {
         let dir = tempfile::tempdir().unwrap();
-        let out = std::process::Command::new(POSTGRES_SH)
-            .arg("start")
-            .arg(dir.path())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let url = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        let url = postgres_sh("start", dir.path()).trim().to_string();
         PrivatePostgres { dir, url }
     }
 
     fn restart(&self) {
-        let out = std::process::Command::new(POSTGRES_SH)
-            .arg("restart")
-            .arg(self.dir.path())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        postgres_sh("restart", self.dir.path());
     }
+}
+
+/// `scripts/postgres.sh COMMAND DIR`, which must succeed; its output.
+fn postgres_sh(command: &str, dir: &std::path::Path) -> String {
+    let out = std::process::Command::new(POSTGRES_SH)
+        .arg(command)
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
+        // Not asserted: a drop during a failing test's unwinding must not panic again.
         let _ = std::process::Command::new(POSTGRES_SH)
             .arg("stop")
             .arg(self.dir.path())
@@ -1777,46 +1801,9 @@ fn clients_over_replicas(
                 let mut at = i % bases.len();
                 let run_id = format!("run-{i}");
                 let body = json!({"config": sample_config(), "queue": "h100", "run_id": run_id, "callback_url": cb, "user": format!("user{}", i % 6)});
-                let id = loop {
-                    match http
-                        .post(format!("{}/v1/submissions", bases[at]))
-                        .header("Idempotency-Key", format!("key-{i}"))
-                        .json(&body)
-                        .send()
-                        .await
-                    {
-                        Ok(r) if r.status() == 202 || r.status() == 200 => {
-                            let v: Value = r.json().await.unwrap();
-                            break v["id"].as_str().unwrap().to_string();
-                        }
-                        Ok(r) => assert_eq!(r.status(), 503, "{:?}", r.text().await),
-                        Err(_) => {}
-                    }
-                    at = (at + 1) % bases.len();
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                };
-                let done = loop {
-                    if let Ok(r) = http
-                        .get(format!("{}/v1/submissions/{id}?wait=2", bases[at]))
-                        .send()
-                        .await
-                    {
-                        if r.status() == 200 {
-                            if let Ok(v) = r.json::<Value>().await {
-                                let ended = matches!(
-                                    v["state"].as_str(),
-                                    Some("succeeded" | "failed" | "canceled" | "timed_out")
-                                );
-                                if ended {
-                                    break v;
-                                }
-                                continue;
-                            }
-                        }
-                    }
-                    at = (at + 1) % bases.len();
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                };
+                let key = format!("key-{i}");
+                let id = submit_over(&http, &bases, &mut at, &key, &body, DIRECT).await;
+                let done = long_poll_over(&http, &bases, &mut at, &id).await;
                 (run_id, id, done)
             })
         })

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use axum::extract::{ConnectInfo, FromRef, Request, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse as _, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
@@ -79,7 +79,7 @@ pub fn follower_router(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi::serve))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(super::metrics))
         .with_state(Follower {
             reader,
             finished: Arc::new(events::Finished::default()),
@@ -110,17 +110,6 @@ async fn readyz(State(f): State<Follower>) -> Response {
         );
     }
     healthz(State(f)).await
-}
-
-async fn metrics(State(f): State<Follower>) -> Response {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        f.edge.metrics.render(),
-    )
-        .into_response()
 }
 
 /// A request the core answers: checked as far as this replica can (the client guard on `/v1`,

@@ -236,14 +236,15 @@ fn status(code: StatusCode, body: serde_json::Value) -> Response {
 }
 
 /// `GET /metrics`: OpenMetrics text (what Prometheus scrapes). Unauthenticated, like
-/// `/healthz`: label values are fixed names (states, reasons, calls), never ids or input.
-async fn metrics(State(app): State<Arc<App>>) -> Response {
+/// `/healthz`: label values are fixed names (states, reasons, calls), never ids or input. The
+/// edge counts into the core's metrics, or a replica's before it runs the queue.
+async fn metrics(State(edge): State<Arc<Edge>>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        app.metrics().render(),
+        edge.metrics.render(),
     )
         .into_response()
 }

@@ -64,8 +64,8 @@ pub enum RelayState {
         /// The claimant's session is gone.
         orphaned: bool,
     },
-    /// Answered.
-    Answered(Answer),
+    /// Answered ([`Replica::take_answer`] reads the answer).
+    Answered,
     /// Not there (deleted).
     Gone,
 }
@@ -303,7 +303,7 @@ impl Replica {
     /// Where relayed request `id` stands.
     pub async fn relay_state(&self, id: i64) -> Result<RelayState, StoreError> {
         let row = sqlx::query(
-            "SELECT claimed_by, status, answer_headers, answer_body, \
+            "SELECT claimed_by, status IS NOT NULL, \
              (claimed_by IS NOT NULL AND status IS NULL AND NOT EXISTS \
               (SELECT 1 FROM pg_stat_activity \
                WHERE pid = claimed_by \
@@ -319,23 +319,13 @@ impl Replica {
             return Ok(RelayState::Gone);
         };
         let claimed: Option<i32> = row.try_get(0).map_err(|e| Self::read_err(&e))?;
-        let status: Option<i32> = row.try_get(1).map_err(|e| Self::read_err(&e))?;
-        Ok(match (claimed, status) {
-            (_, Some(status)) => {
-                let headers: Option<String> = row.try_get(2).map_err(|e| Self::read_err(&e))?;
-                let body: Option<Vec<u8>> = row.try_get(3).map_err(|e| Self::read_err(&e))?;
-                RelayState::Answered(Answer {
-                    status: u16::try_from(status).unwrap_or(500),
-                    headers: headers
-                        .and_then(|h| serde_json::from_str(&h).ok())
-                        .unwrap_or_default(),
-                    body: body.unwrap_or_default(),
-                })
-            }
-            (Some(_), None) => RelayState::Claimed {
-                orphaned: row.try_get(4).map_err(|e| Self::read_err(&e))?,
+        let answered: bool = row.try_get(1).map_err(|e| Self::read_err(&e))?;
+        Ok(match (claimed, answered) {
+            (_, true) => RelayState::Answered,
+            (Some(_), false) => RelayState::Claimed {
+                orphaned: row.try_get(2).map_err(|e| Self::read_err(&e))?,
             },
-            (None, None) => RelayState::Waiting,
+            (None, false) => RelayState::Waiting,
         })
     }
 
