@@ -1973,7 +1973,12 @@ async fn a_replica_relays_nothing_unchecked_and_no_credential() {
     ] {
         sqlx::query(&stmt).execute(&mut db).await.unwrap();
     }
-    let http = reqwest::Client::new();
+    // A connection per request: one the replica closed after a refusal (before reading the
+    // body) is never reused for the next request.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
     let big = "x".repeat(64 << 10);
     let signed_badly = {
         let mut h = reqwest::header::HeaderMap::new();
