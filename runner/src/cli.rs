@@ -8,7 +8,7 @@ use clap::Parser;
 
 use crate::eval::{self, Evaluation, Failure, FailureKind, Options};
 use crate::sysinfo::{Probe, TorchProbe};
-use crate::{example, process, sysinfo};
+use crate::{example, process, provenance, sysinfo};
 use kernelkite_kernelbot::config::{Mode, RunConfig};
 use kernelkite_kernelbot::payload;
 use kernelkite_kernelbot::result::{FullResult, RunResult};
@@ -70,6 +70,11 @@ pub struct Args {
         default_value = "result.json"
     )]
     pub output: PathBuf,
+    /// Where to write provenance.json (where and on what the run ran: node, agent, slice,
+    /// GPUs with their clocks, power limit, temperature and ECC counts at start and end).
+    /// Default: beside the result.
+    #[arg(long, env = "KERNELKITE_PROVENANCE", value_name = "PATH")]
+    pub provenance: Option<PathBuf>,
     /// Python interpreter for py submissions (kernelbot runs `python3`).
     #[arg(
         long,
@@ -220,6 +225,18 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
         ..Probe::default()
     };
     let system = sysinfo::collect(&probe);
+    let started = provenance::start(&probe, &provenance::ProcessEnv);
+    let provenance_path = args
+        .provenance
+        .clone()
+        .unwrap_or_else(|| provenance::default_path(&args.output));
+    // Written whatever the evaluation's fate (a result saying it failed still ran somewhere);
+    // a provenance that cannot be written costs the run nothing.
+    let record = move || {
+        if let Err(e) = provenance::write(&provenance_path, &started.finish()) {
+            tracing::warn!("cannot write {}: {e}", provenance_path.display());
+        }
+    };
 
     let (evaluation, secrets) = match load_config(args) {
         Err((failure, secrets)) => (
@@ -249,6 +266,7 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
                     let message = format!("internal runner error (a bug, please report): {what}");
                     let result = FullResult::failure(message, fallback);
                     let _ = write_result(&args.output, &result);
+                    record();
                     return Ok(EXIT_UNEXPECTED);
                 }
             }
@@ -260,6 +278,7 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
         })
     };
 
+    record();
     let written = write_result(&args.output, &evaluation.result);
     // A closed stdout must not turn a finished evaluation into a panic.
     let mut stdout = std::io::stdout().lock();

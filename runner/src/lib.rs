@@ -13,6 +13,7 @@ pub mod example;
 pub mod guard;
 pub mod process;
 pub mod profile;
+pub mod provenance;
 pub mod sysinfo;
 pub mod text;
 pub mod workdir;

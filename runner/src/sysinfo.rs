@@ -426,6 +426,26 @@ pub fn usable_nvidia<'a>(
     visible: Option<&str>,
     dev_root: &Path,
 ) -> Vec<&'a kernelkite_sys::nvml::DeviceInfo> {
+    visible_nvidia(devices, visible)
+        .into_iter()
+        .filter(|d| {
+            d.minor.is_none_or(|m| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(dev_root.join(format!("nvidia{m}")))
+                    .is_ok()
+            })
+        })
+        .collect()
+}
+
+/// NVML's GPUs that `CUDA_VISIBLE_DEVICES` names, as CUDA reads it ([`usable_nvidia`] without
+/// the device-node check: NVML already leaves out what the process may not open).
+pub fn visible_nvidia<'a>(
+    devices: &'a [kernelkite_sys::nvml::DeviceInfo],
+    visible: Option<&str>,
+) -> Vec<&'a kernelkite_sys::nvml::DeviceInfo> {
     let chosen: Vec<usize> = match visible {
         None => (0..devices.len()).collect(),
         Some(v) => {
@@ -461,19 +481,7 @@ pub fn usable_nvidia<'a>(
             chosen
         }
     };
-    chosen
-        .into_iter()
-        .map(|i| &devices[i])
-        .filter(|d| {
-            d.minor.is_none_or(|m| {
-                std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(dev_root.join(format!("nvidia{m}")))
-                    .is_ok()
-            })
-        })
-        .collect()
+    chosen.into_iter().map(|i| &devices[i]).collect()
 }
 
 #[cfg(test)]

@@ -974,3 +974,79 @@ fn print_payload_into_a_closed_pipe_exits_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(stderr.is_empty(), "not quiet: {stderr}");
 }
+
+/// The run's provenance is written beside the result (which stays kernelbot's, with no field
+/// of it): the node, the agent, the queue and the slice from the job's environment, and the
+/// job's GPU as NVML reports it (the stand-in's `health` and `driver` lines), sampled at the
+/// start and at the end; a GPU the job may not open is not listed.
+#[test]
+fn provenance_json_names_where_and_on_what_the_run_ran() {
+    let Some(_) = need_python() else { return };
+    if kernelkite_runner::sysinfo::nvml_available() {
+        kernelkite_testkit_leaf::skip(
+            "a real NVML loads here and would answer instead of the stand-in",
+        );
+        return;
+    }
+    use kernelkite_testkit_leaf::fake_nvml::{h100, h100_uuid, FakeNvml};
+    let fake = match FakeNvml::build() {
+        Ok(f) => f,
+        Err(why) => return kernelkite_testkit_leaf::skip(&why),
+    };
+    fake.configure(&format!(
+        "{}{}health 0000:18:00.0 1755 2619 700000 64 0 0x4 1980 96.00.99.00.01\n\
+         health 0000:19:00.0 1980 2619 700000 40 0 0x0 1980 96.00.99.00.02\n\
+         driver 550.54.15\n",
+        h100("0000:18:00.0", 0, 0),
+        h100("0000:19:00.0", 1, 0)
+    ));
+    let dev = tempfile::tempdir().unwrap();
+    // GPU 0 opens (its node is in the job's /dev); GPU 1 is another job's.
+    std::fs::write(dev.path().join("nvidia0"), "").unwrap();
+    let dev_dir = dev.path().display().to_string();
+    let mut env: Vec<(String, String)> = fake.env();
+    env.push(("KERNELKITE_FAKE_NVML_DEV".into(), dev_dir));
+    env.push(("BUILDKITE_AGENT_NAME".into(), "dgx01-gpu0".into()));
+    env.push(("KERNELBOT_QUEUE".into(), "h100".into()));
+    env.push((
+        "KERNELKITE_SLICE".into(),
+        r#"{"index":0,"gpu":{"pci_bus_id":"0000:18:00.0"},"cpus":[0,1,2,3],"mems":[0],"memory_bytes":17179869184}"#.into(),
+    ));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let r = run_config(&harness_config("test", "pass", json!({})), &[], &env);
+    assert_eq!(r.code, 0, "{}", r.log());
+    let text = std::fs::read_to_string(r.dir.path().join("provenance.json"))
+        .unwrap_or_else(|e| panic!("no provenance.json ({e}): {}", r.log()));
+    let p = kernelkite_sys::provenance::Provenance::parse(text.as_bytes()).unwrap();
+    assert_eq!(p.format, kernelkite_sys::provenance::FORMAT);
+    assert_eq!(p.agent.as_deref(), Some("dgx01-gpu0"));
+    assert_eq!(p.queue.as_deref(), Some("h100"));
+    assert_eq!(p.slice.as_ref().map(|s| s.index), Some(0));
+    assert_eq!(p.slice.as_ref().map(|s| s.cpus.len()), Some(4));
+    assert_eq!(p.driver.as_deref(), Some("550.54.15"));
+    assert_eq!(p.kernelkite_version, env!("CARGO_PKG_VERSION"));
+    assert!(!p.node.is_empty());
+    assert!(p.started_ms > 0 && p.ended_ms >= p.started_ms, "{p:?}");
+    assert_eq!(p.gpus.len(), 1, "only the job's own GPU: {p:?}");
+    let g = &p.gpus[0];
+    assert_eq!(g.uuid.as_deref(), Some(h100_uuid("0000:18:00.0").as_str()));
+    assert_eq!(g.name.as_deref(), Some("NVIDIA H100 80GB HBM3"));
+    assert_eq!(g.vbios.as_deref(), Some("96.00.99.00.01"));
+    assert_eq!(g.max_sm_clock_mhz, Some(1980));
+    for s in [&g.start, &g.end] {
+        let s = s.as_ref().expect("sampled at the start and the end");
+        assert_eq!(s.sm_clock_mhz, Some(1755));
+        assert_eq!(s.mem_clock_mhz, Some(2619));
+        assert_eq!(s.power_limit_w, Some(700.0));
+        assert_eq!(s.temperature_c, Some(64));
+        assert_eq!(s.ecc_uncorrected, Some(0));
+        assert_eq!(s.throttle, ["sw_power_cap"]);
+    }
+    assert!(
+        p.concerns(&Default::default()).is_empty(),
+        "a power cap is a setting, not a fault"
+    );
+    // result.json is kernelbot's own: the provenance adds nothing to it.
+    let keys: Vec<&String> = r.result.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["success", "error", "system", "runs"]);
+}

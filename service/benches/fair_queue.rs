@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use kernelkite_service::dispatch::{Dispatcher, Limits, Slots, Who};
-use kernelkite_service::executor::{BuildStatus, Executor, Job, Launched};
+use kernelkite_service::executor::{BuildStatus, Collected, Executor, Job, Launched};
 use kernelkite_service::fairshare::Class;
 use kernelkite_service::report::BoxError;
 use kernelkite_service::submission::{BuildInfo, Outcome};
@@ -254,7 +254,7 @@ impl Executor for Hold {
     fn cancel<'a>(&'a self, _: &'a BuildInfo) -> BoxFuture<'a, Result<bool, BoxError>> {
         Box::pin(async { Ok(true) })
     }
-    fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         Box::pin(async { Err("never".into()) })
     }
 }

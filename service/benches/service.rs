@@ -1015,11 +1015,11 @@ impl kernelkite_service::executor::Executor for Instantly {
         _build: &'a kernelkite_service::executor::BuildStatus,
     ) -> futures_util::future::BoxFuture<
         'a,
-        Result<kernelkite_service::submission::Outcome, kernelkite_service::report::BoxError>,
+        Result<kernelkite_service::executor::Collected, kernelkite_service::report::BoxError>,
     > {
         Box::pin(async {
             let r = kernelkite_service::result::ResultJson::parse(sample_result_json().as_bytes())?;
-            Ok(kernelkite_service::submission::Outcome::Succeeded(r))
+            Ok(kernelkite_service::submission::Outcome::Succeeded(r).into())
         })
     }
 }

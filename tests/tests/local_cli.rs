@@ -433,6 +433,19 @@ fn submit_talks_to_a_running_service_with_its_token() {
     let v: Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["state"], "succeeded");
     assert_eq!(v["result"]["runs"]["test"]["run"]["passed"], true);
+    // Where it ran: the runner's provenance.json, taken from the job's directory.
+    let p = &v["provenance"];
+    assert_eq!(p["format"], 1, "{v}");
+    assert_eq!(p["node"], v["result"]["system"]["hostname"], "{v}");
+    assert_eq!(p["queue"], v["queue"], "{v}");
+    assert_eq!(p["slice"]["index"], 0, "{v}");
+    assert_eq!(p["kernelkite_version"], env!("CARGO_PKG_VERSION"), "{v}");
+    // Local mode names its slices' agents as an agent per slice would be named.
+    assert_eq!(
+        p["agent"],
+        format!("local-{}-0", p["node"].as_str().unwrap_or_default()),
+        "{v}"
+    );
     // Without the token: refused, no result (exit 3), the reason shown.
     let out = service(&bins).arg("submit").args(base).output().unwrap();
     let (_, stderr) = text(&out);
@@ -559,6 +572,9 @@ fn local_jobs_run_in_the_sandbox_the_submission_as_its_own_uid() {
         "the submission ran as slice 0's submission identity: {v}"
     );
     assert_ne!(run["result"]["probe.0.uid"], user.uid.to_string());
+    // The provenance comes back out of the sandbox beside the result (the step's artifact
+    // paths name both).
+    assert_eq!(v["provenance"]["slice"]["index"], 0, "{v}");
     let log = std::fs::read_to_string(&served.log).unwrap();
     assert!(
         log.contains("commands run in the plugin's sandbox"),

@@ -4,6 +4,7 @@ Buildkite (kernelbot's classes: the stand-ins in kernelbot_standins.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from datetime import UTC, datetime, timedelta
@@ -93,6 +94,55 @@ async def test_success_over_sse_reports_each_state_in_order(stack: Stack):
     sub_id = build["meta_data"]["kernelkite_submission_id"]
     async with KernelkiteClient(stack.url, stack.token) as c:
         assert (await c.get(sub_id))["timeout_s"] == 60
+
+
+async def test_where_the_run_ran_is_a_line_of_its_own_under_the_result(stack: Stack):
+    """The node's provenance.json (uploaded beside result.json) reaches kernelbot's report as
+    one line under the run's: the service's summary, then what looked unhealthy. The result
+    kernelbot gets is the runner's, untouched."""
+    provenance = {
+        "format": 1,
+        "kernelkite_version": "0.1.0",
+        "node": "dgx01",
+        "agent": "dgx01-gpu3",
+        "slice": {"index": 3, "cpus": [12, 13], "memory_bytes": 1},
+        "driver": "550.54.15",
+        "gpus": [
+            {
+                "vendor": "nvidia",
+                "name": "NVIDIA H100 80GB HBM3",
+                "uuid": "GPU-3",
+                "start": {"sm_clock_mhz": 1980, "temperature_c": 60},
+                "end": {"sm_clock_mhz": 1410, "temperature_c": 91, "throttle": ["hw_slowdown"]},
+            }
+        ],
+        # What a node writes here is replaced by the service's own reading.
+        "summary": "forged by the node",
+        "concerns": [],
+    }
+    launcher = make_launcher(stack.url, stack.token)
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack)
+    await stack.fake.finish(
+        build["number"], "passed", result_json(), provenance=json.dumps(provenance)
+    )
+    result = await asyncio.wait_for(task, 20)
+    assert isinstance(result, FullResult) and result.success
+    assert len(reporter.lines) == 2, reporter.lines
+    assert reporter.lines[0].startswith("> ✅ Finished on H100_KK"), reporter.lines
+    line = reporter.lines[1].removeprefix("> ")
+    assert line.startswith("🖥️ ran on dgx01/dgx01-gpu3 slice 3: NVIDIA H100 80GB HBM3 (GPU-3)"), line
+    assert "60→91 °C" in line and "driver 550.54.15" in line, line
+    assert "forged" not in line, line
+    assert "⚠️" in line and "91 °C" in line and "hw_slowdown" in line, line
+    # Without a provenance (an older node), the run's line stays the only one.
+    reporter = RecordingReporter()
+    task = await run_in_background(launcher, reporter)
+    build = await the_build(stack, 2)
+    await stack.fake.finish(build["number"], "passed", result_json())
+    await asyncio.wait_for(task, 20)
+    assert len(reporter.lines) == 1, reporter.lines
 
 
 async def test_a_cut_event_stream_is_resumed_and_each_state_reported_once(stack: Stack):

@@ -25,13 +25,16 @@ use tracing::Instrument;
 use crate::config::{Config, ConfigError};
 use crate::dispatch::{Dispatcher, Who};
 use crate::error::{BadRequest, Error, Invalid};
-use crate::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
+use crate::executor::{
+    BuildEvent, BuildEventKind, BuildStatus, Collected, Executor, Job, Launched,
+};
 use crate::fairshare::Class;
 use crate::metrics::Metrics;
 use crate::queues::{AgentSlots, Queues};
 use crate::report::report;
 use crate::store::{Changed, Durable, Inserted, NewSubmission, Routed, Store, StoreError};
 use crate::submission::{BuildInfo, Outcome, State, Submission};
+use kernelkite_sys::provenance::Provenance;
 
 /// A started submission whose build is to be created.
 enum Launch {
@@ -1057,9 +1060,9 @@ impl App {
                     let collected = app.executor.collect(&status).await;
                     drop(slot);
                     match collected {
-                        Ok(outcome) => {
-                            let succeeded = matches!(outcome, Outcome::Succeeded(_));
-                            if let Some(c) = app.end_collected(&id, outcome).await {
+                        Ok(collected) => {
+                            let succeeded = matches!(collected.outcome, Outcome::Succeeded(_));
+                            if let Some(c) = app.end_collected(&id, collected).await {
                                 if c.changed && succeeded {
                                     app.metrics
                                         .wake_to_result_seconds
@@ -1092,16 +1095,24 @@ impl App {
         id: &str,
         outcome: Outcome,
     ) -> Result<Option<Changed>, StoreError> {
-        self.finish_from(id, outcome, None).await
+        self.finish_from(id, outcome, None, None).await
     }
 
     /// [`App::finish`] for a collected result: its build finished, so the submission passes
     /// through `fetching` (should the result beat that commit) on its way to the end.
-    async fn end_collected(self: &Arc<Self>, id: &str, outcome: Outcome) -> Option<Changed> {
+    async fn end_collected(self: &Arc<Self>, id: &str, collected: Collected) -> Option<Changed> {
         let mut wait = Duration::from_millis(100);
         loop {
             match self
-                .finish_from(id, outcome.clone(), Some(State::Fetching))
+                .finish_from(
+                    id,
+                    collected.outcome.clone(),
+                    Some(State::Fetching),
+                    collected
+                        .provenance
+                        .clone()
+                        .map(|p| p.reviewed(&Default::default())),
+                )
                 .await
             {
                 Ok(c) => return c,
@@ -1120,6 +1131,7 @@ impl App {
         id: &str,
         outcome: Outcome,
         via: Option<State>,
+        provenance: Option<Provenance>,
     ) -> Result<Option<Changed>, StoreError> {
         let changed = self
             .store
@@ -1127,6 +1139,14 @@ impl App {
                 let now = Utc::now();
                 if let Some(via) = via {
                     s.advance(via, now);
+                }
+                if s.state.is_terminal() {
+                    return false;
+                }
+                // Kept with the end it came with, whatever the end (a failed run still ran
+                // somewhere, and which node it was is what an operator asks first).
+                if provenance.is_some() {
+                    s.provenance = provenance;
                 }
                 s.finish(outcome, now)
             })

@@ -12,6 +12,7 @@ use futures_util::future::BoxFuture;
 
 use crate::report::BoxError;
 use crate::submission::{BuildInfo, Outcome, Submission};
+use kernelkite_sys::provenance::Provenance;
 
 /// The core as an executor sees it, handed to an executor that runs builds itself when it
 /// starts (instead of the App): where its builds' events go, and what it may watch of a
@@ -59,6 +60,25 @@ pub struct Job {
     /// The run config as kernelbot's payload: base64(zlib(JSON)), the backend's JSON
     /// unchanged.
     pub payload: String,
+}
+
+/// What collecting a finished build gave: how the submission ends and, when the node wrote
+/// one, where and on what it ran ([`kernelkite_sys::provenance`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Collected {
+    /// How the submission ends.
+    pub outcome: Outcome,
+    /// The run's provenance (`None`: the node wrote none, or one that could not be used).
+    pub provenance: Option<Provenance>,
+}
+
+impl From<Outcome> for Collected {
+    fn from(outcome: Outcome) -> Collected {
+        Collected {
+            outcome,
+            provenance: None,
+        }
+    }
 }
 
 /// What launching a job made: the build, as the submission records it.
@@ -225,7 +245,7 @@ pub trait Executor: Send + Sync + 'static {
 
     /// Collects the result of a build that finished and says how the submission ends. An
     /// error is transient (the executor could not be reached): the core tries again later.
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>>;
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>>;
 
     /// The build's state now, asked of the executor (`None`: it cannot tell). The timeout
     /// asks once before it ends a submission, so a build whose finish event was lost is

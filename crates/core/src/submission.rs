@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::fairshare::Class;
 use crate::result::ResultJson;
+use kernelkite_sys::provenance::Provenance;
 
 /// Where a submission is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -130,6 +131,9 @@ pub struct Submission {
     /// Answered from the result cache: the submission whose result this is.
     #[serde(default)]
     pub cached_from: Option<String>,
+    /// Where and on what its run ran, as the node reported it (`provenance.json`).
+    #[serde(default)]
+    pub provenance: Option<Provenance>,
     /// Its place in the service's queue, while it waits there (never kept in the store: it
     /// is recomputed as the queue moves).
     #[serde(default)]
@@ -250,6 +254,7 @@ impl Submission {
             user: None,
             priority: Class::Test,
             cached_from: None,
+            provenance: None,
             place: None,
         }
     }

@@ -9,7 +9,9 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use kernelkite_core::config::{Callbacks, Config, Fair};
 use kernelkite_core::dispatch::{Limits, Most, Slots};
-use kernelkite_core::executor::{BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched};
+use kernelkite_core::executor::{
+    BuildEvent, BuildEventKind, BuildStatus, Collected, Executor, Job, Launched,
+};
 use kernelkite_core::metrics::Metrics;
 use kernelkite_core::report::BoxError;
 use kernelkite_core::result::ResultJson;
@@ -54,13 +56,13 @@ impl Executor for InProcess {
         })
     }
 
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         Box::pin(async move {
-            Ok(if build.state == "passed" {
+            Ok(Outcome::into(if build.state == "passed" {
                 Outcome::Succeeded(ResultJson::parse(RESULT.as_bytes())?)
             } else {
                 Outcome::Failed(format!("build {} ended {}", build.number, build.state))
-            })
+            }))
         })
     }
 

@@ -13,6 +13,8 @@
 //!   nodes).
 //! * [`kfd`]: AMD GPUs as ROCm enumerates them (the KFD topology, the visibility variables).
 //! * [`shell`]: the hooks' `export NAME='value'` lines, written and read back.
+//! * [`provenance`]: where and on what a run ran (`provenance.json`, beside the result), and
+//!   the GPU state it is read from (NVML, amdgpu's sysfs).
 //! * [`fs`]: atomic file writes that survive a crash (fsync of the file and its directory).
 //! * [`raw`]: the few system calls no crate covers safely (`clone3` into a cgroup, the code
 //!   that runs between `fork` and `exec`, glibc's version). Every `unsafe` block of the
@@ -33,5 +35,6 @@ pub mod nvidia;
 pub mod nvml;
 pub mod passwd;
 pub mod procfs;
+pub mod provenance;
 pub mod raw;
 pub mod shell;

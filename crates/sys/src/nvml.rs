@@ -8,7 +8,10 @@
 //! runner only when its probe asks for it, and the hooks reach it through their `GpuControl`
 //! trait, so all of them are tested without a GPU.
 
-use nvml_wrapper::enum_wrappers::device::{Clock, P2pCapabilitiesIndex, P2pStatus};
+use nvml_wrapper::bitmasks::device::ThrottleReasons;
+use nvml_wrapper::enum_wrappers::device::{
+    Clock, EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, TemperatureSensor,
+};
 use nvml_wrapper::enums::device::{GpuLockedClocksSetting, UsedGpuMemory};
 use nvml_wrapper::Device;
 
@@ -104,6 +107,44 @@ enum InstanceId {
     Gpu,
     Compute,
 }
+
+/// A GPU's state at one moment, for a run's provenance: each field is what NVML answered,
+/// `None` where the GPU or driver does not say (a MIG device has no clocks of its own, a GPU
+/// without ECC no error counts).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reading {
+    /// The SM clock now, MHz.
+    pub sm_clock_mhz: Option<u32>,
+    /// The memory clock now, MHz.
+    pub mem_clock_mhz: Option<u32>,
+    /// The power limit the driver enforces now, milliwatts.
+    pub power_limit_mw: Option<u32>,
+    /// The die temperature, °C.
+    pub temperature_c: Option<u32>,
+    /// Uncorrected ECC errors since the driver loaded (volatile counter).
+    pub ecc_uncorrected: Option<u64>,
+    /// Why the clocks are held down now (nvml.h's `nvmlClocksEventReason*` bits, by name).
+    pub throttle: Vec<&'static str>,
+}
+
+/// The names of the clock event (throttle) reasons, as nvml.h defines their bits; the idle
+/// bit is left out: a GPU sampled between kernels is idle, which says nothing of its health.
+const THROTTLE_NAMES: &[(ThrottleReasons, &str)] = &[
+    (
+        ThrottleReasons::APPLICATIONS_CLOCKS_SETTING,
+        "applications_clocks",
+    ),
+    (ThrottleReasons::SW_POWER_CAP, "sw_power_cap"),
+    (ThrottleReasons::HW_SLOWDOWN, "hw_slowdown"),
+    (ThrottleReasons::SYNC_BOOST, "sync_boost"),
+    (ThrottleReasons::SW_THERMAL_SLOWDOWN, "sw_thermal_slowdown"),
+    (ThrottleReasons::HW_THERMAL_SLOWDOWN, "hw_thermal_slowdown"),
+    (
+        ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN,
+        "hw_power_brake_slowdown",
+    ),
+    (ThrottleReasons::DISPLAY_CLOCK_SETTING, "display_clock"),
+];
 
 /// A compute process on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -318,6 +359,53 @@ impl Nvml {
     pub fn max_graphics_clock_mhz(&self, bus_id: &str) -> Result<u32, NvmlError> {
         self.device(bus_id)?
             .max_clock_info(Clock::Graphics)
+            .map_err(NvmlError::call("nvmlDeviceGetMaxClockInfo"))
+    }
+
+    /// The driver's version (`550.54.15`).
+    pub fn driver_version(&self) -> Result<String, NvmlError> {
+        self.inner
+            .sys_driver_version()
+            .map_err(NvmlError::call("nvmlSystemGetDriverVersion"))
+    }
+
+    /// The VBIOS version of the GPU at `bus_id`.
+    pub fn vbios_version(&self, bus_id: &str) -> Result<String, NvmlError> {
+        self.device(bus_id)?
+            .vbios_version()
+            .map_err(NvmlError::call("nvmlDeviceGetVbiosVersion"))
+    }
+
+    /// What the GPU at `bus_id` (or the MIG device whose uuid it is) says of its clocks,
+    /// power limit, temperature and errors now; a field it does not report stays `None`.
+    pub fn reading(&self, bus_id: &str) -> Result<Reading, NvmlError> {
+        let d = self.device(bus_id)?;
+        let throttle = d
+            .current_throttle_reasons()
+            .map(|bits| {
+                THROTTLE_NAMES
+                    .iter()
+                    .filter(|(bit, _)| bits.contains(*bit))
+                    .map(|(_, name)| *name)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Reading {
+            sm_clock_mhz: d.clock_info(Clock::SM).ok(),
+            mem_clock_mhz: d.clock_info(Clock::Memory).ok(),
+            power_limit_mw: d.enforced_power_limit().ok(),
+            temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
+            ecc_uncorrected: d
+                .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+                .ok(),
+            throttle,
+        })
+    }
+
+    /// The highest SM clock the GPU at `bus_id` supports, in MHz.
+    pub fn max_sm_clock_mhz(&self, bus_id: &str) -> Result<u32, NvmlError> {
+        self.device(bus_id)?
+            .max_clock_info(Clock::SM)
             .map_err(NvmlError::call("nvmlDeviceGetMaxClockInfo"))
     }
 

@@ -20,6 +20,11 @@
  *       MIG on with none yet, or a change pending until the GPU's next reset; without it,
  *       a GPU is in MIG mode when it has MIG devices)
  *   nvlink <bus id> <bus id>   (the two GPUs are NVLink peers, both ways)
+ *   health <bus id, or a MIG device's uuid> <SM MHz> <memory MHz> <power limit mW> <temperature C>
+ *          <uncorrected ECC errors> <clock event reason bits, hex> <max SM MHz> <VBIOS version>
+ *       (what the device reports of its state; a device without a line answers NOT_SUPPORTED
+ *       to those calls, as a GPU or MIG device that does not report them does)
+ *   driver <version>   (nvmlSystemGetDriverVersion's answer; NOT_SUPPORTED without it)
  *   fail <function name> <nvmlReturn_t code>
  * KERNELKITE_FAKE_NVML_LOG, if set, names a file each call that changes something is
  * appended to ("lock <bus id> <min> <max>", "reset <bus id>").
@@ -37,6 +42,7 @@
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
 #define NVML_ERROR_NO_PERMISSION 4
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
@@ -103,13 +109,22 @@ struct fake_mode {
     unsigned int current, pending;
 };
 
+struct fake_health {
+    char id[96]; /* a bus id, or a MIG device's uuid */
+    unsigned int sm, mem, power_mw, temp, max_sm;
+    unsigned long long ecc, reasons;
+    char vbios[64];
+};
+
 static struct fake_gpu gpus[MAX_GPUS];
 static struct fake_gpu migs[MAX_MIGS];
 static struct fake_proc procs[MAX_PROCS];
 static struct fake_fail fails[MAX_FAILS];
 static struct fake_link links[MAX_LINKS];
 static struct fake_mode modes[MAX_GPUS];
-static unsigned int n_gpus, n_migs, n_procs, n_fails, n_links, n_modes;
+static struct fake_health healths[MAX_GPUS + MAX_MIGS];
+static unsigned int n_gpus, n_migs, n_procs, n_fails, n_links, n_modes, n_healths;
+static char driver[80];
 static int initialised;
 
 static void log_line(const char *fmt, const char *a, unsigned int b, unsigned int c)
@@ -144,7 +159,8 @@ static nvmlReturn_t failure(const char *function)
 
 static void read_config(void)
 {
-    n_gpus = n_migs = n_procs = n_fails = n_links = n_modes = 0;
+    n_gpus = n_migs = n_procs = n_fails = n_links = n_modes = n_healths = 0;
+    driver[0] = 0;
     char parents[MAX_MIGS][32];
     const char *path = getenv("KERNELKITE_FAKE_NVML");
     if (!path)
@@ -184,6 +200,14 @@ static void read_config(void)
             struct fake_link *l = &links[n_links];
             if (sscanf(line + 7, "%31s %31s", l->a, l->b) == 2)
                 n_links++;
+        } else if (strncmp(line, "health ", 7) == 0 && n_healths < MAX_GPUS + MAX_MIGS) {
+            struct fake_health *h = &healths[n_healths];
+            if (sscanf(line + 7, "%95s %u %u %u %u %llu %llx %u %63s", h->id, &h->sm, &h->mem,
+                       &h->power_mw, &h->temp, &h->ecc, &h->reasons, &h->max_sm, h->vbios) == 9)
+                n_healths++;
+        } else if (strncmp(line, "driver ", 7) == 0) {
+            if (sscanf(line + 7, "%79s", driver) != 1)
+                driver[0] = 0;
         } else if (strncmp(line, "fail ", 5) == 0 && n_fails < MAX_FAILS) {
             struct fake_fail *x = &fails[n_fails];
             if (sscanf(line + 5, "%63s %d", x->function, &x->code) == 2)
@@ -207,6 +231,16 @@ static void read_config(void)
         kept++;
     }
     n_migs = kept;
+}
+
+/* The state a `health` line gave `device` (a MIG device by its uuid), or NULL. */
+static const struct fake_health *health_of(const struct fake_gpu *device)
+{
+    const char *id = device->parent ? device->uuid : device->bus;
+    for (unsigned int i = 0; i < n_healths; i++)
+        if (strcasecmp(healths[i].id, id) == 0)
+            return &healths[i];
+    return NULL;
 }
 
 /* The MIG mode a `migmode` line gave `gpu`, or NULL. */
@@ -403,10 +437,99 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
 nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
 {
     ENTER("nvmlDeviceGetMaxClockInfo");
-    if (!device || !clock || type != 0 /* NVML_CLOCK_GRAPHICS */)
+    if (!device || !clock)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *clock = device->max_clock;
+    if (type == 0 /* NVML_CLOCK_GRAPHICS */) {
+        *clock = device->max_clock;
+        return NVML_SUCCESS;
+    }
+    const struct fake_health *h = health_of(device);
+    if (type != 1 /* NVML_CLOCK_SM */ || !h)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *clock = h->max_sm;
     return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
+{
+    ENTER("nvmlDeviceGetClockInfo");
+    if (!device || !clock)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    if (!h || (type != 1 /* NVML_CLOCK_SM */ && type != 2 /* NVML_CLOCK_MEM */))
+        return NVML_ERROR_NOT_SUPPORTED;
+    *clock = type == 1 ? h->sm : h->mem;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
+{
+    ENTER("nvmlDeviceGetEnforcedPowerLimit");
+    if (!device || !limit)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    if (!h)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *limit = h->power_mw;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temp)
+{
+    ENTER("nvmlDeviceGetTemperature");
+    if (!device || !temp || sensor != 0 /* NVML_TEMPERATURE_GPU */)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    if (!h)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *temp = h->temp;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int error_type, int counter_type,
+                                         unsigned long long *count)
+{
+    ENTER("nvmlDeviceGetTotalEccErrors");
+    if (!device || !count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    /* Only the uncorrected (1), volatile (0) counter is kept here. */
+    if (!h || error_type != 1 || counter_type != 0)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *count = h->ecc;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
+                                                       unsigned long long *reasons)
+{
+    ENTER("nvmlDeviceGetCurrentClocksThrottleReasons");
+    if (!device || !reasons)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    if (!h)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *reasons = h->reasons;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t device, char *version, unsigned int length)
+{
+    ENTER("nvmlDeviceGetVbiosVersion");
+    if (!device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_health *h = health_of(device);
+    if (!h)
+        return NVML_ERROR_NOT_SUPPORTED;
+    return copy_out(h->vbios, version, length);
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    ENTER("nvmlSystemGetDriverVersion");
+    if (!driver[0])
+        return NVML_ERROR_NOT_SUPPORTED;
+    return copy_out(driver, version, length);
 }
 
 nvmlReturn_t nvmlDeviceSetGpuLockedClocks(nvmlDevice_t device, unsigned int min_mhz,

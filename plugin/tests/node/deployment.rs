@@ -67,8 +67,8 @@ fn the_pipelines_configure_the_plugin_with_keys_it_accepts() {
             "{rel}"
         );
         assert_eq!(
-            step["artifact_paths"], "result.json",
-            "{rel}: the service fetches this path"
+            step["artifact_paths"], "result.json;provenance.json",
+            "{rel}: the service fetches these paths (the runner writes both in the checkout)"
         );
         // Interpolated by the pipeline agent's `pipeline upload` (settings.yml), with the
         // build's env; a build without a queue fails its upload rather than running anywhere.

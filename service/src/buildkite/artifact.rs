@@ -6,6 +6,7 @@ use sha1::{Digest, Sha1};
 
 use super::client::{Artifact, BuildkiteClient, BuildkiteError};
 use crate::result::{NotAResult, ResultJson};
+use kernelkite_sys::provenance::{self, Provenance};
 
 /// The artifact path the pipeline uploads the runner's result under.
 pub const RESULT_PATH: &str = "result.json";
@@ -64,6 +65,34 @@ pub fn choose(artifacts: &[Artifact]) -> Result<&Artifact, ArtifactError> {
     })
 }
 
+/// The `provenance.json` uploaded by the same job as `result`: a retried build's provenance
+/// must be the run's whose result is used, never an earlier attempt's.
+pub fn choose_provenance<'a>(artifacts: &'a [Artifact], result: &Artifact) -> Option<&'a Artifact> {
+    artifacts
+        .iter()
+        .rev()
+        .find(|a| a.path == provenance::FILE && a.state == "finished" && a.job_id == result.job_id)
+}
+
+/// Checks a downloaded provenance against the listing, as the result is checked.
+pub fn verify_provenance(artifact: &Artifact, bytes: &[u8]) -> Result<Provenance, String> {
+    if bytes.len() as u64 != artifact.file_size {
+        return Err(format!(
+            "{} bytes but Buildkite lists {}",
+            bytes.len(),
+            artifact.file_size
+        ));
+    }
+    let got = hex::encode(Sha1::digest(bytes));
+    if !got.eq_ignore_ascii_case(artifact.sha1sum.trim()) {
+        return Err(format!(
+            "SHA-1 {got} but Buildkite lists {}",
+            artifact.sha1sum
+        ));
+    }
+    Provenance::parse(bytes).map_err(|e| e.to_string())
+}
+
 /// Checks downloaded bytes against the listing and parses them.
 pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<ResultJson, ArtifactError> {
     if bytes.len() as u64 != artifact.file_size {
@@ -82,15 +111,33 @@ pub fn verify(artifact: &Artifact, bytes: &[u8]) -> Result<ResultJson, ArtifactE
     Ok(ResultJson::parse(bytes)?)
 }
 
-/// Lists, downloads and checks the build's result.json: two API calls plus the blob fetch.
+/// Lists the build's artifacts once, downloads and checks its result.json (two API calls plus
+/// the blob fetch) and, when the job uploaded one, its provenance.json (one call and a blob
+/// fetch more). The provenance is best effort: one that is missing, cannot be fetched or is
+/// not in its format is left out (and logged), and never costs the result.
 pub async fn fetch_result(
     client: &BuildkiteClient,
     build_number: u64,
-) -> Result<ResultJson, ArtifactError> {
-    let listed = client.list_artifacts(build_number, RESULT_PATH).await?;
+) -> Result<(ResultJson, Option<Provenance>), ArtifactError> {
+    let listed = client.list_artifacts(build_number).await?;
     let artifact = choose(&listed)?;
     let bytes = client.download(&artifact.download_url).await?;
-    verify(artifact, &bytes)
+    let result = verify(artifact, &bytes)?;
+    let Some(p) = choose_provenance(&listed, artifact) else {
+        return Ok((result, None));
+    };
+    let provenance = match client.download(&p.download_url).await {
+        Ok(bytes) => verify_provenance(p, &bytes),
+        Err(e) => Err(crate::report::report(&e).to_string()),
+    };
+    Ok((
+        result,
+        provenance
+            .map_err(|why| {
+                tracing::warn!(build = build_number, %why, "the build's provenance.json is not used")
+            })
+            .ok(),
+    ))
 }
 
 #[cfg(test)]

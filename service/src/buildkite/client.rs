@@ -597,19 +597,18 @@ impl BuildkiteClient {
         Ok(builds)
     }
 
-    /// Artifacts of a build whose path is `path` (Buildkite filters server-side).
-    pub async fn list_artifacts(
-        &self,
-        number: u64,
-        path: &str,
-    ) -> Result<Vec<Artifact>, BuildkiteError> {
+    /// A build's artifacts, every job's.
+    pub async fn list_artifacts(&self, number: u64) -> Result<Vec<Artifact>, BuildkiteError> {
         let p = format!("{}/{number}/artifacts", self.builds_path);
+        // Unfiltered: the result and its provenance in one call. A job uploads what its step's
+        // artifact_paths name (two files), so one page holds a build's (Buildkite's default
+        // page is 30 artifacts; retries add two each).
         let resp = self
             .send(
                 Call::new("list_artifacts", Priority::Result),
                 Method::GET,
                 &p,
-                &[("path", path)],
+                &[("per_page", "100")],
                 None,
             )
             .await?;

@@ -31,7 +31,7 @@ pub use client::{
 
 use crate::config::{Config, Secret};
 use crate::executor::{
-    AgentSource, BuildStatus, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+    AgentSource, BuildStatus, Collected, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
 };
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
@@ -281,10 +281,15 @@ impl Executor for BuildkiteExecutor {
         })
     }
 
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         Box::pin(async move {
             Ok(match artifact::fetch_result(&self.client, build.number).await {
-                Ok(r) => Outcome::Succeeded(r),
+                Ok((r, provenance)) => {
+                    return Ok(Collected {
+                        outcome: Outcome::Succeeded(r),
+                        provenance,
+                    })
+                }
                 // Buildkite unreachable or failing: not the build's fault; tried again.
                 Err(ArtifactError::Buildkite(e)) if e.is_transient() => return Err(e.into()),
                 Err(ArtifactError::Missing { listed }) => Outcome::Failed(format!(
@@ -301,7 +306,8 @@ impl Executor for BuildkiteExecutor {
                     report(&e),
                     build.web_url
                 )),
-            })
+            }
+            .into())
         })
     }
 }

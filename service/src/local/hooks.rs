@@ -34,7 +34,7 @@ pub const ORGANIZATION: &str = "local";
 pub const PIPELINE: &str = "kernelkite-local";
 /// The step's artifact_paths: in the sandbox, what of the job's writes to its checkout reaches
 /// this machine's disk (crates/hooks/src/sandbox/disk.rs).
-pub const ARTIFACT_PATHS: &str = "result.json";
+pub const ARTIFACT_PATHS: &str = "result.json;provenance.json";
 
 /// The step's plugin as the pipeline names it (`deployment/pipelines/host.yml` takes it from
 /// its repository subdirectory), with the configuration every local job gets.

@@ -114,6 +114,13 @@ impl JobDir {
         safe_read::read_capped(&self.root, &result_rel(n), cap)
     }
 
+    /// Attempt `n`'s `provenance.json` (the runner writes it beside the result), read as the
+    /// result is.
+    pub fn read_provenance(&self, n: u32) -> Result<Vec<u8>, ReadError> {
+        let rel = Path::new(&format!("attempt-{n}")).join(kernelkite_sys::provenance::FILE);
+        safe_read::read_capped(&self.root, &rel, kernelkite_sys::provenance::MAX_BYTES)
+    }
+
     /// Attempt `n`'s log (the hooks' output), beside the checkout, not in it.
     pub fn log(&self, n: u32) -> PathBuf {
         self.root.join(log_name(n))

@@ -44,12 +44,14 @@ use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
 use crate::executor::{
-    BuildEvent, BuildEventKind, BuildStatus, Events, Executor, Job, Launched, Reclaim, Recovered,
+    BuildEvent, BuildEventKind, BuildStatus, Collected, Events, Executor, Job, Launched, Reclaim,
+    Recovered,
 };
 use crate::report::BoxError;
 use crate::result::ResultJson;
 use crate::submission::{BuildInfo, Outcome};
 use jobdir::{JobDir, JobFile};
+use kernelkite_sys::provenance::Provenance;
 pub use plan::PlannedSlice;
 use safe_read::ReadError;
 pub use settings::{LocalArgs, LocalSettings, SandboxChoice, SandboxDecision};
@@ -378,6 +380,27 @@ impl LocalExecutor {
             })
     }
 
+    /// The provenance the job's runner wrote beside its result, when it wrote one that can be
+    /// used (read as the result is: a regular file, capped; anything else is logged and left
+    /// out, never costing the result).
+    async fn provenance_of(&self, build: &BuildStatus) -> Option<Provenance> {
+        let (dir, attempt) = lock(&self.jobs)
+            .get(&build.id)
+            .map(|r| (r.dir.clone(), r.attempt))?;
+        let read = tokio::task::spawn_blocking(move || dir.read_provenance(attempt)).await;
+        let why = match read {
+            Ok(Ok(bytes)) => match Provenance::parse(&bytes) {
+                Ok(p) => return Some(p),
+                Err(e) => e.to_string(),
+            },
+            Ok(Err(ReadError::Missing { .. })) => return None,
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(build = build.number, %why, "the job's provenance.json is not used");
+        None
+    }
+
     fn node_args(&self) -> Vec<std::ffi::OsString> {
         hooks::node_args(
             &self.settings.run_dir,
@@ -611,7 +634,7 @@ impl Executor for LocalExecutor {
 
     // Over 80 lines: each way a job's result.json can be missing, too large or unusable gets
     // its own message, naming what to do.
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         // A local job's result is on this machine: nothing transient to retry.
         Box::pin(async move {
             let outcome = async move {
@@ -696,7 +719,11 @@ impl Executor for LocalExecutor {
                 }
             }
             .await;
-            Ok(outcome)
+            let provenance = self.provenance_of(build).await;
+            Ok(Collected {
+                outcome,
+                provenance,
+            })
         })
     }
 

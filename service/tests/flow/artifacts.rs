@@ -161,3 +161,66 @@ async fn artifact_redirects_to_internal_or_non_http_targets_are_refused() {
     h.wait_build_attached(&id).await;
     assert_eq!(h.pass(&id, number).await, "succeeded");
 }
+
+/// The node's `provenance.json` (uploaded beside the result by the same job) is kept with the
+/// submission and shown as it was written; one that is corrupt in transit or not in its format
+/// is left out, and the result is the answer all the same.
+#[tokio::test]
+async fn the_provenance_beside_the_result_is_shown_and_a_bad_one_costs_nothing() {
+    let provenance = serde_json::json!({
+        "format": 1,
+        "kernelkite_version": "9.9.9",
+        "node": "gpu-node-1",
+        "agent": "gpu-node-1-gpu3",
+        "queue": "h100",
+        "slice": {"index": 3, "cpus": [12, 13], "memory_bytes": 1024},
+        "driver": "550.54.15",
+        "gpus": [{"vendor": "nvidia", "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-3",
+                  "start": {"sm_clock_mhz": 1980, "temperature_c": 41},
+                  "end": {"sm_clock_mhz": 1980, "temperature_c": 66}}],
+        "started_ms": 1, "ended_ms": 2
+    });
+    let spec = |bytes: Vec<u8>| ArtifactSpec {
+        path: "provenance.json".into(),
+        ..ArtifactSpec::result_json(bytes)
+    };
+    let h = harness().await;
+    let good = serde_json::to_vec(&provenance).unwrap();
+    let corrupt = ArtifactSpec {
+        sha1sum: Some("0".repeat(40)),
+        ..spec(good.clone())
+    };
+    let cases = [
+        (Some(spec(good)), true),
+        (Some(corrupt), false),
+        (Some(spec(b"[1, 2]".to_vec())), false),
+        (
+            Some(spec(b"{\"format\": 1, \"gpus\": \"many\"}".to_vec())),
+            false,
+        ),
+        (None, false),
+    ];
+    for (artifact, kept) in cases {
+        let (id, number) = h.submit().await;
+        h.wait_build_attached(&id).await;
+        if let Some(a) = artifact {
+            h.fake.complete_build(number, "running", Some(a));
+        }
+        h.fake
+            .finish_build(number, "passed", result_artifact())
+            .await;
+        let v = h.wait_terminal(&id).await;
+        assert_eq!(v["state"], "succeeded", "{v}");
+        assert_eq!(v["result"]["system"]["hostname"], "gpu-node-1");
+        if kept {
+            let p = &v["provenance"];
+            assert_eq!(p["agent"], "gpu-node-1-gpu3", "{v}");
+            assert_eq!(p["slice"]["index"], 3);
+            assert_eq!(p["gpus"][0]["uuid"], "GPU-3");
+            assert_eq!(p["gpus"][0]["end"]["temperature_c"], 66);
+            assert_eq!(p["driver"], "550.54.15");
+        } else {
+            assert!(v["provenance"].is_null(), "{v}");
+        }
+    }
+}

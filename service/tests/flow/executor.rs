@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use kernelkite_service::executor::{
-    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
+    BuildEvent, BuildEventKind, BuildStatus, Collected, Executor, Job, Launched,
 };
 use kernelkite_service::report::BoxError;
 use kernelkite_service::result::ResultJson;
@@ -53,12 +53,14 @@ impl Executor for InProcess {
         })
     }
 
-    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, build: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         Box::pin(async move {
-            Ok(match ResultJson::parse(sample_result_json().as_bytes()) {
-                Ok(r) if build.state == "passed" => Outcome::Succeeded(r),
-                _ => Outcome::Failed(format!("build {} ended {}", build.number, build.state)),
-            })
+            Ok(Outcome::into(
+                match ResultJson::parse(sample_result_json().as_bytes()) {
+                    Ok(r) if build.state == "passed" => Outcome::Succeeded(r),
+                    _ => Outcome::Failed(format!("build {} ended {}", build.number, build.state)),
+                },
+            ))
         })
     }
 }

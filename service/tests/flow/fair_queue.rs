@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use kernelkite_service::executor::{
-    BuildEvent, BuildEventKind, BuildStatus, Executor, Job, Launched,
+    BuildEvent, BuildEventKind, BuildStatus, Collected, Executor, Job, Launched,
 };
 use kernelkite_service::report::BoxError;
 use kernelkite_service::result::ResultJson;
@@ -65,7 +65,7 @@ impl Executor for Slots {
         Box::pin(async { Ok(true) })
     }
 
-    fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Outcome, BoxError>> {
+    fn collect<'a>(&'a self, _: &'a BuildStatus) -> BoxFuture<'a, Result<Collected, BoxError>> {
         Box::pin(async {
             let mut result: Value = serde_json::from_str(&sample_result_json()).unwrap();
             if self.runner_fails.load(std::sync::atomic::Ordering::SeqCst) {
@@ -77,7 +77,7 @@ impl Executor for Slots {
                 result["runs"]["test"]["run"]["stdout"] = json!(noise(pad));
             }
             ResultJson::parse(result.to_string().as_bytes())
-                .map(Outcome::Succeeded)
+                .map(|r| Outcome::Succeeded(r).into())
                 .map_err(|e| e.to_string().into())
         })
     }

@@ -82,7 +82,7 @@ async fn happy_path_creates_the_build_and_returns_the_checked_result() {
         [Route::CreateBuild, Route::ListArtifacts, Route::Download],
         "{calls:?}"
     );
-    assert_eq!(calls[1].query.as_deref(), Some("path=result.json"));
+    assert_eq!(calls[1].query.as_deref(), Some("per_page=100"));
     let blobs: Vec<_> = h.fake.requests_to(Route::Blob);
     assert_eq!(blobs.len(), 1);
     assert!(blobs[0].authorization.is_none() && blobs[0].status == 200);

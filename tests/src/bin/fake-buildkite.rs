@@ -16,7 +16,7 @@
 //! | `GET /builds` | every build: `number`, `id`, `state`, `web_url`, `env`, `meta_data`, `message` |
 //! | `GET /builds/wait?count=N&timeout_ms=T` | waits until N builds exist: `200` with them, or `408` |
 //! | `POST /builds/{n}/start` | the build runs (`build.running`) |
-//! | `POST /builds/{n}/finish {"state", "result", "artifact_state"}` | the build ends in `state` (`passed`, `failed`, `canceled`), uploading `result` (text of result.json; null: no artifact) first (`build.finished`) |
+//! | `POST /builds/{n}/finish {"state", "result", "artifact_state", "provenance"}` | the build ends in `state` (`passed`, `failed`, `canceled`), uploading `result` (text of result.json; null: no artifact) and `provenance` (text of provenance.json; null: none) first (`build.finished`) |
 //! | `POST /faults {"route", "status"\|"rate_limited_s"\|"delay_ms"}` | the next request on `route` (`create_build`, `get_build`, `cancel_build`, `list_artifacts`, `download`, `blob`, `list_agents`, `agent_metrics`) fails with `status`, answers `429` with `RateLimit-Reset`, or is delayed |
 //! | `POST /agents [{"name", "queue", "busy", "connection_state"}]` | the organization's agents |
 //! | `GET /requests` | every API request so far: `route`, `method`, `path`, `query`, `build`, `status` |
@@ -54,6 +54,9 @@ struct Finish {
     result: Option<String>,
     #[serde(default)]
     artifact_state: Option<String>,
+    /// Text of the `provenance.json` the job uploads beside the result (none: no such file).
+    #[serde(default)]
+    provenance: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -116,6 +119,13 @@ impl Control {
     }
 
     async fn finish(self: &Arc<Self>, n: u64, f: Finish) -> Option<u16> {
+        if let Some(text) = f.provenance {
+            let spec = ArtifactSpec {
+                path: kernelkite_sys::provenance::FILE.into(),
+                ..ArtifactSpec::result_json(text)
+            };
+            self.fake.complete_build(n, "running", Some(spec));
+        }
         let artifact = f.result.map(|text| ArtifactSpec {
             state: f.artifact_state.unwrap_or_else(|| "finished".into()),
             ..ArtifactSpec::result_json(text)

@@ -343,6 +343,7 @@ class _Progress:
         self._reporter = reporter
         self._pushed = False
         self._last: str | None = None
+        self._noted = False
         self._lock = asyncio.Lock()
 
     async def show(self, view: _View) -> None:
@@ -361,6 +362,13 @@ class _Progress:
                 self._last = text
             except Exception:
                 log.warning("could not report progress %r", text, exc_info=True)
+            # Where the run ran: a line of its own under the run's, once, when it ended.
+            if view.provenance and not self._noted:
+                self._noted = True
+                try:
+                    await self._reporter.push(view.provenance)
+                except Exception:
+                    log.warning("could not report %r", view.provenance, exc_info=True)
 
 
 @dataclass
@@ -382,6 +390,9 @@ class _View:
     # For an answer from the service's result cache: the run whose result it is, in words
     # (`cached_run_wording`).
     cached: str | None = None
+    # Where and on what the run ran (`provenance_line`), shown under the run's line once it
+    # ended.
+    provenance: str | None = None
     running_since: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -420,6 +431,20 @@ class _View:
         if self.state == "canceled":
             return f"❌ Canceled on {self.gpu}{on}{because}"
         return f"❌ Failed on {self.gpu}{on}{because}"
+
+
+def provenance_line(submission: Mapping[str, Any]) -> str | None:
+    """The line that says where and on what an ended submission ran: the service's summary of
+    the node's provenance, and what its readings say may have been unhealthy. None for a
+    submission without one (it never ran, an answer from the cache, an older node)."""
+    p = submission.get("provenance")
+    if not isinstance(p, dict) or not isinstance(p.get("summary"), str):
+        return None
+    line = f"🖥️ {_cut(p['summary'], 400)}"
+    concerns = [c for c in p.get("concerns") or [] if isinstance(c, str)]
+    if concerns:
+        line += f" ⚠️ {_cut('; '.join(concerns), 300)}"
+    return line
 
 
 def _cut(text: str, most: int) -> str:
@@ -699,6 +724,7 @@ class KernelkiteLauncher(_LauncherBase):
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+        view.provenance = provenance_line(final)
         result = self._result(final, view, timeout_s)
         await progress.show(view)
         return result
