@@ -54,7 +54,9 @@ section_times() {
 
 install_deps() {
   # Linters: the shell scripts are checked with shellcheck, the units with systemd-analyze.
-  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 nftables util-linux procps shellcheck systemd postgresql haproxy)
+  # Debian's prometheus gives promtool (the alert rules' and the scrape config's checks);
+  # chromium and chromium-driver, the dashboard's browser test.
+  local want=(bats hwloc python3 python3-venv python3-yaml iproute2 nftables util-linux procps shellcheck systemd postgresql haproxy prometheus chromium chromium-driver)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

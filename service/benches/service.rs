@@ -764,6 +764,8 @@ fn job_for(id: &str) -> kernelkite_service::executor::Job {
         queue: "h100".into(),
         mode: "test".into(),
         payload: kernelkite_kernelbot::payload::encode(&sample_config()).expect("encode"),
+        ranked: false,
+        pin: None,
     }
 }
 

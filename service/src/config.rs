@@ -93,6 +93,18 @@ pub enum ConfigError {
     /// A standby without PostgreSQL: SQLite's file has one writer, on one machine.
     #[error("KERNELKITE_STANDBY needs the store in PostgreSQL (KERNELKITE_DATABASE_URL): a SQLite store is one service on one machine; unset KERNELKITE_STANDBY or set KERNELKITE_DATABASE_URL")]
     StandbyWithoutDatabase,
+    /// The canary task cannot be read.
+    #[error("the canary (KERNELKITE_CANARY_TASK) cannot be used: {0}")]
+    Canary(String),
+    /// Canaries asked for where they cannot run yet.
+    #[error("KERNELKITE_CANARY needs the local executor for now (a Buildkite canary needs a build pinned to one agent, which the shipped pipelines do not do yet); unset KERNELKITE_CANARY")]
+    CanaryNeedsLocal,
+    /// Thresholds that are not shares.
+    #[error("KERNELKITE_CANARY_SLOWER_BY and KERNELKITE_CANARY_MAX_SPREAD are shares between 0 and 1 (0.05: 5%)")]
+    CanaryLimits,
+    /// An empty dashboard token would let anyone read the fleet.
+    #[error("KERNELKITE_DASHBOARD_TOKEN is set but empty; set a token or unset it")]
+    EmptyDashboardToken,
     /// A replica without PostgreSQL: replicas share their store.
     #[error("KERNELKITE_REPLICA needs the store in PostgreSQL (KERNELKITE_DATABASE_URL), which the replicas share; unset KERNELKITE_REPLICA or set KERNELKITE_DATABASE_URL")]
     ReplicaWithoutDatabase,
@@ -191,6 +203,10 @@ pub struct Config {
     /// The service's queue: slots, quotas, estimates, the result cache.
     #[command(flatten)]
     pub fair: FairConfig,
+
+    /// The fleet: canaries, quarantine, the dashboard, vendors' alerts.
+    #[command(flatten)]
+    pub fleet: FleetConfig,
 
     /// Timeout of a submission when the request names none, seconds. On expiry the submission
     /// becomes `timed_out` and its build is canceled.
@@ -613,6 +629,63 @@ pub struct QueueSettings {
     pub agents_refresh_s: u64,
 }
 
+/// The fleet (issue 39): canaries that quarantine slow or unhealthy slices, the dashboard.
+#[derive(Clone, Debug, clap::Args)]
+pub struct FleetConfig {
+    /// Run canaries: a short reference benchmark on each slice when it joins, after
+    /// --canary-every-jobs jobs, after --canary-idle-s without work, and on demand
+    /// (`POST /v1/fleet/slices/{id}/canary`); a slice slower than its GPU model's median by
+    /// more than --canary-slower-by, or whose canaries spread wider than --canary-max-spread,
+    /// or whose readings say the GPU is unhealthy, ranks no run until a canary passes or an
+    /// operator releases it. Local mode only for now: a Buildkite canary needs a build
+    /// pinned to one agent, which the shipped pipelines do not do yet.
+    #[arg(long, env = "KERNELKITE_CANARY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub canary: bool,
+
+    /// The canary: a kernelbot task directory (task.yml with a benchmark), run in `benchmark`
+    /// mode with its own submission. Default: the bundled prefixsum_py example.
+    #[arg(long, env = "KERNELKITE_CANARY_TASK", value_name = "DIR")]
+    pub canary_task: Option<std::path::PathBuf>,
+
+    /// A canary on a slice after this many jobs.
+    #[arg(long, env = "KERNELKITE_CANARY_EVERY_JOBS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..))]
+    pub canary_every_jobs: u64,
+
+    /// A canary on a slice after this long without a job or a canary, seconds.
+    #[arg(long, env = "KERNELKITE_CANARY_IDLE_S", default_value_t = 6 * 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub canary_idle_s: u64,
+
+    /// A slice whose canary is slower than its GPU model's median by more than this share is
+    /// quarantined (0.05: 5%).
+    #[arg(long, env = "KERNELKITE_CANARY_SLOWER_BY", default_value_t = 0.05)]
+    pub canary_slower_by: f64,
+
+    /// A slice whose last five canaries spread wider than this (coefficient of variation) is
+    /// quarantined.
+    #[arg(long, env = "KERNELKITE_CANARY_MAX_SPREAD", default_value_t = 0.05)]
+    pub canary_max_spread: f64,
+
+    /// A token that may read the fleet (`GET /v1/fleet`, its event stream and the dashboard's
+    /// data) and nothing else: for organisers' and vendors' screens.
+    #[arg(long, env = "KERNELKITE_DASHBOARD_TOKEN", value_name = "TOKEN")]
+    pub dashboard_token: Option<crate::config::Secret>,
+
+    /// Vendors' alerts: Slack-compatible incoming webhooks, `PATTERN=URL` pairs separated by
+    /// `;` or spaces, PATTERN a node name (`*` any run of characters: `dgx-*`, `*` for every
+    /// node). Each webhook is told when a slice of its nodes is quarantined or released, or
+    /// offline for --alert-offline-after-s and back. The URLs are secrets: never logged.
+    #[arg(long, env = "KERNELKITE_ALERT_WEBHOOKS", value_name = "PATTERN=URL;...", default_value = "", hide_default_value = true, value_parser = crate::notify::Routes::parse)]
+    pub alert_webhooks: crate::notify::Routes,
+
+    /// A slice whose agent is not connected this long is said offline, seconds.
+    #[arg(long, env = "KERNELKITE_ALERT_OFFLINE_AFTER_S", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub alert_offline_after_s: u64,
+
+    /// Most messages per webhook in any minute; what comes beyond waits as one digest.
+    #[arg(long, env = "KERNELKITE_ALERT_MAX_PER_MINUTE", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..))]
+    pub alert_max_per_minute: u32,
+}
+
 /// The service's queue (issue 25; `crate::dispatch`) and result cache.
 #[derive(Clone, Debug, clap::Args)]
 pub struct FairConfig {
@@ -789,6 +862,15 @@ impl Config {
                 cache_hourly: f.cache_hourly,
                 runner_version: f.runner_version.clone(),
             },
+            canary: kernelkite_core::canary::Schedule {
+                enabled: self.fleet.canary,
+                every_jobs: self.fleet.canary_every_jobs,
+                idle_s: self.fleet.canary_idle_s,
+                slower_by: self.fleet.canary_slower_by,
+                max_spread: self.fleet.canary_max_spread,
+                ..Default::default()
+            },
+            offline_after_s: self.fleet.alert_offline_after_s,
         }
     }
 
@@ -841,6 +923,20 @@ impl Config {
 
     /// The settings every executor uses.
     fn check_common(&self) -> Result<(), ConfigError> {
+        let f = &self.fleet;
+        if f.canary && self.executor == ExecutorKind::Buildkite {
+            return Err(ConfigError::CanaryNeedsLocal);
+        }
+        let share = |x: f64| x.is_finite() && x > 0.0 && x < 1.0;
+        if !share(f.canary_slower_by) || !share(f.canary_max_spread) {
+            return Err(ConfigError::CanaryLimits);
+        }
+        if f.dashboard_token
+            .as_ref()
+            .is_some_and(|t| t.expose().is_empty())
+        {
+            return Err(ConfigError::EmptyDashboardToken);
+        }
         // A variable set to the empty string is not "unset": clap reads it as an empty token.
         // An empty webhook key lets anyone sign webhooks, and an empty API token would admit
         // any client sending `Authorization: Bearer `, while unset means loopback only. Both

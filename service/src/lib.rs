@@ -36,6 +36,7 @@ pub mod cli;
 pub mod config;
 pub mod http;
 pub mod local;
+pub mod notify;
 pub mod replica;
 pub mod store;
 pub mod task;
@@ -44,8 +45,8 @@ pub mod task;
 // (`kernelkite-core`), so that `kernelkite_service::executor::Job` and the like still name
 // what they named.
 pub use kernelkite_core::{
-    app, dispatch, error, events, executor, fairshare, health, metrics, queues, reconcile,
-    recovery, report, result, submission,
+    app, canary, dispatch, error, events, executor, fairshare, fleet, health, metrics, overview,
+    queues, reconcile, recovery, report, result, submission,
 };
 
 pub use app::{App, SubmitRequest};

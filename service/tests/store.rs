@@ -73,6 +73,8 @@ fn job(id: &str) -> Job {
         queue: "q".into(),
         mode: "test".into(),
         payload: "eJw=".into(),
+        ranked: false,
+        pin: None,
     }
 }
 

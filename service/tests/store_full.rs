@@ -30,6 +30,8 @@ fn new_submission(i: usize) -> NewSubmission {
             payload: (0..4096)
                 .map(|k| char::from(b'a' + ((i * 7 + k * 13) % 26) as u8))
                 .collect(),
+            ranked: false,
+            pin: None,
         },
         deadline_ms: i64::MAX,
         idempotency: None,

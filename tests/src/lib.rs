@@ -9,9 +9,12 @@
 
 pub mod agent_node;
 pub mod balancer;
+pub mod browser;
 pub mod callback_receiver;
 pub mod deployment;
 pub mod fake_buildkite;
+pub mod fake_slack;
+pub mod fleet_sim;
 pub mod harness;
 pub mod local;
 pub mod service_process;

@@ -581,3 +581,234 @@ fn local_jobs_run_in_the_sandbox_the_submission_as_its_own_uid() {
         "{log}"
     );
 }
+
+/// A canary task whose timing the test controls: the bundled prefix sum's harness, one small
+/// benchmark, and a submission that sleeps 10 ms a call, or 12 ms (20% slower) on the slice
+/// `control`'s `slow_slice` names (the slice it runs on is in `KERNELKITE_SLICE`).
+fn controlled_canary(dir: &Path, control: &Path) {
+    let example = examples_dir().join("prefixsum_py");
+    for f in ["eval.py", "reference.py"] {
+        std::fs::copy(example.join(f), dir.join(f)).unwrap();
+    }
+    std::fs::write(
+        dir.join("task.yml"),
+        "files:\n  - {name: \"submission.py\", source: \"@SUBMISSION@\"}\n  - {name: \"reference.py\", source: \"reference.py\"}\n  - {name: \"eval.py\", source: \"eval.py\"}\nlang: \"py\"\ndescription: \"a canary whose timing the test controls\"\nconfig:\n  main: \"eval.py\"\ntests:\n  - {size: 8, seed: 1}\nbenchmarks:\n  - {size: 8, seed: 2}\nranking_by: \"geom\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("submission.py"),
+        format!(
+            "import json, os, time\n\
+             def custom_kernel(data):\n\
+             \x20   me = json.loads(os.environ.get('KERNELKITE_SLICE', '{{}}')).get('index')\n\
+             \x20   slow = json.load(open({:?})).get('slow_slice')\n\
+             \x20   time.sleep(0.012 if me == slow else 0.010)\n\
+             \x20   total, out = 0, []\n\
+             \x20   for x in data:\n\
+             \x20       total += x\n\
+             \x20       out.append(total)\n\
+             \x20   return out\n",
+            control.display().to_string()
+        ),
+    )
+    .unwrap();
+}
+
+/// Canaries and quarantine end to end in local mode (issue 39): two slices run the canary when
+/// they join; the one whose canary is 20% slower is quarantined, with the evidence shown;
+/// ranked runs then go only to the healthy slice while test runs may still use the other;
+/// once its canary is fast again, an operator's canary releases it; and an operator can take
+/// a slice out and put it back. Every claim is read from what a user sees: the API's fleet
+/// and each submission's provenance (which slice it ran on).
+#[test]
+fn a_slow_slice_is_quarantined_ranks_nothing_and_is_released_by_a_passing_canary() {
+    if need_python().is_none() {
+        return;
+    }
+    let bins = local_bins!();
+    let scratch = tempfile::tempdir().unwrap();
+    let data = scratch.path().join("data");
+    let task = scratch.path().join("canary");
+    std::fs::create_dir_all(&task).unwrap();
+    let control = scratch.path().join("control.json");
+    std::fs::write(&control, r#"{"slow_slice": 1}"#).unwrap();
+    controlled_canary(&task, &control);
+    let task_arg = task.to_str().unwrap().to_string();
+    // Two CPU-only slices on a machine of two cores: none kept for housekeeping.
+    let served = serve_local_with(
+        &bins,
+        scratch.path(),
+        &data,
+        "off",
+        &[
+            "--cpu-only-slices",
+            "2",
+            "--canary",
+            "true",
+            "--canary-task",
+            &task_arg,
+        ],
+        &[("KERNELKITE_HOUSEKEEPING_CORES", "0")],
+    );
+    let fleet = || http("GET", &format!("{}/v1/fleet", served.base), None);
+    let slice = |f: &Value, i: usize| f["slices"][i].clone();
+    let wait_for = |what: &str, ok: &dyn Fn(&Value) -> bool| -> Value {
+        let start = Instant::now();
+        loop {
+            let f = fleet();
+            if ok(&f) {
+                return f;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{what}: {f:#}\n{}",
+                std::fs::read_to_string(&served.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let f = wait_for("both slices' first canaries", &|f| {
+        f["slices"]
+            .as_array()
+            .is_some_and(|s| s.len() == 2 && s.iter().all(|x| !x["canary"].is_null()))
+    });
+    let (healthy, slow) = (slice(&f, 0), slice(&f, 1));
+    assert_eq!(healthy["index"], 0, "{f:#}");
+    assert_eq!(healthy["canary"]["verdict"], "pass", "{f:#}");
+    assert!(healthy["quarantine"].is_null(), "{f:#}");
+    assert_eq!(slow["index"], 1, "{f:#}");
+    assert_eq!(slow["canary"]["verdict"], "slow", "{f:#}");
+    let ratio = slow["canary"]["ratio"].as_f64().unwrap();
+    assert!(
+        (1.05..1.15).contains(&ratio),
+        "20% slower than the other: {ratio} over the median of two"
+    );
+    assert_eq!(slow["state"], "quarantined");
+    let q = &slow["quarantine"];
+    assert_eq!(q["cause"], "canary", "{f:#}");
+    assert!(
+        q["reason"]
+            .as_str()
+            .unwrap()
+            .contains("slower than its GPU model's median"),
+        "{q}"
+    );
+    assert_eq!(q["evidence"], slow["canary"]["submission"]);
+    assert_eq!(f["totals"]["quarantined"], 1);
+    let slow_id = slow["id"].as_str().unwrap().to_string();
+
+    // Ranked runs and test runs, all at once: the ranked ones run on the healthy slice only.
+    let config = |mode: &str| {
+        let out = service(&bins)
+            .args(["submit", "--task"])
+            .arg(examples_dir().join("prefixsum_py"))
+            .arg("--submission")
+            .arg(examples_dir().join("prefixsum_py/submission.py"))
+            .args(["--mode", mode, "--print-config"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let test_config = config("test");
+    let mut ranked = Vec::new();
+    let mut tests = Vec::new();
+    for i in 0..4 {
+        for (priority, ids) in [("ranked", &mut ranked), ("test", &mut tests)] {
+            let mut c = test_config.clone();
+            c["seed"] = json!(1000 + i);
+            let v = http(
+                "POST",
+                &format!("{}/v1/submissions", served.base),
+                Some(json!({"config": c, "queue": "local", "priority": priority, "cache": false})),
+            );
+            ids.push(
+                v["id"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{v}"))
+                    .to_string(),
+            );
+        }
+    }
+    let ran_on = |id: &str| -> u64 {
+        let v = http(
+            "GET",
+            &format!("{}/v1/submissions/{id}?wait=60", served.base),
+            None,
+        );
+        assert_eq!(v["state"], "succeeded", "{v}");
+        v["provenance"]["slice"]["index"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{v}"))
+    };
+    for id in &ranked {
+        assert_eq!(ran_on(id), 0, "a ranked run on the quarantined slice: {id}");
+    }
+    let test_slices: Vec<u64> = tests.iter().map(|id| ran_on(id)).collect();
+    assert!(
+        test_slices.contains(&1),
+        "test runs may use the quarantined slice, and one did: {test_slices:?}"
+    );
+
+    // Fast again: an operator asks for a canary, which passes and releases the slice.
+    std::fs::write(&control, r#"{"slow_slice": null}"#).unwrap();
+    let asked = http(
+        "POST",
+        &format!("{}/v1/fleet/slices/{slow_id}/canary", served.base),
+        Some(json!({})),
+    );
+    assert_eq!(asked["canary"], "requested", "{asked}");
+    let f = wait_for("the passing canary's release", &|f| {
+        f["slices"][1]["quarantine"].is_null()
+    });
+    let s = slice(&f, 1);
+    assert_eq!(s["canary"]["verdict"], "pass", "{f:#}");
+    assert_eq!(s["canary_trend"].as_array().map(Vec::len), Some(2), "{f:#}");
+    assert_eq!(s["state"], "idle");
+    // Ranked runs may use it again.
+    let mut c = test_config.clone();
+    c["seed"] = json!(77);
+    let a = http(
+        "POST",
+        &format!("{}/v1/submissions", served.base),
+        Some(json!({"config": c.clone(), "queue": "local", "priority": "ranked", "cache": false})),
+    );
+    c["seed"] = json!(78);
+    let b = http(
+        "POST",
+        &format!("{}/v1/submissions", served.base),
+        Some(json!({"config": c, "queue": "local", "priority": "ranked", "cache": false})),
+    );
+    let mut both = [
+        ran_on(a["id"].as_str().unwrap()),
+        ran_on(b["id"].as_str().unwrap()),
+    ];
+    both.sort();
+    assert_eq!(
+        both,
+        [0, 1],
+        "two ranked runs at once use both slices again"
+    );
+
+    // An operator takes a slice out (maintenance) and puts it back; an unknown slice is a 404
+    // with the way to find the right name.
+    let out = http(
+        "POST",
+        &format!("{}/v1/fleet/slices/{slow_id}/quarantine", served.base),
+        Some(json!({"reason": "fan replacement"})),
+    );
+    assert_eq!(out["quarantined"], true, "{out}");
+    let f = fleet();
+    assert_eq!(f["slices"][1]["quarantine"]["cause"], "operator", "{f:#}");
+    let unknown = http(
+        "POST",
+        &format!("{}/v1/fleet/slices/no-such-agent/quarantine", served.base),
+        Some(json!({"reason": "x"})),
+    );
+    assert!(
+        unknown["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("GET /v1/fleet")),
+        "{unknown}"
+    );
+}

@@ -29,6 +29,7 @@ use crate::executor::{
     BuildEvent, BuildEventKind, BuildStatus, Collected, Executor, Job, Launched,
 };
 use crate::fairshare::Class;
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::queues::{AgentSlots, Queues};
 use crate::report::report;
@@ -131,6 +132,10 @@ pub struct App {
     /// Events dropped for a full early-event buffer, and when that was last logged.
     dropped_events: std::sync::atomic::AtomicU64,
     dropped_logged: Mutex<Option<Instant>>,
+    /// The fleet: slices, canaries, quarantines (`crate::fleet`).
+    pub(crate) fleet: Arc<Fleet>,
+    /// Quarantines and releases, for whoever tells vendors (the service's notifier).
+    pub(crate) notices: tokio::sync::broadcast::Sender<crate::fleet::Notice>,
 }
 
 /// What a client watches: a submission in flight (it sees every change), or one read from
@@ -152,6 +157,14 @@ pub struct Prepared {
     who: Who,
     cache_key: String,
     use_cache: bool,
+}
+
+impl Prepared {
+    /// Pins it to slice `id` as its canary: its job runs there and nowhere else.
+    pub(crate) fn pin(&mut self, id: &str) {
+        self.sub.canary = Some(id.to_string());
+        self.job.pin = Some(id.to_string());
+    }
 }
 
 /// What [`App::accept`] did.
@@ -208,6 +221,16 @@ impl App {
         &self.queues
     }
 
+    /// The fleet: slices, canaries, quarantines.
+    pub fn fleet(&self) -> &Arc<Fleet> {
+        &self.fleet
+    }
+
+    /// Quarantines and releases as they happen.
+    pub fn notices(&self) -> tokio::sync::broadcast::Receiver<crate::fleet::Notice> {
+        self.notices.subscribe()
+    }
+
     /// The core around `executor` (where builds run) and `durable` (where submissions are kept),
     /// both chosen by the composition root (`kernelkite_service::cli::serve`). Nothing runs yet:
     /// the root starts the background loops (housekeeping, recovery, the reconciler, the callback
@@ -249,6 +272,8 @@ impl App {
             callbacks_due: Notify::new(),
             dropped_events: std::sync::atomic::AtomicU64::new(0),
             dropped_logged: Mutex::new(None),
+            fleet: Arc::new(Fleet::new(cfg.canary.clone(), cfg.offline_after_s)),
+            notices: tokio::sync::broadcast::channel(256).0,
             cfg,
         }))
     }
@@ -327,6 +352,8 @@ impl App {
             queue: req.queue.clone(),
             mode,
             payload,
+            ranked: class == Class::Ranked,
+            pin: None,
         };
         let now = Utc::now();
         let mut sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);
@@ -1161,6 +1188,8 @@ impl App {
                 // Its slot frees (or its place in the queue), and the next one starts.
                 self.dispatch.ended(&s.queue, &s.id, s.ran());
                 self.pump(&s.queue, None);
+                let fleet = self.fleet.ended(s, Utc::now().timestamp_millis());
+                self.fleet_changed(fleet);
             }
         }
         Ok(changed)

@@ -41,6 +41,11 @@ pub struct Config {
     pub callbacks: Callbacks,
     /// The service's queue and result cache.
     pub fair: Fair,
+    /// Canaries: when they run and how they are judged (`crate::canary`).
+    pub canary: crate::canary::Schedule,
+    /// A slice whose agent is not connected this long is said offline (its vendor is told),
+    /// seconds.
+    pub offline_after_s: u64,
 }
 
 /// Callbacks as far as the core sees them (the sender's own settings are the adapter's).

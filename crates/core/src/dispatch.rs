@@ -905,6 +905,27 @@ impl Dispatcher {
             .pop()
     }
 
+    /// Every line's name (a queue, or [`NODE_LINE`]), known since start.
+    pub fn lines(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.lock().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Per class and user, submissions of `queue`'s line waiting or running (none listed
+    /// when there are none).
+    pub fn open_by(&self, queue: &str) -> Vec<(Class, String, u64)> {
+        let lines = self.lock();
+        let Some(line) = lines.get(self.line(queue)) else {
+            return Vec::new();
+        };
+        line.open
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|((c, u), n)| (*c, u.clone(), *n))
+            .collect()
+    }
+
     /// The queues that have anything waiting.
     pub fn busy_queues(&self) -> Vec<String> {
         self.lock()

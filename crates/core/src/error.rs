@@ -21,6 +21,9 @@ pub enum Error {
         /// The id asked for.
         id: String,
     },
+    /// No slice has this id in the fleet.
+    #[error(transparent)]
+    UnknownSlice(#[from] crate::fleet::UnknownSlice),
     /// The request cannot be read at all (not JSON, a bad query string, a webhook body that
     /// is not an event).
     #[error(transparent)]
@@ -134,6 +137,12 @@ pub enum BadRequest {
 /// A submission that is read but refused; nothing is created for it.
 #[derive(Debug, thiserror::Error)]
 pub enum Invalid {
+    /// A canary asked for where none run.
+    #[error("canaries do not run on this service (KERNELKITE_CANARY is off)")]
+    Canary,
+    /// A quarantine's reason is empty or too long.
+    #[error("a quarantine needs a reason of 1-500 characters: {{\"reason\": \"…\"}}")]
+    Reason,
     /// The body is JSON but not a submission (a missing or unknown field, a wrong type).
     #[error("request body is not a submission")]
     Shape(#[source] serde_json::Error),

@@ -59,6 +59,12 @@ impl Events for CoreEvents {
         })
     }
 
+    fn held_back(&self, slice: &str) -> bool {
+        self.app
+            .upgrade()
+            .is_some_and(|a| a.fleet().held_back(slice))
+    }
+
     fn max_artifact_bytes(&self) -> u64 {
         self.app
             .upgrade()

@@ -29,6 +29,13 @@ pub trait Events: Send + Sync {
     fn reclaim<'a>(&'a self, submission_id: &'a str, build_id: &'a str) -> BoxFuture<'a, Reclaim>;
     /// The largest result artifact the core takes (`--max-artifact-bytes`).
     fn max_artifact_bytes(&self) -> u64;
+
+    /// Whether slice `slice` (an agent name) may not start a ranked run now: it is
+    /// quarantined ([`crate::fleet`]).
+    fn held_back(&self, slice: &str) -> bool {
+        let _ = slice;
+        false
+    }
 }
 
 /// What [`Events::reclaim`] made of a build left by an executor's previous run.
@@ -60,6 +67,12 @@ pub struct Job {
     /// The run config as kernelbot's payload: base64(zlib(JSON)), the backend's JSON
     /// unchanged.
     pub payload: String,
+    /// A ranked run: a quarantined slice does not start it ([`Events::held_back`]).
+    #[serde(default)]
+    pub ranked: bool,
+    /// The slice (agent) it must run on: a canary measures one slice.
+    #[serde(default)]
+    pub pin: Option<String>,
 }
 
 /// What collecting a finished build gave: how the submission ends and, when the node wrote
@@ -204,6 +217,28 @@ pub struct AgentCounts {
     pub total: u64,
 }
 
+/// One agent (a slice) as its source lists it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentInfo {
+    /// Its name: the slice's id in the fleet.
+    pub name: String,
+    /// The queue it serves.
+    pub queue: Option<String>,
+    /// Its node's host name.
+    pub node: Option<String>,
+    /// Running a job now.
+    pub busy: bool,
+    /// Paused (Buildkite dispatches no job to it).
+    #[serde(default)]
+    pub paused: bool,
+    /// Its agent's version (Buildkite's agent), when the source says.
+    #[serde(default)]
+    pub version: Option<String>,
+    /// Its tags (`key=value`).
+    #[serde(default)]
+    pub tags: Vec<String>,
+}
+
 /// Agent counts for every queue the source knows of.
 pub type AgentsByQueue = std::collections::HashMap<String, AgentCounts>;
 
@@ -215,6 +250,12 @@ pub trait AgentSource: Send + Sync + 'static {
 
     /// Every connected agent, counted by queue. A queue missing from the map has no agent.
     fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>>;
+
+    /// The agents the last successful [`AgentSource::fetch`] listed, one by one (`None`: the
+    /// source counts without listing, as Buildkite's agent metrics do).
+    fn roster(&self) -> Option<Vec<AgentInfo>> {
+        None
+    }
 }
 
 /// Why agent counts could not be had ([`AgentSource::fetch`]).
@@ -290,6 +331,12 @@ pub trait Executor: Send + Sync + 'static {
     /// How many builds this executor runs at once on any queue, when it knows (the local
     /// executor: its slices); the service's queue starts no more than that.
     fn slots(&self) -> Option<u64> {
+        None
+    }
+
+    /// The slices this executor runs builds on itself, as agents (local mode), with which
+    /// are busy; `None`: its machines are someone else's to list ([`Executor::agents`]).
+    fn roster(&self) -> Option<Vec<AgentInfo>> {
         None
     }
 

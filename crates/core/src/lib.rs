@@ -28,14 +28,17 @@
 #![deny(missing_docs)]
 
 pub mod app;
+pub mod canary;
 pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod events;
 pub mod executor;
 pub mod fairshare;
+pub mod fleet;
 pub mod health;
 pub mod metrics;
+pub mod overview;
 pub mod queues;
 pub mod reconcile;
 pub mod recovery;
@@ -43,6 +46,7 @@ pub mod report;
 pub mod result;
 pub mod store;
 pub mod submission;
+pub mod upkeep;
 
 pub use app::{App, SubmitRequest};
 pub use error::Error;

@@ -18,6 +18,17 @@ pub struct StateLabel {
     pub state: String,
 }
 
+/// One slice of the fleet, as a label set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SliceLabel {
+    /// The slice (its agent's name).
+    pub slice: String,
+    /// Its node.
+    pub node: String,
+    /// Its queue.
+    pub queue: String,
+}
+
 /// Why a webhook was refused before its body was trusted.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -160,6 +171,16 @@ pub struct Metrics {
     pub quota_refusals: Family<QuotaLabel, Counter>,
     /// Submissions answered from the result cache.
     pub cache_hits: Family<QueueLabel, Counter>,
+    /// The fleet's slices by state (`busy`, `idle`, `offline`, `quarantined`, `unknown`).
+    pub fleet_slices: Family<StateLabel, Gauge>,
+    /// 1 for each quarantined slice.
+    pub slice_quarantined: Family<SliceLabel, Gauge>,
+    /// Each slice's GPU temperature at the end of its last run, °C.
+    pub slice_gpu_temperature: Family<SliceLabel, Gauge>,
+    /// Each slice's last canary over its GPU model's median, in thousandths (1000: the median).
+    pub slice_canary_permille: Family<SliceLabel, Gauge>,
+    /// Vendors' alerts, by outcome (`sent`, `given_up`, `suppressed`, `dropped`).
+    pub alerts: Family<OutcomeLabel, Counter>,
 }
 
 /// [`Refusal`] as a label set.
@@ -199,6 +220,11 @@ impl Metrics {
             queue_wait_seconds: Family::new_with_constructor(wait_histogram),
             quota_refusals: Family::default(),
             cache_hits: Family::default(),
+            fleet_slices: Family::default(),
+            slice_quarantined: Family::default(),
+            slice_gpu_temperature: Family::default(),
+            slice_canary_permille: Family::default(),
+            alerts: Family::default(),
             registry: Registry::default(),
         };
         registry.register("submissions", "Submissions by state", m.submissions.clone());
@@ -232,6 +258,27 @@ impl Metrics {
             "Callback POSTs, by outcome",
             m.callbacks.clone(),
         );
+        registry.register(
+            "fleet_slices",
+            "The fleet's slices by state (busy, idle, offline, quarantined, unknown)",
+            m.fleet_slices.clone(),
+        );
+        registry.register(
+            "slice_quarantined",
+            "1 for each slice that ranks no run (quarantined)",
+            m.slice_quarantined.clone(),
+        );
+        registry.register(
+            "slice_gpu_temperature_celsius",
+            "Each slice's GPU temperature at the end of its last run",
+            m.slice_gpu_temperature.clone(),
+        );
+        registry.register(
+            "slice_canary_permille",
+            "Each slice's last canary over its GPU model's median, in thousandths",
+            m.slice_canary_permille.clone(),
+        );
+        registry.register("alerts", "Vendors' alerts, by outcome", m.alerts.clone());
         registry.register(
             "store_seconds",
             "Store operation latency, by operation",

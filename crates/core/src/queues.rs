@@ -181,6 +181,14 @@ impl Queues {
         }
     }
 
+    /// The agents the last successful fetch listed one by one (`None`: no source, or one that
+    /// only counts); starts a fetch when the last is older than the refresh interval.
+    pub fn roster(self: &Arc<Self>) -> Option<Vec<crate::executor::AgentInfo>> {
+        let source = self.source.clone()?;
+        self.refresh_if_due();
+        source.roster()
+    }
+
     /// Changes each time a fetch ends (the service's queue starts what new agents have room
     /// for).
     pub fn fetched(&self) -> Fetched {

@@ -134,6 +134,9 @@ pub struct Submission {
     /// Where and on what its run ran, as the node reported it (`provenance.json`).
     #[serde(default)]
     pub provenance: Option<Provenance>,
+    /// A canary: the slice it measures (`crate::fleet`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<String>,
     /// Its place in the service's queue, while it waits there (never kept in the store: it
     /// is recomputed as the queue moves).
     #[serde(default)]
@@ -255,6 +258,7 @@ impl Submission {
             priority: Class::Test,
             cached_from: None,
             provenance: None,
+            canary: None,
             place: None,
         }
     }

@@ -110,6 +110,8 @@ fn config() -> Config {
             cache_hourly: Most(None),
             runner_version: "test".into(),
         },
+        canary: Default::default(),
+        offline_after_s: 600,
     }
 }
 

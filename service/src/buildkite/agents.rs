@@ -21,7 +21,7 @@ use super::Priority;
 use crate::config::Secret;
 use futures_util::future::BoxFuture;
 
-use crate::executor::{AgentCounts, AgentSource, AgentsByQueue, AgentsUnavailable};
+use crate::executor::{AgentCounts, AgentInfo, AgentSource, AgentsByQueue, AgentsUnavailable};
 
 /// Most pages of the agents list read per fetch (100 agents each).
 pub const MAX_PAGES: usize = 10;
@@ -81,9 +81,17 @@ impl AgentsError {
     }
 }
 
-/// An agent as the REST list shows it: the fields counted.
+/// An agent as the REST list shows it: the fields counted, and those the fleet shows.
 #[derive(Debug, Deserialize)]
 struct ListedAgent {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    hostname: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    paused: Option<bool>,
     #[serde(default)]
     connection_state: Option<String>,
     #[serde(default)]
@@ -100,7 +108,7 @@ fn queue_of(meta_data: &[String]) -> &str {
         .unwrap_or("default")
 }
 
-fn count(agents: &[ListedAgent], into: &mut AgentsByQueue) {
+fn count(agents: &[ListedAgent], into: &mut AgentsByQueue, roster: &mut Vec<AgentInfo>) {
     for a in agents {
         // The list holds connected agents only; a field saying otherwise wins.
         if a.connection_state
@@ -108,6 +116,17 @@ fn count(agents: &[ListedAgent], into: &mut AgentsByQueue) {
             .is_some_and(|s| s != "connected")
         {
             continue;
+        }
+        if let Some(name) = &a.name {
+            roster.push(AgentInfo {
+                name: name.clone(),
+                queue: Some(queue_of(&a.meta_data).to_string()),
+                node: a.hostname.clone(),
+                busy: a.job.as_ref().is_some_and(|j| !j.is_null()),
+                paused: a.paused.unwrap_or(false),
+                version: a.version.clone(),
+                tags: a.meta_data.clone(),
+            });
         }
         let c = into.entry(queue_of(&a.meta_data).to_string()).or_default();
         c.total += 1;
@@ -145,6 +164,8 @@ fn checked(
 pub struct AgentsList {
     client: BuildkiteClient,
     first_page: String,
+    /// The agents the last successful fetch listed.
+    roster: std::sync::Mutex<Option<Vec<AgentInfo>>>,
 }
 
 impl AgentsList {
@@ -153,6 +174,7 @@ impl AgentsList {
         AgentsList {
             client,
             first_page: format!("/organizations/{org}/agents?per_page=100"),
+            roster: std::sync::Mutex::new(None),
         }
     }
 
@@ -160,6 +182,7 @@ impl AgentsList {
         const WHAT: &str = "GET .../agents";
         const HINT: &str = "give BUILDKITE_API_TOKEN the read_agents scope, or set BUILDKITE_AGENT_TOKEN to use the agent metrics endpoint";
         let mut counts = AgentsByQueue::new();
+        let mut roster = Vec::new();
         let mut path = self.first_page.clone();
         for number in 1..=MAX_PAGES {
             // Queue status can wait: it yields to every other call in the budget.
@@ -173,7 +196,7 @@ impl AgentsList {
                 what: WHAT,
                 source: e.without_url(),
             })?;
-            count(&agents, &mut counts);
+            count(&agents, &mut counts, &mut roster);
             match next {
                 None => break,
                 Some(_) if number == MAX_PAGES => {
@@ -190,6 +213,7 @@ impl AgentsList {
                 },
             }
         }
+        *self.roster.lock().unwrap_or_else(|e| e.into_inner()) = Some(roster);
         Ok(counts)
     }
 }
@@ -201,6 +225,13 @@ impl AgentSource for AgentsList {
 
     fn fetch(&self) -> BoxFuture<'_, Result<AgentsByQueue, AgentsUnavailable>> {
         Box::pin(async move { self.fetch_all().await.map_err(AgentsError::unavailable) })
+    }
+
+    fn roster(&self) -> Option<Vec<AgentInfo>> {
+        self.roster
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -297,7 +328,7 @@ mod tests {
     #[test]
     fn agents_count_by_queue_tag_and_job() {
         let agents: Vec<ListedAgent> = serde_json::from_value(serde_json::json!([
-            {"connection_state": "connected", "meta_data": ["os=linux", "queue=h100"], "job": {"id": "j"}},
+            {"name": "dgx1-gpu0", "hostname": "dgx1", "version": "3.110.0", "paused": true, "connection_state": "connected", "meta_data": ["os=linux", "queue=h100"], "job": {"id": "j"}},
             {"connection_state": "connected", "meta_data": ["queue=h100"], "job": null},
             {"connection_state": "connected", "meta_data": ["queue=b200"]},
             {"connection_state": "stopping", "meta_data": ["queue=h100"], "job": null},
@@ -305,7 +336,18 @@ mod tests {
         ]))
         .unwrap();
         let mut counts = AgentsByQueue::new();
-        count(&agents, &mut counts);
+        let mut roster = Vec::new();
+        count(&agents, &mut counts, &mut roster);
+        // Listed one by one: those with a name, connected.
+        assert_eq!(roster.len(), 1, "{roster:?}");
+        let a = &roster[0];
+        assert_eq!(a.name, "dgx1-gpu0");
+        assert_eq!(
+            (a.node.as_deref(), a.queue.as_deref()),
+            (Some("dgx1"), Some("h100"))
+        );
+        assert!(a.busy && a.paused);
+        assert_eq!(a.version.as_deref(), Some("3.110.0"));
         assert_eq!(
             counts["h100"],
             AgentCounts {

@@ -98,6 +98,26 @@ fn wire(
     crate::recovery::recover(&app, &reconciler, reopened);
     reconciler.spawn();
     outbox.spawn();
+    let canary = if cfg.fleet.canary {
+        Some(
+            crate::task::canary_config(cfg.fleet.canary_task.as_deref())
+                .map_err(|e| ConfigError::Canary(crate::report::report(&e).to_string()))?,
+        )
+    } else {
+        None
+    };
+    crate::notify::spawn(
+        &app,
+        cfg.fleet.alert_webhooks.clone(),
+        cfg.fleet.alert_max_per_minute,
+        cfg.edge.public_url.clone(),
+    );
+    let fleet = app.clone();
+    let alerts = !cfg.fleet.alert_webhooks.0.is_empty();
+    tokio::spawn(async move {
+        fleet.load_fleet().await;
+        fleet.spawn_fleet(canary, alerts);
+    });
     Ok(app)
 }
 

@@ -22,6 +22,26 @@ pub(super) async fn require_client(
     Ok(next.run(req).await)
 }
 
+/// Guards the fleet's reads: what [`require_client`] admits, or the read-only dashboard
+/// token (KERNELKITE_DASHBOARD_TOKEN) from anywhere.
+pub(super) async fn require_reader(
+    State(edge): State<Arc<Edge>>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let dashboard = edge.cfg.fleet.dashboard_token.as_ref().is_some_and(|t| {
+        req.headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer_token)
+            .is_some_and(|g| t.matches(g.as_bytes()))
+    });
+    if !dashboard {
+        allowed(&edge, req.headers(), req.extensions())?;
+    }
+    Ok(next.run(req).await)
+}
+
 /// A request another replica received, checked and relayed ([`crate::replica::relay`]): it
 /// authenticated the client (or verified the webhook) itself and relays its verdict, never
 /// the credentials. Set only in process, by the relay: no client can send it.

@@ -31,7 +31,7 @@ impl IntoResponse for ApiError {
 /// The answer for `e`: its status, headers and JSON body.
 fn answer(e: Error) -> Response {
     let status = match &e {
-        Error::NotFound { .. } => StatusCode::NOT_FOUND,
+        Error::NotFound { .. } | Error::UnknownSlice(_) => StatusCode::NOT_FOUND,
         Error::BadRequest(_) => StatusCode::BAD_REQUEST,
         Error::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
         Error::Conflict { .. } | Error::KeyReused { .. } => StatusCode::CONFLICT,

@@ -69,12 +69,24 @@ pub fn follower_router(
         .route("/v1/submissions/{id}/cancel", post(relayed))
         .route("/v1/submissions/{id}/events", get(events::stream))
         .route("/v1/queues/{queue}", get(relayed))
+        .route("/v1/fleet/slices/{id}/canary", post(relayed))
+        .route(
+            "/v1/fleet/slices/{id}/quarantine",
+            post(relayed).delete(relayed),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             edge.clone(),
             auth::require_client,
         ));
+    // The fleet lives in the memory of the replica running the queue: its overview is
+    // relayed; its event stream is that replica's alone (the page polls here instead).
+    let fleet_reads = Router::new().route("/v1/fleet", get(relayed)).route_layer(
+        axum::middleware::from_fn_with_state(edge.clone(), auth::require_reader),
+    );
     Router::new()
         .merge(v1)
+        .merge(fleet_reads)
+        .route("/dashboard", get(super::fleet::page))
         .route("/webhooks/buildkite", post(relayed))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))

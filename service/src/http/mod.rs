@@ -9,6 +9,7 @@ mod auth;
 mod edge;
 mod error;
 mod events;
+mod fleet;
 mod follower;
 pub mod openapi;
 mod queues;
@@ -111,6 +112,14 @@ pub(crate) struct Http {
     events: Arc<dyn Events>,
     /// Finished submissions' events, shared by the streams sending them.
     finished: Arc<events::Finished>,
+    /// The fleet's overview, shared by its readers.
+    fleet: Arc<fleet::Cache>,
+}
+
+impl FromRef<Http> for Arc<fleet::Cache> {
+    fn from_ref(h: &Http) -> Arc<fleet::Cache> {
+        h.fleet.clone()
+    }
 }
 
 impl FromRef<Http> for Arc<events::Finished> {
@@ -170,12 +179,27 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
         .route("/v1/submissions/{id}/cancel", post(submissions::cancel))
         .route("/v1/submissions/{id}/events", get(events::stream))
         .route("/v1/queues/{queue}", queues::route(&app))
+        .route("/v1/fleet/slices/{id}/canary", post(fleet::canary))
+        .route(
+            "/v1/fleet/slices/{id}/quarantine",
+            post(fleet::quarantine).delete(fleet::release),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             edge.clone(),
             auth::require_client,
         ));
+    // The fleet's reads take the read-only dashboard token too.
+    let fleet_reads = Router::new()
+        .route("/v1/fleet", get(fleet::overview))
+        .route("/v1/fleet/events", get(fleet::events))
+        .route_layer(axum::middleware::from_fn_with_state(
+            edge.clone(),
+            auth::require_reader,
+        ));
     Router::new()
         .merge(v1)
+        .merge(fleet_reads)
+        .route("/dashboard", get(fleet::page))
         .route("/webhooks/buildkite", post(webhooks::buildkite))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -185,6 +209,7 @@ pub fn router_with(app: Arc<App>, edge: Arc<Edge>) -> Router {
             webhooks: Arc::new(WebhookReceiver::from_config(&edge.cfg)),
             events: crate::events::for_executor(&app),
             finished: Arc::new(events::Finished::default()),
+            fleet: Arc::new(fleet::Cache::default()),
             reader: app.clone(),
             app,
             edge,

@@ -117,7 +117,7 @@ impl LocalExecutor {
         // `BUILDKITE_JOB_ID`: unique per attempt, and a valid cgroup name.
         let job_id = format!("{}-{attempt}", file.build.id);
         let (command, build_env) = self.command_for(file, dir, attempt);
-        let agent_name = format!("local-{}-{}", self.host, slice.index);
+        let agent_name = self.agent_name(slice);
         // As an agent of the local pipeline bound to the slice (the tag the hooks lease by)
         // runs the step.
         let job = JobEnv {
@@ -497,7 +497,7 @@ struct AttemptOutcome {
 /// only while it runs a job, so dropping the service ends it.
 pub(super) async fn worker(me: Weak<LocalExecutor>, wake: Arc<Notify>, slice: PlannedSlice) {
     loop {
-        let Some((this, (q, at))) = next_job(&me, &wake).await else {
+        let Some((this, (q, at))) = next_job(&me, &wake, &slice).await else {
             return;
         };
         this.run(&slice, q, at).await;
@@ -512,6 +512,7 @@ pub(super) async fn worker(me: Weak<LocalExecutor>, wake: Arc<Notify>, slice: Pl
 async fn next_job(
     me: &Weak<LocalExecutor>,
     wake: &Notify,
+    slice: &PlannedSlice,
 ) -> Option<(Arc<LocalExecutor>, (Queued, DateTime<Utc>))> {
     loop {
         let notified = wake.notified();
@@ -519,13 +520,18 @@ async fn next_job(
         // Registered before the queue is read, so a job queued in between is not missed.
         notified.as_mut().enable();
         let this = me.upgrade()?;
-        if let Some(job) = this.pop() {
+        if let Some(job) = this.pop(slice) {
             return Some((this, job));
         }
         drop(this);
-        notified.await;
+        // A job this slice may not take now (a ranked one, while it is quarantined) waits for
+        // its release, which no enqueue announces: looked at again every second.
+        let _ = tokio::time::timeout(RELOOK, notified).await;
     }
 }
+
+/// How often an idle worker looks at the queue again without being woken.
+const RELOOK: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {

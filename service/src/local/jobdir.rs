@@ -38,6 +38,12 @@ pub struct JobFile {
     pub payload: String,
     /// When the executor took the job; the queue is kept in this order.
     pub accepted_at: DateTime<Utc>,
+    /// A ranked run: a quarantined slice does not take it.
+    #[serde(default)]
+    pub ranked: bool,
+    /// The slice (its agent name) it must run on: a canary.
+    #[serde(default)]
+    pub pin: Option<String>,
 }
 
 /// A build id that can name a directory (the executor makes UUIDs; anything else did not
@@ -268,6 +274,8 @@ mod tests {
             },
             payload: "eJw=".into(),
             accepted_at: Utc::now(),
+            ranked: false,
+            pin: None,
         };
         dir.create(&job).unwrap();
         assert_eq!(dir.read().unwrap(), job);

@@ -169,6 +169,10 @@ impl Record {
 struct Queued {
     build_id: String,
     accepted_at: DateTime<Utc>,
+    /// A ranked run (a quarantined slice leaves it to the others).
+    ranked: bool,
+    /// The only slice (agent name) that may take it.
+    pin: Option<String>,
 }
 
 /// Reports of finished jobs kept for [`LocalExecutor::report`].
@@ -434,7 +438,8 @@ impl LocalExecutor {
     /// time it was launched (the service's queue chose that order, and launches a job only
     /// when a slice is free, so this queue is short); a job recovered after a restart keeps
     /// its submission's acceptance time, so it goes before every later launch.
-    fn enqueue(&self, build_id: String, accepted_at: DateTime<Utc>) {
+    fn enqueue(&self, file: &JobFile) {
+        let (build_id, accepted_at) = (file.build.id.clone(), file.accepted_at);
         let mut q = lock(&self.queue);
         // Read under the queue's lock, like `pop`'s time: the two compare.
         let queued = Utc::now();
@@ -447,20 +452,36 @@ impl LocalExecutor {
             Queued {
                 build_id: build_id.clone(),
                 accepted_at,
+                ranked: file.ranked,
+                pin: file.pin.clone(),
             },
         );
         drop(q);
         if let Some(rec) = lock(&self.jobs).get_mut(&build_id) {
             rec.timings.queued = Some(queued);
         }
-        self.wake.notify_one();
+        // Every idle worker looks: a job pinned to one slice, or a ranked one that a
+        // quarantined slice leaves, is not every worker's to take.
+        self.wake.notify_waiters();
     }
 
-    /// The next job, and when it left the queue (taken under the queue's lock, so the times
-    /// are in queue order).
-    fn pop(&self) -> Option<(Queued, DateTime<Utc>)> {
+    /// The next job slice `slice` may take, and when it left the queue (taken under the
+    /// queue's lock, so the times are in queue order): the first not pinned to another slice
+    /// and, while the slice is quarantined, not ranked.
+    fn pop(&self, slice: &PlannedSlice) -> Option<(Queued, DateTime<Utc>)> {
+        let me = self.agent_name(slice);
+        let held = self.events().is_some_and(|e| e.held_back(&me));
         let mut q = lock(&self.queue);
-        q.pop_front().map(|j| (j, Utc::now()))
+        let at = q
+            .iter()
+            .position(|j| j.pin.as_ref().is_none_or(|p| *p == me) && !(held && j.ranked))?;
+        q.remove(at).map(|j| (j, Utc::now()))
+    }
+
+    /// Slice `slice`'s agent name: the name a Buildkite agent bound to it would have, and the
+    /// slice's id in the fleet.
+    pub fn agent_name(&self, slice: &PlannedSlice) -> String {
+        format!("local-{}-{}", self.host, slice.index)
     }
 
     /// Once the submission's end is stored, removes the job's directory and keeps its report.
@@ -514,6 +535,28 @@ impl Executor for LocalExecutor {
         Some(self.slices.len() as u64)
     }
 
+    fn roster(&self) -> Option<Vec<crate::executor::AgentInfo>> {
+        let busy: std::collections::HashSet<u32> = lock(&self.jobs)
+            .values()
+            .filter(|r| r.stage == Stage::Running)
+            .filter_map(|r| r.slice)
+            .collect();
+        Some(
+            self.slices
+                .iter()
+                .map(|s| crate::executor::AgentInfo {
+                    name: self.agent_name(s),
+                    queue: Some(kernelkite_core::dispatch::NODE_LINE.to_string()),
+                    node: Some(self.host.clone()),
+                    busy: busy.contains(&s.index),
+                    paused: false,
+                    version: Some(env!("CARGO_PKG_VERSION").to_string()),
+                    tags: vec![format!("gpu-index={}", s.index)],
+                })
+                .collect(),
+        )
+    }
+
     // Over 80 lines: the job is registered, written to its directory and queued in one place, in
     // the order the start-up sweep relies on.
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
@@ -541,6 +584,8 @@ impl Executor for LocalExecutor {
                 build: build.clone(),
                 payload: job.payload.clone(),
                 accepted_at,
+                ranked: job.ranked,
+                pin: job.pin.clone(),
             };
             let timings = Timings {
                 accepted: Some(accepted_at),
@@ -578,7 +623,7 @@ impl Executor for LocalExecutor {
                 )
                 .into());
             }
-            self.enqueue(id, Utc::now());
+            self.enqueue(&file);
             // The build is handed back (and the submission becomes `scheduled`) when a slice
             // takes the job: until then it waits in `queued`. A submission that ends while
             // queued (canceled, timed out) gets its build back at once, and the core cancels
@@ -815,7 +860,7 @@ impl Executor for LocalExecutor {
                 attempt,
                 "local job interrupted by a restart; running it again"
             );
-            self.enqueue(build.id.clone(), accepted_at);
+            self.enqueue(&file);
             Ok(Recovered::Running)
         })
     }

@@ -591,6 +591,23 @@ impl Postgres {
         tx.commit().await.map_err(|e| self.write_err(&e))
     }
 
+    async fn fleet_save(&self, id: &str, doc: &str) -> Result<(), StoreError> {
+        let mut tx = self.begin_fenced().await?;
+        sqlx::query(sql::FLEET_SAVE)
+            .bind(id)
+            .bind(doc)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.write_err(&e))?;
+        tx.commit().await.map_err(|e| self.write_err(&e))
+    }
+
+    async fn fleet_load(&self) -> Result<Vec<String>, StoreError> {
+        self.read(async |c| sqlx::query_scalar(sql::FLEET_LOAD).fetch_all(&mut *c).await)
+            .await
+    }
+
     async fn load(&self, id: &str) -> Result<Option<Submission>, StoreError> {
         let mut c = self.conn().await?;
         load(&mut c, id)
@@ -1421,6 +1438,16 @@ impl Durable for Postgres {
     }
     fn persistent(&self) -> bool {
         true
+    }
+    fn fleet_load(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        Box::pin(Postgres::fleet_load(self))
+    }
+    fn fleet_save<'a>(
+        &'a self,
+        id: &'a str,
+        doc: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Postgres::fleet_save(self, id, doc))
     }
     /// Not once the lock is lost or the last beat is stale (which, in the service, ends the
     /// process).

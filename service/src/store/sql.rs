@@ -28,6 +28,15 @@ pub(crate) const CALLBACK_ATTEMPTED: &str =
     "UPDATE callbacks SET state = $2, attempts = $3, next_at_ms = $4, last_error = $5
      WHERE submission_id = $1";
 
+/// A slice's fleet record, replaced whole (`crate::fleet`): portable upsert (SQLite 3.24+
+/// and PostgreSQL read it alike).
+pub(crate) const FLEET_SAVE: &str =
+    "INSERT INTO fleet_slices (id, doc, updated_at_ms) VALUES ($1, $2, $3)
+     ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, updated_at_ms = excluded.updated_at_ms";
+
+/// Every slice's fleet record.
+pub(crate) const FLEET_LOAD: &str = "SELECT doc FROM fleet_slices ORDER BY id";
+
 /// The health probe's write.
 pub(crate) const PROBE: &str = "UPDATE kernelkite_health SET checked_at_ms = $1 WHERE id = 1";
 

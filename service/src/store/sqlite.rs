@@ -88,6 +88,11 @@ enum Op {
         hash: String,
     },
     Cached(CacheQuery),
+    FleetSave {
+        id: String,
+        doc: String,
+    },
+    FleetLoad,
 }
 
 impl Op {
@@ -96,7 +101,7 @@ impl Op {
         match self {
             Op::Insert(n) => n.idempotency.is_none(),
             Op::Finish(_, cb) => cb.is_none(),
-            Op::Save(_) | Op::Callback { .. } | Op::Probe => true,
+            Op::Save(_) | Op::Callback { .. } | Op::Probe | Op::FleetSave { .. } => true,
             _ => false,
         }
     }
@@ -104,7 +109,12 @@ impl Op {
     fn is_write(&self) -> bool {
         matches!(
             self,
-            Op::Insert(_) | Op::Save(_) | Op::Finish(..) | Op::Callback { .. } | Op::Probe
+            Op::Insert(_)
+                | Op::Save(_)
+                | Op::Finish(..)
+                | Op::Callback { .. }
+                | Op::Probe
+                | Op::FleetSave { .. }
         )
     }
 }
@@ -119,6 +129,7 @@ enum Reply {
     Job(Option<Box<Job>>),
     Keyed(Option<Inserted>),
     Accepted(Vec<Accepted>),
+    Docs(Vec<String>),
 }
 
 struct Request {
@@ -1236,7 +1247,17 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 .await?;
             Ok(Reply::Done(true))
         }
-        Op::Load(_)
+        Op::FleetSave { id, doc } => {
+            sqlx::query(sql::FLEET_SAVE)
+                .bind(id)
+                .bind(doc)
+                .bind(now_ms())
+                .execute(&mut *conn)
+                .await?;
+            Ok(Reply::Done(true))
+        }
+        Op::FleetLoad
+        | Op::Load(_)
         | Op::Pending
         | Op::DueCallbacks { .. }
         | Op::NextCallbackAt
@@ -1380,6 +1401,11 @@ async fn read(conn: &mut SqliteConnection, op: Op) -> Result<Reply, sqlx::Error>
                 .await?;
             loaded(conn, row).await
         }
+        Op::FleetLoad => Ok(Reply::Docs(
+            sqlx::query_scalar(sql::FLEET_LOAD)
+                .fetch_all(&mut *conn)
+                .await?,
+        )),
         other => write(conn, &other).await,
     }
 }
@@ -1452,6 +1478,28 @@ impl Durable for Sqlite {
     fn persistent(&self) -> bool {
         self.path().is_some()
     }
+    fn fleet_load(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        Box::pin(async move {
+            match self.call(Op::FleetLoad).await? {
+                Reply::Docs(d) => Ok(d),
+                _ => Err(StoreError::Closed),
+            }
+        })
+    }
+    fn fleet_save<'a>(
+        &'a self,
+        id: &'a str,
+        doc: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.call(Op::FleetSave {
+                id: id.to_string(),
+                doc: doc.to_string(),
+            })
+            .await
+            .map(|_| ())
+        })
+    }
 }
 
 #[cfg(test)]
@@ -1501,6 +1549,8 @@ mod tests {
             queue: "q".into(),
             mode: "test".into(),
             payload: "eJw=".into(),
+            ranked: false,
+            pin: None,
         }
     }
 
@@ -1810,7 +1860,10 @@ mod tests {
                     .fetch_all(&mut c)
                     .await
                     .unwrap();
-            assert_eq!(applied, [(1, true), (2, true), (3, true), (4, true)]);
+            assert_eq!(
+                applied,
+                [(1, true), (2, true), (3, true), (4, true), (5, true)]
+            );
         }
         let db = Sqlite::open(Some(dir.path()), SyncMode::Normal, None).unwrap();
         db.insert(new_sub(None)).await.unwrap();
@@ -1931,7 +1984,8 @@ mod tests {
                 "c9f0df05af4a0da052b7b8079a60e80ffdeba71c5e1f1891127935f4f486f30d1187de756d06cd34cad8ea6d740c4241",
                 "2f8e198223c1ad28bd49430e30223cd41e41afa8d77385f174f45616ecd8b2dba5a0e2bf26d78998542eac8002b0dd59",
                 "45ed3f2ee71a4afebde020e2d4ceb6276f603a4dcbc05b844ff9859184795c1cc724d18acf89a46e09cecabb5a9540a6",
-                "a01626c40f6a22236ddc53a59f94498d3031c5a30b8dde43a8c5fa471be0df60502d8d33dccedd27c53625fb2ce9dae0"
+                "a01626c40f6a22236ddc53a59f94498d3031c5a30b8dde43a8c5fa471be0df60502d8d33dccedd27c53625fb2ce9dae0",
+                "24e35937881a115ad31ff82e47fdae22cfb5c37bbbfbc5081e82aac5c8e7cf1437ee2a108ca6d8002a7e3e2f66aacd6c"
             ]
         );
     }

@@ -468,6 +468,36 @@ pub fn build_config(
     Value::Object(out)
 }
 
+/// The canary's run config (`benchmark` mode): the task in `dir` with its own `submission.py`
+/// (or `submission.cu` for a CUDA task), or, without a directory, the bundled `prefixsum_py`
+/// example with its submission.
+pub fn canary_config(dir: Option<&Path>) -> Result<Value, TaskError> {
+    let Some(dir) = dir else {
+        let example = bundled::PREFIXSUM_PY;
+        let tmp = tempfile::tempdir().map_err(|source| TaskError::Read {
+            path: std::env::temp_dir(),
+            source,
+        })?;
+        example
+            .write_to(tmp.path())
+            .map_err(|source| TaskError::Read {
+                path: tmp.path().to_path_buf(),
+                source,
+            })?;
+        let task = load(tmp.path())?;
+        let submission = example.file(example.submission).unwrap_or_default();
+        return Ok(build_config(&task, submission, None, Mode::Benchmark));
+    };
+    let task = load(dir)?;
+    let name = if task.lang == "py" {
+        "submission.py"
+    } else {
+        "submission.cu"
+    };
+    let submission = read_submission(&dir.join(name))?;
+    Ok(build_config(&task, &submission, None, Mode::Benchmark))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -635,6 +635,8 @@ fn s_job(id: &str) -> kernelkite_service::executor::Job {
         queue: "h100".into(),
         mode: "test".into(),
         payload: kernelkite_kernelbot::payload::encode(&config(1)).unwrap(),
+        ranked: false,
+        pin: None,
     }
 }
 

@@ -2,6 +2,7 @@
 //! One test binary (its modules below), so the suite links once; the shared set-up (the
 //! service on loopback, its fake Buildkite, request helpers) is `kernelkite_testkit::harness`.
 
+mod alerts;
 mod artifacts;
 mod auth;
 mod binary;

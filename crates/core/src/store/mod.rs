@@ -334,6 +334,20 @@ pub trait Durable: Send + Sync + 'static {
     fn acting(&self) -> bool {
         true
     }
+    /// Every slice's record in the fleet (`crate::fleet`), as JSON documents. A store that
+    /// keeps none (in memory) has none.
+    fn fleet_load(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    /// Keeps slice `id`'s record (a JSON document), replacing the one before.
+    fn fleet_save<'a>(
+        &'a self,
+        id: &'a str,
+        doc: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = (id, doc);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// A queue's in-flight submissions, by what they wait for.

@@ -1,0 +1,1027 @@
+//! The fleet as the service sees it: every slice (an agent, in Buildkite's words) that ran a
+//! job or is connected, with what its last run said of it (the node's provenance), its canary
+//! history, its quarantine and its recent failures that were not the contestant's fault.
+//!
+//! A slice's record ([`SliceDoc`]) is kept in the store (one JSON document per slice), so a
+//! restart or a take-over keeps canary histories and quarantines. The fleet decides, the core
+//! acts: [`Fleet::ended`] reads a submission's end into its slice's record and answers what to
+//! save and what to tell (quarantines and releases, for the alerts); [`Fleet::held_back`] is
+//! what an executor asks before it starts a ranked run on a slice; [`Fleet::due_canaries`]
+//! says which slices need a canary now.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::canary::{self, Schedule, Verdict};
+use crate::executor::AgentInfo;
+use crate::fairshare::Class;
+use crate::submission::{State, Submission};
+use kernelkite_sys::provenance::{Provenance, Sample};
+
+/// The user canaries are submitted as (fair share counts them apart from everyone's).
+pub const CANARY_USER: &str = "kernelkite-canary";
+
+/// Canaries kept per slice.
+const CANARIES_KEPT: usize = 20;
+/// Failures kept per slice, and for runs that named no slice.
+const FAILURES_KEPT: usize = 10;
+/// Ranked runs remembered per slice since its last passing canary (flagged for a re-run when
+/// it is quarantined).
+const RANKED_KEPT: usize = 200;
+
+/// One slice's record.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SliceDoc {
+    /// The slice's id: its agent's name (`dgx01-gpu3`; local mode `local-<host>-<n>`), or
+    /// `<node>/slice-<n>` when the run named no agent.
+    pub id: String,
+    /// The queue it serves.
+    pub queue: Option<String>,
+    /// Its node's host name.
+    pub node: Option<String>,
+    /// The slice's number on its node.
+    pub index: Option<u32>,
+    /// Its GPU model (`cpu` for a CPU-only slice): canaries are compared within a model.
+    pub model: Option<String>,
+    /// Its GPU's UUID (or MIG device / partition).
+    pub gpu_uuid: Option<String>,
+    /// The GPU driver its last run saw.
+    pub driver: Option<String>,
+    /// The runner's (kernelkite's) version its last run saw.
+    pub kernelkite_version: Option<String>,
+    /// The image its last run ran in (docker mode).
+    pub image: Option<String>,
+    /// When the service first saw it, Unix ms.
+    pub first_seen_ms: i64,
+    /// When its last run ended.
+    pub last_run_ms: Option<i64>,
+    /// Its GPU's state at the end of its last run.
+    pub last_sample: Option<Sample>,
+    /// Runs it finished (canaries apart).
+    pub runs: u64,
+    /// Runs since its last canary.
+    pub runs_since_canary: u64,
+    /// What its last run's readings said may be unhealthy.
+    pub concerns: Vec<String>,
+    /// Its last canaries, oldest first.
+    pub canaries: VecDeque<CanaryRun>,
+    /// The canary submission in flight for it.
+    pub canary_pending: Option<String>,
+    /// An operator (or the fleet, after a health concern) asked for a canary.
+    pub canary_requested: bool,
+    /// Why it ranks no run now.
+    pub quarantine: Option<Quarantine>,
+    /// Its last failures that were not the contestant's fault, oldest first.
+    pub failures: VecDeque<FailureNote>,
+    /// Ranked runs that ended on it since its last passing canary.
+    pub ranked_since_canary: VecDeque<String>,
+    /// When the roster last listed it (this process's memory only: after a restart, a slice
+    /// counts as seen at the first look).
+    #[serde(skip)]
+    pub last_seen_ms: Option<i64>,
+    /// Its vendor was told it went offline (and is told when it is back).
+    pub offline_told: bool,
+}
+
+/// One canary of a slice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CanaryRun {
+    /// When it ended, Unix ms.
+    pub at_ms: i64,
+    /// Its submission.
+    pub submission: String,
+    /// Its score (`None`: it did not measure).
+    pub score: Option<f64>,
+    /// Its score over its model's median then.
+    pub ratio: Option<f64>,
+    /// The verdict.
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    /// Why, for people.
+    pub reason: String,
+}
+
+/// Why a slice ranks no run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// A canary failed.
+    Canary,
+    /// A run's GPU readings said the GPU was unhealthy.
+    Health,
+    /// An operator took it out.
+    Operator,
+}
+
+/// A slice's quarantine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quarantine {
+    /// Since when, Unix ms.
+    pub since_ms: i64,
+    /// What put it there.
+    pub cause: Cause,
+    /// Why, for people.
+    pub reason: String,
+    /// The submission whose run showed it (a canary, or the run with the readings).
+    pub evidence: Option<String>,
+    /// Ranked runs that ended on the slice since its last passing canary: their timings may
+    /// be off, and they should be run again.
+    pub flagged: Vec<String>,
+}
+
+/// A failure that was not the contestant's fault.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailureNote {
+    /// When, Unix ms.
+    pub at_ms: i64,
+    /// The submission.
+    pub submission: String,
+    /// Its queue.
+    pub queue: String,
+    /// How it ended (`failed`, `timed_out`, or `succeeded` with the runner's error).
+    pub state: String,
+    /// Why.
+    pub error: String,
+}
+
+/// Something an operator or a vendor should hear of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Notice {
+    /// The slice.
+    pub slice: String,
+    /// Its node, when known.
+    pub node: Option<String>,
+    /// What happened.
+    pub kind: NoticeKind,
+    /// In words.
+    pub text: String,
+}
+
+/// What a [`Notice`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoticeKind {
+    /// The slice was quarantined.
+    Quarantined,
+    /// The slice was released.
+    Released,
+    /// The slice's agent has not been connected for the offline limit.
+    Offline,
+    /// The slice's agent is connected again after it was said offline.
+    Online,
+}
+
+/// What [`Fleet::ended`] changed.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// Records to save.
+    pub save: Vec<SliceDoc>,
+    /// What to tell.
+    pub notices: Vec<Notice>,
+}
+
+/// The fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    schedule: Schedule,
+    /// A slice not connected this long is said offline, ms.
+    offline_after_ms: i64,
+    inner: Mutex<Inner>,
+    /// Bumped on every change: the live dashboard waits on it.
+    version: watch::Sender<u64>,
+    /// When somebody last read the fleet (Unix ms): its roster is kept fresh meanwhile.
+    read_at: std::sync::atomic::AtomicI64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    slices: BTreeMap<String, SliceDoc>,
+    /// Failures of runs that named no slice (no provenance came back).
+    unplaced: VecDeque<FailureNote>,
+    /// The agents connected at the last look (`None`: not known).
+    connected: Option<BTreeSet<String>>,
+    /// Busy agents at the last look.
+    busy: BTreeSet<String>,
+    /// The last roster, as the executor or Buildkite gave it.
+    roster: Vec<AgentInfo>,
+}
+
+/// The id of the slice a run's provenance names.
+pub fn slice_id(p: &Provenance) -> String {
+    match (&p.agent, &p.slice) {
+        (Some(a), _) if !a.is_empty() => a.clone(),
+        (_, Some(s)) => format!("{}/slice-{}", p.node, s.index),
+        _ => format!("{}/slice-?", p.node),
+    }
+}
+
+/// Whether a submission's end is a failure that was not the contestant's: no result (the
+/// build failed or timed out), or a result whose runner could not evaluate.
+pub fn failure_of(sub: &Submission) -> Option<String> {
+    match sub.state {
+        State::Failed | State::TimedOut => Some(
+            sub.error
+                .clone()
+                .unwrap_or_else(|| "no reason given".into()),
+        ),
+        State::Succeeded => {
+            let r = sub.result.as_ref()?;
+            if r.success() {
+                return None;
+            }
+            let v: serde_json::Value = serde_json::from_str(r.get()).ok()?;
+            Some(
+                v["error"]
+                    .as_str()
+                    .unwrap_or("the runner could not evaluate")
+                    .to_string(),
+            )
+        }
+        _ => None,
+    }
+}
+
+impl Fleet {
+    /// An empty fleet, judging canaries by `schedule`, saying a slice offline once its agent
+    /// was not connected for `offline_after_s`.
+    pub fn new(schedule: Schedule, offline_after_s: u64) -> Fleet {
+        Fleet {
+            schedule,
+            offline_after_ms: (offline_after_s as i64).saturating_mul(1000),
+            inner: Mutex::new(Inner::default()),
+            version: watch::channel(0).0,
+            read_at: std::sync::atomic::AtomicI64::new(i64::MIN),
+        }
+    }
+
+    /// Notes that somebody reads the fleet now.
+    pub fn note_read(&self, now_ms: i64) {
+        self.read_at
+            .store(now_ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether somebody read the fleet in the last `ms`.
+    pub fn read_within(&self, ms: i64) -> bool {
+        let at = self.read_at.load(std::sync::atomic::Ordering::Relaxed);
+        chrono::Utc::now().timestamp_millis().saturating_sub(at) <= ms
+    }
+
+    /// The canary schedule.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bump(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Changes as they happen (a counter): the dashboard's live updates.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    /// Takes the records the store kept (on start, or on taking the store over).
+    pub fn load(&self, docs: Vec<SliceDoc>) {
+        let mut inner = self.lock();
+        for d in docs {
+            inner.slices.insert(d.id.clone(), d);
+        }
+        drop(inner);
+        self.bump();
+    }
+
+    /// Every slice's record, by id.
+    pub fn slices(&self) -> Vec<SliceDoc> {
+        self.lock().slices.values().cloned().collect()
+    }
+
+    /// Failures of runs that named no slice, oldest first.
+    pub fn unplaced_failures(&self) -> Vec<FailureNote> {
+        self.lock().unplaced.iter().cloned().collect()
+    }
+
+    /// The last roster and which of its agents are busy.
+    pub fn roster(&self) -> (Vec<AgentInfo>, Option<BTreeSet<String>>) {
+        let inner = self.lock();
+        (inner.roster.clone(), inner.connected.clone())
+    }
+
+    /// Whether slice `id` may not start a ranked run now (it is quarantined).
+    pub fn held_back(&self, id: &str) -> bool {
+        self.lock()
+            .slices
+            .get(id)
+            .is_some_and(|s| s.quarantine.is_some())
+    }
+
+    /// Learns which agents are connected now (the executor's slices, or Buildkite's agents
+    /// list): a new one gets a record (and so its first canary); one missing for the offline
+    /// limit is said offline, and back when it returns. Returns what to save and tell.
+    pub fn seen(&self, roster: Vec<AgentInfo>, now_ms: i64) -> Changes {
+        let mut inner = self.lock();
+        let mut save = Vec::new();
+        let mut notices = Vec::new();
+        for a in &roster {
+            let doc = inner.slices.entry(a.name.clone()).or_insert_with(|| {
+                let d = SliceDoc {
+                    id: a.name.clone(),
+                    first_seen_ms: now_ms,
+                    ..SliceDoc::default()
+                };
+                save.push(d.clone());
+                d
+            });
+            let mut changed = false;
+            if doc.queue.is_none() && a.queue.is_some() {
+                doc.queue = a.queue.clone();
+                changed = true;
+            }
+            if doc.node.is_none() && a.node.is_some() {
+                doc.node = a.node.clone();
+                changed = true;
+            }
+            if changed {
+                save.retain(|d| d.id != a.name);
+                save.push(doc.clone());
+            }
+        }
+        let connected: BTreeSet<String> = roster.iter().map(|a| a.name.clone()).collect();
+        for doc in inner.slices.values_mut() {
+            if connected.contains(&doc.id) {
+                doc.last_seen_ms = Some(now_ms);
+                if doc.offline_told {
+                    doc.offline_told = false;
+                    notices.push(Notice {
+                        slice: doc.id.clone(),
+                        node: doc.node.clone(),
+                        kind: NoticeKind::Online,
+                        text: format!("{} is connected again", doc.id),
+                    });
+                    save.push(doc.clone());
+                }
+                continue;
+            }
+            let since = *doc.last_seen_ms.get_or_insert(now_ms);
+            if !doc.offline_told && now_ms.saturating_sub(since) >= self.offline_after_ms {
+                doc.offline_told = true;
+                notices.push(Notice {
+                    slice: doc.id.clone(),
+                    node: doc.node.clone(),
+                    kind: NoticeKind::Offline,
+                    text: format!(
+                        "{} has not been connected for {} min",
+                        doc.id,
+                        now_ms.saturating_sub(since) / 60_000
+                    ),
+                });
+                save.push(doc.clone());
+            }
+        }
+        let busy = roster
+            .iter()
+            .filter(|a| a.busy)
+            .map(|a| a.name.clone())
+            .collect();
+        let moved = inner.connected.as_ref() != Some(&connected) || inner.busy != busy;
+        inner.connected = Some(connected);
+        inner.busy = busy;
+        inner.roster = roster;
+        drop(inner);
+        if moved || !save.is_empty() {
+            self.bump();
+        }
+        Changes { save, notices }
+    }
+
+    /// Reads an ended submission into its slice's record.
+    pub fn ended(&self, sub: &Submission, now_ms: i64) -> Changes {
+        let mut changes = Changes::default();
+        let failure = failure_of(sub);
+        let id = match (&sub.canary, &sub.provenance) {
+            (Some(c), _) => c.clone(),
+            (None, Some(p)) => slice_id(p),
+            (None, None) => {
+                if let Some(error) = failure {
+                    let mut inner = self.lock();
+                    push_capped(&mut inner.unplaced, note(sub, error, now_ms), FAILURES_KEPT);
+                    drop(inner);
+                    self.bump();
+                }
+                return changes;
+            }
+        };
+        let mut inner = self.lock();
+        let medians = model_scores(&inner.slices);
+        let doc = inner.slices.entry(id.clone()).or_insert_with(|| SliceDoc {
+            id: id.clone(),
+            first_seen_ms: now_ms,
+            ..SliceDoc::default()
+        });
+        if let Some(p) = &sub.provenance {
+            absorb(doc, p, now_ms);
+        }
+        if doc.queue.is_none() {
+            doc.queue = Some(sub.queue.clone());
+        }
+        if sub.canary.is_some() {
+            self.canary_ended(doc, sub, &medians, now_ms, &mut changes);
+        } else {
+            doc.runs += 1;
+            doc.runs_since_canary += 1;
+            if sub.priority == Class::Ranked && sub.state == State::Succeeded {
+                push_capped(&mut doc.ranked_since_canary, sub.id.clone(), RANKED_KEPT);
+            }
+            if let Some(error) = failure {
+                push_capped(&mut doc.failures, note(sub, error, now_ms), FAILURES_KEPT);
+            }
+            if !doc.concerns.is_empty() && doc.quarantine.is_none() {
+                let reason = format!("its last run's GPU readings: {}", doc.concerns.join("; "));
+                quarantine(
+                    doc,
+                    Cause::Health,
+                    reason,
+                    Some(sub.id.clone()),
+                    now_ms,
+                    &mut changes,
+                );
+                // A canary says when it is well again.
+                doc.canary_requested = true;
+            }
+        }
+        changes.save.push(doc.clone());
+        drop(inner);
+        self.bump();
+        changes
+    }
+
+    fn canary_ended(
+        &self,
+        doc: &mut SliceDoc,
+        sub: &Submission,
+        medians: &BTreeMap<String, Vec<(String, f64)>>,
+        now_ms: i64,
+        changes: &mut Changes,
+    ) {
+        doc.canary_pending = None;
+        if sub.state == State::Canceled {
+            // Not a verdict on the slice (the service stopped it, or an operator did): ask again.
+            doc.canary_requested = true;
+            return;
+        }
+        let measured = match (&sub.state, &sub.result) {
+            (State::Succeeded, Some(r)) => canary::measure(r.get()),
+            _ => Err(sub
+                .error
+                .clone()
+                .unwrap_or_else(|| sub.state.as_str().to_string())),
+        };
+        let (verdict, score, ratio, reason) = match measured {
+            Ok(m) => {
+                let model = doc.model.clone().unwrap_or_else(|| "cpu".into());
+                // The latest score of every other slice of the model, and this one's new one.
+                let mut latest: Vec<f64> = medians
+                    .get(&model)
+                    .into_iter()
+                    .flatten()
+                    .filter(|(other, _)| *other != doc.id)
+                    .map(|(_, s)| *s)
+                    .collect();
+                latest.push(m.score);
+                let median = canary::median(&latest);
+                let mut scores: Vec<f64> = doc.canaries.iter().filter_map(|c| c.score).collect();
+                scores.push(m.score);
+                let v = canary::judge(m.score, median, &scores, &doc.concerns, &self.schedule);
+                let reason = match &v {
+                    Verdict::Unhealthy => {
+                        format!(
+                            "{}: {}",
+                            v.describe(&self.schedule),
+                            doc.concerns.join("; ")
+                        )
+                    }
+                    v => v.describe(&self.schedule),
+                };
+                (v, Some(m.score), median.map(|md| m.score / md), reason)
+            }
+            Err(why) => (
+                Verdict::Failed,
+                None,
+                None,
+                format!("{}: {why}", Verdict::Failed.describe(&self.schedule)),
+            ),
+        };
+        doc.runs_since_canary = 0;
+        doc.canary_requested = false;
+        let passed = verdict.passed();
+        push_capped(
+            &mut doc.canaries,
+            CanaryRun {
+                at_ms: now_ms,
+                submission: sub.id.clone(),
+                score,
+                ratio,
+                verdict,
+                reason: reason.clone(),
+            },
+            CANARIES_KEPT,
+        );
+        if passed {
+            doc.ranked_since_canary.clear();
+            let releasable = doc
+                .quarantine
+                .as_ref()
+                .is_some_and(|q| q.cause != Cause::Operator);
+            if releasable {
+                doc.quarantine = None;
+                changes.notices.push(Notice {
+                    slice: doc.id.clone(),
+                    node: doc.node.clone(),
+                    kind: NoticeKind::Released,
+                    text: format!("{} is back: {reason}", doc.id),
+                });
+            }
+        } else if doc.quarantine.is_none() {
+            quarantine(
+                doc,
+                Cause::Canary,
+                reason,
+                Some(sub.id.clone()),
+                now_ms,
+                changes,
+            );
+        }
+    }
+
+    /// An operator takes slice `id` out of ranking (`Some(reason)`), or puts it back
+    /// (`None`). `Err`: no such slice.
+    pub fn set_quarantine(
+        &self,
+        id: &str,
+        reason: Option<String>,
+        now_ms: i64,
+    ) -> Result<Changes, UnknownSlice> {
+        let mut changes = Changes::default();
+        let mut inner = self.lock();
+        let doc = inner
+            .slices
+            .get_mut(id)
+            .ok_or_else(|| UnknownSlice(id.to_string()))?;
+        match reason {
+            Some(reason) => {
+                let reason = format!("taken out by an operator: {reason}");
+                match &mut doc.quarantine {
+                    Some(q) => {
+                        q.cause = Cause::Operator;
+                        q.reason = reason;
+                    }
+                    None => quarantine(doc, Cause::Operator, reason, None, now_ms, &mut changes),
+                }
+            }
+            None => {
+                if doc.quarantine.take().is_some() {
+                    changes.notices.push(Notice {
+                        slice: doc.id.clone(),
+                        node: doc.node.clone(),
+                        kind: NoticeKind::Released,
+                        text: format!("{} was released by an operator", doc.id),
+                    });
+                }
+            }
+        }
+        changes.save.push(doc.clone());
+        drop(inner);
+        self.bump();
+        Ok(changes)
+    }
+
+    /// Asks for a canary on slice `id` as soon as it can run. `Err`: no such slice.
+    pub fn request_canary(&self, id: &str) -> Result<SliceDoc, UnknownSlice> {
+        let mut inner = self.lock();
+        let doc = inner
+            .slices
+            .get_mut(id)
+            .ok_or_else(|| UnknownSlice(id.to_string()))?;
+        doc.canary_requested = true;
+        let d = doc.clone();
+        drop(inner);
+        self.bump();
+        Ok(d)
+    }
+
+    /// Records that `submission` is slice `id`'s canary now.
+    pub fn canary_started(&self, id: &str, submission: &str) -> Option<SliceDoc> {
+        let mut inner = self.lock();
+        let doc = inner.slices.get_mut(id)?;
+        doc.canary_pending = Some(submission.to_string());
+        doc.canary_requested = false;
+        let d = doc.clone();
+        drop(inner);
+        self.bump();
+        Some(d)
+    }
+
+    /// The slices that need a canary now, with their queues: connected ones (when the roster
+    /// is known) without one in flight that never ran one, were asked for one, ran the
+    /// schedule's number of jobs since their last, or had nothing to do for its idle time.
+    pub fn due_canaries(&self, now_ms: i64) -> Vec<(String, String)> {
+        if !self.schedule.enabled {
+            return Vec::new();
+        }
+        let inner = self.lock();
+        let idle_ms = (self.schedule.idle_s as i64).saturating_mul(1000);
+        inner
+            .slices
+            .values()
+            .filter(|s| s.canary_pending.is_none())
+            .filter(|s| inner.connected.as_ref().is_none_or(|c| c.contains(&s.id)))
+            .filter(|s| {
+                let last_activity = s
+                    .canaries
+                    .back()
+                    .map(|c| c.at_ms)
+                    .into_iter()
+                    .chain(s.last_run_ms)
+                    .max()
+                    .unwrap_or(s.first_seen_ms);
+                s.canary_requested
+                    || s.canaries.is_empty()
+                    || s.runs_since_canary >= self.schedule.every_jobs
+                    || now_ms.saturating_sub(last_activity) >= idle_ms
+            })
+            .filter_map(|s| Some((s.id.clone(), s.queue.clone()?)))
+            .collect()
+    }
+}
+
+/// A slice id the fleet does not know.
+#[derive(Debug, thiserror::Error)]
+#[error("no slice {0:?} in the fleet (GET /v1/fleet lists them)")]
+pub struct UnknownSlice(pub String);
+
+fn quarantine(
+    doc: &mut SliceDoc,
+    cause: Cause,
+    reason: String,
+    evidence: Option<String>,
+    now_ms: i64,
+    changes: &mut Changes,
+) {
+    let flagged: Vec<String> = doc.ranked_since_canary.drain(..).collect();
+    let mut text = format!("{} is quarantined: {reason}", doc.id);
+    if !flagged.is_empty() {
+        text = format!(
+            "{text}; {} ranked run(s) since its last passing canary should be run again",
+            flagged.len()
+        );
+    }
+    doc.quarantine = Some(Quarantine {
+        since_ms: now_ms,
+        cause,
+        reason,
+        evidence,
+        flagged,
+    });
+    changes.notices.push(Notice {
+        slice: doc.id.clone(),
+        node: doc.node.clone(),
+        kind: NoticeKind::Quarantined,
+        text,
+    });
+}
+
+/// The latest canary score of every slice, by GPU model.
+fn model_scores(slices: &BTreeMap<String, SliceDoc>) -> BTreeMap<String, Vec<(String, f64)>> {
+    let mut out: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
+    for s in slices.values() {
+        if let Some(score) = s.canaries.iter().rev().find_map(|c| c.score) {
+            let model = s.model.clone().unwrap_or_else(|| "cpu".into());
+            out.entry(model).or_default().push((s.id.clone(), score));
+        }
+    }
+    out
+}
+
+fn absorb(doc: &mut SliceDoc, p: &Provenance, now_ms: i64) {
+    let gpu = p.gpus.first();
+    doc.queue = p.queue.clone().or(doc.queue.take());
+    doc.node = Some(p.node.clone());
+    doc.index = p.slice.as_ref().map(|s| s.index).or(doc.index);
+    doc.model = Some(
+        gpu.and_then(|g| g.name.clone())
+            .unwrap_or_else(|| "cpu".into()),
+    );
+    doc.gpu_uuid = gpu.and_then(|g| g.partition.clone().or(g.uuid.clone()));
+    doc.driver = p.driver.clone();
+    doc.kernelkite_version = Some(p.kernelkite_version.clone());
+    doc.image = p.image.clone();
+    doc.last_run_ms = Some(now_ms);
+    doc.last_sample = gpu.and_then(|g| g.end.clone().or(g.start.clone()));
+    doc.concerns = p.concerns.clone();
+}
+
+fn note(sub: &Submission, error: String, now_ms: i64) -> FailureNote {
+    FailureNote {
+        at_ms: now_ms,
+        submission: sub.id.clone(),
+        queue: sub.queue.clone(),
+        state: sub.state.as_str().to_string(),
+        error: error.chars().take(500).collect(),
+    }
+}
+
+fn push_capped<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
+    q.push_back(item);
+    while q.len() > cap {
+        q.pop_front();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::result::ResultJson;
+    use crate::submission::Outcome;
+    use chrono::Utc;
+    use kernelkite_sys::provenance::{Gpu, SliceRef};
+
+    fn schedule() -> Schedule {
+        Schedule {
+            enabled: true,
+            ..Schedule::default()
+        }
+    }
+
+    fn provenance(agent: &str, index: u32, temperature: u32) -> Provenance {
+        let p = Provenance {
+            format: 1,
+            node: "n1".into(),
+            agent: Some(agent.into()),
+            queue: Some("h100".into()),
+            slice: Some(SliceRef {
+                index,
+                ..SliceRef::default()
+            }),
+            gpus: vec![Gpu {
+                vendor: "nvidia".into(),
+                name: Some("H100".into()),
+                end: Some(Sample {
+                    temperature_c: Some(temperature),
+                    ..Sample::default()
+                }),
+                ..Gpu::default()
+            }],
+            ..Provenance::default()
+        };
+        p.reviewed(&Default::default())
+    }
+
+    fn bench_result(mean: f64) -> ResultJson {
+        let text = serde_json::json!({"success": true, "error": "", "system": {}, "runs": {
+            "benchmark": {"start": "", "end": "", "compilation": null, "profile": null,
+                "run": {"passed": true, "exit_code": 0, "result": {"benchmark.0.mean": mean.to_string()}}}}});
+        ResultJson::parse(text.to_string().as_bytes()).unwrap()
+    }
+
+    fn ended(
+        id: &str,
+        agent: &str,
+        canary: bool,
+        class: Class,
+        outcome: Outcome,
+        temperature: u32,
+    ) -> Submission {
+        let mut s = Submission::new(id.into(), "h100".into(), None, None, 60, Utc::now());
+        s.priority = class;
+        s.canary = canary.then(|| agent.to_string());
+        s.provenance = Some(provenance(agent, agent.len() as u32, temperature));
+        s.finish(outcome, Utc::now());
+        s
+    }
+
+    fn canary(f: &Fleet, id: &str, agent: &str, mean: f64) -> Changes {
+        let s = ended(
+            id,
+            agent,
+            true,
+            Class::Admin,
+            Outcome::Succeeded(bench_result(mean)),
+            50,
+        );
+        f.ended(&s, 1_000)
+    }
+
+    #[test]
+    fn a_slow_canary_quarantines_flags_the_ranked_runs_and_a_passing_one_releases() {
+        let f = Fleet::new(schedule(), 600);
+        assert!(canary(&f, "c1", "g0", 100.0).notices.is_empty());
+        let ranked = ended(
+            "r1",
+            "g1",
+            false,
+            Class::Ranked,
+            Outcome::Succeeded(bench_result(1.0)),
+            50,
+        );
+        f.ended(&ranked, 1_100);
+        let test = ended(
+            "t1",
+            "g1",
+            false,
+            Class::Test,
+            Outcome::Succeeded(bench_result(1.0)),
+            50,
+        );
+        f.ended(&test, 1_200);
+        let slow = canary(&f, "c2", "g1", 120.0);
+        assert_eq!(slow.notices.len(), 1);
+        assert_eq!(slow.notices[0].kind, NoticeKind::Quarantined);
+        assert!(f.held_back("g1") && !f.held_back("g0"));
+        let doc = f.slices().into_iter().find(|d| d.id == "g1").unwrap();
+        let q = doc.quarantine.unwrap();
+        assert_eq!(q.cause, Cause::Canary);
+        assert_eq!(q.evidence.as_deref(), Some("c2"));
+        assert_eq!(
+            q.flagged,
+            ["r1"],
+            "the ranked run since the last passing canary, not the test"
+        );
+        assert!(matches!(
+            doc.canaries.back().unwrap().verdict,
+            Verdict::Slow { .. }
+        ));
+        // Fast again: released, and told.
+        let back = canary(&f, "c3", "g1", 100.0);
+        assert_eq!(back.notices[0].kind, NoticeKind::Released);
+        assert!(!f.held_back("g1"));
+        // An operator's quarantine outlives a passing canary.
+        f.set_quarantine("g1", Some("maintenance".into()), 2_000)
+            .unwrap();
+        assert!(canary(&f, "c4", "g1", 100.0).notices.is_empty());
+        assert!(f.held_back("g1"));
+        assert!(f.set_quarantine("nope", None, 0).is_err());
+        f.set_quarantine("g1", None, 3_000).unwrap();
+        assert!(!f.held_back("g1"));
+    }
+
+    #[test]
+    fn a_hot_run_quarantines_until_a_canary_and_a_failed_canary_quarantines_too() {
+        let f = Fleet::new(schedule(), 600);
+        let hot = ended(
+            "h1",
+            "g0",
+            false,
+            Class::Test,
+            Outcome::Succeeded(bench_result(1.0)),
+            91,
+        );
+        let c = f.ended(&hot, 1_000);
+        assert_eq!(c.notices[0].kind, NoticeKind::Quarantined);
+        let doc = &c.save[0];
+        assert_eq!(doc.quarantine.as_ref().unwrap().cause, Cause::Health);
+        assert!(doc.canary_requested, "a canary says when it is well again");
+        let failed = ended(
+            "c1",
+            "g2",
+            true,
+            Class::Admin,
+            Outcome::Failed("no GPU".into()),
+            50,
+        );
+        let c = f.ended(&failed, 1_000);
+        assert_eq!(c.notices[0].kind, NoticeKind::Quarantined);
+        assert!(c.notices[0].text.contains("no GPU"), "{:?}", c.notices);
+        // A canceled canary is no verdict: asked for again.
+        let canceled = ended(
+            "c2",
+            "g3",
+            true,
+            Class::Admin,
+            Outcome::Canceled("stop".into()),
+            50,
+        );
+        let c = f.ended(&canceled, 1_000);
+        assert!(c.notices.is_empty() && c.save[0].canary_requested);
+    }
+
+    #[test]
+    fn failures_not_the_contestants_are_kept_by_slice_or_apart() {
+        let f = Fleet::new(schedule(), 600);
+        let lost = {
+            let mut s = Submission::new("x".into(), "h100".into(), None, None, 60, Utc::now());
+            s.finish(Outcome::Failed("no result.json".into()), Utc::now());
+            s
+        };
+        f.ended(&lost, 1);
+        assert_eq!(f.unplaced_failures().len(), 1);
+        let broken = ended(
+            "y",
+            "g0",
+            false,
+            Class::Test,
+            Outcome::TimedOut("late".into()),
+            50,
+        );
+        f.ended(&broken, 2);
+        let own = ended(
+            "z",
+            "g0",
+            false,
+            Class::Test,
+            Outcome::Succeeded(bench_result(1.0)),
+            50,
+        );
+        f.ended(&own, 3);
+        let doc = f.slices().into_iter().find(|d| d.id == "g0").unwrap();
+        assert_eq!(
+            doc.failures.len(),
+            1,
+            "a run that ended with a result is not a failure"
+        );
+        assert_eq!(doc.failures[0].error, "late");
+        assert_eq!(doc.runs, 2);
+    }
+
+    fn agent(name: &str) -> AgentInfo {
+        AgentInfo {
+            name: name.into(),
+            queue: Some("h100".into()),
+            ..AgentInfo::default()
+        }
+    }
+
+    #[test]
+    fn canaries_are_due_on_joining_after_n_jobs_after_idling_and_when_asked() {
+        let f = Fleet::new(
+            Schedule {
+                every_jobs: 2,
+                idle_s: 100,
+                ..schedule()
+            },
+            600,
+        );
+        f.seen(vec![agent("g0"), agent("g1")], 0);
+        assert_eq!(f.due_canaries(0).len(), 2, "both joined");
+        for (i, g) in ["g0", "g1"].iter().enumerate() {
+            f.canary_started(g, &format!("c{i}"));
+        }
+        assert!(f.due_canaries(0).is_empty(), "in flight");
+        canary(&f, "c0", "g0", 100.0);
+        canary(&f, "c1", "g1", 100.0);
+        assert!(f.due_canaries(1_000).is_empty());
+        for i in 0..2 {
+            let s = ended(
+                &format!("j{i}"),
+                "g0",
+                false,
+                Class::Test,
+                Outcome::Succeeded(bench_result(1.0)),
+                50,
+            );
+            f.ended(&s, 2_000);
+        }
+        assert_eq!(
+            f.due_canaries(2_000),
+            [("g0".to_string(), "h100".to_string())]
+        );
+        // g1 idle for 100 s since its canary (at 1 s).
+        assert_eq!(f.due_canaries(101_000).len(), 2);
+        f.request_canary("g1").unwrap();
+        assert!(f.due_canaries(2_000).iter().any(|(id, _)| id == "g1"));
+        // Not connected: nothing runs there.
+        f.seen(vec![agent("g0")], 2_000);
+        assert!(!f.due_canaries(2_000).iter().any(|(id, _)| id == "g1"));
+        let off = Fleet::new(Schedule::default(), 600);
+        off.seen(vec![agent("g0")], 0);
+        assert!(off.due_canaries(0).is_empty(), "canaries off");
+    }
+
+    #[test]
+    fn a_slice_missing_for_the_limit_is_said_offline_once_and_back_when_it_returns() {
+        let f = Fleet::new(schedule(), 60);
+        f.seen(vec![agent("g0"), agent("g1")], 0);
+        assert!(
+            f.seen(vec![agent("g0")], 30_000).notices.is_empty(),
+            "not yet"
+        );
+        let c = f.seen(vec![agent("g0")], 61_000);
+        assert_eq!(c.notices.len(), 1);
+        assert_eq!(
+            (c.notices[0].slice.as_str(), c.notices[0].kind),
+            ("g1", NoticeKind::Offline)
+        );
+        assert!(
+            f.seen(vec![agent("g0")], 120_000).notices.is_empty(),
+            "told once"
+        );
+        let c = f.seen(vec![agent("g0"), agent("g1")], 121_000);
+        assert_eq!(c.notices[0].kind, NoticeKind::Online);
+    }
+}
