@@ -278,8 +278,9 @@ pub fn run(args: &Args) -> anyhow::Result<u8> {
         })
     };
 
-    record();
+    // The result first: reading the GPUs again may wait on a driver the run left unwell.
     let written = write_result(&args.output, &evaluation.result);
+    record();
     // A closed stdout must not turn a finished evaluation into a panic.
     let mut stdout = std::io::stdout().lock();
     let _ = write!(stdout, "{}", redact(&summary(&evaluation, &args.output)));

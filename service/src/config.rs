@@ -96,6 +96,9 @@ pub enum ConfigError {
     /// The canary task cannot be read.
     #[error("the canary (KERNELKITE_CANARY_TASK) cannot be used: {0}")]
     Canary(String),
+    /// KERNELKITE_ALERT_WEBHOOKS cannot be read.
+    #[error("KERNELKITE_ALERT_WEBHOOKS: {0}")]
+    AlertWebhooks(String),
     /// Canaries asked for where they cannot run yet.
     #[error("KERNELKITE_CANARY needs the local executor for now (a Buildkite canary needs a build pinned to one agent, which the shipped pipelines do not do yet); unset KERNELKITE_CANARY")]
     CanaryNeedsLocal,
@@ -667,15 +670,26 @@ pub struct FleetConfig {
 
     /// A token that may read the fleet (`GET /v1/fleet`, its event stream and the dashboard's
     /// data) and nothing else: for organisers' and vendors' screens.
-    #[arg(long, env = "KERNELKITE_DASHBOARD_TOKEN", value_name = "TOKEN")]
+    #[arg(
+        long,
+        env = "KERNELKITE_DASHBOARD_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
     pub dashboard_token: Option<crate::config::Secret>,
 
     /// Vendors' alerts: Slack-compatible incoming webhooks, `PATTERN=URL` pairs separated by
     /// `;` or spaces, PATTERN a node name (`*` any run of characters: `dgx-*`, `*` for every
     /// node). Each webhook is told when a slice of its nodes is quarantined or released, or
     /// offline for --alert-offline-after-s and back. The URLs are secrets: never logged.
-    #[arg(long, env = "KERNELKITE_ALERT_WEBHOOKS", value_name = "PATTERN=URL;...", default_value = "", hide_default_value = true, value_parser = crate::notify::Routes::parse)]
-    pub alert_webhooks: crate::notify::Routes,
+    // Read as a secret and parsed by `Config::check`: clap's own error would print the value.
+    #[arg(
+        long,
+        env = "KERNELKITE_ALERT_WEBHOOKS",
+        value_name = "PATTERN=URL;...",
+        hide_env_values = true
+    )]
+    pub alert_webhooks: Option<crate::config::Secret>,
 
     /// A slice whose agent is not connected this long is said offline, seconds.
     #[arg(long, env = "KERNELKITE_ALERT_OFFLINE_AFTER_S", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
@@ -874,6 +888,15 @@ impl Config {
         }
     }
 
+    /// The vendors' webhooks (KERNELKITE_ALERT_WEBHOOKS), parsed; the error names the item by
+    /// its position, never by its text.
+    pub fn alert_routes(&self) -> Result<crate::notify::Routes, ConfigError> {
+        match &self.fleet.alert_webhooks {
+            None => Ok(crate::notify::Routes::default()),
+            Some(s) => crate::notify::Routes::parse(s.expose()).map_err(ConfigError::AlertWebhooks),
+        }
+    }
+
     /// Checks what clap cannot; the error says what to fix.
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.executor == ExecutorKind::Buildkite {
@@ -937,6 +960,7 @@ impl Config {
         {
             return Err(ConfigError::EmptyDashboardToken);
         }
+        self.alert_routes()?;
         // A variable set to the empty string is not "unset": clap reads it as an empty token.
         // An empty webhook key lets anyone sign webhooks, and an empty API token would admit
         // any client sending `Authorization: Bearer `, while unset means loopback only. Both

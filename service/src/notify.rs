@@ -56,26 +56,30 @@ impl std::fmt::Debug for Routes {
 
 impl Routes {
     /// `PATTERN=URL` pairs separated by `;`, spaces or new lines (empty: none). A URL must be
-    /// http(s).
+    /// http(s), and a pattern holds no `:` or `/` (so a URL given without its pattern is
+    /// refused, not read as one). Errors name an item by its position, never by its text:
+    /// it may hold a webhook's secret.
     pub fn parse(text: &str) -> Result<Routes, String> {
         let mut out = Vec::new();
-        for item in text
+        for (i, item) in text
             .split(|c: char| c == ';' || c.is_whitespace())
             .filter(|s| !s.is_empty())
+            .enumerate()
         {
-            let Some((pattern, url)) = item.split_once('=') else {
-                return Err(format!(
-                    "{:?} is not PATTERN=URL (a node name pattern, `*` for every node, then the incoming webhook's URL)",
-                    item.chars().take(20).collect::<String>()
-                ));
+            let n = i + 1;
+            let (pattern, url) = match item.split_once('=') {
+                Some((p, u)) if !p.is_empty() && !p.contains([':', '/']) => (p, u),
+                _ => {
+                    return Err(format!(
+                        "item {n} is not PATTERN=URL (a node name pattern, `*` for every node, `=`, then the incoming webhook's URL); items are separated by `;` (the value is not shown: it holds secrets)"
+                    ))
+                }
             };
             let parsed = url::Url::parse(url).map_err(|_| {
-                format!("the webhook for {pattern:?} is not a URL (the URL is not shown: it is a secret)")
+                format!("item {n}: the webhook is not a URL (it is not shown: it is a secret)")
             })?;
-            if !matches!(parsed.scheme(), "http" | "https") || pattern.is_empty() {
-                return Err(format!(
-                    "the webhook for {pattern:?} must be an http(s) URL after a non-empty pattern"
-                ));
+            if !matches!(parsed.scheme(), "http" | "https") {
+                return Err(format!("item {n}: the webhook must be an http(s) URL"));
             }
             out.push(Route {
                 pattern: pattern.to_string(),
@@ -123,7 +127,11 @@ pub fn compose(notices: &[Notice], dashboard: Option<&str>) -> String {
                 NoticeKind::Released | NoticeKind::Online => "✅",
                 NoticeKind::Offline => "📴",
             };
-            lines.push(format!("{mark} {node}: {}", n.text));
+            lines.push(format!(
+                "{mark} {}: {}",
+                slack_text(node, 64),
+                slack_text(&n.text, 300)
+            ));
         }
     }
     let more = lines.len().saturating_sub(MAX_LINES);
@@ -136,6 +144,22 @@ pub fn compose(notices: &[Notice], dashboard: Option<&str>) -> String {
         text.push_str(&format!("\n{d}"));
     }
     text
+}
+
+/// A node-given string as Slack message text: its control characters dropped, cut at `most`
+/// characters, and `&`, `<`, `>` escaped as Slack asks, so no mention (`<!channel>`), link or
+/// formatting of a node's or an operator's making goes out.
+fn slack_text(s: &str, most: usize) -> String {
+    let mut out = String::new();
+    for c in s.chars().filter(|c| !c.is_control()).take(most) {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// One webhook's state: what waits, what was sent.
@@ -211,6 +235,15 @@ pub fn spawn(app: &Arc<App>, routes: Routes, max_per_minute: u32, public_url: Op
     }
     let rx = app.notices();
     let metrics = app.metrics().clone();
+    // Every outcome's series from the start, at zero: a rate over it sees the first one.
+    for outcome in ["sent", "given_up", "suppressed", "dropped"] {
+        metrics
+            .alerts
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc_by(0);
+    }
     let dashboard = public_url.map(|u| format!("{}/dashboard", u.trim_end_matches('/')));
     let http = match reqwest::Client::builder()
         .timeout(POST_TIMEOUT)
@@ -405,6 +438,23 @@ mod tests {
     }
 
     #[test]
+    fn node_given_text_cannot_mention_link_or_flood() {
+        let n = Notice {
+            slice: "s".into(),
+            node: Some("<!channel>".into()),
+            kind: NoticeKind::Offline,
+            text: format!("<https://x.example|click> & more\n{}", "x".repeat(1000)),
+        };
+        let text = compose(&[n], None);
+        assert!(!text.contains('<') && !text.contains("|click>"), "{text}");
+        assert!(
+            text.contains("&lt;!channel&gt;") && text.contains("&amp; more"),
+            "{text}"
+        );
+        assert!(text.len() < 500, "cut: {}", text.len());
+    }
+
+    #[test]
     fn patterns_match_node_names() {
         assert!(matches("*", "anything"));
         assert!(matches("dgx-*", "dgx-01"));
@@ -432,6 +482,8 @@ mod tests {
             "x=ftp://a/T0KEN",
             "=https://a/T0KEN",
             "x=T0KEN-not-a-url",
+            // A URL without its pattern, whose query has an `=`: not read as a pattern.
+            "https://discord.example/api/webhooks/1/T0KEN/slack?wait=true",
         ] {
             let e = Routes::parse(bad).unwrap_err();
             assert!(!e.contains("T0KEN"), "the URL is not repeated: {e}");

@@ -62,6 +62,7 @@ pub fn simulated_fleet() -> Vec<SliceDoc> {
                     ratio: Some(ratio),
                     verdict: kernelkite_service::canary::Verdict::Pass,
                     reason: "canary passed".into(),
+                    peers: 799,
                 });
             }
             docs.push(d);
@@ -75,6 +76,7 @@ pub fn simulated_fleet() -> Vec<SliceDoc> {
         ratio: Some(1.2),
         verdict: kernelkite_service::canary::Verdict::Slow { ratio: 1.2 },
         reason: "canary 20.0% slower than its GPU model's median (limit 5.0%)".into(),
+        peers: 799,
     });
     sick.quarantine = Some(Quarantine {
         since_ms: 1_795_020_000_000,

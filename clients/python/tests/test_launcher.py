@@ -132,7 +132,9 @@ async def test_where_the_run_ran_is_a_line_of_its_own_under_the_result(stack: St
     assert len(reporter.lines) == 2, reporter.lines
     assert reporter.lines[0].startswith("> ✅ Finished on H100_KK"), reporter.lines
     line = reporter.lines[1].removeprefix("> ")
-    assert line.startswith("🖥️ ran on dgx01/dgx01-gpu3 slice 3: NVIDIA H100 80GB HBM3 (GPU-3)"), line
+    assert line.startswith("🖥️ `ran on dgx01/dgx01-gpu3 slice 3: NVIDIA H100 80GB HBM3 (GPU-3)"), (
+        line
+    )
     assert "60→91 °C" in line and "driver 550.54.15" in line, line
     assert "forged" not in line, line
     assert "⚠️" in line and "91 °C" in line and "hw_slowdown" in line, line

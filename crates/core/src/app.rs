@@ -134,6 +134,8 @@ pub struct App {
     dropped_logged: Mutex<Option<Instant>>,
     /// The fleet: slices, canaries, quarantines (`crate::fleet`).
     pub(crate) fleet: Arc<Fleet>,
+    /// Held while a slice's record is saved (`crate::upkeep`).
+    pub(crate) fleet_saving: tokio::sync::Mutex<()>,
     /// Quarantines and releases, for whoever tells vendors (the service's notifier).
     pub(crate) notices: tokio::sync::broadcast::Sender<crate::fleet::Notice>,
 }
@@ -274,6 +276,7 @@ impl App {
             dropped_logged: Mutex::new(None),
             fleet: Arc::new(Fleet::new(cfg.canary.clone(), cfg.offline_after_s)),
             notices: tokio::sync::broadcast::channel(256).0,
+            fleet_saving: tokio::sync::Mutex::new(()),
             cfg,
         }))
     }
@@ -390,6 +393,19 @@ impl App {
     }
 
     async fn accept_now(self: &Arc<Self>, p: Prepared) -> Result<Submitted, Error> {
+        if p.job.pin.is_some() {
+            // A canary measures one slice, and must run whatever the queue holds (a queue whose
+            // every slot is held by ranked runs that quarantined slices leave waiting would
+            // otherwise never see the canary that releases one): it takes none of the queue's
+            // slots and no quota; its slice runs it when it is free.
+            let job = p.job.clone();
+            let s = self.write(p, None, None).await?;
+            if s.created {
+                let app = self.clone();
+                tokio::spawn(async move { app.launch(Launch::Job(job)).await });
+            }
+            return Ok(s);
+        }
         if p.use_cache {
             if let Some((origin, result)) = self.cached(&p).await {
                 return self.accept_cached(p, origin, result).await;

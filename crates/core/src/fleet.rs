@@ -31,6 +31,8 @@ const FAILURES_KEPT: usize = 10;
 /// Ranked runs remembered per slice since its last passing canary (flagged for a re-run when
 /// it is quarantined).
 const RANKED_KEPT: usize = 200;
+/// A quarantined slice's first canary after the one that put it there, ms.
+const RECHECK_MS: i64 = 600_000;
 
 /// One slice's record.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -67,6 +69,15 @@ pub struct SliceDoc {
     pub runs_since_canary: u64,
     /// What its last run's readings said may be unhealthy.
     pub concerns: Vec<String>,
+    /// Of those, the hardware faults a run cannot cause (`Provenance::faults`): only these
+    /// quarantine a slice without a canary.
+    pub faults: Vec<String>,
+    /// Canaries in a row that did not pass (a quarantined slice's next one waits longer
+    /// after each).
+    pub canary_failures: u32,
+    /// Ranked runs to run again that a release took out of their quarantine (kept for the
+    /// organisers, newest last).
+    pub rerun: VecDeque<String>,
     /// Its last canaries, oldest first.
     pub canaries: VecDeque<CanaryRun>,
     /// The canary submission in flight for it.
@@ -103,6 +114,10 @@ pub struct CanaryRun {
     pub verdict: Verdict,
     /// Why, for people.
     pub reason: String,
+    /// How many other slices of its model had a score to compare it with (none: it was its
+    /// own median, and it runs again once another slice of its model has one).
+    #[serde(default)]
+    pub peers: usize,
 }
 
 /// Why a slice ranks no run.
@@ -291,8 +306,9 @@ impl Fleet {
     /// Takes the records the store kept (on start, or on taking the store over).
     pub fn load(&self, docs: Vec<SliceDoc>) {
         let mut inner = self.lock();
+        // A slice recorded since start (a run recovery ended first) keeps its newer record.
         for d in docs {
-            inner.slices.insert(d.id.clone(), d);
+            inner.slices.entry(d.id.clone()).or_insert(d);
         }
         drop(inner);
         self.bump();
@@ -301,6 +317,11 @@ impl Fleet {
     /// Every slice's record, by id.
     pub fn slices(&self) -> Vec<SliceDoc> {
         self.lock().slices.values().cloned().collect()
+    }
+
+    /// Slice `id`'s record now.
+    pub fn slice(&self, id: &str) -> Option<SliceDoc> {
+        self.lock().slices.get(id).cloned()
     }
 
     /// Failures of runs that named no slice, oldest first.
@@ -442,18 +463,35 @@ impl Fleet {
             if let Some(error) = failure {
                 push_capped(&mut doc.failures, note(sub, error, now_ms), FAILURES_KEPT);
             }
-            if !doc.concerns.is_empty() && doc.quarantine.is_none() {
-                let reason = format!("its last run's GPU readings: {}", doc.concerns.join("; "));
-                quarantine(
-                    doc,
-                    Cause::Health,
-                    reason,
-                    Some(sub.id.clone()),
-                    now_ms,
-                    &mut changes,
-                );
-                // A canary says when it is well again.
-                doc.canary_requested = true;
+            // A ranked run that ended on a quarantined slice (it started before the
+            // quarantine) is as suspect as those before it.
+            if sub.priority == Class::Ranked && sub.state == State::Succeeded {
+                if let Some(q) = &mut doc.quarantine {
+                    if q.flagged.len() < RANKED_KEPT && !q.flagged.contains(&sub.id) {
+                        q.flagged.push(sub.id.clone());
+                    }
+                }
+            }
+            // Only where canaries run is a quarantine enforced and lifted by one (local mode,
+            // for now): elsewhere the readings are shown, and decide nothing.
+            if self.schedule.enabled {
+                if !doc.faults.is_empty() && doc.quarantine.is_none() {
+                    let reason = format!("its last run's GPU readings: {}", doc.faults.join("; "));
+                    quarantine(
+                        doc,
+                        Cause::Health,
+                        reason,
+                        Some(sub.id.clone()),
+                        now_ms,
+                        &mut changes,
+                    );
+                    // A canary says when it is well again.
+                    doc.canary_requested = true;
+                } else if !doc.concerns.is_empty() {
+                    // Heat or slowdowns a run can cause itself: a canary looks (it, not the
+                    // run, decides).
+                    doc.canary_requested = true;
+                }
             }
         }
         changes.save.push(doc.clone());
@@ -483,7 +521,7 @@ impl Fleet {
                 .clone()
                 .unwrap_or_else(|| sub.state.as_str().to_string())),
         };
-        let (verdict, score, ratio, reason) = match measured {
+        let (verdict, score, ratio, reason, peers) = match measured {
             Ok(m) => {
                 let model = doc.model.clone().unwrap_or_else(|| "cpu".into());
                 // The latest score of every other slice of the model, and this one's new one.
@@ -494,33 +532,42 @@ impl Fleet {
                     .filter(|(other, _)| *other != doc.id)
                     .map(|(_, s)| *s)
                     .collect();
+                let peers = latest.len();
                 latest.push(m.score);
                 let median = canary::median(&latest);
                 let mut scores: Vec<f64> = doc.canaries.iter().filter_map(|c| c.score).collect();
                 scores.push(m.score);
-                let v = canary::judge(m.score, median, &scores, &doc.concerns, &self.schedule);
+                let v = canary::judge(m.score, median, &scores, &doc.faults, &self.schedule);
                 let reason = match &v {
                     Verdict::Unhealthy => {
-                        format!(
-                            "{}: {}",
-                            v.describe(&self.schedule),
-                            doc.concerns.join("; ")
-                        )
+                        format!("{}: {}", v.describe(&self.schedule), doc.faults.join("; "))
                     }
                     v => v.describe(&self.schedule),
                 };
-                (v, Some(m.score), median.map(|md| m.score / md), reason)
+                (
+                    v,
+                    Some(m.score),
+                    median.map(|md| m.score / md),
+                    reason,
+                    peers,
+                )
             }
             Err(why) => (
                 Verdict::Failed,
                 None,
                 None,
                 format!("{}: {why}", Verdict::Failed.describe(&self.schedule)),
+                0,
             ),
         };
         doc.runs_since_canary = 0;
         doc.canary_requested = false;
         let passed = verdict.passed();
+        doc.canary_failures = if passed {
+            0
+        } else {
+            doc.canary_failures.saturating_add(1)
+        };
         push_capped(
             &mut doc.canaries,
             CanaryRun {
@@ -530,6 +577,7 @@ impl Fleet {
                 ratio,
                 verdict,
                 reason: reason.clone(),
+                peers,
             },
             CANARIES_KEPT,
         );
@@ -540,7 +588,9 @@ impl Fleet {
                 .as_ref()
                 .is_some_and(|q| q.cause != Cause::Operator);
             if releasable {
-                doc.quarantine = None;
+                if let Some(q) = doc.quarantine.take() {
+                    keep_reruns(doc, q.flagged);
+                }
                 changes.notices.push(Notice {
                     slice: doc.id.clone(),
                     node: doc.node.clone(),
@@ -586,7 +636,8 @@ impl Fleet {
                 }
             }
             None => {
-                if doc.quarantine.take().is_some() {
+                if let Some(q) = doc.quarantine.take() {
+                    keep_reruns(doc, q.flagged);
                     changes.notices.push(Notice {
                         slice: doc.id.clone(),
                         node: doc.node.clone(),
@@ -637,6 +688,17 @@ impl Fleet {
         }
         let inner = self.lock();
         let idle_ms = (self.schedule.idle_s as i64).saturating_mul(1000);
+        let models = model_scores(&inner.slices);
+        // A slice whose last canary had no other slice of its model to compare with, now
+        // that one has a score: compared at last (the first slices to join judge themselves).
+        let unjudged = |s: &SliceDoc| {
+            s.canaries
+                .back()
+                .is_some_and(|c| c.score.is_some() && c.peers == 0)
+                && models
+                    .get(s.model.as_deref().unwrap_or("cpu"))
+                    .is_some_and(|m| m.iter().any(|(id, _)| *id != s.id))
+        };
         inner
             .slices
             .values()
@@ -651,7 +713,20 @@ impl Fleet {
                     .chain(s.last_run_ms)
                     .max()
                     .unwrap_or(s.first_seen_ms);
-                s.canary_requested
+                // A slice a canary or its readings quarantined is looked at again, later after
+                // each canary that does not pass: 10 min, 20, 40 … up to the idle time.
+                let recheck = s
+                    .quarantine
+                    .as_ref()
+                    .is_some_and(|q| q.cause != Cause::Operator)
+                    && {
+                        let last = s.canaries.back().map_or(0, |c| c.at_ms);
+                        let backoff = s.canary_failures.saturating_sub(1).min(10);
+                        now_ms.saturating_sub(last) >= (RECHECK_MS << backoff).min(idle_ms)
+                    };
+                recheck
+                    || unjudged(s)
+                    || s.canary_requested
                     || s.canaries.is_empty()
                     || s.runs_since_canary >= self.schedule.every_jobs
                     || now_ms.saturating_sub(last_activity) >= idle_ms
@@ -725,6 +800,14 @@ fn absorb(doc: &mut SliceDoc, p: &Provenance, now_ms: i64) {
     doc.last_run_ms = Some(now_ms);
     doc.last_sample = gpu.and_then(|g| g.end.clone().or(g.start.clone()));
     doc.concerns = p.concerns.clone();
+    doc.faults = p.faults.clone();
+}
+
+/// Keeps a released quarantine's ranked runs to run again.
+fn keep_reruns(doc: &mut SliceDoc, flagged: Vec<String>) {
+    for id in flagged {
+        push_capped(&mut doc.rerun, id, RANKED_KEPT);
+    }
 }
 
 fn note(sub: &Submission, error: String, now_ms: i64) -> FailureNote {
@@ -872,8 +955,9 @@ mod tests {
     }
 
     #[test]
-    fn a_hot_run_quarantines_until_a_canary_and_a_failed_canary_quarantines_too() {
+    fn heat_asks_for_a_canary_a_fault_quarantines_and_a_failed_canary_quarantines_too() {
         let f = Fleet::new(schedule(), 600);
+        // Hot: a run can do that to its GPU; a canary looks, nothing is quarantined.
         let hot = ended(
             "h1",
             "g0",
@@ -883,10 +967,30 @@ mod tests {
             91,
         );
         let c = f.ended(&hot, 1_000);
+        assert!(c.notices.is_empty(), "{:?}", c.notices);
+        assert!(c.save[0].canary_requested && c.save[0].quarantine.is_none());
+        // An uncorrected ECC error: a fault no run causes; quarantined until a canary passes.
+        let mut broken = ended(
+            "e1",
+            "g1",
+            false,
+            Class::Test,
+            Outcome::Succeeded(bench_result(1.0)),
+            50,
+        );
+        if let Some(p) = &mut broken.provenance {
+            p.gpus[0].end.as_mut().unwrap().ecc_uncorrected = Some(2);
+            *p = p.clone().reviewed(&Default::default());
+        }
+        let c = f.ended(&broken, 1_000);
         assert_eq!(c.notices[0].kind, NoticeKind::Quarantined);
         let doc = &c.save[0];
         assert_eq!(doc.quarantine.as_ref().unwrap().cause, Cause::Health);
         assert!(doc.canary_requested, "a canary says when it is well again");
+        // Without canaries (Buildkite mode, for now), readings decide nothing.
+        let shown = Fleet::new(Schedule::default(), 600);
+        assert!(shown.ended(&broken, 1_000).notices.is_empty());
+        assert!(!shown.held_back("g1"));
         let failed = ended(
             "c1",
             "g2",
@@ -898,6 +1002,33 @@ mod tests {
         let c = f.ended(&failed, 1_000);
         assert_eq!(c.notices[0].kind, NoticeKind::Quarantined);
         assert!(c.notices[0].text.contains("no GPU"), "{:?}", c.notices);
+        // Looked at again ten minutes later, then twenty after another failure.
+        assert!(!f
+            .due_canaries(1_000 + 599_000)
+            .iter()
+            .any(|(id, _)| id == "g2"));
+        assert!(f
+            .due_canaries(1_000 + 600_000)
+            .iter()
+            .any(|(id, _)| id == "g2"));
+        f.canary_started("g2", "c1b");
+        let again = ended(
+            "c1b",
+            "g2",
+            true,
+            Class::Admin,
+            Outcome::Failed("no GPU".into()),
+            50,
+        );
+        f.ended(&again, 700_000);
+        assert!(!f
+            .due_canaries(700_000 + 1_199_000)
+            .iter()
+            .any(|(id, _)| id == "g2"));
+        assert!(f
+            .due_canaries(700_000 + 1_200_000)
+            .iter()
+            .any(|(id, _)| id == "g2"));
         // A canceled canary is no verdict: asked for again.
         let canceled = ended(
             "c2",
@@ -975,6 +1106,13 @@ mod tests {
         assert!(f.due_canaries(0).is_empty(), "in flight");
         canary(&f, "c0", "g0", 100.0);
         canary(&f, "c1", "g1", 100.0);
+        // g0 judged itself alone; now that g1 has a score, it runs again to be compared.
+        assert_eq!(
+            f.due_canaries(1_000),
+            [("g0".to_string(), "h100".to_string())]
+        );
+        f.canary_started("g0", "c0b");
+        canary(&f, "c0b", "g0", 100.0);
         assert!(f.due_canaries(1_000).is_empty());
         for i in 0..2 {
             let s = ended(

@@ -15,6 +15,23 @@ use crate::error::Error;
 use crate::fleet::{Changes, SliceDoc, CANARY_USER};
 use crate::report::report;
 
+/// A node-named string as a Prometheus label value: the exposition writes label values as
+/// they are, so anything but `[A-Za-z0-9._:/-]` becomes `_`, and it is cut at 128 characters
+/// (a node names its agents and its host: a quote or a new line there would end the
+/// exposition, and every alert with it).
+pub fn label_value(s: &str) -> String {
+    s.chars()
+        .take(128)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '/' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 /// How often the upkeep looks at the roster and the canaries due.
 const TICK: Duration = Duration::from_secs(2);
 
@@ -33,13 +50,20 @@ impl App {
         self.save_slices(changes.save);
     }
 
+    /// Saves the named slices' records in the background. Each save writes the record as it
+    /// is when it runs, under one lock: saves may start in any order, and the last to run
+    /// still writes the newest record.
     fn save_slices(self: &Arc<Self>, docs: Vec<SliceDoc>) {
         if docs.is_empty() {
             return;
         }
         let app = self.clone();
         tokio::spawn(async move {
-            for d in docs {
+            let _one_at_a_time = app.fleet_saving.lock().await;
+            for id in docs.into_iter().map(|d| d.id) {
+                let Some(d) = app.fleet.slice(&id) else {
+                    continue;
+                };
                 let Ok(text) = serde_json::to_string(&d) else {
                     continue;
                 };
@@ -131,10 +155,7 @@ impl App {
         use crate::metrics::{SliceLabel, StateLabel};
         let o = self.overview_slices();
         let m = &self.metrics;
-        m.fleet_slices.clear();
-        m.slice_quarantined.clear();
-        m.slice_gpu_temperature.clear();
-        m.slice_canary_permille.clear();
+        self.clear_fleet_metrics();
         for state in ["busy", "idle", "offline", "quarantined", "unknown"] {
             m.fleet_slices
                 .get_or_create(&StateLabel {
@@ -144,9 +165,9 @@ impl App {
         }
         for s in &o {
             let label = SliceLabel {
-                slice: s.id.clone(),
-                node: s.node.clone().unwrap_or_default(),
-                queue: s.queue.clone().unwrap_or_default(),
+                slice: label_value(&s.id),
+                node: label_value(s.node.as_deref().unwrap_or_default()),
+                queue: label_value(s.queue.as_deref().unwrap_or_default()),
             };
             m.slice_quarantined
                 .get_or_create(&label)
@@ -162,6 +183,15 @@ impl App {
                     .set((r * 1000.0).round() as i64);
             }
         }
+    }
+
+    /// Empties the fleet's gauges.
+    pub fn clear_fleet_metrics(&self) {
+        let m = &self.metrics;
+        m.fleet_slices.clear();
+        m.slice_quarantined.clear();
+        m.slice_gpu_temperature.clear();
+        m.slice_canary_permille.clear();
     }
 
     /// Runs the fleet's upkeep until the core is dropped: every couple of seconds, the
@@ -180,6 +210,9 @@ impl App {
                 tick.tick().await;
                 let Some(a) = app.upgrade() else { return };
                 if !a.store.durable().acting() {
+                    // Another process runs the queue now: its figures are the fleet's, and
+                    // these, frozen, would keep alerts firing after it released a slice.
+                    a.clear_fleet_metrics();
                     continue;
                 }
                 let wanted = always

@@ -26,6 +26,13 @@ pub const FORMAT: u32 = 1;
 /// The largest provenance file a reader takes: a node with 8 GPUs writes about 4 KiB.
 pub const MAX_BYTES: u64 = 64 * 1024;
 
+/// GPUs of one run kept (a node has at most 8 or 16).
+pub const MAX_GPUS: usize = 16;
+/// Clock event reasons kept per sample.
+pub const MAX_REASONS: usize = 16;
+/// Characters kept of any text a node wrote.
+pub const MAX_TEXT: usize = 128;
+
 /// Where and on what one run ran.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -57,6 +64,8 @@ pub struct Provenance {
     pub summary: Option<String>,
     /// [`Provenance::concerns`] at the service's limits, written by the service likewise.
     pub concerns: Vec<String>,
+    /// [`Provenance::faults`] at the service's limits, written by the service likewise.
+    pub faults: Vec<String>,
 }
 
 /// The slice a job held, as the hooks exported it (`KERNELKITE_SLICE`).
@@ -159,23 +168,89 @@ impl Provenance {
     /// [`Provenance::concerns`] (at `limits`) computed here from the readings, whatever the
     /// node wrote in those fields.
     pub fn reviewed(mut self, limits: &Limits) -> Provenance {
+        self.tidy();
         self.summary = Some(self.summary());
         self.concerns = self.concerns(limits);
+        self.faults = self.faults(limits);
         self
+    }
+
+    /// Keeps what the node wrote within bounds before anyone shows it: at most
+    /// [`MAX_GPUS`] GPUs and [`MAX_REASONS`] clock event reasons each, every text printable and
+    /// at most [`MAX_TEXT`] characters.
+    fn tidy(&mut self) {
+        fn text(s: &mut String) {
+            *s = s
+                .chars()
+                .filter(|c| !c.is_control())
+                .take(MAX_TEXT)
+                .collect();
+        }
+        fn opt(s: &mut Option<String>) {
+            if let Some(s) = s {
+                text(s);
+            }
+        }
+        text(&mut self.kernelkite_version);
+        text(&mut self.node);
+        for s in [
+            &mut self.agent,
+            &mut self.queue,
+            &mut self.image,
+            &mut self.driver,
+        ] {
+            opt(s);
+        }
+        self.gpus.truncate(MAX_GPUS);
+        for g in &mut self.gpus {
+            text(&mut g.vendor);
+            for s in [
+                &mut g.name,
+                &mut g.uuid,
+                &mut g.partition,
+                &mut g.pci_bus_id,
+                &mut g.vbios,
+            ] {
+                opt(s);
+            }
+            for s in [&mut g.start, &mut g.end].into_iter().flatten() {
+                s.throttle.truncate(MAX_REASONS);
+                s.throttle.iter_mut().for_each(text);
+            }
+        }
+        if let Some(s) = &mut self.slice {
+            s.cpus.truncate(4096);
+        }
     }
 
     /// Why this run's GPUs may not have been healthy, one line each (empty: nothing seen).
     /// Reads only what the node reported; a GPU that reports nothing raises nothing.
     pub fn concerns(&self, limits: &Limits) -> Vec<String> {
-        let mut out = Vec::new();
+        self.readings(limits).into_iter().map(|(c, _)| c).collect()
+    }
+
+    /// The [`Provenance::concerns`] a run cannot cause by itself: hardware faults
+    /// (uncorrected ECC errors, the power brake) and settings changed under it (the power
+    /// limit). Heat and thermal or hardware slowdowns are left out: a submission that loads
+    /// its GPU hard ends hot, and that says nothing of the GPU.
+    pub fn faults(&self, limits: &Limits) -> Vec<String> {
+        self.readings(limits)
+            .into_iter()
+            .filter_map(|(c, fault)| fault.then_some(c))
+            .collect()
+    }
+
+    /// Each concern, and whether it is a fault (see [`Provenance::faults`]).
+    fn readings(&self, limits: &Limits) -> Vec<(String, bool)> {
+        let mut out: Vec<(String, bool)> = Vec::new();
         for (i, g) in self.gpus.iter().enumerate() {
             let who = g.uuid.as_deref().or(g.pci_bus_id.as_deref()).unwrap_or("?");
             let who = format!("GPU {i} ({who})");
             for s in [&g.start, &g.end].into_iter().flatten() {
                 if let Some(t) = s.temperature_c.filter(|t| *t >= limits.max_temperature_c) {
-                    out.push(format!(
-                        "{who} at {t} °C (limit {} °C)",
-                        limits.max_temperature_c
+                    out.push((
+                        format!("{who} at {t} °C (limit {} °C)", limits.max_temperature_c),
+                        false,
                     ));
                 }
                 for r in s
@@ -183,22 +258,27 @@ impl Provenance {
                     .iter()
                     .filter(|r| UNHEALTHY_THROTTLE.contains(&r.as_str()))
                 {
-                    out.push(format!("{who} clocks held down: {r}"));
+                    let fault = r == "hw_power_brake_slowdown";
+                    out.push((format!("{who} clocks held down: {r}"), fault));
                 }
             }
             let ecc = |s: &Option<Sample>| s.as_ref().and_then(|s| s.ecc_uncorrected);
             match (ecc(&g.start), ecc(&g.end)) {
-                (Some(a), Some(b)) if b > a => {
-                    out.push(format!("{who} uncorrected ECC errors rose from {a} to {b}"))
+                (Some(a), Some(b)) if b > a => out.push((
+                    format!("{who} uncorrected ECC errors rose from {a} to {b}"),
+                    true,
+                )),
+                (_, Some(b)) if b > 0 => {
+                    out.push((format!("{who} has {b} uncorrected ECC errors"), true))
                 }
-                (_, Some(b)) if b > 0 => out.push(format!("{who} has {b} uncorrected ECC errors")),
                 _ => {}
             }
             let limit = |s: &Option<Sample>| s.as_ref().and_then(|s| s.power_limit_w);
             if let (Some(a), Some(b)) = (limit(&g.start), limit(&g.end)) {
                 if (a - b).abs() >= 1.0 {
-                    out.push(format!(
-                        "{who} power limit changed during the run ({a:.0} W to {b:.0} W)"
+                    out.push((
+                        format!("{who} power limit changed during the run ({a:.0} W to {b:.0} W)"),
+                        true,
                     ));
                 }
             }
@@ -437,6 +517,27 @@ mod tests {
             assert!(c[0].contains(says), "{c:?} lacks {says}");
             assert!(c[0].contains("GPU-1"), "{c:?}");
         }
+    }
+
+    #[test]
+    fn heat_is_a_concern_but_only_hardware_faults_are_faults() {
+        let hot = Sample {
+            temperature_c: Some(95),
+            throttle: vec!["hw_thermal_slowdown".into(), "hw_slowdown".into()],
+            ..healthy()
+        };
+        let p = gpu(healthy(), hot);
+        assert_eq!(p.concerns(&Limits::default()).len(), 3);
+        assert!(
+            p.faults(&Limits::default()).is_empty(),
+            "a run can make its GPU hot"
+        );
+        let broken = Sample {
+            ecc_uncorrected: Some(1),
+            throttle: vec!["hw_power_brake_slowdown".into()],
+            ..healthy()
+        };
+        assert_eq!(gpu(healthy(), broken).faults(&Limits::default()).len(), 2);
     }
 
     #[test]

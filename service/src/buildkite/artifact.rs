@@ -126,6 +126,14 @@ pub async fn fetch_result(
     let Some(p) = choose_provenance(&listed, artifact) else {
         return Ok((result, None));
     };
+    if p.file_size > provenance::MAX_BYTES {
+        tracing::warn!(
+            build = build_number,
+            bytes = p.file_size,
+            "the build's provenance.json is over its limit; not fetched"
+        );
+        return Ok((result, None));
+    }
     let provenance = match client.download(&p.download_url).await {
         Ok(bytes) => verify_provenance(p, &bytes),
         Err(e) => Err(crate::report::report(&e).to_string()),

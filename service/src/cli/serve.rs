@@ -106,14 +106,15 @@ fn wire(
     } else {
         None
     };
+    let routes = cfg.alert_routes()?;
+    let alerts = !routes.0.is_empty();
     crate::notify::spawn(
         &app,
-        cfg.fleet.alert_webhooks.clone(),
+        routes,
         cfg.fleet.alert_max_per_minute,
         cfg.edge.public_url.clone(),
     );
     let fleet = app.clone();
-    let alerts = !cfg.fleet.alert_webhooks.0.is_empty();
     tokio::spawn(async move {
         fleet.load_fleet().await;
         fleet.spawn_fleet(canary, alerts);

@@ -12,7 +12,7 @@
 //! within [`TICK`] for the queues' counts, at most every [`MIN_GAP`]. One overview is built for
 //! every stream at a time ([`Cache`]), so ten screens cost what one does.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -37,24 +37,32 @@ const MIN_GAP: Duration = Duration::from_millis(200);
 /// How long a built overview is shared by the streams and reads asking for it.
 const FRESH: Duration = Duration::from_millis(150);
 
-/// The last overview built, encoded, shared by every reader.
+/// The last overview built, encoded, shared by every reader: built once per change of the
+/// fleet (its version) and at most once per [`FRESH`] otherwise, however many streams and
+/// readers ask.
 #[derive(Default)]
 pub struct Cache {
-    last: Mutex<Option<(Instant, Bytes)>>,
+    last: tokio::sync::Mutex<Option<(Instant, u64, Bytes)>>,
 }
 
 impl Cache {
-    /// The overview as JSON, built now unless one younger than [`FRESH`] is at hand (or
-    /// `fresh` asks for a new one: the fleet changed).
-    fn get(&self, app: &App, fresh: bool) -> Bytes {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((at, b)) = last.as_ref() {
-            if !fresh && at.elapsed() < FRESH {
+    /// The overview as JSON: the one at hand when it is of the fleet's current version and
+    /// younger than [`FRESH`], else built now (off the async threads).
+    async fn get(&self, app: &Arc<App>) -> Bytes {
+        let version = *app.fleet().changes().borrow();
+        let mut last = self.last.lock().await;
+        if let Some((at, v, b)) = last.as_ref() {
+            if *v == version && at.elapsed() < FRESH {
                 return b.clone();
             }
         }
-        let body = Bytes::from(serde_json::to_vec(&app.overview()).unwrap_or_default());
-        *last = Some((Instant::now(), body.clone()));
+        let a = app.clone();
+        let body = tokio::task::spawn_blocking(move || {
+            Bytes::from(serde_json::to_vec(&a.overview()).unwrap_or_default())
+        })
+        .await
+        .unwrap_or_default();
+        *last = Some((Instant::now(), version, body.clone()));
         body
     }
 }
@@ -82,7 +90,7 @@ pub(super) async fn overview(
     State(app): State<Arc<App>>,
     State(cache): State<Arc<Cache>>,
 ) -> Response {
-    let body = cache.get(&app, false);
+    let body = cache.get(&app).await;
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
@@ -94,6 +102,9 @@ struct Streamer {
     stopping: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     sent: Option<Bytes>,
     first: bool,
+    /// When the stream ends (the page connects again at once): no request is held longer
+    /// than KERNELKITE_MAX_WAIT_S.
+    until: tokio::time::Instant,
 }
 
 /// `GET /v1/fleet/events`: `event: fleet` with the overview, now and on every change, until
@@ -110,6 +121,7 @@ pub(super) async fn events(
         stopping: Box::pin(edge.stopping()),
         sent: None,
         first: true,
+        until: tokio::time::Instant::now() + Duration::from_secs(edge.cfg.edge.max_wait_s.max(1)),
     };
     drop(app);
     let stream = futures_util::stream::unfold(state, |mut st| async move {
@@ -118,16 +130,18 @@ pub(super) async fn events(
                 () = tokio::time::sleep(MIN_GAP) => {}
                 () = &mut st.stopping => return None,
             }
+            if tokio::time::Instant::now() >= st.until {
+                return None;
+            }
         }
         st.first = false;
         loop {
-            let fleet_moved = st.changes.has_changed().unwrap_or(false);
-            if fleet_moved {
+            if st.changes.has_changed().unwrap_or(false) {
                 st.changes.borrow_and_update();
             }
             let body = {
                 let app = st.app.upgrade()?;
-                st.cache.get(&app, fleet_moved)
+                st.cache.get(&app).await
             };
             // Sent only when it says something new (`generated_at` aside).
             if st.sent.as_ref().is_none_or(|s| differs(s, &body)) {
@@ -142,6 +156,7 @@ pub(super) async fn events(
                 r = st.changes.changed() => if r.is_err() { return None },
                 () = tokio::time::sleep(TICK) => {}
                 () = &mut st.stopping => return None,
+                () = tokio::time::sleep_until(st.until) => return None,
             }
         }
     });
@@ -169,6 +184,10 @@ pub(super) async fn canary(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    // An unknown slice is a 404 whether canaries run or not.
+    if !app.fleet().slices().iter().any(|s| s.id == id) {
+        return Err(Error::from(kernelkite_core::fleet::UnknownSlice(id)).into());
+    }
     if !app.fleet().schedule().enabled {
         return Err(Error::from(crate::error::Invalid::Canary).into());
     }
@@ -195,13 +214,30 @@ pub(super) async fn quarantine(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: QuarantineRequest = serde_json::from_slice(&body).map_err(BadRequest::NotJson)?;
-    let reason = req.reason.trim();
-    if reason.is_empty() || reason.len() > 500 {
+    // The document's rule (`pattern: \S`, 1-500 characters), with JSON Schema's (ECMAScript's)
+    // idea of a space, so a reason the document accepts is never refused.
+    let reason = req.reason.trim_matches(ecma_space);
+    if reason.is_empty() || req.reason.chars().count() > 500 {
         return Err(Error::from(crate::error::Invalid::Reason).into());
     }
     app.set_quarantine(&id, Some(reason.to_string()))
         .map_err(Error::from)?;
     Ok(Json(serde_json::json!({"slice": id, "quarantined": true})).into_response())
+}
+
+/// ECMAScript's `\s`: its white space and line terminators.
+fn ecma_space(c: char) -> bool {
+    matches!(
+        c,
+        '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | ' ' | '\u{a0}' | '\u{1680}' | '\u{2000}'
+            ..='\u{200a}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202f}'
+                | '\u{205f}'
+                | '\u{3000}'
+                | '\u{feff}'
+    )
 }
 
 /// `DELETE /v1/fleet/slices/{id}/quarantine`: an operator puts the slice back.

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kernelkite_service::notify::Routes;
+use kernelkite_service::config::Secret;
 use kernelkite_testkit::fake_buildkite::FakeAgent;
 use kernelkite_testkit::fake_slack::{FakeSlack, Mode, SECRET};
 use kernelkite_testkit::harness::{harness_with, result_artifact, Harness};
@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 async fn alerting(slack: &FakeSlack, per_minute: u32) -> Harness {
     let url = slack.url();
     let h = harness_with(move |cfg| {
-        cfg.fleet.alert_webhooks = Routes::parse(&format!("*={url}")).unwrap();
+        cfg.fleet.alert_webhooks = Some(Secret::new(format!("*={url}")));
         cfg.fleet.alert_offline_after_s = 1;
         cfg.fleet.alert_max_per_minute = per_minute;
         // The agents list is read every second (the flag's floor is a minute).

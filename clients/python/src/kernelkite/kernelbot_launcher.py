@@ -440,11 +440,18 @@ def provenance_line(submission: Mapping[str, Any]) -> str | None:
     p = submission.get("provenance")
     if not isinstance(p, dict) or not isinstance(p.get("summary"), str):
         return None
-    line = f"🖥️ {_cut(p['summary'], 400)}"
+    # The node wrote what the summary names (its host, its GPUs): shown as code, without
+    # backticks or line breaks of its own, so nothing in it can mention, link or format in
+    # kernelbot's Discord report.
+    line = f"🖥️ `{_plain(_cut(p['summary'], 400))}`"
     concerns = [c for c in p.get("concerns") or [] if isinstance(c, str)]
     if concerns:
-        line += f" ⚠️ {_cut('; '.join(concerns), 300)}"
+        line += f" ⚠️ `{_plain(_cut('; '.join(concerns), 300))}`"
     return line
+
+
+def _plain(text: str) -> str:
+    return "".join(c for c in text if c.isprintable() and c != "`")
 
 
 def _cut(text: str, most: int) -> str:
