@@ -124,8 +124,9 @@ pub fn compose(notices: &[Notice], dashboard: Option<&str>) -> String {
         for n in ns {
             let mark = match n.kind {
                 NoticeKind::Quarantined => "🚫",
-                NoticeKind::Released | NoticeKind::Online => "✅",
+                NoticeKind::Released | NoticeKind::Online | NoticeKind::UpToDate => "✅",
                 NoticeKind::Offline => "📴",
+                NoticeKind::Outdated => "⚠️",
             };
             lines.push(format!(
                 "{mark} {}: {}",

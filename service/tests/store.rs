@@ -369,6 +369,26 @@ async fn reopened_it_gives_back_what_a_start_needs(b: Backend) {
     db.health().await.unwrap();
 }
 
+/// The fleet's records (`kernelkite_core::fleet`): kept per slice, replaced whole by the next
+/// save, read back after a reopen as last written.
+async fn the_fleet_records_are_kept_and_read_back_as_last_written(b: Backend) {
+    {
+        let db = b.db();
+        if !db.persistent() {
+            kernelkite_testkit::skip("this store keeps no fleet records (nothing outlives it)");
+            return;
+        }
+        db.fleet_save("a", r#"{"id":"a","runs":1}"#).await.unwrap();
+        db.fleet_save("b", r#"{"id":"b","runs":7}"#).await.unwrap();
+        db.fleet_save("a", r#"{"id":"a","runs":2}"#).await.unwrap();
+    }
+    let db = b.db();
+    assert_eq!(
+        db.fleet_load().await.unwrap(),
+        [r#"{"id":"a","runs":2}"#, r#"{"id":"b","runs":7}"#]
+    );
+}
+
 macro_rules! suite {
     ($backend:ident: $($test:ident),* $(,)?) => {
         mod $backend {
@@ -394,6 +414,7 @@ macro_rules! every_store {
                 a_callback_is_written_with_the_end_and_due_until_delivered,
                 the_quotas_and_the_cache_find_what_they_count,
                 reopened_it_gives_back_what_a_start_needs,
+                the_fleet_records_are_kept_and_read_back_as_last_written,
             );
         )*
     };

@@ -274,7 +274,10 @@ impl App {
             callbacks_due: Notify::new(),
             dropped_events: std::sync::atomic::AtomicU64::new(0),
             dropped_logged: Mutex::new(None),
-            fleet: Arc::new(Fleet::new(cfg.canary.clone(), cfg.offline_after_s)),
+            fleet: Arc::new(
+                Fleet::new(cfg.canary.clone(), cfg.offline_after_s)
+                    .expecting(cfg.fair.runner_version.clone()),
+            ),
             notices: tokio::sync::broadcast::channel(256).0,
             fleet_saving: tokio::sync::Mutex::new(()),
             cfg,

@@ -78,6 +78,8 @@ pub struct SliceDoc {
     /// Ranked runs to run again that a release took out of their quarantine (kept for the
     /// organisers, newest last).
     pub rerun: VecDeque<String>,
+    /// The runner version its last run named, when it is not the one expected.
+    pub outdated: Option<String>,
     /// Its last canaries, oldest first.
     pub canaries: VecDeque<CanaryRun>,
     /// The canary submission in flight for it.
@@ -188,6 +190,10 @@ pub enum NoticeKind {
     Offline,
     /// The slice's agent is connected again after it was said offline.
     Online,
+    /// The slice's last run named another runner version than the one expected.
+    Outdated,
+    /// The slice runs the expected version again.
+    UpToDate,
 }
 
 /// What [`Fleet::ended`] changed.
@@ -210,6 +216,8 @@ pub struct Fleet {
     version: watch::Sender<u64>,
     /// When somebody last read the fleet (Unix ms): its roster is kept fresh meanwhile.
     read_at: std::sync::atomic::AtomicI64,
+    /// The runner version every slice should run (`None`: not checked).
+    expected: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -270,7 +278,20 @@ impl Fleet {
             inner: Mutex::new(Inner::default()),
             version: watch::channel(0).0,
             read_at: std::sync::atomic::AtomicI64::new(i64::MIN),
+            expected: None,
         }
+    }
+
+    /// Checks every run's runner version against `version` (KERNELKITE_RUNNER_VERSION): a
+    /// slice that runs another is marked outdated, and its vendor told.
+    pub fn expecting(mut self, version: String) -> Fleet {
+        self.expected = Some(version);
+        self
+    }
+
+    /// The runner version every slice should run, when checked.
+    pub fn expected_version(&self) -> Option<&str> {
+        self.expected.as_deref()
     }
 
     /// Notes that somebody reads the fleet now.
@@ -448,6 +469,9 @@ impl Fleet {
         });
         if let Some(p) = &sub.provenance {
             absorb(doc, p, now_ms);
+            if let Some(want) = &self.expected {
+                check_version(doc, &p.kernelkite_version, want, &mut changes);
+            }
         }
         if doc.queue.is_none() {
             doc.queue = Some(sub.queue.clone());
@@ -535,7 +559,14 @@ impl Fleet {
                 let peers = latest.len();
                 latest.push(m.score);
                 let median = canary::median(&latest);
-                let mut scores: Vec<f64> = doc.canaries.iter().filter_map(|c| c.score).collect();
+                // The spread is taken over the canaries that passed against peers, and this
+                // one: a slow one had its verdict, and must not keep a mended slice out.
+                let mut scores: Vec<f64> = doc
+                    .canaries
+                    .iter()
+                    .filter(|c| c.verdict.passed() && c.peers > 0)
+                    .filter_map(|c| c.score)
+                    .collect();
                 scores.push(m.score);
                 let v = canary::judge(m.score, median, &scores, &doc.faults, &self.schedule);
                 let reason = match &v {
@@ -801,6 +832,35 @@ fn absorb(doc: &mut SliceDoc, p: &Provenance, now_ms: i64) {
     doc.last_sample = gpu.and_then(|g| g.end.clone().or(g.start.clone()));
     doc.concerns = p.concerns.clone();
     doc.faults = p.faults.clone();
+}
+
+/// Marks `doc` outdated when its run named another version than `want` (and back), saying
+/// so when that changes.
+fn check_version(doc: &mut SliceDoc, seen: &str, want: &str, changes: &mut Changes) {
+    let outdated = (seen != want).then(|| seen.to_string());
+    if outdated == doc.outdated {
+        return;
+    }
+    let (kind, text) = match &outdated {
+        Some(v) => (
+            NoticeKind::Outdated,
+            format!(
+                "{} runs kernelkite {v}, not {want}: update the node",
+                doc.id
+            ),
+        ),
+        None => (
+            NoticeKind::UpToDate,
+            format!("{} runs kernelkite {want} again", doc.id),
+        ),
+    };
+    doc.outdated = outdated;
+    changes.notices.push(Notice {
+        slice: doc.id.clone(),
+        node: doc.node.clone(),
+        kind,
+        text,
+    });
 }
 
 /// Keeps a released quarantine's ranked runs to run again.
@@ -1139,6 +1199,41 @@ mod tests {
         let off = Fleet::new(Schedule::default(), 600);
         off.seen(vec![agent("g0")], 0);
         assert!(off.due_canaries(0).is_empty(), "canaries off");
+    }
+
+    #[test]
+    fn a_slice_on_another_runner_version_is_outdated_until_it_runs_the_expected_one() {
+        let f = Fleet::new(schedule(), 600).expecting("1.0".into());
+        let run = |id: &str, version: &str| {
+            let mut s = ended(
+                id,
+                "g0",
+                false,
+                Class::Test,
+                Outcome::Succeeded(bench_result(1.0)),
+                50,
+            );
+            if let Some(p) = &mut s.provenance {
+                p.kernelkite_version = version.into();
+            }
+            f.ended(&s, 1)
+        };
+        let c = run("a", "0.9");
+        assert_eq!(c.notices[0].kind, NoticeKind::Outdated);
+        assert!(
+            c.notices[0].text.contains("runs kernelkite 0.9, not 1.0"),
+            "{:?}",
+            c.notices
+        );
+        assert_eq!(c.save[0].outdated.as_deref(), Some("0.9"));
+        assert!(run("b", "0.9").notices.is_empty(), "told once");
+        let c = run("c", "1.0");
+        assert_eq!(c.notices[0].kind, NoticeKind::UpToDate);
+        assert!(c.save[0].outdated.is_none());
+        assert!(
+            !f.held_back("g0"),
+            "outdated is shown and told, not a quarantine"
+        );
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub struct Overview {
     pub canaries: bool,
     /// A canary slower than its model's median by more than this share fails.
     pub canary_slower_by: f64,
+    /// The runner version every slice should run (KERNELKITE_RUNNER_VERSION).
+    pub expected_version: Option<String>,
     /// Counts over the fleet.
     pub totals: Totals,
     /// Every queue.
@@ -56,6 +58,8 @@ pub struct Totals {
     pub offline: u64,
     /// Ranking no run.
     pub quarantined: u64,
+    /// Running another runner version than the one expected.
+    pub outdated: u64,
     /// Submissions waiting in the service's queues.
     pub waiting: u64,
     /// Submissions started and not ended.
@@ -125,6 +129,8 @@ pub struct SliceView {
     pub agent_version: Option<String>,
     /// Its image (docker mode).
     pub image: Option<String>,
+    /// The runner version its last run named, when not the one expected.
+    pub outdated: Option<String>,
     /// Paused in Buildkite.
     pub paused: bool,
     /// Runs it finished.
@@ -212,6 +218,9 @@ impl App {
             if v.quarantine.is_some() {
                 totals.quarantined += 1;
             }
+            if v.outdated.is_some() {
+                totals.outdated += 1;
+            }
         }
         totals.connected = connected.as_ref().map_or(0, |c| c.len() as u64);
         let mut names: BTreeSet<String> = self.dispatch.lines().into_iter().collect();
@@ -226,6 +235,7 @@ impl App {
             generated_at: Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true),
             canaries: self.fleet.schedule().enabled,
             canary_slower_by: self.fleet.schedule().slower_by,
+            expected_version: self.fleet.expected_version().map(str::to_string),
             totals,
             queues,
             failures: failures_by_node(&slices, self.fleet.unplaced_failures()),
@@ -351,6 +361,7 @@ fn slice_view(
         kernelkite_version: d.kernelkite_version.clone(),
         agent_version: agent.and_then(|a| a.version.clone()),
         image: d.image.clone(),
+        outdated: d.outdated.clone(),
         paused: agent.is_some_and(|a| a.paused),
         runs: d.runs,
         last_run_at: d.last_run_ms.and_then(iso_ms),
