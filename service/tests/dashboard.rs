@@ -60,7 +60,7 @@ async fn the_dashboard_shows_the_fleet_and_follows_it_live_in_a_real_browser() {
     browser
         .until(
             "the first render with the agents' roster",
-            "return window.kk && kk.renders > 0 && kk.data.totals.offline === 8 && kk.mode === 'live'",
+            "return window.kk && kk.renders > 0 && kk.data.totals.offline === 8 && kk.mode === 'live' && kk.slicesDone === kk.slicesSeq",
             Duration::from_secs(30),
         )
         .await;

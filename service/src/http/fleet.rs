@@ -34,6 +34,9 @@ const PAGE: &str = include_str!("dashboard.html");
 const TICK: Duration = Duration::from_millis(500);
 /// The least time between two events of a stream.
 const MIN_GAP: Duration = Duration::from_millis(200);
+/// A comment line sent after this long without an event, so proxies and clients see the
+/// stream is alive, and a client that left is found out.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How long a built overview is shared by the streams and reads asking for it.
 const FRESH: Duration = Duration::from_millis(150);
 
@@ -102,6 +105,8 @@ struct Streamer {
     stopping: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     sent: Option<Bytes>,
     first: bool,
+    /// When the last bytes went out.
+    wrote: tokio::time::Instant,
     /// When the stream ends (the page connects again at once): no request is held longer
     /// than KERNELKITE_MAX_WAIT_S.
     until: tokio::time::Instant,
@@ -121,6 +126,7 @@ pub(super) async fn events(
         stopping: Box::pin(edge.stopping()),
         sent: None,
         first: true,
+        wrote: tokio::time::Instant::now(),
         until: tokio::time::Instant::now() + Duration::from_secs(edge.cfg.edge.max_wait_s.max(1)),
     };
     drop(app);
@@ -150,7 +156,12 @@ pub(super) async fn events(
                 event.extend_from_slice(&body);
                 event.extend_from_slice(b"\n\n");
                 st.sent = Some(body);
+                st.wrote = tokio::time::Instant::now();
                 return Some((Ok::<_, std::convert::Infallible>(Bytes::from(event)), st));
+            }
+            if st.wrote.elapsed() >= KEEP_ALIVE {
+                st.wrote = tokio::time::Instant::now();
+                return Some((Ok(Bytes::from_static(b": keep-alive\n\n")), st));
             }
             tokio::select! {
                 r = st.changes.changed() => if r.is_err() { return None },
