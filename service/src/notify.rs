@@ -21,7 +21,7 @@ use kernelkite_core::metrics::OutcomeLabel;
 use tokio::sync::broadcast;
 
 use crate::app::App;
-use crate::config::Secret;
+use secrecy::{ExposeSecret as _, SecretString};
 
 /// Notices arriving within this long of the first go out in one message.
 const BATCH: Duration = Duration::from_secs(1);
@@ -38,7 +38,7 @@ pub struct Route {
     /// A node name pattern: `*` matches any run of characters (`dgx-*`, `*`).
     pub pattern: String,
     /// The incoming webhook.
-    pub url: Secret,
+    pub url: SecretString,
 }
 
 /// Every webhook, as `KERNELKITE_ALERT_WEBHOOKS` lists them.
@@ -83,7 +83,7 @@ impl Routes {
             }
             out.push(Route {
                 pattern: pattern.to_string(),
-                url: Secret::new(url),
+                url: SecretString::from(url.to_string()),
             });
         }
         Ok(Routes(out))
@@ -343,7 +343,12 @@ async fn post(http: &reqwest::Client, route: &Route, text: &str) -> Result<(), S
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(500 << attempt)).await;
         }
-        match http.post(route.url.expose()).json(&body).send().await {
+        match http
+            .post(route.url.expose_secret())
+            .json(&body)
+            .send()
+            .await
+        {
             Ok(r) if r.status().is_success() => return Ok(()),
             Ok(r) => {
                 last = format!("the webhook answered {}", r.status());
@@ -385,7 +390,7 @@ mod tests {
     fn news_a_webhook_had_is_dropped_and_other_nodes_are_not_its() {
         let mut ch = Channel::new(Route {
             pattern: "node-a".into(),
-            url: Secret::new("http://127.0.0.1:9/x"),
+            url: SecretString::from("http://127.0.0.1:9/x".to_string()),
         });
         let t0 = Instant::now();
         assert_eq!(ch.offer(&notice("a1", NoticeKind::Quarantined)), Some(true));
@@ -412,7 +417,7 @@ mod tests {
     fn over_the_limit_notices_wait_and_go_out_as_one_digest() {
         let mut ch = Channel::new(Route {
             pattern: "*".into(),
-            url: Secret::new("http://127.0.0.1:9/x"),
+            url: SecretString::from("http://127.0.0.1:9/x".to_string()),
         });
         let t0 = Instant::now();
         let minute = Duration::from_secs(60);

@@ -514,8 +514,8 @@ async fn postgres_one_service_per_schema_and_nothing_outside_it() {
     .await
     .unwrap();
     assert_eq!(
-        recorded, 3,
-        "this release's two and the later one's: nothing more was applied"
+        recorded, 4,
+        "this release's three and the later one's: nothing more was applied"
     );
 }
 

@@ -4,6 +4,7 @@
 //! specification names them; chromedriver's `goog:chromeOptions` carry the binary and its
 //! flags), with plain HTTP calls.
 
+use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -19,7 +20,32 @@ pub struct Browser {
 }
 
 impl Drop for Browser {
+    /// Stops chromedriver and every browser process it started: chromium's processes outlive
+    /// a killed chromedriver (they once went on using the CPU through a whole test run), so
+    /// the process group chromedriver leads is killed, after the session is ended when
+    /// [`Browser::quit`] did not.
     fn drop(&mut self) {
+        if !self.session.is_empty() {
+            // Ending the session makes chromedriver close the browser, crash handlers included.
+            let url = format!("{}/session/{}", self.base, self.session);
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .ok()?;
+                rt.block_on(async {
+                    reqwest::Client::new()
+                        .delete(url)
+                        .timeout(Duration::from_secs(10))
+                        .send()
+                        .await
+                        .ok()
+                })
+            })
+            .join();
+        }
+        let group = format!("-{}", self.driver.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }
@@ -41,6 +67,8 @@ impl Browser {
             .port();
         let driver = Command::new("/usr/bin/chromedriver")
             .arg(format!("--port={port}"))
+            // Its own process group, with the browser it starts: killed together when dropped.
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -132,13 +132,26 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         ja[0].log()
     );
     let va = w.wait(&ids[0], long).await;
+    // The result and, beside it, the run's provenance: both the step's artifact paths, both
+    // uploaded by the real agent for the evaluation job.
     let uploaded = w.stack.fake.artifacts_of(na);
-    assert_eq!(uploaded.len(), 1, "{uploaded:?}");
+    let paths: Vec<(&str, &str)> = uploaded
+        .iter()
+        .map(|a| (a.path.as_str(), a.state.as_str()))
+        .collect();
     assert_eq!(
-        (uploaded[0].path.as_str(), uploaded[0].state.as_str()),
-        ("result.json", "finished")
+        paths,
+        [("result.json", "finished"), ("provenance.json", "finished")],
+        "{uploaded:?}"
     );
-    assert_eq!(uploaded[0].job_id, ja[0].id);
+    assert!(uploaded.iter().all(|a| a.job_id == ja[0].id));
+    // The service took the provenance the job uploaded, and it names the real agent that ran it.
+    assert_eq!(
+        va["provenance"]["agent"].as_str(),
+        w.stack.fake.agent_of(&ja[0]).as_deref(),
+        "the provenance names the agent that ran the job: {}",
+        va["provenance"]
+    );
     let bytes: Value = serde_json::from_slice(uploaded[0].bytes.as_ref().unwrap()).unwrap();
     assert_eq!(
         bytes, va["result"],

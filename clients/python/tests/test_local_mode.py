@@ -48,7 +48,9 @@ async def test_local_success_over_sse(local: Service):
     assert not any("file:" in t or "build" in t for t in texts), texts
     assert texts[0] == "⏳ Queued for H100_KK"
     assert any(t.startswith("⏳ Running on H100_KK") for t in texts), texts
-    assert texts[-1].startswith("✅ Finished on H100_KK"), texts
+    # The run's own line ends finished; under it, where it ran (the node's provenance).
+    assert texts[-2].startswith("✅ Finished on H100_KK"), texts
+    assert texts[-1].startswith("🖥️ `ran on ") and "slice 0" in texts[-1], texts
 
 
 async def test_local_success_over_long_poll(local: Service):
@@ -56,7 +58,7 @@ async def test_local_success_over_long_poll(local: Service):
     reporter = RecordingReporter()
     result = await asyncio.wait_for(launcher.run_submission(example_config(), H100, reporter), 120)
     assert result.success, result.error
-    assert reporter.texts()[-1].startswith("✅ Finished on H100_KK")
+    assert reporter.texts()[-2].startswith("✅ Finished on H100_KK"), reporter.texts()
 
 
 async def test_local_failing_submission_keeps_the_runners_result(local: Service):

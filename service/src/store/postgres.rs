@@ -1471,8 +1471,11 @@ mod tests {
         assert!(why.contains("last beat"), "{why}");
         let beat = Beat::new();
         assert!(beat.stale().is_none(), "a beat just taken");
+        // `now` is read after the beat was made: the answer is of now, whichever millisecond
+        // the beat was made in (an answer of now - 1 failed the next line when a millisecond
+        // passed in between).
         let now = now_boot_ms();
-        beat.answered(now.saturating_sub(1));
+        beat.answered(now);
         assert!(beat.age(now + 5_000) <= SELF_FENCE_AFTER);
         assert!(beat.age(now + 5_002) > SELF_FENCE_AFTER);
         // An answer to an earlier beat, arriving late, never moves it back.
