@@ -231,17 +231,11 @@ async fn canary_cost(jobs: usize) {
         .unwrap();
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
+    // From `running` to the end, as the queue's estimates measure a run.
     let ran = |v: &Value| -> Option<f64> {
-        let h = v["history"].as_array()?;
-        let at = |s: &str| {
-            h.iter()
-                .find(|t| t["state"] == s)
-                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t["at"].as_str()?).ok())
-        };
-        let end = v["finished_at"]
-            .as_str()
-            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())?;
-        Some((end - at("running")?).num_milliseconds() as f64 / 1000.0)
+        let sub: kernelkite_service::submission::Submission =
+            serde_json::from_value(v.clone()).ok()?;
+        Some(sub.ran()?.as_secs_f64())
     };
     let start = Instant::now();
     let canary = loop {

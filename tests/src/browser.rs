@@ -22,8 +22,8 @@ pub struct Browser {
 impl Drop for Browser {
     /// Stops chromedriver and every browser process it started: chromium's processes outlive
     /// a killed chromedriver (they once went on using the CPU through a whole test run), so
-    /// the process group chromedriver leads is killed, after the session is ended when
-    /// [`Browser::quit`] did not.
+    /// the process group chromedriver leads is killed, after the session is ended (which makes
+    /// chromedriver close the browser itself).
     fn drop(&mut self) {
         if !self.session.is_empty() {
             // Ending the session makes chromedriver close the browser, crash handlers included.

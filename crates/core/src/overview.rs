@@ -200,13 +200,8 @@ impl App {
         self.fleet.note_read(Utc::now().timestamp_millis());
         let slices = self.fleet.slices();
         let (roster, connected) = self.fleet.roster();
-        let by_name: BTreeMap<&str, &AgentInfo> =
-            roster.iter().map(|a| (a.name.as_str(), a)).collect();
         let mut totals = Totals::default();
-        let views: Vec<SliceView> = slices
-            .iter()
-            .map(|d| slice_view(d, by_name.get(d.id.as_str()).copied(), connected.as_ref()))
-            .collect();
+        let views = slice_views(&slices, &roster, connected.as_ref());
         for v in &views {
             totals.slices += 1;
             match v.state {
@@ -246,13 +241,7 @@ impl App {
     /// Every slice as the overview shows it (without the queues).
     pub fn overview_slices(&self) -> Vec<SliceView> {
         let (roster, connected) = self.fleet.roster();
-        let by_name: BTreeMap<&str, &AgentInfo> =
-            roster.iter().map(|a| (a.name.as_str(), a)).collect();
-        self.fleet
-            .slices()
-            .iter()
-            .map(|d| slice_view(d, by_name.get(d.id.as_str()).copied(), connected.as_ref()))
-            .collect()
+        slice_views(&self.fleet.slices(), &roster, connected.as_ref())
     }
 
     fn queue_view(&self, queue: &str, roster: &[AgentInfo]) -> QueueView {
@@ -318,6 +307,19 @@ impl App {
             quota_refusals: refused,
         }
     }
+}
+
+/// Every record as the overview shows it, each beside its agent in the roster.
+fn slice_views(
+    slices: &[SliceDoc],
+    roster: &[AgentInfo],
+    connected: Option<&BTreeSet<String>>,
+) -> Vec<SliceView> {
+    let by_name: BTreeMap<&str, &AgentInfo> = roster.iter().map(|a| (a.name.as_str(), a)).collect();
+    slices
+        .iter()
+        .map(|d| slice_view(d, by_name.get(d.id.as_str()).copied(), connected))
+        .collect()
 }
 
 fn slice_view(

@@ -196,7 +196,7 @@ pub(super) async fn canary(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     // An unknown slice is a 404 whether canaries run or not.
-    if !app.fleet().slices().iter().any(|s| s.id == id) {
+    if app.fleet().slice(&id).is_none() {
         return Err(Error::from(kernelkite_core::fleet::UnknownSlice(id)).into());
     }
     if !app.fleet().schedule().enabled {
