@@ -543,6 +543,24 @@ fn main() {
     );
     set("BUILDKITE_AGENT_JOB_API_TOKEN", "bench-token".into());
     set("KERNELKITE_CONFIG", r#"{"user":"nobody"}"#.into());
+    // As every job the deployment's pipelines run: the step names the runner version the
+    // service expects, and `environment` checks the node's runner against it (its answer is
+    // cached in the run dir after the first job, as on a node).
+    let runner = disk.path().join("kernelkite-runner");
+    std::fs::write(
+        &runner,
+        format!(
+            "#!/bin/sh\necho 'kernelkite-runner {}'\n",
+            env!("CARGO_PKG_VERSION")
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&runner, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    set("KERNELKITE_RUNNER_BINARY", runner.display().to_string());
+    set(
+        kernelkite_sys::node::EXPECTED_RUNNER_ENV,
+        env!("CARGO_PKG_VERSION").into(),
+    );
     set(
         "KERNELKITE_SANDBOX",
         if sandbox { "on" } else { "off" }.into(),

@@ -24,7 +24,7 @@ pub const EXIT_BAD_PAYLOAD: u8 = 2;
 /// profiler for profile mode, no Python, a missing include directory, a work directory or
 /// `result.json` that cannot be written, or the job was cancelled by a signal. Retrying (on
 /// another node) may help.
-pub const EXIT_INFRASTRUCTURE: u8 = 3;
+pub const EXIT_INFRASTRUCTURE: u8 = kernelkite_sys::node::EXIT_NODE_FAULT;
 
 const AFTER_HELP: &str = "\
 PAYLOAD CARRIERS (first found wins):

@@ -766,6 +766,7 @@ fn job_for(id: &str) -> kernelkite_service::executor::Job {
         payload: kernelkite_kernelbot::payload::encode(&sample_config()).expect("encode"),
         ranked: false,
         pin: None,
+        pin_tags: Default::default(),
     }
 }
 

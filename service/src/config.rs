@@ -99,9 +99,6 @@ pub enum ConfigError {
     /// KERNELKITE_ALERT_WEBHOOKS cannot be read.
     #[error("KERNELKITE_ALERT_WEBHOOKS: {0}")]
     AlertWebhooks(String),
-    /// Canaries asked for where they cannot run yet.
-    #[error("KERNELKITE_CANARY needs the local executor for now (a Buildkite canary needs a build pinned to one agent, which the shipped pipelines do not do yet); unset KERNELKITE_CANARY")]
-    CanaryNeedsLocal,
     /// Thresholds that are not shares.
     #[error("KERNELKITE_CANARY_SLOWER_BY and KERNELKITE_CANARY_MAX_SPREAD are shares between 0 and 1 (0.05: 5%)")]
     CanaryLimits,
@@ -640,8 +637,9 @@ pub struct FleetConfig {
     /// (`POST /v1/fleet/slices/{id}/canary`); a slice slower than its GPU model's median by
     /// more than --canary-slower-by, or whose canaries spread wider than --canary-max-spread,
     /// or whose readings say the GPU is unhealthy, ranks no run until a canary passes or an
-    /// operator releases it. Local mode only for now: a Buildkite canary needs a build
-    /// pinned to one agent, which the shipped pipelines do not do yet.
+    /// operator releases it. With Buildkite, a canary's build is pinned to the slice's agent
+    /// (its node and gpu-index tags), a quarantined slice's agent is paused, and it is
+    /// canaried again when an operator asks (the agent is resumed for that canary).
     #[arg(long, env = "KERNELKITE_CANARY", default_value_t = false, action = clap::ArgAction::Set)]
     pub canary: bool,
 
@@ -738,8 +736,11 @@ pub struct FairConfig {
     #[arg(long, env = "KERNELKITE_CACHE_HOURLY", default_value = "120", value_parser = crate::dispatch::Most::parse)]
     pub cache_hourly: crate::dispatch::Most,
 
-    /// The runner version cache keys name (default: this release's; set it when the agents
-    /// run another runner, and change it when they are upgraded).
+    /// The runner version the nodes run, which cache keys name and the fleet checks each run
+    /// against (default: this release's; set it when the agents run another runner, and
+    /// change it when they are upgraded). Give the pipeline agent the same value (its
+    /// KERNELKITE_RUNNER_VERSION, deployment/service/compose.yaml): the nodes refuse jobs on
+    /// another runner.
     #[arg(long, env = "KERNELKITE_RUNNER_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     pub runner_version: String,
 }
@@ -947,9 +948,6 @@ impl Config {
     /// The settings every executor uses.
     fn check_common(&self) -> Result<(), ConfigError> {
         let f = &self.fleet;
-        if f.canary && self.executor == ExecutorKind::Buildkite {
-            return Err(ConfigError::CanaryNeedsLocal);
-        }
         let share = |x: f64| x.is_finite() && x > 0.0 && x < 1.0;
         if !share(f.canary_slower_by) || !share(f.canary_max_spread) {
             return Err(ConfigError::CanaryLimits);

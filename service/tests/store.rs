@@ -75,6 +75,7 @@ fn job(id: &str) -> Job {
         payload: "eJw=".into(),
         ranked: false,
         pin: None,
+        pin_tags: Default::default(),
     }
 }
 

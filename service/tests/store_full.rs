@@ -32,6 +32,7 @@ fn new_submission(i: usize) -> NewSubmission {
                 .collect(),
             ranked: false,
             pin: None,
+            pin_tags: Default::default(),
         },
         deadline_ms: i64::MAX,
         idempotency: None,

@@ -184,6 +184,12 @@ pub struct Deployment {
     scratch: tempfile::TempDir,
     /// The private JWKS the pipeline agent signs its uploads with (the node verifies them).
     pub signing_jwks: PathBuf,
+    /// What another node needs to join: setup's `--from`, the repository git fetches, the
+    /// public key, the agent API.
+    binaries: PathBuf,
+    repository: PathBuf,
+    verification_jwks: PathBuf,
+    endpoint: String,
 }
 
 impl Deployment {
@@ -194,13 +200,29 @@ impl Deployment {
             self.node.logs(),
             std::fs::read_to_string(&self.pipeline.log).unwrap_or_default()
         );
+        for a in self.stack.fake.registered_agents() {
+            s.push_str(&format!(
+                "\n--- agent {} (id {}, tags {:?}, paused {:?}, disconnected {}, seen {:?} ago)",
+                a.name,
+                a.id,
+                a.tags,
+                a.is_paused().then_some(&a.paused),
+                a.disconnected,
+                a.seen.elapsed()
+            ));
+        }
         for b in 1..=self.stack.fake.build_count() {
             for j in self.stack.fake.jobs_of(b) {
                 let log = j.log();
                 let tail = &log[log.len().saturating_sub(6000)..];
                 s.push_str(&format!(
-                    "\n--- build {b} job {} ({}, {}, exit {:?}) ---\n{tail}",
-                    j.step.label, j.id, j.state, j.exit_status
+                    "\n--- build {b} job {} ({}, {}, exit {:?}, agents {:?}, on {:?}) ---\n{tail}",
+                    j.step.label,
+                    j.id,
+                    j.state,
+                    j.exit_status,
+                    j.step.agents,
+                    self.stack.fake.agent_of(&j)
                 ));
             }
         }
@@ -248,14 +270,24 @@ pub fn settings() -> String {
 /// `kernelkite-isolate` and `kernelkite-runner`); `None` (reported as a skip) where it cannot
 /// run here.
 pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
+    deployment_with(isolate, runner, |_| {}).await
+}
+
+/// [`deployment`], the service's configuration changed by `configure` too.
+pub async fn deployment_with(
+    isolate: &Path,
+    runner: &Path,
+    configure: impl FnOnce(&mut kernelkite_service::config::Config) + Send + 'static,
+) -> Option<Deployment> {
     if let Some(why) = cannot_run() {
         crate::skip(why);
         return None;
     }
     let agent = agent().unwrap();
     let scratch = crate::scratch();
-    let stack = harness::harness_with(|cfg| {
+    let stack = harness::harness_with(move |cfg| {
         cfg.default_timeout_s = 600;
+        configure(cfg);
     })
     .await;
     let repository = agent_node::repository(scratch.path(), &[]);
@@ -295,10 +327,52 @@ pub async fn deployment(isolate: &Path, runner: &Path) -> Option<Deployment> {
         pipeline_file,
         scratch,
         signing_jwks: signing,
+        binaries: from,
+        repository,
+        verification_jwks: verification,
+        endpoint,
     })
 }
 
 impl Deployment {
+    /// Another node of queue `h100`, named `name`, that setup made from the same binaries
+    /// except its runner, which says it is version `runner_version` (and runs the real runner
+    /// otherwise): a node left on another release. Its agents are not started.
+    pub fn another_node(&self, name: &str, runner_version: &str) -> Node {
+        let from = self.scratch().join(format!("from-{name}"));
+        std::fs::create_dir_all(&from).unwrap();
+        std::fs::copy(
+            self.binaries.join("kernelkite-isolate"),
+            from.join("kernelkite-isolate"),
+        )
+        .unwrap();
+        let real = self.binaries.join("kernelkite-runner");
+        let runner = from.join("kernelkite-runner");
+        std::fs::write(
+            &runner,
+            format!(
+                "#!/bin/sh
+if [ \"$1\" = --version ]; then echo 'kernelkite-runner {runner_version}'; exit 0; fi
+exec '{}' \"$@\"
+",
+                real.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&runner, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Node::new(&NodeSpec {
+            queue: "h100",
+            node: name,
+            slices: 1,
+            binaries: &from,
+            agent: &agent().unwrap(),
+            endpoint: self.endpoint.clone(),
+            repository: &self.repository,
+            verification_jwks: Some(&self.verification_jwks),
+        })
+    }
+
     /// Scratch space that lives as long as the deployment (the repository's work tree is in it).
     pub fn scratch(&self) -> &Path {
         self.scratch.path()

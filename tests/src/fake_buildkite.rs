@@ -56,6 +56,10 @@ pub enum Route {
     Download,
     /// `GET /v2/organizations/{org}/agents`
     ListAgents,
+    /// `PUT /v2/organizations/{org}/agents/{id}/pause`
+    PauseAgent,
+    /// `PUT /v2/organizations/{org}/agents/{id}/resume`
+    ResumeAgent,
     /// `GET /v3/metrics` (the agent API, with an agent token; not counted as a REST call)
     AgentMetrics,
     /// The blob store (not the API)
@@ -352,6 +356,14 @@ impl FakeBuildkite {
                 get(download),
             )
             .route("/v2/organizations/{org}/agents", get(agents::list_agents))
+            .route(
+                "/v2/organizations/{org}/agents/{id}/pause",
+                put(agents::pause_agent),
+            )
+            .route(
+                "/v2/organizations/{org}/agents/{id}/resume",
+                put(agents::resume_agent),
+            )
             .route("/v3/metrics", get(agents::metrics))
             .route("/blobs/{blob}", get(blob))
             // The agent API (agent_api.rs), for real agents.
@@ -360,6 +372,8 @@ impl FakeBuildkite {
             .route("/v3/disconnect", post(agent_api::disconnect))
             .route("/v3/heartbeat", post(agent_api::heartbeat))
             .route("/v3/ping", get(agent_api::ping))
+            .route("/v3/pause", post(agent_api::pause))
+            .route("/v3/resume", post(agent_api::resume))
             .route(
                 "/agentedge.v1.AgentEdgeService/StreamPings",
                 post(agent_api::stream_pings),
@@ -403,6 +417,22 @@ impl FakeBuildkite {
     /// Replaces the organization's agents (what the agents list and the metrics show).
     pub fn set_agents(&self, agents: Vec<FakeAgent>) {
         *lock(&self.inner.agents) = agents;
+    }
+
+    /// The organization's agents as they are now (paused or not).
+    pub fn agent_list(&self) -> Vec<FakeAgent> {
+        lock(&self.inner.agents).clone()
+    }
+
+    /// Ends agent `name`'s pause, as its timeout does (or as an agent that restarted, a new
+    /// registration, comes back unpaused).
+    pub fn end_pause(&self, name: &str) {
+        for a in lock(&self.inner.agents)
+            .iter_mut()
+            .filter(|a| a.name == name)
+        {
+            a.paused = None;
+        }
     }
 
     /// How many builds were created.

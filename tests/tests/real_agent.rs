@@ -259,3 +259,55 @@ async fn the_real_agent_registers_a_multi_gpu_agent_s_whole_group() {
         Some(vec![4, 5, 6, 7])
     );
 }
+
+/// The deployment's pipelines, uploaded by the real agent (`pipeline upload --dry-run`, which
+/// interpolates as an upload does and prints the result): a build that pins nothing runs on
+/// its queue alone; a canary's build (the service's `KERNELBOT_PIN_*`) is held to one agent's
+/// `node` and `gpu-index` tags, and the runner version given to the upload (the pipeline
+/// agent's command hook gives its own setting) is signed into the step's env.
+#[test]
+fn the_pipelines_pin_only_a_canary_s_build_to_one_agent() {
+    let Some(agent) = agent() else {
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for file in [
+        "deployment/pipelines/host.yml",
+        "deployment/pipelines/docker.yml",
+    ] {
+        let upload = |pin: &[(&str, &str)]| -> serde_json::Value {
+            let out = Command::new(&agent)
+                .args(["pipeline", "upload", "--dry-run", "--format", "json"])
+                .arg(root.join(file))
+                .env_clear()
+                .env("BUILDKITE_AGENT_ACCESS_TOKEN", "unused")
+                .env("BUILDKITE_JOB_ID", "j")
+                .env("BUILDKITE_BUILD_ID", "b")
+                .env("KERNELBOT_QUEUE", "h100")
+                .env("KERNELBOT_RUNNER_VERSION", "0.1.0")
+                .envs(pin.iter().copied())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{file}: {out:?}");
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{file}: {e}: {out:?}"))
+        };
+        let plain = upload(&[]);
+        let step = &plain["steps"][0];
+        assert_eq!(step["agents"], json!({"queue": "h100"}), "{file}");
+        assert_eq!(
+            step["env"]["KERNELBOT_SIGNED_RUNNER_VERSION"], "0.1.0",
+            "{file}"
+        );
+        let canary = upload(&[
+            ("KERNELBOT_PIN_NODE_TAG", "node"),
+            ("KERNELBOT_PIN_NODE", "dgx1"),
+            ("KERNELBOT_PIN_GPU_TAG", "gpu-index"),
+            ("KERNELBOT_PIN_GPU_INDEX", "3"),
+        ]);
+        assert_eq!(
+            canary["steps"][0]["agents"],
+            json!({"queue": "h100", "node": "dgx1", "gpu-index": "3"}),
+            "{file}"
+        );
+    }
+}

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use kernelkite_kernelbot::config::Mode;
 use kernelkite_testkit::agent_node::{self, REPOSITORY};
-use kernelkite_testkit::deployment::{deployment, settings, Deployment, LOST_AFTER};
+use kernelkite_testkit::deployment::{
+    deployment, deployment_with, settings, Deployment, LOST_AFTER,
+};
 use kernelkite_testkit::fake_buildkite::agent_api::{AgentCall, AgentCallRecord, AgentFault};
 use serde_json::{json, Value};
 
@@ -133,15 +135,17 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
     );
     let va = w.wait(&ids[0], long).await;
     // The result and, beside it, the run's provenance: both the step's artifact paths, both
-    // uploaded by the real agent for the evaluation job.
+    // uploaded by the real agent for the evaluation job (in either order: the agent uploads
+    // a batch's files at once).
     let uploaded = w.stack.fake.artifacts_of(na);
-    let paths: Vec<(&str, &str)> = uploaded
+    let mut paths: Vec<(&str, &str)> = uploaded
         .iter()
         .map(|a| (a.path.as_str(), a.state.as_str()))
         .collect();
+    paths.sort();
     assert_eq!(
         paths,
-        [("result.json", "finished"), ("provenance.json", "finished")],
+        [("provenance.json", "finished"), ("result.json", "finished")],
         "{uploaded:?}"
     );
     assert!(uploaded.iter().all(|a| a.job_id == ja[0].id));
@@ -422,12 +426,13 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
     )
     .unwrap();
     // `tool sign` refuses a pipeline that still has interpolation in it: the queue and label
-    // written out, and no binding to a build (which only an upload can interpolate).
+    // written out, no binding to a build and no canary's pin (which only an upload can
+    // interpolate).
     let direct = host
         .lines()
         .filter(|l| {
             let t = l.trim_start();
-            t != "env:" && !t.starts_with("KERNELBOT_SIGNED_")
+            t != "env:" && !t.starts_with("KERNELBOT_SIGNED_") && !t.contains("KERNELBOT_PIN_")
         })
         .map(|l| {
             if l.trim_start().starts_with("queue:") {
@@ -797,6 +802,260 @@ async fn a_build_s_variables_and_a_copied_signature_steer_nothing() {
         "the build's checkout path was touched"
     );
     assert!(!git_ran.exists(), "git ran the build's command");
+    drop(w);
+    let after = (cgroup_dirs(), job_processes(None));
+    assert_eq!(before, after, "the jobs left something behind");
+}
+
+/// Issue 39, item 3: a node whose runner is not the version the service expects (its
+/// `KERNELKITE_RUNNER_VERSION`, this release's by default) refuses the job in its environment
+/// hook, before it holds anything: exit status 3, which the deployment's pipeline retries, and
+/// it pauses its own agent (`buildkite-agent pause`, with the job's token) so Buildkite does
+/// not dispatch the retry to it again. The retry waits while only the paused agent is there,
+/// then runs on the up-to-date node when one connects, and the submission succeeds with the
+/// provenance of the node that ran it. Both nodes are left as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_with_another_runner_refuses_the_job_which_runs_on_another_node() {
+    let _turn = ONE_NODE.lock().await;
+    let before = (cgroup_dirs(), job_processes(None));
+    let Some(mut w) = deployment(
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-isolate")),
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-runner")),
+    )
+    .await
+    else {
+        return;
+    };
+    // The up-to-date node's agents stop, so the job meets the outdated node first.
+    for a in &mut w.node.agents {
+        assert!(a.stop(Duration::from_secs(30)), "{}", w.node.logs());
+    }
+    let mut old = w.another_node("kk-old", "0.0.1");
+    old.start_agent("slice0", &[]);
+    let old_agent = old.agents[0].name.clone();
+    let id = w.submit(quick(), "h100").await;
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let refused = loop {
+        let (_, jobs) = w.eval_jobs(&id).await;
+        if let Some(j) = jobs.iter().find(|j| j.exit_status.is_some()) {
+            break j.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the outdated node never ended the job\n{}\n{}",
+            w.logs(),
+            old.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let log = refused.log();
+    assert_eq!(refused.exit_status, Some(3), "{log}");
+    assert_eq!(
+        w.stack.fake.agent_of(&refused).as_deref(),
+        Some(old_agent.as_str())
+    );
+    let expected = env!("CARGO_PKG_VERSION");
+    assert!(
+        log.contains(&format!(
+            "runs kernelkite-runner 0.0.1, and the job expects {expected}"
+        )),
+        "{log}"
+    );
+    assert!(log.contains("paused this agent for 60 min"), "{log}");
+    // Refused before the lease: the command never ran.
+    assert!(!log.contains("holds GPU(s)"), "{log}");
+    // The agent paused itself through the agent API, with the job's token, saying why.
+    let pauses = calls_of(&w, AgentCall::Pause, &refused.id);
+    assert_eq!(pauses.len(), 1, "{pauses:?}");
+    let body = pauses[0].body.clone().unwrap_or_default();
+    assert_eq!(body["timeout_in_minutes"], 60, "{body}");
+    assert!(
+        body["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("runner 0.0.1 here") && n.contains(expected)),
+        "{body}"
+    );
+    assert!(w
+        .stack
+        .fake
+        .registered_agents()
+        .iter()
+        .any(|a| a.name == old_agent && a.is_paused()));
+
+    // The retry is made, and the paused agent, still pinging, does not take it.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (_, jobs) = w.eval_jobs(&id).await;
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    assert_eq!(jobs[1].state, "scheduled", "{}", old.logs());
+    assert!(old.agents[0].running(), "{}", old.logs());
+
+    // The up-to-date node is back: the retry runs there, and the result is its.
+    w.node.start_agent("slice0", &[]);
+    let v = w.wait(&id, Duration::from_secs(120)).await;
+    assert_eq!(v["state"], "succeeded", "{v}\n{}", w.logs());
+    let (_, jobs) = w.eval_jobs(&id).await;
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    assert_eq!(jobs[1].exit_status, Some(0), "{}", jobs[1].log());
+    let ran_on = w.stack.fake.agent_of(&jobs[1]).unwrap_or_default();
+    assert!(ran_on.starts_with("kk-e2e-"), "{ran_on}");
+    assert!(
+        jobs[1]
+            .log()
+            .contains(&format!("kernelkite-runner {expected}, as the job expects")),
+        "{}",
+        jobs[1].log()
+    );
+    assert_eq!(
+        v["provenance"]["agent"].as_str(),
+        Some(ran_on.as_str()),
+        "{v}"
+    );
+    assert_eq!(v["provenance"]["kernelkite_version"], expected, "{v}");
+
+    drop(old);
+    drop(w);
+    let after = (cgroup_dirs(), job_processes(None));
+    assert_eq!(before, after, "the jobs left something behind");
+}
+
+/// `GET /v1/fleet`, once `ok` holds (at most `within`).
+async fn wait_fleet(w: &Deployment, within: Duration, ok: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let f: Value = w
+            .stack
+            .http
+            .get(format!("{}/v1/fleet", w.stack.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if ok(&f) {
+            return f;
+        }
+        assert!(std::time::Instant::now() < deadline, "{f:#}\n{}", w.logs());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The fleet's record of slice `id`.
+fn slice<'f>(f: &'f Value, id: &str) -> &'f Value {
+    f["slices"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["id"] == id))
+        .unwrap_or(&Value::Null)
+}
+
+/// Issue 39, item 2, where Buildkite dispatches: each slice that joins gets a canary whose
+/// build is pinned to the slice's agent (the pipeline's agent rules take the node and
+/// gpu-index tags from the build), and it runs there; an operator's quarantine pauses the
+/// slice's real agent through Buildkite's REST API, after which ranked runs go only to the
+/// other slice; the release resumes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn canaries_run_on_their_slice_and_a_quarantined_slice_s_agent_takes_no_ranked_run() {
+    let _turn = ONE_NODE.lock().await;
+    let before = (cgroup_dirs(), job_processes(None));
+    let Some(w) = deployment_with(
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-isolate")),
+        Path::new(env!("CARGO_BIN_EXE_kernelkite-testkit-runner")),
+        |cfg| {
+            cfg.fleet.canary = true;
+            cfg.queues.agents_refresh_s = 1;
+            // What is measured here is where canaries run, not how fast: this machine's
+            // "GPUs" are shared CPU cores, whose canaries differ by more than 5% from run to
+            // run (the local-mode test judges a canary whose timing it controls).
+            cfg.fleet.canary_slower_by = 0.9;
+            cfg.fleet.canary_max_spread = 0.9;
+        },
+    )
+    .await
+    else {
+        return;
+    };
+    let slices = ["kk-e2e-slice0", "kk-e2e-slice1"];
+    let f = wait_fleet(&w, Duration::from_secs(300), |f| {
+        slices
+            .iter()
+            .all(|s| slice(f, s)["canary"]["submission"].is_string())
+    })
+    .await;
+    for s in slices {
+        let id = slice(&f, s)["canary"]["submission"].as_str().unwrap();
+        let v = w.wait(id, Duration::from_secs(60)).await;
+        assert_eq!(v["provenance"]["agent"], s, "{v}");
+        let (_, jobs) = w.eval_jobs(id).await;
+        assert_eq!(jobs.len(), 1, "{jobs:?}");
+        assert_eq!(w.stack.fake.agent_of(&jobs[0]).as_deref(), Some(s));
+        assert_eq!(
+            jobs[0].step.agents.get("node").map(String::as_str),
+            Some("kk-e2e")
+        );
+    }
+
+    // slice1 is taken out: its agent is paused, with the service's note.
+    let url = format!("{}/v1/fleet/slices/{}/quarantine", w.stack.base, slices[1]);
+    let r = w
+        .stack
+        .http
+        .post(&url)
+        .json(&json!({"reason": "fan replacement"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let paused = |name: &str| {
+        w.stack
+            .fake
+            .registered_agents()
+            .iter()
+            .rev()
+            .find(|a| a.name == name)
+            .and_then(|a| a.is_paused().then(|| a.paused.clone().unwrap().0))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while paused(slices[1]).is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never paused\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(paused(slices[1]).unwrap().contains("fan replacement"));
+    // Ranked runs, at once: both run on slice0.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut c = quick();
+        c["mode"] = json!("leaderboard");
+        ids.push(w.submit(c, "h100").await);
+    }
+    for id in &ids {
+        let v = w.wait(id, Duration::from_secs(180)).await;
+        assert_eq!(v["state"], "succeeded", "{v}\n{}", w.logs());
+        let (_, jobs) = w.eval_jobs(id).await;
+        assert_eq!(
+            w.stack.fake.agent_of(&jobs[0]).as_deref(),
+            Some(slices[0]),
+            "a ranked run reached the quarantined slice"
+        );
+    }
+    // Released: resumed.
+    assert_eq!(
+        w.stack.http.delete(&url).send().await.unwrap().status(),
+        200
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while paused(slices[1]).is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never resumed\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     drop(w);
     let after = (cgroup_dirs(), job_processes(None));
     assert_eq!(before, after, "the jobs left something behind");

@@ -163,9 +163,10 @@ pub struct Prepared {
 
 impl Prepared {
     /// Pins it to slice `id` as its canary: its job runs there and nowhere else.
-    pub(crate) fn pin(&mut self, id: &str) {
+    pub(crate) fn pin(&mut self, id: &str, tags: std::collections::BTreeMap<String, String>) {
         self.sub.canary = Some(id.to_string());
         self.job.pin = Some(id.to_string());
+        self.job.pin_tags = tags;
     }
 }
 
@@ -360,6 +361,7 @@ impl App {
             payload,
             ranked: class == Class::Ranked,
             pin: None,
+            pin_tags: Default::default(),
         };
         let now = Utc::now();
         let mut sub = Submission::new(id, req.queue, req.run_id, req.callback_url, timeout_s, now);

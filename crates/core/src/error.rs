@@ -140,6 +140,9 @@ pub enum Invalid {
     /// A canary asked for where none run.
     #[error("canaries do not run on this service (KERNELKITE_CANARY is off)")]
     Canary,
+    /// A canary for a slice whose agent no tag singles out where Buildkite dispatches.
+    #[error("slice {0:?} cannot be pinned: its agent has no node and gpu-index tags (setup gives them to per-slice agents; a pool agent's slices are not canaried)")]
+    Unpinnable(String),
     /// A quarantine's reason is empty or too long.
     #[error("a quarantine needs a reason of 1-500 characters: {{\"reason\": \"…\"}}")]
     Reason,

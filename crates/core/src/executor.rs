@@ -73,6 +73,10 @@ pub struct Job {
     /// The slice (agent) it must run on: a canary measures one slice.
     #[serde(default)]
     pub pin: Option<String>,
+    /// The agent tags that single out the pinned slice's agent where Buildkite dispatches
+    /// (`node`, `gpu-index`: what setup tags each per-slice agent with).
+    #[serde(default)]
+    pub pin_tags: std::collections::BTreeMap<String, String>,
 }
 
 /// What collecting a finished build gave: how the submission ends and, when the node wrote
@@ -231,12 +235,28 @@ pub struct AgentInfo {
     /// Paused (Buildkite dispatches no job to it).
     #[serde(default)]
     pub paused: bool,
+    /// Why, when paused.
+    #[serde(default)]
+    pub paused_note: Option<String>,
     /// Its agent's version (Buildkite's agent), when the source says.
     #[serde(default)]
     pub version: Option<String>,
     /// Its tags (`key=value`).
     #[serde(default)]
     pub tags: Vec<String>,
+}
+
+/// What [`Executor::pause_agent`] or [`Executor::resume_agent`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseOutcome {
+    /// Done (paused, renewed, resumed, or already as asked).
+    Done,
+    /// No agent of that name is connected (it is paused when it is back).
+    NotConnected,
+    /// Paused by somebody else (an operator's maintenance): left as it is.
+    NotOurs,
+    /// This executor does not pause agents.
+    Unsupported,
 }
 
 /// Agent counts for every queue the source knows of.
@@ -338,6 +358,33 @@ pub trait Executor: Send + Sync + 'static {
     /// are busy; `None`: its machines are someone else's to list ([`Executor::agents`]).
     fn roster(&self) -> Option<Vec<AgentInfo>> {
         None
+    }
+
+    /// Whether this executor keeps a quarantined slice out by pausing its agent
+    /// ([`Executor::pause_agent`]); `false`: it skips quarantined slices itself (local mode).
+    fn pauses_agents(&self) -> bool {
+        false
+    }
+
+    /// Pauses the connected agent named `agent` for `minutes`, saying `note`, so no job is
+    /// dispatched to it. An agent already paused by this service
+    /// ([`crate::pauses::NOTE_PREFIX`]) is left so, or with `renew` has its pause renewed.
+    fn pause_agent<'a>(
+        &'a self,
+        agent: &'a str,
+        note: &'a str,
+        minutes: u32,
+        renew: bool,
+    ) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
+        let _ = (agent, note, minutes, renew);
+        Box::pin(async { Ok(PauseOutcome::Unsupported) })
+    }
+
+    /// Resumes the agent named `agent` when this service paused it (an operator's own pause,
+    /// with another note, is left alone).
+    fn resume_agent<'a>(&'a self, agent: &'a str) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
+        let _ = agent;
+        Box::pin(async { Ok(PauseOutcome::Unsupported) })
     }
 
     /// Where queue status counts the machines that serve the queues (`None`: this executor

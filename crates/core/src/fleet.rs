@@ -356,6 +356,26 @@ impl Fleet {
         (inner.roster.clone(), inner.connected.clone())
     }
 
+    /// The quarantined slices: why (what their agents' pauses say), and whether a canary is
+    /// in flight for one (its agent must take it).
+    pub fn quarantined(&self) -> BTreeMap<String, crate::pauses::Quarantined> {
+        self.lock()
+            .slices
+            .values()
+            .filter_map(|s| {
+                let q = s.quarantine.as_ref()?;
+                Some((
+                    s.id.clone(),
+                    crate::pauses::Quarantined {
+                        reason: q.reason.clone(),
+                        canary: s.canary_pending.is_some(),
+                        requested: s.canary_requested,
+                    },
+                ))
+            })
+            .collect()
+    }
+
     /// Whether slice `id` may not start a ranked run now (it is quarantined).
     pub fn held_back(&self, id: &str) -> bool {
         self.lock()
@@ -447,6 +467,23 @@ impl Fleet {
     pub fn ended(&self, sub: &Submission, now_ms: i64) -> Changes {
         let mut changes = Changes::default();
         let failure = failure_of(sub);
+        // A canary that ran on another slice than its own (a node reusing another's name or
+        // tags) judges neither: its slice may have a canary again, and nothing is concluded.
+        if let (Some(c), Some(p)) = (&sub.canary, &sub.provenance) {
+            if slice_id(p) != *c {
+                tracing::warn!(slice = %c, ran_on = %slice_id(p), id = %sub.id, "a canary ran on another slice than the one it was pinned to; it judges neither");
+                let mut inner = self.lock();
+                if let Some(doc) = inner.slices.get_mut(c) {
+                    if doc.canary_pending.as_deref() == Some(sub.id.as_str()) {
+                        doc.canary_pending = None;
+                        changes.save.push(doc.clone());
+                    }
+                }
+                drop(inner);
+                self.bump();
+                return changes;
+            }
+        }
         let id = match (&sub.canary, &sub.provenance) {
             (Some(c), _) => c.clone(),
             (None, Some(p)) => slice_id(p),
@@ -959,6 +996,29 @@ mod tests {
             50,
         );
         f.ended(&s, 1_000)
+    }
+
+    #[test]
+    fn a_canary_that_ran_on_another_slice_judges_neither() {
+        let f = Fleet::new(schedule(), 600);
+        canary(&f, "c0", "g0", 100.0);
+        f.canary_started("g0", "c1");
+        // Pinned to g0, run on g9 (a node reusing g0's tags), 50% slower.
+        let mut s = ended(
+            "c1",
+            "g9",
+            true,
+            Class::Admin,
+            Outcome::Succeeded(bench_result(150.0)),
+            50,
+        );
+        s.canary = Some("g0".into());
+        let changes = f.ended(&s, 2_000);
+        assert!(changes.notices.is_empty(), "{:?}", changes.notices);
+        let g0 = f.slice("g0").unwrap();
+        assert!(g0.quarantine.is_none() && g0.canary_pending.is_none());
+        assert_eq!(g0.canaries.len(), 1);
+        assert!(f.slice("g9").is_none());
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub mod fleet;
 pub mod health;
 pub mod metrics;
 pub mod overview;
+pub mod pauses;
 pub mod queues;
 pub mod reconcile;
 pub mod recovery;

@@ -181,6 +181,11 @@ impl Queues {
         }
     }
 
+    /// How often agent counts (and the roster) are fetched at most.
+    pub fn refresh(&self) -> Duration {
+        self.refresh
+    }
+
     /// The agents the last successful fetch listed one by one (`None`: no source, or one that
     /// only counts); starts a fetch when the last is older than the refresh interval.
     pub fn roster(self: &Arc<Self>) -> Option<Vec<crate::executor::AgentInfo>> {

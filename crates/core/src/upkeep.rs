@@ -5,6 +5,7 @@
 //! executor and the queue. A canary is submitted as any submission is (`admin` class, the
 //! [`CANARY_USER`], never from the result cache), pinned to its slice.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,9 @@ use chrono::Utc;
 
 use crate::app::{App, SubmitRequest, Submitted};
 use crate::error::Error;
+use crate::executor::PauseOutcome;
 use crate::fleet::{Changes, SliceDoc, CANARY_USER};
+use crate::pauses::{Act, Pauses};
 use crate::report::report;
 
 /// A node-named string as a Prometheus label value: the exposition writes label values as
@@ -31,6 +34,10 @@ pub fn label_value(s: &str) -> String {
         })
         .collect()
 }
+
+/// The agent tags a canary's build targets to reach one slice's agent: setup tags every
+/// per-slice agent with its node and its GPU(s) (`crates/admin/src/setup/render.rs`).
+pub const PIN_TAGS: [&str; 2] = ["node", "gpu-index"];
 
 /// How often the upkeep looks at the roster and the canaries due.
 const TICK: Duration = Duration::from_secs(2);
@@ -139,14 +146,47 @@ impl App {
             priority: Some("admin".into()),
             cache: Some(false),
         };
+        let tags = self.pin_tags(id)?;
         let mut p = self.prepare(req, None)?;
-        p.pin(id);
+        p.pin(id, tags);
         let submitted = self.accept(p).await?;
         if let Some(doc) = self.fleet.canary_started(id, &submitted.submission.id) {
             self.save_slices(vec![doc]);
         }
         tracing::info!(slice = %id, id = %submitted.submission.id, "canary submitted");
         Ok(submitted)
+    }
+
+    /// The tags that single out slice `id`'s agent where Buildkite dispatches: `node` and
+    /// `gpu-index` from the roster ([`PIN_TAGS`]). None needed where the executor runs the
+    /// slices itself (local mode pins by id).
+    fn pin_tags(&self, id: &str) -> Result<BTreeMap<String, String>, Error> {
+        if !self.executor.pauses_agents() {
+            return Ok(BTreeMap::new());
+        }
+        let (roster, _) = self.fleet.roster();
+        let pins = |a: &crate::executor::AgentInfo| -> BTreeMap<String, String> {
+            a.tags
+                .iter()
+                .filter_map(|t| t.split_once('='))
+                .filter(|(k, _)| PIN_TAGS.contains(k))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let me = roster.iter().find(|a| a.name == id);
+        let tags = me.map(pins).unwrap_or_default();
+        // Tags another agent of the queue has too (a node reusing another's name) would send
+        // the canary to either.
+        let shared = roster
+            .iter()
+            .filter(|a| me.is_some_and(|m| m.queue == a.queue) && pins(a) == tags)
+            .count()
+            > 1;
+        if tags.len() == PIN_TAGS.len() && !shared {
+            Ok(tags)
+        } else {
+            Err(crate::error::Invalid::Unpinnable(id.to_string()).into())
+        }
     }
 
     /// Sets the fleet's gauges (`GET /metrics`) from its records now: slices by state, the
@@ -194,6 +234,43 @@ impl App {
         m.slice_canary_permille.clear();
     }
 
+    /// Asks the executor to pause the agents of quarantined slices, renew their pauses and
+    /// resume released ones ([`crate::pauses`]), one call at a time; a failure is logged and
+    /// tried again a minute later.
+    async fn keep_paused(
+        &self,
+        pauses: &mut Pauses,
+        quarantined: &BTreeMap<String, crate::pauses::Quarantined>,
+        roster: Option<&[crate::executor::AgentInfo]>,
+        now_ms: i64,
+    ) {
+        for act in pauses.plan(quarantined, roster, now_ms) {
+            let outcome = match &act {
+                Act::Pause { slice, note, renew } => {
+                    self.executor
+                        .pause_agent(slice, note, crate::pauses::PAUSE_MINUTES, *renew)
+                        .await
+                }
+                Act::Resume { slice } => self.executor.resume_agent(slice).await,
+            };
+            match (&act, &outcome) {
+                (_, Err(e)) => {
+                    tracing::warn!(?act, error = %report(&**e), "could not change the agent's pause; trying again in a minute")
+                }
+                (Act::Pause { slice, .. }, Ok(PauseOutcome::Done)) => {
+                    tracing::info!(slice = %slice, "paused the quarantined slice's agent: Buildkite dispatches it nothing")
+                }
+                (Act::Resume { slice }, Ok(PauseOutcome::Done)) => {
+                    tracing::info!(slice = %slice, "resumed the released slice's agent")
+                }
+                (_, Ok(o)) => {
+                    tracing::info!(?act, outcome = ?o, "the agent's pause is left as it is")
+                }
+            }
+            pauses.done(&act, outcome.map_err(|_| ()), now_ms);
+        }
+    }
+
     /// Runs the fleet's upkeep until the core is dropped: every couple of seconds, the
     /// roster (the executor's slices, or the queues' agents list) is read into the fleet and
     /// a canary (`canary`: the run config; `None`: none run) is submitted for each slice due.
@@ -203,7 +280,9 @@ impl App {
     /// [`ROSTER_DEMAND`].
     pub fn spawn_fleet(self: &Arc<Self>, canary: Option<serde_json::Value>, always: bool) {
         let app = Arc::downgrade(self);
+        let mut pauses = Pauses::new(self.queues.refresh());
         tokio::spawn(async move {
+            // The agents' pauses this loop holds (Buildkite mode): its own state, no lock.
             let mut tick = tokio::time::interval(TICK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -215,14 +294,26 @@ impl App {
                     a.clear_fleet_metrics();
                     continue;
                 }
+                let pausing = a.executor.pauses_agents();
+                let quarantined = if pausing {
+                    a.fleet.quarantined()
+                } else {
+                    Default::default()
+                };
                 let wanted = always
                     || canary.is_some()
+                    || !quarantined.is_empty()
+                    || !pauses.held().is_empty()
                     || a.fleet.read_within(ROSTER_DEMAND.as_millis() as i64);
                 let roster = a
                     .executor
                     .roster()
                     .or_else(|| wanted.then(|| a.queues.roster()).flatten());
                 let now = Utc::now().timestamp_millis();
+                if pausing {
+                    a.keep_paused(&mut pauses, &quarantined, roster.as_deref(), now)
+                        .await;
+                }
                 if let Some(r) = roster {
                     let changes = a.fleet.seen(r, now);
                     a.fleet_changed(changes);
@@ -230,6 +321,16 @@ impl App {
                 a.export_fleet_metrics();
                 let Some(config) = &canary else { continue };
                 for (id, queue) in a.fleet.due_canaries(now) {
+                    // Where Buildkite dispatches, a quarantined slice's agent is paused: it is
+                    // resumed for a canary an operator asks for, never on a schedule (ranked
+                    // jobs waiting on the queue would reach it first).
+                    if pausing && quarantined.get(&id).is_some_and(|q| !q.requested) {
+                        continue;
+                    }
+                    // A slice no tag singles out (a pool agent's) is not canaried there.
+                    if pausing && a.pin_tags(&id).is_err() {
+                        continue;
+                    }
                     if let Err(e) = a.submit_canary(&id, &queue, config.clone()).await {
                         tracing::warn!(slice = %id, error = %report(&e), "could not submit a canary; trying again later");
                     }

@@ -181,7 +181,13 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             }
             let settings = args.node.clone().without_empty();
             crate::delegate::hand_over_if_needed(&settings, &env, argv)?;
-            let prepared = job::environment::run(&settings, &env, &mut open_nvml)?;
+            let prepared = match job::environment::run(&settings, &env, &mut open_nvml) {
+                Ok(p) => p,
+                Err(
+                    e @ (job::JobError::OutdatedRunner { .. } | job::JobError::RunnerVersion { .. }),
+                ) => return Ok(refuse_outdated(&env, &e)),
+                Err(e) => return Err(e.into()),
+            };
             let s = &prepared.state;
             let mut lines = prepared.notices.clone();
             lines.push(format!(
@@ -254,6 +260,30 @@ pub fn run(cmd: HookCommand, argv: &[OsString]) -> anyhow::Result<ExitCode> {
             }
         }
     }
+}
+
+/// A job on a node whose runner is not the one it expects (or cannot say which it is): says
+/// why and ends the hook with the status the pipelines retry elsewhere. An older or broken
+/// runner also pauses the agent, so the retry does not land here again; a newer one does not
+/// (the expectation will follow it).
+fn refuse_outdated(env: &BTreeMap<String, String>, e: &job::JobError) -> ExitCode {
+    crate::joblog::say(&format!("{e}"));
+    let note = match e {
+        job::JobError::OutdatedRunner { here, expected }
+            if job::version::is_older(here, expected) =>
+        {
+            Some(job::version::pause_note(here, expected))
+        }
+        job::JobError::RunnerVersion { .. } => Some(format!("kernelkite: {e}")),
+        _ => None,
+    };
+    match note {
+        Some(note) => crate::joblog::say(&job::version::pause_agent(env, &note)),
+        None => crate::joblog::say(
+            "this agent stays unpaused: its runner is newer than the job expects",
+        ),
+    }
+    ExitCode::from(kernelkite_sys::node::EXIT_NODE_FAULT)
 }
 
 #[cfg(test)]

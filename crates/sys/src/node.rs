@@ -28,6 +28,19 @@ pub const RUNNER_BINARY: &str = "kernelkite-runner";
 /// refuse it from a job).
 pub const SUBMISSION_ID_ENV: &str = "KERNELKITE_SUBMISSION_ID";
 
+/// The exit status that says "this node could not do the job; another may": the runner's
+/// infrastructure failure, and the `environment` hook's refusal of a job on a node whose
+/// runner is not the version the job expects. The deployment's pipelines retry it
+/// (`retry.automatic` with `exit_status: 3`), and Buildkite sends the retry to another agent
+/// when this one paused itself.
+pub const EXIT_NODE_FAULT: u8 = 3;
+
+/// The variable of a job's step that names the runner version the node must run
+/// (`deployment/pipelines/*.yml` sign it into the step from the pipeline agent's own
+/// `KERNELKITE_RUNNER_VERSION`). The `environment` hook compares it with the node's runner and
+/// refuses the job on another one.
+pub const EXPECTED_RUNNER_ENV: &str = "KERNELBOT_SIGNED_RUNNER_VERSION";
+
 /// The dynamically linked build of [`ISOLATE_BINARY`], installed beside the static one, that
 /// a static hook hands the work to when it needs NVML (which a static binary cannot load).
 pub const NVML_BUILD_BINARY: &str = "kernelkite-isolate-nvml";

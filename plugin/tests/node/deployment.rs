@@ -81,13 +81,15 @@ fn the_pipelines_configure_the_plugin_with_keys_it_accepts() {
 
 #[test]
 fn the_pipelines_retry_only_infrastructure_failures_and_lost_agents() {
-    // The runner's exit 3 is its infrastructure failure (runner/README.md); a cancelled job
-    // ends -1 with signal_reason "cancel". -1 without a reason is a lost agent; -1 with
-    // agent_stop a stopped one (Buildkite's default exit status, `*`, is 1 to 255 only).
-    // Nothing else: a bad payload (2) or a failing submission must not rerun.
+    // Exit 3 is the node's fault: the runner's infrastructure failure (runner/README.md) and
+    // the environment hook's refusal of a node with another runner; a cancelled job ends -1
+    // with signal_reason "cancel". -1 without a reason is a lost agent; -1 with agent_stop a
+    // stopped one (Buildkite's default exit status, `*`, is 1 to 255 only). Nothing else: a
+    // bad payload (2) or a failing submission must not rerun.
+    assert_eq!(kernelkite_sys::node::EXIT_NODE_FAULT, 3);
     let src = read("runner/src/cli.rs");
     assert!(
-        src.contains("pub const EXIT_INFRASTRUCTURE: u8 = 3;"),
+        src.contains("pub const EXIT_INFRASTRUCTURE: u8 = kernelkite_sys::node::EXIT_NODE_FAULT;"),
         "the runner's infrastructure exit code moved"
     );
     let want = json!({"automatic": [
@@ -343,6 +345,35 @@ fn the_runner_images_pin_every_python_dependency() {
         read("deployment/runner/Dockerfile").contains("devel"),
         "CUDA submissions need nvcc: the CUDA devel image"
     );
+}
+
+/// The runner version the pipeline agent signs into every step (the nodes refuse a job on
+/// another runner) is this release's, which is also the service's default
+/// `KERNELKITE_RUNNER_VERSION`, and its command hook gives that setting, never the build's, to
+/// the upload.
+#[test]
+fn the_pipeline_agent_expects_this_release_s_runner_and_no_build_chooses_it() {
+    let c = yaml("deployment/service/compose.yaml");
+    assert_eq!(
+        c["services"]["pipeline-agent"]["environment"]["KERNELKITE_RUNNER_VERSION"],
+        env!("CARGO_PKG_VERSION")
+    );
+    let hook = read("deployment/service/pipeline-agent/hooks/command");
+    assert!(
+        hook.lines().any(|l| l.starts_with(
+            "KERNELBOT_RUNNER_VERSION=\"${KERNELKITE_RUNNER_VERSION:-}\" buildkite-agent pipeline upload"
+        )),
+        "{hook}"
+    );
+    for p in [
+        "deployment/pipelines/host.yml",
+        "deployment/pipelines/docker.yml",
+    ] {
+        assert!(
+            read(p).contains("KERNELBOT_SIGNED_RUNNER_VERSION: \"${KERNELBOT_RUNNER_VERSION:-}\""),
+            "{p}"
+        );
+    }
 }
 
 #[test]

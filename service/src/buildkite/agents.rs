@@ -93,6 +93,8 @@ struct ListedAgent {
     #[serde(default)]
     paused: Option<bool>,
     #[serde(default)]
+    paused_note: Option<String>,
+    #[serde(default)]
     connection_state: Option<String>,
     #[serde(default)]
     meta_data: Vec<String>,
@@ -124,15 +126,24 @@ fn count(agents: &[ListedAgent], into: &mut AgentsByQueue, roster: &mut Vec<Agen
                 node: a.hostname.clone(),
                 busy: a.job.as_ref().is_some_and(|j| !j.is_null()),
                 paused: a.paused.unwrap_or(false),
+                paused_note: a.paused_note.clone(),
                 version: a.version.clone(),
                 tags: a.meta_data.clone(),
             });
         }
         let c = into.entry(queue_of(&a.meta_data).to_string()).or_default();
-        c.total += 1;
         match a.job {
-            Some(ref j) if !j.is_null() => c.busy += 1,
-            _ => c.idle += 1,
+            Some(ref j) if !j.is_null() => {
+                c.total += 1;
+                c.busy += 1;
+            }
+            // A paused agent takes no job (a quarantined slice's, an operator's maintenance):
+            // no room for one.
+            _ if a.paused == Some(true) => {}
+            _ => {
+                c.total += 1;
+                c.idle += 1;
+            }
         }
     }
 }
@@ -331,6 +342,7 @@ mod tests {
             {"name": "dgx1-gpu0", "hostname": "dgx1", "version": "3.110.0", "paused": true, "connection_state": "connected", "meta_data": ["os=linux", "queue=h100"], "job": {"id": "j"}},
             {"connection_state": "connected", "meta_data": ["queue=h100"], "job": null},
             {"connection_state": "connected", "meta_data": ["queue=b200"]},
+            {"connection_state": "connected", "paused": true, "meta_data": ["queue=b200"], "job": null},
             {"connection_state": "stopping", "meta_data": ["queue=h100"], "job": null},
             {"meta_data": []}
         ]))
@@ -356,7 +368,8 @@ mod tests {
                 total: 2
             }
         );
-        assert_eq!(counts["b200"].idle, 1);
+        // A paused idle agent has no room for a job.
+        assert_eq!((counts["b200"].idle, counts["b200"].total), (1, 1));
         assert_eq!(counts["default"].total, 1);
         assert_eq!(counts.len(), 3);
     }

@@ -521,6 +521,81 @@ impl BuildkiteClient {
         decode(Method::PUT, &path, resp).await
     }
 
+    /// The connected agents of `org` named exactly `name` (`GET /organizations/{org}/agents
+    /// ?name=`, which matches names loosely: the exact ones are kept; a name is its node's to
+    /// choose, so there may be two), none when none is connected. Queue status's priority:
+    /// pauses wait behind builds and results.
+    pub async fn find_agents(
+        &self,
+        org: &str,
+        name: &str,
+    ) -> Result<Vec<AgentRef>, BuildkiteError> {
+        let path = format!("/organizations/{org}/agents");
+        let resp = self
+            .send(
+                Call::new("find_agent", Priority::Reconcile),
+                Method::GET,
+                &path,
+                &[("name", name), ("per_page", "100")],
+                None,
+            )
+            .await?;
+        let agents: Vec<AgentRef> = decode(Method::GET, &path, resp).await?;
+        Ok(agents
+            .into_iter()
+            .filter(|a| {
+                a.name == name
+                    && a.connection_state
+                        .as_deref()
+                        .is_none_or(|s| s == "connected")
+            })
+            .collect())
+    }
+
+    /// `PUT /organizations/{org}/agents/{id}/pause` with `note` and `minutes` (1 to 10,080):
+    /// Buildkite dispatches no job to the agent until it is resumed or the time is up.
+    pub async fn pause_agent(
+        &self,
+        org: &str,
+        id: &str,
+        note: &str,
+        minutes: u32,
+    ) -> Result<(), BuildkiteError> {
+        let path = format!("/organizations/{org}/agents/{id}/pause");
+        let body = serde_json::to_vec(&serde_json::json!({
+            "note": note,
+            "timeout_in_minutes": minutes,
+        }))
+        .map_err(|source| BuildkiteError::Encode {
+            method: Method::PUT,
+            path: path.clone(),
+            source,
+        })?;
+        self.send(
+            Call::new("pause_agent", Priority::Reconcile),
+            Method::PUT,
+            &path,
+            &[],
+            Some(body),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// `PUT /organizations/{org}/agents/{id}/resume`.
+    pub async fn resume_agent(&self, org: &str, id: &str) -> Result<(), BuildkiteError> {
+        let path = format!("/organizations/{org}/agents/{id}/resume");
+        self.send(
+            Call::new("resume_agent", Priority::Reconcile),
+            Method::PUT,
+            &path,
+            &[],
+            Some(b"{}".to_vec()),
+        )
+        .await?;
+        Ok(())
+    }
+
     /// `GET .../builds` with `filter`, without jobs or pipeline, 100 per page, every page
     /// (following the `Link: <...>; rel="next"` header), at most `max_pages`. Returns the
     /// builds and whether the listing was complete.
@@ -796,6 +871,24 @@ impl BuildkiteClient {
             }
         }
     }
+}
+
+/// An agent as the REST API shows it, for pausing and resuming it.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct AgentRef {
+    /// Its id (the path's).
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// `connected`, `disconnected`, ...
+    #[serde(default)]
+    pub connection_state: Option<String>,
+    /// Paused now.
+    #[serde(default)]
+    pub paused: Option<bool>,
+    /// Why it was paused.
+    #[serde(default)]
+    pub paused_note: Option<String>,
 }
 
 /// Which call, for metrics, and how urgent it is, for the budget.

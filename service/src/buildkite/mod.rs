@@ -31,7 +31,8 @@ pub use client::{
 
 use crate::config::{Config, Secret};
 use crate::executor::{
-    AgentSource, BuildStatus, Collected, Executor, Found, Job, Launched, Listing, FINISHED_STATES,
+    AgentSource, BuildStatus, Collected, Executor, Found, Job, Launched, Listing, PauseOutcome,
+    FINISHED_STATES,
 };
 use crate::metrics::Metrics;
 use crate::report::{report, BoxError};
@@ -182,6 +183,14 @@ impl BuildkiteExecutor {
             .collect();
         env.insert("KERNELBOT_RUN_ID".into(), job.run_id.clone());
         env.insert("KERNELBOT_QUEUE".into(), job.queue.clone());
+        // A canary: the pipelines' agent rules take a tag's name and value from these
+        // (deployment/pipelines/host.yml).
+        for (tag, name_var, value_var) in PIN_VARIABLES {
+            if let Some(value) = job.pin_tags.get(tag) {
+                env.insert(name_var.to_string(), tag.to_string());
+                env.insert(value_var.to_string(), value.clone());
+            }
+        }
         env.insert(
             kernelkite_sys::node::SUBMISSION_ID_ENV.into(),
             job.submission_id.clone(),
@@ -207,6 +216,27 @@ impl BuildkiteExecutor {
     }
 }
 
+/// For each tag a canary's build pins (`kernelkite_core::upkeep::PIN_TAGS`), the build
+/// variables the pipelines' agent rules read its name and value from.
+const PIN_VARIABLES: [(&str, &str, &str); 2] = [
+    ("node", "KERNELBOT_PIN_NODE_TAG", "KERNELBOT_PIN_NODE"),
+    (
+        "gpu-index",
+        "KERNELBOT_PIN_GPU_TAG",
+        "KERNELBOT_PIN_GPU_INDEX",
+    ),
+];
+
+/// A refused agents call, saying which scope the token needs.
+fn scoped(e: BuildkiteError) -> BoxError {
+    match e.status() {
+        Some(s) if s == reqwest::StatusCode::UNAUTHORIZED || s == reqwest::StatusCode::FORBIDDEN => {
+            format!("{}: give BUILDKITE_API_TOKEN the read_agents and write_agents scopes, so quarantined slices' agents can be paused", report(&e)).into()
+        }
+        _ => e.into(),
+    }
+}
+
 impl Executor for BuildkiteExecutor {
     /// The agent metrics endpoint when an agent token is configured (one call for every
     /// queue of the token's cluster), else the REST agents list (needs `read_agents`).
@@ -223,6 +253,89 @@ impl Executor for BuildkiteExecutor {
 
     fn name(&self) -> &'static str {
         "Buildkite"
+    }
+
+    /// A quarantined slice's agent is paused through the REST API (needs the token's
+    /// `write_agents` scope): Buildkite then dispatches it no job.
+    fn pauses_agents(&self) -> bool {
+        true
+    }
+
+    fn pause_agent<'a>(
+        &'a self,
+        agent: &'a str,
+        note: &'a str,
+        minutes: u32,
+        renew: bool,
+    ) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
+        Box::pin(async move {
+            let found = self
+                .client
+                .find_agents(&self.org, agent)
+                .await
+                .map_err(scoped)?;
+            if found.is_empty() {
+                return Ok(PauseOutcome::NotConnected);
+            }
+            let mut outcome = PauseOutcome::Done;
+            // Every agent of that name: a name is its node's to choose.
+            for a in found {
+                let paused = a.paused == Some(true);
+                if paused && !kernelkite_core::pauses::is_ours(a.paused_note.as_deref()) {
+                    outcome = PauseOutcome::NotOurs;
+                    continue;
+                }
+                if paused && !renew {
+                    continue;
+                }
+                match self
+                    .client
+                    .pause_agent(&self.org, &a.id, note, minutes)
+                    .await
+                {
+                    // A paused agent paused again: Buildkite's documentation does not say it
+                    // may be, so a refusal is met by a resume and a pause back to back (the
+                    // agent's next ping, seconds away, finds it paused again).
+                    Err(e) if paused && e.status().is_some_and(|s| s.is_client_error()) => {
+                        self.client
+                            .resume_agent(&self.org, &a.id)
+                            .await
+                            .map_err(scoped)?;
+                        self.client
+                            .pause_agent(&self.org, &a.id, note, minutes)
+                            .await
+                            .map_err(scoped)?;
+                    }
+                    other => other.map_err(scoped)?,
+                }
+            }
+            Ok(outcome)
+        })
+    }
+
+    fn resume_agent<'a>(&'a self, agent: &'a str) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
+        Box::pin(async move {
+            let found = self
+                .client
+                .find_agents(&self.org, agent)
+                .await
+                .map_err(scoped)?;
+            if found.is_empty() {
+                return Ok(PauseOutcome::NotConnected);
+            }
+            let mut outcome = PauseOutcome::Done;
+            for a in found.into_iter().filter(|a| a.paused == Some(true)) {
+                if !kernelkite_core::pauses::is_ours(a.paused_note.as_deref()) {
+                    outcome = PauseOutcome::NotOurs;
+                    continue;
+                }
+                self.client
+                    .resume_agent(&self.org, &a.id)
+                    .await
+                    .map_err(scoped)?;
+            }
+            Ok(outcome)
+        })
     }
 
     fn launch<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Launched, BoxError>> {
@@ -330,5 +443,66 @@ fn launched(b: Build) -> Launched {
             number: b.number,
             web_url: b.web_url,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    fn executor() -> BuildkiteExecutor {
+        let cfg = Config::try_parse_from([
+            "x",
+            "--buildkite-org",
+            "o",
+            "--buildkite-pipeline",
+            "p",
+            "--buildkite-api-token",
+            "t",
+        ])
+        .unwrap();
+        BuildkiteExecutor::new(&cfg).unwrap()
+    }
+
+    fn job() -> Job {
+        Job {
+            submission_id: "s".into(),
+            run_id: "r".into(),
+            queue: "h100".into(),
+            mode: "benchmark".into(),
+            payload: "eJyrrgUAAXUA+Q==".into(),
+            ranked: false,
+            pin: None,
+            pin_tags: Default::default(),
+        }
+    }
+
+    #[test]
+    fn only_a_canary_s_build_pins_an_agent_and_no_build_names_the_runner_version() {
+        let x = executor();
+        let b = x.new_build(&job());
+        // The expected runner is the pipeline agent's to say, never a build's.
+        assert!(!b.env.contains_key("KERNELBOT_RUNNER_VERSION"));
+        assert!(
+            !b.env.keys().any(|k| k.starts_with("KERNELBOT_PIN_")),
+            "{:?}",
+            b.env
+        );
+        let mut canary = job();
+        canary.pin = Some("dgx1-slice3".into());
+        canary.pin_tags = BTreeMap::from([
+            ("node".to_string(), "dgx1".to_string()),
+            ("gpu-index".to_string(), "3".to_string()),
+        ]);
+        let b = x.new_build(&canary);
+        for (k, v) in [
+            ("KERNELBOT_PIN_NODE_TAG", "node"),
+            ("KERNELBOT_PIN_NODE", "dgx1"),
+            ("KERNELBOT_PIN_GPU_TAG", "gpu-index"),
+            ("KERNELBOT_PIN_GPU_INDEX", "3"),
+        ] {
+            assert_eq!(b.env.get(k).map(String::as_str), Some(v), "{k}");
+        }
     }
 }

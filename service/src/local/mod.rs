@@ -550,6 +550,7 @@ impl Executor for LocalExecutor {
                     node: Some(self.host.clone()),
                     busy: busy.contains(&s.index),
                     paused: false,
+                    paused_note: None,
                     version: Some(env!("CARGO_PKG_VERSION").to_string()),
                     tags: vec![format!("gpu-index={}", s.index)],
                 })

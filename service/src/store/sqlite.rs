@@ -1551,6 +1551,7 @@ mod tests {
             payload: "eJw=".into(),
             ranked: false,
             pin: None,
+            pin_tags: Default::default(),
         }
     }
 

@@ -2,11 +2,14 @@
 //! a quarantine, its release, a node's agent offline and back each reach the vendor's hook;
 //! news beyond the hook's limit per minute waits; and a hook that fails or is down costs the
 //! queue nothing (submissions run and end as before) while the alert is given up, counted.
+//! And in Buildkite mode a quarantined slice's agent is paused through Buildkite's REST API
+//! (so Buildkite dispatches it nothing), paused again when its pause ends, and resumed when the
+//! slice is released; an operator's own pause is left alone.
 
 use std::time::{Duration, Instant};
 
 use kernelkite_service::config::Secret;
-use kernelkite_testkit::fake_buildkite::FakeAgent;
+use kernelkite_testkit::fake_buildkite::{FakeAgent, Route};
 use kernelkite_testkit::fake_slack::{FakeSlack, Mode, SECRET};
 use kernelkite_testkit::harness::{harness_with, result_artifact, Harness};
 use serde_json::{json, Value};
@@ -188,4 +191,72 @@ async fn a_failing_or_absent_hook_costs_the_queue_nothing() {
         assert!(start.elapsed() < Duration::from_secs(20), "never given up");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The note of agent `name`'s pause in the fake, once `ok` holds for it (at most 20 s).
+async fn wait_pause(h: &Harness, name: &str, ok: impl Fn(Option<&str>) -> bool) -> Option<String> {
+    let start = Instant::now();
+    loop {
+        let paused = h
+            .fake
+            .agent_list()
+            .into_iter()
+            .find(|a| a.name == name)
+            .and_then(|a| a.paused);
+        if ok(paused.as_deref()) {
+            return paused;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{name}'s pause is {paused:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_quarantined_slice_s_agent_is_paused_kept_paused_and_resumed_and_an_operator_s_pause_is_kept(
+) {
+    let h = harness_with(|cfg| cfg.queues.agents_refresh_s = 1).await;
+    let mut agents = agents(true);
+    agents[2].paused = Some("maintenance: new PSU".into());
+    h.fake.set_agents(agents);
+    wait_fleet(&h, |f| f["totals"]["slices"] == 3).await;
+
+    quarantine(&h, "a1", Some("fan replacement")).await;
+    let note = wait_pause(&h, "a1", |p| p.is_some()).await.unwrap();
+    assert!(
+        note.starts_with("kernelkite: quarantined") && note.contains("fan replacement"),
+        "{note}"
+    );
+    let pauses = h.fake.requests_to(Route::PauseAgent);
+    assert_eq!(pauses.len(), 1, "{pauses:?}");
+    assert!(pauses[0].path.ends_with("/pause") && pauses[0].status == 200);
+    // The other slices' agents are not touched.
+    assert_eq!(wait_pause(&h, "a2", |_| true).await, None);
+
+    // The pause ends (its timeout, or the agent restarted and registered afresh): the agent is
+    // paused again, as long as the slice is quarantined.
+    h.fake.end_pause("a1");
+    wait_pause(&h, "a1", |p| p.is_some()).await;
+    assert_eq!(h.fake.requests_to(Route::PauseAgent).len(), 2);
+
+    // A slice whose agent an operator paused is quarantined: the operator's pause and its note
+    // stay; released, the agent stays paused (the operator resumes it).
+    quarantine(&h, "b1", Some("suspect")).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(h.fake.requests_to(Route::PauseAgent).len(), 2);
+    quarantine(&h, "b1", None).await;
+
+    // Released: a1's agent is resumed, once.
+    quarantine(&h, "a1", None).await;
+    wait_pause(&h, "a1", |p| p.is_none()).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let resumed = h.fake.requests_to(Route::ResumeAgent);
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(
+        wait_pause(&h, "b1", |_| true).await.as_deref(),
+        Some("maintenance: new PSU")
+    );
+    assert_eq!(h.fake.requests_to(Route::PauseAgent).len(), 2);
 }

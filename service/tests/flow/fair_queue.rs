@@ -637,6 +637,7 @@ fn s_job(id: &str) -> kernelkite_service::executor::Job {
         payload: kernelkite_kernelbot::payload::encode(&config(1)).unwrap(),
         ranked: false,
         pin: None,
+        pin_tags: Default::default(),
     }
 }
 

@@ -282,6 +282,7 @@ async fn agents(State(c): State<Arc<Control>>, Json(list): Json<Vec<AgentSpec>>)
             tags: Vec::new(),
             busy: a.busy,
             connection_state: a.connection_state.unwrap_or_else(|| "connected".into()),
+            paused: None,
         })
         .collect();
     c.fake.set_agents(agents);

@@ -84,6 +84,10 @@ pub enum AgentCall {
     UploadFile,
     /// `PUT /v3/jobs/{id}/artifacts` (the states)
     UpdateArtifacts,
+    /// `POST /v3/pause` (`buildkite-agent pause`, with a job's token)
+    Pause,
+    /// `POST /v3/resume`
+    Resume,
 }
 
 /// Calls that fail ([`super::FakeBuildkite::fail_agent_calls`]): the next `times` calls of
@@ -130,7 +134,27 @@ pub struct RegisteredAgent {
     pub seen: Instant,
     /// Whether it said goodbye (`POST /disconnect`).
     pub disconnected: bool,
+    /// Paused (no job is dispatched to it): the note, and when the pause times out.
+    pub paused: Option<(String, Instant)>,
+    /// The host it runs on and its version, as it registered (`api/agents.go`).
+    pub hostname: String,
+    /// Its version.
+    pub version: String,
 }
+
+impl RegisteredAgent {
+    /// Paused now (a pause past its timeout has ended).
+    pub fn is_paused(&self) -> bool {
+        self.paused
+            .as_ref()
+            .is_some_and(|(_, until)| Instant::now() < *until)
+    }
+}
+
+/// The longest pause Buildkite allows (minutes), and the one it gives when none is asked
+/// (<https://buildkite.com/docs/agent/self-hosted/pausing-and-resuming>).
+const PAUSE_MAX_MINUTES: u64 = 10_080;
+const PAUSE_DEFAULT_MINUTES: u64 = 5;
 
 /// A job of a build played by agents.
 #[derive(Debug, Clone)]
@@ -644,6 +668,9 @@ pub(super) async fn register(
         token: token(),
         seen: Instant::now(),
         disconnected: false,
+        paused: None,
+        hostname: req["hostname"].as_str().unwrap_or_default().to_string(),
+        version: req["version"].as_str().unwrap_or_default().to_string(),
     };
     let answer = json!({
         "id": agent.id,
@@ -706,6 +733,11 @@ pub(super) async fn ping(State(inner): State<Arc<Inner>>, headers: HeaderMap) ->
         return error(StatusCode::UNAUTHORIZED, "Unauthorized");
     };
     let me = world.agents[a].clone();
+    if me.is_paused() {
+        // agent/agent_worker_ping.go: with the action `pause` the agent takes no job and keeps
+        // pinging; agent/agent_worker_action.go logs its resumption when the action changes.
+        return Json(json!({"action": "pause"})).into_response();
+    }
     let busy = world
         .jobs
         .iter()
@@ -726,6 +758,108 @@ pub(super) async fn ping(State(inner): State<Arc<Inner>>, headers: HeaderMap) ->
         }
         None => Json(json!({"action": "idle"})).into_response(),
     }
+}
+
+/// The registered agents connected now, as the REST agents list shows them (an agent is
+/// connected from its registration until it disconnects or stops talking for
+/// [`World::lost_after`]): its id, name, host, version, tags, pause and current job.
+pub(super) fn rest_agents(world: &World) -> Vec<Value> {
+    world
+        .agents
+        .iter()
+        .filter(|a| !a.disconnected && a.seen.elapsed() < world.lost_after)
+        .map(|a| {
+            let job = world
+                .jobs
+                .iter()
+                .find(|j| j.agent.as_deref() == Some(&a.id) && !j.finished())
+                .map(|j| json!({"id": j.id, "type": "script", "state": j.state}));
+            let paused = a
+                .is_paused()
+                .then(|| a.paused.as_ref().map(|(n, _)| n.clone()));
+            json!({
+                "id": a.id,
+                "name": a.name,
+                "connection_state": "connected",
+                "hostname": a.hostname,
+                "version": a.version,
+                "meta_data": a.tags,
+                "job": job,
+                "paused": paused.is_some(),
+                "paused_note": paused.flatten(),
+            })
+        })
+        .collect()
+}
+
+/// Pauses (`Some(note, minutes)`) or resumes (`None`) registered agent `id` for the REST API;
+/// `None` when no connected agent has that id.
+pub(super) fn set_paused_by_id(
+    world: &mut World,
+    id: &str,
+    pause: Option<(String, u64)>,
+) -> Option<Result<(), &'static str>> {
+    let minute = world.minute;
+    let lost_after = world.lost_after;
+    let a = world
+        .agents
+        .iter_mut()
+        .find(|a| a.id == id && !a.disconnected && a.seen.elapsed() < lost_after)?;
+    Some(match pause {
+        Some(_) if a.is_paused() => Err("Agent is already paused"),
+        Some((note, minutes)) => {
+            a.paused = Some((note, Instant::now() + minute * minutes as u32));
+            Ok(())
+        }
+        None if !a.is_paused() => Err("Agent is not paused"),
+        None => {
+            a.paused = None;
+            Ok(())
+        }
+    })
+}
+
+/// `POST /v3/pause` (`api/agents.go` `Pause`, sent by `buildkite-agent pause` from a job with
+/// the job's access token: `clicommand/agent_pause.go`): pauses the caller's agent, with the
+/// body's `note` and `timeout_in_minutes` (default 5, at most 10,080, as Buildkite documents).
+pub(super) async fn pause(
+    State(inner): State<Arc<Inner>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut world = lock(&inner.world);
+    let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let who = caller(&mut world, &headers);
+    let job = who.and_then(|(_, j)| j).map(|j| world.jobs[j].id.clone());
+    gate_or_answer!(world, AgentCall::Pause, job.as_deref(), Some(req.clone()));
+    let Some((a, _)) = who else {
+        return error(StatusCode::UNAUTHORIZED, "Unauthorized");
+    };
+    let minutes = req["timeout_in_minutes"]
+        .as_u64()
+        .filter(|m| *m > 0)
+        .unwrap_or(PAUSE_DEFAULT_MINUTES);
+    if minutes > PAUSE_MAX_MINUTES {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "timeout_in_minutes must be at most 10080",
+        );
+    }
+    let note = req["note"].as_str().unwrap_or_default().to_string();
+    let until = Instant::now() + world.minute * minutes as u32;
+    world.agents[a].paused = Some((note, until));
+    Json(json!({})).into_response()
+}
+
+/// `POST /v3/resume` (`api/agents.go` `Resume`).
+pub(super) async fn resume(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response {
+    let mut world = lock(&inner.world);
+    gate_or_answer!(world, AgentCall::Resume, None);
+    let Some((a, _)) = caller(&mut world, &headers) else {
+        return error(StatusCode::UNAUTHORIZED, "Unauthorized");
+    };
+    world.agents[a].paused = None;
+    Json(json!({})).into_response()
 }
 
 /// `POST /agentedge.v1.AgentEdgeService/StreamPings`: not here, so the agent polls

@@ -35,6 +35,8 @@ pub struct FakeAgent {
     pub busy: bool,
     /// `connected`, `disconnected`, `stopping`, `stopped`, `lost`, `never_connected`.
     pub connection_state: String,
+    /// Paused, with this note (Buildkite dispatches it no job).
+    pub paused: Option<String>,
 }
 
 impl FakeAgent {
@@ -46,6 +48,7 @@ impl FakeAgent {
             tags: Vec::new(),
             busy,
             connection_state: "connected".into(),
+            paused: None,
         }
     }
 
@@ -91,6 +94,8 @@ fn rest_agent(inner: &Inner, index: usize, a: &FakeAgent) -> Value {
         "last_job_finished_at": null,
         "priority": 0,
         "meta_data": meta_data,
+        "paused": a.paused.is_some(),
+        "paused_note": a.paused,
     })
 }
 
@@ -135,12 +140,22 @@ pub(super) async fn list_agents(
         .and_then(|p| p.parse().ok())
         .unwrap_or(30)
         .clamp(1, 100);
-    let connected: Vec<Value> = lock(&inner.agents)
+    // `name` filters (Buildkite's documented parameter; matched loosely here, as a part of
+    // the name, so a caller must pick the exact one).
+    let named = q.get("name").cloned();
+    // The agents a test set, then the real agents registered through the agent API.
+    let mut connected: Vec<Value> = lock(&inner.agents)
         .iter()
         .enumerate()
         .filter(|(_, a)| a.connection_state == "connected")
         .map(|(i, a)| rest_agent(&inner, i, a))
         .collect();
+    connected.extend(super::agent_api::rest_agents(&lock(&inner.world)));
+    connected.retain(|a| {
+        named
+            .as_ref()
+            .is_none_or(|n| a["name"].as_str().is_some_and(|x| x.contains(n.as_str())))
+    });
     let pages = connected.len().div_ceil(per_page).max(1);
     let body: Vec<Value> = connected
         .into_iter()
@@ -169,6 +184,124 @@ pub(super) async fn list_agents(
         }
     }
     with_rate_headers(&inner, r)
+}
+
+/// `PUT /v2/organizations/{org}/agents/{id}/pause` (<https://buildkite.com/docs/apis/rest-api/agents>,
+/// go-buildkite's `AgentsService.Pause`): body `note`, `timeout_in_minutes` (1 to 10,080; 5
+/// when absent). A disconnected agent, or one already paused, answers `422`: Buildkite's
+/// documentation does not say what a second pause does, and the fake takes the stricter
+/// reading, so a caller renewing a pause must resume first.
+pub(super) async fn pause_agent(
+    State(inner): State<Arc<Inner>>,
+    Path((org, id)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let path = format!("/v2/organizations/{org}/agents/{id}/pause");
+    let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    set_paused(
+        &inner,
+        Route::PauseAgent,
+        &org,
+        &id,
+        &headers,
+        &path,
+        Some(req),
+    )
+    .await
+}
+
+/// `PUT /v2/organizations/{org}/agents/{id}/resume`: a paused agent is dispatched jobs again.
+pub(super) async fn resume_agent(
+    State(inner): State<Arc<Inner>>,
+    Path((org, id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let path = format!("/v2/organizations/{org}/agents/{id}/resume");
+    set_paused(&inner, Route::ResumeAgent, &org, &id, &headers, &path, None).await
+}
+
+async fn set_paused(
+    inner: &Arc<Inner>,
+    route: Route,
+    org: &str,
+    id: &str,
+    headers: &HeaderMap,
+    path: &str,
+    pause: Option<Value>,
+) -> Response {
+    if let Some(r) = gate(inner, route, headers, "PUT", path, None, None).await {
+        return with_rate_headers(inner, r);
+    }
+    let unprocessable = |m: &str| {
+        with_rate_headers(
+            inner,
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Json(json!({"message": m})),
+            )
+                .into_response(),
+        )
+    };
+    let not_found = || {
+        let r = (
+            StatusCode::NOT_FOUND,
+            Json(json!({"message": "No agent found"})),
+        )
+            .into_response();
+        with_rate_headers(inner, r)
+    };
+    if org != inner.org {
+        return not_found();
+    }
+    let mut agents = lock(&inner.agents);
+    let Some(i) = (0..agents.len()).find(|i| agent_id(*i) == id) else {
+        drop(agents);
+        // A real agent registered through the agent API.
+        let asked = pause.map(|req| {
+            (
+                req["note"].as_str().unwrap_or_default().to_string(),
+                req["timeout_in_minutes"].as_u64().unwrap_or(5),
+            )
+        });
+        if asked
+            .as_ref()
+            .is_some_and(|(_, m)| !(1..=10_080).contains(m))
+        {
+            return unprocessable("timeout_in_minutes must be between 1 and 10080");
+        }
+        let changed = super::agent_api::set_paused_by_id(&mut lock(&inner.world), id, asked);
+        return match changed {
+            None => not_found(),
+            Some(Err(m)) => unprocessable(m),
+            Some(Ok(())) => with_rate_headers(inner, Json(json!({"id": id})).into_response()),
+        };
+    };
+    let a = &mut agents[i];
+    if a.connection_state != "connected" {
+        return unprocessable("Agent is not connected");
+    }
+    match pause {
+        Some(req) => {
+            let minutes = req["timeout_in_minutes"].as_u64().unwrap_or(5);
+            if !(1..=10_080).contains(&minutes) {
+                return unprocessable("timeout_in_minutes must be between 1 and 10080");
+            }
+            if a.paused.is_some() {
+                return unprocessable("Agent is already paused");
+            }
+            a.paused = Some(req["note"].as_str().unwrap_or_default().to_string());
+        }
+        None => {
+            if a.paused.is_none() {
+                return unprocessable("Agent is not paused");
+            }
+            a.paused = None;
+        }
+    }
+    let body = rest_agent(inner, i, a);
+    drop(agents);
+    with_rate_headers(inner, Json(body).into_response())
 }
 
 /// `GET /v3/metrics` (agent API).

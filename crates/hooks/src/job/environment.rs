@@ -48,6 +48,16 @@ pub fn run(
     crate::cgroup::job_cgroup_name(&job_id)?;
     let agent = env.get("BUILDKITE_AGENT_NAME").cloned().unwrap_or_default();
     let mut notices = Vec::new();
+    // Before anything is held: a node whose runner is not the one the job expects is
+    // refused, and the caller pauses its agent (super::version).
+    if let Some(v) = super::version::check(
+        env,
+        config.mode,
+        settings.runner.as_deref(),
+        &settings.run_dir,
+    )? {
+        notices.push(format!("kernelkite-runner {v}, as the job expects"));
+    }
     // Who runs the command is settled before anything is held: a missing user or a refused
     // root fails the job up front.
     let job_user = job_user(settings, &config, &mut notices)?;

@@ -17,6 +17,22 @@ use crate::sandbox::user::UserError;
 /// the CLI, and by [`Chain`]).
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
+    /// The node's runner is not the version the job's step expects.
+    #[error("this node runs kernelkite-runner {here}, and the job expects {expected}: the node is refused for this job (upgrade it with `kernelkite-isolate setup`, or set the service's KERNELKITE_RUNNER_VERSION to the fleet's runner)")]
+    OutdatedRunner {
+        /// The node's runner's version.
+        here: String,
+        /// The version the job expects.
+        expected: String,
+    },
+    /// The node's runner cannot say its version.
+    #[error("cannot tell the version of the node's runner {path} ({why}); reinstall it with `kernelkite-isolate setup`, or set KERNELKITE_RUNNER_BINARY to it")]
+    RunnerVersion {
+        /// The runner asked.
+        path: PathBuf,
+        /// What went wrong.
+        why: String,
+    },
     /// The step's configuration does not match the schema.
     #[error(transparent)]
     Config(#[from] ConfigError),

@@ -19,6 +19,7 @@
 //! | [`exports`] | the variables the job sees, and the `export` lines for shell hooks |
 //! | [`error`] | [`JobError`] |
 //! | [`settings`] | [`Settings`]: where things are on the node |
+//! | [`version`] | the runner version a job expects, and the pause of a node that runs another |
 
 pub mod cleanup;
 pub mod command;
@@ -34,6 +35,7 @@ pub mod slice;
 pub mod state;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub mod version;
 
 pub use cleanup::CleanupReport;
 pub use command::CommandOutcome;

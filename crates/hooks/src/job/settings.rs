@@ -55,6 +55,11 @@ pub struct Settings {
     /// user may not search is covered by an empty one holding only the file.
     #[arg(long = "job-tool", env = "KERNELKITE_JOB_TOOLS", value_delimiter = ':')]
     pub job_tools: Vec<PathBuf>,
+    /// The node's runner, whose version a job that names one (its step's
+    /// `KERNELBOT_SIGNED_RUNNER_VERSION`) is checked against; default: `kernelkite-runner`
+    /// beside this binary, where setup installs both.
+    #[arg(long = "runner-binary", env = "KERNELKITE_RUNNER_BINARY")]
+    pub runner: Option<PathBuf>,
 }
 
 /// `on` / `off`, as the hooks' switches are written in the agent's environment.
@@ -83,6 +88,7 @@ impl Default for Settings {
             hide: Vec::new(),
             job_network_allow: Vec::new(),
             job_tools: Vec::new(),
+            runner: None,
         }
     }
 }
@@ -95,6 +101,7 @@ impl Settings {
         self.hide.retain(|p| !p.as_os_str().is_empty());
         self.job_network_allow.retain(|r| !r.trim().is_empty());
         self.job_tools.retain(|p| !p.as_os_str().is_empty());
+        self.runner = self.runner.filter(|p| !p.as_os_str().is_empty());
         self
     }
 
