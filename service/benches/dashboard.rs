@@ -49,29 +49,19 @@ async fn dashboard(waiting: usize, samples: usize) {
         h.app.submit(req, None).await.unwrap();
     }
     // The roster in: the overview lists node099's slices as offline.
-    let start = Instant::now();
-    loop {
-        let v: Value = h
-            .http
-            .get(format!("{}/v1/fleet", h.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v["totals"]["offline"] == 8 {
-            println!(
-                "fleet: {} slices, {} waiting; overview {} KiB",
-                v["totals"]["slices"],
-                v["totals"]["waiting"],
-                serde_json::to_vec(&v).unwrap().len() / 1024
-            );
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "no roster");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let v = h
+        .wait_fleet(
+            Duration::from_secs(30),
+            |v| v["totals"]["offline"] == 8,
+            || "no roster".into(),
+        )
+        .await;
+    println!(
+        "fleet: {} slices, {} waiting; overview {} KiB",
+        v["totals"]["slices"],
+        v["totals"]["waiting"],
+        serde_json::to_vec(&v).unwrap().len() / 1024
+    );
     let mut api = Vec::new();
     for _ in 0..samples.max(20) {
         let t = Instant::now();

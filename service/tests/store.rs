@@ -371,7 +371,8 @@ async fn reopened_it_gives_back_what_a_start_needs(b: Backend) {
 }
 
 /// The fleet's records (`kernelkite_core::fleet`): kept per slice, replaced whole by the next
-/// save, read back after a reopen as last written.
+/// save, read back after a reopen as last written; a forgotten one (a retired slice) is gone,
+/// and forgetting one that is not there is no error.
 async fn the_fleet_records_are_kept_and_read_back_as_last_written(b: Backend) {
     {
         let db = b.db();
@@ -382,6 +383,9 @@ async fn the_fleet_records_are_kept_and_read_back_as_last_written(b: Backend) {
         db.fleet_save("a", r#"{"id":"a","runs":1}"#).await.unwrap();
         db.fleet_save("b", r#"{"id":"b","runs":7}"#).await.unwrap();
         db.fleet_save("a", r#"{"id":"a","runs":2}"#).await.unwrap();
+        db.fleet_save("c", r#"{"id":"c","runs":3}"#).await.unwrap();
+        db.fleet_forget("c").await.unwrap();
+        db.fleet_forget("never-there").await.unwrap();
     }
     let db = b.db();
     assert_eq!(

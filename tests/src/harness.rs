@@ -94,6 +94,33 @@ pub async fn harness() -> Harness {
 }
 
 impl Harness {
+    /// `GET /v1/fleet`, asked every 100 ms until `ok` holds for it; at most `within`, then a
+    /// panic with the last answer and what `context` says (logs, say).
+    pub async fn wait_fleet(
+        &self,
+        within: Duration,
+        ok: impl Fn(&Value) -> bool,
+        context: impl Fn() -> String,
+    ) -> Value {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let f: Value = self
+                .http
+                .get(format!("{}/v1/fleet", self.base))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if ok(&f) {
+                return f;
+            }
+            assert!(std::time::Instant::now() < deadline, "{f:#}\n{}", context());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// `POST /v1/submissions` with `body`: the status and the JSON answer.
     pub async fn post(&self, body: Value) -> (u16, Value) {
         let r = self

@@ -921,24 +921,7 @@ async fn a_node_with_another_runner_refuses_the_job_which_runs_on_another_node()
 
 /// `GET /v1/fleet`, once `ok` holds (at most `within`).
 async fn wait_fleet(w: &Deployment, within: Duration, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let f: Value = w
-            .stack
-            .http
-            .get(format!("{}/v1/fleet", w.stack.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if ok(&f) {
-            return f;
-        }
-        assert!(std::time::Instant::now() < deadline, "{f:#}\n{}", w.logs());
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    w.stack.wait_fleet(within, ok, || w.logs()).await
 }
 
 /// The fleet's record of slice `id`.

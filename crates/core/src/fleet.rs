@@ -34,6 +34,11 @@ const RANKED_KEPT: usize = 200;
 /// A quarantined slice's first canary after the one that put it there, ms.
 const RECHECK_MS: i64 = 600_000;
 
+/// A slice gone from the roster this long, with no run since and no quarantine, is retired (a
+/// node given back, repartitioned, renamed): its record is dropped, so the dashboard shows the
+/// fleet as it is. A quarantined one stays: its runs to run again matter until it is released.
+pub const FORGET_AFTER_MS: i64 = 7 * 24 * 3600 * 1000;
+
 /// One slice's record.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -203,6 +208,8 @@ pub struct Changes {
     pub save: Vec<SliceDoc>,
     /// What to tell.
     pub notices: Vec<Notice>,
+    /// Records to drop: retired slices ([`FORGET_AFTER_MS`]).
+    pub forget: Vec<String>,
 }
 
 /// The fleet.
@@ -456,11 +463,31 @@ impl Fleet {
         inner.connected = Some(connected);
         inner.busy = busy;
         inner.roster = roster;
+        // Retired slices: gone a week (seen then, in this process), nothing since, not out.
+        let forget: Vec<String> = inner
+            .slices
+            .values()
+            .filter(|d| d.quarantine.is_none() && d.canary_pending.is_none())
+            .filter(|d| {
+                let last = d.last_seen_ms.into_iter().chain(d.last_run_ms).max();
+                last.is_some_and(|t| now_ms.saturating_sub(t) >= FORGET_AFTER_MS)
+            })
+            .map(|d| d.id.clone())
+            .collect();
+        for id in &forget {
+            tracing::info!(slice = %id, "a slice gone from the roster for a week is forgotten");
+            inner.slices.remove(id);
+        }
+        save.retain(|d| !forget.contains(&d.id));
         drop(inner);
-        if moved || !save.is_empty() {
+        if moved || !save.is_empty() || !forget.is_empty() {
             self.bump();
         }
-        Changes { save, notices }
+        Changes {
+            save,
+            notices,
+            forget,
+        }
     }
 
     /// Reads an ended submission into its slice's record.
@@ -996,6 +1023,25 @@ mod tests {
             50,
         );
         f.ended(&s, 1_000)
+    }
+
+    #[test]
+    fn a_slice_gone_a_week_is_forgotten_unless_quarantined() {
+        let f = Fleet::new(schedule(), 600);
+        let roster = |names: &[&str]| names.iter().map(|n| agent(n)).collect::<Vec<_>>();
+        f.seen(roster(&["a", "b", "c"]), 0);
+        f.set_quarantine("c", Some("fan".into()), 0).unwrap();
+        // a and c leave; b stays.
+        let day = 24 * 3600 * 1000;
+        assert!(f.seen(roster(&["b"]), 6 * day).forget.is_empty());
+        let changes = f.seen(roster(&["b"]), FORGET_AFTER_MS);
+        assert_eq!(changes.forget, ["a"]);
+        assert!(!changes.save.iter().any(|d| d.id == "a"));
+        let ids: Vec<String> = f.slices().into_iter().map(|d| d.id).collect();
+        assert_eq!(ids, ["b", "c"], "b is connected, c quarantined");
+        // Back after all: a new record.
+        f.seen(roster(&["a", "b"]), FORGET_AFTER_MS + 1);
+        assert!(f.slice("a").is_some());
     }
 
     #[test]

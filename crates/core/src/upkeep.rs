@@ -55,6 +55,28 @@ impl App {
             let _ = self.notices.send(n);
         }
         self.save_slices(changes.save);
+        self.forget_slices(changes.forget);
+    }
+
+    /// Drops retired slices' records from the store in the background (one that fails is
+    /// dropped again at the next start's first week without it).
+    fn forget_slices(self: &Arc<Self>, ids: Vec<String>) {
+        if ids.is_empty() {
+            return;
+        }
+        let app = self.clone();
+        tokio::spawn(async move {
+            let _one_at_a_time = app.fleet_saving.lock().await;
+            for id in ids {
+                if app.fleet.slice(&id).is_some() {
+                    // Back since: its record is the fleet's again.
+                    continue;
+                }
+                if let Err(e) = app.store.durable().fleet_forget(&id).await {
+                    tracing::warn!(slice = %id, error = %report(&e), "could not drop a retired slice's record");
+                }
+            }
+        });
     }
 
     /// Saves the named slices' records in the background. Each save writes the record as it

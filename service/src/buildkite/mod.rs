@@ -170,6 +170,17 @@ impl BuildkiteExecutor {
         })
     }
 
+    /// Every connected agent named `name` (a name is its node's to choose: there may be
+    /// two), `None` when none is.
+    async fn connected_named(&self, name: &str) -> Result<Option<Vec<client::AgentRef>>, BoxError> {
+        let found = self
+            .client
+            .find_agents(&self.org, name)
+            .await
+            .map_err(scoped)?;
+        Ok((!found.is_empty()).then_some(found))
+    }
+
     /// The REST client.
     pub fn client(&self) -> &BuildkiteClient {
         &self.client
@@ -269,16 +280,10 @@ impl Executor for BuildkiteExecutor {
         renew: bool,
     ) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
         Box::pin(async move {
-            let found = self
-                .client
-                .find_agents(&self.org, agent)
-                .await
-                .map_err(scoped)?;
-            if found.is_empty() {
+            let Some(found) = self.connected_named(agent).await? else {
                 return Ok(PauseOutcome::NotConnected);
-            }
+            };
             let mut outcome = PauseOutcome::Done;
-            // Every agent of that name: a name is its node's to choose.
             for a in found {
                 let paused = a.paused == Some(true);
                 if paused && !kernelkite_core::pauses::is_ours(a.paused_note.as_deref()) {
@@ -315,14 +320,9 @@ impl Executor for BuildkiteExecutor {
 
     fn resume_agent<'a>(&'a self, agent: &'a str) -> BoxFuture<'a, Result<PauseOutcome, BoxError>> {
         Box::pin(async move {
-            let found = self
-                .client
-                .find_agents(&self.org, agent)
-                .await
-                .map_err(scoped)?;
-            if found.is_empty() {
+            let Some(found) = self.connected_named(agent).await? else {
                 return Ok(PauseOutcome::NotConnected);
-            }
+            };
             let mut outcome = PauseOutcome::Done;
             for a in found.into_iter().filter(|a| a.paused == Some(true)) {
                 if !kernelkite_core::pauses::is_ours(a.paused_note.as_deref()) {

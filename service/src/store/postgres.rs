@@ -603,6 +603,16 @@ impl Postgres {
         tx.commit().await.map_err(|e| self.write_err(&e))
     }
 
+    async fn fleet_forget(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.begin_fenced().await?;
+        sqlx::query(sql::FLEET_FORGET)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.write_err(&e))?;
+        tx.commit().await.map_err(|e| self.write_err(&e))
+    }
+
     async fn fleet_load(&self) -> Result<Vec<String>, StoreError> {
         self.read(async |c| sqlx::query_scalar(sql::FLEET_LOAD).fetch_all(&mut *c).await)
             .await
@@ -1448,6 +1458,9 @@ impl Durable for Postgres {
         doc: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(Postgres::fleet_save(self, id, doc))
+    }
+    fn fleet_forget<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Postgres::fleet_forget(self, id))
     }
     /// Not once the lock is lost or the last beat is stale (which, in the service, ends the
     /// process).

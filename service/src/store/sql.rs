@@ -37,6 +37,9 @@ pub(crate) const FLEET_SAVE: &str =
 /// Every slice's fleet record.
 pub(crate) const FLEET_LOAD: &str = "SELECT doc FROM fleet_slices ORDER BY id";
 
+/// A retired slice's fleet record, gone.
+pub(crate) const FLEET_FORGET: &str = "DELETE FROM fleet_slices WHERE id = $1";
+
 /// The health probe's write.
 pub(crate) const PROBE: &str = "UPDATE kernelkite_health SET checked_at_ms = $1 WHERE id = 1";
 

@@ -92,6 +92,7 @@ enum Op {
         id: String,
         doc: String,
     },
+    FleetForget(String),
     FleetLoad,
 }
 
@@ -101,7 +102,11 @@ impl Op {
         match self {
             Op::Insert(n) => n.idempotency.is_none(),
             Op::Finish(_, cb) => cb.is_none(),
-            Op::Save(_) | Op::Callback { .. } | Op::Probe | Op::FleetSave { .. } => true,
+            Op::Save(_)
+            | Op::Callback { .. }
+            | Op::Probe
+            | Op::FleetSave { .. }
+            | Op::FleetForget(_) => true,
             _ => false,
         }
     }
@@ -115,6 +120,7 @@ impl Op {
                 | Op::Callback { .. }
                 | Op::Probe
                 | Op::FleetSave { .. }
+                | Op::FleetForget(_)
         )
     }
 }
@@ -1256,6 +1262,13 @@ async fn write(conn: &mut SqliteConnection, op: &Op) -> Result<Reply, sqlx::Erro
                 .await?;
             Ok(Reply::Done(true))
         }
+        Op::FleetForget(id) => {
+            sqlx::query(sql::FLEET_FORGET)
+                .bind(id)
+                .execute(&mut *conn)
+                .await?;
+            Ok(Reply::Done(true))
+        }
         Op::FleetLoad
         | Op::Load(_)
         | Op::Pending
@@ -1499,6 +1512,9 @@ impl Durable for Sqlite {
             .await
             .map(|_| ())
         })
+    }
+    fn fleet_forget<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { self.call(Op::FleetForget(id.to_string())).await.map(|_| ()) })
     }
 }
 

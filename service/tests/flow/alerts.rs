@@ -44,23 +44,7 @@ fn agents(with_b1: bool) -> Vec<FakeAgent> {
 }
 
 async fn wait_fleet(h: &Harness, ok: impl Fn(&Value) -> bool) -> Value {
-    let start = Instant::now();
-    loop {
-        let f: Value = h
-            .http
-            .get(format!("{}/v1/fleet", h.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if ok(&f) {
-            return f;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "{f:#}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    h.wait_fleet(Duration::from_secs(20), ok, String::new).await
 }
 
 async fn wait_message(slack: &FakeSlack, n: usize, says: &str) -> String {

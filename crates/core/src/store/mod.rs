@@ -348,6 +348,11 @@ pub trait Durable: Send + Sync + 'static {
         let _ = (id, doc);
         Box::pin(async { Ok(()) })
     }
+    /// Drops slice `id`'s record (a retired slice: gone from the roster for a week).
+    fn fleet_forget<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = id;
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// A queue's in-flight submissions, by what they wait for.
