@@ -156,7 +156,8 @@ async fn submissions_run_through_real_agents_on_a_node_setup_made() {
         "the provenance names the agent that ran the job: {}",
         va["provenance"]
     );
-    let bytes: Value = serde_json::from_slice(uploaded[0].bytes.as_ref().unwrap()).unwrap();
+    let result = uploaded.iter().find(|a| a.path == "result.json").unwrap();
+    let bytes: Value = serde_json::from_slice(result.bytes.as_ref().unwrap()).unwrap();
     assert_eq!(
         bytes, va["result"],
         "the service's result is not the uploaded file"

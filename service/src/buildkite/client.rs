@@ -117,6 +117,11 @@ pub struct NewBuild {
 /// Why a Buildkite call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildkiteError {
+    /// This process no longer holds the store: the create is another's to send.
+    #[error(
+        "not sent: this service no longer holds the store, and the build is the holder's to create"
+    )]
+    NotActing,
     /// Buildkite answered with an error status (after any retries).
     #[error("Buildkite answered {status} to {method} {path}: {message}")]
     Status {
@@ -346,6 +351,9 @@ pub struct BuildkiteClient {
     blob_stall: Duration,
     budget: Arc<RateBudget>,
     metrics: Option<Arc<Metrics>>,
+    /// Asked right before each create is sent: whether this process still holds the store
+    /// ([`BuildkiteClient::acting_while`]).
+    acting: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl std::fmt::Debug for BuildkiteClient {
@@ -396,7 +404,17 @@ impl BuildkiteClient {
                 cfg.buildkite.rate_limit_max_wait_s.max(1),
             ))),
             metrics: None,
+            acting: None,
         })
+    }
+
+    /// Sends no create unless `acting` says this process still holds the store, asked right
+    /// before each send: a process frozen (or waiting out the rate budget) between the core's
+    /// own check and the send would otherwise create a build the store's new holder has
+    /// created too.
+    pub fn acting_while(mut self, acting: Arc<dyn Fn() -> bool + Send + Sync>) -> BuildkiteClient {
+        self.acting = Some(acting);
+        self
     }
 
     /// Counts calls and 429s in `metrics` (`buildkite_calls`, `buildkite_rate_limited`).
@@ -844,6 +862,9 @@ impl BuildkiteClient {
                     ?waited,
                     "waited for the Buildkite rate budget"
                 );
+            }
+            if method == Method::POST && self.acting.as_ref().is_some_and(|a| !a()) {
+                return Err(BuildkiteError::NotActing);
             }
             let mut req = self.request(method.clone(), path, query);
             if let Some(b) = &body {

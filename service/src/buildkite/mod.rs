@@ -86,6 +86,13 @@ impl BuildkiteExecutor {
         self
     }
 
+    /// Creates no build once `store` says this process no longer acts for it
+    /// ([`BuildkiteClient::acting_while`]).
+    pub fn acting_for(mut self, store: Arc<dyn crate::store::Durable>) -> BuildkiteExecutor {
+        self.client = self.client.acting_while(Arc::new(move || store.acting()));
+        self
+    }
+
     /// Looks for the build of `submission_id` (after an ambiguous create). When twins exist,
     /// the lowest-numbered one is kept and the others are canceled.
     async fn find(&self, submission_id: &str) -> Result<Option<Build>, BuildkiteError> {

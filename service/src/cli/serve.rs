@@ -44,8 +44,13 @@ pub enum StartError {
 pub fn start_buildkite(cfg: &crate::Config) -> Result<Arc<App>, StartError> {
     cfg.check()?;
     let metrics = Arc::new(Metrics::new());
-    let executor = Arc::new(BuildkiteExecutor::new(cfg)?.with_metrics(metrics.clone()));
-    assemble(cfg, executor, metrics)
+    let (db, reopened) = open_store(cfg, &metrics)?;
+    let executor = Arc::new(
+        BuildkiteExecutor::new(cfg)?
+            .with_metrics(metrics.clone())
+            .acting_for(db.clone()),
+    );
+    wire(cfg, executor, db, reopened, metrics)
 }
 
 /// The service around another executor (one that runs builds on this machine, a test's):
@@ -67,9 +72,14 @@ pub fn start_replica(
     let Backend::Postgres(url) = cfg.store.backend() else {
         return Err(ConfigError::ReplicaWithoutDatabase.into());
     };
-    let executor = Arc::new(BuildkiteExecutor::new(cfg)?.with_metrics(metrics.clone()));
     let (db, reopened) = Postgres::open(&cfg.store.postgres(url), Some(metrics.clone()))?;
-    let app = wire(cfg, executor, Arc::new(db.clone()), reopened, metrics)?;
+    let store: Arc<dyn Durable> = Arc::new(db.clone());
+    let executor = Arc::new(
+        BuildkiteExecutor::new(cfg)?
+            .with_metrics(metrics.clone())
+            .acting_for(store.clone()),
+    );
+    let app = wire(cfg, executor, store, reopened, metrics)?;
     Ok((app, db))
 }
 
