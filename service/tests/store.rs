@@ -81,12 +81,15 @@ fn job(id: &str) -> Job {
 
 fn new_sub(key: Option<(&str, &str)>) -> NewSubmission {
     let id = uuid::Uuid::new_v4().to_string();
-    let mut sub = Submission::new(id.clone(), "q".into(), None, None, 60, chrono::Utc::now());
+    // One clock reading for both: the cache's query bounds `deadline - created` by the
+    // timeout, which two readings a millisecond apart would exceed.
+    let now = chrono::Utc::now();
+    let mut sub = Submission::new(id.clone(), "q".into(), None, None, 60, now);
     sub.user = Some("ada".into());
     NewSubmission {
         sub,
         job: job(&id),
-        deadline_ms: now_ms() + 60_000,
+        deadline_ms: now.timestamp_millis() + 60_000,
         idempotency: key.map(|(k, h)| (k.to_string(), h.to_string())),
         fair_tag: Some(7),
         cache_key: Some("cache-key".into()),
