@@ -1019,7 +1019,7 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -1093,7 +1093,7 @@ mod tests {
     }
 
     /// The fewest flags the service starts with; the rest from defaults and the environment.
-    fn parse_minimal() -> Config {
+    pub(crate) fn parse_minimal() -> Config {
         Config::try_parse_from([
             "x",
             "--buildkite-org",

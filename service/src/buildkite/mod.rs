@@ -456,20 +456,9 @@ fn launched(b: Build) -> Launched {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser as _;
 
     fn executor() -> BuildkiteExecutor {
-        let cfg = Config::try_parse_from([
-            "x",
-            "--buildkite-org",
-            "o",
-            "--buildkite-pipeline",
-            "p",
-            "--buildkite-api-token",
-            "t",
-        ])
-        .unwrap();
-        BuildkiteExecutor::new(&cfg).unwrap()
+        BuildkiteExecutor::new(&crate::config::tests::parse_minimal()).unwrap()
     }
 
     fn job() -> Job {
